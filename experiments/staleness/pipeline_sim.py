@@ -1,0 +1,227 @@
+"""An exact simulation of an asynchronous (PipeDream 1F1B) pipeline.
+
+A model of ordered units is cut into n stages; stage s has delay
+d_s = n - 1 - s (FTPipe's stage depth). In steady state, microbatch t runs
+its forward on stage s at the params after t - d_s updates, and stage s
+applies microbatch t's gradient as its (t+1)-th update. Which params the
+forward, the backward and Gap-Aware see depends on the mitigation:
+
+- none (FTPipe "stale", recomputation): forward at theta^(t-d_s), backward
+  recomputes at the current theta^(t) on the stale input and received
+  gradient.
+- ws: the backward runs at the stashed forward-time params.
+- wp: the forward runs at predict(theta^(t-d_s), state, d_s) (msnag); the
+  backward recomputes at the current params unless ws is on too.
+- ga: Gap-Aware on every stage but the last, comparing the current params
+  with the forward-time ones (FTPipe's policy ``all_except_last``). With ws
+  that is FTPipe's ``ga``; without, the backward ran at the current params,
+  which is FTPipe's ``ga_jfl`` gap with a non-stashed backward.
+
+Each step t is computed in order (forward through all stages, backward from
+the last), which reproduces the pipeline's values exactly because every
+stage's version for microbatch t is fixed by the delays, whatever the wall
+clock order of the actions. The forward-time params of the microbatches in
+flight live in one jpipe.staleness weight stash per stage (d_s + 1 slots).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jpipe import staleness
+
+METHODS = ("none", "ws", "wp", "ga", "wp+ga", "ws+ga")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+  """An optimizer of the study: name in sgd/adam/adamw and its numbers."""
+
+  name: str
+  learning_rate: float
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+
+  def base(self) -> optax.GradientTransformation:
+    if self.name == "sgd":
+      sgd = optax.sgd(self.learning_rate, momentum=self.momentum)
+      if self.weight_decay:
+        return optax.chain(optax.add_decayed_weights(self.weight_decay), sgd)
+      return sgd
+    if self.name == "adam":
+      return optax.adam(self.learning_rate, b1=self.b1, b2=self.b2)
+    return optax.adamw(
+      self.learning_rate, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay
+    )
+
+  def with_gap_aware(self) -> optax.GradientTransformationExtraArgs:
+    beta = 0.999 if self.name == "sgd" else self.b2  # FTPipe's choices.
+    return staleness.gap_aware(
+      self.base(),
+      optimizer=self.name,
+      beta=beta,
+      learning_rate=self.learning_rate,
+      weight_decay=self.weight_decay,
+    )
+
+  def predictor(self) -> staleness.Predictor:
+    return staleness.weight_predictor(
+      self.name,
+      learning_rate=self.learning_rate,
+      momentum=self.momentum,
+      b1=self.b1,
+      b2=self.b2,
+      weight_decay=self.weight_decay,
+    )
+
+
+def init_units(
+  key: jax.Array, num_units: int, in_dim: int, width: int, num_classes: int
+) -> list[dict]:
+  """Residual MLP units: an input projection, blocks, a classifier head."""
+  keys = jax.random.split(key, num_units)
+
+  def dense(k, n_in, n_out, scale):
+    w = jax.random.normal(k, (n_in, n_out)) * scale / np.sqrt(n_in)
+    return {"w": w, "b": jnp.zeros((n_out,))}
+
+  units = [dense(keys[0], in_dim, width, np.sqrt(2.0))]
+  units += [dense(k, width, width, 0.5) for k in keys[1:-1]]
+  units.append(dense(keys[-1], width, num_classes, 1.0))
+  return units
+
+
+def apply_unit(
+  index: int, num_units: int, params: dict, x: jax.Array
+) -> jax.Array:
+  """Unit `index`: [B, in] -> [B, out]."""
+  y = x @ params["w"] + params["b"][None, :]
+  if index == 0:
+    return jax.nn.relu(y)
+  if index == num_units - 1:
+    return y
+  return x + jax.nn.relu(y)
+
+
+def split_units(num_units: int, num_stages: int) -> list[range]:
+  """Contiguous, nearly equal groups of units, earlier stages larger."""
+  if not 1 <= num_stages <= num_units:
+    raise ValueError(f"need 1 <= num_stages <= {num_units}, got {num_stages}")
+  sizes = [
+    num_units // num_stages + (s < num_units % num_stages)
+    for s in range(num_stages)
+  ]
+  bounds = np.cumsum([0, *sizes])
+  return [
+    range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+  ]
+
+
+def make_train(
+  units_per_stage: list[range],
+  num_units: int,
+  opt: OptimizerSpec,
+  method: str,
+  num_steps: int,
+  eval_every: int,
+):
+  """A jit-able ``train(stage_params, data) -> metrics`` for one run.
+
+  ``data``: train_x [N, D], train_y [N], order [num_steps, B] (indices),
+  test_x [M, D], test_y [M]. Returns train_loss [num_steps] (the loss each
+  microbatch's forward saw) and test_accuracy [num_steps // eval_every].
+  """
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}: one of {METHODS}")
+  num_stages = len(units_per_stage)
+  delays = [num_stages - 1 - s for s in range(num_stages)]
+  stash_backward = "ws" in method
+  predict_forward = "wp" in method
+  use_gap_aware = "ga" in method
+  tx = opt.with_gap_aware() if use_gap_aware else opt.base()
+  predict = opt.predictor()
+
+  def stage_fn(s):
+    def fn(params, x):
+      for p, u in zip(params, units_per_stage[s], strict=True):
+        x = apply_unit(u, num_units, p, x)
+      return x
+
+    return fn
+
+  stage_fns = [stage_fn(s) for s in range(num_stages)]
+
+  def full_model(stage_params, x):
+    for s in range(num_stages):
+      x = stage_fns[s](stage_params[s], x)
+    return x
+
+  def loss_fn(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, labels
+    ).mean()
+
+  def step(carry, inputs):
+    params, states, stashes = carry
+    t, x, y = inputs
+    forward = [staleness.stash_get(stashes[s], t) for s in range(num_stages)]
+    stage_inputs = []
+    for s in range(num_stages - 1):
+      stage_inputs.append(x)
+      x = stage_fns[s](forward[s], x)
+    last = num_stages - 1
+    loss, (g_last, cot) = jax.value_and_grad(
+      lambda p, h: loss_fn(stage_fns[last](p, h), y), argnums=(0, 1)
+    )(forward[last], x)
+    grads = [None] * num_stages
+    grads[last] = g_last
+    for s in reversed(range(num_stages - 1)):
+      at = forward[s] if stash_backward else params[s]
+      _, vjp = jax.vjp(stage_fns[s], at, stage_inputs[s])
+      grads[s], cot = vjp(cot)
+    new_params, new_states, new_stashes = [], [], []
+    for s in range(num_stages):
+      extra = {"stale_params": forward[s]} if use_gap_aware else {}
+      updates, state = tx.update(grads[s], states[s], params[s], **extra)
+      p = optax.apply_updates(params[s], updates)
+      upcoming = p
+      if predict_forward and delays[s] > 0:
+        upcoming = predict(p, state, delays[s])
+      new_params.append(p)
+      new_states.append(state)
+      new_stashes.append(
+        staleness.stash_put(stashes[s], t + 1 + delays[s], upcoming)
+      )
+    return (new_params, new_states, new_stashes), loss
+
+  def train(stage_params, data):
+    carry = (
+      list(stage_params),
+      [tx.init(p) for p in stage_params],
+      [
+        staleness.stash_init(p, d + 1)
+        for p, d in zip(stage_params, delays, strict=True)
+      ],
+    )
+
+    def chunk(carry, chunk_steps):
+      xs = (
+        chunk_steps,
+        data["train_x"][data["order"][chunk_steps]],
+        data["train_y"][data["order"][chunk_steps]],
+      )
+      carry, losses = jax.lax.scan(step, carry, xs)
+      logits = full_model(carry[0], data["test_x"])
+      accuracy = jnp.mean(jnp.argmax(logits, -1) == data["test_y"])
+      return carry, (losses, accuracy)
+
+    steps = jnp.arange(num_steps).reshape(-1, eval_every)
+    _, (losses, accuracy) = jax.lax.scan(chunk, carry, steps)
+    return {"train_loss": losses.reshape(-1), "test_accuracy": accuracy}
+
+  return train
