@@ -109,7 +109,8 @@ def test_scheduler_aware_by_itself():
     "sgd", learning_rate=schedule, momentum=0.9
   )(params, state, 4, learning_rates=lrs)
   np.testing.assert_allclose(
-    staleness.replay_predictor(tx)(params, state, 4), closed, rtol=1e-6
+    # float32 rounding differs by op order (seen 1.2e-6 on an H100).
+    staleness.replay_predictor(tx)(params, state, 4), closed, rtol=1e-5
   )
 
 
