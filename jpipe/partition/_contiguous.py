@@ -1,0 +1,182 @@
+"""Exact min-max contiguous partition of a topologically ordered graph.
+
+Nodes 0..N-1 in a topological order are cut into ``num_stages`` contiguous
+runs. A stage's time is PipeDream's overlapped model,
+``max(compute, 2 * bytes_in / bandwidth, 2 * bytes_out / bandwidth)`` (the
+factor 2: activations forward, their gradients backward), where the bytes
+crossing a cut include long skips (an edge from stage 1 to stage 4 counts
+as input of stage 4 and output of stage 1). The dynamic program over (stage
+count, prefix) is exact for that objective: it returns the minimum
+bottleneck over all contiguous splits of the order, subject to a per-stage
+memory limit.
+"""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ContiguousSolution:
+  """Stage boundaries and costs (seconds, bytes).
+
+  ``boundaries[s]:boundaries[s+1]`` are the nodes of stage s.
+  """
+
+  boundaries: tuple[int, ...]
+  stage_seconds: tuple[float, ...]
+  compute_seconds: tuple[float, ...]
+  memory_bytes: tuple[float, ...]
+  bottleneck_seconds: float
+
+  def stage_of_node(self) -> list[int]:
+    out = []
+    for s in range(len(self.boundaries) - 1):
+      out += [s] * (self.boundaries[s + 1] - self.boundaries[s])
+    return out
+
+
+def solve_contiguous(
+  compute_seconds: Sequence[float],
+  num_stages: int,
+  *,
+  edges: Mapping[tuple[int, int], float] | None = None,
+  bandwidth: float | None = None,
+  static_bytes: Sequence[float] | None = None,
+  activation_bytes: Sequence[float] | None = None,
+  memory_limit: float | None = None,
+  in_flight: Sequence[int] | None = None,
+) -> ContiguousSolution:
+  """Min-max bottleneck split of N ordered nodes into ``num_stages`` runs.
+
+  Args:
+    compute_seconds: forward + backward time of each node, [N].
+    num_stages: stages, 1 <= num_stages <= N.
+    edges: (src, dst) -> bytes, with src < dst in the order.
+    bandwidth: bytes/s between stages; None ignores communication.
+    static_bytes: per node, memory that does not scale with microbatches in
+      flight (params, gradients, optimizer state), [N].
+    activation_bytes: per node, activations kept per microbatch in flight.
+    memory_limit: bytes per stage (device); None for no limit.
+    in_flight: microbatches in flight per stage, [num_stages]; default
+      ``num_stages - s`` (1F1B).
+
+  Returns:
+    The optimal split.
+  """
+  cost = np.asarray(compute_seconds, np.float64)
+  n_nodes = cost.shape[0]
+  if not 1 <= num_stages <= n_nodes:
+    raise ValueError(
+      f"cannot split {n_nodes} nodes into {num_stages} stages: use between "
+      f"1 and {n_nodes} stages, or trace the model at a larger depth to get "
+      "more nodes"
+    )
+  if bandwidth is not None and bandwidth <= 0:
+    raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
+  static = _per_node(static_bytes, n_nodes, "static_bytes")
+  acts = _per_node(activation_bytes, n_nodes, "activation_bytes")
+  flight = np.asarray(
+    in_flight
+    if in_flight is not None
+    else [num_stages - s for s in range(num_stages)],
+    np.float64,
+  )
+  if flight.shape != (num_stages,):
+    raise ValueError(f"in_flight needs {num_stages} entries")
+
+  prefix = np.concatenate([[0.0], np.cumsum(cost)])
+  static_prefix = np.concatenate([[0.0], np.cumsum(static)])
+  act_prefix = np.concatenate([[0.0], np.cumsum(acts)])
+  cut_in, cut_out = _crossing_bytes(edges or {}, n_nodes)
+  idx = np.arange(n_nodes + 1)
+  starts, ends = idx[:, None], idx[None, :]  # stage = nodes [start, end)
+  valid = ends > starts
+  compute = np.where(valid, prefix[ends] - prefix[starts], np.inf)
+  if bandwidth is not None:
+    comm = 2.0 * np.maximum(cut_in, cut_out) / bandwidth
+    stage_time = np.maximum(compute, comm)
+  else:
+    stage_time = compute
+
+  def memory(s):
+    return (
+      static_prefix[ends]
+      - static_prefix[starts]
+      + flight[s] * (act_prefix[ends] - act_prefix[starts])
+    )
+
+  def run_dp(objective):
+    best = np.full((num_stages + 1, n_nodes + 1), np.inf)
+    arg = np.zeros((num_stages + 1, n_nodes + 1), np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, num_stages + 1):
+      cand = np.maximum(best[k - 1][:, None], objective(k - 1))
+      arg[k] = np.argmin(cand, axis=0)
+      best[k] = cand[arg[k], idx]
+    return best, arg
+
+  def time_objective(s):
+    t = np.where(valid, stage_time, np.inf)
+    if memory_limit is not None:
+      t = np.where(memory(s) <= memory_limit, t, np.inf)
+    return t
+
+  best, arg = run_dp(time_objective)
+  if not np.isfinite(best[num_stages, n_nodes]):
+    mem_best, _ = run_dp(lambda s: np.where(valid, memory(s), np.inf))
+    need = mem_best[num_stages, n_nodes]
+    raise ValueError(
+      f"no split into {num_stages} stages fits memory_limit="
+      f"{memory_limit:.4g} bytes; the smallest limit that fits is "
+      f"{need:.4g} bytes (use more stages, recomputation, or a smaller "
+      "microbatch)"
+    )
+  bounds = [n_nodes]
+  for k in range(num_stages, 0, -1):
+    bounds.append(int(arg[k, bounds[-1]]))
+  bounds = tuple(reversed(bounds))
+  pairs = list(zip(bounds[:-1], bounds[1:], strict=True))
+  return ContiguousSolution(
+    boundaries=bounds,
+    stage_seconds=tuple(float(stage_time[a, b]) for a, b in pairs),
+    compute_seconds=tuple(float(compute[a, b]) for a, b in pairs),
+    memory_bytes=tuple(
+      float(memory(s)[a, b]) for s, (a, b) in enumerate(pairs)
+    ),
+    bottleneck_seconds=float(best[num_stages, n_nodes]),
+  )
+
+
+def _per_node(values, n_nodes, name):
+  if values is None:
+    return np.zeros(n_nodes)
+  arr = np.asarray(values, np.float64)
+  if arr.shape != (n_nodes,):
+    raise ValueError(f"{name} needs {n_nodes} entries, got {arr.shape}")
+  return arr
+
+
+def _crossing_bytes(edges, n_nodes):
+  """Bytes into and out of each run [a, b): two (N+1, N+1) tables."""
+  e = np.zeros((n_nodes, n_nodes))
+  for (u, v), w in edges.items():
+    if not 0 <= u < v < n_nodes:
+      raise ValueError(
+        f"edge {(u, v)} does not go forward in the order of {n_nodes} nodes"
+      )
+    e[u, v] += w
+  # s[i, j] = sum of e[:i, :j] (2-D prefix sums).
+  s = np.zeros((n_nodes + 1, n_nodes + 1))
+  s[1:, 1:] = e.cumsum(0).cumsum(1)
+  a = np.arange(n_nodes + 1)[:, None]
+  b = np.arange(n_nodes + 1)[None, :]
+  a_b = np.broadcast_to(a, (n_nodes + 1, n_nodes + 1))
+  b_b = np.broadcast_to(b, (n_nodes + 1, n_nodes + 1))
+  n = n_nodes
+  # into [a, b): u < a, a <= v < b.
+  into = s[a_b, b_b] - s[a_b, a_b]
+  # out of [a, b): a <= u < b, v >= b.
+  out = (s[b_b, n] - s[a_b, n]) - (s[b_b, b_b] - s[a_b, b_b])
+  return into, out

@@ -1,0 +1,357 @@
+"""Build per-stage forward and backward functions from a traced model.
+
+Given a stage for every node, each stage becomes a function of its inputs
+— the parameter leaves it reads, the batch leaves it reads, and the values
+earlier stages produced that it consumes — evaluating its equations of the
+traced jaxpr. A value consumed by several later stages (a long skip, an
+encoder output feeding every decoder stage) is sent to each of them, and
+its cotangents are summed. A parameter read by several stages (a tied
+embedding) is an input of each: the stages are replicas of it and its
+gradient is the sum of their gradients (``Stages.gather_grads``); keeping
+the replicas equal is the runtime's job.
+
+Backward comes in two modes: ``backward`` recomputes the forward under
+``jax.vjp`` (only the stage inputs are kept), and ``forward_saving`` +
+``backward_from_residuals`` keep XLA's residuals from the forward (the vjp
+closure is a pytree, so it crosses ``jit``).
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+
+from jpipe.partition._trace import TracedModel
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageSpec:
+  """What one stage reads and writes.
+
+  Attributes:
+    eqns: indices of its equations in the traced jaxpr, in program order.
+    param_leaves: indices of the parameter leaves it reads.
+    batch_leaves: indices (among batch leaves) of the batch leaves it reads.
+    inputs: values from earlier stages it consumes (jaxpr vars).
+    outputs: values it produces that later stages consume (jaxpr vars).
+    results: indices of the loss function's flat outputs it produces.
+  """
+
+  eqns: tuple[int, ...]
+  param_leaves: tuple[int, ...]
+  batch_leaves: tuple[int, ...]
+  inputs: tuple[Any, ...]
+  outputs: tuple[Any, ...]
+  results: tuple[int, ...]
+
+
+class Stages:
+  """Stage functions of a traced model under a node -> stage assignment.
+
+  Per stage s (all pure, jit them as you like; ``jitted(s)`` caches them):
+    ``forward(s, params, batch, acts) -> (outputs, results)``
+    ``backward(s, params, batch, acts, out_cots, result_cots)
+        -> (param_grads, act_cots)``          (recomputes the forward)
+    ``forward_saving(s, ...) -> (outputs, results, residuals)``
+    ``backward_from_residuals(s, residuals, out_cots, result_cots)``
+  ``params`` / ``batch`` are the stage's own leaves (tuples, in
+  ``spec.param_leaves`` / ``spec.batch_leaves`` order), ``acts`` the values
+  in ``spec.inputs`` order. ``run_forward`` / ``run_backward`` chain all
+  stages in order on one device (the reference schedule).
+  """
+
+  def __init__(self, traced: TracedModel, stage_of_node: Sequence[int]):
+    if len(stage_of_node) != traced.num_nodes:
+      raise ValueError(
+        f"stage_of_node has {len(stage_of_node)} entries for "
+        f"{traced.num_nodes} nodes"
+      )
+    stage_of_node = [int(s) for s in stage_of_node]
+    if min(stage_of_node) < 0:
+      raise ValueError("stage indices must be >= 0")
+    self.num_stages = max(stage_of_node) + 1
+    missing = set(range(self.num_stages)) - set(stage_of_node)
+    if missing:
+      raise ValueError(f"stages {sorted(missing)} have no nodes")
+    self.traced = traced
+    self.stage_of_node = tuple(stage_of_node)
+    self.specs = _specs(traced, self.stage_of_node, self.num_stages)
+    # Which stage inputs get cotangents (floating point values only).
+    self._diff = [
+      tuple(_inexact(v.aval.dtype) for v in spec.inputs) for spec in self.specs
+    ]
+    self._jitted: dict[tuple[str, int], Any] = {}
+
+  # -- pure stage functions ------------------------------------------------
+
+  def forward(self, s: int, params, batch, acts):
+    """Stage s: ``(outputs, results)`` as tuples."""
+    spec = self.specs[s]
+    jaxpr = self.traced.jaxpr
+    env = {}
+    for v, x in zip(
+      jaxpr.constvars, self.traced.closed_jaxpr.consts, strict=True
+    ):
+      env[v] = x
+    n_params = self.traced.num_param_leaves
+    for i, x in zip(spec.param_leaves, params, strict=True):
+      env[jaxpr.invars[i]] = x
+    for i, x in zip(spec.batch_leaves, batch, strict=True):
+      env[jaxpr.invars[n_params + i]] = x
+    for v, x in zip(spec.inputs, acts, strict=True):
+      env[v] = x
+    for i in spec.eqns:
+      _eval_eqn(jaxpr.eqns[i], env)
+    outputs = tuple(env[v] for v in spec.outputs)
+    results = tuple(_read(env, jaxpr.outvars[r]) for r in spec.results)
+    return outputs, results
+
+  def _vjp(self, s, params, batch, acts):
+    diff = self._diff[s]
+
+    def fn(params, diff_acts):
+      it = iter(diff_acts)
+      full = tuple(
+        next(it) if d else a for a, d in zip(acts, diff, strict=True)
+      )
+      return self.forward(s, params, batch, full)
+
+    diff_acts = tuple(a for a, d in zip(acts, diff, strict=True) if d)
+    (outputs, results), vjp_fn = jax.vjp(fn, tuple(params), diff_acts)
+    return outputs, results, vjp_fn
+
+  def _pull(self, s, vjp_fn, out_cots, result_cots):
+    diff = self._diff[s]
+    spec = self.specs[s]
+    out_cots = tuple(
+      _cotangent(v, c) for v, c in zip(spec.outputs, out_cots, strict=True)
+    )
+    result_cots = tuple(
+      _cotangent(self.traced.jaxpr.outvars[r], c)
+      for r, c in zip(spec.results, result_cots, strict=True)
+    )
+    param_grads, diff_cots = vjp_fn((out_cots, result_cots))
+    it = iter(diff_cots)
+    act_cots = tuple(next(it) if d else None for d in diff)
+    return param_grads, act_cots
+
+  def forward_saving(self, s: int, params, batch, acts):
+    """Forward that keeps residuals for :meth:`backward_from_residuals`."""
+    outputs, results, residuals = self._vjp(s, params, batch, acts)
+    return outputs, results, residuals
+
+  def backward_from_residuals(self, s: int, residuals, out_cots, result_cots):
+    """``(param_grads, act_cots)`` from saved residuals (no recompute)."""
+    return self._pull(s, residuals, out_cots, result_cots)
+
+  def backward(self, s: int, params, batch, acts, out_cots, result_cots):
+    """``(param_grads, act_cots)``, recomputing the forward first.
+
+    ``out_cots`` / ``result_cots`` may hold None for a zero cotangent;
+    ``act_cots`` holds None for inputs that are not differentiable.
+    """
+    _, _, residuals = self._vjp(s, params, batch, acts)
+    return self._pull(s, residuals, out_cots, result_cots)
+
+  def jitted(self, kind: str, s: int):
+    """``jax.jit`` of ``forward``/``backward``/... for stage s, cached."""
+    key = (kind, s)
+    if key not in self._jitted:
+      fn = getattr(self, kind)
+      self._jitted[key] = jax.jit(lambda *a: fn(s, *a))
+    return self._jitted[key]
+
+  # -- helpers for drivers and tests --------------------------------------
+
+  def split_params(self, params) -> list[tuple]:
+    """The full params pytree as each stage's tuple of leaves."""
+    leaves = jax.tree.leaves(params)
+    return [tuple(leaves[i] for i in spec.param_leaves) for spec in self.specs]
+
+  def split_batch(self, batch) -> list[tuple]:
+    """The batch pytree as each stage's tuple of leaves."""
+    leaves = jax.tree.leaves(batch)
+    return [tuple(leaves[i] for i in spec.batch_leaves) for spec in self.specs]
+
+  def gather_grads(self, stage_grads: Sequence[Sequence[Any]], params):
+    """Per-stage param gradients -> one pytree like ``params`` (summed)."""
+    leaves = [None] * self.traced.num_param_leaves
+    for spec, grads in zip(self.specs, stage_grads, strict=True):
+      for i, g in zip(spec.param_leaves, grads, strict=True):
+        leaves[i] = g if leaves[i] is None else leaves[i] + g
+    flat_params = jax.tree.leaves(params)
+    leaves = [
+      jnp.zeros_like(p) if g is None else g
+      for g, p in zip(leaves, flat_params, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+  def assemble_results(self, stage_results: Sequence[Sequence[Any]]):
+    """Per-stage results -> the loss function's output pytree."""
+    jaxpr = self.traced.jaxpr
+    flat = [None] * len(jaxpr.outvars)
+    for spec, res in zip(self.specs, stage_results, strict=True):
+      for r, x in zip(spec.results, res, strict=True):
+        flat[r] = x
+    for r, v in enumerate(jaxpr.outvars):  # Outputs that are not computed.
+      if flat[r] is None:
+        flat[r] = v.val if isinstance(v, jcore.Literal) else None
+    return jax.tree.unflatten(self.traced.out_tree, flat)
+
+  def run_forward_backward(self, params, batch, *, recompute: bool = True):
+    """All stages in order on one device: ``(output, grads)``.
+
+    The reference schedule (sequential, one microbatch): equals
+    ``jax.value_and_grad(loss_fn, has_aux=...)(params, batch)``.
+    """
+    stage_params = self.split_params(params)
+    stage_batch = self.split_batch(batch)
+    values: dict[Any, Any] = {}
+    saved, results = [], []
+    for s, spec in enumerate(self.specs):
+      acts = tuple(values[v] for v in spec.inputs)
+      if recompute:
+        outputs, res = self.jitted("forward", s)(
+          stage_params[s], stage_batch[s], acts
+        )
+        saved.append(acts)
+      else:
+        outputs, res, residuals = self.jitted("forward_saving", s)(
+          stage_params[s], stage_batch[s], acts
+        )
+        saved.append(residuals)
+      values.update(zip(spec.outputs, outputs, strict=True))
+      results.append(res)
+    loss_index = 0
+    cots: dict[Any, Any] = {}
+    grads: list[Any] = [None] * self.num_stages
+    for s in reversed(range(self.num_stages)):
+      spec = self.specs[s]
+      out_cots = tuple(cots.get(v) for v in spec.outputs)
+      result_cots = tuple(
+        1.0 if r == loss_index else None for r in spec.results
+      )
+      if recompute:
+        grads[s], act_cots = self.jitted("backward", s)(
+          stage_params[s], stage_batch[s], saved[s], out_cots, result_cots
+        )
+      else:
+        grads[s], act_cots = self.jitted("backward_from_residuals", s)(
+          saved[s], out_cots, result_cots
+        )
+      for v, c in zip(spec.inputs, act_cots, strict=True):
+        if c is not None:
+          cots[v] = c if v not in cots else cots[v] + c
+    return self.assemble_results(results), self.gather_grads(grads, params)
+
+
+def _specs(traced: TracedModel, stage_of_node, num_stages) -> list[StageSpec]:
+  """Reads and writes of each stage; checks no value flows backwards."""
+  jaxpr = traced.jaxpr
+  n_params = traced.num_param_leaves
+  invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
+  producer_stage: dict[Any, int] = {}
+  eqns: list[list[int]] = [[] for _ in range(num_stages)]
+  for i, (eqn, node) in enumerate(
+    zip(jaxpr.eqns, traced.eqn_node, strict=True)
+  ):
+    s = stage_of_node[node]
+    eqns[s].append(i)
+    for v in eqn.outvars:
+      if not isinstance(v, jcore.DropVar):
+        producer_stage[v] = s
+  params = [set() for _ in range(num_stages)]
+  batch = [set() for _ in range(num_stages)]
+  inputs: list[dict] = [{} for _ in range(num_stages)]
+  consumers: dict[Any, set[int]] = {}
+
+  def read(v, s):
+    if isinstance(v, jcore.Literal):
+      return
+    if v in invar_index:
+      i = invar_index[v]
+      (params[s].add(i) if i < n_params else batch[s].add(i - n_params))
+    elif v in producer_stage:
+      src = producer_stage[v]
+      if src > s:
+        raise ValueError(
+          f"stage {s} reads a value produced by later stage {src}: the "
+          "node -> stage assignment must follow the model's data flow "
+          "(stages numbered in topological order)"
+        )
+      if src < s:
+        inputs[s][v] = None
+        consumers.setdefault(v, set()).add(s)
+
+  for s in range(num_stages):
+    for i in eqns[s]:
+      for v in jaxpr.eqns[i].invars:
+        read(v, s)
+  results: list[list[int]] = [[] for _ in range(num_stages)]
+  last = num_stages - 1
+  for r, v in enumerate(jaxpr.outvars):
+    if isinstance(v, jcore.Literal):
+      continue
+    if v in producer_stage:
+      results[producer_stage[v]].append(r)
+    else:  # An input or a constant returned as is: the last stage has it.
+      results[last].append(r)
+      read(v, last)
+  loss_var = jaxpr.outvars[0]
+  if producer_stage.get(loss_var, last) != last:
+    raise ValueError(
+      f"the loss is computed on stage {producer_stage[loss_var]}, not on "
+      f"the last stage {last}: give the last stage the loss's nodes"
+    )
+  specs = []
+  for s in range(num_stages):
+    outputs = tuple(v for v in consumers if producer_stage[v] == s)
+    specs.append(
+      StageSpec(
+        eqns=tuple(eqns[s]),
+        param_leaves=tuple(sorted(params[s])),
+        batch_leaves=tuple(sorted(batch[s])),
+        inputs=tuple(inputs[s]),
+        outputs=outputs,
+        results=tuple(results[s]),
+      )
+    )
+  return specs
+
+
+def _read(env, v):
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _eval_eqn(eqn, env):
+  """Evaluates one jaxpr equation into ``env`` (as jax.core.eval_jaxpr)."""
+  invals = [_read(env, v) for v in eqn.invars]
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is not None:
+    with ctx:
+      out = eqn.primitive.bind(*invals, **bind_params)
+  else:
+    out = eqn.primitive.bind(*invals, **bind_params)
+  outs = out if eqn.primitive.multiple_results else [out]
+  for v, x in zip(eqn.outvars, outs, strict=True):
+    if not isinstance(v, jcore.DropVar):
+      env[v] = x
+
+
+def _inexact(dtype) -> bool:
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _cotangent(var, cot):
+  """A cotangent for ``var``: zeros for None, float0 for integer values."""
+  aval = var.aval
+  if not _inexact(aval.dtype):
+    return np.zeros(aval.shape, jax.dtypes.float0)
+  if cot is None:
+    return jnp.zeros(aval.shape, aval.dtype)
+  return jnp.asarray(cot, aval.dtype)

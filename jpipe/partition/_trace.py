@@ -1,0 +1,218 @@
+"""Trace ``loss_fn(params, batch)`` into a graph of module-call nodes.
+
+The loss is traced to a jaxpr once. Equations are grouped into nodes by the
+module path recorded in their name stack (Flax linen pushes one scope per
+module call; plain JAX code can use ``jax.named_scope``), cut at ``depth``
+path components below the root module. A node is a maximal run of
+consecutive equations with the same path prefix, so a module called twice
+(a tied embedding used as the output head) gives two nodes, and the nodes'
+program order is a topological order. Equations outside any module (input
+reshapes, the loss itself) join the run before them (or, at the very
+start, the run after them).
+
+``scan``, ``cond``, ``while`` and ``remat`` appear as single equations and
+so stay inside one node; to cut inside them, unroll the loop in the model
+or call the repeated module outside the control flow.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+from jpipe.partition import _flops
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedModel:
+  """A traced loss and its equation-to-node grouping.
+
+  Attributes:
+    closed_jaxpr: the loss as a closed jaxpr over the flat (params, batch)
+      leaves (params first).
+    in_tree: treedef of ``(params, batch)``.
+    out_tree: treedef of the loss function's output.
+    num_param_leaves: how many leading jaxpr inputs are parameters.
+    leaf_paths: ``jax.tree_util.keystr`` path of every input leaf.
+    node_names: module path of each node, unique (repeated calls get
+      ``#2``, ``#3``...).
+    eqn_node: node index of every equation, non-decreasing.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+  """
+
+  closed_jaxpr: jcore.ClosedJaxpr
+  in_tree: Any
+  out_tree: Any
+  num_param_leaves: int
+  leaf_paths: tuple[str, ...]
+  node_names: tuple[str, ...]
+  eqn_node: tuple[int, ...]
+  has_aux: bool
+
+  @property
+  def num_nodes(self) -> int:
+    return len(self.node_names)
+
+  @property
+  def jaxpr(self) -> jcore.Jaxpr:
+    return self.closed_jaxpr.jaxpr
+
+  def node_eqns(self, node: int) -> list[int]:
+    """Indices of the equations of ``node``."""
+    return [i for i, n in enumerate(self.eqn_node) if n == node]
+
+  def producers(self) -> dict[Any, int]:
+    """Var -> index of the node that produces it (equation outputs only)."""
+    out = {}
+    for eqn, node in zip(self.jaxpr.eqns, self.eqn_node, strict=True):
+      for v in eqn.outvars:
+        if not isinstance(v, jcore.DropVar):
+          out[v] = node
+    return out
+
+  def node_param_leaves(self) -> list[set[int]]:
+    """Per node, the indices of the parameter leaves its equations read."""
+    params = {
+      v: i for i, v in enumerate(self.jaxpr.invars[: self.num_param_leaves])
+    }
+    used = [set() for _ in self.node_names]
+    for eqn, node in zip(self.jaxpr.eqns, self.eqn_node, strict=True):
+      for v in eqn.invars:
+        if not isinstance(v, jcore.Literal) and v in params:
+          used[node].add(params[v])
+    return used
+
+  def edges(self) -> dict[tuple[int, int], int]:
+    """(producer node, consumer node) -> bytes of the distinct values sent."""
+    producer = self.producers()
+    sent: dict[tuple[int, int], set] = {}
+    for eqn, node in zip(self.jaxpr.eqns, self.eqn_node, strict=True):
+      for v in eqn.invars:
+        if isinstance(v, jcore.Literal) or v not in producer:
+          continue
+        src = producer[v]
+        if src != node:
+          sent.setdefault((src, node), set()).add(v)
+    return {k: sum(_nbytes(v.aval) for v in vs) for k, vs in sent.items()}
+
+  def node_flops(self) -> np.ndarray:
+    """Forward FLOPs of each node (analytic count), float64 [num_nodes]."""
+    flops = np.zeros(self.num_nodes)
+    for eqn, node in zip(self.jaxpr.eqns, self.eqn_node, strict=True):
+      flops[node] += _flops.eqn_flops(eqn)
+    return flops
+
+  def node_param_bytes(self) -> np.ndarray:
+    """Bytes of the parameters each node reads, float64 [num_nodes].
+
+    A parameter read by several nodes counts in each of them.
+    """
+    avals = [v.aval for v in self.jaxpr.invars[: self.num_param_leaves]]
+    return np.array(
+      [
+        sum(_nbytes(avals[i]) for i in leaves)
+        for leaves in self.node_param_leaves()
+      ],
+      np.float64,
+    )
+
+  def node_output_bytes(self) -> np.ndarray:
+    """Bytes of the values each node sends to later nodes [num_nodes]."""
+    out = np.zeros(self.num_nodes)
+    for (src, _), nbytes in self.edges().items():
+      out[src] += nbytes
+    return out
+
+
+def trace(
+  loss_fn: Callable[..., Any],
+  params: Any,
+  batch: Any,
+  *,
+  depth: int = 1,
+  has_aux: bool = False,
+) -> TracedModel:
+  """Traces ``loss_fn(params, batch)`` and groups it into module nodes.
+
+  Args:
+    loss_fn: returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+    params: example parameters (arrays or ShapeDtypeStructs).
+    batch: example batch.
+    depth: how many module-path components below the root define a node
+      (1: the root's direct children; 2: their children, ...).
+    has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. BatchNorm statistics).
+
+  Returns:
+    The traced model.
+  """
+  if depth < 1:
+    raise ValueError(f"depth must be >= 1, got {depth}")
+  leaves_with_paths, in_tree = jax.tree_util.tree_flatten_with_path(
+    (params, batch)
+  )
+  leaves = [leaf for _, leaf in leaves_with_paths]
+  num_param_leaves = len(jax.tree.leaves(params))
+
+  def flat_loss(*flat):
+    return loss_fn(*jax.tree.unflatten(in_tree, flat))
+
+  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves)
+  out_tree = jax.tree.structure(out_shape)
+  loss_shape = out_shape[0] if has_aux else out_shape
+  if has_aux and not (isinstance(out_shape, tuple) and len(out_shape) == 2):
+    raise ValueError("has_aux=True needs loss_fn to return (loss, aux)")
+  if not hasattr(loss_shape, "shape") or loss_shape.shape != ():
+    raise ValueError(
+      f"loss_fn must return a scalar loss{' first' if has_aux else ''}; "
+      f"got {loss_shape} (pass has_aux=True for (loss, aux))"
+    )
+  names, eqn_node = _group(closed.jaxpr.eqns, depth)
+  if not names:
+    raise ValueError("loss_fn traced to no equations: nothing to partition")
+  return TracedModel(
+    closed_jaxpr=closed,
+    in_tree=in_tree,
+    out_tree=out_tree,
+    num_param_leaves=num_param_leaves,
+    leaf_paths=tuple(jax.tree_util.keystr(p) for p, _ in leaves_with_paths),
+    node_names=tuple(names),
+    eqn_node=tuple(eqn_node),
+    has_aux=has_aux,
+  )
+
+
+def _scope(eqn) -> tuple[str, ...]:
+  """The equation's module path as a tuple of components."""
+  stack = str(eqn.source_info.name_stack)
+  return tuple(p for p in stack.split("/") if p)
+
+
+def _group(eqns: Sequence[Any], depth: int) -> tuple[list[str], list[int]]:
+  """Node names and the node of every equation (see the module doc)."""
+  scopes = [_scope(e) for e in eqns]
+  roots = {s[0] for s in scopes if s}
+  strip = 1 if len(roots) == 1 and any(len(s) > 1 for s in scopes) else 0
+  keys = []
+  for s in scopes:
+    inner = s[strip:]
+    keys.append("/".join(inner[:depth]) if inner else None)
+  names, eqn_node, counts = [], [], {}
+  current = None
+  for key in keys:
+    if key is not None and key != current:
+      counts[key] = counts.get(key, 0) + 1
+      names.append(key if counts[key] == 1 else f"{key}#{counts[key]}")
+      current = key
+    eqn_node.append(len(names) - 1)
+  if not names and eqns:
+    names = ["model"]
+  # Leading glue (before any module) joins the first node.
+  eqn_node = [max(n, 0) for n in eqn_node]
+  return names, eqn_node
+
+
+def _nbytes(aval) -> int:
+  return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize

@@ -1,0 +1,161 @@
+"""Small Flax linen models that exercise the partitioner's hard cases."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class Mlp(nn.Module):
+  """Dense layers: the easy, sequential case."""
+
+  widths: tuple[int, ...] = (16, 16, 16, 16, 16, 16, 16, 10)
+
+  @nn.compact
+  def __call__(self, x):
+    for i, w in enumerate(self.widths[:-1]):
+      x = nn.relu(nn.Dense(w, name=f"dense_{i}")(x))
+    return nn.Dense(self.widths[-1], name="head")(x)
+
+
+class ResidualBlock(nn.Module):
+  features: int
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    y = nn.Conv(self.features, (3, 3), use_bias=False)(x)
+    y = nn.BatchNorm(use_running_average=not train)(y)
+    return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+  """Convolutions with BatchNorm (mutable statistics) and residuals."""
+
+  num_blocks: int = 6
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3), name="stem")(x)
+    for i in range(self.num_blocks):
+      x = ResidualBlock(8, name=f"block_{i}")(x, train)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(10, name="head")(x)
+
+
+class DecoderLayer(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x, memory):
+    x = x + nn.Dense(self.width)(nn.LayerNorm()(x))
+    context = jnp.mean(memory, axis=1, keepdims=True)  # Cross "attention".
+    return x + nn.Dense(self.width)(x * context)
+
+
+class Gpt(nn.Module):
+  """Token embedding reused as the output head (tied weights)."""
+
+  vocab: int = 32
+  width: int = 16
+  num_layers: int = 6
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.width, name="embed")
+    x = embed(tokens)
+    for i in range(self.num_layers):
+      h = nn.LayerNorm(name=f"ln_{i}")(x)
+      x = x + nn.Dense(self.width, name=f"mlp_{i}")(jax.nn.gelu(h))
+    return embed.attend(nn.LayerNorm(name="ln_f")(x))
+
+
+class EncoderDecoder(nn.Module):
+  """The encoder's output is read by every decoder layer (long skips)."""
+
+  width: int = 16
+  num_layers: int = 4
+
+  @nn.compact
+  def __call__(self, src, tgt):
+    memory = nn.Dense(self.width, name="enc_in")(src)
+    for i in range(self.num_layers):
+      memory = memory + nn.Dense(self.width, name=f"enc_{i}")(jnp.tanh(memory))
+    x = nn.Dense(self.width, name="dec_in")(tgt)
+    for i in range(self.num_layers):
+      x = DecoderLayer(self.width, name=f"dec_{i}")(x, memory)
+    return nn.Dense(5, name="head")(x)
+
+
+def mlp_case():
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  params = model.init(jax.random.key(2), x)
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"x": x, "y": y}, False
+
+
+def resnet_case():
+  model = ResNet()
+  x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
+  y = jax.random.randint(jax.random.key(1), (4,), 0, 10)
+  variables = model.init(jax.random.key(2), x)
+  stats = variables["batch_stats"]
+
+  def loss_fn(params, batch):
+    logits, updates = model.apply(
+      {"params": params, "batch_stats": batch["stats"]},
+      batch["x"],
+      mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+    return loss, updates["batch_stats"]
+
+  batch = {"x": x, "y": y, "stats": stats}
+  return loss_fn, variables["params"], batch, True
+
+
+def gpt_case():
+  model = Gpt()
+  tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, 32)
+  params = model.init(jax.random.key(2), tokens[:, :-1])
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["tokens"][:, 1:]
+    ).mean()
+
+  return loss_fn, params, {"tokens": tokens}, False
+
+
+def encoder_decoder_case():
+  model = EncoderDecoder()
+  src = jax.random.normal(jax.random.key(0), (4, 7, 6))
+  tgt = jax.random.normal(jax.random.key(1), (4, 5, 6))
+  y = jax.random.randint(jax.random.key(3), (4, 5), 0, 5)
+  params = model.init(jax.random.key(2), src, tgt)
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["src"], batch["tgt"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"src": src, "tgt": tgt, "y": y}, False
+
+
+CASES = {
+  "mlp": mlp_case,
+  "resnet_bn": resnet_case,
+  "gpt_tied": gpt_case,
+  "encoder_decoder": encoder_decoder_case,
+}

@@ -1,0 +1,90 @@
+"""solve_contiguous against brute force over every split."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from jpipe.partition._contiguous import solve_contiguous
+
+
+def _brute_force(cost, edges, n_stages, bandwidth, static, acts, limit):
+  n = len(cost)
+  best = np.inf
+  for cuts in itertools.combinations(range(1, n), n_stages - 1):
+    bounds = (0, *cuts, n)
+    worst = 0.0
+    for s in range(n_stages):
+      a, b = bounds[s], bounds[s + 1]
+      compute = sum(cost[a:b])
+      into = sum(w for (u, v), w in edges.items() if u < a <= v < b)
+      out = sum(w for (u, v), w in edges.items() if a <= u < b <= v)
+      t = compute
+      if bandwidth:
+        t = max(t, 2 * into / bandwidth, 2 * out / bandwidth)
+      mem = sum(static[a:b]) + (n_stages - s) * sum(acts[a:b])
+      if limit is not None and mem > limit:
+        t = np.inf
+      worst = max(worst, t)
+    best = min(best, worst)
+  return best
+
+
+def _random_instance(rng, n):
+  cost = rng.uniform(0.1, 1.0, n)
+  edges = {(i, i + 1): float(rng.uniform(0, 5)) for i in range(n - 1)}
+  for _ in range(n // 2):  # long skips
+    u, v = sorted(rng.choice(n, 2, replace=False))
+    edges[(int(u), int(v))] = float(rng.uniform(0, 5))
+  return cost, edges
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_matches_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(3, 9))
+  cost, edges = _random_instance(rng, n)
+  static = rng.uniform(0, 2, n)
+  acts = rng.uniform(0, 1, n)
+  for n_stages in range(1, min(n, 5) + 1):
+    for bandwidth in (None, 3.0):
+      limit = float(rng.uniform(3, 8)) if seed % 2 else None
+      expected = _brute_force(
+        cost, edges, n_stages, bandwidth, static, acts, limit
+      )
+      kwargs = dict(
+        edges=edges,
+        bandwidth=bandwidth,
+        static_bytes=static,
+        activation_bytes=acts,
+        memory_limit=limit,
+      )
+      if not np.isfinite(expected):
+        with pytest.raises(ValueError, match="smallest limit that fits"):
+          solve_contiguous(cost, n_stages, **kwargs)
+        continue
+      sol = solve_contiguous(cost, n_stages, **kwargs)
+      np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
+      assert max(sol.stage_seconds) == pytest.approx(expected)
+      assert sol.boundaries[0] == 0 and sol.boundaries[-1] == n
+      assert len(sol.stage_of_node()) == n
+
+
+def test_memory_error_names_the_limit_that_fits():
+  cost = [1.0] * 6
+  static = [4.0, 1.0, 1.0, 1.0, 1.0, 4.0]
+  with pytest.raises(ValueError, match="smallest limit that fits") as err:
+    solve_contiguous(cost, 2, static_bytes=static, memory_limit=5.0)
+  need = float(str(err.value).split("fits is ")[1].split(" bytes")[0])
+  assert need == pytest.approx(6.0)
+  sol = solve_contiguous(cost, 2, static_bytes=static, memory_limit=need)
+  assert max(sol.memory_bytes) <= need
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match="cannot split 3 nodes into 4 stages"):
+    solve_contiguous([1.0, 1.0, 1.0], 4)
+  with pytest.raises(ValueError, match="bandwidth must be > 0"):
+    solve_contiguous([1.0, 1.0], 2, bandwidth=0.0)
+  with pytest.raises(ValueError, match="does not go forward"):
+    solve_contiguous([1.0, 1.0], 2, edges={(1, 0): 3.0})

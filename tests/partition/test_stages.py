@@ -1,0 +1,114 @@
+"""The core guarantee: stages run in order = jax.value_and_grad(loss_fn)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._stages import Stages
+from jpipe.partition._trace import trace
+from tests.partition import flax_models
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compiles():
+  """Many small stage programs compile here: skip XLA's slow passes."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="module", params=sorted(flax_models.CASES))
+def case(request):
+  loss_fn, params, batch, has_aux = flax_models.CASES[request.param]()
+  traced = trace(loss_fn, params, batch, has_aux=has_aux)
+  expected = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+  return request.param, traced, params, batch, expected
+
+
+def _assert_tree_close(actual, expected):
+  for a, e in zip(
+    jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True
+  ):
+    scale = float(np.max(np.abs(e))) if np.size(e) else 1.0
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6 * max(scale, 1.0))
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_stages_equal_value_and_grad(case, num_stages, recompute):
+  name, traced, params, batch, (expected_out, expected_grads) = case
+  flops = traced.node_flops()
+  solution = solve_contiguous(
+    3.0 * flops, num_stages, edges=traced.edges(), bandwidth=1e9
+  )
+  stages = Stages(traced, solution.stage_of_node())
+  out, grads = stages.run_forward_backward(params, batch, recompute=recompute)
+  _assert_tree_close(out, expected_out)
+  _assert_tree_close(grads, expected_grads)
+
+
+def test_node_grouping_follows_module_calls():
+  loss_fn, params, batch, _ = flax_models.gpt_case()
+  traced = trace(loss_fn, params, batch)
+  assert traced.node_names[0] == "embed"
+  assert traced.node_names[-1] == "embed.attend"  # the tied head, own node
+  # The embedding table is read by the first and the last node.
+  leaves = traced.node_param_leaves()
+  assert leaves[0] & leaves[-1]
+  eqn_node = np.asarray(traced.eqn_node)
+  assert np.all(np.diff(eqn_node) >= 0)
+
+
+def test_tied_embedding_is_replicated_with_summed_grads():
+  loss_fn, params, batch, _ = flax_models.gpt_case()
+  traced = trace(loss_fn, params, batch)
+  n = traced.num_nodes
+  stages = Stages(traced, [0] * (n // 2) + [1] * (n - n // 2))
+  shared = set(stages.specs[0].param_leaves) & set(stages.specs[1].param_leaves)
+  assert len(shared) == 1  # the embedding table, on both stages
+  _, grads = stages.run_forward_backward(params, batch)
+  _, expected = jax.value_and_grad(loss_fn)(params, batch)
+  _assert_tree_close(grads, expected)
+
+
+def test_encoder_output_feeds_every_decoder_stage():
+  loss_fn, params, batch, _ = flax_models.encoder_decoder_case()
+  traced = trace(loss_fn, params, batch)
+  names = traced.node_names
+  decoder = {
+    "dec_in": 1,
+    "dec_0": 1,
+    "dec_1": 2,
+    "dec_2": 3,
+    "dec_3": 4,
+    "head": 4,
+  }
+  stages = Stages(traced, [decoder.get(n, 0) for n in names])
+  encoder_out = set(stages.specs[0].outputs)
+  for spec in stages.specs[1:]:
+    if any(names[traced.eqn_node[i]].startswith("dec_") for i in spec.eqns):
+      assert encoder_out & set(spec.inputs)
+
+
+def test_depth_two_gives_finer_nodes():
+  loss_fn, params, batch, has_aux = flax_models.resnet_case()
+  coarse = trace(loss_fn, params, batch, has_aux=has_aux)
+  fine = trace(loss_fn, params, batch, has_aux=has_aux, depth=2)
+  assert fine.num_nodes > coarse.num_nodes
+  assert "block_0/BatchNorm_0" in fine.node_names
+
+
+def test_bad_assignments_raise():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  traced = trace(loss_fn, params, batch)
+  n = traced.num_nodes
+  with pytest.raises(ValueError, match="later stage"):
+    Stages(traced, [1] * (n // 2) + [0] * (n - n // 2))
+  with pytest.raises(ValueError, match="have no nodes"):
+    Stages(traced, [0] * (n - 1) + [2])
+  with pytest.raises(ValueError, match="entries for"):
+    Stages(traced, [0])
+  with pytest.raises(ValueError, match="scalar loss"):
+    trace(lambda p, b: jax.tree.leaves(p)[0], params, batch)
