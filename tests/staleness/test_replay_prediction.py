@@ -110,7 +110,9 @@ def test_scheduler_aware_by_itself():
   )(params, state, 4, learning_rates=lrs)
   np.testing.assert_allclose(
     # float32 rounding differs by op order (seen 1.2e-6 on an H100).
-    staleness.replay_predictor(tx)(params, state, 4), closed, rtol=1e-5
+    staleness.replay_predictor(tx)(params, state, 4),
+    closed,
+    rtol=1e-5,
   )
 
 
