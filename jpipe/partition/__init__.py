@@ -1,14 +1,20 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
+from jpipe.partition._plan import Plan, plan_traced
+from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._stages import Stages, StageSpec
 from jpipe.partition._trace import TracedModel, trace
 
 __all__ = [
   "ContiguousSolution",
+  "NodeCosts",
+  "Plan",
   "StageSpec",
   "Stages",
   "TracedModel",
+  "plan_traced",
+  "profile_nodes",
   "solve_contiguous",
   "trace",
 ]

@@ -1,0 +1,184 @@
+"""Plan: the partitioner's result, frozen and JSON-serialisable."""
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._profile import NodeCosts
+from jpipe.partition._trace import TracedModel
+
+METHODS = ("contiguous",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which node goes to which stage, where stages run, what they cost.
+
+  Times are seconds per microbatch; memory is bytes. Stage s of n holds
+  ``n - s`` microbatches in flight under 1F1B, and ``n - 1 - s`` extra
+  param versions under weight stashing.
+
+  Attributes:
+    method: the solver that made it.
+    node_names: node names, in the order of ``stage_of_node``.
+    stage_of_node: stage index of every node (non-decreasing for straight
+      pipelines).
+    stage_devices: device indices of every stage (several for a replicated
+      stage; a device may hold several stages in a mixed pipe).
+    stage_forward_seconds, stage_backward_seconds: compute per stage.
+    stage_seconds: the stage's time in the cost model (compute, or
+      communication where that dominates).
+    stage_param_bytes: parameters each stage holds.
+    stage_activation_bytes: activations kept per microbatch in flight.
+    stage_stash_bytes: extra param versions of weight stashing.
+    bottleneck_seconds: the slowest stage's time (time per microbatch in
+      steady state).
+    sequential_seconds: forward + backward of the whole model on one
+      device.
+  """
+
+  method: str
+  node_names: tuple[str, ...]
+  stage_of_node: tuple[int, ...]
+  stage_devices: tuple[tuple[int, ...], ...]
+  stage_forward_seconds: tuple[float, ...]
+  stage_backward_seconds: tuple[float, ...]
+  stage_seconds: tuple[float, ...]
+  stage_param_bytes: tuple[float, ...]
+  stage_activation_bytes: tuple[float, ...]
+  stage_stash_bytes: tuple[float, ...]
+  bottleneck_seconds: float
+  sequential_seconds: float
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stage_devices)
+
+  @property
+  def predicted_speedup(self) -> float:
+    """Sequential time over the bottleneck (ideal pipeline, steady state)."""
+    return self.sequential_seconds / self.bottleneck_seconds
+
+  @property
+  def stage_of(self) -> dict[str, int]:
+    return dict(zip(self.node_names, self.stage_of_node, strict=True))
+
+  def to_json(self) -> str:
+    data = dataclasses.asdict(self)
+    data["predicted_speedup"] = self.predicted_speedup
+    return json.dumps(data, indent=1)
+
+  @classmethod
+  def from_json(cls, text: str) -> "Plan":
+    data = json.loads(text)
+    data.pop("predicted_speedup", None)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown or names - set(data):
+      raise ValueError(
+        f"not a jpipe Plan: unknown keys {sorted(unknown)}, missing "
+        f"{sorted(names - set(data))}"
+      )
+    for key, value in data.items():
+      if isinstance(value, list):
+        data[key] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return cls(**data)
+
+
+def plan_traced(
+  traced: TracedModel,
+  costs: NodeCosts,
+  num_stages: int,
+  *,
+  method: str = "contiguous",
+  bandwidth: float | None = None,
+  memory_limit: float | None = None,
+  optimizer_state_factor: float = 2.0,
+  devices: Sequence[int] | None = None,
+) -> Plan:
+  """Partitions a traced model into ``num_stages`` stages.
+
+  Args:
+    traced: from :func:`jpipe.partition.trace`.
+    costs: from :func:`jpipe.partition.profile_nodes`.
+    num_stages: pipeline stages.
+    method: "contiguous" (exact min-max over the traced program order).
+    bandwidth: bytes/s between devices; None ignores communication.
+    memory_limit: bytes per device; None for no limit.
+    optimizer_state_factor: optimizer state per parameter byte (2 for
+      Adam's two moments, 1 for momentum SGD); gradients add one more.
+    devices: device index of each stage; default ``range(num_stages)``.
+
+  Returns:
+    The plan.
+  """
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}: one of {METHODS}")
+  devices = tuple(range(num_stages)) if devices is None else tuple(devices)
+  if len(devices) != num_stages:
+    raise ValueError(f"devices needs {num_stages} entries, got {devices}")
+  compute = costs.forward_seconds + costs.backward_seconds
+  param_bytes = traced.node_param_bytes()
+  act_bytes = traced.node_output_bytes()
+  static = param_bytes * (2.0 + optimizer_state_factor)  # + grads + state
+  solution = solve_contiguous(
+    compute,
+    num_stages,
+    edges=traced.edges(),
+    bandwidth=bandwidth,
+    static_bytes=static,
+    activation_bytes=act_bytes,
+    memory_limit=memory_limit,
+  )
+  stage_of_node = solution.stage_of_node()
+  return _finish(
+    traced,
+    costs,
+    method,
+    stage_of_node,
+    [(d,) for d in devices],
+    solution.stage_seconds,
+  )
+
+
+def _finish(
+  traced, costs, method, stage_of_node, stage_devices, stage_seconds
+) -> Plan:
+  n = len(stage_devices)
+  of = np.asarray(stage_of_node)
+  leaf_avals = [v.aval for v in traced.jaxpr.invars[: traced.num_param_leaves]]
+  leaf_bytes = np.array(
+    [np.prod(a.shape) * a.dtype.itemsize for a in leaf_avals], np.float64
+  )
+  used = traced.node_param_leaves()
+  stage_params = []
+  for s in range(n):
+    leaves = set().union(*[used[i] for i in np.flatnonzero(of == s)])
+    stage_params.append(float(sum(leaf_bytes[i] for i in leaves)))
+  acts = traced.node_output_bytes()
+
+  def per_stage(x):
+    return tuple(float(x[of == s].sum()) for s in range(n))
+
+  bottleneck = float(max(stage_seconds))
+  return Plan(
+    method=method,
+    node_names=traced.node_names,
+    stage_of_node=tuple(int(s) for s in stage_of_node),
+    stage_devices=tuple(tuple(int(d) for d in ds) for ds in stage_devices),
+    stage_forward_seconds=per_stage(costs.forward_seconds),
+    stage_backward_seconds=per_stage(costs.backward_seconds),
+    stage_seconds=tuple(float(t) for t in stage_seconds),
+    stage_param_bytes=tuple(stage_params),
+    stage_activation_bytes=per_stage(acts),
+    stage_stash_bytes=tuple(
+      float((n - 1 - s) * stage_params[s]) for s in range(n)
+    ),
+    bottleneck_seconds=bottleneck,
+    sequential_seconds=float(
+      np.sum(costs.forward_seconds + costs.backward_seconds)
+    ),
+  )

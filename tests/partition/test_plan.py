@@ -1,0 +1,77 @@
+"""Node profiling and plans for traced models."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jpipe import partition
+from tests.partition import flax_models
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  traced = partition.trace(loss_fn, params, batch)
+  return traced, params, batch
+
+
+def test_xla_costs_count_the_matrix_products(mlp):
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch, method="xla")
+  # dense_1: [8, 16] @ [16, 16] -> 2 * 8 * 16 * 16 multiply-adds.
+  i = traced.node_names.index("dense_1")
+  assert 2 * 8 * 16 * 16 <= costs.forward_flops[i] <= 1.5 * 2 * 8 * 16 * 16
+  # Backward with recomputation: forward again + two products.
+  assert 2.0 <= costs.backward_flops[i] / costs.forward_flops[i] <= 4.5
+  np.testing.assert_allclose(costs.forward_seconds, costs.forward_flops / 1e12)
+
+
+def test_measured_costs_are_positive(mlp):
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(
+    traced, params, batch, method="measured", repeats=2
+  )
+  assert np.all(costs.forward_seconds > 0)
+  assert np.all(costs.backward_seconds > 0)
+
+
+def test_plan_round_trips_json_and_builds(mlp):
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch)
+  plan = partition.plan_traced(traced, costs, 4, bandwidth=1e10)
+  assert plan.num_stages == 4
+  assert partition.Plan.from_json(plan.to_json()) == plan
+  assert 1.0 < plan.predicted_speedup <= 4.0
+  assert plan.bottleneck_seconds == max(plan.stage_seconds)
+  assert sum(plan.stage_forward_seconds) == pytest.approx(
+    float(costs.forward_seconds.sum())
+  )
+  assert plan.stage_stash_bytes[-1] == 0.0
+  assert plan.stage_stash_bytes[0] == 3 * plan.stage_param_bytes[0]
+  stages = partition.Stages(traced, plan.stage_of_node)
+  assert stages.num_stages == 4
+
+
+def test_plan_errors(mlp):
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch)
+  with pytest.raises(ValueError, match="unknown method 'metis'"):
+    partition.plan_traced(traced, costs, 2, method="metis")
+  with pytest.raises(ValueError, match="cannot split 8 nodes into 9"):
+    partition.plan_traced(traced, costs, 9)
+  with pytest.raises(ValueError, match="smallest limit that fits"):
+    partition.plan_traced(traced, costs, 2, memory_limit=100.0)
+  with pytest.raises(ValueError, match="not a jpipe Plan"):
+    partition.Plan.from_json('{"method": "contiguous"}')
+  with pytest.raises(ValueError, match="unknown method 'sgd'"):
+    partition.profile_nodes(traced, params, batch, method="sgd")
+
+
+def test_plan_is_frozen(mlp):
+  traced, params, batch = mlp
+  plan = partition.plan_traced(
+    traced, partition.profile_nodes(traced, params, batch), 2
+  )
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.method = "other"
