@@ -2,7 +2,8 @@
 
 The loss is traced to a jaxpr once. Equations are grouped into nodes by the
 module path recorded in their name stack (Flax linen pushes one scope per
-module call; plain JAX code can use ``jax.named_scope``), cut at ``depth``
+module call; for NNX the tracer pushes them, see ``_nnx_scopes``; plain JAX
+code can use ``jax.named_scope``), cut at ``depth``
 path components below the root module. A node is a maximal run of
 consecutive equations with the same path prefix, so a module called twice
 (a tied embedding used as the output head) gives two nodes, and the nodes'
@@ -24,6 +25,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jpipe.partition import _flops
+from jpipe.partition._nnx_scopes import nnx_module_scopes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,6 +136,7 @@ def trace(
   *,
   depth: int = 1,
   has_aux: bool = False,
+  nnx_roots: Sequence[Any] = (),
 ) -> TracedModel:
   """Traces ``loss_fn(params, batch)`` and groups it into module nodes.
 
@@ -144,6 +147,9 @@ def trace(
     depth: how many module-path components below the root define a node
       (1: the root's direct children; 2: their children, ...).
     has_aux: ``loss_fn`` returns ``(loss, aux)`` (e.g. BatchNorm statistics).
+    nnx_roots: Flax NNX modules that ``loss_fn`` calls directly (closed
+      over). Modules that ``loss_fn`` builds with ``nnx.merge`` are found by
+      themselves; linen needs nothing.
 
   Returns:
     The traced model.
@@ -159,7 +165,8 @@ def trace(
   def flat_loss(*flat):
     return loss_fn(*jax.tree.unflatten(in_tree, flat))
 
-  closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves)
+  with nnx_module_scopes(*nnx_roots):
+    closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves)
   out_tree = jax.tree.structure(out_shape)
   loss_shape = out_shape[0] if has_aux else out_shape
   if has_aux and not (isinstance(out_shape, tuple) and len(out_shape) == 2):

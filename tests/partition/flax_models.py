@@ -153,9 +153,48 @@ def encoder_decoder_case():
   return loss_fn, params, {"src": src, "tgt": tgt, "y": y}, False
 
 
+def nnx_case():
+  """An NNX model used the functional way: nnx.split, then nnx.merge."""
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, width, rngs):
+      self.linear = nnx.Linear(width, width, rngs=rngs)
+      self.norm = nnx.LayerNorm(width, rngs=rngs)
+
+    def __call__(self, x):
+      return x + nnx.relu(self.linear(self.norm(x)))
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.stem = nnx.Linear(12, 16, rngs=rngs)
+      self.blocks = nnx.List([Block(16, rngs) for _ in range(4)])
+      self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+      x = self.stem(x)
+      for block in self.blocks:
+        x = block(x)
+      return self.head(x)
+
+  graphdef, params = nnx.split(Net(nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"x": x, "y": y}, False
+
+
 CASES = {
   "mlp": mlp_case,
   "resnet_bn": resnet_case,
   "gpt_tied": gpt_case,
   "encoder_decoder": encoder_decoder_case,
+  "nnx": nnx_case,
 }

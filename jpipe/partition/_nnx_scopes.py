@@ -1,0 +1,80 @@
+"""Module-path name scopes for Flax NNX, which (unlike linen) pushes none.
+
+While :func:`nnx_module_scopes` is active, every call of an NNX module
+whose path is known runs inside ``jax.named_scope`` of its path relative to
+the calling module, so traced equations carry paths such as
+``blocks/0/linear``. Paths are learnt from the roots given and from every
+module ``nnx.merge`` builds (the usual ``nnx.split`` / ``nnx.merge`` loss
+functions). The module classes' ``__call__`` are wrapped only inside the
+context and restored afterwards.
+"""
+
+import contextlib
+import functools
+import sys
+from typing import Any
+
+
+@contextlib.contextmanager
+def nnx_module_scopes(*roots: Any):
+  """Context: NNX module calls push their module path as a name scope."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:  # NNX not in use: nothing to scope.
+    yield
+    return
+  import jax
+
+  paths: dict[int, tuple] = {}
+  active: list[tuple] = []
+  originals: dict[type, tuple[Any, bool]] = {}
+
+  def wrap(cls):
+    if cls in originals or "__call__" not in dir(cls):
+      return
+    original = cls.__call__
+    originals[cls] = (original, "__call__" in cls.__dict__)
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+      path = paths.get(id(self))
+      if not path:
+        return original(self, *args, **kwargs)
+      parent = active[-1] if active else ()
+      rel = path[len(parent) :] if path[: len(parent)] == parent else path
+      active.append(path)
+      try:
+        with jax.named_scope("/".join(str(p) for p in rel)):
+          return original(self, *args, **kwargs)
+      finally:
+        active.pop()
+
+    cls.__call__ = call
+
+  def register(root):
+    if not isinstance(root, nnx.Module):
+      return
+    for path, module in nnx.iter_modules(root):
+      paths[id(module)] = tuple(path)
+      wrap(type(module))
+
+  original_merge = nnx.merge
+
+  @functools.wraps(original_merge)
+  def merge(*args, **kwargs):
+    out = original_merge(*args, **kwargs)
+    for item in out if isinstance(out, tuple) else (out,):
+      register(item)
+    return out
+
+  for root in roots:
+    register(root)
+  nnx.merge = merge
+  try:
+    yield
+  finally:
+    nnx.merge = original_merge
+    for cls, (original, own) in originals.items():
+      if own:
+        cls.__call__ = original
+      else:
+        del cls.__call__
