@@ -17,6 +17,7 @@ or call the repeated module outside the control flow.
 """
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -191,10 +192,28 @@ def trace(
   )
 
 
+def _components(name_stack) -> tuple[str, ...]:
+  return tuple(p for p in str(name_stack).split("/") if p)
+
+
 def _scope(eqn) -> tuple[str, ...]:
-  """The equation's module path as a tuple of components."""
-  stack = str(eqn.source_info.name_stack)
-  return tuple(p for p in stack.split("/") if p)
+  """The equation's module path as a tuple of components.
+
+  Lifted transforms (``nn.scan``, ``nn.remat``) record their equation at
+  the caller's scope and the module path only inside the body, relative to
+  it: the common prefix of the body's paths is appended.
+  """
+  outer = _components(eqn.source_info.name_stack)
+  inner = [
+    _components(e.source_info.name_stack)
+    for j in jcore.jaxprs_in_params(eqn.params)
+    for e in j.eqns
+  ]
+  inner = [s for s in inner if s]
+  if inner:
+    common = os.path.commonprefix(inner)
+    outer = outer + tuple(common)
+  return outer
 
 
 def _group(eqns: Sequence[Any], depth: int) -> tuple[list[str], list[int]]:

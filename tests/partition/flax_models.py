@@ -191,10 +191,49 @@ def nnx_case():
   return loss_fn, params, {"x": x, "y": y}, False
 
 
+class Cell(nn.Module):
+  @nn.compact
+  def __call__(self, carry, _):
+    carry = jnp.tanh(nn.Dense(carry.shape[-1])(carry))
+    return carry, carry
+
+
+class DropoutScanNet(nn.Module):
+  """Dropout (RNG from the batch) and a scanned block (one node)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(16, name="inp")(x)
+    x = nn.Dropout(0.3, deterministic=not train, name="drop")(x)
+    scanned = nn.scan(
+      Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+    )
+    x, ys = scanned(name="scan")(x, None)  # ys: [3, B, 16]
+    x = nn.relu(x + ys.sum(0))
+    x = nn.Dropout(0.3, deterministic=not train, name="drop2")(x)
+    return nn.Dense(10, name="head")(x)
+
+
+def dropout_scan_case():
+  model = DropoutScanNet()
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  params = model.init(jax.random.key(2), x, train=False)
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["x"], rngs={"dropout": batch["rng"]})
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"x": x, "y": y, "rng": jax.random.key(5)}, False
+
+
 CASES = {
   "mlp": mlp_case,
   "resnet_bn": resnet_case,
   "gpt_tied": gpt_case,
   "encoder_decoder": encoder_decoder_case,
   "nnx": nnx_case,
+  "dropout_scan": dropout_scan_case,
 }

@@ -134,3 +134,23 @@ def test_bad_assignments_raise():
     Stages(traced, [0])
   with pytest.raises(ValueError, match="scalar loss"):
     trace(lambda p, b: jax.tree.leaves(p)[0], params, batch)
+
+
+def test_scan_is_one_node_and_dropout_rng_flows():
+  loss_fn, params, batch, _ = flax_models.dropout_scan_case()
+  traced = trace(loss_fn, params, batch)
+  assert traced.node_names == ("inp", "drop", "scan", "drop2", "head")
+  scan_node = traced.node_names.index("scan")
+  prims = [
+    traced.jaxpr.eqns[i].primitive.name for i in traced.node_eqns(scan_node)
+  ]
+  assert "scan" in prims
+  # The dropout key reaches two stages; masks are the same as unsplit.
+  stages = Stages(traced, [0, 0, 1, 2, 2])
+  key_leaf = [i for i, p in enumerate(traced.leaf_paths) if "rng" in p][
+    0
+  ] - traced.num_param_leaves
+  readers = [
+    s for s, spec in enumerate(stages.specs) if key_leaf in spec.batch_leaves
+  ]
+  assert readers == [0, 2]
