@@ -1,6 +1,7 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
+from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._plan import Plan, plan_traced
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._stages import Stages, StageSpec
@@ -8,6 +9,7 @@ from jpipe.partition._trace import TracedModel, trace
 
 __all__ = [
   "ContiguousSolution",
+  "MixedSolution",
   "NodeCosts",
   "Plan",
   "StageSpec",
@@ -16,5 +18,6 @@ __all__ = [
   "plan_traced",
   "profile_nodes",
   "solve_contiguous",
+  "solve_mixed",
   "trace",
 ]

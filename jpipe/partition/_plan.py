@@ -7,10 +7,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._mixed import solve_mixed
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
 
-METHODS = ("contiguous",)
+METHODS = ("contiguous", "mixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Plan:
 def plan_traced(
   traced: TracedModel,
   costs: NodeCosts,
-  num_stages: int,
+  num_devices: int,
   *,
   method: str = "contiguous",
   bandwidth: float | None = None,
@@ -99,46 +100,60 @@ def plan_traced(
   optimizer_state_factor: float = 2.0,
   devices: Sequence[int] | None = None,
 ) -> Plan:
-  """Partitions a traced model into ``num_stages`` stages.
+  """Partitions a traced model onto ``num_devices`` devices.
 
   Args:
     traced: from :func:`jpipe.partition.trace`.
     costs: from :func:`jpipe.partition.profile_nodes`.
-    num_stages: pipeline stages.
-    method: "contiguous" (exact min-max over the traced program order).
+    num_devices: devices of the pipeline.
+    method: "contiguous" (one stage per device, exact min-max over the
+      traced program order, memory-limited) or "mixed" (FTPipe's mixed
+      pipe: several stages per device; the memory limit is not applied).
     bandwidth: bytes/s between devices; None ignores communication.
-    memory_limit: bytes per device; None for no limit.
+    memory_limit: bytes per device; None for no limit ("contiguous").
     optimizer_state_factor: optimizer state per parameter byte (2 for
       Adam's two moments, 1 for momentum SGD); gradients add one more.
-    devices: device index of each stage; default ``range(num_stages)``.
+    devices: the device index of each of the ``num_devices`` slots;
+      default ``range(num_devices)``.
 
   Returns:
     The plan.
   """
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}: one of {METHODS}")
-  devices = tuple(range(num_stages)) if devices is None else tuple(devices)
-  if len(devices) != num_stages:
-    raise ValueError(f"devices needs {num_stages} entries, got {devices}")
+  devices = tuple(range(num_devices)) if devices is None else tuple(devices)
+  if len(devices) != num_devices:
+    raise ValueError(f"devices needs {num_devices} entries, got {devices}")
   compute = costs.forward_seconds + costs.backward_seconds
+  if method == "mixed":
+    mixed = solve_mixed(
+      compute, num_devices, edges=traced.edges(), bandwidth=bandwidth
+    )
+    return _finish(
+      traced,
+      costs,
+      method,
+      mixed.stage_of_node(),
+      [(devices[d],) for d in mixed.stage_device],
+      mixed.stage_seconds,
+    )
   param_bytes = traced.node_param_bytes()
   act_bytes = traced.node_output_bytes()
   static = param_bytes * (2.0 + optimizer_state_factor)  # + grads + state
   solution = solve_contiguous(
     compute,
-    num_stages,
+    num_devices,
     edges=traced.edges(),
     bandwidth=bandwidth,
     static_bytes=static,
     activation_bytes=act_bytes,
     memory_limit=memory_limit,
   )
-  stage_of_node = solution.stage_of_node()
   return _finish(
     traced,
     costs,
     method,
-    stage_of_node,
+    solution.stage_of_node(),
     [(d,) for d in devices],
     solution.stage_seconds,
   )

@@ -75,3 +75,24 @@ def test_plan_is_frozen(mlp):
   )
   with pytest.raises(dataclasses.FrozenInstanceError):
     plan.method = "other"
+
+
+def test_mixed_plan_puts_several_stages_on_a_device_and_builds():
+  loss_fn, params, batch, _ = flax_models.encoder_decoder_case()
+  traced = partition.trace(loss_fn, params, batch)
+  costs = partition.profile_nodes(traced, params, batch)
+  straight = partition.plan_traced(traced, costs, 3)
+  mixed = partition.plan_traced(traced, costs, 3, method="mixed")
+  assert mixed.num_stages >= 3
+  assert {d for ds in mixed.stage_devices for d in ds} <= {0, 1, 2}
+  assert mixed.bottleneck_seconds <= straight.bottleneck_seconds + 1e-15
+  stages = partition.Stages(traced, mixed.stage_of_node)
+  out, grads = stages.run_forward_backward(params, batch)
+  import jax
+
+  ref_out, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5)
+  for a, b in zip(
+    jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
