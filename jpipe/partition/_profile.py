@@ -24,7 +24,7 @@ class NodeCosts:
     forward_seconds, backward_seconds: float64 [num_nodes]. For "xla" these
       are FLOPs / ``flops_per_second``; for "measured", median wall times.
     forward_flops, backward_flops: XLA's FLOP counts, float64 [num_nodes].
-    method: "xla" or "measured".
+    method: "xla", "measured" or "analytic".
   """
 
   forward_seconds: np.ndarray
@@ -49,9 +49,11 @@ def profile_nodes(
   Args:
     traced: the traced model.
     params, batch: real inputs (activations are computed from them).
-    method: "xla" (cost analysis of the compiled node; fast, no timing) or
+    method: "xla" (cost analysis of the compiled node; no timing),
       "measured" (compiled node run ``repeats`` times on the default
-      device; the median, after one warm-up run).
+      device; the median, after one warm-up run) or "analytic" (FLOPs
+      counted from the jaxpr, backward = 2x forward (+1x recomputed); no
+      compilation, for large models).
     flops_per_second: converts FLOPs to seconds for "xla".
     repeats: timed runs per node for "measured".
     recompute: backward recomputes the forward (its cost includes it, as
@@ -60,10 +62,18 @@ def profile_nodes(
   Returns:
     NodeCosts.
   """
-  if method not in ("xla", "measured"):
-    raise ValueError(f"unknown method {method!r}: use 'xla' or 'measured'")
+  if method not in ("xla", "measured", "analytic"):
+    raise ValueError(
+      f"unknown method {method!r}: use 'xla', 'measured' or 'analytic'"
+    )
   if flops_per_second <= 0 or repeats < 1:
     raise ValueError("flops_per_second must be > 0 and repeats >= 1")
+  if method == "analytic":  # No compilation: count from the jaxpr.
+    fwd = traced.node_flops()
+    bwd = (3.0 if recompute else 2.0) * fwd
+    return NodeCosts(
+      fwd / flops_per_second, bwd / flops_per_second, fwd, bwd, method
+    )
   nodes = Stages(traced, list(range(traced.num_nodes)))
   stage_params = nodes.split_params(params)
   stage_batch = nodes.split_batch(batch)

@@ -27,6 +27,16 @@ def test_xla_costs_count_the_matrix_products(mlp):
   np.testing.assert_allclose(costs.forward_seconds, costs.forward_flops / 1e12)
 
 
+def test_analytic_costs_need_no_compilation(mlp):
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch, method="analytic")
+  np.testing.assert_array_equal(costs.forward_flops, traced.node_flops())
+  np.testing.assert_allclose(costs.backward_flops, 3 * costs.forward_flops)
+  xla = partition.profile_nodes(traced, params, batch, method="xla")
+  ratio = costs.forward_flops.sum() / xla.forward_flops.sum()
+  assert 0.7 < ratio < 1.3  # the two counts agree to within 30%
+
+
 def test_measured_costs_are_positive(mlp):
   traced, params, batch = mlp
   costs = partition.profile_nodes(

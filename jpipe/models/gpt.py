@@ -1,0 +1,60 @@
+"""A GPT-style decoder-only language model with tied embeddings."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class Block(nn.Module):
+  """Pre-LN causal self-attention and MLP, both residual."""
+
+  num_heads: int
+  mlp_ratio: int = 4
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    length = x.shape[1]
+    mask = nn.make_causal_mask(jnp.ones((x.shape[0], length), jnp.int32))
+    h = nn.LayerNorm(name="ln_0")(x)
+    h = nn.MultiHeadDotProductAttention(
+      self.num_heads,
+      dropout_rate=self.dropout,
+      deterministic=not train,
+      name="attn",
+    )(h, h, mask=mask)
+    x = x + h
+    h = nn.LayerNorm(name="ln_1")(x)
+    h = nn.Dense(self.mlp_ratio * x.shape[-1], name="fc")(h)
+    h = nn.Dense(x.shape[-1], name="proj")(nn.gelu(h))
+    if self.dropout:
+      h = nn.Dropout(self.dropout, deterministic=not train)(h)
+    return x + h
+
+
+class Model(nn.Module):
+  """Tokens int [B, L] -> next-token logits [B, L, vocab].
+
+  The token embedding is also the output projection (``embed.attend``),
+  so the first and the last pipeline stage share it.
+  """
+
+  vocab_size: int = 256
+  width: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  max_length: int = 256
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, train: bool = True) -> jax.Array:
+    embed = nn.Embed(self.vocab_size, self.width, name="embed")
+    positions = self.param(
+      "pos_embed", nn.initializers.normal(0.02), (self.max_length, self.width)
+    )
+    x = embed(tokens) + positions[None, : tokens.shape[1]]
+    for i in range(self.num_layers):
+      x = Block(self.num_heads, dropout=self.dropout, name=f"block_{i}")(
+        x, train
+      )
+    return embed.attend(nn.LayerNorm(name="ln_f")(x))
