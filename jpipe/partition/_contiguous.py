@@ -1,20 +1,38 @@
 """Exact min-max contiguous partition of a topologically ordered graph.
 
 Nodes 0..N-1 in a topological order are cut into ``num_stages`` contiguous
-runs. A stage's time is PipeDream's overlapped model,
-``max(compute, 2 * bytes_in / bandwidth, 2 * bytes_out / bandwidth)`` (the
-factor 2: activations forward, their gradients backward), where the bytes
-crossing a cut include long skips (an edge from stage 1 to stage 4 counts
-as input of stage 4 and output of stage 1). The dynamic program over (stage
-count, prefix) is exact for that objective: it returns the minimum
-bottleneck over all contiguous splits of the order, subject to a per-stage
-memory limit.
+runs. With ``t_in = 2 * bytes_in / bandwidth`` and ``t_out`` likewise (the
+factor 2: activations forward, their gradients backward; bytes crossing a
+cut include long skips, so an edge from stage 1 to stage 4 counts as input
+of stage 4 and output of stage 1), a stage with compute C takes
+
+- ``"overlapped"`` (PipeDream): ``max(C, t_in, t_out)``;
+- ``"ftpipe"`` (FTPipe's partitioner): ``C + max(0, t_in - C) +
+  max(0, t_out - C)``, the communication that computation cannot hide.
+
+The dynamic program over (stage count, prefix) is exact for either: it
+returns the minimum bottleneck over all contiguous splits of the order,
+subject to a per-stage memory limit.
 """
 
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+COMM_MODELS = ("overlapped", "ftpipe")
+
+
+def stage_seconds(compute, t_in, t_out, comm_model: str):
+  """A stage's time from compute and transfer seconds (arrays broadcast)."""
+  if comm_model == "overlapped":
+    return np.maximum(compute, np.maximum(t_in, t_out))
+  with np.errstate(invalid="ignore"):  # inf - inf for empty runs
+    return (
+      compute
+      + np.maximum(0.0, t_in - compute)
+      + np.maximum(0.0, t_out - compute)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +65,7 @@ def solve_contiguous(
   activation_bytes: Sequence[float] | None = None,
   memory_limit: float | None = None,
   in_flight: Sequence[int] | None = None,
+  comm_model: str = "overlapped",
 ) -> ContiguousSolution:
   """Min-max bottleneck split of N ordered nodes into ``num_stages`` runs.
 
@@ -61,6 +80,7 @@ def solve_contiguous(
     memory_limit: bytes per stage (device); None for no limit.
     in_flight: microbatches in flight per stage, [num_stages]; default
       ``num_stages - s`` (1F1B).
+    comm_model: "overlapped" or "ftpipe" (see the module docstring).
 
   Returns:
     The optimal split.
@@ -75,6 +95,8 @@ def solve_contiguous(
     )
   if bandwidth is not None and bandwidth <= 0:
     raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
+  if comm_model not in COMM_MODELS:
+    raise ValueError(f"unknown comm_model {comm_model!r}: one of {COMM_MODELS}")
   static = _per_node(static_bytes, n_nodes, "static_bytes")
   acts = _per_node(activation_bytes, n_nodes, "activation_bytes")
   flight = np.asarray(
@@ -95,8 +117,9 @@ def solve_contiguous(
   valid = ends > starts
   compute = np.where(valid, prefix[ends] - prefix[starts], np.inf)
   if bandwidth is not None:
-    comm = 2.0 * np.maximum(cut_in, cut_out) / bandwidth
-    stage_time = np.maximum(compute, comm)
+    stage_time = stage_seconds(
+      compute, 2.0 * cut_in / bandwidth, 2.0 * cut_out / bandwidth, comm_model
+    )
   else:
     stage_time = compute
 

@@ -9,13 +9,15 @@ neighbouring stages while that lowers the objective. The best of several L
 stages (e.g. the first and the last), which balances models whose cost is
 uneven along the order.
 
-Objective (FTPipe's ``mpipe`` refinement): the maximum over stages of
-``C_dev + max(0, comm_in - C_dev) + max(0, comm_out - C_dev)``, where
-``C_dev`` is the compute of all stages on that stage's device and
-``comm_in``/``comm_out`` the stage's transfers to or from other devices
-(2 x bytes / bandwidth: activations and their gradients), i.e. the
-communication that computation on the device cannot hide. Transfers between
-stages on one device are free.
+Objective: the maximum over stages of the stage time of
+``_contiguous.stage_seconds`` with ``C = C_dev``, the compute of all stages
+on that stage's device, and ``t_in``/``t_out`` the stage's transfers to or
+from other devices (2 x bytes / bandwidth: activations and gradients).
+With ``comm_model="ftpipe"`` that is FTPipe's ``mpipe`` refinement
+objective ``C_dev + max(0, t_in - C_dev) + max(0, t_out - C_dev)``.
+Transfers between stages on one device are free. The exact straight split
+(one stage per device) under the same model is always a candidate, so the
+result is never worse than it.
 
 FTPipe's greedy pops the *smallest* block first (a quirk of popitem on a
 descending dict, spec §7); jpipe places the largest first, as best fit
@@ -27,7 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition import _contiguous
+from jpipe.partition._contiguous import COMM_MODELS, solve_contiguous
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,8 @@ def solve_mixed(
   bandwidth: float | None = None,
   block_counts: Sequence[int] | None = None,
   max_refine_rounds: int = 100,
+  comm_model: str = "ftpipe",
+  min_gain: float = 0.01,
 ) -> MixedSolution:
   """Mixed-pipe partition of N ordered nodes onto ``num_devices`` devices.
 
@@ -69,10 +74,14 @@ def solve_mixed(
     block_counts: the L values to try (each P <= L <= N); default
       P, 2P, 3P, 4P capped at N.
     max_refine_rounds: passes of border-node moves.
+    comm_model: "ftpipe" (default, FTPipe's) or "overlapped" (PipeDream's).
+    min_gain: a candidate with more stages replaces a better-ranked one only
+      if it is faster by at least this fraction (stages cost transfers and
+      bookkeeping the model does not see).
 
   Returns:
     The best solution found; its objective is never above the exact
-    straight P-stage split's (L = P is among the candidates).
+    straight P-stage split's (it is among the candidates).
   """
   cost = np.asarray(compute_seconds, np.float64)
   n = cost.shape[0]
@@ -83,14 +92,24 @@ def solve_mixed(
     )
   if bandwidth is not None and bandwidth <= 0:
     raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
+  if comm_model not in COMM_MODELS:
+    raise ValueError(f"unknown comm_model {comm_model!r}: one of {COMM_MODELS}")
   edges = dict(edges or {})
   if block_counts is None:
     block_counts = sorted({min(k * num_devices, n) for k in (1, 2, 3, 4)})
   for count in block_counts:
     if not num_devices <= count <= n:
       raise ValueError(f"block count {count} must lie in [{num_devices}, {n}]")
-  evaluate = _Evaluator(cost, edges, bandwidth, num_devices)
-  best = None
+  evaluate = _Evaluator(cost, edges, bandwidth, num_devices, comm_model)
+  straight = solve_contiguous(
+    cost, num_devices, edges=edges, bandwidth=bandwidth, comm_model=comm_model
+  )
+  bounds = list(straight.boundaries)
+  best = (
+    evaluate.objective(bounds, list(range(num_devices))),
+    bounds,
+    list(range(num_devices)),
+  )
   for count in block_counts:
     blocks = solve_contiguous(cost, count).boundaries
     block_device = _best_fit(cost, blocks, num_devices)
@@ -99,7 +118,7 @@ def solve_mixed(
       evaluate, list(bounds), list(devices), max_refine_rounds
     )
     value = evaluate.objective(bounds, devices)
-    if best is None or value < best[0] - 1e-15:
+    if value < best[0] * (1.0 - min_gain):
       best = (value, bounds, devices)
   value, bounds, devices = best
   stage_times, device_compute = evaluate.stage_times(bounds, devices)
@@ -115,7 +134,8 @@ def solve_mixed(
 class _Evaluator:
   """The mixed-pipe objective of a (boundaries, stage devices) pair."""
 
-  def __init__(self, cost, edges, bandwidth, num_devices):
+  def __init__(self, cost, edges, bandwidth, num_devices, comm_model):
+    self.comm_model = comm_model
     self.prefix = np.concatenate([[0.0], np.cumsum(cost)])
     self.edges = [(u, v, w) for (u, v), w in edges.items()]
     for u, v, _ in self.edges:
@@ -138,11 +158,7 @@ class _Evaluator:
           comm_out[su] += 2.0 * w / self.bandwidth
           comm_in[sv] += 2.0 * w / self.bandwidth
     c_dev = device_compute[np.asarray(devices)]
-    times = (
-      c_dev
-      + np.maximum(0.0, comm_in - c_dev)
-      + np.maximum(0.0, comm_out - c_dev)
-    )
+    times = _contiguous.stage_seconds(c_dev, comm_in, comm_out, self.comm_model)
     return times, device_compute
 
   def objective(self, bounds, devices):

@@ -99,6 +99,7 @@ def plan_traced(
   memory_limit: float | None = None,
   optimizer_state_factor: float = 2.0,
   devices: Sequence[int] | None = None,
+  comm_model: str = "overlapped",
 ) -> Plan:
   """Partitions a traced model onto ``num_devices`` devices.
 
@@ -115,6 +116,9 @@ def plan_traced(
       Adam's two moments, 1 for momentum SGD); gradients add one more.
     devices: the device index of each of the ``num_devices`` slots;
       default ``range(num_devices)``.
+    comm_model: how transfers add to a stage's time, "overlapped"
+      (PipeDream: max of compute and transfers) or "ftpipe" (compute plus
+      the transfer time compute cannot hide); see ``solve_contiguous``.
 
   Returns:
     The plan.
@@ -127,7 +131,11 @@ def plan_traced(
   compute = costs.forward_seconds + costs.backward_seconds
   if method == "mixed":
     mixed = solve_mixed(
-      compute, num_devices, edges=traced.edges(), bandwidth=bandwidth
+      compute,
+      num_devices,
+      edges=traced.edges(),
+      bandwidth=bandwidth,
+      comm_model=comm_model,
     )
     return _finish(
       traced,
@@ -148,6 +156,7 @@ def plan_traced(
     static_bytes=static,
     activation_bytes=act_bytes,
     memory_limit=memory_limit,
+    comm_model=comm_model,
   )
   return _finish(
     traced,

@@ -8,7 +8,9 @@ import pytest
 from jpipe.partition._contiguous import solve_contiguous
 
 
-def _brute_force(cost, edges, n_stages, bandwidth, static, acts, limit):
+def _brute_force(
+  cost, edges, n_stages, bandwidth, static, acts, limit, comm_model="overlapped"
+):
   n = len(cost)
   best = np.inf
   for cuts in itertools.combinations(range(1, n), n_stages - 1):
@@ -21,7 +23,11 @@ def _brute_force(cost, edges, n_stages, bandwidth, static, acts, limit):
       out = sum(w for (u, v), w in edges.items() if a <= u < b <= v)
       t = compute
       if bandwidth:
-        t = max(t, 2 * into / bandwidth, 2 * out / bandwidth)
+        t_in, t_out = 2 * into / bandwidth, 2 * out / bandwidth
+        if comm_model == "overlapped":
+          t = max(t, t_in, t_out)
+        else:
+          t = compute + max(0, t_in - compute) + max(0, t_out - compute)
       mem = sum(static[a:b]) + (n_stages - s) * sum(acts[a:b])
       if limit is not None and mem > limit:
         t = np.inf
@@ -46,28 +52,31 @@ def test_matches_brute_force(seed):
   cost, edges = _random_instance(rng, n)
   static = rng.uniform(0, 2, n)
   acts = rng.uniform(0, 1, n)
-  for n_stages in range(1, min(n, 5) + 1):
-    for bandwidth in (None, 3.0):
-      limit = float(rng.uniform(3, 8)) if seed % 2 else None
-      expected = _brute_force(
-        cost, edges, n_stages, bandwidth, static, acts, limit
-      )
-      kwargs = dict(
-        edges=edges,
-        bandwidth=bandwidth,
-        static_bytes=static,
-        activation_bytes=acts,
-        memory_limit=limit,
-      )
-      if not np.isfinite(expected):
-        with pytest.raises(ValueError, match="smallest limit that fits"):
-          solve_contiguous(cost, n_stages, **kwargs)
-        continue
-      sol = solve_contiguous(cost, n_stages, **kwargs)
-      np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
-      assert max(sol.stage_seconds) == pytest.approx(expected)
-      assert sol.boundaries[0] == 0 and sol.boundaries[-1] == n
-      assert len(sol.stage_of_node()) == n
+  settings = itertools.product(
+    range(1, min(n, 5) + 1), (None, 3.0), ("overlapped", "ftpipe")
+  )
+  for n_stages, bandwidth, model in settings:
+    limit = float(rng.uniform(3, 8)) if seed % 2 else None
+    expected = _brute_force(
+      cost, edges, n_stages, bandwidth, static, acts, limit, model
+    )
+    kwargs = dict(
+      edges=edges,
+      bandwidth=bandwidth,
+      static_bytes=static,
+      activation_bytes=acts,
+      memory_limit=limit,
+      comm_model=model,
+    )
+    if not np.isfinite(expected):
+      with pytest.raises(ValueError, match="smallest limit that fits"):
+        solve_contiguous(cost, n_stages, **kwargs)
+      continue
+    sol = solve_contiguous(cost, n_stages, **kwargs)
+    np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
+    assert max(sol.stage_seconds) == pytest.approx(expected)
+    assert sol.boundaries[0] == 0 and sol.boundaries[-1] == n
+    assert len(sol.stage_of_node()) == n
 
 
 def test_memory_error_names_the_limit_that_fits():
@@ -88,3 +97,5 @@ def test_bad_input():
     solve_contiguous([1.0, 1.0], 2, bandwidth=0.0)
   with pytest.raises(ValueError, match="does not go forward"):
     solve_contiguous([1.0, 1.0], 2, edges={(1, 0): 3.0})
+  with pytest.raises(ValueError, match="unknown comm_model 'nccl'"):
+    solve_contiguous([1.0, 1.0], 2, comm_model="nccl")
