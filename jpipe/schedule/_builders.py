@@ -1,0 +1,252 @@
+"""The schedules: seq, gpipe, 1f1b, async, 2bw and interleaved.
+
+Each builder returns a :class:`Schedule` for ``num_stages`` stages (stage s
+on device s unless said otherwise) and ``num_microbatches`` microbatches.
+"""
+
+import numpy as np
+
+from jpipe.schedule._schedule import (
+  BACKWARD,
+  FORWARD,
+  STEP,
+  Action,
+  Schedule,
+  make_schedule,
+)
+
+SCHEDULES = ("seq", "gpipe", "1f1b", "async", "2bw", "interleaved")
+
+
+def _check(num_stages, num_microbatches):
+  if num_stages < 1 or num_microbatches < 1:
+    raise ValueError(
+      f"need >= 1 stage and microbatch, got {num_stages} stages and "
+      f"{num_microbatches} microbatches"
+    )
+
+
+def seq(num_stages: int, num_microbatches: int) -> Schedule:
+  """Naive model parallelism: one microbatch in flight, one step at the end.
+
+  Synchronous: equals single-device gradient accumulation.
+  """
+  _check(num_stages, num_microbatches)
+  devices = [[] for _ in range(num_stages)]
+  for s in range(num_stages):
+    for m in range(num_microbatches):
+      devices[s] += [Action(FORWARD, s, m), Action(BACKWARD, s, m)]
+    devices[s].append(Action(STEP, s, num_microbatches - 1))
+  return make_schedule(
+    "seq", devices, list(range(num_stages)), num_microbatches
+  )
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+  """GPipe fill-drain: all forwards, all backwards (LIFO), one step."""
+  _check(num_stages, num_microbatches)
+  devices = []
+  for s in range(num_stages):
+    actions = [Action(FORWARD, s, m) for m in range(num_microbatches)]
+    actions += [
+      Action(BACKWARD, s, m) for m in reversed(range(num_microbatches))
+    ]
+    actions.append(Action(STEP, s, num_microbatches - 1))
+    devices.append(actions)
+  return make_schedule(
+    "gpipe", devices, list(range(num_stages)), num_microbatches
+  )
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+  """PipeDream-Flush (synchronous 1F1B): warm-up, F/B pairs, drain, step.
+
+  Stage s runs ``min(n - 1 - s, m)`` warm-up forwards, so it keeps at most
+  ``n - s`` microbatches' activations (GPipe keeps m).
+  """
+  _check(num_stages, num_microbatches)
+  devices = []
+  for s in range(num_stages):
+    warm = min(num_stages - 1 - s, num_microbatches)
+    actions = [Action(FORWARD, s, m) for m in range(warm)]
+    for i in range(num_microbatches - warm):
+      actions += [Action(FORWARD, s, warm + i), Action(BACKWARD, s, i)]
+    actions += [
+      Action(BACKWARD, s, m)
+      for m in range(num_microbatches - warm, num_microbatches)
+    ]
+    actions.append(Action(STEP, s, num_microbatches - 1))
+    devices.append(actions)
+  return make_schedule(
+    "1f1b", devices, list(range(num_stages)), num_microbatches
+  )
+
+
+def async_1f1b(
+  num_stages: int, num_microbatches: int, *, step_every: int = 1
+) -> Schedule:
+  """PipeDream's asynchronous 1F1B: each stage steps after its backwards.
+
+  Stage s steps after the backward of microbatch b iff
+  ``b % step_every == step_every - 1`` (and after the last one, FTPipe's
+  partial window). In steady state with ``step_every=1`` the delay of stage
+  s is ``n - 1 - s``; after the warm-up it ramps 0, 1, ..., n - 1 - s. The
+  window ends with a drain (FTPipe flushes once per epoch).
+  """
+  _check(num_stages, num_microbatches)
+  if step_every < 1:
+    raise ValueError(f"step_every must be >= 1, got {step_every}")
+  devices = []
+  last = num_microbatches - 1
+  for s in range(num_stages):
+    warm = min(num_stages - 1 - s, num_microbatches)
+    actions = [Action(FORWARD, s, m) for m in range(warm)]
+
+    def backward(b, actions=actions, s=s):
+      actions.append(Action(BACKWARD, s, b))
+      if b % step_every == step_every - 1 or b == last:
+        actions.append(Action(STEP, s, b))
+
+    for i in range(num_microbatches - warm):
+      actions.append(Action(FORWARD, s, warm + i))
+      backward(i)
+    for b in range(num_microbatches - warm, num_microbatches):
+      backward(b)
+    devices.append(actions)
+  return make_schedule(
+    "async", devices, list(range(num_stages)), num_microbatches
+  )
+
+
+def two_bw(
+  num_stages: int, num_microbatches: int, *, minibatch: int
+) -> Schedule:
+  """PipeDream-2BW: 1F1B without flushes, one step per ``minibatch``.
+
+  Two weight versions: every microbatch of minibatch t runs forward and
+  backward at W(t-1) (the first at W(0)), so
+  ``W(t+1) = W(t) - lr * grad f(W(t-1))``. Needs ``minibatch >= n``.
+  """
+  _check(num_stages, num_microbatches)
+  if minibatch < num_stages or num_microbatches % minibatch:
+    raise ValueError(
+      f"2bw needs minibatch >= num_stages ({num_stages}) dividing "
+      f"num_microbatches ({num_microbatches}), got {minibatch}"
+    )
+  devices = []
+  for s in range(num_stages):
+    warm = min(num_stages - 1 - s, num_microbatches)
+    actions = [Action(FORWARD, s, m) for m in range(warm)]
+
+    def backward(b, actions=actions, s=s):
+      actions.append(Action(BACKWARD, s, b))
+      if b % minibatch == minibatch - 1:
+        actions.append(Action(STEP, s, b))
+
+    for i in range(num_microbatches - warm):
+      actions.append(Action(FORWARD, s, warm + i))
+      backward(i)
+    for b in range(num_microbatches - warm, num_microbatches):
+      backward(b)
+    devices.append(actions)
+  t = np.arange(num_microbatches) // minibatch
+  version = np.tile(np.maximum(t - 1, 0), (num_stages, 1))
+  return make_schedule(
+    "2bw",
+    devices,
+    list(range(num_stages)),
+    num_microbatches,
+    forward_version=version,
+    backward_uses_stash=True,
+  )
+
+
+def interleaved(
+  stage_device, num_microbatches: int, *, synchronous: bool = True
+) -> Schedule:
+  """Several stages per device (FTPipe's mixed pipe, Megatron's virtual
+  stages), ordered by list scheduling on unit costs.
+
+  Each device repeatedly runs its ready action with the highest priority:
+  a backward before a forward (1F1B), earlier microbatches first, and a
+  forward only while its stage has fewer than ``n - s`` microbatches in
+  flight (1F1B's activation bound). Synchronous: one step per stage at the
+  end; otherwise a step after every backward (asynchronous).
+  """
+  stage_device = [int(d) for d in stage_device]
+  num_stages = len(stage_device)
+  _check(num_stages, num_microbatches)
+  num_devices = max(stage_device) + 1
+  if set(stage_device) != set(range(num_devices)):
+    raise ValueError(f"devices {stage_device} must be 0..{num_devices - 1}")
+  done_f = np.zeros(num_stages, np.int64)  # forwards done per stage
+  done_b = np.zeros(num_stages, np.int64)
+  finished: dict[tuple[str, int, int], float] = {}
+  clock = np.zeros(num_devices)
+  devices: list[list[Action]] = [[] for _ in range(num_devices)]
+  total = 2 * num_stages * num_microbatches
+  while len(finished) < total:
+    best = None
+    for s in range(num_stages):
+      d = stage_device[s]
+      candidates = []
+      b = done_b[s]
+      if b < done_f[s]:
+        ready = finished.get((FORWARD, s, b))
+        if s < num_stages - 1:
+          up = finished.get((BACKWARD, s + 1, b))
+          ready = None if up is None or ready is None else max(ready, up)
+        if ready is not None:
+          candidates.append((0, b, ready, Action(BACKWARD, s, b)))
+      f = done_f[s]
+      if f < num_microbatches and f - done_b[s] < num_stages - s:
+        ready = 0.0 if s == 0 else finished.get((FORWARD, s - 1, f))
+        if ready is not None:
+          candidates.append((1, f, ready, Action(FORWARD, s, f)))
+      for prio, m, ready, action in candidates:
+        start = max(clock[d], ready)
+        key = (start, prio, m, s)
+        if best is None or key < best[0]:
+          best = (key, d, action)
+    if best is None:
+      raise RuntimeError("interleaved schedule deadlocked")  # unreachable
+    (start, _, _, _), d, action = best
+    clock[d] = start + 1.0
+    finished[(action.kind, action.stage, action.microbatch)] = clock[d]
+    devices[d].append(action)
+    if action.kind == FORWARD:
+      done_f[action.stage] += 1
+    else:
+      done_b[action.stage] += 1
+      if not synchronous:
+        devices[d].append(Action(STEP, action.stage, action.microbatch))
+  if synchronous:
+    for s in range(num_stages):
+      devices[stage_device[s]].append(Action(STEP, s, num_microbatches - 1))
+  return make_schedule("interleaved", devices, stage_device, num_microbatches)
+
+
+def build(
+  name: str, num_stages: int, num_microbatches: int, **kwargs
+) -> Schedule:
+  """A schedule by name (one of SCHEDULES); kwargs go to the builder.
+
+  ``interleaved`` takes ``stage_device`` (default: stage s on device s).
+  """
+  builders = {
+    "seq": seq,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "async": async_1f1b,
+    "2bw": two_bw,
+  }
+  if name == "interleaved":
+    stage_device = kwargs.pop("stage_device", list(range(num_stages)))
+    if len(stage_device) != num_stages:
+      raise ValueError(
+        f"stage_device has {len(stage_device)} entries for {num_stages} stages"
+      )
+    return interleaved(stage_device, num_microbatches, **kwargs)
+  if name not in builders:
+    raise ValueError(f"unknown schedule {name!r}: one of {SCHEDULES}")
+  return builders[name](num_stages, num_microbatches, **kwargs)

@@ -1,0 +1,89 @@
+"""Timelines out: Chrome/Perfetto trace JSON and a PNG Gantt chart."""
+
+import json
+
+from jpipe.schedule._simulate import Timeline
+
+_COLOURS = {"F": "#4C78A8", "B": "#F58518", "S": "#54A24B"}
+
+
+def chrome_trace(timeline: Timeline) -> dict:
+  """The timeline as Chrome trace events (open in ui.perfetto.dev).
+
+  One track (tid) per device; times in microseconds.
+  """
+  events = []
+  for action, start in timeline.start.items():
+    events.append(
+      {
+        "name": str(action),
+        "cat": action.kind,
+        "ph": "X",
+        "ts": start * 1e6,
+        "dur": (timeline.end[action] - start) * 1e6,
+        "pid": 0,
+        "tid": timeline.device_of[action],
+        "args": {"stage": action.stage, "microbatch": action.microbatch},
+      }
+    )
+  for d in range(len(timeline.busy)):
+    events.append(
+      {
+        "name": "thread_name",
+        "ph": "M",
+        "pid": 0,
+        "tid": d,
+        "args": {"name": f"device {d}"},
+      }
+    )
+  return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(timeline: Timeline, path: str) -> None:
+  """Writes :func:`chrome_trace` as JSON to ``path``."""
+  with open(path, "w") as f:
+    json.dump(chrome_trace(timeline), f)
+
+
+def plot_timeline(timeline: Timeline, path: str, *, title: str = "") -> None:
+  """A Gantt chart PNG: one row per device, F blue, B orange, steps green."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  num_devices = len(timeline.busy)
+  width = max(6.0, min(24.0, 0.25 * len(timeline.start) / num_devices + 4))
+  fig, ax = plt.subplots(figsize=(width, 0.5 * num_devices + 1.2))
+  for action, start in timeline.start.items():
+    d = timeline.device_of[action]
+    duration = timeline.end[action] - start
+    ax.broken_barh(
+      [(start, duration)],
+      (d - 0.4, 0.8),
+      facecolors=_COLOURS[action.kind],
+      edgecolors="white",
+      linewidth=0.5,
+    )
+    if action.kind != "S" and duration > timeline.makespan / 150:
+      ax.text(
+        start + duration / 2,
+        d,
+        str(action.microbatch),
+        ha="center",
+        va="center",
+        fontsize=6,
+        color="white",
+      )
+  ax.set_yticks(range(num_devices))
+  ax.set_yticklabels([f"device {d}" for d in range(num_devices)])
+  ax.invert_yaxis()
+  ax.set_xlabel("time (s)")
+  ax.set_title(
+    title
+    or f"makespan {timeline.makespan:.3g} s, bubble "
+    f"{100 * timeline.bubble:.1f}%"
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,135 @@
+"""Pipeline schedules as data: per-device ordered actions.
+
+An action is a forward (F) or backward (B) of stage s on microbatch m, or an
+optimizer step (S) of stage s. A device runs its actions in order; an
+action also waits for its data: F(s, m) for F(s-1, m) (the activation),
+B(s, m) for B(s+1, m) (the gradient) and F(s, m), S(s) for the backwards it
+applies. Transfers are the edges between stages on different devices; the
+driver issues them as ``device_put`` when the consumer's action is next and
+the event simulator charges them as link time.
+
+Semantics are fixed by which backwards each step applies, from which the
+delay of every microbatch on every stage follows: the number of steps the
+stage takes between F(s, m) and the step that applies m's gradient.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+FORWARD, BACKWARD, STEP = "F", "B", "S"
+
+
+class Action(NamedTuple):
+  """One unit of work. ``microbatch`` of a step: the last one it applies."""
+
+  kind: str
+  stage: int
+  microbatch: int
+
+  def __str__(self) -> str:
+    return f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Per-device action lists and the staleness they imply.
+
+  Attributes:
+    name: the builder's name.
+    num_stages, num_microbatches: pipeline size and microbatches covered.
+    stage_device: device of every stage.
+    device_actions: per device, the actions in execution order.
+    step_groups: per stage, the microbatches each of its steps applies, in
+      step order.
+    forward_version: int [num_stages, num_microbatches]: steps stage s has
+      taken when F(s, m) runs.
+    delay: int [num_stages, num_microbatches]: steps between F(s, m) and the
+      step that applies m's gradient (0 = synchronous).
+    backward_uses_stash: whether B(s, m) runs at the weights F(s, m) used
+      (weight stashing / 2BW) rather than the latest ones.
+  """
+
+  name: str
+  num_stages: int
+  num_microbatches: int
+  stage_device: tuple[int, ...]
+  device_actions: tuple[tuple[Action, ...], ...]
+  step_groups: tuple[tuple[tuple[int, ...], ...], ...]
+  forward_version: np.ndarray
+  delay: np.ndarray
+  backward_uses_stash: bool = False
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.device_actions)
+
+  def format(self) -> str:
+    """One line per device, e.g. ``dev0: F0.0 F0.1 B0.0 S0.0``."""
+    return "\n".join(
+      f"dev{d}: " + " ".join(str(a) for a in actions)
+      for d, actions in enumerate(self.device_actions)
+    )
+
+
+def make_schedule(
+  name,
+  device_actions,
+  stage_device,
+  num_microbatches,
+  *,
+  forward_version=None,
+  backward_uses_stash=False,
+) -> Schedule:
+  """A Schedule from per-device action orders.
+
+  ``forward_version`` overrides the weight version each forward uses
+  (2BW's double buffering pins it); otherwise it is the steps the stage has
+  taken when its forward runs.
+  """
+  num_stages = len(stage_device)
+  stage_actions = [
+    [a for a in device_actions[stage_device[s]] if a.stage == s]
+    for s in range(num_stages)
+  ]
+  groups, version, applied_at = _semantics(stage_actions, num_microbatches)
+  if forward_version is not None:
+    version = np.asarray(forward_version, np.int64)
+  return Schedule(
+    name=name,
+    num_stages=num_stages,
+    num_microbatches=num_microbatches,
+    stage_device=tuple(int(d) for d in stage_device),
+    device_actions=tuple(tuple(a) for a in device_actions),
+    step_groups=groups,
+    forward_version=version,
+    delay=applied_at - version,
+    backward_uses_stash=backward_uses_stash,
+  )
+
+
+def _semantics(stage_actions, num_microbatches):
+  """Step groups, forward versions and the step applying each gradient."""
+  num_stages = len(stage_actions)
+  version = np.full((num_stages, num_microbatches), -1, np.int64)
+  applied_at = np.full((num_stages, num_microbatches), -1, np.int64)
+  groups = []
+  for s, actions in enumerate(stage_actions):
+    steps, pending, stage_groups = 0, [], []
+    for a in actions:
+      if a.kind == FORWARD:
+        version[s, a.microbatch] = steps
+      elif a.kind == BACKWARD:
+        pending.append(a.microbatch)
+      elif a.kind == STEP:
+        for m in pending:
+          applied_at[s, m] = steps
+        stage_groups.append(tuple(pending))
+        pending, steps = [], steps + 1
+    if pending:
+      raise ValueError(f"stage {s}: backwards {pending} are never applied")
+    groups.append(tuple(stage_groups))
+  if np.any(version < 0) or np.any(applied_at < 0):
+    raise ValueError("every microbatch needs F, B and a step on every stage")
+  return tuple(groups), version, applied_at
