@@ -1,7 +1,16 @@
 """jpipe: pipeline model-parallel training in JAX.
 
 Subpackages are imported on demand so that ``import jpipe.staleness`` stays
-light (jax + optax only).
+light (jax + optax only); ``jpipe.Pipeline`` loads the runtime when first
+used.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  if name in ("Pipeline", "PipelineState"):
+    from jpipe import runtime
+
+    return getattr(runtime, name)
+  raise AttributeError(f"module 'jpipe' has no attribute {name!r}")

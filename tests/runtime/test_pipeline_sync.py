@@ -1,0 +1,143 @@
+"""Synchronous schedules = single-device gradient accumulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from tests.partition import flax_models
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compiles():
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _reference_step(loss_fn, params, batch, m, tx):
+  """Mean of microbatch gradients, one optax step, on one device."""
+  size = jax.tree.leaves(batch)[0].shape[0]
+  grads, losses = None, []
+  for k in range(m):
+    mb = jax.tree.map(
+      lambda x, k=k: x[k * size // m : (k + 1) * size // m], batch
+    )
+    loss, g = jax.value_and_grad(loss_fn)(params, mb)
+    losses.append(loss)
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+  grads = jax.tree.map(lambda g: g / m, grads)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return optax.apply_updates(params, updates), float(np.mean(losses))
+
+
+def _assert_tree_close(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "seq"])
+@pytest.mark.parametrize("case", ["mlp", "gpt_tied", "encoder_decoder"])
+def test_one_step_equals_single_device(case, schedule):
+  loss_fn, params, batch, _ = flax_models.CASES[case]()
+  tx = optax.sgd(0.1, momentum=0.9)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=4,
+    devices=jax.devices()[:4],
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=tx,
+  )
+  state = pipe.init(params)
+  assert len({d for d in pipe.stage_device}) == 4
+  state, metrics = pipe.step(state, batch)
+  expected, expected_loss = _reference_step(loss_fn, params, batch, 4, tx)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_mixed_plan_several_stages_per_device_and_no_recompute():
+  loss_fn, params, batch, _ = flax_models.encoder_decoder_case()
+  tx = optax.adam(1e-2)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    schedule="gpipe",
+    num_microbatches=2,
+    optimizer=tx,
+    partition="mixed",
+    recompute=False,
+  )
+  state = pipe.init(params)
+  for _ in range(2):
+    state, _ = pipe.step(state, batch)
+  expected = params
+  opt_state = tx.init(params)
+  size = 4
+  for _ in range(2):
+    grads = None
+    for k in range(2):
+      mb = jax.tree.map(
+        lambda x, k=k: x[k * size // 2 : (k + 1) * size // 2], batch
+      )
+      g = jax.grad(loss_fn)(expected, mb)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    grads = jax.tree.map(lambda g: g / 2, grads)
+    updates, opt_state = tx.update(grads, opt_state, expected)
+    expected = optax.apply_updates(expected, updates)
+  _assert_tree_close(pipe.gather_params(state), expected)
+
+
+def test_tied_replicas_stay_equal():
+  loss_fn, params, batch, _ = flax_models.gpt_case()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="1f1b",
+    num_microbatches=2,
+    optimizer=optax.adam(1e-2),
+  )
+  state = pipe.init(params)
+  for _ in range(3):
+    state, _ = pipe.step(state, batch)
+  shared = list(pipe._shared)
+  assert shared
+  for leaf in shared:
+    copies = [
+      np.asarray(state.stage_params[s][pos]) for s, pos in pipe._shared[leaf]
+    ]
+    np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_bad_input():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  tx = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="3 microbatches do not divide"):
+    jpipe.Pipeline(
+      loss_fn, params, batch, num_stages=2, num_microbatches=3, optimizer=tx
+    )
+  with pytest.raises(ValueError, match="unknown schedule 'zb'"):
+    jpipe.Pipeline(
+      loss_fn, params, batch, num_stages=2, schedule="zb", optimizer=tx
+    )
+  with pytest.raises(ValueError, match="4 stages need 4 devices, got 2"):
+    jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=4,
+      devices=jax.devices()[:2],
+      optimizer=tx,
+    )
