@@ -85,6 +85,7 @@ class Stages:
       tuple(_inexact(v.aval.dtype) for v in spec.inputs) for spec in self.specs
     ]
     self._jitted: dict[tuple[str, int], Any] = {}
+    self._pullback_tree: dict[int, Any] = {}
 
   # -- pure stage functions ------------------------------------------------
 
@@ -140,13 +141,24 @@ class Stages:
     return param_grads, act_cots
 
   def forward_saving(self, s: int, params, batch, acts):
-    """Forward that keeps residuals for :meth:`backward_from_residuals`."""
-    outputs, results, residuals = self._vjp(s, params, batch, acts)
-    return outputs, results, residuals
+    """Forward that keeps residuals for :meth:`backward_from_residuals`.
+
+    The residuals are returned as a tuple of arrays; the structure of the
+    pullback (which holds the linearized computation, the same for every
+    call with these shapes) is kept on the side, so jitted callers see a
+    fixed pytree and never re-trace.
+    """
+    outputs, results, vjp_fn = self._vjp(s, params, batch, acts)
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    self._pullback_tree[s] = treedef
+    return outputs, results, tuple(leaves)
 
   def backward_from_residuals(self, s: int, residuals, out_cots, result_cots):
     """``(param_grads, act_cots)`` from saved residuals (no recompute)."""
-    return self._pull(s, residuals, out_cots, result_cots)
+    if s not in self._pullback_tree:
+      raise ValueError(f"stage {s}: call forward_saving before backward")
+    vjp_fn = jax.tree.unflatten(self._pullback_tree[s], residuals)
+    return self._pull(s, vjp_fn, out_cots, result_cots)
 
   def backward(self, s: int, params, batch, acts, out_cots, result_cots):
     """``(param_grads, act_cots)``, recomputing the forward first.

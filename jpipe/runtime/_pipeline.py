@@ -118,12 +118,13 @@ class Pipeline:
         f"the plan uses device {used[-1]} but only {len(devices)} are given"
       )
     self.stage_device = tuple(devices[ds[0]] for ds in plan.stage_devices)
-    if schedule == "interleaved" or len(set(plan.stage_devices)) < n:
-      self.schedule = schedule_lib.interleaved(
-        [ds[0] for ds in plan.stage_devices], num_microbatches
-      )
+    physical = [ds[0] for ds in plan.stage_devices]
+    if schedule == "interleaved":
+      self.schedule = schedule_lib.interleaved(physical, num_microbatches)
     else:
-      self.schedule = schedule_lib.build(schedule, n, num_microbatches)
+      self.schedule = _place(
+        schedule_lib.build(schedule, n, num_microbatches), physical
+      )
     self._order = _issue_order(self.schedule)
     self._shared = _shared_leaves(self.stages)
     self._producer = {
@@ -131,6 +132,7 @@ class Pipeline:
     }
     self._params_treedef = jax.tree.structure(params)
     self._update = jax.jit(self._update_fn)
+    self._backward_fns: dict[tuple[int, bool], Any] = {}
 
   # -- state ----------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class Pipeline:
       spec, device = self.stages.specs[s], self.stage_device[s]
       if action.kind == schedule_lib.FORWARD:
         acts = tuple(
-          jax.device_put(values[(k, v)], device) for v in spec.inputs
+          self._move(values[(k, v)], self._producer[v], s) for v in spec.inputs
         )
         local = jax.device_put(stage_batch[k][s], device)
         if self.recompute:
@@ -197,24 +199,19 @@ class Pipeline:
         if 0 in spec.results:
           losses.append(results[spec.results.index(0)])
       elif action.kind == schedule_lib.BACKWARD:
-        out_cots = tuple(
-          None if (k, v) not in cots else jax.device_put(cots[(k, v)], device)
-          for v in spec.outputs
-        )
+        out_cots = tuple(cots.pop((k, v), None) for v in spec.outputs)
         result_cots = tuple(1.0 / m if r == 0 else None for r in spec.results)
         if self.recompute:
           local, acts = saved.pop((s, k))
-          g, act_cots = self.stages.jitted("backward", s)(
-            params[s], local, acts, out_cots, result_cots
-          )
+          args = (params[s], local, acts, out_cots, result_cots)
         else:
-          g, act_cots = self.stages.jitted("backward_from_residuals", s)(
-            saved.pop((s, k)), out_cots, result_cots
-          )
-        grads[s] = g if grads[s] is None else jax.tree.map(jnp.add, grads[s], g)
+          args = (saved.pop((s, k)), out_cots, result_cots)
+        grads[s], act_cots = self._backward(s, grads[s] is None)(
+          grads[s], *args
+        )
         for v, c in zip(spec.inputs, act_cots, strict=True):
           if c is not None:  # Summed on the producer's device.
-            c = jax.device_put(c, self.stage_device[self._producer[v]])
+            c = self._move(c, s, self._producer[v])
             cots[(k, v)] = c if (k, v) not in cots else cots[(k, v)] + c
       else:  # STEP
         pass  # Synchronous: all steps after the last backward (below).
@@ -228,6 +225,30 @@ class Pipeline:
       PipelineState(tuple(params), tuple(opt_states), state.step + 1),
       {"loss": loss},
     )
+
+  def _move(self, x, src: int, dst: int):
+    """``x`` from stage src's device to stage dst's (no-op if shared)."""
+    if self.stage_device[src] == self.stage_device[dst]:
+      return x
+    return jax.device_put(x, self.stage_device[dst])
+
+  def _backward(self, s: int, first: bool):
+    """Jitted backward of stage s that also accumulates its gradient."""
+    key = (s, first)
+    if key not in self._backward_fns:
+      kind = "backward" if self.recompute else "backward_from_residuals"
+      backward = getattr(self.stages, kind)
+
+      def fn(acc, *args):
+        g, act_cots = backward(s, *args)
+        if not first:
+          g = jax.tree.map(jnp.add, acc, g)
+        return g, act_cots
+
+      self._backward_fns[key] = jax.jit(
+        fn, donate_argnums=() if first else (0,)
+      )
+    return self._backward_fns[key]
 
   def _update_fn(self, grads, opt_state, params):
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
@@ -253,6 +274,27 @@ def _batch_size(batch) -> int:
       f"batch leaves need one common leading (batch) size, got {sizes}"
     )
   return sizes.pop()
+
+
+def _place(schedule, stage_device):
+  """The schedule with stages moved onto (possibly shared) devices.
+
+  Each stage keeps its action order; stages sharing a device are
+  interleaved in the order of the schedule's ideal timeline (unit costs,
+  one device per stage), which keeps every dependency satisfiable.
+  """
+  if list(stage_device) == list(range(schedule.num_stages)):
+    return schedule
+  timeline = schedule_lib.simulate(schedule, 1.0, 1.0)
+  num_devices = max(stage_device) + 1
+  merged = [[] for _ in range(num_devices)]
+  for acts in schedule.device_actions:
+    for i, a in enumerate(acts):
+      merged[stage_device[a.stage]].append((timeline.start[a], a.stage, i, a))
+  device_actions = [[a for *_, a in sorted(m)] for m in merged]
+  return schedule_lib.make_schedule(
+    schedule.name, device_actions, stage_device, schedule.num_microbatches
+  )
 
 
 def _issue_order(schedule):

@@ -141,3 +141,28 @@ def test_bad_input():
       devices=jax.devices()[:2],
       optimizer=tx,
     )
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_no_recompilation_across_microbatches_and_steps(recompute):
+  """Saved residuals cross jit as arrays only: one trace per function."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="1f1b",
+    num_microbatches=4,
+    optimizer=optax.sgd(0.1),
+    recompute=recompute,
+  )
+  state = pipe.init(params)
+  for _ in range(2):
+    state, _ = pipe.step(state, batch)
+  jitted = list(pipe.stages._jitted.values()) + list(
+    pipe._backward_fns.values()
+  )
+  assert jitted
+  assert all(f._cache_size() == 1 for f in jitted)

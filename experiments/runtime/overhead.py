@@ -1,0 +1,232 @@
+r"""Driver overhead: a pipeline on ONE device against one jitted step.
+
+(1) A GPT-style model split into p in {2, 4} stages, all on one device, run
+with ``gpipe`` over m microbatches, against the same model as one jitted
+gradient-accumulation step over the same microbatches (``lax.scan``) plus
+the same optax update: the ratio of median step times (target <= 1.10 on
+CPU, <= 1.05 on a GPU).
+(2) Driver cost per action: a tiny model (compute ~ 0) on p stages and m
+microbatches; step time / number of actions, in microseconds.
+
+Writes results/overhead_<platform>.{md,json}.
+
+Usage: python -m experiments.runtime.overhead [--size small|gpu]
+"""
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+
+import jpipe
+from jpipe import partition
+from jpipe.models import gpt
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("size", "small", ["small", "gpu"], "Model size preset.")
+flags.DEFINE_integer("repeats", 10, "Timed steps per configuration.")
+flags.DEFINE_string(
+  "out_dir",
+  os.path.join(os.path.dirname(__file__), "results"),
+  "Output folder.",
+)
+
+SIZES = {  # layers, width, heads, sequence, batch, microbatches
+  "small": (8, 128, 4, 64, 16, 8),
+  "gpu": (16, 1024, 16, 256, 32, 8),
+}
+
+
+def _lm(layers, width, heads, length, batch):
+  model = gpt.Model(
+    vocab_size=256,
+    width=width,
+    num_layers=layers,
+    num_heads=heads,
+    max_length=length,
+  )
+  tokens = jax.random.randint(jax.random.key(0), (batch, length + 1), 0, 256)
+  params = model.init(jax.random.key(1), tokens[:2, :-1], train=False)["params"]
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["tokens"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["tokens"][:, 1:]
+    ).mean()
+
+  return loss_fn, params, {"tokens": tokens}
+
+
+def _median_seconds(fn, repeats):
+  fn()  # compile
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _reference(loss_fn, params, batch, m, tx):
+  """One jitted step: scan over microbatches, mean gradient, optax update."""
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    micro = jax.tree.map(
+      lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch
+    )
+
+    def body(acc, mb):
+      loss, g = jax.value_and_grad(loss_fn)(params, mb)
+      return jax.tree.map(jnp.add, acc, g), loss
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, losses = jax.lax.scan(body, zeros, micro)
+    grads = jax.tree.map(lambda g: g / m, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, losses.mean()
+
+  state = {"p": params, "o": tx.init(params)}
+
+  def run():
+    state["p"], state["o"], loss = step(state["p"], state["o"], batch)
+    jax.block_until_ready(state["p"])
+
+  return run
+
+
+def _pipeline(loss_fn, params, batch, m, p, tx, recompute):
+  micro = jax.tree.map(lambda x: x[: x.shape[0] // m], batch)
+  traced = partition.trace(loss_fn, params, micro)
+  costs = partition.profile_nodes(traced, params, micro, method="analytic")
+  plan = partition.plan_traced(traced, costs, p)
+  plan = dataclasses.replace(plan, stage_devices=((0,),) * plan.num_stages)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=p,
+    devices=jax.devices()[:1],
+    schedule="gpipe",
+    num_microbatches=m,
+    optimizer=tx,
+    partition=plan,
+    recompute=recompute,
+  )
+  state = {"s": pipe.init(params)}
+
+  def run():
+    state["s"], metrics = pipe.step(state["s"], batch)
+    jax.block_until_ready((state["s"].stage_params, metrics["loss"]))
+
+  return run, pipe
+
+
+def main(argv):
+  del argv
+  layers, width, heads, length, batch_size, m = SIZES[FLAGS.size]
+  loss_fn, params, batch = _lm(layers, width, heads, length, batch_size)
+  tx = optax.adamw(1e-4)
+  device = jax.devices()[0]
+  rows, records = [], []
+  reference = _median_seconds(
+    _reference(loss_fn, params, batch, m, tx), FLAGS.repeats
+  )
+  for p in (2, 4):
+    for recompute in (False, True):
+      run, pipe = _pipeline(loss_fn, params, batch, m, p, tx, recompute)
+      seconds = _median_seconds(run, FLAGS.repeats)
+      ratio = seconds / reference
+      records.append(
+        {
+          "kind": "overhead",
+          "stages": p,
+          "microbatches": m,
+          "recompute": recompute,
+          "pipeline_seconds": seconds,
+          "reference_seconds": reference,
+          "ratio": ratio,
+        }
+      )
+      rows.append(
+        f"| {p} | {m} | {'yes' if recompute else 'no'} | "
+        f"{1e3 * seconds:.2f} | {1e3 * reference:.2f} | "
+        f"{ratio:.3f} |"
+      )
+  table1 = (
+    "| stages | microbatches | recompute | pipeline ms | "
+    "one jitted step ms | ratio |\n|---|---|---|---|---|---|\n"
+    + "\n".join(rows)
+  )
+
+  tiny_loss, tiny_params, tiny_batch = _lm(8, 8, 1, 4, 64)
+  rows = []
+  for p in (2, 4, 8):
+    for mb in (4, 8, 16, 32):
+      run, pipe = _pipeline(
+        tiny_loss,
+        tiny_params,
+        tiny_batch,
+        mb,
+        p,
+        optax.sgd(1e-3),
+        recompute=False,
+      )
+      seconds = _median_seconds(run, max(3, FLAGS.repeats // 2))
+      actions = sum(len(a) for a in pipe.schedule.device_actions)
+      per_action = 1e6 * seconds / actions
+      records.append(
+        {
+          "kind": "per_action",
+          "stages": p,
+          "microbatches": mb,
+          "actions": actions,
+          "step_seconds": seconds,
+          "microseconds_per_action": per_action,
+        }
+      )
+      rows.append(
+        f"| {p} | {mb} | {actions} | {1e3 * seconds:.2f} | {per_action:.0f} |"
+      )
+  table2 = (
+    "| stages | microbatches | actions | step ms | µs / action |\n"
+    "|---|---|---|---|---|\n" + "\n".join(rows)
+  )
+  header = (
+    f"{device.device_kind} ({device.platform}), jax "
+    f"{jax.__version__}, size={FLAGS.size}: GPT {layers} layers x "
+    f"{width}, {heads} heads, sequence {length}, batch {batch_size}, "
+    f"AdamW; median of {FLAGS.repeats} steps."
+  )
+  text = (
+    f"{header}\n\nOne-device overhead (gpipe, all stages on one "
+    f"device):\n\n{table1}\n\nDriver cost per action (GPT 8 x 8, "
+    f"batch 64, no recompute):\n\n{table2}\n"
+  )
+  os.makedirs(FLAGS.out_dir, exist_ok=True)
+  name = f"overhead_{device.platform}"
+  with open(os.path.join(FLAGS.out_dir, name + ".md"), "w") as f:
+    f.write(text)
+  with open(os.path.join(FLAGS.out_dir, name + ".json"), "w") as f:
+    json.dump(
+      {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "size": FLAGS.size,
+        "records": records,
+      },
+      f,
+      indent=1,
+    )
+  print(text)
+
+
+if __name__ == "__main__":
+  app.run(main)
