@@ -20,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+  """For modules that compile many small stage programs: skip XLA's slow
+  optimisation passes (use with ``pytestmark``)."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)

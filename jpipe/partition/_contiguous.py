@@ -23,6 +23,13 @@ import numpy as np
 COMM_MODELS = ("overlapped", "ftpipe")
 
 
+def stage_of_node(boundaries: Sequence[int]) -> list[int]:
+  """Stage index of every node from run boundaries (0, b1, ..., N)."""
+  return np.repeat(
+    np.arange(len(boundaries) - 1), np.diff(np.asarray(boundaries))
+  ).tolist()
+
+
 def stage_seconds(compute, t_in, t_out, comm_model: str):
   """A stage's time from compute and transfer seconds (arrays broadcast)."""
   if comm_model == "overlapped":
@@ -49,10 +56,7 @@ class ContiguousSolution:
   bottleneck_seconds: float
 
   def stage_of_node(self) -> list[int]:
-    out = []
-    for s in range(len(self.boundaries) - 1):
-      out += [s] * (self.boundaries[s + 1] - self.boundaries[s])
-    return out
+    return stage_of_node(self.boundaries)
 
 
 def solve_contiguous(

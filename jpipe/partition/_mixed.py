@@ -47,10 +47,7 @@ class MixedSolution:
   objective_seconds: float
 
   def stage_of_node(self) -> list[int]:
-    out = []
-    for s in range(len(self.boundaries) - 1):
-      out += [s] * (self.boundaries[s + 1] - self.boundaries[s])
-    return out
+    return _contiguous.stage_of_node(self.boundaries)
 
 
 def solve_mixed(

@@ -65,18 +65,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
   ``n - s`` microbatches' activations (GPipe keeps m).
   """
   _check(num_stages, num_microbatches)
-  devices = []
-  for s in range(num_stages):
-    warm = min(num_stages - 1 - s, num_microbatches)
-    actions = [Action(FORWARD, s, m) for m in range(warm)]
-    for i in range(num_microbatches - warm):
-      actions += [Action(FORWARD, s, warm + i), Action(BACKWARD, s, i)]
-    actions += [
-      Action(BACKWARD, s, m)
-      for m in range(num_microbatches - warm, num_microbatches)
-    ]
-    actions.append(Action(STEP, s, num_microbatches - 1))
-    devices.append(actions)
+  last = num_microbatches - 1
+  devices = _unflushed_1f1b(num_stages, num_microbatches, lambda b: b == last)
   return make_schedule(
     "1f1b", devices, list(range(num_stages)), num_microbatches
   )
@@ -96,26 +86,37 @@ def async_1f1b(
   _check(num_stages, num_microbatches)
   if step_every < 1:
     raise ValueError(f"step_every must be >= 1, got {step_every}")
-  devices = []
   last = num_microbatches - 1
-  for s in range(num_stages):
-    warm = min(num_stages - 1 - s, num_microbatches)
-    actions = [Action(FORWARD, s, m) for m in range(warm)]
-
-    def backward(b, actions=actions, s=s):
-      actions.append(Action(BACKWARD, s, b))
-      if b % step_every == step_every - 1 or b == last:
-        actions.append(Action(STEP, s, b))
-
-    for i in range(num_microbatches - warm):
-      actions.append(Action(FORWARD, s, warm + i))
-      backward(i)
-    for b in range(num_microbatches - warm, num_microbatches):
-      backward(b)
-    devices.append(actions)
+  devices = _unflushed_1f1b(
+    num_stages,
+    num_microbatches,
+    lambda b: b % step_every == step_every - 1 or b == last,
+  )
   return make_schedule(
     "async", devices, list(range(num_stages)), num_microbatches
   )
+
+
+def _unflushed_1f1b(num_stages, num_microbatches, steps_after):
+  """1F1B action lists (warm-up forwards, F/B pairs, drain) with a step
+  after backward b iff ``steps_after(b)``."""
+  devices = []
+  for s in range(num_stages):
+    warm = min(num_stages - 1 - s, num_microbatches)
+    actions = [Action(FORWARD, s, m) for m in range(warm)]
+    for i in range(num_microbatches - warm):
+      actions += [Action(FORWARD, s, warm + i), Action(BACKWARD, s, i)]
+    actions += [
+      Action(BACKWARD, s, b)
+      for b in range(num_microbatches - warm, num_microbatches)
+    ]
+    with_steps = []
+    for a in actions:
+      with_steps.append(a)
+      if a.kind == BACKWARD and steps_after(a.microbatch):
+        with_steps.append(Action(STEP, s, a.microbatch))
+    devices.append(with_steps)
+  return devices
 
 
 def two_bw(
@@ -133,22 +134,9 @@ def two_bw(
       f"2bw needs minibatch >= num_stages ({num_stages}) dividing "
       f"num_microbatches ({num_microbatches}), got {minibatch}"
     )
-  devices = []
-  for s in range(num_stages):
-    warm = min(num_stages - 1 - s, num_microbatches)
-    actions = [Action(FORWARD, s, m) for m in range(warm)]
-
-    def backward(b, actions=actions, s=s):
-      actions.append(Action(BACKWARD, s, b))
-      if b % minibatch == minibatch - 1:
-        actions.append(Action(STEP, s, b))
-
-    for i in range(num_microbatches - warm):
-      actions.append(Action(FORWARD, s, warm + i))
-      backward(i)
-    for b in range(num_microbatches - warm, num_microbatches):
-      backward(b)
-    devices.append(actions)
+  devices = _unflushed_1f1b(
+    num_stages, num_microbatches, lambda b: b % minibatch == minibatch - 1
+  )
   t = np.arange(num_microbatches) // minibatch
   version = np.tile(np.maximum(t - 1, 0), (num_stages, 1))
   return make_schedule(

@@ -69,12 +69,7 @@ def _cases():
   }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))

@@ -9,14 +9,7 @@ from jpipe.partition._stages import Stages
 from jpipe.partition._trace import trace
 from tests.partition import flax_models
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-  """Many small stage programs compile here: skip XLA's slow passes."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 @pytest.fixture(scope="module", params=sorted(flax_models.CASES))

@@ -9,29 +9,26 @@ import pytest
 import jpipe
 from tests.partition import flax_models
 
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
-def _reference_step(loss_fn, params, batch, m, tx):
-  """Mean of microbatch gradients, one optax step, on one device."""
+def _reference_steps(loss_fn, params, batch, m, tx, steps=1):
+  """Single device: mean of m microbatch gradients, then an optax step."""
   size = jax.tree.leaves(batch)[0].shape[0]
-  grads, losses = None, []
-  for k in range(m):
-    mb = jax.tree.map(
-      lambda x, k=k: x[k * size // m : (k + 1) * size // m], batch
-    )
-    loss, g = jax.value_and_grad(loss_fn)(params, mb)
-    losses.append(loss)
-    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-  grads = jax.tree.map(lambda g: g / m, grads)
-  updates, _ = tx.update(grads, tx.init(params), params)
-  return optax.apply_updates(params, updates), float(np.mean(losses))
+  opt_state = tx.init(params)
+  for _ in range(steps):
+    grads, losses = None, []
+    for k in range(m):
+      mb = jax.tree.map(
+        lambda x, k=k: x[k * size // m : (k + 1) * size // m], batch
+      )
+      loss, g = jax.value_and_grad(loss_fn)(params, mb)
+      losses.append(loss)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    grads = jax.tree.map(lambda g: g / m, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params, float(np.mean(losses))
 
 
 def _assert_tree_close(a, b):
@@ -57,7 +54,7 @@ def test_one_step_equals_single_device(case, schedule):
   state = pipe.init(params)
   assert len({d for d in pipe.stage_device}) == 4
   state, metrics = pipe.step(state, batch)
-  expected, expected_loss = _reference_step(loss_fn, params, batch, 4, tx)
+  expected, expected_loss = _reference_steps(loss_fn, params, batch, 4, tx)
   _assert_tree_close(pipe.gather_params(state), expected)
   assert float(metrics["loss"]) == pytest.approx(expected_loss, rel=1e-5)
 
@@ -80,20 +77,7 @@ def test_mixed_plan_several_stages_per_device_and_no_recompute():
   state = pipe.init(params)
   for _ in range(2):
     state, _ = pipe.step(state, batch)
-  expected = params
-  opt_state = tx.init(params)
-  size = 4
-  for _ in range(2):
-    grads = None
-    for k in range(2):
-      mb = jax.tree.map(
-        lambda x, k=k: x[k * size // 2 : (k + 1) * size // 2], batch
-      )
-      g = jax.grad(loss_fn)(expected, mb)
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-    grads = jax.tree.map(lambda g: g / 2, grads)
-    updates, opt_state = tx.update(grads, opt_state, expected)
-    expected = optax.apply_updates(expected, updates)
+  expected, _ = _reference_steps(loss_fn, params, batch, 2, tx, steps=2)
   _assert_tree_close(pipe.gather_params(state), expected)
 
 
