@@ -1,6 +1,7 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
+from jpipe.partition._graph_txt import ProfileGraph, load_pipedream_profile
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._plan import Plan, plan_traced
 from jpipe.partition._profile import NodeCosts, profile_nodes
@@ -12,9 +13,11 @@ __all__ = [
   "MixedSolution",
   "NodeCosts",
   "Plan",
+  "ProfileGraph",
   "StageSpec",
   "Stages",
   "TracedModel",
+  "load_pipedream_profile",
   "plan_traced",
   "profile_nodes",
   "solve_contiguous",

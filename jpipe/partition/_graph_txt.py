@@ -1,0 +1,151 @@
+"""PipeDream's profile format (``graph.txt``) as a cost graph.
+
+One line per node, then one line per edge (edges start with a tab)::
+
+  nodeK -- Desc -- forward_compute_time=F, backward_compute_time=B,
+      activation_size=A, parameter_size=P
+  \\tnodeI -- nodeJ
+
+F and B are milliseconds, A and P bytes (A may be a list ``[a1; a2]`` for
+several outputs, summed here).
+"""
+
+import dataclasses
+import heapq
+import os
+import re
+
+import numpy as np
+
+_NODE = re.compile(
+  r"^(?P<name>\S+) -- (?P<desc>.*) -- forward_compute_time=(?P<f>[^,]+), "
+  r"backward_compute_time=(?P<b>[^,]+), activation_size=(?P<a>.+), "
+  r"parameter_size=(?P<p>[^,\s]+)(?: -- stage_id=(?P<stage>\d+))?\s*$"
+)
+_EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileGraph:
+  """A profiled layer graph: seconds and bytes per node, directed edges.
+
+  Arrays are float64 [num_nodes], in file order; ``edges`` are (src, dst)
+  node indices.
+  """
+
+  names: tuple[str, ...]
+  descriptions: tuple[str, ...]
+  forward_seconds: np.ndarray
+  backward_seconds: np.ndarray
+  activation_bytes: np.ndarray
+  parameter_bytes: np.ndarray
+  edges: tuple[tuple[int, int], ...]
+
+  @property
+  def num_nodes(self) -> int:
+    return len(self.names)
+
+  def topological_order(self) -> list[int]:
+    """Kahn's order; ties go to the smaller node number (``node12``)."""
+    indegree = [0] * self.num_nodes
+    succ = [[] for _ in range(self.num_nodes)]
+    for u, v in self.edges:
+      succ[u].append(v)
+      indegree[v] += 1
+    key = [_node_number(n) for n in self.names]
+    ready = [(key[i], i) for i in range(self.num_nodes) if not indegree[i]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+      _, i = heapq.heappop(ready)
+      order.append(i)
+      for j in succ[i]:
+        indegree[j] -= 1
+        if not indegree[j]:
+          heapq.heappush(ready, (key[j], j))
+    if len(order) != self.num_nodes:
+      raise ValueError("the profile graph has a cycle")
+    return order
+
+  def is_input(self, node: int) -> bool:
+    """PipeDream's data-loading source nodes (``Input``, ``Input0``...)."""
+    return re.fullmatch(r"Input\d*", self.descriptions[node]) is not None
+
+  def ordered(self):
+    """(order, compute seconds, edges as {(pos_u, pos_v): bytes}) in a
+    topological order; an edge carries its source's activation bytes.
+
+    Input nodes cost nothing here: their time is data loading, which
+    PipeDream's optimizer also zeroes (they stay in the first stage).
+    """
+    order = self.topological_order()
+    position = {node: k for k, node in enumerate(order)}
+    compute = np.array(
+      [
+        0.0
+        if self.is_input(i)
+        else self.forward_seconds[i] + self.backward_seconds[i]
+        for i in order
+      ]
+    )
+    edges = {}
+    for u, v in self.edges:
+      edges[(position[u], position[v])] = float(self.activation_bytes[u])
+    return order, compute, edges
+
+
+def load_pipedream_profile(path: str) -> ProfileGraph:
+  """Parses a PipeDream ``graph.txt`` (see the module docstring)."""
+  if os.path.isdir(path):
+    path = os.path.join(path, "graph.txt")
+  if not os.path.isfile(path):
+    raise ValueError(f"no PipeDream profile at {path!r}")
+  names, descs, f, b, a, p, raw_edges = [], [], [], [], [], [], []
+  with open(path) as lines:
+    for number, line in enumerate(lines, start=1):
+      if not line.strip():
+        continue
+      edge = _EDGE.match(line)
+      if edge:
+        raw_edges.append((edge["src"], edge["dst"], number))
+        continue
+      node = _NODE.match(line)
+      if not node:
+        raise ValueError(
+          f"{path}:{number}: not a node or edge line: {line.strip()[:80]!r}"
+        )
+      names.append(node["name"])
+      descs.append(node["desc"])
+      f.append(float(node["f"]) / 1e3)
+      b.append(float(node["b"]) / 1e3)
+      a.append(_bytes(node["a"]))
+      p.append(float(node["p"]))
+  index = {n: i for i, n in enumerate(names)}
+  if len(index) != len(names):
+    raise ValueError(f"{path}: duplicate node names")
+  edges = []
+  for src, dst, number in raw_edges:
+    if src not in index or dst not in index:
+      raise ValueError(f"{path}:{number}: edge to an unknown node")
+    edges.append((index[src], index[dst]))
+  return ProfileGraph(
+    names=tuple(names),
+    descriptions=tuple(descs),
+    forward_seconds=np.array(f),
+    backward_seconds=np.array(b),
+    activation_bytes=np.array(a),
+    parameter_bytes=np.array(p),
+    edges=tuple(edges),
+  )
+
+
+def _bytes(text: str) -> float:
+  text = text.strip()
+  if text.startswith("["):
+    return float(sum(float(x) for x in text.strip("[]").split(";")))
+  return float(text)
+
+
+def _node_number(name: str) -> tuple[int, str]:
+  digits = re.sub(r"\D", "", name)
+  return (int(digits) if digits else -1, name)

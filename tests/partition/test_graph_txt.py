@@ -1,0 +1,131 @@
+"""PipeDream profiles load; the CLI partitions them."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jpipe.partition._graph_txt import load_pipedream_profile
+
+PROFILES = os.path.join(
+  os.path.dirname(__file__), "..", "..", "..", "shared", "profiles", "pipedream"
+)
+FILES = sorted(glob.glob(os.path.join(PROFILES, "*", "graph.txt")))
+
+
+def test_all_fourteen_profiles_are_present():
+  assert len(FILES) == 14
+
+
+@pytest.mark.parametrize(
+  "path", FILES, ids=[p.split(os.sep)[-2] for p in FILES]
+)
+def test_loads_every_node_and_edge(path):
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  node_lines = [line for line in lines if line.startswith("node")]
+  edge_lines = [line for line in lines if line.startswith("\t")]
+  graph = load_pipedream_profile(path)
+  assert graph.num_nodes == len(node_lines)
+  assert len(graph.edges) == len(edge_lines)
+  assert np.all(graph.forward_seconds >= 0)
+  order = graph.topological_order()
+  position = {node: k for k, node in enumerate(order)}
+  assert all(position[u] < position[v] for u, v in graph.edges)
+  # Milliseconds in the file, seconds here.
+  first = node_lines[0].split("forward_compute_time=")[1].split(",")[0]
+  name = node_lines[0].split(" -- ")[0]
+  assert graph.forward_seconds[graph.names.index(name)] == pytest.approx(
+    float(first) / 1e3
+  )
+
+
+def test_multi_output_activations_are_summed():
+  graph = load_pipedream_profile(os.path.join(PROFILES, "gnmt"))
+  lstm = graph.names.index("node7")
+  assert graph.activation_bytes[lstm] == 6291456.0 + 2 * 131072.0
+
+
+def test_bad_files(tmp_path):
+  with pytest.raises(ValueError, match="no PipeDream profile"):
+    load_pipedream_profile(str(tmp_path / "missing.txt"))
+  bad = tmp_path / "graph.txt"
+  bad.write_text("node1 -- Conv -- forward_compute_time=1.0\n")
+  with pytest.raises(ValueError, match="graph.txt:1: not a node or edge"):
+    load_pipedream_profile(str(bad))
+
+
+@pytest.mark.parametrize("method", ["contiguous", "mixed"])
+def test_cli_json(method):
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jpipe.partition",
+      "--pipedream-profile",
+      os.path.join(PROFILES, "resnet18"),
+      "--stages",
+      "4",
+      "--method",
+      method,
+      "--bandwidth",
+      "1e10",
+      "--json",
+    ],
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout
+  result = json.loads(out)
+  graph = load_pipedream_profile(os.path.join(PROFILES, "resnet18"))
+  assert set(result["stage_of"]) == set(graph.names)
+  assert result["bottleneck"] >= result["lower_bound"] - 1e-12
+  assert result["solve_seconds"] < 5.0
+  _, compute, _ = graph.ordered()  # Input nodes cost nothing here.
+  assert sum(result["stage_costs"]) == pytest.approx(float(compute.sum()))
+
+
+def test_cli_errors():
+  run = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jpipe.partition",
+      "--pipedream-profile",
+      os.path.join(PROFILES, "alexnet"),
+      "--stages",
+      "99",
+    ],
+    capture_output=True,
+    text=True,
+  )
+  assert run.returncode == 2
+  assert "cannot split 23 nodes into 99 stages" in run.stderr
+  run = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jpipe.partition",
+      "--pipedream-profile",
+      os.path.join(PROFILES, "alexnet"),
+      "--stages",
+      "2",
+      "--method",
+      "metis",
+    ],
+    capture_output=True,
+    text=True,
+  )
+  assert run.returncode == 2 and "unknown method 'metis'" in run.stderr
+
+
+def test_input_nodes_cost_nothing_when_partitioning():
+  graph = load_pipedream_profile(os.path.join(PROFILES, "alexnet"))
+  order, compute, _ = graph.ordered()
+  first = graph.names.index("node1")
+  assert graph.is_input(first) and graph.forward_seconds[first] > 0.6
+  assert compute[order.index(first)] == 0.0
