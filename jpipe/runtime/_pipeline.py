@@ -6,14 +6,36 @@ optimizer state on its device, and runs a schedule's actions in an order
 that respects every device's action list. JAX dispatches asynchronously, so
 devices work concurrently; the host blocks only when reading metrics.
 
-This first driver runs the synchronous schedules (seq, gpipe, 1f1b and
-synchronous interleaved): the new params equal single-device gradient
-accumulation over the same microbatches. Parameters read by several stages
-(tied embeddings) are replicated; their gradient is summed over the stages
-and every replica takes the same step, so the replicas stay equal.
+Synchronous schedules (seq, gpipe, 1f1b, interleaved) give exactly
+single-device gradient accumulation over the microbatches. Parameters read
+by several stages (tied embeddings) are replicated; their gradient is
+summed over the stages and every replica takes the same step.
+
+Asynchronous schedules follow PipeDream/FTPipe (``design.md``): in
+``async`` each stage steps after every ``step_every`` of its backwards, so
+stage s of n runs microbatch b's forward ``n - 1 - s`` steps before the
+step that applies its gradient (the delay ramps up from 0 after the start
+of each ``step`` call, which ends with a drain -- FTPipe flushes once per
+epoch, so give one call many microbatches). Which params each action uses:
+
+=====================  ===========================  =========================
+                       forward of microbatch b      backward (recompute)
+=====================  ===========================  =========================
+stale (no mitigation)  current params               current params
+weight stashing (ws)   current params               the forward's params
+prediction (wp)        predict(current, state, d)   current params
+ws + wp                predict(current, state, d)   the forward's (predicted)
+ga_jfl                 as above                     current params
+=====================  ===========================  =========================
+
+Without recomputation the backward always differentiates at the forward's
+params (its saved residuals pin them). Gap-Aware divides the gradient by
+``1 + |params - forward params| / C`` at the step (``jpipe.staleness``).
+``2bw`` runs every microbatch of minibatch t at W(t-1): W(t+1) = W(t) -
+lr * grad f(W(t-1)).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -23,12 +45,28 @@ import optax
 
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
+from jpipe import staleness
+from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
 
 SYNCHRONOUS = ("seq", "gpipe", "1f1b", "interleaved")
+ASYNCHRONOUS = ("async", "2bw")
+PREDICTIONS = (None, "msnag", "aggmsnag")
+GAP_AWARE = (None, "ga", "ga_jfl")
+# FTPipe's stage policies for Gap-Aware, by stage depth (n - 1 - s).
+GAP_AWARE_POLICIES = {
+  "all_except_last": lambda depth: depth != 0,
+  "almost_last_partition": lambda depth: depth == 1,
+  "all_except_last_two": lambda depth: depth >= 2,
+}
 
 
 class PipelineState(NamedTuple):
-  """Per-stage parameter leaves and optimizer states, on their devices."""
+  """Per-stage parameter leaves and optimizer states, on their devices.
+
+  An optimizer state is keyed by the leaves' global paths (see
+  ``Pipeline.state_dict``); on a Gap-Aware stage it is Gap-Aware's state
+  around the optimizer's.
+  """
 
   stage_params: tuple[tuple[jax.Array, ...], ...]
   opt_states: tuple[Any, ...]
@@ -45,12 +83,39 @@ class Pipeline:
       ``num_microbatches`` microbatches.
     num_stages: pipeline stages (ignored when ``partition`` is a Plan).
     devices: the devices to use; default ``jax.devices()``.
-    schedule: one of jpipe.schedule.SCHEDULES (synchronous ones here).
-    num_microbatches: microbatches per mini-batch.
+    schedule: one of jpipe.schedule.SCHEDULES.
+    num_microbatches: microbatches per ``step`` call.
     optimizer: an optax transformation, applied per stage.
     partition: "contiguous", "mixed", or a jpipe.partition.Plan.
     depth: module-path depth of the traced nodes.
     recompute: backward recomputes the forward (True) or keeps residuals.
+    step_every: ``async``: a stage steps after every ``step_every``
+      backwards, on their mean gradient (and after the last, partial
+      window); ``2bw``: microbatches per minibatch (>= num_stages).
+    weight_stashing: ``async``: the backward recomputes at the params its
+      forward used (PipeDream). Costs up to d + 1 param versions per stage.
+    prediction: ``async``: None, "msnag" (predict the params ``delay``
+      steps ahead with zero future gradients) or "aggmsnag" (the first
+      future step uses the gradient accumulated so far).
+    predictor: the ``staleness.Predictor`` to use; default
+      ``staleness.replay_predictor(optimizer)`` (any optax optimizer,
+      scheduler-aware by itself). Pass ``staleness.weight_predictor(...)``
+      for FTPipe's closed forms.
+    learning_rate_schedule: with a closed-form ``predictor``, the schedule
+      that makes prediction scheduler-aware (future learning rates).
+    gap_aware: ``async``: None, "ga" (FTPipe's Gap-Aware; the gap is
+      between the params the forward used and those the step updates) or
+      "ga_jfl" (the same gap, but the backward recomputes at the current
+      params: only the loss signal is stale; needs recompute).
+    gap_aware_options: keyword arguments of ``staleness.gap_aware``
+      (``optimizer`` "sgd" | "adam" | "adamw", ``learning_rate``,
+      ``weight_decay``, ``beta``...); required with ``gap_aware``.
+    gap_aware_policy: which stages apply it, by depth (FTPipe):
+      "all_except_last" (default), "almost_last_partition",
+      "all_except_last_two".
+    record_params: keep, for the last ``step`` call, the params every
+      forward and backward used in ``used_params[(kind, stage, mb)]``
+      (tests and debugging; holds every version alive).
   """
 
   def __init__(
@@ -67,16 +132,31 @@ class Pipeline:
     partition: Any = "contiguous",
     depth: int = 1,
     recompute: bool = True,
+    step_every: int = 1,
+    weight_stashing: bool = False,
+    prediction: str | None = None,
+    predictor: staleness.Predictor | None = None,
+    learning_rate_schedule: Callable[[Any], Any] | None = None,
+    gap_aware: str | None = None,
+    gap_aware_options: Mapping[str, Any] | None = None,
+    gap_aware_policy: str = "all_except_last",
+    record_params: bool = False,
   ):
     if schedule not in schedule_lib.SCHEDULES:
       raise ValueError(
         f"unknown schedule {schedule!r}: one of {schedule_lib.SCHEDULES}"
       )
-    if schedule not in SYNCHRONOUS:
-      raise NotImplementedError(
-        f"schedule {schedule!r} is asynchronous; this driver runs "
-        f"{SYNCHRONOUS} so far"
-      )
+    _check_staleness_options(
+      schedule,
+      recompute=recompute,
+      step_every=step_every,
+      weight_stashing=weight_stashing,
+      prediction=prediction,
+      gap_aware=gap_aware,
+      gap_aware_options=gap_aware_options,
+      gap_aware_policy=gap_aware_policy,
+      num_microbatches=num_microbatches,
+    )
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     batch_size = _batch_size(example_batch)
@@ -89,6 +169,12 @@ class Pipeline:
     self.num_microbatches = num_microbatches
     self.recompute = recompute
     self.optimizer = optimizer
+    self.asynchronous = schedule in ASYNCHRONOUS
+    self.weight_stashing = weight_stashing
+    self.prediction = prediction
+    self.gap_aware = gap_aware
+    self.record_params = record_params
+    self.used_params: dict[tuple[str, int, int], tuple] = {}
     micro = jax.tree.map(
       lambda x: x[: batch_size // num_microbatches], example_batch
     )
@@ -122,17 +208,72 @@ class Pipeline:
     if schedule == "interleaved":
       self.schedule = schedule_lib.interleaved(physical, num_microbatches)
     else:
+      kwargs = {}
+      if schedule == "async":
+        kwargs["step_every"] = step_every
+      elif schedule == "2bw":
+        kwargs["minibatch"] = step_every
       self.schedule = _place(
-        schedule_lib.build(schedule, n, num_microbatches), physical
+        schedule_lib.build(schedule, n, num_microbatches, **kwargs), physical
       )
     self._order = _issue_order(self.schedule)
     self._shared = _shared_leaves(self.stages)
+    self._leaf_names = leaf_names(params)
+    if self.asynchronous and self._shared:
+      paths = sorted(self._leaf_names[leaf] for leaf in self._shared)
+      stages = sorted({s for h in self._shared.values() for s, _ in h})
+      raise ValueError(
+        f"params {paths} are used by stages {stages}; an asynchronous "
+        f"schedule steps each stage on its own, so a parameter must live on "
+        f"one stage: untie them (e.g. a separate output head) or use a "
+        f"synchronous schedule (gpipe, 1f1b)"
+      )
     self._producer = {
       v: s for s, spec in enumerate(self.stages.specs) for v in spec.outputs
     }
     self._params_treedef = jax.tree.structure(params)
-    self._update = jax.jit(self._update_fn)
+    # The loss cotangent of every microbatch: 1 / (microbatches its step
+    # averages over).
+    groups = self.schedule.step_groups[n - 1]
+    if not self.asynchronous:
+      groups = (tuple(range(num_microbatches)),)
+    self._loss_scale = np.zeros(num_microbatches)
+    for group in groups:
+      self._loss_scale[list(group)] = 1.0 / len(group)
+    self._keep_forward_params = (
+      weight_stashing
+      or gap_aware is not None
+      or self.schedule.backward_uses_stash
+      or record_params
+    )
+    if prediction is not None and predictor is None:
+      predictor = staleness.replay_predictor(optimizer)
+    self.stage_optimizers = tuple(
+      self._stage_optimizer(
+        s,
+        predictor if prediction is not None else None,
+        learning_rate_schedule,
+        gap_aware_options if gap_aware is not None else None,
+        gap_aware_policy,
+      )
+      for s in range(n)
+    )
     self._backward_fns: dict[tuple[int, bool], Any] = {}
+
+  def _stage_optimizer(self, s, predictor, schedule, ga_options, ga_policy):
+    n = self.stages.num_stages
+    names = [self._leaf_names[i] for i in self.stages.specs[s].param_leaves]
+    applies_ga = ga_options is not None and GAP_AWARE_POLICIES[ga_policy](
+      n - 1 - s
+    )
+    return StageOptimizer(
+      names,
+      self.optimizer,
+      gap_aware=dict(ga_options) if applies_ga else None,
+      predictor=predictor,
+      learning_rate_schedule=schedule,
+      horizon=int(self.schedule.delay[s].max()),
+    )
 
   # -- state ----------------------------------------------------------------
 
@@ -143,7 +284,7 @@ class Pipeline:
     for s, leaves in enumerate(self.stages.split_params(params)):
       placed = jax.device_put(leaves, self.stage_device[s])
       stage_params.append(placed)
-      opt_states.append(jax.jit(self.optimizer.init)(placed))
+      opt_states.append(self.stage_optimizers[s].init(placed))
     return PipelineState(tuple(stage_params), tuple(opt_states), 0)
 
   def gather_params(self, state: PipelineState) -> Any:
@@ -156,10 +297,101 @@ class Pipeline:
           leaves[i] = jax.device_get(v)
     return jax.tree.unflatten(self._params_treedef, leaves)
 
-  # -- one mini-batch ---------------------------------------------------------
+  def state_dict(self, state: PipelineState) -> dict[str, Any]:
+    """The whole training state, independent of the partition (host arrays).
+
+    Returns:
+      ``{"params": the full params pytree, "opt_state": the optimizer's
+      state as ``optimizer.init({path: leaf})`` lays it out for the whole
+      model (params-shaped parts are dicts keyed by global leaf path),
+      "gap_aware": {"sq_avg": {path: array}, "count", "max_learning_rate"}
+      for the leaves of Gap-Aware stages ({} without Gap-Aware),
+      "step": int}``. Between ``step`` calls the pipeline is drained, so no
+      stash or in-flight state needs saving.
+    """
+    base = [
+      jax.device_get(opt.base_state(st))
+      for opt, st in zip(self.stage_optimizers, state.opt_states, strict=True)
+    ]
+    merged = _merge_keyed(base)
+    ga_states = [
+      jax.device_get(st)
+      for opt, st in zip(self.stage_optimizers, state.opt_states, strict=True)
+      if opt.gap_aware
+    ]
+    gap = {}
+    if ga_states:
+      gap = {
+        "sq_avg": {k: v for st in ga_states for k, v in st.sq_avg.items()},
+        "count": ga_states[0].count,
+        "max_learning_rate": ga_states[0].max_learning_rate,
+      }
+    return {
+      "params": self.gather_params(state),
+      "opt_state": merged,
+      "gap_aware": gap,
+      "step": int(state.step),
+    }
+
+  def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
+    """A PipelineState from ``state_dict``'s output (any partition).
+
+    Gap-Aware statistics of leaves that were not on a Gap-Aware stage when
+    saved start fresh (zeros), as they do at initialisation.
+    """
+    missing = {"params", "opt_state", "step"} - set(tree)
+    if missing:
+      raise ValueError(f"state dict lacks {sorted(missing)}")
+    params = tree["params"]
+    if jax.tree.structure(params) != self._params_treedef:
+      raise ValueError(
+        "the saved params have a different structure than this pipeline's "
+        "model: it was saved from another model or configuration"
+      )
+    for name, saved, expected in zip(
+      self._leaf_names,
+      jax.tree.leaves(params),
+      jax.tree.leaves(self.traced.closed_jaxpr.in_avals)[
+        : self.traced.num_param_leaves
+      ],
+      strict=True,
+    ):
+      if tuple(np.shape(saved)) != tuple(expected.shape):
+        raise ValueError(
+          f"saved param {name} has shape {np.shape(saved)}, the model needs "
+          f"{tuple(expected.shape)}: the checkpoint is for another model"
+        )
+    base = self.init(params)
+    stage_params, opt_states = base.stage_params, []
+    for s, opt in enumerate(self.stage_optimizers):
+      fresh = base.opt_states[s]
+      loaded = _select_keyed(
+        tree["opt_state"], opt.base_state(jax.device_get(fresh))
+      )
+      if opt.gap_aware:
+        gap = tree.get("gap_aware") or {}
+        sq = {
+          k: gap.get("sq_avg", {}).get(k, v) for k, v in fresh.sq_avg.items()
+        }
+        loaded = fresh._replace(
+          inner_state=loaded,
+          sq_avg=sq,
+          count=gap.get("count", fresh.count),
+          max_learning_rate=gap.get(
+            "max_learning_rate", fresh.max_learning_rate
+          ),
+        )
+      opt_states.append(jax.device_put(loaded, self.stage_device[s]))
+    return PipelineState(stage_params, tuple(opt_states), int(tree["step"]))
+
+  # -- one call: num_microbatches microbatches --------------------------------
 
   def step(self, state: PipelineState, batch: Any):
-    """Runs the schedule on one mini-batch; returns (state, metrics)."""
+    """Runs the schedule on one mini-batch; returns (state, metrics).
+
+    Synchronous schedules take one optimizer step per call; ``async`` and
+    ``2bw`` take the steps their schedule names and drain at the end.
+    """
     m = self.num_microbatches
     size = _batch_size(batch)
     if size % m:
@@ -170,28 +402,41 @@ class Pipeline:
     ]
     stage_batch = [self.stages.split_batch(mb) for mb in micro]
     n = self.stages.num_stages
+    sched = self.schedule
     values: dict[tuple[int, Any], Any] = {}  # (microbatch, var) -> value
     saved: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> inputs
     cots: dict[tuple[int, Any], Any] = {}
     grads: list[Any] = [None] * n
     losses = []
     params, opt_states = list(state.stage_params), list(state.opt_states)
+    # Weight versions of this call: stage -> {steps taken: params}.
+    versions = [{0: p} for p in params]
+    steps = [0] * n
+    next_forward = [0] * n
+    forward_params: dict[tuple[int, int], tuple] = {}
+    self.used_params = {}
     for action in self._order:
       s, k = action.stage, action.microbatch
       spec, device = self.stages.specs[s], self.stage_device[s]
       if action.kind == schedule_lib.FORWARD:
+        theta = self._forward_params(s, k, versions[s], opt_states[s], grads)
+        next_forward[s] += 1
+        if self._keep_forward_params:
+          forward_params[(s, k)] = theta
+        if self.record_params:
+          self.used_params[("F", s, k)] = theta
         acts = tuple(
           self._move(values[(k, v)], self._producer[v], s) for v in spec.inputs
         )
         local = jax.device_put(stage_batch[k][s], device)
         if self.recompute:
           outputs, results = self.stages.jitted("forward", s)(
-            params[s], local, acts
+            theta, local, acts
           )
           saved[(s, k)] = (local, acts)
         else:
           outputs, results, residuals = self.stages.jitted("forward_saving", s)(
-            params[s], local, acts
+            theta, local, acts
           )
           saved[(s, k)] = residuals
         for v, x in zip(spec.outputs, outputs, strict=True):
@@ -200,12 +445,17 @@ class Pipeline:
           losses.append(results[spec.results.index(0)])
       elif action.kind == schedule_lib.BACKWARD:
         out_cots = tuple(cots.pop((k, v), None) for v in spec.outputs)
-        result_cots = tuple(1.0 / m if r == 0 else None for r in spec.results)
+        scale = self._loss_scale[k]
+        result_cots = tuple(scale if r == 0 else None for r in spec.results)
         if self.recompute:
           local, acts = saved.pop((s, k))
-          args = (params[s], local, acts, out_cots, result_cots)
+          theta = self._backward_params(s, k, params[s], forward_params)
+          args = (theta, local, acts, out_cots, result_cots)
         else:
+          theta = forward_params.get((s, k))  # Pinned by the residuals.
           args = (saved.pop((s, k)), out_cots, result_cots)
+        if self.record_params:
+          self.used_params[("B", s, k)] = theta
         grads[s], act_cots = self._backward(s, grads[s] is None)(
           grads[s], *args
         )
@@ -213,18 +463,49 @@ class Pipeline:
           if c is not None:  # Summed on the producer's device.
             c = self._move(c, s, self._producer[v])
             cots[(k, v)] = c if (k, v) not in cots else cots[(k, v)] + c
-      else:  # STEP
-        pass  # Synchronous: all steps after the last backward (below).
-    grads = self._sum_shared(grads)
-    for s in range(n):
-      params[s], opt_states[s] = self._update(
-        grads[s], opt_states[s], params[s]
-      )
+      elif self.asynchronous:  # STEP of stage s, applying its group.
+        group = sched.step_groups[s][steps[s]]
+        opt = self.stage_optimizers[s]
+        stale = forward_params[(s, group[-1])] if opt.gap_aware else None
+        params[s], opt_states[s] = opt.update(
+          grads[s], opt_states[s], params[s], stale
+        )
+        grads[s] = None
+        steps[s] += 1
+        versions[s][steps[s]] = params[s]
+        for b in group:
+          forward_params.pop((s, b), None)
+        _drop_unused_versions(
+          versions[s], sched.forward_version[s], next_forward[s]
+        )
+    if not self.asynchronous:  # One step per stage after every backward.
+      grads = self._sum_shared(grads)
+      for s in range(n):
+        params[s], opt_states[s] = self.stage_optimizers[s].update(
+          grads[s], opt_states[s], params[s], None
+        )
     loss = jnp.mean(jnp.stack(losses))
     return (
       PipelineState(tuple(params), tuple(opt_states), state.step + 1),
       {"loss": loss},
     )
+
+  def _forward_params(self, s, k, versions, opt_state, grads):
+    """The params F(s, k) runs with: its version, predicted if asked."""
+    theta = versions[int(self.schedule.forward_version[s, k])]
+    delay = int(self.schedule.delay[s, k])
+    if self.prediction is None or delay == 0:
+      return theta
+    grad = grads[s] if self.prediction == "aggmsnag" else None
+    return self.stage_optimizers[s].predict(theta, opt_state, delay, grad)
+
+  def _backward_params(self, s, k, current, forward_params):
+    """The params a recomputing B(s, k) differentiates at."""
+    if self.schedule.backward_uses_stash or (
+      self.weight_stashing and self.gap_aware != "ga_jfl"
+    ):
+      return forward_params[(s, k)]
+    return current
 
   def _move(self, x, src: int, dst: int):
     """``x`` from stage src's device to stage dst's (no-op if shared)."""
@@ -250,10 +531,6 @@ class Pipeline:
       )
     return self._backward_fns[key]
 
-  def _update_fn(self, grads, opt_state, params):
-    updates, opt_state = self.optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
   def _sum_shared(self, grads):
     """Tied leaves: every replica gets the sum of all replicas' gradients."""
     grads = [list(g) for g in grads]
@@ -265,6 +542,154 @@ class Pipeline:
       for s, pos in holders:
         grads[s][pos] = jax.device_put(total, self.stage_device[s])
     return [tuple(g) for g in grads]
+
+
+def _check_staleness_options(
+  schedule,
+  *,
+  recompute,
+  step_every,
+  weight_stashing,
+  prediction,
+  gap_aware,
+  gap_aware_options,
+  gap_aware_policy,
+  num_microbatches,
+):
+  """Clear errors for option combinations the semantics do not define."""
+  if prediction not in PREDICTIONS:
+    raise ValueError(f"unknown prediction {prediction!r}: one of {PREDICTIONS}")
+  if gap_aware not in GAP_AWARE:
+    raise ValueError(f"unknown gap_aware {gap_aware!r}: one of {GAP_AWARE}")
+  if gap_aware_policy not in GAP_AWARE_POLICIES:
+    raise ValueError(
+      f"unknown gap_aware_policy {gap_aware_policy!r}: one of "
+      f"{tuple(GAP_AWARE_POLICIES)}"
+    )
+  if step_every < 1:
+    raise ValueError(f"step_every must be >= 1, got {step_every}")
+  mitigations = {
+    "weight_stashing": weight_stashing,
+    "prediction": prediction,
+    "gap_aware": gap_aware,
+  }
+  if schedule != "async":
+    used = [k for k, v in mitigations.items() if v]
+    if used:
+      raise ValueError(
+        f"{used} apply to the asynchronous schedule 'async'; {schedule!r} "
+        f"has no stale gradients to mitigate"
+      )
+    if step_every != 1 and schedule != "2bw":
+      raise ValueError(
+        f"step_every applies to 'async' and '2bw' (got schedule "
+        f"{schedule!r}); synchronous schedules step once per call"
+      )
+  if schedule == "2bw" and step_every == 1:
+    raise ValueError(
+      "2bw needs step_every = microbatches per minibatch (>= num_stages)"
+    )
+  if gap_aware is not None:
+    if not gap_aware_options or "optimizer" not in gap_aware_options:
+      raise ValueError(
+        "gap_aware needs gap_aware_options with at least 'optimizer' "
+        "('sgd', 'adam' or 'adamw') and the learning rate, e.g. "
+        "{'optimizer': 'sgd', 'learning_rate': 0.1}"
+      )
+    if step_every != 1:
+      raise ValueError(
+        f"gap_aware needs step_every=1 (FTPipe), got {step_every}: a step "
+        "then applies one microbatch whose forward params define the gap"
+      )
+  if gap_aware == "ga_jfl" and not recompute:
+    raise ValueError(
+      "gap_aware='ga_jfl' recomputes the backward at the current params; "
+      "without recomputation the saved residuals pin the forward's params: "
+      "use recompute=True or gap_aware='ga'"
+    )
+  del num_microbatches
+
+
+def _drop_unused_versions(versions, forward_version, next_forward):
+  """Forget the versions no later forward of this stage reads (forward
+  versions are non-decreasing in the microbatch)."""
+  latest = max(versions)
+  keep_from = latest
+  if next_forward < len(forward_version):
+    keep_from = min(int(forward_version[next_forward]), latest)
+  for v in [v for v in versions if v < keep_from]:
+    del versions[v]
+
+
+def _merge_keyed(states):
+  """One state from per-stage states whose params parts are keyed dicts.
+
+  Dict nodes are merged key by key (leaves of tied params are equal, the
+  first stage's wins); other leaves (step counts) come from stage 0.
+  """
+  first = states[0]
+  if isinstance(first, dict):
+    keys = []
+    for st in states:
+      keys += [k for k in st if k not in keys]
+    return {k: _merge_keyed([st[k] for st in states if k in st]) for k in keys}
+  if isinstance(first, tuple) and hasattr(first, "_fields"):
+    return type(first)(
+      *(_merge_keyed([getattr(st, f) for st in states]) for f in first._fields)
+    )
+  if isinstance(first, (tuple, list)):
+    return type(first)(
+      _merge_keyed([st[i] for st in states]) for i in range(len(first))
+    )
+  return first
+
+
+def _select_keyed(saved, template):
+  """``template``'s structure filled from ``saved`` (by dict key)."""
+  if isinstance(template, dict):
+    if not isinstance(saved, Mapping):
+      raise ValueError("the saved optimizer state has another structure")
+    missing = [k for k in template if k not in saved]
+    if missing:
+      raise ValueError(
+        f"the saved optimizer state lacks {missing[:3]}: it was saved for "
+        f"another model or optimizer"
+      )
+    return {k: _select_keyed(saved[k], v) for k, v in template.items()}
+  if isinstance(template, tuple) and hasattr(template, "_fields"):
+    return type(template)(
+      *(
+        _select_keyed(_field(saved, f, i), getattr(template, f))
+        for i, f in enumerate(template._fields)
+      )
+    )
+  if isinstance(template, (tuple, list)):
+    if len(saved) != len(template):
+      raise ValueError(
+        "the saved optimizer state has another structure: it was saved for "
+        "another optimizer"
+      )
+    return type(template)(
+      _select_keyed(saved[i], t) for i, t in enumerate(template)
+    )
+  if template is None:
+    return None
+  if np.shape(saved) != np.shape(template):
+    raise ValueError(
+      f"a saved optimizer leaf has shape {np.shape(saved)}, expected "
+      f"{np.shape(template)}: it was saved for another model or optimizer"
+    )
+  return np.asarray(saved, dtype=np.asarray(template).dtype)
+
+
+def _field(saved, name, index):
+  """A NamedTuple field of ``saved`` (restored as a NamedTuple, a dict or
+  a list, depending on the checkpoint library)."""
+  if isinstance(saved, Mapping):
+    return saved[name] if name in saved else saved[str(index)]
+  if hasattr(saved, name):
+    return getattr(saved, name)
+  return saved[index]
 
 
 def _batch_size(batch) -> int:

@@ -1,0 +1,109 @@
+"""Per-stage optimizer functions over leaves keyed by model-global path.
+
+A stage holds a tuple of parameter leaves. Its optimizer (and Gap-Aware,
+and the weight predictor) sees them as a dict ``{path: leaf}`` keyed by the
+leaf's path in the full params pytree (e.g. ``"params/dense_0/kernel"``).
+So every stage's optimizer state is keyed by global paths too, and the
+states of all stages merge into the state of one optimizer over the whole
+model -- what a checkpoint stores, and what a different partition can
+split again.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from jpipe import staleness
+from jpipe.staleness import _common
+
+
+def leaf_names(params: Any) -> tuple[str, ...]:
+  """``"a/b/c"`` path of every leaf of ``params``, in flatten order."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  names = tuple("/".join(_key_name(k) for k in path) for path, _ in flat)
+  if len(set(names)) != len(names):  # Keys that print alike: keep them apart.
+    names = tuple(jax.tree_util.keystr(path) for path, _ in flat)
+  return names
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+class StageOptimizer:
+  """The jitted optimizer step and weight prediction of one stage.
+
+  Args:
+    names: global path of each of the stage's leaves (its tuple order).
+    tx: the optax optimizer.
+    gap_aware: ``staleness.gap_aware`` options (a dict) when this stage
+      applies Gap-Aware, else None.
+    predictor: a ``staleness.Predictor`` when the stage predicts weights.
+    learning_rate_schedule: with a closed-form predictor, the schedule whose
+      future values make the prediction scheduler-aware.
+    horizon: the largest delay this stage predicts over (static).
+  """
+
+  def __init__(
+    self,
+    names: Sequence[str],
+    tx: optax.GradientTransformation,
+    *,
+    gap_aware: dict | None = None,
+    predictor: staleness.Predictor | None = None,
+    learning_rate_schedule=None,
+    horizon: int = 0,
+  ):
+    self.names = tuple(names)
+    self.base_tx = tx
+    self.gap_aware = gap_aware is not None
+    self.tx = staleness.gap_aware(tx, **gap_aware) if self.gap_aware else tx
+    self._predictor = predictor
+    self._schedule = learning_rate_schedule
+    self._horizon = horizon
+    self.init = jax.jit(lambda leaves: self.tx.init(self.as_dict(leaves)))
+    self.update = jax.jit(self._update)
+    self.predict = jax.jit(self._predict)
+
+  def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(self.names, leaves, strict=True))
+
+  def as_tuple(self, tree: dict[str, Any]) -> tuple:
+    return tuple(tree[n] for n in self.names)
+
+  def base_state(self, opt_state):
+    """The optimizer's own state (inside Gap-Aware's on a GA stage)."""
+    return opt_state.inner_state if self.gap_aware else opt_state
+
+  def _update(self, grads, opt_state, params, stale_params):
+    """New (params, opt_state); ``stale_params`` only on a GA stage."""
+    g, p = self.as_dict(grads), self.as_dict(params)
+    if self.gap_aware:
+      stale = self.as_dict(stale_params)
+      updates, opt_state = self.tx.update(g, opt_state, p, stale_params=stale)
+    else:
+      updates, opt_state = self.tx.update(g, opt_state, p)
+    return self.as_tuple(optax.apply_updates(p, updates)), opt_state
+
+  def _predict(self, params, opt_state, delay, grad):
+    """The params ``delay`` steps ahead (delay traced: one compile)."""
+    state = self.base_state(opt_state)
+    learning_rates = None
+    if self._schedule is not None:
+      count = _common.step_count(state)
+      learning_rates = staleness.schedule_lookahead(
+        self._schedule, count, self._horizon
+      )
+    predicted = self._predictor(
+      self.as_dict(params),
+      state,
+      delay,
+      grad=None if grad is None else self.as_dict(grad),
+      learning_rates=learning_rates,
+    )
+    return self.as_tuple(predicted)
