@@ -46,6 +46,7 @@ import optax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
+from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
 
 SYNCHRONOUS = ("seq", "gpipe", "1f1b", "interleaved")
@@ -259,6 +260,16 @@ class Pipeline:
       for s in range(n)
     )
     self._backward_fns: dict[tuple[int, bool], Any] = {}
+    self._sync_step = {
+      a.stage: a
+      for acts in self.schedule.device_actions
+      for a in acts
+      if a.kind == schedule_lib.STEP
+    }
+    self.timeline: schedule_lib.Timeline | None = None
+    # Per stage, the most param versions (live, stashed or predicted) held
+    # at once during the last step call (tracked when versions are kept).
+    self.peak_param_versions: tuple[int, ...] = (1,) * n
 
   def _stage_optimizer(self, s, predictor, schedule, ga_options, ga_policy):
     n = self.stages.num_stages
@@ -386,12 +397,16 @@ class Pipeline:
 
   # -- one call: num_microbatches microbatches --------------------------------
 
-  def step(self, state: PipelineState, batch: Any):
+  def step(self, state: PipelineState, batch: Any, *, profile: bool = False):
     """Runs the schedule on one mini-batch; returns (state, metrics).
 
     Synchronous schedules take one optimizer step per call; ``async`` and
     ``2bw`` take the steps their schedule names and drain at the end.
+    With ``profile=True`` it also measures when every action ran on its
+    device and leaves the ``jpipe.schedule.Timeline`` in ``self.timeline``
+    (export with ``jpipe.schedule.write_chrome_trace`` / ``plot_timeline``).
     """
+    profiler = ActionProfiler(self.schedule) if profile else None
     m = self.num_microbatches
     size = _batch_size(batch)
     if size % m:
@@ -414,6 +429,7 @@ class Pipeline:
     steps = [0] * n
     next_forward = [0] * n
     forward_params: dict[tuple[int, int], tuple] = {}
+    peak = [1] * n  # most param versions a stage held at once
     self.used_params = {}
     for action in self._order:
       s, k = action.stage, action.microbatch
@@ -423,6 +439,10 @@ class Pipeline:
         next_forward[s] += 1
         if self._keep_forward_params:
           forward_params[(s, k)] = theta
+          held = {id(t) for t in versions[s].values()} | {
+            id(t) for (s_, _), t in forward_params.items() if s_ == s
+          }
+          peak[s] = max(peak[s], len(held))
         if self.record_params:
           self.used_params[("F", s, k)] = theta
         acts = tuple(
@@ -439,6 +459,8 @@ class Pipeline:
             theta, local, acts
           )
           saved[(s, k)] = residuals
+        if profiler:
+          profiler.record(action, (outputs, results))
         for v, x in zip(spec.outputs, outputs, strict=True):
           values[(k, v)] = x
         if 0 in spec.results:
@@ -459,6 +481,8 @@ class Pipeline:
         grads[s], act_cots = self._backward(s, grads[s] is None)(
           grads[s], *args
         )
+        if profiler:
+          profiler.record(action, (grads[s], act_cots))
         for v, c in zip(spec.inputs, act_cots, strict=True):
           if c is not None:  # Summed on the producer's device.
             c = self._move(c, s, self._producer[v])
@@ -470,6 +494,8 @@ class Pipeline:
         params[s], opt_states[s] = opt.update(
           grads[s], opt_states[s], params[s], stale
         )
+        if profiler:
+          profiler.record(action, params[s])
         grads[s] = None
         steps[s] += 1
         versions[s][steps[s]] = params[s]
@@ -484,6 +510,11 @@ class Pipeline:
         params[s], opt_states[s] = self.stage_optimizers[s].update(
           grads[s], opt_states[s], params[s], None
         )
+        if profiler:
+          profiler.record(self._sync_step[s], params[s])
+    if profiler:
+      self.timeline = profiler.timeline()
+    self.peak_param_versions = tuple(peak)
     loss = jnp.mean(jnp.stack(losses))
     return (
       PipelineState(tuple(params), tuple(opt_states), state.step + 1),
