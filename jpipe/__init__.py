@@ -8,7 +8,21 @@ used.
 __version__ = "0.1.0"
 
 
+_SUBPACKAGES = (
+  "data",
+  "models",
+  "partition",
+  "runtime",
+  "schedule",
+  "staleness",
+)
+
+
 def __getattr__(name):
+  if name in _SUBPACKAGES:  # jpipe.partition etc. without importing them first
+    import importlib
+
+    return importlib.import_module(f"jpipe.{name}")
   if name in ("Pipeline", "PipelineState"):
     from jpipe import runtime
 

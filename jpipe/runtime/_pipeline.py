@@ -72,6 +72,8 @@ class PipelineState(NamedTuple):
   stage_params: tuple[tuple[jax.Array, ...], ...]
   opt_states: tuple[Any, ...]
   step: int
+  # Leaves of the model state (BatchNorm statistics), when there is one.
+  model_state: tuple[jax.Array, ...] = ()
 
 
 class Pipeline:
@@ -114,6 +116,11 @@ class Pipeline:
     gap_aware_policy: which stages apply it, by depth (FTPipe):
       "all_except_last" (default), "almost_last_partition",
       "all_except_last_two".
+    model_state: non-trained model state (e.g. BatchNorm statistics). With
+      it, ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``;
+      each stage feeds its forwards the state its previous forward left
+      (microbatches in order, as one device would) and the recomputing
+      backward sees the same state as its forward.
     record_params: keep, for the last ``step`` call, the params every
       forward and backward used in ``used_params[(kind, stage, mb)]``
       (tests and debugging; holds every version alive).
@@ -141,6 +148,7 @@ class Pipeline:
     gap_aware: str | None = None,
     gap_aware_options: Mapping[str, Any] | None = None,
     gap_aware_policy: str = "all_except_last",
+    model_state: Any = None,
     record_params: bool = False,
   ):
     if schedule not in schedule_lib.SCHEDULES:
@@ -179,7 +187,22 @@ class Pipeline:
     micro = jax.tree.map(
       lambda x: x[: batch_size // num_microbatches], example_batch
     )
-    self.traced = partition_lib.trace(loss_fn, params, micro, depth=depth)
+    self._num_batch_leaves = len(jax.tree.leaves(micro))
+    self._state_treedef = None
+    if model_state is not None:
+      self._state_treedef = jax.tree.structure(model_state)
+      user_loss = loss_fn
+
+      def loss_fn(params, inputs):
+        return user_loss(params, inputs["state"], inputs["batch"])
+
+      # Dict keys flatten sorted: the batch leaves, then the state leaves.
+      micro = {"batch": micro, "state": model_state}
+    self.traced = partition_lib.trace(
+      loss_fn, params, micro, depth=depth, has_aux=model_state is not None
+    )
+    if model_state is not None:
+      _check_state_output(self.traced, self._state_treedef)
     if isinstance(partition, partition_lib.Plan):
       plan = partition
     else:
@@ -288,15 +311,39 @@ class Pipeline:
 
   # -- state ----------------------------------------------------------------
 
-  def init(self, params: Any) -> PipelineState:
-    """Splits ``params`` per stage, places them, builds optimizer states."""
+  def init(self, params: Any, model_state: Any = None) -> PipelineState:
+    """Splits ``params`` per stage, places them, builds optimizer states.
+
+    ``model_state``: the initial model state (required when the pipeline
+    was built with one).
+    """
+    if (model_state is None) != (self._state_treedef is None):
+      raise ValueError(
+        "pass model_state to init exactly when the Pipeline was built with "
+        "model_state="
+      )
+    state_leaves = ()
+    if model_state is not None:
+      if jax.tree.structure(model_state) != self._state_treedef:
+        raise ValueError("model_state has another structure than at build")
+      state_leaves = tuple(jax.tree.leaves(model_state))
     stage_params = []
     opt_states = []
     for s, leaves in enumerate(self.stages.split_params(params)):
       placed = jax.device_put(leaves, self.stage_device[s])
       stage_params.append(placed)
       opt_states.append(self.stage_optimizers[s].init(placed))
-    return PipelineState(tuple(stage_params), tuple(opt_states), 0)
+    return PipelineState(
+      tuple(stage_params), tuple(opt_states), 0, state_leaves
+    )
+
+  def gather_model_state(self, state: PipelineState) -> Any:
+    """The model state pytree (host arrays), or None without one."""
+    if self._state_treedef is None:
+      return None
+    return jax.tree.unflatten(
+      self._state_treedef, [jax.device_get(x) for x in state.model_state]
+    )
 
   def gather_params(self, state: PipelineState) -> Any:
     """The full params pytree (on the host's default device)."""
@@ -317,7 +364,7 @@ class Pipeline:
       model (params-shaped parts are dicts keyed by global leaf path),
       "gap_aware": {"sq_avg": {path: array}, "count", "max_learning_rate"}
       for the leaves of Gap-Aware stages ({} without Gap-Aware),
-      "step": int}``. Between ``step`` calls the pipeline is drained, so no
+      "model_state": the model state pytree or None, "step": int}``. Between ``step`` calls the pipeline is drained, so no
       stash or in-flight state needs saving.
     """
     base = [
@@ -341,6 +388,7 @@ class Pipeline:
       "params": self.gather_params(state),
       "opt_state": merged,
       "gap_aware": gap,
+      "model_state": self.gather_model_state(state),
       "step": int(state.step),
     }
 
@@ -372,7 +420,15 @@ class Pipeline:
           f"saved param {name} has shape {np.shape(saved)}, the model needs "
           f"{tuple(expected.shape)}: the checkpoint is for another model"
         )
-    base = self.init(params)
+    model_state = tree.get("model_state")
+    if (model_state is None) != (self._state_treedef is None):
+      raise ValueError(
+        "the saved state and this pipeline disagree on having a model "
+        "state (e.g. BatchNorm statistics): it was saved for another model"
+      )
+    if model_state is not None:
+      model_state = _restore_structure(model_state, self._state_treedef)
+    base = self.init(params, model_state)
     stage_params, opt_states = base.stage_params, []
     for s, opt in enumerate(self.stage_optimizers):
       fresh = base.opt_states[s]
@@ -393,7 +449,9 @@ class Pipeline:
           ),
         )
       opt_states.append(jax.device_put(loaded, self.stage_device[s]))
-    return PipelineState(stage_params, tuple(opt_states), int(tree["step"]))
+    return PipelineState(
+      stage_params, tuple(opt_states), int(tree["step"]), base.model_state
+    )
 
   # -- one call: num_microbatches microbatches --------------------------------
 
@@ -415,7 +473,8 @@ class Pipeline:
       jax.tree.map(lambda x, k=k: x[k * size // m : (k + 1) * size // m], batch)
       for k in range(m)
     ]
-    stage_batch = [self.stages.split_batch(mb) for mb in micro]
+    micro_leaves = [jax.tree.leaves(mb) for mb in micro]
+    model_state = list(state.model_state)
     n = self.stages.num_stages
     sched = self.schedule
     values: dict[tuple[int, Any], Any] = {}  # (microbatch, var) -> value
@@ -448,7 +507,9 @@ class Pipeline:
         acts = tuple(
           self._move(values[(k, v)], self._producer[v], s) for v in spec.inputs
         )
-        local = jax.device_put(stage_batch[k][s], device)
+        local = jax.device_put(
+          self._local_inputs(spec, micro_leaves[k], model_state), device
+        )
         if self.recompute:
           outputs, results = self.stages.jitted("forward", s)(
             theta, local, acts
@@ -463,8 +524,11 @@ class Pipeline:
           profiler.record(action, (outputs, results))
         for v, x in zip(spec.outputs, outputs, strict=True):
           values[(k, v)] = x
-        if 0 in spec.results:
-          losses.append(results[spec.results.index(0)])
+        for r, x in zip(spec.results, results, strict=True):
+          if r == 0:
+            losses.append(x)
+          else:  # A new model-state leaf: the next forward reads it.
+            model_state[r - 1] = x
       elif action.kind == schedule_lib.BACKWARD:
         out_cots = tuple(cots.pop((k, v), None) for v in spec.outputs)
         scale = self._loss_scale[k]
@@ -517,8 +581,18 @@ class Pipeline:
     self.peak_param_versions = tuple(peak)
     loss = jnp.mean(jnp.stack(losses))
     return (
-      PipelineState(tuple(params), tuple(opt_states), state.step + 1),
+      PipelineState(
+        tuple(params), tuple(opt_states), state.step + 1, tuple(model_state)
+      ),
       {"loss": loss},
+    )
+
+  def _local_inputs(self, spec, batch_leaves, model_state):
+    """A stage's batch inputs: microbatch leaves, then model state."""
+    nb = self._num_batch_leaves
+    return tuple(
+      batch_leaves[i] if i < nb else model_state[i - nb]
+      for i in spec.batch_leaves
     )
 
   def _forward_params(self, s, k, versions, opt_state, grads):
@@ -573,6 +647,31 @@ class Pipeline:
       for s, pos in holders:
         grads[s][pos] = jax.device_put(total, self.stage_device[s])
     return [tuple(g) for g in grads]
+
+
+def _restore_structure(tree, treedef):
+  """``tree``'s leaves in ``treedef`` (a checkpoint may return lists for
+  tuples); a leaf count mismatch is a clear error."""
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) != treedef.num_leaves:
+    raise ValueError(
+      f"the saved model state has {len(leaves)} leaves, the model needs "
+      f"{treedef.num_leaves}: it was saved for another model"
+    )
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _check_state_output(traced, state_treedef):
+  """The loss must return ``(loss, new_state)`` shaped like the state."""
+  want = jax.tree.structure(
+    (0.0, jax.tree.unflatten(state_treedef, [0] * (state_treedef.num_leaves)))
+  )
+  if not traced.has_aux or traced.out_tree != want:
+    raise ValueError(
+      "with model_state=, loss_fn(params, model_state, batch) must return "
+      "(loss, new_model_state) with new_model_state structured like "
+      "model_state"
+    )
 
 
 def _check_staleness_options(

@@ -150,3 +150,70 @@ def test_no_recompilation_across_microbatches_and_steps(recompute):
   )
   assert jitted
   assert all(f._cache_size() == 1 for f in jitted)
+
+
+def _bn_case():
+  """ResNet with BatchNorm as loss(params, model_state, batch)."""
+  model = flax_models.ResNet(num_blocks=3)
+  x = jax.random.normal(jax.random.key(0), (8, 6, 6, 3))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  variables = model.init(jax.random.key(2), x)
+
+  def loss_fn(params, stats, batch):
+    logits, updates = model.apply(
+      {"params": params, "batch_stats": stats},
+      batch["x"],
+      mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+    return loss, updates["batch_stats"]
+
+  return (
+    loss_fn,
+    variables["params"],
+    variables["batch_stats"],
+    {"x": x, "y": y},
+  )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_batchnorm_state_flows_like_one_device(schedule):
+  """Each microbatch's forward reads the statistics the previous one left;
+  gradients and the final statistics equal a single-device loop."""
+  loss_fn, params, stats, batch = _bn_case()
+  m, tx = 4, optax.sgd(0.1)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    schedule=schedule,
+    num_microbatches=m,
+    optimizer=tx,
+    model_state=stats,
+  )
+  state = pipe.init(params, stats)
+  state, metrics = pipe.step(state, batch)
+  grads, ref_stats, losses = None, stats, []
+  for k in range(m):
+    mb = jax.tree.map(lambda x, k=k: x[2 * k : 2 * k + 2], batch)
+    (loss, ref_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, ref_stats, mb
+    )
+    losses.append(loss)
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+  grads = jax.tree.map(lambda g: g / m, grads)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  _assert_tree_close(
+    pipe.gather_params(state), optax.apply_updates(params, updates)
+  )
+  _assert_tree_close(pipe.gather_model_state(state), ref_stats)
+  assert float(metrics["loss"]) == pytest.approx(np.mean(losses), rel=1e-5)
+  saved = pipe.state_dict(state)
+  again = pipe.load_state_dict(saved)
+  _assert_tree_close(pipe.gather_model_state(again), ref_stats)
+  with pytest.raises(ValueError, match="pass model_state to init"):
+    pipe.init(params)
