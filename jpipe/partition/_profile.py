@@ -97,9 +97,9 @@ def profile_nodes(
       saving = jax.jit(lambda *a, s=s: nodes.forward_saving(s, *a))
       _, _, residuals = saving(*args)
       bwd = jax.jit(
-        lambda r, o, c, s=s: nodes.backward_from_residuals(s, r, o, c)
+        lambda p, r, o, c, s=s: nodes.backward_from_residuals(s, p, r, o, c)
       )
-      bwd_args = (residuals, out_cots, res_cots)
+      bwd_args = (args[0], residuals, out_cots, res_cots)
     fwd_flops[s] = _flops(fwd, args)
     bwd_flops[s] = _flops(bwd, bwd_args)
     if method == "measured":

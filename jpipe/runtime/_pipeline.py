@@ -265,7 +265,8 @@ class Pipeline:
     for group in groups:
       self._loss_scale[list(group)] = 1.0 / len(group)
     self._keep_forward_params = (
-      weight_stashing
+      not recompute
+      or weight_stashing
       or gap_aware is not None
       or self.schedule.backward_uses_stash
       or record_params
@@ -538,13 +539,14 @@ class Pipeline:
           theta = self._backward_params(s, k, params[s], forward_params)
           args = (theta, local, acts, out_cots, result_cots)
         else:
-          theta = forward_params.get((s, k))  # Pinned by the residuals.
-          args = (saved.pop((s, k)), out_cots, result_cots)
+          theta = forward_params[(s, k)]  # The residuals' params.
+          args = (theta, saved.pop((s, k)), out_cots, result_cots)
         if self.record_params:
           self.used_params[("B", s, k)] = theta
-        grads[s], act_cots = self._backward(s, grads[s] is None)(
-          grads[s], *args
-        )
+        # While profiling, nothing is donated: a watcher may still wait on
+        # the previous gradient buffer.
+        backward = self._backward(s, grads[s] is None, donate=not profile)
+        grads[s], act_cots = backward(grads[s], *args)
         if profiler:
           profiler.record(action, (grads[s], act_cots))
         for v, c in zip(spec.inputs, act_cots, strict=True):
@@ -618,9 +620,9 @@ class Pipeline:
       return x
     return jax.device_put(x, self.stage_device[dst])
 
-  def _backward(self, s: int, first: bool):
+  def _backward(self, s: int, first: bool, donate: bool = True):
     """Jitted backward of stage s that also accumulates its gradient."""
-    key = (s, first)
+    key = (s, first, donate)
     if key not in self._backward_fns:
       kind = "backward" if self.recompute else "backward_from_residuals"
       backward = getattr(self.stages, kind)
@@ -632,7 +634,7 @@ class Pipeline:
         return g, act_cots
 
       self._backward_fns[key] = jax.jit(
-        fn, donate_argnums=() if first else (0,)
+        fn, donate_argnums=(0,) if donate and not first else ()
       )
     return self._backward_fns[key]
 

@@ -45,7 +45,10 @@ class ActionProfiler:
       if item is None:
         return
       action, outputs = item
-      jax.block_until_ready(outputs)
+      try:
+        jax.block_until_ready(outputs)
+      except RuntimeError:  # A buffer donated since: its consumer was
+        pass  # dispatched after it; stamp now rather than lose the action.
       self._ready_at[action] = time.perf_counter() - self._t0
 
   def record(self, action, outputs) -> None:
