@@ -29,7 +29,10 @@ ga_jfl                 as above                     current params
 =====================  ===========================  =========================
 
 Without recomputation the backward always differentiates at the forward's
-params (its saved residuals pin them). Gap-Aware divides the gradient by
+params (its saved residuals pin them). A parameter read by several stages
+(a tied embedding) belongs to the first of them: later stages use, for
+microbatch b, the value the owner's forward of b used (as if it travelled
+with the activations) and add their gradient to the owner's step. Gap-Aware divides the gradient by
 ``1 + |params - forward params| / C`` at the step (``jpipe.staleness``).
 ``2bw`` runs every microbatch of minibatch t at W(t-1): W(t+1) = W(t) -
 lr * grad f(W(t-1)).
@@ -243,15 +246,16 @@ class Pipeline:
     self._order = _issue_order(self.schedule)
     self._shared = _shared_leaves(self.stages)
     self._leaf_names = leaf_names(params)
-    if self.asynchronous and self._shared:
-      paths = sorted(self._leaf_names[leaf] for leaf in self._shared)
-      stages = sorted({s for h in self._shared.values() for s, _ in h})
-      raise ValueError(
-        f"params {paths} are used by stages {stages}; an asynchronous "
-        f"schedule steps each stage on its own, so a parameter must live on "
-        f"one stage: untie them (e.g. a separate output head) or use a "
-        f"synchronous schedule (gpipe, 1f1b)"
-      )
+    # Asynchronous: a tied leaf belongs to the first stage that reads it
+    # (the owner); later stages hold replicas that never step.
+    self._replicas = {}  # stage -> [(position, leaf, owner, owner position)]
+    self._owned_tied = {}  # owner -> [(position, leaf)]
+    if self.asynchronous:
+      for leaf, holders in self._shared.items():
+        (owner, owner_pos), *others = holders
+        self._owned_tied.setdefault(owner, []).append((owner_pos, leaf))
+        for h, pos in others:
+          self._replicas.setdefault(h, []).append((pos, leaf, owner, owner_pos))
     self._producer = {
       v: s for s, spec in enumerate(self.stages.specs) for v in spec.outputs
     }
@@ -297,13 +301,17 @@ class Pipeline:
 
   def _stage_optimizer(self, s, predictor, schedule, ga_options, ga_policy):
     n = self.stages.num_stages
-    names = [self._leaf_names[i] for i in self.stages.specs[s].param_leaves]
+    leaves = self.stages.specs[s].param_leaves
+    replica = {pos for pos, *_ in self._replicas.get(s, ())}
+    positions = [p for p in range(len(leaves)) if p not in replica]
+    names = [self._leaf_names[leaves[p]] for p in positions]
     applies_ga = ga_options is not None and GAP_AWARE_POLICIES[ga_policy](
       n - 1 - s
     )
     return StageOptimizer(
       names,
       self.optimizer,
+      positions=positions,
       gap_aware=dict(ga_options) if applies_ga else None,
       predictor=predictor,
       learning_rate_schedule=schedule,
@@ -490,12 +498,15 @@ class Pipeline:
     next_forward = [0] * n
     forward_params: dict[tuple[int, int], tuple] = {}
     peak = [1] * n  # most param versions a stage held at once
+    tied = {}  # (tied leaf, microbatch) -> the value its owner's F used
+    tied_grads = {}  # (tied leaf, step index) -> replicas' summed grads
     self.used_params = {}
     for action in self._order:
       s, k = action.stage, action.microbatch
       spec, device = self.stages.specs[s], self.stage_device[s]
       if action.kind == schedule_lib.FORWARD:
         theta = self._forward_params(s, k, versions[s], opt_states[s], grads)
+        theta = self._tie(s, k, theta, tied)
         next_forward[s] += 1
         if self._keep_forward_params:
           forward_params[(s, k)] = theta
@@ -537,6 +548,7 @@ class Pipeline:
         if self.recompute:
           local, acts = saved.pop((s, k))
           theta = self._backward_params(s, k, params[s], forward_params)
+          theta = self._tie(s, k, theta, tied)
           args = (theta, local, acts, out_cots, result_cots)
         else:
           theta = forward_params[(s, k)]  # The residuals' params.
@@ -557,6 +569,7 @@ class Pipeline:
         group = sched.step_groups[s][steps[s]]
         opt = self.stage_optimizers[s]
         stale = forward_params[(s, group[-1])] if opt.gap_aware else None
+        grads[s] = self._exchange_tied(s, steps[s], grads[s], tied_grads)
         params[s], opt_states[s] = opt.update(
           grads[s], opt_states[s], params[s], stale
         )
@@ -567,6 +580,8 @@ class Pipeline:
         versions[s][steps[s]] = params[s]
         for b in group:
           forward_params.pop((s, b), None)
+          for _, leaf in self._owned_tied.get(s, ()):
+            tied.pop((leaf, b), None)
         _drop_unused_versions(
           versions[s], sched.forward_version[s], next_forward[s]
         )
@@ -605,6 +620,36 @@ class Pipeline:
       return theta
     grad = grads[s] if self.prediction == "aggmsnag" else None
     return self.stage_optimizers[s].predict(theta, opt_state, delay, grad)
+
+  def _tie(self, s, k, theta, tied):
+    """Asynchronous tied params: the owner records the value its forward
+    of microbatch k used; a replica stage uses that same value for k (in
+    its forward and its backward), as if the version travelled with the
+    activations."""
+    for pos, leaf in self._owned_tied.get(s, ()):
+      tied.setdefault((leaf, k), theta[pos])
+    replicas = self._replicas.get(s)
+    if not replicas:
+      return theta
+    theta = list(theta)
+    for pos, leaf, _, _ in replicas:
+      theta[pos] = jax.device_put(tied[(leaf, k)], self.stage_device[s])
+    return tuple(theta)
+
+  def _exchange_tied(self, s, step_index, grads, tied_grads):
+    """Before stage s's step: a replica stage hands its gradient of the
+    tied leaves to the owner (it takes this step later, for the same
+    microbatches); the owner adds them to its own."""
+    grads = list(grads)
+    for pos, leaf, owner, _ in self._replicas.get(s, ()):
+      g = jax.device_put(grads[pos], self.stage_device[owner])
+      key = (leaf, step_index)
+      tied_grads[key] = g if key not in tied_grads else tied_grads[key] + g
+    for pos, leaf in self._owned_tied.get(s, ()):
+      g = tied_grads.pop((leaf, step_index), None)
+      if g is not None:
+        grads[pos] = grads[pos] + g
+    return tuple(grads)
 
   def _backward_params(self, s, k, current, forward_params):
     """The params a recomputing B(s, k) differentiates at."""

@@ -39,7 +39,10 @@ class StageOptimizer:
   """The jitted optimizer step and weight prediction of one stage.
 
   Args:
-    names: global path of each of the stage's leaves (its tuple order).
+    names: global path of each leaf the optimizer manages.
+    positions: where those leaves sit in the stage's tuple (default: all,
+      in order); the others (replicas of tied params another stage owns)
+      pass through its update and prediction unchanged.
     tx: the optax optimizer.
     gap_aware: ``staleness.gap_aware`` options (a dict) when this stage
       applies Gap-Aware, else None.
@@ -54,12 +57,16 @@ class StageOptimizer:
     names: Sequence[str],
     tx: optax.GradientTransformation,
     *,
+    positions: Sequence[int] | None = None,
     gap_aware: dict | None = None,
     predictor: staleness.Predictor | None = None,
     learning_rate_schedule=None,
     horizon: int = 0,
   ):
     self.names = tuple(names)
+    if positions is None:
+      positions = range(len(self.names))
+    self.positions = tuple(positions)
     self.base_tx = tx
     self.gap_aware = gap_aware is not None
     self.tx = staleness.gap_aware(tx, **gap_aware) if self.gap_aware else tx
@@ -71,10 +78,17 @@ class StageOptimizer:
     self.predict = jax.jit(self._predict)
 
   def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:
-    return dict(zip(self.names, leaves, strict=True))
+    """The managed leaves of a stage tuple, keyed by path."""
+    return {
+      n: leaves[i] for n, i in zip(self.names, self.positions, strict=True)
+    }
 
-  def as_tuple(self, tree: dict[str, Any]) -> tuple:
-    return tuple(tree[n] for n in self.names)
+  def as_tuple(self, tree: dict[str, Any], like: Sequence[Any]) -> tuple:
+    """``like`` with the managed leaves replaced from ``tree``."""
+    out = list(like)
+    for n, i in zip(self.names, self.positions, strict=True):
+      out[i] = tree[n]
+    return tuple(out)
 
   def base_state(self, opt_state):
     """The optimizer's own state (inside Gap-Aware's on a GA stage)."""
@@ -88,7 +102,8 @@ class StageOptimizer:
       updates, opt_state = self.tx.update(g, opt_state, p, stale_params=stale)
     else:
       updates, opt_state = self.tx.update(g, opt_state, p)
-    return self.as_tuple(optax.apply_updates(p, updates)), opt_state
+    new = optax.apply_updates(p, updates)
+    return self.as_tuple(new, params), opt_state
 
   def _predict(self, params, opt_state, delay, grad):
     """The params ``delay`` steps ahead (delay traced: one compile)."""
@@ -106,4 +121,4 @@ class StageOptimizer:
       grad=None if grad is None else self.as_dict(grad),
       learning_rates=learning_rates,
     )
-    return self.as_tuple(predicted)
+    return self.as_tuple(predicted, params)

@@ -68,6 +68,25 @@ def _reference(pipe, params, batch, tx, opts):
     else tx
     for s in range(n)
   ]
+  # Tied params: the first stage reading a leaf owns it; later stages use,
+  # for microbatch b, the value the owner's forward of b used, and hand
+  # their gradient to the owner's step.
+  holders = {}
+  for s, spec in enumerate(stages.specs):
+    for pos, leaf in enumerate(spec.param_leaves):
+      holders.setdefault(leaf, []).append((s, pos))
+  replicas = {}  # stage -> [(pos, owner, owner pos)]
+  for hs in holders.values():
+    for h, pos in hs[1:]:
+      replicas.setdefault(h, []).append((pos, *hs[0]))
+
+  def tie(s, theta, fwd):
+    theta = list(theta)
+    for pos, owner, opos in replicas.get(s, ()):
+      theta[pos] = fwd[owner][opos]
+    return tuple(theta)
+
+  pending = {}
   versions = [[p] for p in stages.split_params(params)]
   states = [[txs[s].init(versions[s][0])] for s in range(n)]
   predictor = staleness.replay_predictor(tx)
@@ -89,6 +108,7 @@ def _reference(pipe, params, batch, tx, opts):
         if ga and n - 1 - s != 0:
           base = base.inner_state
         theta = predictor(theta, base, delay)
+      theta = tie(s, theta, fwd)
       fwd[s] = theta
       used[("F", s, b)] = theta
       spec = stages.specs[s]
@@ -102,6 +122,7 @@ def _reference(pipe, params, batch, tx, opts):
       current = versions[s][steps_before(b)]
       at_forward = ws and ga != "ga_jfl"
       theta = fwd[s] if (at_forward or not recompute) else current
+      theta = tie(s, theta, fwd)
       used[("B", s, b)] = theta
       out_cots = tuple(cots.get(v_) for v_ in spec.outputs)
       result_cots = tuple(
@@ -115,6 +136,14 @@ def _reference(pipe, params, batch, tx, opts):
           cots[v_] = c if v_ not in cots else cots[v_] + c
       acc[s] = g if acc[s] is None else jax.tree.map(jnp.add, acc[s], g)
       if b in boundaries:
+        g = list(acc[s])
+        for pos, owner, opos in replicas.get(s, ()):
+          pending[(owner, opos)] = g[pos]
+          g[pos] = jnp.zeros_like(g[pos])  # a replica never steps (SGD)
+        for pos in range(len(g)):
+          if (s, pos) in pending:
+            g[pos] = g[pos] + pending.pop((s, pos))
+        acc[s] = tuple(g)
         p, st = versions[s][-1], states[s][-1]
         if txs[s] is tx:
           updates, st = tx.update(acc[s], st, p)
@@ -377,9 +406,36 @@ def test_bad_async_input():
       step_every=2,
       **common,
     )
-  gpt_loss, gpt_params, gpt_batch, _ = flax_models.gpt_case()
-  with pytest.raises(ValueError, match="untie them"):
-    jpipe.Pipeline(gpt_loss, gpt_params, gpt_batch, schedule="async", **common)
+
+
+@pytest.mark.parametrize("stashing", [False, True])
+def test_async_tied_embedding_follows_its_owner(stashing):
+  """GPT with the embedding reused as the head: the last stage uses, for
+  each microbatch, the embedding version stage 0's forward used, and its
+  gradient joins stage 0's step."""
+  loss_fn, params, batch, _ = flax_models.gpt_case()
+  batch = jax.tree.map(lambda x: jnp.concatenate([x] * 2), batch)
+  opts = {"weight_stashing": stashing}
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    schedule="async",
+    num_microbatches=4,
+    optimizer=SGD,
+    record_params=True,
+    **opts,
+  )
+  assert pipe._replicas  # the head on the last stage is a replica
+  state = pipe.init(params)
+  state, _ = pipe.step(state, batch)
+  expected, used = _reference(pipe, params, batch, SGD, opts)
+  for s in range(3):
+    _close(state.stage_params[s], expected[s])
+  for key, theta in used.items():
+    _close(pipe.used_params[key], theta)
 
 
 def test_async_on_a_mixed_plan_matches_reference():
