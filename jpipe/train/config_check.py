@@ -1,0 +1,77 @@
+"""Checks a training config before any work: each problem names its key."""
+
+import ml_collections
+
+from jpipe import schedule as schedule_lib
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "warmup_cosine")
+PARTITIONS = ("contiguous", "mixed")
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError listing every invalid field and how to fix it."""
+  problems = []
+
+  def need(ok, key, message):
+    if not ok:
+      problems.append(f"config.{key}: {message}")
+
+  need(
+    config.schedule.name in schedule_lib.SCHEDULES,
+    "schedule.name",
+    f"{config.schedule.name!r} is not one of {schedule_lib.SCHEDULES}",
+  )
+  need(
+    config.optimizer.name in OPTIMIZERS,
+    "optimizer.name",
+    f"{config.optimizer.name!r} is not one of {OPTIMIZERS}",
+  )
+  need(
+    config.optimizer.schedule in LR_SCHEDULES,
+    "optimizer.schedule",
+    f"{config.optimizer.schedule!r} is not one of {LR_SCHEDULES}",
+  )
+  need(
+    config.optimizer.learning_rate > 0,
+    "optimizer.learning_rate",
+    "must be > 0",
+  )
+  need(
+    config.pipeline.partition in PARTITIONS,
+    "pipeline.partition",
+    f"{config.pipeline.partition!r} is not one of {PARTITIONS}",
+  )
+  need(config.pipeline.num_stages >= 1, "pipeline.num_stages", "must be >= 1")
+  m = config.pipeline.num_microbatches
+  need(m >= 1, "pipeline.num_microbatches", "must be >= 1")
+  if m >= 1:
+    need(
+      config.data.batch_size % m == 0,
+      "pipeline.num_microbatches",
+      f"{m} does not divide data.batch_size={config.data.batch_size}: use "
+      f"a divisor of it",
+    )
+  need(config.train.steps >= 1, "train.steps", "must be >= 1")
+  for key in ("log_every", "eval_every", "checkpoint_every"):
+    need(config.train[key] >= 1, f"train.{key}", "must be >= 1")
+  st = config.staleness
+  need(
+    st.prediction in ("", "msnag", "aggmsnag"),
+    "staleness.prediction",
+    f"{st.prediction!r} is not one of '', 'msnag', 'aggmsnag'",
+  )
+  need(
+    st.gap_aware in ("", "ga", "ga_jfl"),
+    "staleness.gap_aware",
+    f"{st.gap_aware!r} is not one of '', 'ga', 'ga_jfl'",
+  )
+  uses = st.stashing or st.prediction or st.gap_aware
+  need(
+    not uses or config.schedule.name == "async",
+    "staleness",
+    "weight stashing, prediction and gap-aware apply to "
+    "schedule.name='async' only",
+  )
+  if problems:
+    raise ValueError("invalid config:\n  " + "\n  ".join(problems))

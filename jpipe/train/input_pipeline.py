@@ -1,0 +1,69 @@
+"""Training and evaluation data: embedded or the user's TFDS datasets.
+
+Image classification data is read once into host memory (the sizes these
+configs use: digits, CIFAR) through ``tfds`` data sources -- array_record
+files, no TensorFlow. Batches are a pure function of (seed, step), so the
+data position of a resumed run is just its step.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from jpipe.data import digits
+
+
+class ArrayData(NamedTuple):
+  """Images float32 [N, H, W, C] in [0, 1]; labels int32 [N]."""
+
+  images: np.ndarray
+  labels: np.ndarray
+
+
+def load(config) -> tuple[ArrayData, ArrayData]:
+  """(train, eval) splits named by ``config.data``."""
+  data = config.data
+  if data.name == "digits":
+    train = digits.load_digits("train", data.data_dir or None)
+    test = digits.load_digits(data.eval_split, data.data_dir or None)
+    return ArrayData(*train), ArrayData(*test)
+  return (
+    _tfds_arrays(data, "train"),
+    _tfds_arrays(data, data.eval_split),
+  )
+
+
+def _tfds_arrays(data, split: str) -> ArrayData:
+  try:
+    source = tfds.data_source(
+      data.name, split=split, data_dir=data.data_dir or None
+    )
+  except Exception as e:  # TFDS raises several types for a missing dataset.
+    raise ValueError(
+      f"TFDS dataset {data.name!r} (split {split!r}) is not available in "
+      f"data_dir {data.data_dir or '(default)'!r}: {e}. Prepare it where "
+      f"there is internet (`tfds build {data.name} --data_dir DIR "
+      f"--file_format array_record`) and set config.data.data_dir=DIR, or "
+      f"use config.data.name='digits' (embedded)."
+    ) from e
+  records = [source[i] for i in range(len(source))]
+  images = np.stack([r[data.image_key] for r in records])
+  scale = 255.0 if images.dtype == np.uint8 else 1.0
+  labels = np.asarray([r[data.label_key] for r in records], np.int32)
+  return ArrayData(images.astype(np.float32) / scale, labels)
+
+
+def batch_at(data: ArrayData, step: int, batch_size: int, seed: int) -> dict:
+  """The training batch of ``step``: epoch-wise shuffles seeded by
+  (seed, epoch); the last partial batch of an epoch is dropped."""
+  per_epoch = len(data.labels) // batch_size
+  if per_epoch == 0:
+    raise ValueError(
+      f"data.batch_size={batch_size} is larger than the training set "
+      f"({len(data.labels)} examples)"
+    )
+  epoch, index = divmod(step, per_epoch)
+  order = np.random.default_rng([seed, epoch]).permutation(len(data.labels))
+  take = order[index * batch_size : (index + 1) * batch_size]
+  return {"x": data.images[take], "y": data.labels[take]}
