@@ -3,6 +3,7 @@
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
 from jpipe.partition._graph_txt import ProfileGraph, load_pipedream_profile
 from jpipe.partition._mixed import MixedSolution, solve_mixed
+from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._plan import Plan, plan_traced
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._stages import Stages, StageSpec
@@ -22,5 +23,6 @@ __all__ = [
   "profile_nodes",
   "solve_contiguous",
   "solve_mixed",
+  "solve_pipedream",
   "trace",
 ]

@@ -1,13 +1,20 @@
 """Partition a PipeDream profile from the command line.
 
-  python -m jpipe.partition --pipedream-profile PATH --stages N
-      [--method contiguous|mixed] [--straight] [--bandwidth BYTES_PER_S]
-      [--memory BYTES] [--json] [--png FILE]
+  python -m jpipe.partition --pipedream-profile PATH
+      (--stages N | --machines M1 [M2 ..])
+      [--method pipedream|contiguous|mixed] [--straight]
+      [--bandwidth B1 [B2 ..]] [--memory BYTES] [--use-memory-constraint]
+      [--use-fewer-machines] [--activation-compression-ratio R]
+      [--compress-branches] [--json] [--png FILE]
 
-``contiguous`` is the exact min-max split of a topological order (straight:
-no stage replication); ``mixed`` is FTPipe's mixed pipe (N devices, possibly
-more stages). PipeDream's own antichain DP ("pipedream", with replication)
-is not implemented yet.
+``pipedream`` (the default) is PipeDream's optimizer: a DP over the graph's
+antichains with stage replication (``--straight``: none), levels of
+machines innermost first (``--machines 4 4``: 4 servers of 4 GPUs), one
+bandwidth per level (default 1e9 bytes/s); transfers between stages count
+only with ``--activation-compression-ratio``, as in PipeDream.
+``contiguous`` is the exact min-max split of one topological order
+(straight); ``mixed`` is FTPipe's mixed pipe (N devices, possibly more
+stages). For these two, ``--bandwidth`` defaults to compute only.
 """
 
 import argparse
@@ -20,11 +27,12 @@ import numpy as np
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import load_pipedream_profile
 from jpipe.partition._mixed import solve_mixed
+from jpipe.partition._pipedream import solve_pipedream
 
-METHODS = ("contiguous", "mixed")
+METHODS = ("pipedream", "contiguous", "mixed")
 
 
-def main(argv=None) -> int:
+def _parser():
   parser = argparse.ArgumentParser(
     prog="python -m jpipe.partition", description=__doc__.splitlines()[0]
   )
@@ -33,72 +41,107 @@ def main(argv=None) -> int:
     required=True,
     help="a PipeDream graph.txt (or its folder)",
   )
-  parser.add_argument(
-    "--stages", type=int, required=True, help="devices / pipeline stages"
+  size = parser.add_mutually_exclusive_group(required=True)
+  size.add_argument(
+    "--stages", type=int, help="devices (one level of machines)"
   )
-  parser.add_argument(
-    "--method", default="contiguous", help=f"one of {METHODS}"
+  size.add_argument(
+    "--machines",
+    type=int,
+    nargs="+",
+    help="machines per level, innermost first (pipedream's -n)",
   )
+  parser.add_argument("--method", default="pipedream", help=f"one of {METHODS}")
   parser.add_argument(
-    "--straight",
-    action="store_true",
-    help="no stage replication (always true here)",
+    "--straight", action="store_true", help="no stage replication"
   )
   parser.add_argument(
     "--bandwidth",
     type=float,
+    nargs="+",
     default=None,
-    help="link bytes/s; default: compute only",
+    help="link bytes/s, one per level (pipedream's -b; default 1e9 for "
+    "pipedream, compute only otherwise)",
   )
   parser.add_argument(
     "--memory",
     type=float,
     default=None,
-    help="bytes per device (contiguous only)",
+    help="bytes per device (contiguous; pipedream's -s with "
+    "--use-memory-constraint, default 16e9)",
+  )
+  parser.add_argument(
+    "--use-memory-constraint",
+    action="store_true",
+    help="pipedream: enforce --memory",
+  )
+  parser.add_argument(
+    "--use-fewer-machines",
+    action="store_true",
+    help="pipedream: leave machines idle when faster",
+  )
+  parser.add_argument(
+    "--activation-compression-ratio",
+    type=float,
+    default=None,
+    help="pipedream: count transfers, compressed by this ratio (1: raw)",
+  )
+  parser.add_argument(
+    "--compress-branches",
+    action="store_true",
+    help="pipedream: merge single-in/single-out chains first",
   )
   parser.add_argument(
     "--json", action="store_true", help="print one JSON object"
   )
   parser.add_argument("--png", default=None, help="write a stage-cost PNG")
+  return parser
+
+
+def main(argv=None) -> int:
+  parser = _parser()
   args = parser.parse_args(argv)
   if args.method not in METHODS:
-    parser.error(
-      f"unknown method {args.method!r}: one of {METHODS}"
-      " ('pipedream' is not implemented yet)"
-    )
+    parser.error(f"unknown method {args.method!r}: one of {METHODS}")
+  machines = [args.stages] if args.stages is not None else args.machines
+  if args.method != "pipedream" and (
+    len(machines) > 1 or (args.bandwidth and len(args.bandwidth) > 1)
+  ):
+    parser.error(f"--method {args.method} takes one level of machines")
   try:
     graph = load_pipedream_profile(args.pipedream_profile)
     order, compute, edges = graph.ordered()
     start = time.perf_counter()
-    if args.method == "contiguous":
-      static = graph.parameter_bytes[order] * 4.0  # params, grads, 2 moments
-      solution = solve_contiguous(
-        compute,
-        args.stages,
-        edges=edges,
-        bandwidth=args.bandwidth,
-        static_bytes=static,
-        activation_bytes=graph.activation_bytes[order],
-        memory_limit=args.memory,
-      )
-      stage_time = solution.stage_seconds
+    extra = {}
+    if args.method == "pipedream":
+      solution = _pipedream(graph, machines, args)
+      stage_of = solution.stage_of
+      stage_time = list(solution.stage_seconds)
       bottleneck = solution.bottleneck_seconds
-      devices = list(range(len(stage_time)))
+      starts = np.concatenate([[0], np.cumsum(solution.replicas)])
+      devices = [
+        list(range(int(a), int(b)))
+        for a, b in zip(starts[:-1], starts[1:], strict=True)
+      ]
+      bound = compute.sum() / int(np.prod(machines))
+      if args.straight:
+        bound = max(bound, compute.max())
+      extra = {
+        "replicas": list(solution.replicas),
+        "data_parallel_seconds": solution.data_parallel_seconds,
+        "speedup_vs_data_parallel": solution.speedup_vs_data_parallel,
+        "num_states": solution.num_states,
+      }
     else:
-      solution = solve_mixed(
-        compute, args.stages, edges=edges, bandwidth=args.bandwidth
+      stage_of, stage_time, bottleneck, devices = _one_order(
+        graph, order, compute, edges, machines[0], args
       )
-      stage_time = solution.stage_seconds
-      bottleneck = solution.objective_seconds
-      devices = list(solution.stage_device)
+      bound = max(compute.sum() / machines[0], compute.max())
     solve_seconds = time.perf_counter() - start
   except ValueError as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
-  stage_of_pos = solution.stage_of_node()
-  stage_of = {
-    graph.names[node]: stage_of_pos[k] for k, node in enumerate(order)
-  }
+  stage_of_pos = [stage_of[graph.names[node]] for node in order]
   num_stages = len(stage_time)
   costs = np.zeros(num_stages)
   np.add.at(costs, stage_of_pos, compute)
@@ -109,31 +152,87 @@ def main(argv=None) -> int:
     "stage_costs": costs.tolist(),
     "stage_seconds": list(stage_time),
     "bottleneck": bottleneck,
-    "lower_bound": float(max(compute.sum() / args.stages, compute.max())),
+    "lower_bound": float(bound),
     "sequential": float(compute.sum()),
     "solve_seconds": solve_seconds,
+    **extra,
   }
   if args.json:
     print(json.dumps(result))
   else:
-    print(
-      f"{graph.num_nodes} nodes, {args.method}, {args.stages} devices, "
-      f"solved in {1e3 * solve_seconds:.1f} ms"
-    )
-    print("stage  device  nodes  compute ms  stage ms")
-    for s in range(num_stages):
-      print(
-        f"{s:5d}  {devices[s]:6d}  {stage_of_pos.count(s):5d}  "
-        f"{1e3 * costs[s]:10.3f}  {1e3 * stage_time[s]:8.3f}"
-      )
-    print(
-      f"bottleneck {1e3 * bottleneck:.3f} ms, lower bound "
-      f"{1e3 * result['lower_bound']:.3f} ms, speed-up "
-      f"{result['sequential'] / bottleneck:.2f}x"
-    )
+    _print(graph, args, machines, result, stage_of_pos)
   if args.png:
     _plot(costs, stage_time, args.png)
   return 0
+
+
+def _pipedream(graph, machines, args):
+  bandwidth = args.bandwidth or [1e9]
+  return solve_pipedream(
+    graph,
+    machines,
+    bandwidth=bandwidth[0] if len(bandwidth) == 1 else bandwidth,
+    memory_bytes=16e9 if args.memory is None else args.memory,
+    use_memory_constraint=args.use_memory_constraint,
+    straight=args.straight,
+    use_fewer_machines=args.use_fewer_machines,
+    activation_compression_ratio=args.activation_compression_ratio,
+    compress_branches=args.compress_branches,
+  )
+
+
+def _one_order(graph, order, compute, edges, n, args):
+  """(stage_of, stage seconds, bottleneck, devices) of contiguous/mixed."""
+  bandwidth = args.bandwidth[0] if args.bandwidth else None
+  if args.method == "contiguous":
+    static = graph.parameter_bytes[order] * 4.0  # params, grads, 2 moments
+    solution = solve_contiguous(
+      compute,
+      n,
+      edges=edges,
+      bandwidth=bandwidth,
+      static_bytes=static,
+      activation_bytes=graph.activation_bytes[order],
+      memory_limit=args.memory,
+    )
+    bottleneck = solution.bottleneck_seconds
+    devices = list(range(len(solution.stage_seconds)))
+  else:
+    solution = solve_mixed(compute, n, edges=edges, bandwidth=bandwidth)
+    bottleneck = solution.objective_seconds
+    devices = list(solution.stage_device)
+  pos = solution.stage_of_node()
+  stage_of = {graph.names[node]: pos[k] for k, node in enumerate(order)}
+  return stage_of, list(solution.stage_seconds), bottleneck, devices
+
+
+def _print(graph, args, machines, result, stage_of_pos):
+  print(
+    f"{graph.num_nodes} nodes, {args.method}, machines {machines}, "
+    f"solved in {1e3 * result['solve_seconds']:.1f} ms"
+  )
+  print("stage  devices  nodes  compute ms  stage ms")
+  for s, devices in enumerate(result["stage_devices"]):
+    shown = (
+      f"{devices[0]}-{devices[-1]}" if isinstance(devices, list) else devices
+    )
+    print(
+      f"{s:5d}  {shown!s:>7}  {stage_of_pos.count(s):5d}  "
+      f"{1e3 * result['stage_costs'][s]:10.3f}  "
+      f"{1e3 * result['stage_seconds'][s]:8.3f}"
+    )
+  bottleneck = result["bottleneck"]
+  print(
+    f"bottleneck {1e3 * bottleneck:.3f} ms, lower bound "
+    f"{1e3 * result['lower_bound']:.3f} ms, speed-up "
+    f"{result['sequential'] / bottleneck:.2f}x"
+  )
+  if "replicas" in result:
+    print(
+      f"replication {'-'.join(map(str, result['replicas']))}, data "
+      f"parallel {1e3 * result['data_parallel_seconds']:.3f} ms, speed-up "
+      f"vs data parallel {result['speedup_vs_data_parallel']:.2f}x"
+    )
 
 
 def _plot(costs, stage_time, path):

@@ -4,14 +4,17 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+import jax.extend.core as jcore
 import numpy as np
 
 from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._graph_txt import ProfileGraph
 from jpipe.partition._mixed import solve_mixed
+from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
 
-METHODS = ("contiguous", "mixed")
+METHODS = ("contiguous", "mixed", "pipedream")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +111,13 @@ def plan_traced(
     costs: from :func:`jpipe.partition.profile_nodes`.
     num_devices: devices of the pipeline.
     method: "contiguous" (one stage per device, exact min-max over the
-      traced program order, memory-limited) or "mixed" (FTPipe's mixed
-      pipe: several stages per device; the memory limit is not applied).
+      traced program order, memory-limited), "mixed" (FTPipe's mixed
+      pipe: several stages per device; the memory limit is not applied)
+      or "pipedream" (PipeDream's DP over the graph's antichains, straight:
+      one device per stage, as jpipe's runtime runs stages; transfers
+      count when ``bandwidth`` is given; the memory limit uses PipeDream's
+      stash model). For replicated PipeDream plans use ``solve_pipedream``
+      and ``plan_from_pipedream``.
     bandwidth: bytes/s between devices; None ignores communication.
     memory_limit: bytes per device; None for no limit ("contiguous").
     optimizer_state_factor: optimizer state per parameter byte (2 for
@@ -129,6 +137,26 @@ def plan_traced(
   if len(devices) != num_devices:
     raise ValueError(f"devices needs {num_devices} entries, got {devices}")
   compute = costs.forward_seconds + costs.backward_seconds
+  if method == "pipedream":
+    if comm_model != "overlapped":
+      raise ValueError("method 'pipedream' has only the 'overlapped' model")
+    solution = solve_pipedream(
+      _traced_graph(traced, costs),
+      num_devices,
+      bandwidth=1e9 if bandwidth is None else bandwidth,
+      memory_bytes=1.0 if memory_limit is None else memory_limit,
+      use_memory_constraint=memory_limit is not None,
+      straight=True,
+      activation_compression_ratio=None if bandwidth is None else 1.0,
+    )
+    return _finish(
+      traced,
+      costs,
+      method,
+      [solution.stage_of[n] for n in traced.node_names],
+      [(d,) for d in devices],
+      solution.stage_seconds,
+    )
   if method == "mixed":
     mixed = solve_mixed(
       compute,
@@ -205,4 +233,74 @@ def _finish(
     sequential_seconds=float(
       np.sum(costs.forward_seconds + costs.backward_seconds)
     ),
+  )
+
+
+def plan_from_pipedream(
+  graph: ProfileGraph, solution: PipeDreamSolution
+) -> Plan:
+  """A Plan from PipeDream's solution for a profile.
+
+  Stage s runs on the contiguous devices ``sum(replicas[:s])`` onwards, as
+  PipeDream's ``hybrid_conf.json`` maps ranks. Weight stashing keeps
+  ``(R - 1 - sum(replicas[:s])) // replicas[s]`` extra versions of stage
+  s's params (PipeDream's warm-up depth, R machines in use). Input nodes
+  cost nothing, as in PipeDream's optimizer.
+  """
+  n = solution.num_stages
+  of = np.array([solution.stage_of[name] for name in graph.names])
+  inputs = np.array([graph.is_input(i) for i in range(graph.num_nodes)])
+
+  def per_stage(x):
+    return tuple(float(v) for v in np.bincount(of, x, minlength=n))
+
+  starts = np.concatenate([[0], np.cumsum(solution.replicas)])
+  total = int(starts[-1])
+  params = per_stage(graph.parameter_bytes)
+  return Plan(
+    method="pipedream",
+    node_names=graph.names,
+    stage_of_node=tuple(int(s) for s in of),
+    stage_devices=tuple(
+      tuple(range(int(starts[s]), int(starts[s + 1]))) for s in range(n)
+    ),
+    stage_forward_seconds=per_stage(
+      np.where(inputs, 0.0, graph.forward_seconds)
+    ),
+    stage_backward_seconds=per_stage(
+      np.where(inputs, 0.0, graph.backward_seconds)
+    ),
+    stage_seconds=solution.stage_seconds,
+    stage_param_bytes=params,
+    stage_activation_bytes=per_stage(graph.activation_bytes),
+    stage_stash_bytes=tuple(
+      float((total - 1 - starts[s]) // solution.replicas[s] * params[s])
+      for s in range(n)
+    ),
+    bottleneck_seconds=solution.bottleneck_seconds,
+    sequential_seconds=solution.sequential_seconds,
+  )
+
+
+def _traced_graph(traced, costs) -> ProfileGraph:
+  """A traced model as a profile graph: a node's activation is the bytes
+  of its distinct outputs read by other nodes."""
+  producer = traced.producers()
+  sent = [set() for _ in range(traced.num_nodes)]
+  for eqn, node in zip(traced.jaxpr.eqns, traced.eqn_node, strict=True):
+    for v in eqn.invars:
+      if isinstance(v, jcore.Var) and producer.get(v, node) != node:
+        sent[producer[v]].add(v)
+  acts = [
+    float(sum(np.prod(v.aval.shape) * v.aval.dtype.itemsize for v in vs))
+    for vs in sent
+  ]
+  return ProfileGraph(
+    names=traced.node_names,
+    descriptions=traced.node_names,
+    forward_seconds=np.asarray(costs.forward_seconds, np.float64),
+    backward_seconds=np.asarray(costs.backward_seconds, np.float64),
+    activation_bytes=np.array(acts),
+    parameter_bytes=traced.node_param_bytes(),
+    edges=tuple(sorted(traced.edges())),
   )

@@ -99,6 +99,8 @@ def test_cli_errors():
       os.path.join(PROFILES, "alexnet"),
       "--stages",
       "99",
+      "--method",
+      "contiguous",
     ],
     capture_output=True,
     text=True,

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._plan import plan_traced
+from jpipe.partition._profile import profile_nodes
 from jpipe.partition._stages import Stages
 from jpipe.partition._trace import trace
 from tests.partition import flax_models
@@ -147,3 +149,20 @@ def test_scan_is_one_node_and_dropout_rng_flows():
     s for s, spec in enumerate(stages.specs) if key_leaf in spec.batch_leaves
   ]
   assert readers == [0, 2]
+
+
+@pytest.mark.parametrize("method", ["mixed", "pipedream"])
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_every_method_keeps_value_and_grad(case, method, num_devices):
+  """The mixed pipe (several stages per device) and PipeDream's antichain
+  split give stages that still compute exactly the loss and gradients."""
+  name, traced, params, batch, (expected_out, expected_grads) = case
+  del name
+  costs = profile_nodes(traced, params, batch, method="analytic")
+  plan = plan_traced(
+    traced, costs, min(num_devices, traced.num_nodes), method=method
+  )
+  stages = Stages(traced, plan.stage_of_node)
+  out, grads = stages.run_forward_backward(params, batch, recompute=False)
+  _assert_tree_close(out, expected_out)
+  _assert_tree_close(grads, expected_grads)
