@@ -35,17 +35,21 @@ def load(config) -> tuple[ArrayData, ArrayData]:
 
 
 def _tfds_arrays(data, split: str) -> ArrayData:
+  fix = (
+    f"Prepare it where there is internet (`tfds build {data.name} "
+    f"--data_dir DIR --file_format array_record`) and set "
+    f"config.data.data_dir=DIR, or use config.data.name='digits' (embedded)"
+  )
   try:
+    # download=False: a missing dataset would otherwise make TFDS try (and,
+    # offline, slowly fail) to download it.
     source = tfds.data_source(
-      data.name, split=split, data_dir=data.data_dir or None
+      data.name, split=split, data_dir=data.data_dir or None, download=False
     )
   except Exception as e:  # TFDS raises several types for a missing dataset.
     raise ValueError(
       f"TFDS dataset {data.name!r} (split {split!r}) is not available in "
-      f"data_dir {data.data_dir or '(default)'!r}: {e}. Prepare it where "
-      f"there is internet (`tfds build {data.name} --data_dir DIR "
-      f"--file_format array_record`) and set config.data.data_dir=DIR, or "
-      f"use config.data.name='digits' (embedded)."
+      f"data_dir {data.data_dir or '(default)'!r}: {e}. {fix}."
     ) from e
   records = [source[i] for i in range(len(source))]
   images = np.stack([r[data.image_key] for r in records])
