@@ -101,16 +101,17 @@ def mlp_case():
   return loss_fn, params, {"x": x, "y": y}, False
 
 
-def resnet_case():
-  model = ResNet()
-  x = jax.random.normal(jax.random.key(0), (4, 6, 6, 3))
-  y = jax.random.randint(jax.random.key(1), (4,), 0, 10)
+def resnet_state_case(num_blocks=6, batch_size=4):
+  """ResNet with BatchNorm as ``loss(params, stats, batch) -> (loss,
+  new_stats)``; returns (loss_fn, params, stats, batch)."""
+  model = ResNet(num_blocks=num_blocks)
+  x = jax.random.normal(jax.random.key(0), (batch_size, 6, 6, 3))
+  y = jax.random.randint(jax.random.key(1), (batch_size,), 0, 10)
   variables = model.init(jax.random.key(2), x)
-  stats = variables["batch_stats"]
 
-  def loss_fn(params, batch):
+  def loss_fn(params, stats, batch):
     logits, updates = model.apply(
-      {"params": params, "batch_stats": batch["stats"]},
+      {"params": params, "batch_stats": stats},
       batch["x"],
       mutable=["batch_stats"],
     )
@@ -119,8 +120,22 @@ def resnet_case():
     ).mean()
     return loss, updates["batch_stats"]
 
-  batch = {"x": x, "y": y, "stats": stats}
-  return loss_fn, variables["params"], batch, True
+  return (
+    loss_fn,
+    variables["params"],
+    variables["batch_stats"],
+    {"x": x, "y": y},
+  )
+
+
+def resnet_case():
+  """The statistics travel inside the batch, the loss returns them as aux."""
+  state_loss, params, stats, batch = resnet_state_case()
+
+  def loss_fn(params, batch):
+    return state_loss(params, batch["stats"], batch)
+
+  return loss_fn, params, {**batch, "stats": stats}, True
 
 
 def gpt_case():

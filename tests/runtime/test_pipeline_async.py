@@ -482,40 +482,27 @@ def test_async_on_a_mixed_plan_matches_reference():
 
 
 def test_async_carries_batchnorm_statistics():
-  model = flax_models.ResNet(num_blocks=2)
-  x = jax.random.normal(jax.random.key(0), (8, 6, 6, 3))
-  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
-  variables = model.init(jax.random.key(2), x)
-
-  def loss_fn(params, stats, batch):
-    logits, updates = model.apply(
-      {"params": params, "batch_stats": stats},
-      batch["x"],
-      mutable=["batch_stats"],
-    )
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return loss.mean(), updates["batch_stats"]
-
+  loss_fn, params, stats, batch = flax_models.resnet_state_case(2, 8)
   pipe = jpipe.Pipeline(
     loss_fn,
-    variables["params"],
-    {"x": x, "y": y},
+    params,
+    batch,
     num_stages=2,
     devices=jax.devices()[:2],
     schedule="async",
     num_microbatches=4,
     optimizer=SGD,
     weight_stashing=True,
-    model_state=variables["batch_stats"],
+    model_state=stats,
   )
-  state = pipe.init(variables["params"], variables["batch_stats"])
-  state, metrics = pipe.step(state, {"x": x, "y": y})
+  state = pipe.init(params, stats)
+  state, metrics = pipe.step(state, batch)
   new = pipe.gather_model_state(state)
   moved = [
     not np.allclose(a, b)
     for a, b in zip(
       jax.tree.leaves(new),
-      jax.tree.leaves(variables["batch_stats"]),
+      jax.tree.leaves(stats),
       strict=True,
     )
   ]

@@ -152,37 +152,11 @@ def test_no_recompilation_across_microbatches_and_steps(recompute):
   assert all(f._cache_size() == 1 for f in jitted)
 
 
-def _bn_case():
-  """ResNet with BatchNorm as loss(params, model_state, batch)."""
-  model = flax_models.ResNet(num_blocks=3)
-  x = jax.random.normal(jax.random.key(0), (8, 6, 6, 3))
-  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
-  variables = model.init(jax.random.key(2), x)
-
-  def loss_fn(params, stats, batch):
-    logits, updates = model.apply(
-      {"params": params, "batch_stats": stats},
-      batch["x"],
-      mutable=["batch_stats"],
-    )
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]
-    ).mean()
-    return loss, updates["batch_stats"]
-
-  return (
-    loss_fn,
-    variables["params"],
-    variables["batch_stats"],
-    {"x": x, "y": y},
-  )
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_batchnorm_state_flows_like_one_device(schedule):
   """Each microbatch's forward reads the statistics the previous one left;
   gradients and the final statistics equal a single-device loop."""
-  loss_fn, params, stats, batch = _bn_case()
+  loss_fn, params, stats, batch = flax_models.resnet_state_case(3, 8)
   m, tx = 4, optax.sgd(0.1)
   pipe = jpipe.Pipeline(
     loss_fn,
