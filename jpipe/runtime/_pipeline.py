@@ -49,19 +49,17 @@ import optax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
+from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
+from jpipe.runtime._state_dict import (
+  merge_keyed,
+  restore_structure,
+  select_keyed,
+)
 
 SYNCHRONOUS = ("seq", "gpipe", "1f1b", "interleaved")
 ASYNCHRONOUS = ("async", "2bw")
-PREDICTIONS = (None, "msnag", "aggmsnag")
-GAP_AWARE = (None, "ga", "ga_jfl")
-# FTPipe's stage policies for Gap-Aware, by stage depth (n - 1 - s).
-GAP_AWARE_POLICIES = {
-  "all_except_last": lambda depth: depth != 0,
-  "almost_last_partition": lambda depth: depth == 1,
-  "all_except_last_two": lambda depth: depth >= 2,
-}
 
 
 class PipelineState(NamedTuple):
@@ -158,7 +156,7 @@ class Pipeline:
       raise ValueError(
         f"unknown schedule {schedule!r}: one of {schedule_lib.SCHEDULES}"
       )
-    _check_staleness_options(
+    check_staleness_options(
       schedule,
       recompute=recompute,
       step_every=step_every,
@@ -380,7 +378,7 @@ class Pipeline:
       jax.device_get(opt.base_state(st))
       for opt, st in zip(self.stage_optimizers, state.opt_states, strict=True)
     ]
-    merged = _merge_keyed(base)
+    merged = merge_keyed(base)
     ga_states = [
       jax.device_get(st)
       for opt, st in zip(self.stage_optimizers, state.opt_states, strict=True)
@@ -436,12 +434,12 @@ class Pipeline:
         "state (e.g. BatchNorm statistics): it was saved for another model"
       )
     if model_state is not None:
-      model_state = _restore_structure(model_state, self._state_treedef)
+      model_state = restore_structure(model_state, self._state_treedef)
     base = self.init(params, model_state)
     stage_params, opt_states = base.stage_params, []
     for s, opt in enumerate(self.stage_optimizers):
       fresh = base.opt_states[s]
-      loaded = _select_keyed(
+      loaded = select_keyed(
         tree["opt_state"], opt.base_state(jax.device_get(fresh))
       )
       if opt.gap_aware:
@@ -696,18 +694,6 @@ class Pipeline:
     return [tuple(g) for g in grads]
 
 
-def _restore_structure(tree, treedef):
-  """``tree``'s leaves in ``treedef`` (a checkpoint may return lists for
-  tuples); a leaf count mismatch is a clear error."""
-  leaves = jax.tree.leaves(tree)
-  if len(leaves) != treedef.num_leaves:
-    raise ValueError(
-      f"the saved model state has {len(leaves)} leaves, the model needs "
-      f"{treedef.num_leaves}: it was saved for another model"
-    )
-  return jax.tree.unflatten(treedef, leaves)
-
-
 def _check_state_output(traced, state_treedef):
   """The loss must return ``(loss, new_state)`` shaped like the state."""
   want = jax.tree.structure(
@@ -721,72 +707,6 @@ def _check_state_output(traced, state_treedef):
     )
 
 
-def _check_staleness_options(
-  schedule,
-  *,
-  recompute,
-  step_every,
-  weight_stashing,
-  prediction,
-  gap_aware,
-  gap_aware_options,
-  gap_aware_policy,
-  num_microbatches,
-):
-  """Clear errors for option combinations the semantics do not define."""
-  if prediction not in PREDICTIONS:
-    raise ValueError(f"unknown prediction {prediction!r}: one of {PREDICTIONS}")
-  if gap_aware not in GAP_AWARE:
-    raise ValueError(f"unknown gap_aware {gap_aware!r}: one of {GAP_AWARE}")
-  if gap_aware_policy not in GAP_AWARE_POLICIES:
-    raise ValueError(
-      f"unknown gap_aware_policy {gap_aware_policy!r}: one of "
-      f"{tuple(GAP_AWARE_POLICIES)}"
-    )
-  if step_every < 1:
-    raise ValueError(f"step_every must be >= 1, got {step_every}")
-  mitigations = {
-    "weight_stashing": weight_stashing,
-    "prediction": prediction,
-    "gap_aware": gap_aware,
-  }
-  if schedule != "async":
-    used = [k for k, v in mitigations.items() if v]
-    if used:
-      raise ValueError(
-        f"{used} apply to the asynchronous schedule 'async'; {schedule!r} "
-        f"has no stale gradients to mitigate"
-      )
-    if step_every != 1 and schedule != "2bw":
-      raise ValueError(
-        f"step_every applies to 'async' and '2bw' (got schedule "
-        f"{schedule!r}); synchronous schedules step once per call"
-      )
-  if schedule == "2bw" and step_every == 1:
-    raise ValueError(
-      "2bw needs step_every = microbatches per minibatch (>= num_stages)"
-    )
-  if gap_aware is not None:
-    if not gap_aware_options or "optimizer" not in gap_aware_options:
-      raise ValueError(
-        "gap_aware needs gap_aware_options with at least 'optimizer' "
-        "('sgd', 'adam' or 'adamw') and the learning rate, e.g. "
-        "{'optimizer': 'sgd', 'learning_rate': 0.1}"
-      )
-    if step_every != 1:
-      raise ValueError(
-        f"gap_aware needs step_every=1 (FTPipe), got {step_every}: a step "
-        "then applies one microbatch whose forward params define the gap"
-      )
-  if gap_aware == "ga_jfl" and not recompute:
-    raise ValueError(
-      "gap_aware='ga_jfl' recomputes the backward at the current params; "
-      "without recomputation the saved residuals pin the forward's params: "
-      "use recompute=True or gap_aware='ga'"
-    )
-  del num_microbatches
-
-
 def _drop_unused_versions(versions, forward_version, next_forward):
   """Forget the versions no later forward of this stage reads (forward
   versions are non-decreasing in the microbatch)."""
@@ -796,77 +716,6 @@ def _drop_unused_versions(versions, forward_version, next_forward):
     keep_from = min(int(forward_version[next_forward]), latest)
   for v in [v for v in versions if v < keep_from]:
     del versions[v]
-
-
-def _merge_keyed(states):
-  """One state from per-stage states whose params parts are keyed dicts.
-
-  Dict nodes are merged key by key (leaves of tied params are equal, the
-  first stage's wins); other leaves (step counts) come from stage 0.
-  """
-  first = states[0]
-  if isinstance(first, dict):
-    keys = []
-    for st in states:
-      keys += [k for k in st if k not in keys]
-    return {k: _merge_keyed([st[k] for st in states if k in st]) for k in keys}
-  if isinstance(first, tuple) and hasattr(first, "_fields"):
-    return type(first)(
-      *(_merge_keyed([getattr(st, f) for st in states]) for f in first._fields)
-    )
-  if isinstance(first, (tuple, list)):
-    return type(first)(
-      _merge_keyed([st[i] for st in states]) for i in range(len(first))
-    )
-  return first
-
-
-def _select_keyed(saved, template):
-  """``template``'s structure filled from ``saved`` (by dict key)."""
-  if isinstance(template, dict):
-    if not isinstance(saved, Mapping):
-      raise ValueError("the saved optimizer state has another structure")
-    missing = [k for k in template if k not in saved]
-    if missing:
-      raise ValueError(
-        f"the saved optimizer state lacks {missing[:3]}: it was saved for "
-        f"another model or optimizer"
-      )
-    return {k: _select_keyed(saved[k], v) for k, v in template.items()}
-  if isinstance(template, tuple) and hasattr(template, "_fields"):
-    return type(template)(
-      *(
-        _select_keyed(_field(saved, f, i), getattr(template, f))
-        for i, f in enumerate(template._fields)
-      )
-    )
-  if isinstance(template, (tuple, list)):
-    if len(saved) != len(template):
-      raise ValueError(
-        "the saved optimizer state has another structure: it was saved for "
-        "another optimizer"
-      )
-    return type(template)(
-      _select_keyed(saved[i], t) for i, t in enumerate(template)
-    )
-  if template is None:
-    return None
-  if np.shape(saved) != np.shape(template):
-    raise ValueError(
-      f"a saved optimizer leaf has shape {np.shape(saved)}, expected "
-      f"{np.shape(template)}: it was saved for another model or optimizer"
-    )
-  return np.asarray(saved, dtype=np.asarray(template).dtype)
-
-
-def _field(saved, name, index):
-  """A NamedTuple field of ``saved`` (restored as a NamedTuple, a dict or
-  a list, depending on the checkpoint library)."""
-  if isinstance(saved, Mapping):
-    return saved[name] if name in saved else saved[str(index)]
-  if hasattr(saved, name):
-    return getattr(saved, name)
-  return saved[index]
 
 
 def _batch_size(batch) -> int:

@@ -1,0 +1,94 @@
+"""Model-global training state: merge per-stage states, split them again.
+
+Stage optimizer states keep their params-shaped parts as dicts keyed by
+global leaf path (see ``_stage_optimizer``), so merging the stages is a
+key-wise union and any partition can select its keys back.
+"""
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+
+def merge_keyed(states):
+  """One state from per-stage states whose params parts are keyed dicts.
+
+  Dict nodes are merged key by key (the first stage holding a key wins);
+  other leaves (step counts) come from stage 0.
+  """
+  first = states[0]
+  if isinstance(first, dict):
+    keys = []
+    for st in states:
+      keys += [k for k in st if k not in keys]
+    return {k: merge_keyed([st[k] for st in states if k in st]) for k in keys}
+  if isinstance(first, tuple) and hasattr(first, "_fields"):
+    return type(first)(
+      *(merge_keyed([getattr(st, f) for st in states]) for f in first._fields)
+    )
+  if isinstance(first, (tuple, list)):
+    return type(first)(
+      merge_keyed([st[i] for st in states]) for i in range(len(first))
+    )
+  return first
+
+
+def select_keyed(saved, template):
+  """``template``'s structure filled from ``saved`` (by dict key)."""
+  if isinstance(template, dict):
+    if not isinstance(saved, Mapping):
+      raise ValueError("the saved optimizer state has another structure")
+    missing = [k for k in template if k not in saved]
+    if missing:
+      raise ValueError(
+        f"the saved optimizer state lacks {missing[:3]}: it was saved for "
+        f"another model or optimizer"
+      )
+    return {k: select_keyed(saved[k], v) for k, v in template.items()}
+  if isinstance(template, tuple) and hasattr(template, "_fields"):
+    return type(template)(
+      *(
+        select_keyed(_field(saved, f, i), getattr(template, f))
+        for i, f in enumerate(template._fields)
+      )
+    )
+  if isinstance(template, (tuple, list)):
+    if len(saved) != len(template):
+      raise ValueError(
+        "the saved optimizer state has another structure: it was saved for "
+        "another optimizer"
+      )
+    return type(template)(
+      select_keyed(saved[i], t) for i, t in enumerate(template)
+    )
+  if template is None:
+    return None
+  if np.shape(saved) != np.shape(template):
+    raise ValueError(
+      f"a saved optimizer leaf has shape {np.shape(saved)}, expected "
+      f"{np.shape(template)}: it was saved for another model or optimizer"
+    )
+  return np.asarray(saved, dtype=np.asarray(template).dtype)
+
+
+def _field(saved, name, index):
+  """A NamedTuple field of ``saved`` (restored as a NamedTuple, a dict or
+  a list, depending on the checkpoint library)."""
+  if isinstance(saved, Mapping):
+    return saved[name] if name in saved else saved[str(index)]
+  if hasattr(saved, name):
+    return getattr(saved, name)
+  return saved[index]
+
+
+def restore_structure(tree, treedef):
+  """``tree``'s leaves in ``treedef`` (a checkpoint may return lists for
+  tuples); a leaf count mismatch is a clear error."""
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) != treedef.num_leaves:
+    raise ValueError(
+      f"the saved model state has {len(leaves)} leaves, the model needs "
+      f"{treedef.num_leaves}: it was saved for another model"
+    )
+  return jax.tree.unflatten(treedef, leaves)
