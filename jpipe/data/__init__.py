@@ -1,5 +1,6 @@
 """Datasets as local TFDS builders over data that ships with packages."""
 
 from jpipe.data.digits import SklearnDigits, load_digits
+from jpipe.data.text import StdlibText, load_stdlib_text
 
-__all__ = ["SklearnDigits", "load_digits"]
+__all__ = ["SklearnDigits", "StdlibText", "load_digits", "load_stdlib_text"]

@@ -92,6 +92,11 @@ class Pipeline:
     optimizer: an optax transformation, applied per stage.
     partition: "contiguous", "mixed", or a jpipe.partition.Plan.
     depth: module-path depth of the traced nodes.
+    cost_model: how the partitioner costs nodes (see
+      ``jpipe.partition.profile_nodes``): "analytic" (FLOPs from the jaxpr;
+      default, no compilation), "xla" (XLA's cost analysis) or "measured"
+      (each node compiled and timed on the default device: slower to
+      start, right where FLOPs mislead, e.g. small or memory-bound ops).
     recompute: backward recomputes the forward (True) or keeps residuals.
     step_every: ``async``: a stage steps after every ``step_every``
       backwards, on their mean gradient (and after the last, partial
@@ -140,6 +145,7 @@ class Pipeline:
     optimizer: optax.GradientTransformation,
     partition: Any = "contiguous",
     depth: int = 1,
+    cost_model: str = "analytic",
     recompute: bool = True,
     step_every: int = 1,
     weight_stashing: bool = False,
@@ -213,7 +219,7 @@ class Pipeline:
           f"{len(devices)}: pass more devices or partition='mixed'"
         )
       costs = partition_lib.profile_nodes(
-        self.traced, params, micro, method="analytic"
+        self.traced, params, micro, method=cost_model, recompute=recompute
       )
       plan = partition_lib.plan_traced(
         self.traced, costs, min(num_stages, len(devices)), method=partition

@@ -6,7 +6,8 @@ from jpipe import schedule as schedule_lib
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup_cosine")
-PARTITIONS = ("contiguous", "mixed")
+PARTITIONS = ("contiguous", "mixed", "pipedream")
+COST_MODELS = ("analytic", "xla", "measured")
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -41,6 +42,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     config.pipeline.partition in PARTITIONS,
     "pipeline.partition",
     f"{config.pipeline.partition!r} is not one of {PARTITIONS}",
+  )
+  need(
+    config.pipeline.cost_model in COST_MODELS,
+    "pipeline.cost_model",
+    f"{config.pipeline.cost_model!r} is not one of {COST_MODELS}",
   )
   need(config.pipeline.num_stages >= 1, "pipeline.num_stages", "must be >= 1")
   m = config.pipeline.num_microbatches

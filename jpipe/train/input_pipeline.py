@@ -1,7 +1,7 @@
 """Training and evaluation data: embedded or the user's TFDS datasets.
 
-Image classification data is read once into host memory (the sizes these
-configs use: digits, CIFAR) through ``tfds`` data sources -- array_record
+Data is read once into host memory (the sizes these configs use: digits,
+CIFAR, a few MB of text) through ``tfds`` data sources -- array_record
 files, no TensorFlow. Batches are a pure function of (seed, step), so the
 data position of a resumed run is just its step.
 """
@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jpipe.data import digits
+from jpipe.data import digits, text
 
 
 class ArrayData(NamedTuple):
@@ -21,8 +21,8 @@ class ArrayData(NamedTuple):
   labels: np.ndarray
 
 
-def load(config) -> tuple[ArrayData, ArrayData]:
-  """(train, eval) splits named by ``config.data``."""
+def load_images(config) -> tuple[ArrayData, ArrayData]:
+  """(train, eval) image splits named by ``config.data``."""
   data = config.data
   if data.name == "digits":
     train = digits.load_digits("train", data.data_dir or None)
@@ -34,11 +34,33 @@ def load(config) -> tuple[ArrayData, ArrayData]:
   )
 
 
-def _tfds_arrays(data, split: str) -> ArrayData:
+def load_text(config) -> tuple[np.ndarray, np.ndarray]:
+  """(train, eval) byte streams, uint8 [N]: "stdlib_text" (embedded) or a
+  TFDS dataset whose ``config.data.text_key`` feature holds the text."""
+  data = config.data
+  if data.name == "stdlib_text":
+    return (
+      text.load_stdlib_text("train", data.data_dir or None),
+      text.load_stdlib_text(data.eval_split, data.data_dir or None),
+    )
+  streams = []
+  for split in ("train", data.eval_split):
+    source = _tfds_source(data, split, embedded="stdlib_text")
+    streams.append(
+      text.concatenate_texts(
+        source[i][data.text_key] for i in range(len(source))
+      )
+    )
+  return streams[0], streams[1]
+
+
+def _tfds_source(data, split: str, embedded: str):
+  """``tfds.data_source`` or a ValueError saying how to prepare the data."""
   fix = (
     f"Prepare it where there is internet (`tfds build {data.name} "
     f"--data_dir DIR --file_format array_record`) and set "
-    f"config.data.data_dir=DIR, or use config.data.name='digits' (embedded)"
+    f"config.data.data_dir=DIR, or use config.data.name='{embedded}' "
+    f"(embedded)"
   )
   try:
     # download=False: a missing dataset would otherwise make TFDS try (and,
@@ -51,6 +73,11 @@ def _tfds_arrays(data, split: str) -> ArrayData:
       f"TFDS dataset {data.name!r} (split {split!r}) is not available in "
       f"data_dir {data.data_dir or '(default)'!r}: {e}. {fix}."
     ) from e
+  return source
+
+
+def _tfds_arrays(data, split: str) -> ArrayData:
+  source = _tfds_source(data, split, embedded="digits")
   records = [source[i] for i in range(len(source))]
   images = np.stack([r[data.image_key] for r in records])
   scale = 255.0 if images.dtype == np.uint8 else 1.0
@@ -58,7 +85,9 @@ def _tfds_arrays(data, split: str) -> ArrayData:
   return ArrayData(images.astype(np.float32) / scale, labels)
 
 
-def batch_at(data: ArrayData, step: int, batch_size: int, seed: int) -> dict:
+def image_batch_at(
+  data: ArrayData, step: int, batch_size: int, seed: int
+) -> dict:
   """The training batch of ``step``: epoch-wise shuffles seeded by
   (seed, epoch); the last partial batch of an epoch is dropped."""
   per_epoch = len(data.labels) // batch_size

@@ -4,14 +4,11 @@ Small top-level functions (build the model, the optimizer, the pipeline)
 and ``train_and_evaluate``, the imperative shell that runs them.
 """
 
-import dataclasses
-import importlib
 import os
 import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -20,62 +17,9 @@ import tqdm
 import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check, input_pipeline
+from jpipe.train import config_check
 from jpipe.train.metric_log import MetricLog
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-  """A model with its loss: ``loss_fn`` for the Pipeline, ``logits_fn``
-  for evaluation; ``model_state`` is None without BatchNorm."""
-
-  loss_fn: object
-  logits_fn: object
-  params: object
-  model_state: object
-
-
-def build_task(config, example_x) -> Task:
-  """jpipe.models.<name>.Model(**kwargs) with a softmax cross-entropy."""
-  try:
-    module = importlib.import_module(f"jpipe.models.{config.model.name}")
-  except ModuleNotFoundError as e:
-    raise ValueError(
-      f"config.model.name: no model {config.model.name!r} in jpipe.models "
-      f"(mlp, resnet, vgg, gpt, t5)"
-    ) from e
-  model = module.Model(**config.model.kwargs.to_dict())
-  variables = model.init(jax.random.key(config.seed), example_x[:1])
-  params = variables["params"]
-  if "batch_stats" in variables:
-
-    def loss_fn(params, stats, batch):
-      logits, updates = model.apply(
-        {"params": params, "batch_stats": stats},
-        batch["x"],
-        mutable=["batch_stats"],
-      )
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-      return loss.mean(), updates["batch_stats"]
-
-    def logits_fn(params, stats, x):
-      return model.apply(
-        {"params": params, "batch_stats": stats}, x, train=False
-      )
-
-    return Task(loss_fn, logits_fn, params, variables["batch_stats"])
-
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]
-    ).mean()
-
-  def logits_fn(params, stats, x):
-    del stats
-    return model.apply({"params": params}, x, train=False)
-
-  return Task(loss_fn, logits_fn, params, None)
+from jpipe.train.tasks import Task, build_task
 
 
 def learning_rate(config):
@@ -84,8 +28,11 @@ def learning_rate(config):
   if opt.schedule == "constant":
     return opt.learning_rate
   steps = config.train.steps * _steps_per_call(config)
+  warmup = max(opt.warmup_steps, 1)
+  # A run shorter than its warm-up (a quick try of a config) decays over
+  # one step after it rather than failing.
   return optax.warmup_cosine_decay_schedule(
-    0.0, opt.learning_rate, max(opt.warmup_steps, 1), max(steps, 2)
+    0.0, opt.learning_rate, warmup, max(steps, warmup + 1)
   )
 
 
@@ -145,6 +92,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     optimizer=tx,
     partition=config.pipeline.partition,
     depth=config.pipeline.depth,
+    cost_model=config.pipeline.cost_model,
     recompute=config.pipeline.recompute,
     **kwargs,
   )
@@ -157,18 +105,6 @@ def fingerprint(config) -> dict:
     "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
     "optimizer": config.optimizer.name,
   }
-
-
-def evaluate(task: Task, params, model_state, data, batch_size=512) -> float:
-  """Accuracy of the full model on ``data`` (one device)."""
-  logits_fn = jax.jit(task.logits_fn)
-  correct = 0
-  for i in range(0, len(data.labels), batch_size):
-    logits = logits_fn(params, model_state, data.images[i : i + batch_size])
-    correct += int(
-      jnp.sum(jnp.argmax(logits, -1) == data.labels[i : i + batch_size])
-    )
-  return correct / len(data.labels)
 
 
 class _StopRequest:
@@ -197,10 +133,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpoint. Returns the closing summary (also printed)."""
   config_check.check(config)
   os.makedirs(workdir, exist_ok=True)
-  train_data, eval_data = input_pipeline.load(config)
   bs = config.data.batch_size
-  example = input_pipeline.batch_at(train_data, 0, bs, config.seed)
-  task = build_task(config, example["x"])
+  task = build_task(config)
+  example = task.batch_at(0)
   lr = learning_rate(config)
   tx = build_optimizer(config, lr)
   pipe = build_pipeline(config, task, example, tx, lr)
@@ -232,7 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
 
   steps = config.train.steps
-  accuracy = None
+  evaluation = None
   seconds, examples = 0.0, 0
   with _StopRequest() as stop:
     bar = tqdm.tqdm(
@@ -244,7 +179,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       mininterval=1.0,
     )
     for step in bar:
-      batch = input_pipeline.batch_at(train_data, step, bs, config.seed)
+      batch = task.batch_at(step)
       profile = config.train.profile_last_step and step == steps - 1
       t0 = time.perf_counter()
       state, metrics = pipe.step(state, batch, profile=profile)
@@ -261,14 +196,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if done % config.train.log_every == 0 or done == steps:
         log.write(done, loss=loss, examples_per_second=examples / seconds)
       if done % config.train.eval_every == 0 or done == steps:
-        accuracy = evaluate(
-          task,
-          pipe.gather_params(state),
-          pipe.gather_model_state(state),
-          eval_data,
+        evaluation = task.evaluate(
+          pipe.gather_params(state), pipe.gather_model_state(state)
         )
-        log.write(done, eval_accuracy=accuracy)
-        bar.write(f"step {done}: loss {loss:.4f}, eval accuracy {accuracy:.4f}")
+        log.write(done, **{f"eval_{k}": v for k, v in evaluation.items()})
+        bar.write(f"step {done}: loss {loss:.4f}, {_format(evaluation)}")
       if done % config.train.checkpoint_every == 0 or done == steps:
         save(done)
       if stop.signal:
@@ -281,7 +213,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     bar.close()
   log.close()
   checkpoints.close()
-  return _summary(config, pipe, workdir, examples, seconds, accuracy)
+  return _summary(config, pipe, workdir, examples, seconds, evaluation)
+
+
+def _format(evaluation: dict | None) -> str:
+  if evaluation is None:
+    return "no evaluation"
+  return ", ".join(f"eval {k} {v:.4f}" for k, v in evaluation.items())
 
 
 def _print_plan(pipe) -> None:
@@ -294,14 +232,13 @@ def _print_plan(pipe) -> None:
   )
 
 
-def _summary(config, pipe, workdir, examples, seconds, accuracy) -> dict:
+def _summary(config, pipe, workdir, examples, seconds, evaluation) -> dict:
   summary = {
     "examples_per_second": examples / seconds if seconds else float("nan"),
-    "eval_accuracy": accuracy,
+    "eval": evaluation,
   }
   lines = [
-    f"Done: {config.train.steps} steps; eval accuracy "
-    f"{accuracy if accuracy is None else round(accuracy, 4)}; "
+    f"Done: {config.train.steps} steps; {_format(evaluation)}; "
     f"throughput {summary['examples_per_second']:.1f} examples/s "
     f"(this run)."
   ]

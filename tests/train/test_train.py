@@ -47,7 +47,7 @@ def _losses(workdir):
 
 def test_default_config_trains_logs_and_draws(tmp_path):
   summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
-  assert 0.0 <= summary["eval_accuracy"] <= 1.0
+  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
   assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
   assert (tmp_path / "timeline.png").stat().st_size > 1000
@@ -95,7 +95,7 @@ def test_async_with_every_mitigation_runs(tmp_path):
     }
   )
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
-  assert summary["eval_accuracy"] is not None
+  assert summary["eval"]["accuracy"] is not None
 
 
 def test_user_tfds_dataset_through_mock_data(tmp_path):
@@ -104,7 +104,7 @@ def test_user_tfds_dataset_through_mock_data(tmp_path):
   config.train.steps = 2
   with tfds.testing.mock_data(num_examples=16):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
-  assert summary["eval_accuracy"] is not None
+  assert summary["eval"]["accuracy"] is not None
 
 
 def test_missing_tfds_dataset_is_a_clear_error(tmp_path):

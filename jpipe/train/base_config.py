@@ -1,0 +1,125 @@
+"""The fields every training config has, with their meaning and defaults.
+
+Config files in ``configs/`` start from :func:`base_config`, add their
+data fields (:func:`image_data` or :func:`text_data`) and set what their
+experiment changes; ``python -m jpipe.train`` loads them locked, so a
+flag that names a field not here is an error.
+"""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Model, optimizer, pipeline, schedule, staleness and loop fields."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Seeds the params and the data order.
+
+  # Model: jpipe.models.<name>.Model(**kwargs). The model sets the task:
+  # mlp / resnet / vgg classify images, gpt models text, t5 un-corrupts it.
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "mlp"
+  c.model.kwargs = ml_collections.ConfigDict()
+
+  # Optimizer (optax): sgd (with momentum), adam or adamw.
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "sgd"
+  c.optimizer.learning_rate = 0.05  # Peak learning rate.
+  c.optimizer.momentum = 0.9  # SGD only; 0 for plain SGD.
+  c.optimizer.weight_decay = 0.0  # L2 for sgd/adam, decoupled for adamw.
+  c.optimizer.schedule = "constant"  # "constant" or "warmup_cosine".
+  c.optimizer.warmup_steps = 0  # Optimizer steps of linear warm-up.
+
+  # Pipeline: how the model is split and placed.
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.num_stages = 4  # Stages (devices used: min(stages, devices)).
+  c.pipeline.num_microbatches = 4  # Microbatches per step; divides batch.
+  c.pipeline.partition = "contiguous"  # "contiguous", "mixed", "pipedream".
+  c.pipeline.recompute = False  # Recompute forwards in the backward.
+  c.pipeline.depth = 1  # Module-path depth of the partitioner's nodes.
+  # Node costs for the partitioner: "analytic" (FLOPs), "xla" (XLA's cost
+  # analysis) or "measured" (each node timed on this machine; slower start).
+  c.pipeline.cost_model = "analytic"
+
+  # Schedule: seq, gpipe, 1f1b, interleaved (synchronous), async, 2bw.
+  c.schedule = ml_collections.ConfigDict()
+  c.schedule.name = "1f1b"
+  c.schedule.step_every = 1  # async: microbatches per step; 2bw: minibatch.
+
+  # Staleness mitigation (schedule "async" only).
+  c.staleness = ml_collections.ConfigDict()
+  c.staleness.stashing = False  # Weight stashing.
+  c.staleness.prediction = ""  # "", "msnag" or "aggmsnag".
+  c.staleness.gap_aware = ""  # "", "ga" or "ga_jfl".
+  c.staleness.gap_aware_policy = "all_except_last"  # FTPipe's stage policy.
+
+  # Training loop.
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 300  # Pipeline steps (each covers batch_size examples).
+  c.train.log_every = 25  # Steps between metric logs.
+  c.train.eval_every = 100  # Steps between evaluations (and at the end).
+  c.train.checkpoint_every = 100  # Steps between checkpoints (and at end).
+  c.train.keep_checkpoints = 2  # Checkpoints kept in the workdir.
+  c.train.profile_last_step = True  # Timeline PNG + trace of the last step.
+  return c
+
+
+def image_data(name: str = "digits") -> ml_collections.ConfigDict:
+  """Fields of an image classification dataset."""
+  d = ml_collections.ConfigDict()
+  d.name = name  # "digits" (embedded) or a TFDS image dataset name.
+  d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
+  d.image_key = "image"  # Feature names of a TFDS dataset.
+  d.label_key = "label"
+  d.batch_size = 64  # Examples per step (split into microbatches).
+  d.eval_split = "test"  # Split for the periodic evaluation.
+  return d
+
+
+def text_data(
+  name: str = "stdlib_text", span_corruption: bool = False
+) -> ml_collections.ConfigDict:
+  """Fields of a text dataset (bytes are the tokens)."""
+  d = ml_collections.ConfigDict()
+  d.name = name  # "stdlib_text" (embedded) or a TFDS text dataset name.
+  d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
+  d.text_key = "text"  # Feature holding the text in a TFDS dataset.
+  d.batch_size = 32  # Sequences per step (split into microbatches).
+  d.sequence_length = 128  # Bytes per sequence (the model's input).
+  d.eval_split = "test"  # Split for the periodic evaluation.
+  d.eval_sequences = 128  # Fixed, evenly spaced held-out sequences.
+  if span_corruption:
+    d.noise_density = 0.15  # T5: fraction of bytes masked out.
+    d.mean_span_length = 3.0  # T5: mean length of a masked span.
+  return d
+
+
+MITIGATIONS = {"ws": "stashing", "wp": "prediction", "ga": "gap_aware"}
+SYNCHRONOUS_VARIANTS = ("seq", "gpipe", "1f1b")
+
+
+def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
+  """Sets the schedule and staleness fields a variant name stands for.
+
+  Args:
+    c: a config from :func:`base_config` (changed in place).
+    variant: "stale" (asynchronous 1F1B, no mitigation); "ws", "wp", "ga"
+      or a "+"-joined combination such as "ws+wp" (asynchronous with
+      weight stashing, msnag weight prediction, Gap-Aware); "2bw"
+      (PipeDream-2BW); or a synchronous schedule, "seq", "gpipe", "1f1b".
+  """
+  parts = variant.split("+")
+  if variant in SYNCHRONOUS_VARIANTS or variant == "2bw":
+    c.schedule.name = variant
+    if variant == "2bw":
+      c.schedule.step_every = c.pipeline.num_microbatches
+    return
+  if variant != "stale" and not set(parts) <= set(MITIGATIONS):
+    raise ValueError(
+      f"unknown config variant {variant!r}: use 'stale', a '+'-joined "
+      f"combination of {sorted(MITIGATIONS)}, '2bw' or one of "
+      f"{SYNCHRONOUS_VARIANTS} (e.g. --config configs/wrn_stale.py:ws+wp)"
+    )
+  c.schedule.name = "async"
+  c.staleness.stashing = "ws" in parts
+  c.staleness.prediction = "msnag" if "wp" in parts else ""
+  c.staleness.gap_aware = "ga" if "ga" in parts else ""

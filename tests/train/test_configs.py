@@ -1,0 +1,124 @@
+"""Every config in configs/ (and its variants) trains a few steps."""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow_datasets as tfds
+
+from jpipe.train import base_config, config_check, train_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+CONFIG_DIR = os.path.join(ROOT, "configs")
+CONFIGS = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py"))
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _get_config(name, *variant):
+  spec = importlib.util.spec_from_file_location(
+    name, os.path.join(CONFIG_DIR, f"{name}.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*variant)
+
+
+def _short(config):
+  config.train.steps = 2
+  config.train.log_every = 1
+  config.train.eval_every = 2
+  config.train.checkpoint_every = 2
+  config.train.profile_last_step = False
+  if "eval_sequences" in config.data:
+    config.data.eval_sequences = 8
+  return config
+
+
+def test_the_configs_are_the_ones_the_issue_names():
+  assert set(CONFIGS) >= {
+    "default",
+    "wrn_stale",
+    "pipedream_vgg",
+    "pipedream_resnet",
+    "gpt_lm",
+    "t5",
+  }
+
+
+@pytest.mark.parametrize(
+  "name, variant",
+  [(name, ()) for name in CONFIGS]
+  + [
+    ("wrn_stale", ("ws+wp+ga",)),
+    ("pipedream_vgg", ("2bw",)),
+    ("pipedream_resnet", ("1f1b",)),
+  ],
+)
+def test_config_trains_and_evaluates(tmp_path, name, variant):
+  config = _get_config(name, *variant)
+  config_check.check(config)
+  summary = train_lib.train_and_evaluate(_short(config), str(tmp_path))
+  assert summary["eval"], summary
+  for value in summary["eval"].values():
+    assert math.isfinite(value)
+  if "perplexity" in summary["eval"]:
+    # Two steps from random init: below the uniform distribution's.
+    assert summary["eval"]["perplexity"] < 400
+
+
+def test_every_config_documents_its_run_command_and_result():
+  for name in CONFIGS:
+    with open(os.path.join(CONFIG_DIR, f"{name}.py")) as f:
+      source = f.read()
+    assert f"--config configs/{name}.py" in source, name
+    assert "Expected:" in source, name
+
+
+def test_unknown_variant_is_a_clear_error():
+  with pytest.raises(ValueError, match="unknown config variant 'wz'"):
+    base_config.apply_variant(base_config.base_config(), "wz")
+
+
+def test_too_small_t5_vocabulary_is_a_clear_error(tmp_path):
+  config = _short(_get_config("t5"))
+  config.model.kwargs.vocab_size = 260
+  with pytest.raises(ValueError, match="vocab_size=260 cannot hold"):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_cli_takes_a_config_variant(tmp_path):
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jpipe.train",
+      "--config",
+      os.path.join(CONFIG_DIR, "wrn_stale.py") + ":ws+ga",
+      "--workdir",
+      str(tmp_path),
+      "--config.train.steps=1",
+      "--config.train.profile_last_step=False",
+      "--config.pipeline.num_stages=2",
+    ],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "schedule async" in result.stdout
+  assert "eval accuracy" in result.stdout
+
+
+def test_user_tfds_text_dataset_through_mock_data(tmp_path):
+  config = _short(_get_config("gpt_lm"))
+  config.data.name = "lm1b"
+  config.data.sequence_length = 16
+  config.data.batch_size = 8
+  config.pipeline.num_stages = 2
+  with tfds.testing.mock_data(num_examples=40):
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert math.isfinite(summary["eval"]["perplexity"])
