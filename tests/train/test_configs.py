@@ -1,6 +1,7 @@
 """Every config in configs/ (and its variants) trains a few steps."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -122,3 +123,53 @@ def test_user_tfds_text_dataset_through_mock_data(tmp_path):
   with tfds.testing.mock_data(num_examples=40):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert math.isfinite(summary["eval"]["perplexity"])
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+class _StopAfter(train_lib._StopRequest):
+  """A SIGTERM that arrives during step ``steps`` (in-process)."""
+
+  def __init__(self, steps):
+    super().__init__()
+    self._checks = steps
+
+  @property
+  def signal(self):
+    self._checks -= 1
+    return "SIGTERM" if self._checks <= 0 else None
+
+  @signal.setter
+  def signal(self, value):
+    del value
+
+
+def test_async_adamw_prediction_run_resumes_on_its_trajectory(
+  tmp_path, monkeypatch
+):
+  """Adam moments, the learning-rate schedule's step and the asynchronous
+  pipeline's weight-prediction state all come back from the checkpoint a
+  SIGTERM leaves."""
+  config = _short(_get_config("gpt_lm"))
+  config.model.kwargs.width = 32
+  config.model.kwargs.num_layers = 2
+  config.data.sequence_length = 16
+  config.data.batch_size = 8
+  config.train.steps = 4
+  config.train.checkpoint_every = 10
+  config.optimizer.warmup_steps = 4
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  train_lib.train_and_evaluate(config, str(straight))
+  monkeypatch.setattr(train_lib, "_StopRequest", lambda: _StopAfter(2))
+  with pytest.raises(SystemExit):
+    train_lib.train_and_evaluate(config, str(resumed))
+  assert os.listdir(resumed / "checkpoints") == ["2"]
+  monkeypatch.undo()
+  train_lib.train_and_evaluate(config, str(resumed))
+  a, b = _losses(straight), _losses(resumed)
+  for step in (1, 2, 3, 4):
+    assert a[step] == pytest.approx(b[step], rel=1e-6)
