@@ -1,4 +1,4 @@
-"""Partition a PipeDream profile from the command line.
+"""Partition a PipeDream profile or a training config's model.
 
   python -m jpipe.partition --pipedream-profile PATH
       (--stages N | --machines M1 [M2 ..])
@@ -6,6 +6,9 @@
       [--bandwidth B1 [B2 ..]] [--memory BYTES] [--use-memory-constraint]
       [--use-fewer-machines] [--activation-compression-ratio R]
       [--compress-branches] [--json] [--png FILE]
+  python -m jpipe.partition --config configs/X.py[:VARIANT] --stages N
+      [--method ...] [--bandwidth B] [--memory BYTES]
+      [--cost-model analytic|xla|measured] [--json] [--png FILE]
 
 ``pipedream`` (the default) is PipeDream's optimizer: a DP over the graph's
 antichains with stage replication (``--straight``: none), levels of
@@ -15,6 +18,12 @@ only with ``--activation-compression-ratio``, as in PipeDream.
 ``contiguous`` is the exact min-max split of one topological order
 (straight); ``mixed`` is FTPipe's mixed pipe (N devices, possibly more
 stages). For these two, ``--bandwidth`` defaults to compute only.
+
+``--config`` traces the config's model on one microbatch of its data and
+costs its nodes as ``python -m jpipe.train`` would (``--method`` and
+``--cost-model`` default to the config's ``pipeline.partition`` and
+``pipeline.cost_model``), then prints the plan that training would use on
+N devices. Its ``--json`` adds ``plan`` (the full ``jpipe.partition.Plan``).
 """
 
 import argparse
@@ -36,10 +45,12 @@ def _parser():
   parser = argparse.ArgumentParser(
     prog="python -m jpipe.partition", description=__doc__.splitlines()[0]
   )
-  parser.add_argument(
-    "--pipedream-profile",
-    required=True,
-    help="a PipeDream graph.txt (or its folder)",
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument(
+    "--pipedream-profile", help="a PipeDream graph.txt (or its folder)"
+  )
+  source.add_argument(
+    "--config", help="a training config, configs/X.py[:VARIANT]"
   )
   size = parser.add_mutually_exclusive_group(required=True)
   size.add_argument(
@@ -51,7 +62,16 @@ def _parser():
     nargs="+",
     help="machines per level, innermost first (pipedream's -n)",
   )
-  parser.add_argument("--method", default="pipedream", help=f"one of {METHODS}")
+  parser.add_argument(
+    "--method",
+    default=None,
+    help=f"one of {METHODS}; default pipedream (profiles) or the config's",
+  )
+  parser.add_argument(
+    "--cost-model",
+    default=None,
+    help="--config: analytic, xla or measured (default: the config's)",
+  )
   parser.add_argument(
     "--straight", action="store_true", help="no stage replication"
   )
@@ -101,6 +121,11 @@ def _parser():
 def main(argv=None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
+  if args.config is not None:
+    return _main_config(parser, args)
+  if args.cost_model is not None:
+    parser.error("--cost-model applies to --config only")
+  args.method = args.method or "pipedream"
   if args.method not in METHODS:
     parser.error(f"unknown method {args.method!r}: one of {METHODS}")
   machines = [args.stages] if args.stages is not None else args.machines
@@ -162,7 +187,82 @@ def main(argv=None) -> int:
   else:
     _print(graph, args, machines, result, stage_of_pos)
   if args.png:
-    _plot(costs, stage_time, args.png)
+    memory = {}
+    if graph.parameter_bytes is not None:
+      memory["params"] = np.bincount(
+        stage_of_pos, graph.parameter_bytes[order], minlength=num_stages
+      )
+    _plot(costs, stage_time, args.png, memory)
+  return 0
+
+
+def _main_config(parser, args) -> int:
+  """The plan ``python -m jpipe.train`` would make for a config."""
+  from jpipe.partition._plan import plan_traced
+  from jpipe.train import config_plan
+
+  if args.stages is None:
+    parser.error("--config takes --stages N (devices)")
+  if args.bandwidth and len(args.bandwidth) > 1:
+    parser.error("--config takes one --bandwidth")
+  try:
+    config = config_plan.load_config_file(args.config)
+    method = args.method or config.pipeline.partition
+    if method not in METHODS:
+      raise ValueError(f"unknown method {method!r}: one of {METHODS}")
+    traced, costs = config_plan.trace_config(config, args.cost_model)
+    start = time.perf_counter()
+    plan = plan_traced(
+      traced,
+      costs,
+      args.stages,
+      method=method,
+      bandwidth=args.bandwidth[0] if args.bandwidth else None,
+      memory_limit=args.memory,
+    )
+    solve_seconds = time.perf_counter() - start
+  except ValueError as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  node_seconds = costs.forward_seconds + costs.backward_seconds
+  n = args.stages
+  result = {
+    "method": method,
+    "stage_of": plan.stage_of,
+    "stage_devices": [list(d) for d in plan.stage_devices],
+    "stage_costs": [
+      f + b
+      for f, b in zip(
+        plan.stage_forward_seconds, plan.stage_backward_seconds, strict=True
+      )
+    ],
+    "stage_seconds": list(plan.stage_seconds),
+    "bottleneck": plan.bottleneck_seconds,
+    "lower_bound": float(max(node_seconds.sum() / n, node_seconds.max())),
+    "sequential": plan.sequential_seconds,
+    "solve_seconds": solve_seconds,
+    "plan": json.loads(plan.to_json()),
+  }
+  if args.json:
+    print(json.dumps(result))
+  else:
+    stage_of_pos = list(plan.stage_of_node)
+    _print_table(
+      f"{len(plan.node_names)} nodes of {args.config}, {method}, "
+      f"{n} devices, solved in {1e3 * solve_seconds:.1f} ms",
+      result,
+      stage_of_pos,
+    )
+    for s in range(plan.num_stages):
+      names = [k for k, v in plan.stage_of.items() if v == s]
+      print(f"  stage {s}: {', '.join(names)}")
+  if args.png:
+    memory = {
+      "params": plan.stage_param_bytes,
+      "activations": plan.stage_activation_bytes,
+      "stash": plan.stage_stash_bytes,
+    }
+    _plot(result["stage_costs"], result["stage_seconds"], args.png, memory)
   return 0
 
 
@@ -207,15 +307,21 @@ def _one_order(graph, order, compute, edges, n, args):
 
 
 def _print(graph, args, machines, result, stage_of_pos):
-  print(
+  _print_table(
     f"{graph.num_nodes} nodes, {args.method}, machines {machines}, "
-    f"solved in {1e3 * result['solve_seconds']:.1f} ms"
+    f"solved in {1e3 * result['solve_seconds']:.1f} ms",
+    result,
+    stage_of_pos,
   )
+
+
+def _print_table(title, result, stage_of_pos):
+  print(title)
   print("stage  devices  nodes  compute ms  stage ms")
   for s, devices in enumerate(result["stage_devices"]):
-    shown = (
-      f"{devices[0]}-{devices[-1]}" if isinstance(devices, list) else devices
-    )
+    shown = devices
+    if isinstance(devices, list):
+      shown = devices[0] if len(devices) == 1 else f"{devices[0]}-{devices[-1]}"
     print(
       f"{s:5d}  {shown!s:>7}  {stage_of_pos.count(s):5d}  "
       f"{1e3 * result['stage_costs'][s]:10.3f}  "
@@ -235,19 +341,36 @@ def _print(graph, args, machines, result, stage_of_pos):
     )
 
 
-def _plot(costs, stage_time, path):
+def _plot(costs, stage_time, path, memory=None):
+  """Per-stage compute and stage time; beside it, per-stage memory (MB,
+  stacked: ``memory`` maps a label to per-stage bytes) when given."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(costs) + 2), 3))
+  panels = 2 if memory else 1
+  width = max(4, 0.6 * len(costs) + 2)
+  fig, axes = plt.subplots(1, panels, figsize=(width * panels, 3))
+  axes = np.atleast_1d(axes)
+  ax = axes[0]
   x = np.arange(len(costs))
   ax.bar(x - 0.2, 1e3 * np.asarray(costs), 0.4, label="compute")
   ax.bar(x + 0.2, 1e3 * np.asarray(stage_time), 0.4, label="stage time")
+  ax.set_xticks(x)
   ax.set_xlabel("stage")
   ax.set_ylabel("ms per minibatch")
   ax.legend()
+  if memory:
+    bottom = np.zeros(len(costs))
+    for label, per_stage in memory.items():
+      values = np.asarray(per_stage, float) / 1e6
+      axes[1].bar(x, values, 0.6, bottom=bottom, label=label)
+      bottom += values
+    axes[1].set_xticks(x)
+    axes[1].set_xlabel("stage")
+    axes[1].set_ylabel("MB")
+    axes[1].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

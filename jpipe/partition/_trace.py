@@ -130,6 +130,26 @@ class TracedModel:
     return out
 
 
+def with_model_state(loss_fn, batch, model_state):
+  """A loss with model state as one ``trace`` can take.
+
+  Args:
+    loss_fn: ``(params, model_state, batch) -> (loss, new_model_state)``.
+    batch: its batch (a microbatch).
+    model_state: e.g. BatchNorm statistics.
+
+  Returns:
+    (``(params, inputs) -> (loss, new_model_state)``, inputs): trace it with
+    ``has_aux=True``. Dict keys flatten sorted, so the batch leaves come
+    first, then the state leaves.
+  """
+
+  def traced_loss(params, inputs):
+    return loss_fn(params, inputs["state"], inputs["batch"])
+
+  return traced_loss, {"batch": batch, "state": model_state}
+
+
 def trace(
   loss_fn: Callable[..., Any],
   params: Any,

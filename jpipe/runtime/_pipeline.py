@@ -198,13 +198,9 @@ class Pipeline:
     self._state_treedef = None
     if model_state is not None:
       self._state_treedef = jax.tree.structure(model_state)
-      user_loss = loss_fn
-
-      def loss_fn(params, inputs):
-        return user_loss(params, inputs["state"], inputs["batch"])
-
-      # Dict keys flatten sorted: the batch leaves, then the state leaves.
-      micro = {"batch": micro, "state": model_state}
+      loss_fn, micro = partition_lib.with_model_state(
+        loss_fn, micro, model_state
+      )
     self.traced = partition_lib.trace(
       loss_fn, params, micro, depth=depth, has_aux=model_state is not None
     )

@@ -1,0 +1,77 @@
+"""``python -m jpipe.partition --config``: the plan training would use."""
+
+import json
+import os
+
+import pytest
+
+from jpipe.partition import __main__ as partition_cli
+from jpipe.train import config_plan, tasks, train_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _run(capsys, *argv):
+  code = partition_cli.main(list(argv))
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+  "spec, stages", [("wrn_stale.py:ws", 3), ("t5.py", 4), ("default.py", 2)]
+)
+def test_cli_plan_is_the_plan_training_builds(capsys, spec, stages):
+  path = os.path.join(ROOT, "configs", spec)
+  code, out, _ = _run(
+    capsys, "--config", path, "--stages", str(stages), "--json"
+  )
+  assert code == 0
+  result = json.loads(out)
+  config = config_plan.load_config_file(path)
+  with config.unlocked():
+    config.pipeline.num_stages = stages
+  task = tasks.build_task(config)
+  lr = train_lib.learning_rate(config)
+  pipe = train_lib.build_pipeline(
+    config, task, task.batch_at(0), train_lib.build_optimizer(config, lr), lr
+  )
+  assert result["stage_of"] == pipe.plan.stage_of
+  assert result["method"] == config.pipeline.partition
+  assert len(result["stage_costs"]) == stages
+  assert result["bottleneck"] >= result["lower_bound"] - 1e-12
+  assert sum(result["stage_costs"]) == pytest.approx(result["sequential"])
+  assert result["plan"]["node_names"] == list(pipe.plan.node_names)
+
+
+def test_cli_table_and_png(capsys, tmp_path):
+  png = tmp_path / "plan.png"
+  code, out, _ = _run(
+    capsys,
+    "--config",
+    os.path.join(ROOT, "configs", "pipedream_vgg.py"),
+    "--stages",
+    "4",
+    "--method",
+    "contiguous",
+    "--png",
+    str(png),
+  )
+  assert code == 0
+  assert "contiguous, 4 devices" in out and "stage 3: " in out
+  assert png.stat().st_size > 1000
+
+
+def test_cli_config_errors(capsys):
+  path = os.path.join(ROOT, "configs", "default.py")
+  code, _, err = _run(capsys, "--config", path, "--stages", "9")
+  assert code == 2 and "stages" in err
+  code, _, err = _run(
+    capsys, "--config", path, "--stages", "2", "--method", "metis"
+  )
+  assert code == 2 and "unknown method 'metis'" in err
+  code, _, err = _run(capsys, "--config", "nope.py", "--stages", "2")
+  assert code == 2 and "config file 'nope.py' does not exist" in err
+  with pytest.raises(SystemExit):
+    partition_cli.main(["--config", path])  # No --stages.
