@@ -17,7 +17,7 @@ closure is a pytree, so it crosses ``jit``).
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -62,9 +62,23 @@ class Stages:
   ``spec.param_leaves`` / ``spec.batch_leaves`` order), ``acts`` the values
   in ``spec.inputs`` order. ``run_forward`` / ``run_backward`` chain all
   stages in order on one device (the reference schedule).
+
+  ``residual_policy`` is the ``jax.checkpoint`` policy of
+  ``forward_saving``: which intermediates are saved for the backward.
+  The default, ``dots_saveable``, saves matrix-multiply outputs and lets the
+  backward recompute the elementwise ops between them inside its own
+  program. Saving every intermediate (``everything_saveable``) writes each
+  to memory between two programs that XLA can no longer fuse across; on
+  a CPU that made a GPT's saved-residual pipeline 1.2-1.4x slower than
+  one fused value_and_grad (experiments/runtime/overhead.py).
   """
 
-  def __init__(self, traced: TracedModel, stage_of_node: Sequence[int]):
+  def __init__(
+    self,
+    traced: TracedModel,
+    stage_of_node: Sequence[int],
+    residual_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
+  ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
         f"stage_of_node has {len(stage_of_node)} entries for "
@@ -86,6 +100,7 @@ class Stages:
     ]
     self._jitted: dict[tuple[str, int], Any] = {}
     self._pullback_layout: dict[int, Any] = {}
+    self.residual_policy = residual_policy
 
   # -- pure stage functions ------------------------------------------------
 
@@ -111,7 +126,7 @@ class Stages:
     results = tuple(_read(env, jaxpr.outvars[r]) for r in spec.results)
     return outputs, results
 
-  def _vjp(self, s, params, batch, acts):
+  def _vjp(self, s, params, batch, acts, policy=None):
     diff = self._diff[s]
 
     def fn(params, diff_acts):
@@ -122,6 +137,8 @@ class Stages:
       return self.forward(s, params, batch, full)
 
     diff_acts = tuple(a for a, d in zip(acts, diff, strict=True) if d)
+    if policy is not None:
+      fn = jax.checkpoint(fn, policy=policy)
     (outputs, results), vjp_fn = jax.vjp(fn, tuple(params), diff_acts)
     return outputs, results, vjp_fn
 
@@ -151,7 +168,9 @@ class Stages:
     are packed into one flat buffer per dtype: every output buffer costs
     the host a few microseconds per call, and a pullback holds dozens.
     """
-    outputs, results, vjp_fn = self._vjp(s, params, batch, acts)
+    outputs, results, vjp_fn = self._vjp(
+      s, params, batch, acts, self.residual_policy
+    )
     leaves, treedef = jax.tree.flatten(vjp_fn)
     layout, residuals = _pack_residuals(leaves, params)
     self._pullback_layout[s] = (treedef, layout)
