@@ -3,7 +3,8 @@
 The model decides the task: ``mlp``, ``resnet`` and ``vgg`` classify
 images, ``gpt`` predicts the next byte of a text, ``t5`` reconstructs
 T5-style corrupted spans of a text. Batches are pure functions of the
-step, so a resumed run sees the data an uninterrupted one would.
+step, so a resumed run sees the data an uninterrupted one would; so is
+dropout's randomness, which travels in the batch (see ``_dropout``).
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jpipe.data import sequences
@@ -75,13 +77,39 @@ def build_task(config) -> Task:
   }[kind](config, _model(config))
 
 
+def _dropout(config, batch_at):
+  """(batch_at, rngs_of) for a model with ``kwargs.dropout`` > 0.
+
+  Dropout keys ride in the batch as ``dropout_key`` uint32 [B, 2] (raw
+  threefry key data, one row per example, drawn from (seed, step)): the
+  pipeline splits them with the batch, each microbatch seeds its masks
+  from its first row, and a resumed run redraws the same masks -- the RNG
+  state is the step. Without dropout, batches are unchanged.
+  """
+  if not config.model.kwargs.to_dict().get("dropout"):
+    return batch_at, lambda batch: {}
+
+  def with_keys(step):
+    batch = batch_at(step)
+    size = len(next(iter(batch.values())))
+    rng = np.random.default_rng([config.seed, step, 1])
+    keys = rng.integers(0, 2**32, size=(size, 2), dtype=np.uint32)
+    return {**batch, "dropout_key": keys}
+
+  def rngs_of(batch):
+    return {"dropout": jax.random.wrap_key_data(batch["dropout_key"][0])}
+
+  return with_keys, rngs_of
+
+
 def _classification(config, model) -> Task:
   train, test = input_pipeline.load_images(config)
   bs = config.data.batch_size
 
-  def batch_at(step):
+  def images_at(step):
     return input_pipeline.image_batch_at(train, step, bs, config.seed)
 
+  batch_at, rngs_of = _dropout(config, images_at)
   example = batch_at(0)
   variables = model.init(jax.random.key(config.seed), example["x"][:1])
 
@@ -95,6 +123,7 @@ def _classification(config, model) -> Task:
         {"params": params, "batch_stats": stats},
         batch["x"],
         mutable=["batch_stats"],
+        rngs=rngs_of(batch),
       )
       return xent(logits, batch["y"]).mean(), updates["batch_stats"]
 
@@ -107,9 +136,8 @@ def _classification(config, model) -> Task:
   else:
 
     def loss_fn(params, batch):
-      return xent(
-        model.apply({"params": params}, batch["x"]), batch["y"]
-      ).mean()
+      logits = model.apply({"params": params}, batch["x"], rngs=rngs_of(batch))
+      return xent(logits, batch["y"]).mean()
 
     def logits_fn(params, stats, x):
       del stats
@@ -163,16 +191,17 @@ def _language_model(config, model) -> Task:
   data = config.data
   length = data.sequence_length
 
-  def batch_at(step):
+  def windows_at(step):
     return sequences.lm_batch_at(
       train, step, data.batch_size, length, config.seed
     )
 
+  batch_at, rngs_of = _dropout(config, windows_at)
   example = batch_at(0)
   params = model.init(jax.random.key(config.seed), example["x"][:1])["params"]
 
   def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"])
+    logits = model.apply({"params": params}, batch["x"], rngs=rngs_of(batch))
     return optax.softmax_cross_entropy_with_integer_labels(
       logits, batch["y"]
     ).mean()

@@ -7,10 +7,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from jpipe.train import base_config, config_check, train_lib
+from jpipe.train import base_config, config_check, tasks, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs")
@@ -151,10 +152,11 @@ class _StopAfter(train_lib._StopRequest):
 def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   tmp_path, monkeypatch
 ):
-  """Adam moments, the learning-rate schedule's step and the asynchronous
-  pipeline's weight-prediction state all come back from the checkpoint a
-  SIGTERM leaves."""
+  """Adam moments, the learning-rate schedule's step, the asynchronous
+  pipeline's weight-prediction state and dropout's randomness all come
+  back from the checkpoint a SIGTERM leaves."""
   config = _short(_get_config("gpt_lm"))
+  config.model.kwargs.dropout = 0.1
   config.model.kwargs.width = 32
   config.model.kwargs.num_layers = 2
   config.data.sequence_length = 16
@@ -173,3 +175,26 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   a, b = _losses(straight), _losses(resumed)
   for step in (1, 2, 3, 4):
     assert a[step] == pytest.approx(b[step], rel=1e-6)
+
+
+def test_dropout_keys_ride_in_the_batch_and_change_the_loss():
+  config = _short(_get_config("gpt_lm"))
+  config.model.kwargs.update({"width": 32, "num_layers": 1})
+  config.data.sequence_length = 16
+  plain = tasks.build_task(config)
+  config.model.kwargs.dropout = 0.3
+  task = tasks.build_task(config)
+  batch = task.batch_at(5)
+  assert batch["dropout_key"].shape == (32, 2)
+  assert not np.array_equal(
+    batch["dropout_key"], task.batch_at(6)["dropout_key"]
+  )
+  np.testing.assert_array_equal(
+    batch["dropout_key"], task.batch_at(5)["dropout_key"]
+  )
+  # Same params and tokens: dropout masks change the loss, per key.
+  loss = float(task.loss_fn(task.params, batch))
+  assert loss != float(plain.loss_fn(task.params, plain.batch_at(5)))
+  other = dict(batch, dropout_key=task.batch_at(6)["dropout_key"])
+  assert loss != float(task.loss_fn(task.params, other))
+  assert loss == float(task.loss_fn(task.params, batch))
