@@ -3,8 +3,8 @@ r"""Driver overhead: a pipeline on ONE device against one jitted step.
 (1) A GPT-style model split into p in {2, 4} stages, all on one device, run
 with ``gpipe`` over m microbatches, against the same model as one jitted
 gradient-accumulation step over the same microbatches (``lax.scan``) plus
-the same optax update: the ratio of median step times (target <= 1.10 on
-CPU, <= 1.05 on a GPU).
+the same optax update: the ratio of median step times, the two timed
+alternately (target <= 1.10 on CPU, <= 1.05 on a GPU).
 (2) Driver cost per action: a tiny model (compute ~ 0) on p stages and m
 microbatches; step time / number of actions, in microseconds.
 
@@ -74,6 +74,20 @@ def _median_seconds(fn, repeats):
   return float(np.median(times))
 
 
+def _paired_median_seconds(fn, reference, repeats):
+  """Medians of ``fn`` and ``reference`` timed alternately (ABAB...), so
+  that a busy or throttled machine slows both alike."""
+  for f in (fn, reference, fn, reference):  # compile, warm up
+    f()
+  times = {fn: [], reference: []}
+  for _ in range(repeats):
+    for f in (fn, reference):
+      start = time.perf_counter()
+      f()
+      times[f].append(time.perf_counter() - start)
+  return float(np.median(times[fn])), float(np.median(times[reference]))
+
+
 def _reference(loss_fn, params, batch, m, tx):
   """One jitted step: scan over microbatches, mean gradient, optax update."""
 
@@ -136,13 +150,13 @@ def main(argv):
   tx = optax.adamw(1e-4)
   device = jax.devices()[0]
   rows, records = [], []
-  reference = _median_seconds(
-    _reference(loss_fn, params, batch, m, tx), FLAGS.repeats
-  )
+  reference_run = _reference(loss_fn, params, batch, m, tx)
   for p in (2, 4):
     for recompute in (False, True):
       run, pipe = _pipeline(loss_fn, params, batch, m, p, tx, recompute)
-      seconds = _median_seconds(run, FLAGS.repeats)
+      seconds, reference = _paired_median_seconds(
+        run, reference_run, FLAGS.repeats
+      )
       ratio = seconds / reference
       records.append(
         {
