@@ -6,12 +6,10 @@ files (no TensorFlow needed), then read with ``tfds`` data sources. The split
 is fixed: every fifth image is ``test`` (360), the rest ``train`` (1,437).
 """
 
-import os
-
 import numpy as np
 import tensorflow_datasets as tfds
 
-DEFAULT_DATA_DIR = os.path.join("~", ".cache", "jpipe", "tensorflow_datasets")
+from jpipe.data._local_tfds import prepared_source
 
 
 class SklearnDigits(tfds.core.GeneratorBasedBuilder):
@@ -77,11 +75,7 @@ def load_digits(
     images float32 [N, 8, 8, 1] scaled to [0, 1], labels int32 [N], in the
     dataset's stored (fixed, shuffled) order.
   """
-  data_dir = os.path.expanduser(data_dir or DEFAULT_DATA_DIR)
-  builder = SklearnDigits(data_dir=data_dir, file_format="array_record")
-  if not os.path.isdir(builder.data_path):
-    builder.download_and_prepare()
-  source = builder.as_data_source(split=split)
+  source = prepared_source(SklearnDigits, split, data_dir)
   records = [source[i] for i in range(len(source))]
   images = np.stack([r["image"] for r in records]).astype(np.float32) / 16.0
   labels = np.asarray([r["label"] for r in records], np.int32)

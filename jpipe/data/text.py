@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jpipe.data.digits import DEFAULT_DATA_DIR
+from jpipe.data._local_tfds import prepared_source
 
 SEPARATOR = 0  # Byte between files; never occurs in source text.
 
@@ -85,11 +85,7 @@ def load_stdlib_text(split: str, data_dir: str | None = None) -> np.ndarray:
     uint8 [N]: the UTF-8 bytes of the split's files in file-name order,
     each followed by ``SEPARATOR``.
   """
-  data_dir = os.path.expanduser(data_dir or DEFAULT_DATA_DIR)
-  builder = StdlibText(data_dir=data_dir, file_format="array_record")
-  if not os.path.isdir(builder.data_path):
-    builder.download_and_prepare()
-  source = builder.as_data_source(split=split)
+  source = prepared_source(StdlibText, split, data_dir)
   records = sorted(
     (source[i] for i in range(len(source))), key=lambda r: r["name"]
   )

@@ -53,28 +53,21 @@ class Task:
   evaluate: Callable[[object, object], dict]
 
 
-def _model(config):
-  try:
-    module = importlib.import_module(f"jpipe.models.{config.model.name}")
-  except ModuleNotFoundError as e:
-    raise ValueError(
-      f"config.model.name: no model {config.model.name!r} in jpipe.models "
-      f"({', '.join(TASK_OF_MODEL)})"
-    ) from e
-  return module.Model(**config.model.kwargs.to_dict())
-
-
 def build_task(config) -> Task:
   """Loads the data and initialises the model the config names."""
   kind = TASK_OF_MODEL.get(config.model.name)
   if kind is None:
-    _model(config)  # Raises the error naming the key.
-    raise ValueError(f"config.model.name: {config.model.name!r} has no task")
+    raise ValueError(
+      f"config.model.name: no model {config.model.name!r} in jpipe.models "
+      f"({', '.join(TASK_OF_MODEL)})"
+    )
+  module = importlib.import_module(f"jpipe.models.{config.model.name}")
+  model = module.Model(**config.model.kwargs.to_dict())
   return {
     "classification": _classification,
     "language_model": _language_model,
     "seq2seq": _seq2seq,
-  }[kind](config, _model(config))
+  }[kind](config, model)
 
 
 def _dropout(config, batch_at):
@@ -224,11 +217,14 @@ def _language_model(config, model) -> Task:
 def _seq2seq(config, model) -> Task:
   train, test = input_pipeline.load_text(config)
   data = config.data
-  need = sequences.BYTE_VOCAB + _max_spans(data)
+  _, num_spans, _, _ = sequences.span_lengths(
+    data.sequence_length, data.noise_density, data.mean_span_length
+  )
+  need = sequences.BYTE_VOCAB + num_spans
   if model.vocab_size < need:
     raise ValueError(
       f"config.model.kwargs.vocab_size={model.vocab_size} cannot hold the "
-      f"{sequences.BYTE_VOCAB} byte tokens and {_max_spans(data)} span "
+      f"{sequences.BYTE_VOCAB} byte tokens and {num_spans} span "
       f"sentinels: use >= {need}"
     )
   spans = dict(
@@ -274,10 +270,3 @@ def _seq2seq(config, model) -> Task:
     return _eval_loss(loss_and_count, params, held_out)
 
   return Task("seq2seq", loss_fn, params, None, batch_at, evaluate)
-
-
-def _max_spans(data) -> int:
-  _, spans, _, _ = sequences.span_lengths(
-    data.sequence_length, data.noise_density, data.mean_span_length
-  )
-  return spans
