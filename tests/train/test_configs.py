@@ -1,6 +1,5 @@
 """Every config in configs/ (and its variants) trains a few steps."""
 
-import importlib.util
 import json
 import math
 import os
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from jpipe.train import base_config, config_check, tasks, train_lib
+from jpipe.train import base_config, config_check, config_plan, tasks, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs")
@@ -21,12 +20,11 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _get_config(name, *variant):
-  spec = importlib.util.spec_from_file_location(
-    name, os.path.join(CONFIG_DIR, f"{name}.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(*variant)
+  """The config as the CLIs load it, unlocked so tests may add kwargs."""
+  path = os.path.join(CONFIG_DIR, f"{name}.py")
+  config = config_plan.load_config_file(":".join([path, *variant]))
+  config.unlock()
+  return config
 
 
 def _short(config):
