@@ -1,5 +1,6 @@
 """Local TFDS datasets: where they live, and building one on first use."""
 
+import fcntl
 import os
 
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "jpipe", "tensorflow_datasets")
@@ -8,9 +9,21 @@ DEFAULT_DATA_DIR = os.path.join("~", ".cache", "jpipe", "tensorflow_datasets")
 def prepared_source(builder_class, split: str, data_dir: str | None):
   """A ``tfds`` data source of ``split``, building the dataset into
   ``data_dir`` (default ``DEFAULT_DATA_DIR``) as array_record files the
-  first time (no TensorFlow needed)."""
+  first time (no TensorFlow needed).
+
+  Processes that start at once (test workers, one process per host) take
+  turns on a lock file: TFDS builds into a temporary folder and renames
+  it, so a second concurrent build fails on the rename.
+  """
   data_dir = os.path.expanduser(data_dir or DEFAULT_DATA_DIR)
   builder = builder_class(data_dir=data_dir, file_format="array_record")
   if not os.path.isdir(builder.data_path):
-    builder.download_and_prepare()
+    os.makedirs(data_dir, exist_ok=True)
+    lock_path = os.path.join(data_dir, f".{builder.name}.lock")
+    with open(lock_path, "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+      if not os.path.isdir(builder.data_path):
+        builder.download_and_prepare()
+    # Another process may have built it: read what is on disk now.
+    builder = builder_class(data_dir=data_dir, file_format="array_record")
   return builder.as_data_source(split=split)

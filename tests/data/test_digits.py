@@ -1,5 +1,8 @@
 """The embedded digits dataset is real, complete and deterministic."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from sklearn import datasets
@@ -41,3 +44,25 @@ def test_second_load_reuses_prepared_files(data_dir, monkeypatch):
   monkeypatch.setattr(data.SklearnDigits, "download_and_prepare", fail)
   images, labels = data.load_digits("test[:10]", data_dir)
   assert images.shape == (10, 8, 8, 1) and labels.shape == (10,)
+
+
+def test_processes_building_at_once_both_get_the_dataset(tmp_path):
+  """The first build is locked: two processes that find no dataset (test
+  workers on a fresh machine) do not collide on TFDS's final rename."""
+  code = (
+    "import sys; from jpipe import data; "
+    "x, _ = data.load_digits('train', sys.argv[1]); print(len(x))"
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", code, str(tmp_path)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for _ in range(2)
+  ]
+  for proc in procs:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split()[-1] == "1437"
