@@ -13,7 +13,8 @@ the replicas equal is the runtime's job.
 Backward comes in two modes: ``backward`` recomputes the forward under
 ``jax.vjp`` (only the stage inputs are kept), and ``forward_saving`` +
 ``backward_from_residuals`` keep XLA's residuals from the forward (the vjp
-closure is a pytree, so it crosses ``jit``).
+closure is a pytree, so it crosses ``jit``). A stage with no outputs (the
+last) can also run both at once, ``forward_backward``.
 """
 
 import dataclasses
@@ -199,6 +200,24 @@ class Stages:
     _, _, residuals = self._vjp(s, params, batch, acts)
     return self._pull(s, residuals, out_cots, result_cots)
 
+  def forward_backward(self, s: int, params, batch, acts, result_cots):
+    """``(results, param_grads, act_cots)`` of a stage with no outputs.
+
+    The forward and its backward as one function (``jax.vjp`` and its
+    pullback in one trace): jitted, XLA fuses across them and no residual
+    leaves the program -- what ``jax.value_and_grad`` of the stage would
+    compile to. Only for a stage whose values no later stage reads (the
+    last one): its backward needs nothing but its own forward.
+    """
+    if self.specs[s].outputs:
+      raise ValueError(
+        f"stage {s} has outputs that later stages read: its backward needs "
+        "their cotangents, so it cannot run fused with its forward"
+      )
+    _, results, vjp_fn = self._vjp(s, params, batch, acts)
+    param_grads, act_cots = self._pull(s, vjp_fn, (), result_cots)
+    return results, param_grads, act_cots
+
   def jitted(self, kind: str, s: int):
     """``jax.jit`` of ``forward``/``backward``/... for stage s, cached."""
     key = (kind, s)
@@ -244,11 +263,14 @@ class Stages:
         flat[r] = v.val if isinstance(v, jcore.Literal) else None
     return jax.tree.unflatten(self.traced.out_tree, flat)
 
-  def run_forward_backward(self, params, batch, *, recompute: bool = True):
+  def run_forward_backward(
+    self, params, batch, *, recompute: bool = True, fuse_last: bool = False
+  ):
     """All stages in order on one device: ``(output, grads)``.
 
     The reference schedule (sequential, one microbatch): equals
-    ``jax.value_and_grad(loss_fn, has_aux=...)(params, batch)``.
+    ``jax.value_and_grad(loss_fn, has_aux=...)(params, batch)``. With
+    ``fuse_last`` the last stage runs ``forward_backward``.
     """
     stage_params = self.split_params(params)
     stage_batch = self.split_batch(batch)
@@ -256,7 +278,13 @@ class Stages:
     saved, results = [], []
     for s, spec in enumerate(self.specs):
       acts = tuple(values[v] for v in spec.inputs)
-      if recompute:
+      if fuse_last and s == self.num_stages - 1:
+        result_cots = tuple(1.0 if r == 0 else None for r in spec.results)
+        res, grads_last, act_cots_last = self.jitted("forward_backward", s)(
+          stage_params[s], stage_batch[s], acts, result_cots
+        )
+        outputs = ()
+      elif recompute:
         outputs, res = self.jitted("forward", s)(
           stage_params[s], stage_batch[s], acts
         )
@@ -277,7 +305,9 @@ class Stages:
       result_cots = tuple(
         1.0 if r == loss_index else None for r in spec.results
       )
-      if recompute:
+      if fuse_last and s == self.num_stages - 1:
+        grads[s], act_cots = grads_last, act_cots_last
+      elif recompute:
         grads[s], act_cots = self.jitted("backward", s)(
           stage_params[s], stage_batch[s], saved[s], out_cots, result_cots
         )

@@ -11,6 +11,10 @@ single-device gradient accumulation over the microbatches. Parameters read
 by several stages (tied embeddings) are replicated; their gradient is
 summed over the stages and every replica takes the same step.
 
+The last stage (no other stage reads its values) runs each microbatch's
+forward and backward as one program wherever that gives the same result
+(``fuse_last_stage``): its backward needs nothing but its own forward.
+
 Asynchronous schedules follow PipeDream/FTPipe (``design.md``): in
 ``async`` each stage steps after every ``step_every`` of its backwards, so
 stage s of n runs microbatch b's forward ``n - 1 - s`` steps before the
@@ -131,6 +135,16 @@ class Pipeline:
     record_params: keep, for the last ``step`` call, the params every
       forward and backward used in ``used_params[(kind, stage, mb)]``
       (tests and debugging; holds every version alive).
+    fuse_last_stage: run the backward of a stage no other stage reads
+      from (the last, which computes the loss) together with its forward,
+      as one program, wherever the result is the same: B(s, k) needs
+      nothing but F(s, k), so it may run early unless a step of s comes
+      between them (async) or it would differentiate at other params.
+      One program instead of a forward and a backward-from-residuals lets
+      XLA fuse across them and keeps no residuals: GPipe's last stage no
+      longer holds every microbatch's activations. A measured timeline
+      shows such an F spanning both and its B as an instant. Only the
+      order of the gradient sum changes (float rounding).
   """
 
   def __init__(
@@ -158,6 +172,7 @@ class Pipeline:
     gap_aware_policy: str = "all_except_last",
     model_state: Any = None,
     record_params: bool = False,
+    fuse_last_stage: bool = True,
   ):
     if schedule not in schedule_lib.SCHEDULES:
       raise ValueError(
@@ -255,6 +270,11 @@ class Pipeline:
         schedule_lib.build(schedule, n, num_microbatches, **kwargs), physical
       )
     self._order = _issue_order(self.schedule)
+    self.fused_pairs = (
+      _fusable_pairs(self.schedule, self.stages.specs)
+      if fuse_last_stage
+      else frozenset()
+    )
     self._shared = _shared_leaves(self.stages)
     self._leaf_names = leaf_names(params)
     # Asynchronous: a tied leaf belongs to the first stage that reads it
@@ -298,7 +318,7 @@ class Pipeline:
       )
       for s in range(n)
     )
-    self._backward_fns: dict[tuple[int, bool], Any] = {}
+    self._backward_fns: dict[tuple, Any] = {}  # Jitted B / fused F+B.
     self._sync_step = {
       a.stage: a
       for acts in self.schedule.device_actions
@@ -496,6 +516,7 @@ class Pipeline:
     values: dict[tuple[int, Any], Any] = {}  # (microbatch, var) -> value
     saved: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> inputs
     cots: dict[tuple[int, Any], Any] = {}
+    fused_done: dict[tuple[int, int], Any] = {}  # B(s, k) ran with F(s, k)
     grads: list[Any] = [None] * n
     losses = []
     params, opt_states = list(state.stage_params), list(state.opt_states)
@@ -512,8 +533,10 @@ class Pipeline:
       s, k = action.stage, action.microbatch
       spec, device = self.stages.specs[s], self.stage_device[s]
       if action.kind == schedule_lib.FORWARD:
-        theta = self._forward_params(s, k, versions[s], opt_states[s], grads)
-        theta = self._tie(s, k, theta, tied)
+        theta_untied = self._forward_params(
+          s, k, versions[s], opt_states[s], grads
+        )
+        theta = self._tie(s, k, theta_untied, tied)
         next_forward[s] += 1
         if self._keep_forward_params:
           forward_params[(s, k)] = theta
@@ -529,7 +552,22 @@ class Pipeline:
         local = self._local_inputs(
           spec, micro_leaves[device][k], model_state, device
         )
-        if self.recompute:
+        if (s, k) in self.fused_pairs and self._same_backward_params(
+          s, k, theta_untied, params[s]
+        ):
+          # Its backward needs only this forward: run both as one program.
+          scale = self._loss_scale[k]
+          result_cots = tuple(scale if r == 0 else None for r in spec.results)
+          fused = self._fused(s, grads[s] is None, donate=not profile)
+          results, grads[s], act_cots = fused(
+            grads[s], theta, local, acts, result_cots
+          )
+          outputs = ()
+          fused_done[(s, k)] = (grads[s], act_cots)
+          if self.record_params:
+            self.used_params[("B", s, k)] = theta
+          self._send_cotangents(s, k, act_cots, cots)
+        elif self.recompute:
           outputs, results = self.stages.jitted("forward", s)(
             theta, local, acts
           )
@@ -548,6 +586,11 @@ class Pipeline:
             losses.append(x)
           else:  # A new model-state leaf: the next forward reads it.
             model_state[r - 1] = x
+      elif action.kind == schedule_lib.BACKWARD and (s, k) in fused_done:
+        if profiler:  # Ran with its forward; ends when that program does.
+          profiler.record(action, fused_done.pop((s, k)))
+        else:
+          del fused_done[(s, k)]
       elif action.kind == schedule_lib.BACKWARD:
         out_cots = tuple(cots.pop((k, v), None) for v in spec.outputs)
         scale = self._loss_scale[k]
@@ -568,10 +611,7 @@ class Pipeline:
         grads[s], act_cots = backward(grads[s], *args)
         if profiler:
           profiler.record(action, (grads[s], act_cots))
-        for v, c in zip(spec.inputs, act_cots, strict=True):
-          if c is not None:  # Summed on the producer's device.
-            c = self._move(c, s, self._producer[v])
-            cots[(k, v)] = c if (k, v) not in cots else cots[(k, v)] + c
+        self._send_cotangents(s, k, act_cots, cots)
       elif self.asynchronous:  # STEP of stage s, applying its group.
         group = sched.step_groups[s][steps[s]]
         opt = self.stage_optimizers[s]
@@ -680,11 +720,47 @@ class Pipeline:
 
   def _backward_params(self, s, k, current, forward_params):
     """The params a recomputing B(s, k) differentiates at."""
-    if self.schedule.backward_uses_stash or (
-      self.weight_stashing and self.gap_aware != "ga_jfl"
-    ):
+    if self._recompute_at_forward_params():
       return forward_params[(s, k)]
     return current
+
+  def _recompute_at_forward_params(self) -> bool:
+    return self.schedule.backward_uses_stash or (
+      self.weight_stashing and self.gap_aware != "ga_jfl"
+    )
+
+  def _same_backward_params(self, s, k, forward_theta, current) -> bool:
+    """Whether B(s, k), run right after F(s, k), would use F's params."""
+    if not self.recompute or self._recompute_at_forward_params():
+      return True
+    # It recomputes at the current params: the same unless F's were an
+    # older or predicted version (identity: no step can intervene).
+    return forward_theta is current
+
+  def _send_cotangents(self, s, k, act_cots, cots):
+    """B(s, k)'s input cotangents, summed on each producer's device."""
+    for v, c in zip(self.stages.specs[s].inputs, act_cots, strict=True):
+      if c is not None:
+        c = self._move(c, s, self._producer[v])
+        cots[(k, v)] = c if (k, v) not in cots else cots[(k, v)] + c
+
+  def _fused(self, s: int, first: bool, donate: bool = True):
+    """Jitted forward + backward of an output-free stage s that also
+    accumulates its gradient: ``(acc, params, batch, acts, result_cots)
+    -> (results, grads, act_cots)``."""
+    key = ("fused", s, first, donate)
+    if key not in self._backward_fns:
+
+      def fn(acc, *args):
+        results, g, act_cots = self.stages.forward_backward(s, *args)
+        if not first:
+          g = jax.tree.map(jnp.add, acc, g)
+        return results, g, act_cots
+
+      self._backward_fns[key] = jax.jit(
+        fn, donate_argnums=(0,) if donate and not first else ()
+      )
+    return self._backward_fns[key]
 
   def _move(self, x, src: int, dst: int):
     """``x`` from stage src's device to stage dst's (no-op if shared)."""
@@ -798,6 +874,28 @@ def _issue_order(schedule):
     actions,
     key=lambda a: (timeline.start[a], timeline.device_of[a], position[a]),
   )
+
+
+def _fusable_pairs(schedule, specs) -> frozenset[tuple[int, int]]:
+  """(stage, microbatch) pairs whose backward may run with the forward:
+  the stage has no outputs and no step of it lies between the two on its
+  device (so the gradient joins the same step's sum)."""
+  pairs = set()
+  for acts in schedule.device_actions:
+    forward_at = {}
+    for i, a in enumerate(acts):
+      if specs[a.stage].outputs:
+        continue
+      if a.kind == schedule_lib.FORWARD:
+        forward_at[(a.stage, a.microbatch)] = i
+      elif a.kind == schedule_lib.BACKWARD:
+        i0 = forward_at[(a.stage, a.microbatch)]
+        if not any(
+          b.kind == schedule_lib.STEP and b.stage == a.stage
+          for b in acts[i0 + 1 : i]
+        ):
+          pairs.add((a.stage, a.microbatch))
+  return frozenset(pairs)
 
 
 def _shared_leaves(stages) -> dict[int, list[tuple[int, int]]]:

@@ -35,6 +35,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.num_microbatches = 4  # Microbatches per step; divides batch.
   c.pipeline.partition = "contiguous"  # "contiguous", "mixed", "pipedream".
   c.pipeline.recompute = False  # Recompute forwards in the backward.
+  # The last stage's forward + backward as one program (same result).
+  c.pipeline.fuse_last_stage = True
   c.pipeline.depth = 1  # Module-path depth of the partitioner's nodes.
   # Node costs for the partitioner: "analytic" (FLOPs), "xla" (XLA's cost
   # analysis) or "measured" (each node timed on this machine; slower start).

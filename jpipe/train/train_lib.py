@@ -94,6 +94,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     depth=config.pipeline.depth,
     cost_model=config.pipeline.cost_model,
     recompute=config.pipeline.recompute,
+    fuse_last_stage=config.pipeline.fuse_last_stage,
     **kwargs,
   )
 

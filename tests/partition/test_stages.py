@@ -32,8 +32,8 @@ def _assert_tree_close(actual, expected):
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
-@pytest.mark.parametrize("recompute", [True, False])
-def test_stages_equal_value_and_grad(case, num_stages, recompute):
+@pytest.mark.parametrize("mode", ["recompute", "residuals", "fuse_last"])
+def test_stages_equal_value_and_grad(case, num_stages, mode):
   name, traced, params, batch, (expected_out, expected_grads) = case
   flops = traced.node_flops()
   num_stages = min(num_stages, traced.num_nodes)
@@ -41,9 +41,25 @@ def test_stages_equal_value_and_grad(case, num_stages, recompute):
     3.0 * flops, num_stages, edges=traced.edges(), bandwidth=1e9
   )
   stages = Stages(traced, solution.stage_of_node())
-  out, grads = stages.run_forward_backward(params, batch, recompute=recompute)
+  out, grads = stages.run_forward_backward(
+    params,
+    batch,
+    recompute=mode == "recompute",
+    fuse_last=mode == "fuse_last",
+  )
   _assert_tree_close(out, expected_out)
   _assert_tree_close(grads, expected_grads)
+
+
+def test_only_a_stage_without_outputs_runs_fused():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  traced = trace(loss_fn, params, batch)
+  n = traced.num_nodes
+  stages = Stages(traced, [0] * (n // 2) + [1] * (n - n // 2))
+  first_params, _ = stages.split_params(params)
+  first_batch, _ = stages.split_batch(batch)
+  with pytest.raises(ValueError, match="stage 0 has outputs"):
+    stages.forward_backward(0, first_params, first_batch, (), (1.0,))
 
 
 def test_node_grouping_follows_module_calls():

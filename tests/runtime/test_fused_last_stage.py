@@ -1,0 +1,100 @@
+"""The last stage's forward and backward as one program change nothing but
+the program: same params, same loss, same params used by every action."""
+
+import types
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe import schedule as schedule_lib
+from jpipe.runtime._pipeline import _fusable_pairs
+from tests.partition import flax_models
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.STEP
+
+
+def _run(case, schedule, fuse, **kwargs):
+  loss_fn, params, batch, _ = flax_models.CASES[case]()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=optax.adam(1e-2),
+    fuse_last_stage=fuse,
+    record_params=True,
+    **kwargs,
+  )
+  state = pipe.init(params)
+  losses = []
+  for _ in range(2):
+    state, metrics = pipe.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return pipe, state, losses, batch
+
+
+@pytest.mark.parametrize(
+  "case, schedule, kwargs",
+  [
+    ("gpt_tied", "gpipe", {}),
+    ("encoder_decoder", "1f1b", {"recompute": False}),
+    ("gpt_tied", "async", {"weight_stashing": True, "prediction": "msnag"}),
+    ("mlp", "async", {"prediction": "msnag", "recompute": True}),
+    ("mlp", "2bw", {"step_every": 4}),
+  ],
+)
+def test_fused_equals_unfused(case, schedule, kwargs):
+  fused, fused_state, fused_losses, _ = _run(case, schedule, True, **kwargs)
+  plain, plain_state, plain_losses, _ = _run(case, schedule, False, **kwargs)
+  last = fused.stages.num_stages - 1
+  assert fused.fused_pairs == {(last, k) for k in range(4)}
+  assert plain.fused_pairs == frozenset()
+  np.testing.assert_allclose(fused_losses, plain_losses, rtol=1e-6)
+  for a, b in zip(
+    jax.tree.leaves(fused_state.stage_params),
+    jax.tree.leaves(plain_state.stage_params),
+    strict=True,
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert set(fused.used_params) == set(plain.used_params)
+  for key, theta in plain.used_params.items():
+    for a, b in zip(fused.used_params[key], theta, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_profiled_timeline_keeps_every_fused_backward():
+  """A fused B is still an action of the measured timeline, after its F."""
+  pipe, state, _, batch = _run("mlp", "gpipe", True)
+  pipe.step(state, batch, profile=True)
+  timeline = pipe.timeline
+  actions = {a for acts in pipe.schedule.device_actions for a in acts}
+  assert set(timeline.start) == actions
+  for s, k in pipe.fused_pairs:
+    f, b = schedule_lib.Action(F, s, k), schedule_lib.Action(B, s, k)
+    assert timeline.end[f] <= timeline.start[b] <= timeline.end[b]
+
+
+def test_a_step_between_forward_and_backward_prevents_fusion():
+  """F1 ... S ... B1: B1's gradient belongs to a later step than the one
+  F1's fused program would have fed, so only microbatch 0 fuses."""
+  actions = [
+    schedule_lib.Action(F, 0, 0),
+    schedule_lib.Action(F, 0, 1),
+    schedule_lib.Action(B, 0, 0),
+    schedule_lib.Action(S, 0, 0),
+    schedule_lib.Action(B, 0, 1),
+    schedule_lib.Action(S, 0, 1),
+  ]
+  schedule = schedule_lib.make_schedule("custom", [actions], [0], 2)
+  no_outputs = [types.SimpleNamespace(outputs=())]
+  assert _fusable_pairs(schedule, no_outputs) == {(0, 0)}
+  with_outputs = [types.SimpleNamespace(outputs=("x",))]
+  assert _fusable_pairs(schedule, with_outputs) == frozenset()
