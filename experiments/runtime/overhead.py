@@ -3,10 +3,18 @@ r"""Driver overhead: a pipeline on ONE device against one jitted step.
 (1) A GPT-style model split into p in {2, 4} stages, all on one device, run
 with ``gpipe`` over m microbatches, against the same model as one jitted
 gradient-accumulation step over the same microbatches (``lax.scan``) plus
-the same optax update: the ratio of median step times, the two timed
-alternately (target <= 1.10 on CPU, <= 1.05 on a GPU).
+the same optax update, timed alternately: the median over pairs of the
+ratio of the two step times and its interquartile range (target <= 1.10
+on CPU, <= 1.05 on a GPU), with the last stage's forward and backward
+fused (the default) and not. "host dispatch" is the time until
+``pipe.step`` returns, before waiting for the device. It includes waits
+when the runtime's queue of in-flight programs is full (the CPU client
+holds ~32), so it bounds the host's work from above; when it nears the
+step time on a GPU, the host sets the pace.
 (2) Driver cost per action: a tiny model (compute ~ 0) on p stages and m
-microbatches; step time / number of actions, in microseconds.
+microbatches; step time / number of actions, in microseconds, and the
+host's share of it (on a CPU, the tiny programs' execution fills the
+queue, so this is mostly execution).
 
 Writes results/overhead_<platform>.{md,json}.
 
@@ -74,9 +82,10 @@ def _median_seconds(fn, repeats):
   return float(np.median(times))
 
 
-def _paired_median_seconds(fn, reference, repeats):
-  """Medians of ``fn`` and ``reference`` timed alternately (ABAB...), so
-  that a busy or throttled machine slows both alike."""
+def _paired_times(fn, reference, repeats):
+  """``(fn seconds, reference seconds)`` lists, timed alternately
+  (ABAB...): a busy or throttled machine slows both members of a pair
+  alike, so per-pair ratios are steadier than a ratio of medians."""
   for f in (fn, reference, fn, reference):  # compile, warm up
     f()
   times = {fn: [], reference: []}
@@ -85,7 +94,7 @@ def _paired_median_seconds(fn, reference, repeats):
       start = time.perf_counter()
       f()
       times[f].append(time.perf_counter() - start)
-  return float(np.median(times[fn])), float(np.median(times[reference]))
+  return np.asarray(times[fn]), np.asarray(times[reference])
 
 
 def _reference(loss_fn, params, batch, m, tx):
@@ -116,7 +125,10 @@ def _reference(loss_fn, params, batch, m, tx):
   return run
 
 
-def _pipeline(loss_fn, params, batch, m, p, tx, recompute):
+def _pipeline(loss_fn, params, batch, m, p, tx, recompute, fuse=True):
+  """``(run, pipe)``: ``run()`` does one step and waits for it; the host
+  time until ``pipe.step`` returned (dispatch, before the wait) is
+  appended to ``run.host_seconds``."""
   micro = jax.tree.map(lambda x: x[: x.shape[0] // m], batch)
   traced = partition.trace(loss_fn, params, micro)
   costs = partition.profile_nodes(traced, params, micro, method="analytic")
@@ -133,14 +145,23 @@ def _pipeline(loss_fn, params, batch, m, p, tx, recompute):
     optimizer=tx,
     partition=plan,
     recompute=recompute,
+    fuse_last_stage=fuse,
   )
   state = {"s": pipe.init(params)}
 
   def run():
+    start = time.perf_counter()
     state["s"], metrics = pipe.step(state["s"], batch)
+    run.host_seconds.append(time.perf_counter() - start)
     jax.block_until_ready((state["s"].stage_params, metrics["loss"]))
 
+  run.host_seconds = []
   return run, pipe
+
+
+def _host_median(run, repeats):
+  """Median host (dispatch) seconds of the last ``repeats`` timed steps."""
+  return float(np.median(run.host_seconds[-repeats:]))
 
 
 def main(argv):
@@ -151,33 +172,40 @@ def main(argv):
   device = jax.devices()[0]
   rows, records = [], []
   reference_run = _reference(loss_fn, params, batch, m, tx)
+  # (recompute, last stage fused): the unfused row shows what fusing buys.
+  variants = ((False, True), (False, False), (True, True))
   for p in (2, 4):
-    for recompute in (False, True):
-      run, pipe = _pipeline(loss_fn, params, batch, m, p, tx, recompute)
-      seconds, reference = _paired_median_seconds(
-        run, reference_run, FLAGS.repeats
-      )
-      ratio = seconds / reference
+    for recompute, fuse in variants:
+      run, pipe = _pipeline(loss_fn, params, batch, m, p, tx, recompute, fuse)
+      pipe_times, ref_times = _paired_times(run, reference_run, FLAGS.repeats)
+      seconds, reference = np.median(pipe_times), np.median(ref_times)
+      host = _host_median(run, FLAGS.repeats)
+      ratios = pipe_times / ref_times
+      ratio = float(np.median(ratios))
+      q25, q75 = (float(q) for q in np.percentile(ratios, [25, 75]))
       records.append(
         {
           "kind": "overhead",
           "stages": p,
           "microbatches": m,
           "recompute": recompute,
-          "pipeline_seconds": seconds,
-          "reference_seconds": reference,
+          "fuse_last_stage": fuse,
+          "pipeline_seconds": float(seconds),
+          "pipeline_host_seconds": host,
+          "reference_seconds": float(reference),
           "ratio": ratio,
+          "ratio_iqr": [q25, q75],
         }
       )
       rows.append(
         f"| {p} | {m} | {'yes' if recompute else 'no'} | "
-        f"{1e3 * seconds:.2f} | {1e3 * reference:.2f} | "
-        f"{ratio:.3f} |"
+        f"{'yes' if fuse else 'no'} | {1e3 * seconds:.2f} | "
+        f"{1e3 * host:.2f} | {1e3 * reference:.2f} | {ratio:.3f} | {q25:.3f}-{q75:.3f} |"
       )
   table1 = (
-    "| stages | microbatches | recompute | pipeline ms | "
-    "one jitted step ms | ratio |\n|---|---|---|---|---|---|\n"
-    + "\n".join(rows)
+    "| stages | microbatches | recompute | last stage fused | pipeline ms | "
+    "host dispatch ms | one jitted step ms | ratio | ratio IQR |\n"
+    "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
   )
 
   tiny_loss, tiny_params, tiny_batch = _lm(8, 8, 1, 4, 64)
@@ -193,9 +221,11 @@ def main(argv):
         optax.sgd(1e-3),
         recompute=False,
       )
-      seconds = _median_seconds(run, max(3, FLAGS.repeats // 2))
+      repeats = max(3, FLAGS.repeats // 2)
+      seconds = _median_seconds(run, repeats)
       actions = sum(len(a) for a in pipe.schedule.device_actions)
       per_action = 1e6 * seconds / actions
+      host_per_action = 1e6 * _host_median(run, repeats) / actions
       records.append(
         {
           "kind": "per_action",
@@ -204,14 +234,16 @@ def main(argv):
           "actions": actions,
           "step_seconds": seconds,
           "microseconds_per_action": per_action,
+          "host_microseconds_per_action": host_per_action,
         }
       )
       rows.append(
-        f"| {p} | {mb} | {actions} | {1e3 * seconds:.2f} | {per_action:.0f} |"
+        f"| {p} | {mb} | {actions} | {1e3 * seconds:.2f} | {per_action:.0f} "
+        f"| {host_per_action:.0f} |"
       )
   table2 = (
-    "| stages | microbatches | actions | step ms | µs / action |\n"
-    "|---|---|---|---|---|\n" + "\n".join(rows)
+    "| stages | microbatches | actions | step ms | µs / action | "
+    "host µs / action |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
   )
   header = (
     f"{device.device_kind} ({device.platform}), jax "
