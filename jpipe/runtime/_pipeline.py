@@ -54,6 +54,7 @@ import optax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
+from jpipe.runtime._flat import FlatLayout
 from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
@@ -319,6 +320,13 @@ class Pipeline:
       for s in range(n)
     )
     self._backward_fns: dict[tuple, Any] = {}  # Jitted B / fused F+B.
+    # Gradient accumulators are one flat buffer per dtype (host cost per
+    # call grows with its leaves, see _flat.py); unpacked before a step.
+    param_avals = self.traced.closed_jaxpr.in_avals
+    self._grad_layout = tuple(
+      FlatLayout([param_avals[i] for i in spec.param_leaves])
+      for spec in self.stages.specs
+    )
     self._sync_step = {
       a.stage: a
       for acts in self.schedule.device_actions
@@ -616,7 +624,9 @@ class Pipeline:
         group = sched.step_groups[s][steps[s]]
         opt = self.stage_optimizers[s]
         stale = forward_params[(s, group[-1])] if opt.gap_aware else None
-        grads[s] = self._exchange_tied(s, steps[s], grads[s], tied_grads)
+        grads[s] = self._exchange_tied(
+          s, steps[s], self._grad_leaves(s, grads[s]), tied_grads
+        )
         params[s], opt_states[s] = opt.update(
           grads[s], opt_states[s], params[s], stale
         )
@@ -633,6 +643,7 @@ class Pipeline:
           versions[s], sched.forward_version[s], next_forward[s]
         )
     if not self.asynchronous:  # One step per stage after every backward.
+      grads = [self._grad_leaves(s, g) for s, g in enumerate(grads)]
       grads = self._sum_shared(grads)
       for s in range(n):
         params[s], opt_states[s] = self.stage_optimizers[s].update(
@@ -685,7 +696,9 @@ class Pipeline:
     delay = int(self.schedule.delay[s, k])
     if self.prediction is None or delay == 0:
       return theta
-    grad = grads[s] if self.prediction == "aggmsnag" else None
+    grad = None
+    if self.prediction == "aggmsnag" and grads[s] is not None:
+      grad = self._grad_leaves(s, grads[s])
     return self.stage_optimizers[s].predict(theta, opt_state, delay, grad)
 
   def _tie(self, s, k, theta, tied):
@@ -753,9 +766,7 @@ class Pipeline:
 
       def fn(acc, *args):
         results, g, act_cots = self.stages.forward_backward(s, *args)
-        if not first:
-          g = jax.tree.map(jnp.add, acc, g)
-        return results, g, act_cots
+        return results, self._accumulate(s, first, acc, g), act_cots
 
       self._backward_fns[key] = jax.jit(
         fn, donate_argnums=(0,) if donate and not first else ()
@@ -777,14 +788,24 @@ class Pipeline:
 
       def fn(acc, *args):
         g, act_cots = backward(s, *args)
-        if not first:
-          g = jax.tree.map(jnp.add, acc, g)
-        return g, act_cots
+        return self._accumulate(s, first, acc, g), act_cots
 
       self._backward_fns[key] = jax.jit(
         fn, donate_argnums=(0,) if donate and not first else ()
       )
     return self._backward_fns[key]
+
+  def _accumulate(self, s, first, acc, grads):
+    """(Traced) ``acc`` + the packed ``grads``, or the packed grads."""
+    flat = self._grad_layout[s].pack(grads)
+    return flat if first else tuple(map(jnp.add, acc, flat))
+
+  def _grad_leaves(self, s, flat):
+    """A packed gradient accumulator -> the stage's tuple of leaves."""
+    key = ("unpack", s)
+    if key not in self._backward_fns:
+      self._backward_fns[key] = jax.jit(self._grad_layout[s].unpack)
+    return self._backward_fns[key](flat)
 
   def _sum_shared(self, grads):
     """Tied leaves: every replica gets the sum of all replicas' gradients."""
