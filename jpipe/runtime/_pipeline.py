@@ -319,7 +319,8 @@ class Pipeline:
       )
       for s in range(n)
     )
-    self._backward_fns: dict[tuple, Any] = {}  # Jitted B / fused F+B.
+    # Jitted backwards, fused forward + backwards, gradient unpacking.
+    self._backward_fns: dict[tuple, Any] = {}
     # Gradient accumulators are one flat buffer per dtype (host cost per
     # call grows with its leaves, see _flat.py); unpacked before a step.
     param_avals = self.traced.closed_jaxpr.in_avals
@@ -561,14 +562,12 @@ class Pipeline:
           spec, micro_leaves[device][k], model_state, device
         )
         if (s, k) in self.fused_pairs and self._same_backward_params(
-          s, k, theta_untied, params[s]
+          theta_untied, params[s]
         ):
           # Its backward needs only this forward: run both as one program.
-          scale = self._loss_scale[k]
-          result_cots = tuple(scale if r == 0 else None for r in spec.results)
           fused = self._fused(s, grads[s] is None, donate=not profile)
           results, grads[s], act_cots = fused(
-            grads[s], theta, local, acts, result_cots
+            grads[s], theta, local, acts, self._result_cots(spec, k)
           )
           outputs = ()
           fused_done[(s, k)] = (grads[s], act_cots)
@@ -601,8 +600,7 @@ class Pipeline:
           del fused_done[(s, k)]
       elif action.kind == schedule_lib.BACKWARD:
         out_cots = tuple(cots.pop((k, v), None) for v in spec.outputs)
-        scale = self._loss_scale[k]
-        result_cots = tuple(scale if r == 0 else None for r in spec.results)
+        result_cots = self._result_cots(spec, k)
         if self.recompute:
           local, acts = saved.pop((s, k))
           theta = self._backward_params(s, k, params[s], forward_params)
@@ -742,7 +740,13 @@ class Pipeline:
       self.weight_stashing and self.gap_aware != "ga_jfl"
     )
 
-  def _same_backward_params(self, s, k, forward_theta, current) -> bool:
+  def _result_cots(self, spec, k):
+    """Cotangents of a stage's results for microbatch k: the loss's
+    weight in its step's mean; none for model-state outputs."""
+    scale = self._loss_scale[k]
+    return tuple(scale if r == 0 else None for r in spec.results)
+
+  def _same_backward_params(self, forward_theta, current) -> bool:
     """Whether B(s, k), run right after F(s, k), would use F's params."""
     if not self.recompute or self._recompute_at_forward_params():
       return True
