@@ -276,10 +276,13 @@ class Stages:
     stage_batch = self.split_batch(batch)
     values: dict[Any, Any] = {}
     saved, results = [], []
+    loss_index = 0
     for s, spec in enumerate(self.specs):
       acts = tuple(values[v] for v in spec.inputs)
       if fuse_last and s == self.num_stages - 1:
-        result_cots = tuple(1.0 if r == 0 else None for r in spec.results)
+        result_cots = tuple(
+          1.0 if r == loss_index else None for r in spec.results
+        )
         res, grads_last, act_cots_last = self.jitted("forward_backward", s)(
           stage_params[s], stage_batch[s], acts, result_cots
         )
@@ -296,7 +299,6 @@ class Stages:
         saved.append(residuals)
       values.update(zip(spec.outputs, outputs, strict=True))
       results.append(res)
-    loss_index = 0
     cots: dict[Any, Any] = {}
     grads: list[Any] = [None] * self.num_stages
     for s in reversed(range(self.num_stages)):

@@ -48,9 +48,7 @@ class FlatLayout:
     groups = [[] for _ in self.dtypes]
     for (group, _, _), x in zip(self.entries, leaves, strict=True):
       groups[group].append(jnp.reshape(x, (-1,)))
-    return tuple(
-      jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups if g
-    )
+    return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups)
 
   def unpack(self, flat) -> tuple:
     """The inverse of ``pack``."""
