@@ -1,6 +1,9 @@
-"""Test set-up: 8 fake CPU devices, set before jax is imported."""
+"""Test set-up: 8 fake CPU devices, set before jax is imported, and one
+persistent XLA compilation cache for the whole run."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -10,6 +13,28 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Many tests build pipelines whose stage programs are the same HLO as
+# another test's (same model, same split), and every new Pipeline jits
+# new closures. A persistent cache serves those from disk instead of
+# recompiling (the suite is compile-bound on 2 cores). The first process
+# (pytest, or xdist's controller, before it spawns workers) makes the
+# folder; the workers inherit it and the controller removes it at the end.
+# Set JPIPE_TEST_XLA_CACHE to a folder of your own to keep it across runs.
+_OWN_CACHE = "JPIPE_TEST_XLA_CACHE" not in os.environ
+if _OWN_CACHE:
+  os.environ["JPIPE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jpipe-xla-")
+jax.config.update(
+  "jax_compilation_cache_dir", os.environ["JPIPE_TEST_XLA_CACHE"]
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  """Removes the run's compilation cache (in the process that made it)."""
+  if _OWN_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JPIPE_TEST_XLA_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
