@@ -9,6 +9,10 @@ per dtype, unpacked once before the optimizer step), which cut the
 dispatch of a 2-layer GPT stage's backward from 960-1,385 µs to
 230-650 µs (experiments/RESULTS.md). Inside a program, the packing is a
 concatenation XLA fuses into the gradient computation.
+
+Params are NOT kept packed: XLA copies each weight sliced out of a flat
+buffer before a matmul reads it, which made a forward 1.4-2.7x slower at
+pipeline-sized microbatches (experiments/runtime/flat_params.py).
 """
 
 from collections.abc import Sequence
