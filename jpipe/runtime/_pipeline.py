@@ -309,6 +309,17 @@ class Pipeline:
     )
     if prediction is not None and predictor is None:
       predictor = staleness.replay_predictor(optimizer)
+    # Gradient accumulators are one flat buffer per dtype (host cost per
+    # call grows with its leaves, see _flat.py), unpacked inside the
+    # optimizer step -- or before it, on stages that exchange tied grads.
+    param_avals = self.traced.closed_jaxpr.in_avals
+    self._grad_layout = tuple(
+      FlatLayout([param_avals[i] for i in spec.param_leaves])
+      for spec in self.stages.specs
+    )
+    self._tied_stages = frozenset(
+      s for holders in self._shared.values() for s, _ in holders
+    )
     self.stage_optimizers = tuple(
       self._stage_optimizer(
         s,
@@ -321,13 +332,6 @@ class Pipeline:
     )
     # Jitted backwards, fused forward + backwards, gradient unpacking.
     self._backward_fns: dict[tuple, Any] = {}
-    # Gradient accumulators are one flat buffer per dtype (host cost per
-    # call grows with its leaves, see _flat.py); unpacked before a step.
-    param_avals = self.traced.closed_jaxpr.in_avals
-    self._grad_layout = tuple(
-      FlatLayout([param_avals[i] for i in spec.param_leaves])
-      for spec in self.stages.specs
-    )
     self._sync_step = {
       a.stage: a
       for acts in self.schedule.device_actions
@@ -356,6 +360,7 @@ class Pipeline:
       predictor=predictor,
       learning_rate_schedule=schedule,
       horizon=int(self.schedule.delay[s].max()),
+      grad_layout=self._grad_layout[s],
     )
 
   # -- state ----------------------------------------------------------------
@@ -622,12 +627,17 @@ class Pipeline:
         group = sched.step_groups[s][steps[s]]
         opt = self.stage_optimizers[s]
         stale = forward_params[(s, group[-1])] if opt.gap_aware else None
-        grads[s] = self._exchange_tied(
-          s, steps[s], self._grad_leaves(s, grads[s]), tied_grads
-        )
-        params[s], opt_states[s] = opt.update(
-          grads[s], opt_states[s], params[s], stale
-        )
+        if s in self._tied_stages:
+          g = self._exchange_tied(
+            s, steps[s], self._grad_leaves(s, grads[s]), tied_grads
+          )
+          params[s], opt_states[s] = opt.update(
+            g, opt_states[s], params[s], stale
+          )
+        else:  # The packed accumulator, unpacked inside the step.
+          params[s], opt_states[s] = opt.update_packed(
+            grads[s], opt_states[s], params[s], stale
+          )
         if profiler:
           profiler.record(action, params[s])
         grads[s] = None
@@ -641,10 +651,11 @@ class Pipeline:
           versions[s], sched.forward_version[s], next_forward[s]
         )
     if not self.asynchronous:  # One step per stage after every backward.
-      grads = [self._grad_leaves(s, g) for s, g in enumerate(grads)]
       grads = self._sum_shared(grads)
       for s in range(n):
-        params[s], opt_states[s] = self.stage_optimizers[s].update(
+        opt = self.stage_optimizers[s]
+        step = opt.update if s in self._tied_stages else opt.update_packed
+        params[s], opt_states[s] = step(
           grads[s], opt_states[s], params[s], None
         )
         if profiler:
@@ -694,10 +705,11 @@ class Pipeline:
     delay = int(self.schedule.delay[s, k])
     if self.prediction is None or delay == 0:
       return theta
-    grad = None
+    opt = self.stage_optimizers[s]
     if self.prediction == "aggmsnag" and grads[s] is not None:
-      grad = self._grad_leaves(s, grads[s])
-    return self.stage_optimizers[s].predict(theta, opt_state, delay, grad)
+      # The gradient accumulated so far, unpacked inside the prediction.
+      return opt.predict_packed(theta, opt_state, delay, grads[s])
+    return opt.predict(theta, opt_state, delay, None)
 
   def _tie(self, s, k, theta, tied):
     """Asynchronous tied params: the owner records the value its forward
@@ -812,8 +824,13 @@ class Pipeline:
     return self._backward_fns[key](flat)
 
   def _sum_shared(self, grads):
-    """Tied leaves: every replica gets the sum of all replicas' gradients."""
-    grads = [list(g) for g in grads]
+    """Packed accumulators -> what each stage's step takes: tied stages'
+    unpacked, with every replica of a tied leaf given the sum of all
+    replicas' gradients; the others' as they are."""
+    grads = [
+      list(self._grad_leaves(s, g)) if s in self._tied_stages else g
+      for s, g in enumerate(grads)
+    ]
     for holders in self._shared.values():
       total = None
       for s, pos in holders:

@@ -16,6 +16,7 @@ import jax
 import optax
 
 from jpipe import staleness
+from jpipe.runtime._flat import FlatLayout
 from jpipe.staleness import _common
 
 
@@ -50,6 +51,10 @@ class StageOptimizer:
     learning_rate_schedule: with a closed-form predictor, the schedule whose
       future values make the prediction scheduler-aware.
     horizon: the largest delay this stage predicts over (static).
+    grad_layout: a ``FlatLayout`` of the stage's leaves; with it,
+      ``update_packed`` / ``predict_packed`` take the gradient as that
+      layout's flat buffers and unpack it inside their own program (one
+      call fewer, and ~30 fewer arrays through the host, per step).
   """
 
   def __init__(
@@ -62,6 +67,7 @@ class StageOptimizer:
     predictor: staleness.Predictor | None = None,
     learning_rate_schedule=None,
     horizon: int = 0,
+    grad_layout: FlatLayout | None = None,
   ):
     self.names = tuple(names)
     if positions is None:
@@ -76,6 +82,17 @@ class StageOptimizer:
     self.init = jax.jit(lambda leaves: self.tx.init(self.as_dict(leaves)))
     self.update = jax.jit(self._update)
     self.predict = jax.jit(self._predict)
+    self.update_packed = self.predict_packed = None
+    if grad_layout is not None:
+      unpack = grad_layout.unpack
+      self.update_packed = jax.jit(
+        lambda flat, *args: self._update(unpack(flat), *args)
+      )
+      self.predict_packed = jax.jit(
+        lambda params, opt_state, delay, flat: self._predict(
+          params, opt_state, delay, unpack(flat)
+        )
+      )
 
   def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:
     """The managed leaves of a stage tuple, keyed by path."""
