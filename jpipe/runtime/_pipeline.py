@@ -11,6 +11,12 @@ single-device gradient accumulation over the microbatches. Parameters read
 by several stages (tied embeddings) are replicated; their gradient is
 summed over the stages and every replica takes the same step.
 
+A stage the Plan puts on several devices is a replica group (PipeDream's
+hybrid data parallelism, ``_placement.py``): its programs run SPMD over the
+group, each microbatch split among the replicas, params replicated and
+their gradient summed by XLA. It changes where a stage runs, not what any
+action computes: every property above and below holds unchanged.
+
 The last stage (no other stage reads its values) runs each microbatch's
 forward and backward as one program wherever that gives the same result
 (``fuse_last_stage``): its backward needs nothing but its own forward.
@@ -56,6 +62,7 @@ from jpipe import schedule as schedule_lib
 from jpipe import staleness
 from jpipe.runtime._flat import FlatLayout
 from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
+from jpipe.runtime._placement import StagePlacement
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
 from jpipe.runtime._state_dict import (
@@ -96,7 +103,12 @@ class Pipeline:
     schedule: one of jpipe.schedule.SCHEDULES.
     num_microbatches: microbatches per ``step`` call.
     optimizer: an optax transformation, applied per stage.
-    partition: "contiguous", "mixed", or a jpipe.partition.Plan.
+    partition: "contiguous", "mixed", or a jpipe.partition.Plan. A Plan
+      may put a stage on several devices (``stage_devices[s]`` =
+      ``(0, 1)``): the stage then runs data parallel over them, each
+      microbatch split among the replicas (it must divide evenly), with
+      the same results as on one device. Stages share all their devices
+      or none.
     depth: module-path depth of the traced nodes.
     cost_model: how the partitioner costs nodes (see
       ``jpipe.partition.profile_nodes``): "analytic" (FLOPs from the jaxpr;
@@ -242,23 +254,32 @@ class Pipeline:
       raise ValueError("the Plan was made for a different model (nodes differ)")
     self.stages = partition_lib.Stages(self.traced, plan.stage_of_node)
     n = self.stages.num_stages
-    used = sorted({ds[0] for ds in plan.stage_devices})
-    if used[-1] >= len(devices):
+    used = max(d for ds in plan.stage_devices for d in ds)
+    if used >= len(devices):
       raise ValueError(
-        f"the plan uses device {used[-1]} but only {len(devices)} are given"
+        f"the plan uses device {used} but only {len(devices)} are given"
       )
-    self.stage_device = tuple(devices[ds[0]] for ds in plan.stage_devices)
-    # Which batch leaves each device's stages read (model-state leaves,
+    _check_device_groups(plan.stage_devices)
+    # A stage on several devices is a replica group (see _placement.py).
+    self.placement = tuple(
+      StagePlacement([devices[i] for i in ds], batch_size // num_microbatches)
+      for ds in plan.stage_devices
+    )
+    self.stage_device = tuple(p.device for p in self.placement)
+    # Which batch leaves each placement's stages read (model-state leaves,
     # numbered after the batch leaves, are not split).
-    self._batch_leaves_of_device: dict[Any, list[int]] = {}
-    for spec, device in zip(self.stages.specs, self.stage_device, strict=True):
-      wanted = self._batch_leaves_of_device.setdefault(device, [])
+    self._batch_leaves_of_device: dict[StagePlacement, list[int]] = {}
+    for spec, place in zip(self.stages.specs, self.placement, strict=True):
+      wanted = self._batch_leaves_of_device.setdefault(place, [])
       wanted.extend(
         i
         for i in spec.batch_leaves
         if i < self._num_batch_leaves and i not in wanted
       )
-    physical = [ds[0] for ds in plan.stage_devices]
+    # The schedule's devices: one per device group, numbered in the order
+    # of the groups' first devices.
+    firsts = sorted({ds[0] for ds in plan.stage_devices})
+    physical = [firsts.index(ds[0]) for ds in plan.stage_devices]
     if schedule == "interleaved":
       self.schedule = schedule_lib.interleaved(physical, num_microbatches)
     else:
@@ -384,9 +405,12 @@ class Pipeline:
     stage_params = []
     opt_states = []
     for s, leaves in enumerate(self.stages.split_params(params)):
-      placed = jax.device_put(leaves, self.stage_device[s])
+      place = self.placement[s]
+      placed = place.put_replicated(leaves)
       stage_params.append(placed)
-      opt_states.append(self.stage_optimizers[s].init(placed))
+      opt_states.append(
+        place.put_replicated(self.stage_optimizers[s].init(placed))
+      )
     return PipelineState(
       tuple(stage_params), tuple(opt_states), 0, state_leaves
     )
@@ -502,7 +526,7 @@ class Pipeline:
             "max_learning_rate", fresh.max_learning_rate
           ),
         )
-      opt_states.append(jax.device_put(loaded, self.stage_device[s]))
+      opt_states.append(self.placement[s].put_replicated(loaded))
     return PipelineState(
       stage_params, tuple(opt_states), int(tree["step"]), base.model_state
     )
@@ -545,7 +569,7 @@ class Pipeline:
     self.used_params = {}
     for action in self._order:
       s, k = action.stage, action.microbatch
-      spec, device = self.stages.specs[s], self.stage_device[s]
+      spec, place = self.stages.specs[s], self.placement[s]
       if action.kind == schedule_lib.FORWARD:
         theta_untied = self._forward_params(
           s, k, versions[s], opt_states[s], grads
@@ -564,7 +588,7 @@ class Pipeline:
           self._move(values[(k, v)], self._producer[v], s) for v in spec.inputs
         )
         local = self._local_inputs(
-          spec, micro_leaves[device][k], model_state, device
+          spec, micro_leaves[place][k], model_state, place
         )
         if (s, k) in self.fused_pairs and self._same_backward_params(
           theta_untied, params[s]
@@ -672,7 +696,7 @@ class Pipeline:
     )
 
   def _split_batch(self, leaves):
-    """{device: [microbatch k: {leaf index: array on device}]}.
+    """{placement: [microbatch k: {leaf index: array placed there}]}.
 
     One transfer and one jitted split per device per step, not a slice and
     a device_put per forward: on one device that cut ~0.2 ms of host work
@@ -680,21 +704,23 @@ class Pipeline:
     """
     m = self.num_microbatches
     out = {}
-    for device, wanted in self._batch_leaves_of_device.items():
+    for place, wanted in self._batch_leaves_of_device.items():
       if not wanted:
-        out[device] = [{}] * m
+        out[place] = [{}] * m
         continue
-      placed = jax.device_put([leaves[i] for i in wanted], device)
+      placed = place.put_replicated([leaves[i] for i in wanted])
       parts = _split_microbatches(tuple(placed), m)
-      out[device] = [dict(zip(wanted, part, strict=True)) for part in parts]
+      if len(place.devices) > 1:  # Each replica keeps its slice.
+        parts = place.put_values(parts)
+      out[place] = [dict(zip(wanted, part, strict=True)) for part in parts]
     return out
 
-  def _local_inputs(self, spec, batch_leaves, model_state, device):
-    """A stage's batch inputs on its device: microbatch leaves (already
-    there), then model-state leaves (placed here)."""
+  def _local_inputs(self, spec, batch_leaves, model_state, place):
+    """A stage's batch inputs on its device(s): microbatch leaves (already
+    there), then model-state leaves (placed here, whole)."""
     nb = self._num_batch_leaves
     state = [model_state[i - nb] for i in spec.batch_leaves if i >= nb]
-    state = iter(jax.device_put(state, device) if state else ())
+    state = iter(place.put_replicated(state) if state else ())
     return tuple(
       batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
     )
@@ -723,7 +749,7 @@ class Pipeline:
       return theta
     theta = list(theta)
     for pos, leaf, _, _ in replicas:
-      theta[pos] = jax.device_put(tied[(leaf, k)], self.stage_device[s])
+      theta[pos] = self.placement[s].put_replicated(tied[(leaf, k)])
     return tuple(theta)
 
   def _exchange_tied(self, s, step_index, grads, tied_grads):
@@ -732,7 +758,7 @@ class Pipeline:
     microbatches); the owner adds them to its own."""
     grads = list(grads)
     for pos, leaf, owner, _ in self._replicas.get(s, ()):
-      g = jax.device_put(grads[pos], self.stage_device[owner])
+      g = self.placement[owner].put_replicated(grads[pos])
       key = (leaf, step_index)
       tied_grads[key] = g if key not in tied_grads else tied_grads[key] + g
     for pos, leaf in self._owned_tied.get(s, ()):
@@ -790,10 +816,11 @@ class Pipeline:
     return self._backward_fns[key]
 
   def _move(self, x, src: int, dst: int):
-    """``x`` from stage src's device to stage dst's (no-op if shared)."""
-    if self.stage_device[src] == self.stage_device[dst]:
+    """Value ``x`` from stage src's device(s) to stage dst's (no-op if
+    shared)."""
+    if self.placement[src] == self.placement[dst]:
       return x
-    return jax.device_put(x, self.stage_device[dst])
+    return self.placement[dst].put_values(x)
 
   def _backward(self, s: int, first: bool, donate: bool = True):
     """Jitted backward of stage s that also accumulates its gradient."""
@@ -834,10 +861,10 @@ class Pipeline:
     for holders in self._shared.values():
       total = None
       for s, pos in holders:
-        g = jax.device_put(grads[s][pos], self.stage_device[holders[0][0]])
+        g = self.placement[holders[0][0]].put_replicated(grads[s][pos])
         total = g if total is None else total + g
       for s, pos in holders:
-        grads[s][pos] = jax.device_put(total, self.stage_device[s])
+        grads[s][pos] = self.placement[s].put_replicated(total)
     return [tuple(g) for g in grads]
 
 
@@ -881,6 +908,21 @@ def _batch_size(batch) -> int:
       f"batch leaves need one common leading (batch) size, got {sizes}"
     )
   return sizes.pop()
+
+
+def _check_device_groups(stage_devices):
+  """Stages share all their devices (mixed pipe) or none: replica groups
+  of different stages cannot overlap."""
+  for a in stage_devices:
+    if len(set(a)) != len(a):
+      raise ValueError(f"a stage lists a device twice: {tuple(a)}")
+    for b in stage_devices:
+      if tuple(a) != tuple(b) and set(a) & set(b):
+        raise ValueError(
+          f"stages on devices {tuple(a)} and {tuple(b)} overlap: stages "
+          "must share all their devices, listed in the same order (several "
+          "stages on one device or group), or none"
+        )
 
 
 def _place(schedule, stage_device):

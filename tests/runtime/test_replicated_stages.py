@@ -1,0 +1,189 @@
+"""Replicated stages (a stage on several devices, data parallel inside the
+pipeline): the same math as the unreplicated pipeline, on every replica."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from tests.partition import flax_models
+from tests.runtime import test_pipeline_async as async_tests
+from tests.runtime.test_pipeline_sync import (
+  _assert_tree_close,
+  _reference_steps,
+)
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+# Stage 0 on devices 0-1, stage 1 on 2, stage 2 on 3-4; and a mixed pipe
+# whose replica group 0-1 holds stages 0 and 2.
+LAYOUTS = {
+  "disjoint": ((0, 1), (2,), (3, 4)),
+  "mixed": ((0, 1), (2,), (0, 1)),
+}
+
+
+def _replicated(layout, loss_fn, params, batch, **kwargs):
+  """A 3-stage Pipeline whose plan puts its stages on ``layout``."""
+  devices = jax.devices()[:6]
+  plain = jpipe.Pipeline(
+    loss_fn, params, batch, num_stages=3, devices=devices, **kwargs
+  )
+  plan = dataclasses.replace(plain.plan, stage_devices=layout)
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=devices,
+    partition=plan,
+    **kwargs,
+  )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize(
+  "case, schedule",
+  [("mlp", "gpipe"), ("gpt_tied", "1f1b"), ("encoder_decoder", "gpipe")],
+)
+def test_two_steps_equal_single_device(case, schedule, layout):
+  loss_fn, params, batch, _ = flax_models.CASES[case]()
+  tx = optax.sgd(0.1, momentum=0.9)
+  pipe = _replicated(
+    LAYOUTS[layout],
+    loss_fn,
+    params,
+    batch,
+    schedule=schedule,
+    num_microbatches=2,
+    optimizer=tx,
+  )
+  state = pipe.init(params)
+  for _ in range(2):
+    state, metrics = pipe.step(state, batch)
+  expected, loss = _reference_steps(loss_fn, params, batch, 2, tx, steps=2)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  # Every replica holds the stage's params and optimizer state.
+  devices = jax.devices()
+  for s, group in enumerate(LAYOUTS[layout]):
+    want = {devices[i] for i in group}
+    for x in jax.tree.leaves((state.stage_params[s], state.opt_states[s])):
+      assert x.sharding.device_set == want
+      assert x.sharding.is_fully_replicated
+
+
+def test_a_replica_group_splits_each_microbatch():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  pipe = _replicated(
+    LAYOUTS["disjoint"],
+    loss_fn,
+    params,
+    batch,
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+  )
+  place = pipe.placement[0]
+  micro = pipe._split_batch(jax.tree.leaves(batch))[place]
+  x = micro[0][jax.tree.leaves(batch).index(batch["x"])]
+  assert x.shape == (4, 12)
+  shards = sorted(
+    (shard.device.id, shard.index[0].start) for shard in x.addressable_shards
+  )
+  assert shards == [(0, 0), (1, 2)]  # Two examples on each replica.
+  np.testing.assert_array_equal(x, batch["x"][:4])
+  assert pipe.schedule.num_devices == 3  # One per device group.
+
+
+def test_batchnorm_statistics_are_the_whole_microbatch_s():
+  """BatchNorm on a replica group normalises over the whole microbatch
+  (XLA reduces across the replicas), as one device would."""
+  loss_fn, params, stats, batch = flax_models.resnet_state_case(3, 8)
+  m, tx = 2, optax.sgd(0.1)
+  pipe = _replicated(
+    ((0, 1), (2, 3), (4, 5)),
+    loss_fn,
+    params,
+    batch,
+    schedule="1f1b",
+    num_microbatches=m,
+    optimizer=tx,
+    model_state=stats,
+  )
+  state = pipe.init(params, stats)
+  state, _ = pipe.step(state, batch)
+  grads, ref_stats = None, stats
+  for k in range(m):
+    mb = jax.tree.map(lambda x, k=k: x[4 * k : 4 * k + 4], batch)
+    (_, ref_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, ref_stats, mb
+    )
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+  grads = jax.tree.map(lambda g: g / m, grads)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  _assert_tree_close(
+    pipe.gather_params(state), optax.apply_updates(params, updates)
+  )
+  _assert_tree_close(pipe.gather_model_state(state), ref_stats)
+
+
+@pytest.mark.parametrize(
+  "opts",
+  [
+    {"weight_stashing": True, "prediction": "msnag", "recompute": False},
+    {"gap_aware": "ga", "gap_aware_options": async_tests.GA_SGD},
+  ],
+  ids=["ws+wp", "ga"],
+)
+def test_async_follows_the_reference_semantics(opts):
+  """Replication changes where a stage runs, not which weights each
+  forward and backward use."""
+  loss_fn, params, batch = async_tests._mlp()
+  pipe = _replicated(
+    LAYOUTS["disjoint"],
+    loss_fn,
+    params,
+    batch,
+    schedule="async",
+    num_microbatches=async_tests.NUM_MICRO,
+    optimizer=async_tests.SGD,
+    record_params=True,
+    **opts,
+  )
+  state = pipe.init(params)
+  state, _ = pipe.step(state, batch, profile=True)
+  expected, used = async_tests._reference(
+    pipe, params, batch, async_tests.SGD, opts
+  )
+  for s in range(3):
+    async_tests._close(state.stage_params[s], expected[s])
+  for key, theta in used.items():
+    async_tests._close(pipe.used_params[key], theta)
+  assert set(pipe.timeline.device_of.values()) == {0, 1, 2}
+
+
+def test_bad_device_groups_are_clear_errors():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  kwargs = {"optimizer": optax.sgd(0.1)}
+  with pytest.raises(ValueError, match="overlap"):
+    _replicated(
+      ((0, 1), (1, 2), (3,)),
+      loss_fn,
+      params,
+      batch,
+      num_microbatches=2,
+      **kwargs,
+    )
+  with pytest.raises(ValueError, match="microbatch has 1 examples"):
+    _replicated(
+      ((0, 1), (2,), (3,)),
+      loss_fn,
+      params,
+      batch,
+      num_microbatches=8,
+      **kwargs,
+    )
