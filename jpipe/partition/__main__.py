@@ -7,7 +7,8 @@
       [--use-fewer-machines] [--activation-compression-ratio R]
       [--compress-branches] [--json] [--png FILE]
   python -m jpipe.partition --config configs/X.py[:VARIANT] --stages N
-      [--method ...] [--bandwidth B] [--memory BYTES]
+      [--method contiguous|mixed|pipedream|pipedream_hybrid]
+      [--bandwidth B] [--memory BYTES]
       [--cost-model analytic|xla|measured] [--json] [--png FILE]
 
 ``pipedream`` (the default) is PipeDream's optimizer: a DP over the graph's
@@ -23,7 +24,9 @@ stages). For these two, ``--bandwidth`` defaults to compute only.
 costs its nodes as ``python -m jpipe.train`` would (``--method`` and
 ``--cost-model`` default to the config's ``pipeline.partition`` and
 ``pipeline.cost_model``), then prints the plan that training would use on
-N devices. Its ``--json`` adds ``plan`` (the full ``jpipe.partition.Plan``).
+N devices (for a config, ``pipedream`` is straight and
+``pipedream_hybrid`` may replicate stages). Its ``--json`` adds ``plan``
+(the full ``jpipe.partition.Plan``).
 """
 
 import argparse
@@ -65,7 +68,8 @@ def _parser():
   parser.add_argument(
     "--method",
     default=None,
-    help=f"one of {METHODS}; default pipedream (profiles) or the config's",
+    help=f"profiles: one of {METHODS}, default pipedream; configs: also "
+    "pipedream_hybrid, default the config's",
   )
   parser.add_argument(
     "--cost-model",
@@ -198,6 +202,7 @@ def main(argv=None) -> int:
 
 def _main_config(parser, args) -> int:
   """The plan ``python -m jpipe.train`` would make for a config."""
+  from jpipe.partition._plan import METHODS as PLAN_METHODS
   from jpipe.partition._plan import plan_traced
   from jpipe.train import config_plan
 
@@ -208,8 +213,8 @@ def _main_config(parser, args) -> int:
   try:
     config = config_plan.load_config_file(args.config)
     method = args.method or config.pipeline.partition
-    if method not in METHODS:
-      raise ValueError(f"unknown method {method!r}: one of {METHODS}")
+    if method not in PLAN_METHODS:
+      raise ValueError(f"unknown method {method!r}: one of {PLAN_METHODS}")
     traced, costs = config_plan.trace_config(config, args.cost_model)
     start = time.perf_counter()
     plan = plan_traced(

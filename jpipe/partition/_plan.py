@@ -14,7 +14,7 @@ from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
 
-METHODS = ("contiguous", "mixed", "pipedream")
+METHODS = ("contiguous", "mixed", "pipedream", "pipedream_hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +116,12 @@ def plan_traced(
       or "pipedream" (PipeDream's DP over the graph's antichains, straight:
       one device per stage, as jpipe's runtime runs stages; transfers
       count when ``bandwidth`` is given; the memory limit uses PipeDream's
-      stash model). For replicated PipeDream plans use ``solve_pipedream``
-      and ``plan_from_pipedream``.
+      stash model); or "pipedream_hybrid" (the same DP with stage
+      replication, PipeDream's hybrid data parallelism: the DP picks the
+      stages and how many of the ``num_devices`` devices each runs on,
+      contiguously; all-reduce over a stage's replicas costs its params
+      at ``bandwidth``, 1e9 bytes/s when None). jpipe's runtime splits each
+      microbatch among a stage's replicas, so their count must divide it.
     bandwidth: bytes/s between devices; None ignores communication.
     memory_limit: bytes per device; None for no limit ("contiguous").
     optimizer_state_factor: optimizer state per parameter byte (2 for
@@ -137,25 +141,36 @@ def plan_traced(
   if len(devices) != num_devices:
     raise ValueError(f"devices needs {num_devices} entries, got {devices}")
   compute = costs.forward_seconds + costs.backward_seconds
-  if method == "pipedream":
+  if method in ("pipedream", "pipedream_hybrid"):
     if comm_model != "overlapped":
-      raise ValueError("method 'pipedream' has only the 'overlapped' model")
+      raise ValueError(f"method {method!r} has only the 'overlapped' model")
+    straight = method == "pipedream"
     solution = solve_pipedream(
       _traced_graph(traced, costs),
       num_devices,
       bandwidth=1e9 if bandwidth is None else bandwidth,
       memory_bytes=1.0 if memory_limit is None else memory_limit,
       use_memory_constraint=memory_limit is not None,
-      straight=True,
+      straight=straight,
       activation_compression_ratio=None if bandwidth is None else 1.0,
     )
-    return _finish(
+    starts = np.concatenate([[0], np.cumsum(solution.replicas)]).astype(int)
+    plan = _finish(
       traced,
       costs,
       method,
       [solution.stage_of[n] for n in traced.node_names],
-      [(d,) for d in devices],
+      [devices[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)],
       solution.stage_seconds,
+    )
+    # PipeDream's warm-up depth: a stage keeps (R - 1 - first device) //
+    # replicas extra versions (= n - 1 - s when straight).
+    return dataclasses.replace(
+      plan,
+      stage_stash_bytes=tuple(
+        float((starts[-1] - 1 - starts[s]) // r * plan.stage_param_bytes[s])
+        for s, r in enumerate(solution.replicas)
+      ),
     )
   if method == "mixed":
     mixed = solve_mixed(

@@ -98,12 +98,15 @@ class Pipeline:
     params: example params (their structure is kept).
     example_batch: a full mini-batch; its leading axis is split into
       ``num_microbatches`` microbatches.
-    num_stages: pipeline stages (ignored when ``partition`` is a Plan).
+    num_stages: pipeline stages (ignored when ``partition`` is a Plan);
+      with "pipedream_hybrid", the devices the plan may use (its DP picks
+      the stages and their replicas).
     devices: the devices to use; default ``jax.devices()``.
     schedule: one of jpipe.schedule.SCHEDULES.
     num_microbatches: microbatches per ``step`` call.
     optimizer: an optax transformation, applied per stage.
-    partition: "contiguous", "mixed", or a jpipe.partition.Plan. A Plan
+    partition: "contiguous", "mixed", "pipedream", "pipedream_hybrid"
+      (see ``jpipe.partition.plan_traced``), or a jpipe.partition.Plan. A Plan
       may put a stage on several devices (``stage_devices[s]`` =
       ``(0, 1)``): the stage then runs data parallel over them, each
       microbatch split among the replicas (it must divide evenly), with

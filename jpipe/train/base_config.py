@@ -33,7 +33,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.num_stages = 4  # Stages (devices used: min(stages, devices)).
   c.pipeline.num_microbatches = 4  # Microbatches per step; divides batch.
-  c.pipeline.partition = "contiguous"  # "contiguous", "mixed", "pipedream".
+  # "contiguous", "mixed", "pipedream" (PipeDream's DP, straight) or
+  # "pipedream_hybrid" (its DP with replicated, data-parallel stages; the
+  # replicas of a stage must divide the microbatch).
+  c.pipeline.partition = "contiguous"
   c.pipeline.recompute = False  # Recompute forwards in the backward.
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True

@@ -6,7 +6,7 @@ from jpipe import schedule as schedule_lib
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup_cosine")
-PARTITIONS = ("contiguous", "mixed", "pipedream")
+PARTITIONS = ("contiguous", "mixed", "pipedream", "pipedream_hybrid")
 COST_MODELS = ("analytic", "xla", "measured")
 
 

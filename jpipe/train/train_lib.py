@@ -227,10 +227,15 @@ def _print_plan(pipe) -> None:
   plan = pipe.plan
   print(
     f"{plan.num_stages} stages on devices "
-    f"{[d[0] for d in plan.stage_devices]}, schedule "
+    f"{_device_groups(plan.stage_devices)}, schedule "
     f"{pipe.schedule.name}, {pipe.num_microbatches} microbatches; "
     f"predicted speed-up {plan.predicted_speedup:.2f}"
   )
+
+
+def _device_groups(stage_devices) -> list:
+  """[0, 1, [2, 3]]: a stage's device, or its replica group."""
+  return [ds[0] if len(ds) == 1 else list(ds) for ds in stage_devices]
 
 
 def _summary(config, pipe, workdir, examples, seconds, evaluation) -> dict:

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jpipe
+from jpipe import partition
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (
@@ -187,3 +188,94 @@ def test_bad_device_groups_are_clear_errors():
       num_microbatches=8,
       **kwargs,
     )
+
+
+def _mlp_costs(loss_fn, params, batch):
+  """The MLP traced, with a first layer far dearer than the rest (so
+  PipeDream's DP replicates it when the all-reduce is cheap enough)."""
+  traced = partition.trace(loss_fn, params, batch)
+  costs = partition.profile_nodes(traced, params, batch, method="analytic")
+  seconds = np.full(traced.num_nodes, 0.01)
+  seconds[0] = 1.0
+  costs = dataclasses.replace(
+    costs, forward_seconds=seconds, backward_seconds=2 * seconds
+  )
+  return traced, costs
+
+
+def test_pipedream_hybrid_plan_replicates_and_trains_like_one_device():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  traced, costs = _mlp_costs(loss_fn, params, batch)
+  # Slow links: replicating the heavy first layer pays, the rest does not.
+  hybrid = partition.plan_traced(
+    traced, costs, 3, method="pipedream_hybrid", bandwidth=1e4
+  )
+  straight = partition.plan_traced(
+    traced, costs, 3, method="pipedream", bandwidth=1e4
+  )
+  assert hybrid.stage_devices == ((0, 1), (2,))
+  assert hybrid.stage_of_node == (0, 1, 1, 1, 1, 1, 1, 1)
+  assert hybrid.bottleneck_seconds < straight.bottleneck_seconds
+  # PipeDream's warm-up depth (R - 1 - first device) // replicas: 1, 0.
+  assert hybrid.stage_stash_bytes == (hybrid.stage_param_bytes[0], 0.0)
+  # Fast links: one stage, data parallel over every device.
+  dp = partition.plan_traced(traced, costs, 3, method="pipedream_hybrid")
+  assert dp.stage_devices == ((0, 1, 2),)
+  tx = optax.sgd(0.1)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:3],
+    schedule="1f1b",
+    num_microbatches=2,
+    optimizer=tx,
+    partition=hybrid,
+  )
+  state, _ = pipe.step(pipe.init(params), batch)
+  expected, _ = _reference_steps(loss_fn, params, batch, 2, tx)
+  _assert_tree_close(pipe.gather_params(state), expected)
+
+
+def test_pipeline_takes_pipedream_hybrid_by_name():
+  """partition="pipedream_hybrid" plans with the DP on the pipeline's own
+  costs (on a tiny MLP's analytic costs the all-reduce outweighs the
+  compute, so it does not replicate) and trains like one device."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  tx = optax.sgd(0.1)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=2,
+    optimizer=tx,
+    partition="pipedream_hybrid",
+  )
+  assert pipe.plan.method == "pipedream_hybrid"
+  assert sorted(d for ds in pipe.plan.stage_devices for d in ds) == [0, 1]
+  state, _ = pipe.step(pipe.init(params), batch)
+  expected, _ = _reference_steps(loss_fn, params, batch, 2, tx)
+  _assert_tree_close(pipe.gather_params(state), expected)
+
+
+def test_a_checkpoint_resumes_on_replica_groups():
+  """state_dict of a one-device-per-stage pipeline, loaded where stages
+  are replicated, continues the same trajectory."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  tx = optax.adam(1e-2)
+  kwargs = {"num_microbatches": 2, "optimizer": tx, "schedule": "1f1b"}
+  plain = jpipe.Pipeline(
+    loss_fn, params, batch, num_stages=3, devices=jax.devices()[:3], **kwargs
+  )
+  state, _ = plain.step(plain.init(params), batch)
+  pipe = _replicated(LAYOUTS["disjoint"], loss_fn, params, batch, **kwargs)
+  resumed = pipe.load_state_dict(plain.state_dict(state))
+  assert resumed.stage_params[0][0].sharding.device_set == set(
+    jax.devices()[:2]
+  )
+  resumed, _ = pipe.step(resumed, batch)
+  expected, _ = _reference_steps(loss_fn, params, batch, 2, tx, steps=2)
+  _assert_tree_close(pipe.gather_params(resumed), expected)

@@ -75,6 +75,7 @@ def test_a_different_partition_resumes_the_checkpoint(tmp_path):
     **{
       "train.steps": 5,
       "pipeline.num_stages": 3,
+      "pipeline.partition": "pipedream_hybrid",
       "schedule.name": "async",
       "staleness.stashing": True,
     }
