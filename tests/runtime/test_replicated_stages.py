@@ -46,6 +46,19 @@ def _replicated(layout, loss_fn, params, batch, **kwargs):
   )
 
 
+def _trains_like_one_device(pipe, loss_fn, params, batch, tx, steps=1):
+  """Runs ``steps`` pipeline steps; checks the params and the last loss
+  against single-device accumulation; returns the state."""
+  state = pipe.init(params)
+  for _ in range(steps):
+    state, metrics = pipe.step(state, batch)
+  m = pipe.num_microbatches
+  expected, loss = _reference_steps(loss_fn, params, batch, m, tx, steps)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  return state
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize(
   "case, schedule",
@@ -63,12 +76,7 @@ def test_two_steps_equal_single_device(case, schedule, layout):
     num_microbatches=2,
     optimizer=tx,
   )
-  state = pipe.init(params)
-  for _ in range(2):
-    state, metrics = pipe.step(state, batch)
-  expected, loss = _reference_steps(loss_fn, params, batch, 2, tx, steps=2)
-  _assert_tree_close(pipe.gather_params(state), expected)
-  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  state = _trains_like_one_device(pipe, loss_fn, params, batch, tx, 2)
   # Every replica holds the stage's params and optimizer state.
   devices = jax.devices()
   for s, group in enumerate(LAYOUTS[layout]):
@@ -233,9 +241,7 @@ def test_pipedream_hybrid_plan_replicates_and_trains_like_one_device():
     optimizer=tx,
     partition=hybrid,
   )
-  state, _ = pipe.step(pipe.init(params), batch)
-  expected, _ = _reference_steps(loss_fn, params, batch, 2, tx)
-  _assert_tree_close(pipe.gather_params(state), expected)
+  _trains_like_one_device(pipe, loss_fn, params, batch, tx)
 
 
 def test_pipeline_takes_pipedream_hybrid_by_name():
@@ -256,9 +262,7 @@ def test_pipeline_takes_pipedream_hybrid_by_name():
   )
   assert pipe.plan.method == "pipedream_hybrid"
   assert sorted(d for ds in pipe.plan.stage_devices for d in ds) == [0, 1]
-  state, _ = pipe.step(pipe.init(params), batch)
-  expected, _ = _reference_steps(loss_fn, params, batch, 2, tx)
-  _assert_tree_close(pipe.gather_params(state), expected)
+  _trains_like_one_device(pipe, loss_fn, params, batch, tx)
 
 
 def test_a_checkpoint_resumes_on_replica_groups():
