@@ -271,9 +271,9 @@ class Pipeline:
     self.stage_device = tuple(p.device for p in self.placement)
     # Which batch leaves each placement's stages read (model-state leaves,
     # numbered after the batch leaves, are not split).
-    self._batch_leaves_of_device: dict[StagePlacement, list[int]] = {}
+    self._batch_leaves_of_placement: dict[StagePlacement, list[int]] = {}
     for spec, place in zip(self.stages.specs, self.placement, strict=True):
-      wanted = self._batch_leaves_of_device.setdefault(place, [])
+      wanted = self._batch_leaves_of_placement.setdefault(place, [])
       wanted.extend(
         i
         for i in spec.batch_leaves
@@ -654,17 +654,15 @@ class Pipeline:
         group = sched.step_groups[s][steps[s]]
         opt = self.stage_optimizers[s]
         stale = forward_params[(s, group[-1])] if opt.gap_aware else None
+        # The packed accumulator, unpacked inside the step -- or before
+        # it, to exchange tied leaves' gradients.
+        g, step = grads[s], opt.update_packed
         if s in self._tied_stages:
           g = self._exchange_tied(
-            s, steps[s], self._grad_leaves(s, grads[s]), tied_grads
+            s, steps[s], self._grad_leaves(s, g), tied_grads
           )
-          params[s], opt_states[s] = opt.update(
-            g, opt_states[s], params[s], stale
-          )
-        else:  # The packed accumulator, unpacked inside the step.
-          params[s], opt_states[s] = opt.update_packed(
-            grads[s], opt_states[s], params[s], stale
-          )
+          step = opt.update
+        params[s], opt_states[s] = step(g, opt_states[s], params[s], stale)
         if profiler:
           profiler.record(action, params[s])
         grads[s] = None
@@ -707,7 +705,7 @@ class Pipeline:
     """
     m = self.num_microbatches
     out = {}
-    for place, wanted in self._batch_leaves_of_device.items():
+    for place, wanted in self._batch_leaves_of_placement.items():
       if not wanted:
         out[place] = [{}] * m
         continue

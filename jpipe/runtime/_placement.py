@@ -10,9 +10,9 @@ sums the param gradients over the group (an all-reduce inside the
 backward), so every replica takes the same step. The math is the
 unreplicated stage's -- same microbatches, same delays, same weight
 versions -- at 1/k of the compute per device. (PipeDream instead sends
-whole microbatches to the replicas round-robin, which changes which
-version each microbatch sees; splitting each microbatch keeps the
-pipeline's staleness semantics exactly.)
+whole microbatches to a stage's replicas round-robin, 1F1B-RR; splitting
+each microbatch keeps the unreplicated pipeline's delays exactly, so the
+staleness mitigations need no change.)
 """
 
 from collections.abc import Sequence
