@@ -22,8 +22,9 @@ stages). For these two, ``--bandwidth`` defaults to compute only.
 
 ``--config`` traces the config's model on one microbatch of its data and
 costs its nodes as ``python -m jpipe.train`` would (``--method`` and
-``--cost-model`` default to the config's ``pipeline.partition`` and
-``pipeline.cost_model``), then prints the plan that training would use on
+``--cost-model`` and ``--bandwidth`` default to the config's
+``pipeline.partition``, ``pipeline.cost_model`` and
+``pipeline.bandwidth``), then prints the plan that training would use on
 N devices (for a config, ``pipedream`` is straight and
 ``pipedream_hybrid`` may replicate stages). Its ``--json`` adds ``plan``
 (the full ``jpipe.partition.Plan``).
@@ -222,7 +223,9 @@ def _main_config(parser, args) -> int:
       costs,
       args.stages,
       method=method,
-      bandwidth=args.bandwidth[0] if args.bandwidth else None,
+      bandwidth=args.bandwidth[0]
+      if args.bandwidth
+      else config.pipeline.bandwidth or None,
       memory_limit=args.memory,
     )
     solve_seconds = time.perf_counter() - start

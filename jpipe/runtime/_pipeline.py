@@ -113,6 +113,9 @@ class Pipeline:
       the same results as on one device. Stages share all their devices
       or none.
     depth: module-path depth of the traced nodes.
+    bandwidth: bytes/s between devices, for the partitioner (None: plan on
+      compute alone; "pipedream" / "pipedream_hybrid" then assume 1e9 for
+      the all-reduce of replicated stages).
     cost_model: how the partitioner costs nodes (see
       ``jpipe.partition.profile_nodes``): "analytic" (FLOPs from the jaxpr;
       default, no compilation), "xla" (XLA's cost analysis) or "measured"
@@ -176,6 +179,7 @@ class Pipeline:
     optimizer: optax.GradientTransformation,
     partition: Any = "contiguous",
     depth: int = 1,
+    bandwidth: float | None = None,
     cost_model: str = "analytic",
     recompute: bool = True,
     step_every: int = 1,
@@ -250,7 +254,11 @@ class Pipeline:
         self.traced, params, micro, method=cost_model, recompute=recompute
       )
       plan = partition_lib.plan_traced(
-        self.traced, costs, min(num_stages, len(devices)), method=partition
+        self.traced,
+        costs,
+        min(num_stages, len(devices)),
+        method=partition,
+        bandwidth=bandwidth,
       )
     self.plan = plan
     if plan.node_names != self.traced.node_names:

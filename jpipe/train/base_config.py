@@ -41,6 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True
   c.pipeline.depth = 1  # Module-path depth of the partitioner's nodes.
+  # Bytes/s between devices for the partitioner; 0 plans on compute alone
+  # (transfers ignored; PipeDream's all-reduce then at 1e9 bytes/s).
+  c.pipeline.bandwidth = 0.0
   # Node costs for the partitioner: "analytic" (FLOPs), "xla" (XLA's cost
   # analysis) or "measured" (each node timed on this machine; slower start).
   c.pipeline.cost_model = "analytic"

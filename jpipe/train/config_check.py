@@ -34,6 +34,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     f"{config.optimizer.schedule!r} is not one of {LR_SCHEDULES}",
   )
   need(
+    config.pipeline.bandwidth >= 0,
+    "pipeline.bandwidth",
+    "must be >= 0 bytes/s (0: plan on compute alone)",
+  )
+  need(
     config.optimizer.learning_rate > 0,
     "optimizer.learning_rate",
     "must be > 0",

@@ -92,6 +92,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     optimizer=tx,
     partition=config.pipeline.partition,
     depth=config.pipeline.depth,
+    bandwidth=config.pipeline.bandwidth or None,
     cost_model=config.pipeline.cost_model,
     recompute=config.pipeline.recompute,
     fuse_last_stage=config.pipeline.fuse_last_stage,

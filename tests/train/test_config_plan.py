@@ -75,3 +75,34 @@ def test_cli_config_errors(capsys):
   assert code == 2 and "config file 'nope.py' does not exist" in err
   with pytest.raises(SystemExit):
     partition_cli.main(["--config", path])  # No --stages.
+
+
+def test_pipedream_hybrid_with_fast_links_is_data_parallel_and_trains(
+  capsys, tmp_path
+):
+  """config.pipeline.bandwidth reaches the planner: on fast links
+  PipeDream's DP replicates VGG over all 4 devices (the CLI and training
+  agree), and training runs on that replica group."""
+  path = os.path.join(ROOT, "configs", "pipedream_vgg.py")
+  code, out, _ = _run(
+    capsys,
+    "--config",
+    path,
+    "--stages",
+    "4",
+    "--method",
+    "pipedream_hybrid",
+    "--bandwidth",
+    "1e13",
+    "--json",
+  )
+  assert code == 0
+  assert json.loads(out)["stage_devices"] == [[0, 1, 2, 3]]
+  config = config_plan.load_config_file(path)
+  with config.unlocked():
+    config.pipeline.partition = "pipedream_hybrid"
+    config.pipeline.bandwidth = 1e13
+    config.train.steps = 2
+    config.train.eval_every = 2
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "stages on devices [[0, 1, 2, 3]]" in capsys.readouterr().out

@@ -123,6 +123,7 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("pipeline.num_microbatches", 5, "5 does not divide data.batch_size"),
     ("staleness.stashing", True, "apply to schedule.name='async' only"),
     ("optimizer.name", "lion", "config.optimizer.name"),
+    ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
   ],
 )
 def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
