@@ -34,11 +34,6 @@ def check(config: ml_collections.ConfigDict) -> None:
     f"{config.optimizer.schedule!r} is not one of {LR_SCHEDULES}",
   )
   need(
-    config.pipeline.bandwidth >= 0,
-    "pipeline.bandwidth",
-    "must be >= 0 bytes/s (0: plan on compute alone)",
-  )
-  need(
     config.optimizer.learning_rate > 0,
     "optimizer.learning_rate",
     "must be > 0",
@@ -47,6 +42,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     config.pipeline.partition in PARTITIONS,
     "pipeline.partition",
     f"{config.pipeline.partition!r} is not one of {PARTITIONS}",
+  )
+  need(
+    config.pipeline.bandwidth >= 0,
+    "pipeline.bandwidth",
+    "must be >= 0 bytes/s (0: plan on compute alone)",
   )
   need(
     config.pipeline.cost_model in COST_MODELS,
