@@ -291,6 +291,9 @@ class Pipeline:
     # of the groups' first devices.
     firsts = sorted({ds[0] for ds in plan.stage_devices})
     physical = [firsts.index(ds[0]) for ds in plan.stage_devices]
+    # Their labels in timelines: "device 2", "devices 0-1" (a group).
+    groups = {ds[0]: ds for ds in plan.stage_devices}
+    self.device_names = tuple(_device_name(groups[f]) for f in firsts)
     if schedule == "interleaved":
       self.schedule = schedule_lib.interleaved(physical, num_microbatches)
     else:
@@ -917,6 +920,15 @@ def _batch_size(batch) -> int:
       f"batch leaves need one common leading (batch) size, got {sizes}"
     )
   return sizes.pop()
+
+
+def _device_name(group) -> str:
+  """'device 2', 'devices 0-3' (consecutive) or 'devices 0,2'."""
+  if len(group) == 1:
+    return f"device {group[0]}"
+  if list(group) == list(range(group[0], group[0] + len(group))):
+    return f"devices {group[0]}-{group[-1]}"
+  return "devices " + ",".join(map(str, group))
 
 
 def _check_device_groups(stage_devices):

@@ -1,16 +1,33 @@
 """Timelines out: Chrome/Perfetto trace JSON and a PNG Gantt chart."""
 
 import json
+from collections.abc import Sequence
 
 from jpipe.schedule._simulate import Timeline
 
 _COLOURS = {"F": "#4C78A8", "B": "#F58518", "S": "#54A24B"}
 
 
-def chrome_trace(timeline: Timeline) -> dict:
+def _names(timeline: Timeline, device_names) -> list[str]:
+  """A label per timeline device ("device d" unless named)."""
+  n = len(timeline.busy)
+  if device_names is None:
+    return [f"device {d}" for d in range(n)]
+  if len(device_names) != n:
+    raise ValueError(
+      f"{len(device_names)} device names for a timeline of {n} devices"
+    )
+  return list(device_names)
+
+
+def chrome_trace(
+  timeline: Timeline, device_names: Sequence[str] | None = None
+) -> dict:
   """The timeline as Chrome trace events (open in ui.perfetto.dev).
 
-  One track (tid) per device; times in microseconds.
+  One track (tid) per device, labelled ``device_names[d]`` (e.g. a
+  pipeline's ``device_names``: "devices 0-1" for a replica group); times
+  in microseconds.
   """
   events = []
   for action, start in timeline.start.items():
@@ -26,27 +43,36 @@ def chrome_trace(timeline: Timeline) -> dict:
         "args": {"stage": action.stage, "microbatch": action.microbatch},
       }
     )
-  for d in range(len(timeline.busy)):
+  for d, name in enumerate(_names(timeline, device_names)):
     events.append(
       {
         "name": "thread_name",
         "ph": "M",
         "pid": 0,
         "tid": d,
-        "args": {"name": f"device {d}"},
+        "args": {"name": name},
       }
     )
   return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(timeline: Timeline, path: str) -> None:
+def write_chrome_trace(
+  timeline: Timeline, path: str, device_names: Sequence[str] | None = None
+) -> None:
   """Writes :func:`chrome_trace` as JSON to ``path``."""
   with open(path, "w") as f:
-    json.dump(chrome_trace(timeline), f)
+    json.dump(chrome_trace(timeline, device_names), f)
 
 
-def plot_timeline(timeline: Timeline, path: str, *, title: str = "") -> None:
-  """A Gantt chart PNG: one row per device, F blue, B orange, steps green."""
+def plot_timeline(
+  timeline: Timeline,
+  path: str,
+  *,
+  title: str = "",
+  device_names: Sequence[str] | None = None,
+) -> None:
+  """A Gantt chart PNG: one row per device (labelled as in
+  :func:`chrome_trace`), F blue, B orange, steps green."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -76,7 +102,7 @@ def plot_timeline(timeline: Timeline, path: str, *, title: str = "") -> None:
         color="white",
       )
   ax.set_yticks(range(num_devices))
-  ax.set_yticklabels([f"device {d}" for d in range(num_devices)])
+  ax.set_yticklabels(_names(timeline, device_names))
   ax.invert_yaxis()
   ax.set_xlabel("time (s)")
   ax.set_title(

@@ -261,8 +261,9 @@ def _summary(config, pipe, workdir, examples, seconds, evaluation) -> dict:
     summary["stage_time_split"] = split
     png = os.path.join(workdir, "timeline.png")
     trace = os.path.join(workdir, "timeline.json")
-    schedule_lib.plot_timeline(timeline, png)
-    schedule_lib.write_chrome_trace(timeline, trace)
+    names = pipe.device_names
+    schedule_lib.plot_timeline(timeline, png, device_names=names)
+    schedule_lib.write_chrome_trace(timeline, trace, names)
     summary["timeline_png"] = png
     lines.append(
       "Per-stage share of device time (last step): "

@@ -11,6 +11,7 @@ import pytest
 
 import jpipe
 from jpipe import partition
+from jpipe.runtime._pipeline import _device_name
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (
@@ -106,6 +107,7 @@ def test_a_replica_group_splits_each_microbatch():
   assert shards == [(0, 0), (1, 2)]  # Two examples on each replica.
   np.testing.assert_array_equal(x, batch["x"][:4])
   assert pipe.schedule.num_devices == 3  # One per device group.
+  assert pipe.device_names == ("devices 0-1", "device 2", "devices 3-4")
 
 
 def test_batchnorm_statistics_are_the_whole_microbatch_s():
@@ -283,3 +285,9 @@ def test_a_checkpoint_resumes_on_replica_groups():
   resumed, _ = pipe.step(resumed, batch)
   expected, _ = _reference_steps(loss_fn, params, batch, 2, tx, steps=2)
   _assert_tree_close(pipe.gather_params(resumed), expected)
+
+
+def test_device_group_names():
+  assert _device_name((3,)) == "device 3"
+  assert _device_name((4, 5, 6)) == "devices 4-6"
+  assert _device_name((0, 2)) == "devices 0,2"

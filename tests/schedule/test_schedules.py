@@ -151,6 +151,18 @@ def test_chrome_trace_and_gantt_png(tmp_path):
   assert len(work) == 3 * (2 * 4 + 1)
   f00 = [e for e in work if e["name"] == "F0.0"][0]
   assert f00["ts"] == 0.0 and f00["dur"] == pytest.approx(1e3)
+  tracks = [e["args"]["name"] for e in events if e["ph"] == "M"]
+  assert tracks == ["device 0", "device 1", "device 2"]
   png = tmp_path / "gantt.png"
   sc.plot_timeline(timeline, str(png))
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_exports_take_device_names(tmp_path):
+  timeline = sc.simulate(sc.gpipe(2, 2), 1.0, 1.0)
+  names = ["devices 0-1", "device 2"]
+  events = sc.chrome_trace(timeline, names)["traceEvents"]
+  assert [e["args"]["name"] for e in events if e["ph"] == "M"] == names
+  sc.plot_timeline(timeline, str(tmp_path / "g.png"), device_names=names)
+  with pytest.raises(ValueError, match="1 device names for a timeline of 2"):
+    sc.chrome_trace(timeline, names[:1])
