@@ -720,10 +720,11 @@ class Pipeline:
       if not wanted:
         out[place] = [{}] * m
         continue
-      placed = place.put_replicated([leaves[i] for i in wanted])
-      parts = _split_microbatches(tuple(placed), m)
-      if len(place.devices) > 1:  # Each replica keeps its slice.
-        parts = place.put_values(parts)
+      chosen = [leaves[i] for i in wanted]
+      if len(place.devices) > 1:
+        parts = place.split_microbatches(chosen, m)
+      else:
+        parts = _split_microbatches(tuple(place.put_replicated(chosen)), m)
       out[place] = [dict(zip(wanted, part, strict=True)) for part in parts]
     return out
 

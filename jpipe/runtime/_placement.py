@@ -55,6 +55,11 @@ class StagePlacement:
       mesh = Mesh(np.array(self.devices), ("replica",))
       self.replicated = NamedSharding(mesh, PartitionSpec())
       self.split = NamedSharding(mesh, PartitionSpec("replica"))
+      # [microbatch, example, ...]: every replica its examples of each.
+      self._stacked = NamedSharding(mesh, PartitionSpec(None, "replica"))
+      self._unstack = jax.jit(
+        _unstack, static_argnums=1, out_shardings=self.split
+      )
 
   @property
   def device(self):
@@ -85,3 +90,18 @@ class StagePlacement:
   def put_replicated(self, tree):
     """Places a pytree whole on every device (params, optimizer state)."""
     return jax.device_put(tree, self.replicated)
+
+  def split_microbatches(self, leaves, m: int) -> tuple:
+    """A replica group's m microbatches of the batch ``leaves`` (leading
+    axis: the batch), each split over the group: one transfer per leaf,
+    in which every device receives only its own examples.
+
+    Returns m tuples of arrays, one per leaf.
+    """
+    stacked = [x.reshape(m, -1, *x.shape[1:]) for x in leaves]
+    return self._unstack(tuple(jax.device_put(stacked, self._stacked)), m)
+
+
+def _unstack(stacked, m):
+  """[m, ...] leaves -> m tuples of their rows."""
+  return tuple(tuple(x[k] for x in stacked) for k in range(m))
