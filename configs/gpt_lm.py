@@ -39,6 +39,9 @@ def get_config():
 
   c.pipeline.num_stages = 4  # Embedding + blocks + tied head over 4 devices.
   c.pipeline.num_microbatches = 4
+  # No stashing: the backward recomputes at the current params (saved
+  # residuals would pin the forward's, i.e. stash them).
+  c.pipeline.recompute = True
 
   c.schedule.name = "async"
   c.staleness.prediction = "msnag"  # Scheduler-aware weight prediction.

@@ -85,13 +85,13 @@ def main():
         **kwargs,
       )
       state = pipe.init(params)
-      pipe.step(state, batch)
+      state, metrics = pipe.step(state, batch)
       stage_bytes = [
         sum(np.asarray(x).nbytes for x in leaves)
         for leaves in state.stage_params
       ]
       for s in range(pipe.stages.num_stages):
-        held = pipe.peak_param_versions[s]
+        held = metrics["param_versions"][s]
         model = n - s
         records.append(
           {

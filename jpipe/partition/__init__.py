@@ -4,7 +4,12 @@ from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
 from jpipe.partition._graph_txt import ProfileGraph, load_pipedream_profile
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
-from jpipe.partition._plan import Plan, plan_from_pipedream, plan_traced
+from jpipe.partition._plan import (
+  Plan,
+  plan_from_pipedream,
+  plan_traced,
+  steady_state_delay,
+)
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._stages import Stages, StageSpec
 from jpipe.partition._trace import TracedModel, trace, with_model_state
@@ -25,6 +30,7 @@ __all__ = [
   "solve_contiguous",
   "solve_mixed",
   "solve_pipedream",
+  "steady_state_delay",
   "trace",
   "with_model_state",
 ]

@@ -17,6 +17,19 @@ from jpipe.partition._trace import TracedModel
 METHODS = ("contiguous", "mixed", "pipedream", "pipedream_hybrid")
 
 
+def steady_state_delay(num_stages: int, stage: int) -> int:
+  """Steps between a microbatch's forward and the step applying its
+  gradient on ``stage`` of a ``num_stages`` asynchronous 1F1B pipeline in
+  steady state (step every backward): ``n - 1 - s``, the stage's warm-up
+  forwards. Weight stashing keeps that many extra param versions. A
+  replicated stage splits each microbatch among its replicas, so its
+  delay is its unreplicated one (PipeDream's 1F1B-RR instead deals whole
+  microbatches round-robin: ``(R - 1 - first device) // replicas``)."""
+  if not 0 <= stage < num_stages:
+    raise ValueError(f"stage {stage} is not in 0..{num_stages - 1}")
+  return num_stages - 1 - stage
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Which node goes to which stage, where stages run, what they cost.
@@ -37,7 +50,8 @@ class Plan:
       communication where that dominates).
     stage_param_bytes: parameters each stage holds.
     stage_activation_bytes: activations kept per microbatch in flight.
-    stage_stash_bytes: extra param versions of weight stashing.
+    stage_stash_bytes: extra param versions of weight stashing
+      (``steady_state_delay`` versions of the stage's params).
     bottleneck_seconds: the slowest stage's time (time per microbatch in
       steady state).
     sequential_seconds: forward + backward of the whole model on one
@@ -155,22 +169,13 @@ def plan_traced(
       activation_compression_ratio=None if bandwidth is None else 1.0,
     )
     starts = np.concatenate([[0], np.cumsum(solution.replicas)]).astype(int)
-    plan = _finish(
+    return _finish(
       traced,
       costs,
       method,
       [solution.stage_of[n] for n in traced.node_names],
       [devices[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)],
       solution.stage_seconds,
-    )
-    # PipeDream's warm-up depth: a stage keeps (R - 1 - first device) //
-    # replicas extra versions (= n - 1 - s when straight).
-    return dataclasses.replace(
-      plan,
-      stage_stash_bytes=tuple(
-        float((starts[-1] - 1 - starts[s]) // r * plan.stage_param_bytes[s])
-        for s, r in enumerate(solution.replicas)
-      ),
     )
   if method == "mixed":
     mixed = solve_mixed(
@@ -241,13 +246,19 @@ def _finish(
     stage_seconds=tuple(float(t) for t in stage_seconds),
     stage_param_bytes=tuple(stage_params),
     stage_activation_bytes=per_stage(acts),
-    stage_stash_bytes=tuple(
-      float((n - 1 - s) * stage_params[s]) for s in range(n)
-    ),
+    stage_stash_bytes=_stash_bytes(stage_params),
     bottleneck_seconds=bottleneck,
     sequential_seconds=float(
       np.sum(costs.forward_seconds + costs.backward_seconds)
     ),
+  )
+
+
+def _stash_bytes(stage_param_bytes) -> tuple[float, ...]:
+  """Weight stashing's extra versions per stage, in bytes."""
+  n = len(stage_param_bytes)
+  return tuple(
+    float(steady_state_delay(n, s) * b) for s, b in enumerate(stage_param_bytes)
   )
 
 
@@ -258,9 +269,9 @@ def plan_from_pipedream(
 
   Stage s runs on the contiguous devices ``sum(replicas[:s])`` onwards, as
   PipeDream's ``hybrid_conf.json`` maps ranks. Weight stashing keeps
-  ``(R - 1 - sum(replicas[:s])) // replicas[s]`` extra versions of stage
-  s's params (PipeDream's warm-up depth, R machines in use). Input nodes
-  cost nothing, as in PipeDream's optimizer.
+  ``steady_state_delay(n, s)`` extra versions of stage s's params, as
+  jpipe's runtime does (it splits each microbatch among a stage's
+  replicas). Input nodes cost nothing, as in PipeDream's optimizer.
   """
   n = solution.num_stages
   of = np.array([solution.stage_of[name] for name in graph.names])
@@ -270,7 +281,6 @@ def plan_from_pipedream(
     return tuple(float(v) for v in np.bincount(of, x, minlength=n))
 
   starts = np.concatenate([[0], np.cumsum(solution.replicas)])
-  total = int(starts[-1])
   params = per_stage(graph.parameter_bytes)
   return Plan(
     method="pipedream",
@@ -288,10 +298,7 @@ def plan_from_pipedream(
     stage_seconds=solution.stage_seconds,
     stage_param_bytes=params,
     stage_activation_bytes=per_stage(graph.activation_bytes),
-    stage_stash_bytes=tuple(
-      float((total - 1 - starts[s]) // solution.replicas[s] * params[s])
-      for s in range(n)
-    ),
+    stage_stash_bytes=_stash_bytes(params),
     bottleneck_seconds=solution.bottleneck_seconds,
     sequential_seconds=solution.sequential_seconds,
   )

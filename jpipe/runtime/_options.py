@@ -20,7 +20,6 @@ def check_staleness_options(
   gap_aware,
   gap_aware_options,
   gap_aware_policy,
-  num_microbatches,
 ):
   """Clear errors for option combinations the semantics do not define."""
   if prediction not in PREDICTIONS:
@@ -73,4 +72,12 @@ def check_staleness_options(
       "without recomputation the saved residuals pin the forward's params: "
       "use recompute=True or gap_aware='ga'"
     )
-  del num_microbatches
+  if schedule == "async" and not weight_stashing and not recompute:
+    raise ValueError(
+      "an asynchronous pipeline without weight stashing needs "
+      "recompute=True: without recomputation every backward "
+      "differentiates at its forward's params (its saved residuals pin "
+      "them), which IS weight stashing, so stale, prediction-only and "
+      "Gap-Aware-only runs would silently be stashing runs; pass "
+      "recompute=True, or weight_stashing=True to ask for stashing"
+    )

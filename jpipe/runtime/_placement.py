@@ -105,3 +105,27 @@ class StagePlacement:
 def _unstack(stacked, m):
   """[m, ...] leaves -> m tuples of their rows."""
   return tuple(tuple(x[k] for x in stacked) for k in range(m))
+
+
+def device_name(group) -> str:
+  """'device 2', 'devices 0-3' (consecutive) or 'devices 0,2'."""
+  if len(group) == 1:
+    return f"device {group[0]}"
+  if list(group) == list(range(group[0], group[0] + len(group))):
+    return f"devices {group[0]}-{group[-1]}"
+  return "devices " + ",".join(map(str, group))
+
+
+def check_device_groups(stage_devices) -> None:
+  """Stages share all their devices (mixed pipe) or none: replica groups
+  of different stages cannot overlap."""
+  for a in stage_devices:
+    if len(set(a)) != len(a):
+      raise ValueError(f"a stage lists a device twice: {tuple(a)}")
+    for b in stage_devices:
+      if tuple(a) != tuple(b) and set(a) & set(b):
+        raise ValueError(
+          f"stages on devices {tuple(a)} and {tuple(b)} overlap: stages "
+          "must share all their devices, listed in the same order (several "
+          "stages on one device or group), or none"
+        )

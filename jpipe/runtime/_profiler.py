@@ -6,7 +6,10 @@ for each action's outputs in dispatch order and stamps when they are
 ready: that is the action's end. Its start is the latest of its dispatch,
 the end of the previous action on the same device (a device runs its
 actions in order) and the end of the actions that produce its inputs. The
-pipeline keeps running concurrently; the watchers only read.
+pipeline keeps running concurrently; the watchers only read. A program
+that donates a buffer an action produced (a gradient accumulator) waits
+until that action is stamped (``wait_for``), so profiling runs the same
+compiled programs as any other step.
 """
 
 import queue
@@ -15,15 +18,15 @@ import time
 
 import jax
 
-from jpipe.schedule import Timeline
-from jpipe.schedule._simulate import _ready
+from jpipe.schedule import Timeline, ready_time
 
 
 class ActionProfiler:
   """Collects device start/end times of a schedule's actions.
 
   Args:
-    schedule: the schedule being run (gives each stage's device).
+    schedule: the action lists being run (``jpipe.schedule.ActionLists``:
+      they give each stage's device).
   """
 
   def __init__(self, schedule):
@@ -31,6 +34,8 @@ class ActionProfiler:
     self._t0 = time.perf_counter()
     self._dispatched: dict = {}
     self._ready_at: dict = {}
+    self._stamped: dict = {}  # action -> threading.Event
+    self._errors: list = []
     self._queues = [queue.Queue() for _ in range(schedule.num_devices)]
     self._threads = [
       threading.Thread(target=self._watch, args=(q,), daemon=True)
@@ -47,15 +52,23 @@ class ActionProfiler:
       action, outputs = item
       try:
         jax.block_until_ready(outputs)
-      except RuntimeError:  # A buffer donated since: its consumer was
-        pass  # dispatched after it; stamp now rather than lose the action.
+      except Exception as e:  # noqa: BLE001 -- reported by timeline()
+        self._errors.append(e)
+      # Even if the program failed: nothing may wait forever.
       self._ready_at[action] = time.perf_counter() - self._t0
+      self._stamped[action].set()
 
   def record(self, action, outputs) -> None:
     """Called right after ``action`` is dispatched with its outputs."""
     self._dispatched[action] = time.perf_counter() - self._t0
+    self._stamped[action] = threading.Event()
     device = self.schedule.stage_device[action.stage]
     self._queues[device].put((action, outputs))
+
+  def wait_for(self, action) -> None:
+    """Returns once ``action``'s outputs are ready and stamped (before a
+    program donates one of them)."""
+    self._stamped[action].wait()
 
   def timeline(self) -> Timeline:
     """Waits for every recorded action; returns the measured timeline."""
@@ -63,15 +76,20 @@ class ActionProfiler:
       q.put(None)
     for t in self._threads:
       t.join()
+    if self._errors:
+      raise RuntimeError(
+        f"profiling: an action's outputs could not be read: {self._errors[0]}"
+      ) from self._errors[0]
     start, end, device_of = {}, {}, {}
     n = self.schedule.num_stages
     dev = self.schedule.stage_device
     pending_b = [[] for _ in range(n)]
+    listed = frozenset(self._dispatched)
     clock = [0.0] * self.schedule.num_devices
     # Visit actions in dispatch order: producers before consumers.
     for action in sorted(self._dispatched, key=self._dispatched.get):
       d = dev[action.stage]
-      deps = _ready(action, end, dev, 0.0, pending_b, n) or 0.0
+      deps = ready_time(action, end, dev, 0.0, pending_b, n, listed) or 0.0
       start[action] = max(self._dispatched[action], clock[d], deps)
       end[action] = max(self._ready_at[action], start[action])
       clock[d] = end[action]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jpipe import staleness
@@ -111,9 +112,12 @@ class StageOptimizer:
     """The optimizer's own state (inside Gap-Aware's on a GA stage)."""
     return opt_state.inner_state if self.gap_aware else opt_state
 
-  def _update(self, grads, opt_state, params, stale_params):
-    """New (params, opt_state); ``stale_params`` only on a GA stage."""
+  def _update(self, grads, opt_state, params, stale_params, scale=1.0):
+    """New (params, opt_state) from ``scale * grads``; ``stale_params``
+    only on a GA stage. ``scale`` (traced) turns a window's gradient sum
+    into its mean where the window ended short (a flush)."""
     g, p = self.as_dict(grads), self.as_dict(params)
+    g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
     if self.gap_aware:
       stale = self.as_dict(stale_params)
       updates, opt_state = self.tx.update(g, opt_state, p, stale_params=stale)

@@ -15,32 +15,44 @@ from jpipe.schedule._export import (
   plot_timeline,
   write_chrome_trace,
 )
+from jpipe.schedule._order import fusable_pairs, issue_order, place
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
   STEP,
   Action,
+  ActionKind,
+  ActionLists,
   Schedule,
   make_schedule,
 )
-from jpipe.schedule._simulate import Timeline, simulate
+from jpipe.schedule._simulate import Timeline, ready_time, simulate
+from jpipe.schedule._stream import STREAMS, Stream
 
 __all__ = [
   "BACKWARD",
   "FORWARD",
   "SCHEDULES",
   "STEP",
+  "STREAMS",
   "Action",
+  "ActionKind",
+  "ActionLists",
   "Schedule",
+  "Stream",
   "Timeline",
   "async_1f1b",
   "build",
   "chrome_trace",
+  "fusable_pairs",
   "gpipe",
   "interleaved",
+  "issue_order",
   "make_schedule",
   "one_f_one_b",
+  "place",
   "plot_timeline",
+  "ready_time",
   "seq",
   "simulate",
   "two_bw",

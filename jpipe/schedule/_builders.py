@@ -14,6 +14,7 @@ from jpipe.schedule._schedule import (
   Schedule,
   make_schedule,
 )
+from jpipe.schedule._stream import Stream
 
 SCHEDULES = ("seq", "gpipe", "1f1b", "async", "2bw", "interleaved")
 
@@ -75,26 +76,16 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 def async_1f1b(
   num_stages: int, num_microbatches: int, *, step_every: int = 1
 ) -> Schedule:
-  """PipeDream's asynchronous 1F1B: each stage steps after its backwards.
+  """PipeDream's asynchronous 1F1B, one call of ``num_microbatches`` and a
+  flush: each stage steps after every ``step_every`` backwards (and after
+  the last, partial window).
 
-  Stage s steps after the backward of microbatch b iff
-  ``b % step_every == step_every - 1`` (and after the last one, FTPipe's
-  partial window). In steady state with ``step_every=1`` the delay of stage
-  s is ``n - 1 - s``; after the warm-up it ramps 0, 1, ..., n - 1 - s. The
-  window ends with a drain (FTPipe flushes once per epoch).
+  In steady state with ``step_every=1`` the delay of stage s is
+  ``n - 1 - s``; after the warm-up it ramps 0, 1, ..., n - 1 - s. The
+  pipeline streams across calls (``Stream``); this is one window of it.
   """
   _check(num_stages, num_microbatches)
-  if step_every < 1:
-    raise ValueError(f"step_every must be >= 1, got {step_every}")
-  last = num_microbatches - 1
-  devices = _unflushed_1f1b(
-    num_stages,
-    num_microbatches,
-    lambda b: b % step_every == step_every - 1 or b == last,
-  )
-  return make_schedule(
-    "async", devices, list(range(num_stages)), num_microbatches
-  )
+  return Stream("async", num_stages, step_every).schedule((num_microbatches,))
 
 
 def _unflushed_1f1b(num_stages, num_microbatches, steps_after):
@@ -122,31 +113,15 @@ def _unflushed_1f1b(num_stages, num_microbatches, steps_after):
 def two_bw(
   num_stages: int, num_microbatches: int, *, minibatch: int
 ) -> Schedule:
-  """PipeDream-2BW: 1F1B without flushes, one step per ``minibatch``.
+  """PipeDream-2BW, one call of ``num_microbatches`` and a flush: 1F1B
+  without flushes, one step per ``minibatch`` microbatches.
 
   Two weight versions: every microbatch of minibatch t runs forward and
   backward at W(t-1) (the first at W(0)), so
   ``W(t+1) = W(t) - lr * grad f(W(t-1))``. Needs ``minibatch >= n``.
   """
   _check(num_stages, num_microbatches)
-  if minibatch < num_stages or num_microbatches % minibatch:
-    raise ValueError(
-      f"2bw needs minibatch >= num_stages ({num_stages}) dividing "
-      f"num_microbatches ({num_microbatches}), got {minibatch}"
-    )
-  devices = _unflushed_1f1b(
-    num_stages, num_microbatches, lambda b: b % minibatch == minibatch - 1
-  )
-  t = np.arange(num_microbatches) // minibatch
-  version = np.tile(np.maximum(t - 1, 0), (num_stages, 1))
-  return make_schedule(
-    "2bw",
-    devices,
-    list(range(num_stages)),
-    num_microbatches,
-    forward_version=version,
-    backward_uses_stash=True,
-  )
+  return Stream("2bw", num_stages, minibatch).schedule((num_microbatches,))
 
 
 def interleaved(

@@ -72,7 +72,9 @@ def plot_timeline(
   device_names: Sequence[str] | None = None,
 ) -> None:
   """A Gantt chart PNG: one row per device (labelled as in
-  :func:`chrome_trace`), F blue, B orange, steps green."""
+  :func:`chrome_trace`), forwards blue, backwards orange, steps green,
+  idle time blank, with a legend; ``title`` says what it shows (a
+  makespan and bubble line follows it)."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -105,10 +107,24 @@ def plot_timeline(
   ax.set_yticklabels(_names(timeline, device_names))
   ax.invert_yaxis()
   ax.set_xlabel("time (s)")
-  ax.set_title(
-    title
-    or f"makespan {timeline.makespan:.3g} s, bubble "
+  summary = (
+    f"makespan {timeline.makespan:.3g} s, bubble (idle) "
     f"{100 * timeline.bubble:.1f}%"
+  )
+  ax.set_title(f"{title}\n{summary}" if title else summary, fontsize=9)
+  from matplotlib.patches import Patch
+
+  legend = [
+    Patch(facecolor=_COLOURS[k], label=label)
+    for k, label in (("F", "forward"), ("B", "backward"), ("S", "step"))
+  ]
+  legend.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
+  ax.legend(
+    handles=legend,
+    loc="upper left",
+    bbox_to_anchor=(1.0, 1.0),
+    fontsize=7,
+    frameon=False,
   )
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -14,17 +14,31 @@ stage takes between F(s, m) and the step that applies m's gradient.
 """
 
 import dataclasses
+import enum
 from typing import NamedTuple
 
 import numpy as np
 
-FORWARD, BACKWARD, STEP = "F", "B", "S"
+
+class ActionKind(enum.StrEnum):
+  """What an action does: a forward, a backward or an optimizer step."""
+
+  FORWARD = "F"
+  BACKWARD = "B"
+  STEP = "S"
+
+  # A kind equals, and hashes as, its letter ("F"): actions built from
+  # either are the same dictionary key.
+  __hash__ = str.__hash__
+
+
+FORWARD, BACKWARD, STEP = ActionKind
 
 
 class Action(NamedTuple):
   """One unit of work. ``microbatch`` of a step: the last one it applies."""
 
-  kind: str
+  kind: ActionKind
   stage: int
   microbatch: int
 
@@ -33,14 +47,50 @@ class Action(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-  """Per-device action lists and the staleness they imply.
+class ActionLists:
+  """Per-device action lists: what runs where, in which order.
+
+  A whole schedule, or a segment of a stream (one ``step`` call of an
+  asynchronous pipeline): an action's inputs produced by an action that is
+  not in the lists ran before them.
 
   Attributes:
     name: the builder's name.
-    num_stages, num_microbatches: pipeline size and microbatches covered.
+    num_stages: pipeline stages.
     stage_device: device of every stage.
     device_actions: per device, the actions in execution order.
+  """
+
+  name: str
+  num_stages: int
+  stage_device: tuple[int, ...]
+  device_actions: tuple[tuple[Action, ...], ...]
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.device_actions)
+
+  def actions(self) -> frozenset[Action]:
+    """Every action in the lists."""
+    return frozenset(a for acts in self.device_actions for a in acts)
+
+  def format(self) -> str:
+    """One line per device, e.g. ``dev0: F0.0 F0.1 B0.0 S0.0``."""
+    return "\n".join(
+      f"dev{d}: " + " ".join(str(a) for a in actions)
+      for d, actions in enumerate(self.device_actions)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule(ActionLists):
+  """Per-device action lists covering whole microbatches, and the
+  staleness they imply.
+
+  Attributes:
+    name, num_stages, stage_device, device_actions: as ``ActionLists``.
+    num_microbatches: microbatches covered (F, B and a step of each on
+      every stage).
     step_groups: per stage, the microbatches each of its steps applies, in
       step order.
     forward_version: int [num_stages, num_microbatches]: steps stage s has
@@ -51,26 +101,11 @@ class Schedule:
       (weight stashing / 2BW) rather than the latest ones.
   """
 
-  name: str
-  num_stages: int
   num_microbatches: int
-  stage_device: tuple[int, ...]
-  device_actions: tuple[tuple[Action, ...], ...]
   step_groups: tuple[tuple[tuple[int, ...], ...], ...]
   forward_version: np.ndarray
   delay: np.ndarray
   backward_uses_stash: bool = False
-
-  @property
-  def num_devices(self) -> int:
-    return len(self.device_actions)
-
-  def format(self) -> str:
-    """One line per device, e.g. ``dev0: F0.0 F0.1 B0.0 S0.0``."""
-    return "\n".join(
-      f"dev{d}: " + " ".join(str(a) for a in actions)
-      for d, actions in enumerate(self.device_actions)
-    )
 
 
 def make_schedule(

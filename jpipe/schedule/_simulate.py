@@ -5,7 +5,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jpipe.schedule._schedule import BACKWARD, FORWARD, STEP, Action, Schedule
+from jpipe.schedule._schedule import (
+  BACKWARD,
+  FORWARD,
+  STEP,
+  Action,
+  ActionLists,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +35,7 @@ class Timeline:
 
 
 def simulate(
-  schedule: Schedule,
+  schedule: ActionLists,
   forward_seconds: Sequence[float] | float,
   backward_seconds: Sequence[float] | float,
   *,
@@ -40,10 +46,11 @@ def simulate(
 
   Each device executes its actions in order; an action starts when its
   device is free and its inputs have arrived (``comm_seconds`` for a value
-  crossing devices, 0 within a device).
+  crossing devices, 0 within a device). An input whose producer is not in
+  the lists (a segment of a stream) is there from the start.
 
   Args:
-    schedule: the schedule.
+    schedule: the schedule (or a segment of a stream).
     forward_seconds, backward_seconds: per stage (or one for all).
     comm_seconds: transfer time of an activation or gradient between
       devices.
@@ -60,13 +67,14 @@ def simulate(
   position = [0] * schedule.num_devices
   clock = [0.0] * schedule.num_devices
   pending_b = [[] for _ in range(n)]  # backwards not yet applied
+  listed = schedule.actions()
   remaining = sum(len(a) for a in schedule.device_actions)
   while remaining:
     progressed = False
     for d, actions in enumerate(schedule.device_actions):
       while position[d] < len(actions):
         action = actions[position[d]]
-        ready = _ready(action, end, dev, comm_seconds, pending_b, n)
+        ready = ready_time(action, end, dev, comm_seconds, pending_b, n, listed)
         if ready is None:
           break
         t0 = max(clock[d], ready)
@@ -88,33 +96,44 @@ def simulate(
         if p < len(a)
       ]
       raise ValueError(f"schedule deadlocks; waiting: {stuck}")
-  makespan = max(end.values())
+  makespan = max(end.values(), default=0.0)
   busy = [0.0] * schedule.num_devices
   for action, d in device_of.items():
     busy[d] += end[action] - start[action]
-  bubble = 1.0 - sum(busy) / (schedule.num_devices * makespan)
+  bubble = 1.0 - sum(busy) / (schedule.num_devices * makespan or 1.0)
   return Timeline(start, end, device_of, makespan, tuple(busy), bubble)
 
 
-def _ready(action: Action, end, dev, comm, pending_b, n):
-  """When the action's inputs are available, or None if not yet known."""
+def ready_time(action: Action, end, dev, comm, pending_b, n, listed):
+  """When ``action``'s inputs are available (seconds), or None if not yet
+  known.
+
+  Args:
+    action: the action.
+    end: end time of every action that ran so far.
+    dev: the device of every stage.
+    comm: seconds a value takes to cross devices.
+    pending_b: per stage, backwards its next step applies.
+    n: stages.
+    listed: the actions of the lists being run; inputs from actions
+      outside them (earlier segments of a stream) are ready at 0.
+  """
   s, m = action.stage, action.microbatch
-  if action.kind == FORWARD:
-    if s == 0:
+
+  def arrival(src, src_stage):
+    if src not in listed:
       return 0.0
-    src = Action(FORWARD, s - 1, m)
     if src not in end:
       return None
-    return end[src] + (comm if dev[s - 1] != dev[s] else 0.0)
+    return end[src] + (comm if dev[src_stage] != dev[s] else 0.0)
+
+  if action.kind == FORWARD:
+    return 0.0 if s == 0 else arrival(Action(FORWARD, s - 1, m), s - 1)
   if action.kind == BACKWARD:
-    own = Action(FORWARD, s, m)
-    if own not in end:
-      return None
-    if s == n - 1:
-      return end[own]
-    src = Action(BACKWARD, s + 1, m)
-    if src not in end:
-      return None
-    return max(end[own], end[src] + (comm if dev[s + 1] != dev[s] else 0.0))
+    own = arrival(Action(FORWARD, s, m), s)
+    if own is None or s == n - 1:
+      return own
+    src = arrival(Action(BACKWARD, s + 1, m), s + 1)
+    return None if src is None else max(own, src)
   # A step waits for the backwards it applies (all issued before it).
   return max((end[b] for b in pending_b[s]), default=0.0)

@@ -37,7 +37,9 @@ def base_config() -> ml_collections.ConfigDict:
   # "pipedream_hybrid" (its DP with replicated, data-parallel stages; the
   # replicas of a stage must divide the microbatch).
   c.pipeline.partition = "contiguous"
-  c.pipeline.recompute = False  # Recompute forwards in the backward.
+  # Recompute forwards in the backward (an async pipeline without weight
+  # stashing needs it: saved residuals pin the forward's params).
+  c.pipeline.recompute = False
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True
   c.pipeline.depth = 1  # Module-path depth of the partitioner's nodes.
@@ -51,7 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Schedule: seq, gpipe, 1f1b, interleaved (synchronous), async, 2bw.
   c.schedule = ml_collections.ConfigDict()
   c.schedule.name = "1f1b"
-  c.schedule.step_every = 1  # async: microbatches per step; 2bw: minibatch.
+  # async: backwards per step; 2bw: microbatches per minibatch (>= stages).
+  c.schedule.step_every = 1
 
   # Staleness mitigation (schedule "async" only).
   c.staleness = ml_collections.ConfigDict()
@@ -112,7 +115,8 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
     c: a config from :func:`base_config` (changed in place).
     variant: "stale" (asynchronous 1F1B, no mitigation); "ws", "wp", "ga"
       or a "+"-joined combination such as "ws+wp" (asynchronous with
-      weight stashing, msnag weight prediction, Gap-Aware); "2bw"
+      weight stashing, msnag weight prediction, Gap-Aware; without "ws"
+      the backward recomputes, ``pipeline.recompute = True``); "2bw"
       (PipeDream-2BW); or a synchronous schedule, "seq", "gpipe", "1f1b".
   """
   parts = variant.split("+")
@@ -131,3 +135,7 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
   c.staleness.stashing = "ws" in parts
   c.staleness.prediction = "msnag" if "wp" in parts else ""
   c.staleness.gap_aware = "ga" if "ga" in parts else ""
+  # Without stashing the backward must recompute at the params it names
+  # (current ones): saved residuals would pin the forward's, i.e. stash.
+  if not c.staleness.stashing:
+    c.pipeline.recompute = True

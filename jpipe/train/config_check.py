@@ -84,5 +84,20 @@ def check(config: ml_collections.ConfigDict) -> None:
     "weight stashing, prediction and gap-aware apply to "
     "schedule.name='async' only",
   )
+  need(
+    config.schedule.name != "async" or st.stashing or config.pipeline.recompute,
+    "pipeline.recompute",
+    "an async schedule without staleness.stashing needs recompute=True: "
+    "without it the saved residuals pin each forward's params, which is "
+    "weight stashing (set --config.pipeline.recompute=True, or "
+    "--config.staleness.stashing=True)",
+  )
+  if config.schedule.name == "2bw":
+    need(
+      config.schedule.step_every >= config.pipeline.num_stages,
+      "schedule.step_every",
+      f"2bw needs microbatches per minibatch >= pipeline.num_stages "
+      f"({config.pipeline.num_stages}), got {config.schedule.step_every}",
+    )
   if problems:
     raise ValueError("invalid config:\n  " + "\n  ".join(problems))

@@ -161,7 +161,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   _print_plan(pipe)
   log = MetricLog(workdir)
 
-  def save(step):
+  def save(step, state):
     checkpoints.save(
       step,
       jax.tree.map(np.asarray, pipe.state_dict(state)),
@@ -169,7 +169,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
 
   steps = config.train.steps
-  evaluation = None
+  evaluation = timeline = None
+  # Throughput leaves out the run's first step (it compiles every program).
   seconds, examples = 0.0, 0
   with _StopRequest() as stop:
     bar = tqdm.tqdm(
@@ -182,12 +183,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
     for step in bar:
       batch = task.batch_at(step)
+      # The last step is profiled: its programs are compiled by then.
       profile = config.train.profile_last_step and step == steps - 1
       t0 = time.perf_counter()
       state, metrics = pipe.step(state, batch, profile=profile)
-      loss = float(metrics["loss"])  # Blocks: the step is done.
-      seconds += time.perf_counter() - t0
-      examples += bs
+      loss = float(metrics["loss"])  # Blocks: the step's losses are in.
+      if step > start:
+        seconds += time.perf_counter() - t0
+        examples += bs
+      if profile:
+        timeline = (step + 1, metrics["timeline"])
       done = step + 1
       bar.set_postfix(loss=f"{loss:.4f}")
       if not np.isfinite(loss):
@@ -196,26 +201,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"learning_rate (now {config.optimizer.learning_rate})"
         )
       if done % config.train.log_every == 0 or done == steps:
-        log.write(done, loss=loss, examples_per_second=examples / seconds)
-      if done % config.train.eval_every == 0 or done == steps:
+        log.write(done, loss=loss, **_throughput(examples, seconds))
+      evaluate = done % config.train.eval_every == 0 or done == steps
+      checkpoint = done % config.train.checkpoint_every == 0 or done == steps
+      stopping = stop.signal
+      if evaluate or checkpoint or stopping:
+        # An asynchronous stream drains first (every in-flight microbatch
+        # applied), so a resumed run continues as an uninterrupted one.
+        state, _ = pipe.flush(state)
+      if evaluate:
         evaluation = task.evaluate(
           pipe.gather_params(state), pipe.gather_model_state(state)
         )
         log.write(done, **{f"eval_{k}": v for k, v in evaluation.items()})
         bar.write(f"step {done}: loss {loss:.4f}, {_format(evaluation)}")
-      if done % config.train.checkpoint_every == 0 or done == steps:
-        save(done)
-      if stop.signal:
-        save(done)
+      if checkpoint or stopping:
+        save(done, state)
+      if stopping:
         bar.close()
-        print(f"{stop.signal}: saved step {done} to {checkpoints.directory}.")
+        print(f"{stopping}: saved step {done} to {checkpoints.directory}.")
         log.close()
         checkpoints.close()
         raise SystemExit(0)
     bar.close()
   log.close()
   checkpoints.close()
-  return _summary(config, pipe, workdir, examples, seconds, evaluation)
+  return _summary(
+    config, pipe, workdir, examples, seconds, evaluation, timeline
+  )
 
 
 def _format(evaluation: dict | None) -> str:
@@ -229,7 +242,7 @@ def _print_plan(pipe) -> None:
   print(
     f"{plan.num_stages} stages on devices "
     f"{_device_groups(plan.stage_devices)}, schedule "
-    f"{pipe.schedule.name}, {pipe.num_microbatches} microbatches; "
+    f"{pipe.schedule_name}, {pipe.num_microbatches} microbatches; "
     f"predicted speed-up {plan.predicted_speedup:.2f}"
   )
 
@@ -239,18 +252,25 @@ def _device_groups(stage_devices) -> list:
   return [ds[0] if len(ds) == 1 else list(ds) for ds in stage_devices]
 
 
-def _summary(config, pipe, workdir, examples, seconds, evaluation) -> dict:
+def _throughput(examples, seconds) -> dict:
+  """Examples per second, once a step after the first has run."""
+  return {"examples_per_second": examples / seconds} if seconds else {}
+
+
+def _summary(config, pipe, workdir, examples, seconds, evaluation, timeline):
   summary = {
     "examples_per_second": examples / seconds if seconds else float("nan"),
     "eval": evaluation,
   }
-  lines = [
-    f"Done: {config.train.steps} steps; {_format(evaluation)}; "
-    f"throughput {summary['examples_per_second']:.1f} examples/s "
-    f"(this run)."
-  ]
-  if pipe.timeline is not None:
-    timeline = pipe.timeline
+  speed = (
+    f"throughput {summary['examples_per_second']:.1f} examples/s (this "
+    "run, its first step -- compilation -- left out)"
+    if seconds
+    else "no throughput (one step: compilation only)"
+  )
+  lines = [f"Done: {config.train.steps} steps; {_format(evaluation)}; {speed}."]
+  if timeline is not None:
+    step, timeline = timeline
     busy = {}
     for action, start in timeline.start.items():
       busy[action.stage] = busy.get(action.stage, 0.0) + (
@@ -262,11 +282,16 @@ def _summary(config, pipe, workdir, examples, seconds, evaluation) -> dict:
     png = os.path.join(workdir, "timeline.png")
     trace = os.path.join(workdir, "timeline.json")
     names = pipe.device_names
-    schedule_lib.plot_timeline(timeline, png, device_names=names)
+    title = (
+      f"step {step} of {config.train.steps} ({pipe.schedule_name}, "
+      f"{pipe.num_microbatches} microbatches; compiled, measured on the "
+      f"devices)"
+    )
+    schedule_lib.plot_timeline(timeline, png, title=title, device_names=names)
     schedule_lib.write_chrome_trace(timeline, trace, names)
     summary["timeline_png"] = png
     lines.append(
-      "Per-stage share of device time (last step): "
+      f"Per-stage share of device time (step {step}): "
       + ", ".join(f"stage {s} {100 * f:.0f}%" for s, f in split.items())
     )
     lines.append(f"Timeline: {png} (Perfetto trace: {trace})")

@@ -422,7 +422,7 @@ def test_plan_from_pipedream_is_contiguous_devices():
   assert plan.method == "pipedream"
   assert plan.stage_devices == ((0, 1, 2), (3,))
   assert plan.bottleneck_seconds == sol.bottleneck_seconds
-  # Warm-up (R - 1 - sum(r[:s])) // r[s]: 1 for stage 0, 0 for stage 1.
+  # The runtime's steady-state delay n - 1 - s: 1 for stage 0, 0 for 1.
   assert plan.stage_stash_bytes == (plan.stage_param_bytes[0], 0.0)
   assert partition.Plan.from_json(plan.to_json()) == plan
 

@@ -1,8 +1,6 @@
 """The last stage's forward and backward as one program change nothing but
 the program: same params, same loss, same params used by every action."""
 
-import types
-
 import jax
 import numpy as np
 import optax
@@ -10,7 +8,6 @@ import pytest
 
 import jpipe
 from jpipe import schedule as schedule_lib
-from jpipe.runtime._pipeline import _fusable_pairs
 from tests.partition import flax_models
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -34,11 +31,21 @@ def _run(case, schedule, fuse, **kwargs):
     **kwargs,
   )
   state = pipe.init(params)
-  losses = []
+  losses, used = [], {}
   for _ in range(2):
+    fused = _fused_pairs(pipe, state)
     state, metrics = pipe.step(state, batch)
     losses.append(float(metrics["loss"]))
-  return pipe, state, losses, batch
+    used = metrics["used_params"]  # The last call's.
+  return pipe, state, losses, batch, fused, used
+
+
+def _fused_pairs(pipe, state):
+  """The (stage, microbatch) pairs the next call fuses."""
+  if not pipe._fuse:
+    return frozenset()
+  lists = pipe.call_actions(state, pipe.num_microbatches)
+  return schedule_lib.fusable_pairs(lists, pipe._output_free)
 
 
 @pytest.mark.parametrize(
@@ -52,11 +59,17 @@ def _run(case, schedule, fuse, **kwargs):
   ],
 )
 def test_fused_equals_unfused(case, schedule, kwargs):
-  fused, fused_state, fused_losses, _ = _run(case, schedule, True, **kwargs)
-  plain, plain_state, plain_losses, _ = _run(case, schedule, False, **kwargs)
+  fused, fused_state, fused_losses, _, pairs, fused_used = _run(
+    case, schedule, True, **kwargs
+  )
+  _, plain_state, plain_losses, _, no_pairs, plain_used = _run(
+    case, schedule, False, **kwargs
+  )
   last = fused.stages.num_stages - 1
-  assert fused.fused_pairs == {(last, k) for k in range(4)}
-  assert plain.fused_pairs == frozenset()
+  # The last call's microbatches (a stream's second call: 4 .. 7).
+  first = 4 if schedule in ("async", "2bw") else 0
+  assert pairs == {(last, k) for k in range(first, first + 4)}
+  assert no_pairs == frozenset()
   np.testing.assert_allclose(fused_losses, plain_losses, rtol=1e-6)
   for a, b in zip(
     jax.tree.leaves(fused_state.stage_params),
@@ -64,20 +77,21 @@ def test_fused_equals_unfused(case, schedule, kwargs):
     strict=True,
   ):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert set(fused.used_params) == set(plain.used_params)
-  for key, theta in plain.used_params.items():
-    for a, b in zip(fused.used_params[key], theta, strict=True):
+  assert set(fused_used) == set(plain_used)
+  for key, theta in plain_used.items():
+    for a, b in zip(fused_used[key], theta, strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_profiled_timeline_keeps_every_fused_backward():
   """A fused B is still an action of the measured timeline, after its F."""
-  pipe, state, _, batch = _run("mlp", "gpipe", True)
-  pipe.step(state, batch, profile=True)
-  timeline = pipe.timeline
-  actions = {a for acts in pipe.schedule.device_actions for a in acts}
+  pipe, state, _, batch, pairs, _ = _run("mlp", "gpipe", True)
+  _, metrics = pipe.step(state, batch, profile=True)
+  timeline = metrics["timeline"]
+  actions = pipe.call_actions(state, pipe.num_microbatches).actions()
   assert set(timeline.start) == actions
-  for s, k in pipe.fused_pairs:
+  assert pairs
+  for s, k in pairs:
     f, b = schedule_lib.Action(F, s, k), schedule_lib.Action(B, s, k)
     assert timeline.end[f] <= timeline.start[b] <= timeline.end[b]
 
@@ -94,7 +108,5 @@ def test_a_step_between_forward_and_backward_prevents_fusion():
     schedule_lib.Action(S, 0, 1),
   ]
   schedule = schedule_lib.make_schedule("custom", [actions], [0], 2)
-  no_outputs = [types.SimpleNamespace(outputs=())]
-  assert _fusable_pairs(schedule, no_outputs) == {(0, 0)}
-  with_outputs = [types.SimpleNamespace(outputs=("x",))]
-  assert _fusable_pairs(schedule, with_outputs) == frozenset()
+  assert schedule_lib.fusable_pairs(schedule, [True]) == {(0, 0)}
+  assert schedule_lib.fusable_pairs(schedule, [False]) == frozenset()

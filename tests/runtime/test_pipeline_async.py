@@ -42,26 +42,24 @@ def _mlp():
   return loss_fn, params, {"x": x, "y": y}
 
 
-def _reference(pipe, params, batch, tx, opts):
-  """New stage params and the params every action used."""
+def _reference(pipe, params, streams, tx, opts):
+  """Final stage params and, per stream, the params every action used.
+
+  ``streams``: lists of microbatches (dicts), one list per stream (a
+  flush ends each). Within a stream, stage s of n (w = n - 1 - s warm-up
+  forwards, k = step_every) runs F(b) at the version after its steps over
+  the backwards before b - w (2BW: after max(b // k - 1, 0) steps) and
+  B(b) at the current params (steps over the backwards before b), or at
+  F's (stashing, 2BW, no recomputation); its j-th step applies the mean
+  gradient of microbatches j k .. j k + k - 1 (a flush: those left).
+  Call boundaries do not appear: the pipeline must not depend on them.
+  """
   stages = pipe.stages
-  n, num_micro = stages.num_stages, pipe.num_microbatches
+  n = stages.num_stages
   se = opts.get("step_every", 1)
+  two_bw = opts.get("schedule") == "2bw"
   ws, prediction = opts.get("weight_stashing"), opts.get("prediction")
   ga, recompute = opts.get("gap_aware"), opts.get("recompute", True)
-  boundaries = [
-    b for b in range(num_micro) if b % se == se - 1 or b == num_micro - 1
-  ]
-  window = {}
-  start = 0
-  for b in boundaries:
-    for x in range(start, b + 1):
-      window[x] = b + 1 - start
-    start = b + 1
-
-  def steps_before(x):
-    return sum(1 for b in boundaries if b < x)
-
   txs = [
     staleness.gap_aware(tx, **opts["gap_aware_options"])
     if ga and n - 1 - s != 0
@@ -86,95 +84,141 @@ def _reference(pipe, params, batch, tx, opts):
       theta[pos] = fwd[owner][opos]
     return tuple(theta)
 
-  pending = {}
-  grads = {}  # (stage, microbatch) -> the gradient its backward computed
-  versions = [[p] for p in stages.split_params(params)]
-  states = [[txs[s].init(versions[s][0])] for s in range(n)]
   predictor = staleness.replay_predictor(tx)
-  size = jax.tree.leaves(batch)[0].shape[0] // num_micro
-  acc = [None] * n
-  used = {}
-  for b in range(num_micro):
-    mb = jax.tree.map(lambda x, b=b: x[b * size : (b + 1) * size], batch)
-    local = stages.split_batch(mb)
-    values, fwd, inputs = {}, {}, {}
-    for s in range(n):
-      w = n - 1 - s
-      v = steps_before(max(b - w, 0))
-      theta = versions[s][v]
-      # Steps between F and the step that applies b's gradient.
-      delay = boundaries.index(next(x for x in boundaries if x >= b)) - v
-      if prediction and delay > 0:
-        base = states[s][v]
-        if ga and n - 1 - s != 0:
-          base = base.inner_state
-        grad = None
-        if prediction == "aggmsnag":
-          # What stage s accumulated before this forward: the backwards
-          # since its last step (v steps taken) that 1F1B runs before
-          # F(s, b), i.e. of microbatches up to b - w - 1.
-          first = boundaries[v - 1] + 1 if v else 0
-          done = [grads[(s, x)] for x in range(first, b - w)]
-          if done:
-            grad = jax.tree.map(lambda *g: sum(g), *done)
-        theta = predictor(theta, base, delay, grad=grad)
-      theta = tie(s, theta, fwd)
-      fwd[s] = theta
-      used[("F", s, b)] = theta
-      spec = stages.specs[s]
-      acts = tuple(values[v_] for v_ in spec.inputs)
-      inputs[s] = acts
-      outputs, _ = stages.forward(s, theta, local[s], acts)
-      values.update(zip(spec.outputs, outputs, strict=True))
-    cots = {}
-    for s in reversed(range(n)):
-      spec = stages.specs[s]
-      current = versions[s][steps_before(b)]
-      at_forward = ws and ga != "ga_jfl"
-      theta = fwd[s] if (at_forward or not recompute) else current
-      theta = tie(s, theta, fwd)
-      used[("B", s, b)] = theta
-      out_cots = tuple(cots.get(v_) for v_ in spec.outputs)
-      result_cots = tuple(
-        1.0 / window[b] if r == 0 else None for r in spec.results
-      )
-      g, act_cots = stages.backward(
-        s, theta, local[s], inputs[s], out_cots, result_cots
-      )
-      grads[(s, b)] = g
-      for v_, c in zip(spec.inputs, act_cots, strict=True):
-        if c is not None:
-          cots[v_] = c if v_ not in cots else cots[v_] + c
-      acc[s] = g if acc[s] is None else jax.tree.map(jnp.add, acc[s], g)
-      if b in boundaries:
-        g = list(acc[s])
-        for pos, owner, opos in replicas.get(s, ()):
-          pending[(owner, opos)] = g[pos]
-          g[pos] = jnp.zeros_like(g[pos])  # a replica never steps (SGD)
-        for pos in range(len(g)):
-          if (s, pos) in pending:
-            g[pos] = g[pos] + pending.pop((s, pos))
-        acc[s] = tuple(g)
-        p, st = versions[s][-1], states[s][-1]
-        if txs[s] is tx:
-          updates, st = tx.update(acc[s], st, p)
-        else:
-          updates, st = txs[s].update(acc[s], st, p, stale_params=fwd[s])
-        versions[s].append(optax.apply_updates(p, updates))
-        states[s].append(st)
-        acc[s] = None
-  return [v[-1] for v in versions], used
+  current = stages.split_params(params)
+  state = [txs[s].init(current[s]) for s in range(n)]
+  used_per_stream = []
+  for stream in streams:
+    num = len(stream)
+    versions = [[p] for p in current]
+    states = [[st] for st in state]
+    window = {b: min(se, num - b // se * se) for b in range(num)}
+    pending, grads, acc, used = {}, {}, [None] * n, {}
+    for b, mb in enumerate(stream):
+      local = stages.split_batch(mb)
+      values, fwd, inputs = {}, {}, {}
+      for s in range(n):
+        w = n - 1 - s
+        v = max(b // se - 1, 0) if two_bw else max(b - w, 0) // se
+        theta = versions[s][v]
+        delay = b // se - v  # steps until the one applying b
+        if prediction and delay > 0:
+          base = states[s][v]
+          if ga and n - 1 - s != 0:
+            base = base.inner_state
+          grad = None
+          if prediction == "aggmsnag":
+            # What stage s accumulated before this forward: the backwards
+            # since its last step that 1F1B ran before F(s, b).
+            done = [grads[(s, x)] for x in range(v * se, b - w)]
+            if done:
+              grad = jax.tree.map(lambda *g: sum(g), *done)
+          theta = predictor(theta, base, delay, grad=grad)
+        theta = tie(s, theta, fwd)
+        fwd[s] = theta
+        used[("F", s, b)] = theta
+        spec = stages.specs[s]
+        acts = tuple(values[v_] for v_ in spec.inputs)
+        inputs[s] = acts
+        outputs, _ = stages.forward(s, theta, local[s], acts)
+        values.update(zip(spec.outputs, outputs, strict=True))
+      cots = {}
+      for s in reversed(range(n)):
+        spec = stages.specs[s]
+        at_forward = two_bw or (ws and ga != "ga_jfl") or not recompute
+        theta = fwd[s] if at_forward else versions[s][b // se]
+        theta = tie(s, theta, fwd)
+        used[("B", s, b)] = theta
+        out_cots = tuple(cots.get(v_) for v_ in spec.outputs)
+        result_cots = tuple(
+          1.0 / window[b] if r == 0 else None for r in spec.results
+        )
+        g, act_cots = stages.backward(
+          s, theta, local[s], inputs[s], out_cots, result_cots
+        )
+        grads[(s, b)] = g
+        for v_, c in zip(spec.inputs, act_cots, strict=True):
+          if c is not None:
+            cots[v_] = c if v_ not in cots else cots[v_] + c
+        acc[s] = g if acc[s] is None else jax.tree.map(jnp.add, acc[s], g)
+        if b % se == se - 1 or b == num - 1:  # The window closes.
+          g = list(acc[s])
+          for pos, owner, opos in replicas.get(s, ()):
+            pending[(owner, opos)] = g[pos]
+            g[pos] = jnp.zeros_like(g[pos])  # a replica never steps (SGD)
+          for pos in range(len(g)):
+            if (s, pos) in pending:
+              g[pos] = g[pos] + pending.pop((s, pos))
+          p, st = versions[s][-1], states[s][-1]
+          if txs[s] is tx:
+            updates, st = tx.update(tuple(g), st, p)
+          else:
+            updates, st = txs[s].update(tuple(g), st, p, stale_params=fwd[s])
+          versions[s].append(optax.apply_updates(p, updates))
+          states[s].append(st)
+          acc[s] = None
+    current = [v[-1] for v in versions]
+    state = [st[-1] for st in states]
+    used_per_stream.append(used)
+  return current, used_per_stream
+
+
+def _microbatches(batch, size):
+  """A batch's microbatches of ``size`` examples (dicts)."""
+  total = jax.tree.leaves(batch)[0].shape[0]
+  return [
+    jax.tree.map(lambda x, b=b: x[b : b + size], batch)
+    for b in range(0, total, size)
+  ]
+
+
+def _run_calls(pipe, state, batch, calls):
+  """Runs ``calls`` (microbatch counts, or "flush") on consecutive
+  microbatches of ``batch``. Returns
+  (state, every call's metrics, the microbatches of each stream, the
+  params each stream's actions used)."""
+  pool = _microbatches(batch, pipe.microbatch_size)
+  streams, used, all_metrics, start = [[]], [{}], [], 0
+  for call in calls:
+    if call == "flush":
+      state, metrics = pipe.flush(state)
+      streams.append([])
+    else:
+      mbs = pool[start : start + call]
+      start += call
+      joined = jax.tree.map(lambda *x: jnp.concatenate(x), *mbs)
+      state, metrics = pipe.step(state, joined)
+      streams[-1].extend(mbs)
+    used[-1].update(metrics.get("used_params", {}))
+    if call == "flush":
+      used.append({})
+    all_metrics.append(metrics)
+  if not streams[-1]:
+    streams.pop()
+    used.pop()
+  return state, all_metrics, streams, used
+
+
+def _mlp_data(num_microbatches, seed=5):
+  """Distinct examples for ``num_microbatches`` microbatches of 2."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  size = 2 * num_microbatches
+  return {
+    "x": jax.random.normal(k1, (size, 6)),
+    "y": jax.random.randint(k2, (size,), 0, 4),
+  }
 
 
 def _build(opts, tx, **kwargs):
   loss_fn, params, batch = _mlp()
+  opts = dict(opts)
   pipe = jpipe.Pipeline(
     loss_fn,
     params,
     batch,
-    num_stages=NUM_STAGES,
-    devices=jax.devices()[:NUM_STAGES],
-    schedule="async",
+    num_stages=kwargs.pop("num_stages", NUM_STAGES),
+    devices=kwargs.pop("devices", jax.devices()[:NUM_STAGES]),
+    schedule=opts.pop("schedule", "async"),
     num_microbatches=NUM_MICRO,
     optimizer=tx,
     record_params=True,
@@ -189,8 +233,30 @@ def _close(a, b, rtol=2e-5):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6)
 
 
+def _check_against_reference(pipe, params, tx, opts, calls, data=None):
+  """Runs ``calls`` and compares the final params and every action's
+  params with the reference; returns the calls' metrics."""
+  if data is None:
+    data = _mlp_data(sum(c for c in calls if c != "flush"))
+  state = pipe.init(params)
+  state, metrics, streams, used = _run_calls(pipe, state, data, calls)
+  expected, expected_used = _reference(pipe, params, streams, tx, opts)
+  for s in range(pipe.stages.num_stages):
+    _close(state.stage_params[s], expected[s])
+  assert len(used) == len(expected_used)
+  for got, want in zip(used, expected_used, strict=True):
+    assert set(got) == set(want)
+    for key, theta in want.items():
+      _close(got[key], theta)
+  return metrics
+
+
 SGD = optax.sgd(0.3, momentum=0.9)
 GA_SGD = {"optimizer": "sgd", "learning_rate": 0.3}
+
+# Three streams of calls with different microbatch counts: 2 + 5 + 3, a
+# flush, 4, a flush, 1 + 2 (fewer than the warm-up), a flush.
+CALLS = (2, 5, 3, "flush", 4, "flush", 1, 2, "flush")
 
 COMBINATIONS = [
   dict(weight_stashing=ws, prediction=wp, gap_aware=ga, recompute=rc)
@@ -198,7 +264,8 @@ COMBINATIONS = [
   for wp in (None, "msnag")
   for ga in (None, "ga", "ga_jfl")
   for rc in (True, False)
-  if not (ga == "ga_jfl" and not rc)
+  # Without recomputation the residuals pin F's params: only stashing.
+  if rc or (ws and ga != "ga_jfl")
 ]
 
 
@@ -207,51 +274,89 @@ COMBINATIONS = [
   COMBINATIONS,
   ids=lambda o: "-".join(f"{k[:2]}={v}" for k, v in o.items()),
 )
-def test_async_matches_reference_semantics(opts):
-  """Every {ws, wp, ga, ga_jfl} x {recompute, not}: the new params and the
-  params each forward and backward used are the reference's."""
+def test_async_streams_like_the_reference(opts):
+  """Every {ws, wp, ga, ga_jfl} x {recompute, not}, streaming over calls
+  of different sizes and flushes: the new params and the params each
+  forward and backward used are the never-flushed reference's."""
   if opts["gap_aware"]:
     opts = dict(opts, gap_aware_options=GA_SGD)
-  pipe, params, batch = _build(opts, SGD)
+  pipe, params, _ = _build(opts, SGD)
+  metrics = _check_against_reference(pipe, params, SGD, opts, CALLS)
+  for call, m in zip(CALLS, metrics, strict=True):
+    assert ("loss" in m) == (call != "flush")
+    if call != "flush":
+      assert np.isfinite(float(m["loss"]))
+
+
+def test_loss_is_the_mean_over_the_calls_microbatches():
+  """metrics["loss"] averages exactly the losses computed in the call:
+  each microbatch's, once, at the version its last stage's forward used."""
+  pipe, params, _ = _build({}, SGD)
+  data = _mlp_data(9)
   state = pipe.init(params)
-  state, metrics = pipe.step(state, batch)
-  expected, used = _reference(pipe, params, batch, SGD, opts)
-  for s in range(NUM_STAGES):
-    _close(state.stage_params[s], expected[s])
-  assert set(pipe.used_params) == set(used)
-  for key, theta in used.items():
-    _close(pipe.used_params[key], theta)
-  assert np.isfinite(float(metrics["loss"]))
+  state, metrics, streams, used = _run_calls(pipe, state, data, (4, 5))
+  for first, m, call in ((0, 4, metrics[0]), (4, 5, metrics[1])):
+    losses = []
+    for b in range(first, first + m):
+      # The loss is the last stage's; earlier stages' forwards fed it.
+      acts, mb = (), streams[0][b]
+      local = pipe.stages.split_batch(mb)
+      for s in range(NUM_STAGES):
+        theta = jax.device_get(used[0][("F", s, b)])
+        outputs, results = pipe.stages.forward(s, theta, local[s], acts)
+        acts = outputs
+      losses.append(float(results[0]))
+    np.testing.assert_allclose(float(call["loss"]), np.mean(losses), 1e-5)
 
 
-def test_async_is_stale_and_delays_follow_pipedream():
-  """Stage s's forward of microbatch b runs min(b, n - 1 - s) steps behind
-  the step applying it, so early stages see older params than later ones."""
-  pipe, params, batch = _build({}, SGD)
-  delay = pipe.schedule.delay
+def test_steady_state_delay_is_n_minus_1_minus_s_across_calls():
+  """After the warm-up every microbatch on stage s sees delay n - 1 - s,
+  whatever the calls: stage s's F(b) uses the params after b - (n-1-s)
+  steps (the reference checks the values; here the counts)."""
+  pipe, params, _ = _build({}, SGD)
+  stream = pipe.schedule
   for s in range(NUM_STAGES):
-    for b in range(NUM_MICRO):
-      assert delay[s, b] == min(b, NUM_STAGES - 1 - s)
+    w = NUM_STAGES - 1 - s
+    assert [stream.delay(s, b) for b in range(12)] == [
+      min(b, w) for b in range(12)
+    ]
+  # A call of m microbatches in steady state: m forwards and m backwards
+  # per stage, whatever m and wherever the call starts.
+  for fed, m in ((5, 1), (7, 4), (11, 16)):
+    lists, _, _ = pipe._call_actions(fed, m)
+    for s in range(NUM_STAGES):
+      own = [a for acts in lists.device_actions for a in acts if a.stage == s]
+      assert sum(a.kind == "F" for a in own) == m
+      assert sum(a.kind == "B" for a in own) == m
+      assert sum(a.kind == "S" for a in own) == m
+  # Concatenating calls of any sizes gives the same per-stage stream.
+  whole = pipe._call_actions(0, 12)[0]
+  parts = [pipe._call_actions(f, m)[0] for f, m in ((0, 2), (2, 7), (9, 3))]
+  for d in range(NUM_STAGES):
+    joined = [a for p in parts for a in p.device_actions[d]]
+    assert joined == list(whole.device_actions[d])
+
+
+def test_unflushed_state_is_refused_where_it_would_be_wrong():
+  pipe, params, batch = _build({"weight_stashing": True}, SGD)
   state = pipe.init(params)
   state, _ = pipe.step(state, batch)
-  last = NUM_MICRO - 1
-  # Stage 0's last forward ran before the steps of the last n-1 backwards.
-  stale = pipe.used_params[("F", 0, last)]
-  final = state.stage_params[0]
-  assert any(not np.allclose(a, b) for a, b in zip(stale, final, strict=True))
+  for call in (pipe.gather_params, pipe.state_dict, pipe.gather_model_state):
+    with pytest.raises(ValueError, match="pipe.flush"):
+      call(state)
+  state, _ = pipe.flush(state)
+  assert state.in_flight.drained and state.in_flight.fed == 0
+  pipe.gather_params(state)
+  again, metrics = pipe.flush(state)  # Nothing in flight: a no-op.
+  assert again is state and metrics == {}
 
 
-def test_step_every_accumulates_windows():
+def test_step_every_windows_span_calls():
   opts = {"step_every": 2, "weight_stashing": True}
-  pipe, params, batch = _build(opts, SGD)
-  assert pipe.schedule.step_groups[0] == ((0, 1), (2, 3), (4, 5))
-  state = pipe.init(params)
-  state, _ = pipe.step(state, batch)
-  expected, used = _reference(pipe, params, batch, SGD, opts)
-  for s in range(NUM_STAGES):
-    _close(state.stage_params[s], expected[s])
-  for key, theta in used.items():
-    _close(pipe.used_params[key], theta)
+  pipe, params, _ = _build(opts, SGD)
+  # 3 + 4 microbatches: the window (2, 3) spans the two calls, and the
+  # flush steps on the partial window (6,) alone.
+  _check_against_reference(pipe, params, SGD, opts, (3, 4, "flush"))
 
 
 @pytest.mark.parametrize("step_every", [2, 3])
@@ -260,17 +365,15 @@ def test_aggmsnag_predicts_with_the_accumulated_gradient(step_every):
   stage accumulated so far (the reference sums the backwards 1F1B ran
   before it); msnag ignores it, so some forwards differ."""
   used = {}
+  calls = (4, 3, "flush")
+  data = _mlp_data(7)
   for kind in ("msnag", "aggmsnag"):
     opts = {"step_every": step_every, "prediction": kind}
-    pipe, params, batch = _build(opts, SGD)
+    pipe, params, _ = _build(opts, SGD)
+    _check_against_reference(pipe, params, SGD, opts, calls, data)
     state = pipe.init(params)
-    state, _ = pipe.step(state, batch)
-    expected, used[kind] = _reference(pipe, params, batch, SGD, opts)
-    for s in range(NUM_STAGES):
-      _close(state.stage_params[s], expected[s])
-    assert set(pipe.used_params) == set(used[kind])
-    for key, theta in used[kind].items():
-      _close(pipe.used_params[key], theta)
+    _, _, _, got = _run_calls(pipe, state, data, calls)
+    used[kind] = got[0]
   assert any(
     not all(
       np.allclose(a, b)
@@ -280,7 +383,7 @@ def test_aggmsnag_predicts_with_the_accumulated_gradient(step_every):
     if k[0] == "F"
   )
   # Untied stages step and predict from the packed accumulator directly.
-  assert not any(k[0] == "unpack" for k in pipe._backward_fns)
+  assert "unpack" not in pipe.programs.compiled_kinds()
 
 
 def test_closed_form_predictor_is_scheduler_aware():
@@ -296,46 +399,57 @@ def test_closed_form_predictor_is_scheduler_aware():
   }.items():
     pipe, params, batch = _build({"prediction": "msnag"}, tx, **kwargs)
     state = pipe.init(params)
-    pipe.step(state, batch)
-    used[name] = pipe.used_params
+    _, _, _, used[name] = _run_calls(pipe, state, batch, (6, "flush"))
   # Replay and the closed form agree for SGD (both exact d-step look-ahead
   # with the scheduled future learning rates).
-  for key in used["replay"]:
-    _close(used["replay"][key], used["closed"][key], rtol=1e-4)
+  for key in used["replay"][0]:
+    _close(used["replay"][0][key], used["closed"][0][key], rtol=1e-4)
 
 
-def test_two_bw_is_w_minus_grad_at_previous_version():
-  """2BW: W(t+1) = W(t) - lr * grad f(W(t-1)) on each minibatch."""
-  loss_fn, params, batch = _mlp()
+def test_two_bw_is_w_minus_grad_at_previous_version_across_calls():
+  """2BW: W(t+1) = W(t) - lr * grad f(W(t-1)) for minibatches of 3
+  microbatches fed by calls that do not align with them (2 + 4 + 3)."""
+  loss_fn, params, _ = _mlp()
   lr = 0.3
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=NUM_STAGES,
-    devices=jax.devices()[:NUM_STAGES],
-    schedule="2bw",
-    num_microbatches=NUM_MICRO,
-    step_every=NUM_STAGES,
-    optimizer=optax.sgd(lr),
+  opts = {"schedule": "2bw", "step_every": NUM_STAGES}
+  pipe, params, _ = _build(opts, optax.sgd(lr))
+  data = _mlp_data(9)
+  _check_against_reference(
+    pipe, params, optax.sgd(lr), opts, (2, 4, 3, "flush"), data
   )
   state = pipe.init(params)
-  state, _ = pipe.step(state, batch)
-  minibatch = jax.tree.leaves(batch)[0].shape[0] // 2
+  state, _, _, _ = _run_calls(pipe, state, data, (2, 4, 3, "flush"))
+  minibatch = 2 * NUM_STAGES
   history = [params, params]  # W(-1) := W(0)
-  for t in range(2):
+  for t in range(3):
     mb = jax.tree.map(
-      lambda x, t=t: x[t * minibatch : (t + 1) * minibatch], batch
+      lambda x, t=t: x[t * minibatch : (t + 1) * minibatch], data
     )
     # The minibatch's microbatch gradients, averaged (equal sizes).
     g = jax.grad(loss_fn)(history[-2], mb)
     history.append(jax.tree.map(lambda w, g: w - lr * g, history[-1], g))
   _close(pipe.gather_params(state), history[-1], rtol=1e-4)
+  # 1F1B (a flush per call) on the same data differs: 2BW is not 1F1B.
+  one_f, _, _ = _build({"schedule": "1f1b"}, optax.sgd(lr))[:3]
+  sync = one_f.init(params)
+  for t in range(3):
+    mb = jax.tree.map(
+      lambda x, t=t: x[t * minibatch : (t + 1) * minibatch], data
+    )
+    sync, _ = one_f.step(sync, mb)
+  assert not all(
+    np.allclose(a, b)
+    for a, b in zip(
+      jax.tree.leaves(one_f.gather_params(sync)),
+      jax.tree.leaves(pipe.gather_params(state)),
+      strict=True,
+    )
+  )
 
 
 def test_checkpoint_state_roundtrip_into_another_partition():
   """state_dict is keyed by global paths: a 2-stage pipeline resumes a
-  3-stage one's params, optimizer and Gap-Aware state exactly."""
+  flushed 3-stage one's params, optimizer and Gap-Aware state exactly."""
   opts = {
     "weight_stashing": True,
     "gap_aware": "ga",
@@ -344,6 +458,7 @@ def test_checkpoint_state_roundtrip_into_another_partition():
   pipe3, params, batch = _build(opts, SGD)
   state3 = pipe3.init(params)
   state3, _ = pipe3.step(state3, batch)
+  state3, _ = pipe3.flush(state3)
   saved = pipe3.state_dict(state3)
   assert saved["step"] == 1
   assert set(saved["gap_aware"]["sq_avg"])  # stages 0, 1 apply GA
@@ -364,27 +479,43 @@ def test_checkpoint_state_roundtrip_into_another_partition():
   state2, _ = pipe2.step(state2, batch)
   grads = jax.grad(loss_fn)(saved["params"], batch)
   tx_state = jax.tree.map(jnp.asarray, saved["opt_state"])
-  flat = dict(
-    zip(
-      jpipe.runtime._stage_optimizer.leaf_names(params),
-      jax.tree.leaves(grads),
-      strict=True,
-    )
-  )
-  flat_params = dict(
-    zip(
-      jpipe.runtime._stage_optimizer.leaf_names(params),
-      jax.tree.leaves(saved["params"]),
-      strict=True,
-    )
-  )
+  names = jpipe.runtime._stage_optimizer.leaf_names(params)
+  flat = dict(zip(names, jax.tree.leaves(grads), strict=True))
+  flat_params = dict(zip(names, jax.tree.leaves(saved["params"]), strict=True))
   updates, _ = SGD.update(flat, tx_state, flat_params)
   new = optax.apply_updates(flat_params, updates)
   expected = jax.tree.unflatten(
-    jax.tree.structure(params),
-    [new[k] for k in jpipe.runtime._stage_optimizer.leaf_names(params)],
+    jax.tree.structure(params), [new[k] for k in names]
   )
   _close(pipe2.gather_params(state2), expected)
+
+
+def test_flush_then_continue_resumes_bit_identically():
+  """A stream flushed, saved and loaded into a new pipeline continues
+  exactly as the original flushed at the same point."""
+  opts = {"weight_stashing": True, "prediction": "msnag"}
+  pipe, params, _ = _build(opts, SGD)
+  data = _mlp_data(10)
+  first, second = (
+    jax.tree.map(lambda x: x[:10], data),
+    jax.tree.map(lambda x: x[10:], data),
+  )
+  state = pipe.init(params)
+  state, _ = pipe.step(state, first)
+  state, _ = pipe.flush(state)
+  saved = pipe.state_dict(state)
+  state, _ = pipe.step(state, second)
+  state, _ = pipe.flush(state)
+  resumed_pipe, _, _ = _build(opts, SGD)
+  resumed = resumed_pipe.load_state_dict(saved)
+  resumed, _ = resumed_pipe.step(resumed, second)
+  resumed, _ = resumed_pipe.flush(resumed)
+  for a, b in zip(
+    jax.tree.leaves(pipe.gather_params(state)),
+    jax.tree.leaves(resumed_pipe.gather_params(resumed)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_bad_async_input():
@@ -424,6 +555,33 @@ def test_bad_async_input():
       step_every=2,
       **common,
     )
+  # Stale without recomputation would silently be weight stashing.
+  for mitigation in ({}, {"prediction": "msnag"}):
+    with pytest.raises(ValueError, match="IS weight stashing.*recompute=True"):
+      jpipe.Pipeline(
+        loss_fn,
+        params,
+        batch,
+        schedule="async",
+        recompute=False,
+        **mitigation,
+        **common,
+      )
+  with pytest.raises(ValueError, match="2bw needs step_every.*>= num_stages"):
+    jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      schedule="2bw",
+      step_every=2,
+      num_stages=3,
+      devices=jax.devices()[:3],
+      optimizer=SGD,
+    )
+  pipe = jpipe.Pipeline(loss_fn, params, batch, schedule="async", **common)
+  state = pipe.init(params)
+  with pytest.raises(ValueError, match="does not split into microbatches"):
+    pipe.step(state, jax.tree.map(lambda x: x[:3], batch))
 
 
 @pytest.mark.parametrize("stashing", [False, True])
@@ -446,14 +604,9 @@ def test_async_tied_embedding_follows_its_owner(stashing):
     record_params=True,
     **opts,
   )
-  assert pipe._replicas  # the head on the last stage is a replica
-  state = pipe.init(params)
-  state, _ = pipe.step(state, batch)
-  expected, used = _reference(pipe, params, batch, SGD, opts)
-  for s in range(3):
-    _close(state.stage_params[s], expected[s])
-  for key, theta in used.items():
-    _close(pipe.used_params[key], theta)
+  assert pipe.tied.replicas  # the head on the last stage is a replica
+  data = jax.tree.map(lambda x: jnp.concatenate([x] * 2), batch)
+  _check_against_reference(pipe, params, SGD, opts, (3, 5, "flush"), data)
 
 
 def test_async_on_a_mixed_plan_matches_reference():
@@ -489,14 +642,8 @@ def test_async_on_a_mixed_plan_matches_reference():
     record_params=True,
     **opts,
   )
-  assert pipe.schedule.num_devices == 2
-  state = pipe.init(params)
-  state, _ = pipe.step(state, batch)
-  expected, used = _reference(pipe, params, batch, SGD, opts)
-  for s in range(4):
-    _close(state.stage_params[s], expected[s])
-  for key, theta in used.items():
-    _close(pipe.used_params[key], theta)
+  assert len(pipe.device_names) == 2
+  _check_against_reference(pipe, params, SGD, opts, (4, 3, "flush"))
 
 
 def test_async_carries_batchnorm_statistics():
@@ -515,6 +662,7 @@ def test_async_carries_batchnorm_statistics():
   )
   state = pipe.init(params, stats)
   state, metrics = pipe.step(state, batch)
+  state, _ = pipe.flush(state)
   new = pipe.gather_model_state(state)
   moved = [
     not np.allclose(a, b)

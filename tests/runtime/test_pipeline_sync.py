@@ -96,11 +96,12 @@ def test_tied_replicas_stay_equal():
   state = pipe.init(params)
   for _ in range(3):
     state, _ = pipe.step(state, batch)
-  shared = list(pipe._shared)
+  shared = list(pipe.tied.shared)
   assert shared
   for leaf in shared:
     copies = [
-      np.asarray(state.stage_params[s][pos]) for s, pos in pipe._shared[leaf]
+      np.asarray(state.stage_params[s][pos])
+      for s, pos in pipe.tied.shared[leaf]
     ]
     np.testing.assert_array_equal(copies[0], copies[1])
 
@@ -146,7 +147,7 @@ def test_no_recompilation_across_microbatches_and_steps(recompute):
   for _ in range(2):
     state, _ = pipe.step(state, batch)
   jitted = list(pipe.stages._jitted.values()) + list(
-    pipe._backward_fns.values()
+    pipe.programs._cache.values()
   )
   assert jitted
   assert all(f._cache_size() == 1 for f in jitted)

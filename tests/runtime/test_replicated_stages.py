@@ -11,7 +11,8 @@ import pytest
 
 import jpipe
 from jpipe import partition
-from jpipe.runtime._pipeline import _device_name
+from jpipe.runtime._batches import place_microbatches
+from jpipe.runtime._placement import device_name
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (
@@ -98,7 +99,9 @@ def test_a_replica_group_splits_each_microbatch():
     optimizer=optax.sgd(0.1),
   )
   place = pipe.placement[0]
-  micro = pipe._split_batch(jax.tree.leaves(batch))[place]
+  micro = place_microbatches(jax.tree.leaves(batch), pipe._batch_leaves, 2, 0)[
+    place
+  ]
   x = micro[0][jax.tree.leaves(batch).index(batch["x"])]
   assert x.shape == (4, 12)
   shards = sorted(
@@ -106,7 +109,7 @@ def test_a_replica_group_splits_each_microbatch():
   )
   assert shards == [(0, 0), (1, 2)]  # Two examples on each replica.
   np.testing.assert_array_equal(x, batch["x"][:4])
-  assert pipe.schedule.num_devices == 3  # One per device group.
+  assert len(pipe.device_names) == 3  # One per device group.
   assert pipe.device_names == ("devices 0-1", "device 2", "devices 3-4")
 
 
@@ -165,16 +168,12 @@ def test_async_follows_the_reference_semantics(opts):
     record_params=True,
     **opts,
   )
-  state = pipe.init(params)
-  state, _ = pipe.step(state, batch, profile=True)
-  expected, used = async_tests._reference(
-    pipe, params, batch, async_tests.SGD, opts
+  async_tests._check_against_reference(
+    pipe, params, async_tests.SGD, opts, (2, 5, "flush")
   )
-  for s in range(3):
-    async_tests._close(state.stage_params[s], expected[s])
-  for key, theta in used.items():
-    async_tests._close(pipe.used_params[key], theta)
-  assert set(pipe.timeline.device_of.values()) == {0, 1, 2}
+  state = pipe.init(params)
+  _, metrics = pipe.step(state, batch, profile=True)
+  assert set(metrics["timeline"].device_of.values()) == {0, 1, 2}
 
 
 def test_bad_device_groups_are_clear_errors():
@@ -226,7 +225,8 @@ def test_pipedream_hybrid_plan_replicates_and_trains_like_one_device():
   assert hybrid.stage_devices == ((0, 1), (2,))
   assert hybrid.stage_of_node == (0, 1, 1, 1, 1, 1, 1, 1)
   assert hybrid.bottleneck_seconds < straight.bottleneck_seconds
-  # PipeDream's warm-up depth (R - 1 - first device) // replicas: 1, 0.
+  # The runtime's steady-state delay n - 1 - s (replicas split each
+  # microbatch): 1, 0.
   assert hybrid.stage_stash_bytes == (hybrid.stage_param_bytes[0], 0.0)
   # Fast links: one stage, data parallel over every device.
   dp = partition.plan_traced(traced, costs, 3, method="pipedream_hybrid")
@@ -288,6 +288,6 @@ def test_a_checkpoint_resumes_on_replica_groups():
 
 
 def test_device_group_names():
-  assert _device_name((3,)) == "device 3"
-  assert _device_name((4, 5, 6)) == "devices 4-6"
-  assert _device_name((0, 2)) == "devices 0,2"
+  assert device_name((3,)) == "device 3"
+  assert device_name((4, 5, 6)) == "devices 4-6"
+  assert device_name((0, 2)) == "devices 0,2"

@@ -152,7 +152,9 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
 ):
   """Adam moments, the learning-rate schedule's step, the asynchronous
   pipeline's weight-prediction state and dropout's randomness all come
-  back from the checkpoint a SIGTERM leaves."""
+  back from the checkpoint a SIGTERM leaves. The stream drains before
+  every checkpoint, so the uninterrupted run checkpoints (and drains) at
+  the step the signal arrives too."""
   config = _short(_get_config("gpt_lm"))
   config.model.kwargs.dropout = 0.1
   config.model.kwargs.width = 32
@@ -160,7 +162,7 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   config.data.sequence_length = 16
   config.data.batch_size = 8
   config.train.steps = 4
-  config.train.checkpoint_every = 10
+  config.train.checkpoint_every = 2
   config.optimizer.warmup_steps = 4
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   train_lib.train_and_evaluate(config, str(straight))
@@ -168,6 +170,7 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   with pytest.raises(SystemExit):
     train_lib.train_and_evaluate(config, str(resumed))
   assert os.listdir(resumed / "checkpoints") == ["2"]
+  assert sorted(os.listdir(straight / "checkpoints")) == ["2", "4"]
   monkeypatch.undo()
   train_lib.train_and_evaluate(config, str(resumed))
   a, b = _losses(straight), _losses(resumed)

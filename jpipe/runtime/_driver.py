@@ -1,0 +1,466 @@
+"""The driver: executes stages' action lists, one method per action kind.
+
+It dispatches every action of a call in one global order (``issue_order``)
+and never waits: JAX dispatches asynchronously, so the devices run
+concurrently while the host moves on. What a call leaves unfinished -- an
+asynchronous stream's in-flight microbatches -- is returned in an
+``InFlight`` and picked up by the next call.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jpipe import schedule as schedule_lib
+from jpipe.runtime._placement import StagePlacement
+from jpipe.runtime._profiler import ActionProfiler
+from jpipe.runtime._programs import StagePrograms
+from jpipe.runtime._stage_optimizer import StageOptimizer
+from jpipe.runtime._tied import TiedParams
+from jpipe.runtime._versions import VersionPolicy
+
+FORWARD, BACKWARD, STEP = schedule_lib.ActionKind
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+  """An asynchronous stream between calls: what its microbatches left
+  behind. Microbatch indices count from the stream's start; a drained
+  stream (``fed == 0``) holds nothing.
+
+  Attributes:
+    fed: microbatches fed into the stream so far.
+    forwards: per stage, forwards run in the stream.
+    stream_steps: per stage, steps taken in the stream.
+    versions: per stage, ``{stream step: params}`` that later forwards may
+      still read (2BW's W(t-1); the current params are the last).
+    forward_params: ``(stage, b) -> params`` F(s, b) used, while its
+      backward or a Gap-Aware step still needs them (the weight stash).
+    saved: ``(stage, b) ->`` what B(s, b) needs of its forward (inputs to
+      recompute from, or residuals).
+    cots: ``(b, var) ->`` a cotangent waiting for its stage's backward.
+    grads: per stage, its packed gradient accumulator (or None).
+    pending: per stage, microbatches whose backward ran, not yet applied.
+    tied: ``(leaf, b) ->`` the tied leaf value the owner's F(b) used.
+    tied_grads: ``(leaf, step) ->`` replica holders' gradients for the
+      owner's step.
+  """
+
+  fed: int
+  forwards: tuple[int, ...]
+  stream_steps: tuple[int, ...]
+  versions: tuple[dict, ...]
+  forward_params: dict
+  saved: dict
+  cots: dict
+  grads: tuple
+  pending: tuple[tuple[int, ...], ...]
+  tied: dict
+  tied_grads: dict
+
+  @classmethod
+  def start(cls, stage_params: Sequence[Any]) -> "InFlight":
+    """A new stream from the current params."""
+    n = len(stage_params)
+    return cls(
+      fed=0,
+      forwards=(0,) * n,
+      stream_steps=(0,) * n,
+      versions=tuple({0: p} for p in stage_params),
+      forward_params={},
+      saved={},
+      cots={},
+      grads=(None,) * n,
+      pending=((),) * n,
+      tied={},
+      tied_grads={},
+    )
+
+  @property
+  def drained(self) -> bool:
+    """Nothing in flight: no pending backward, step or stashed value."""
+    return not (
+      self.saved
+      or self.cots
+      or self.forward_params
+      or self.tied_grads
+      or any(self.pending)
+      or any(g is not None for g in self.grads)
+    )
+
+
+@dataclasses.dataclass
+class CallResult:
+  """What one call of the driver produced.
+
+  Attributes:
+    stage_params, opt_states, model_state: the new values.
+    in_flight: the stream's state for the next call.
+    losses: the loss of every microbatch whose forward ran in the call.
+    param_versions: per stage, the most param versions held at once.
+    used_params: ``(kind, stage, b) -> params`` every F and B used (when
+      recording; kind "F" or "B").
+  """
+
+  stage_params: list
+  opt_states: list
+  model_state: list
+  in_flight: InFlight
+  losses: list
+  param_versions: list
+  used_params: dict | None
+
+
+class Driver:
+  """Executes action lists over a pipeline's stages.
+
+  Args:
+    stages: the built ``jpipe.partition.Stages``.
+    programs: their compiled programs.
+    placement: each stage's ``StagePlacement``.
+    optimizers: each stage's ``StageOptimizer``.
+    policy: the weight-version policy.
+    tied: tied-parameter ownership.
+    stream: the asynchronous stream rule, or None (synchronous: the steps
+      come after every action, with tied gradients summed).
+    num_batch_leaves: leaves of a batch (model-state leaves follow them
+      among a stage's batch inputs).
+    record_params: report the params every action used.
+  """
+
+  def __init__(
+    self,
+    stages,
+    programs: StagePrograms,
+    placement: Sequence[StagePlacement],
+    optimizers: Sequence[StageOptimizer],
+    policy: VersionPolicy,
+    tied: TiedParams,
+    stream: schedule_lib.Stream | None,
+    *,
+    num_batch_leaves: int,
+    record_params: bool = False,
+  ):
+    self.stages = stages
+    self.programs = programs
+    self.placement = tuple(placement)
+    self.optimizers = tuple(optimizers)
+    self.policy = policy
+    self.tied = tied
+    self.stream = stream
+    self.num_batch_leaves = num_batch_leaves
+    self.record_params = record_params
+    self.producer = {
+      v: s for s, spec in enumerate(stages.specs) for v in spec.outputs
+    }
+    self.readers = {}  # var -> how many stages read it
+    for spec in stages.specs:
+      for v in spec.inputs:
+        self.readers[v] = self.readers.get(v, 0) + 1
+
+  def run(
+    self,
+    order: Sequence[schedule_lib.Action],
+    fused: frozenset,
+    *,
+    stage_params,
+    opt_states,
+    model_state,
+    in_flight: InFlight,
+    batches: dict,
+    loss_cotangent: float,
+    profiler: ActionProfiler | None = None,
+  ) -> CallResult:
+    """Runs the actions in ``order``.
+
+    Args:
+      order: the call's actions in issue order.
+      fused: ``(stage, b)`` pairs whose backward may run with the forward.
+      stage_params, opt_states, model_state: the state before the call.
+      in_flight: the stream's state (``InFlight.start`` for a call of a
+        synchronous schedule).
+      batches: ``{placement: {b: {batch leaf index: array}}}``: the
+        microbatches entering in this call, placed.
+      loss_cotangent: each microbatch's loss cotangent: 1 / microbatches
+        its step averages over.
+      profiler: records when each action ran, if given.
+    """
+    call = _Call(self, stage_params, opt_states, model_state, in_flight)
+    call.batches, call.fused, call.profiler = batches, fused, profiler
+    call.loss_cotangent = loss_cotangent
+    deferred_steps = []
+    for action in order:
+      if action.kind == FORWARD:
+        call.forward(action)
+      elif action.kind == BACKWARD:
+        call.backward(action)
+      elif self.stream is None:
+        deferred_steps.append(action)
+      else:
+        call.step(action)
+    if deferred_steps:
+      call.synchronous_steps(deferred_steps)
+    return call.result()
+
+
+class _Call:
+  """One call's working state: the in-flight state, copied, plus what the
+  call produces. Its methods are the driver's action kinds."""
+
+  def __init__(self, driver, stage_params, opt_states, model_state, flight):
+    self.d = driver
+    self.params = list(stage_params)
+    self.opt_states = list(opt_states)
+    self.model_state = list(model_state)
+    self.fed = flight.fed
+    self.forwards = list(flight.forwards)
+    self.stream_steps = list(flight.stream_steps)
+    self.versions = [dict(v) for v in flight.versions]
+    self.forward_params = dict(flight.forward_params)
+    self.saved = dict(flight.saved)
+    self.cots = dict(flight.cots)
+    self.grads = list(flight.grads)
+    self.pending = [list(p) for p in flight.pending]
+    self.tied = dict(flight.tied)
+    self.tied_grads = dict(flight.tied_grads)
+    self.values = {}  # (b, var) -> activation, until its last reader ran
+    self.reads_left = {}
+    self.fused_done = set()  # (s, b) whose B ran with F
+    self.acc_producer = [None] * len(self.params)  # action behind grads[s]
+    self.losses = []
+    self.used = {} if driver.record_params else None
+    self.peak = [self._held(s) for s in range(len(self.params))]
+    self.batches, self.fused, self.profiler = {}, frozenset(), None
+    self.loss_cotangent = 1.0
+
+  # -- action kinds ------------------------------------------------------
+
+  def forward(self, action):
+    d, s, b = self.d, action.stage, action.microbatch
+    spec, place = d.stages.specs[s], d.placement[s]
+    own = d.policy.forward_params(
+      s, b, self.params[s], self.versions[s], self._predictor(s)
+    )
+    theta = self._tie(s, b, own)
+    self.forwards[s] += 1
+    if d.policy.keeps_forward_params:
+      self.forward_params[(s, b)] = theta
+      self.peak[s] = max(self.peak[s], self._held(s))
+    self._record("F", s, b, theta)
+    acts = tuple(self._read_value(b, v, s) for v in spec.inputs)
+    local = self._local_inputs(spec, self.batches[place][b], place)
+    if (s, b) in self.fused and d.policy.same_backward_params(
+      own, self.params[s]
+    ):
+      # Its backward needs only this forward: run both as one program.
+      run = d.programs.forward_backward(s, self.grads[s] is None)
+      self._before_donating(s)
+      results, self.grads[s], act_cots = run(
+        self.grads[s], theta, local, acts, self._result_cots(spec)
+      )
+      outputs = ()
+      self.fused_done.add((s, b))
+      self.acc_producer[s] = action
+      self._record("B", s, b, theta)
+      self._send_cotangents(s, b, act_cots)
+    elif d.programs.recompute:
+      outputs, results = d.programs.forward(s)(theta, local, acts)
+      self.saved[(s, b)] = (local, acts)
+    else:
+      outputs, results, residuals = d.programs.forward(s)(theta, local, acts)
+      self.saved[(s, b)] = residuals
+    if self.profiler:  # A fused program ends with its accumulator.
+      fused = self.grads[s] if (s, b) in self.fused_done else ()
+      self.profiler.record(action, (outputs, results, fused))
+    for v, x in zip(spec.outputs, outputs, strict=True):
+      self.values[(b, v)] = x
+      self.reads_left[(b, v)] = d.readers.get(v, 0)
+    for r, x in zip(spec.results, results, strict=True):
+      if r == 0:
+        self.losses.append(x)
+      else:  # A new model-state leaf: the next forward reads it.
+        self.model_state[r - 1] = x
+
+  def backward(self, action):
+    d, s, b = self.d, action.stage, action.microbatch
+    self.pending[s].append(b)
+    if (s, b) in self.fused_done:  # Ran with its forward's program: an
+      self.fused_done.remove((s, b))  # instant at its end.
+      if self.profiler:
+        self.profiler.record(action, ())
+      return
+    spec = d.stages.specs[s]
+    out_cots = tuple(self.cots.pop((b, v), None) for v in spec.outputs)
+    forward_theta = self.forward_params.get((s, b))
+    if d.programs.recompute:
+      local, acts = self.saved.pop((s, b))
+      theta = d.policy.backward_params(self.params[s], forward_theta)
+      theta = self._tie(s, b, theta)
+      args = (theta, local, acts, out_cots, self._result_cots(spec))
+    else:  # The residuals' params: the forward's.
+      theta = forward_theta
+      args = (theta, self.saved.pop((s, b)), out_cots, self._result_cots(spec))
+    self._record("B", s, b, theta)
+    run = d.programs.backward(s, self.grads[s] is None)
+    self._before_donating(s)
+    self.grads[s], act_cots = run(self.grads[s], *args)
+    self.acc_producer[s] = action
+    if self.profiler:
+      self.profiler.record(action, (self.grads[s], act_cots))
+    self._send_cotangents(s, b, act_cots)
+
+  def step(self, action):
+    """An asynchronous step of stage s: the mean gradient of the
+    backwards since its last step."""
+    d, s = self.d, action.stage
+    group, self.pending[s] = self.pending[s], []
+    opt = d.optimizers[s]
+    stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
+    # Each loss cotangent was 1 / step_every: a short window (at a flush)
+    # is rescaled to its own mean.
+    scale = d.stream.step_every / len(group)
+    # The packed accumulator, unpacked inside the step -- or before it,
+    # to exchange tied leaves' gradients.
+    g, update = self.grads[s], opt.update_packed
+    if s in d.tied.stages:
+      leaves = d.programs.unpack(s)(g)
+      g = d.tied.exchange(s, self.stream_steps[s], leaves, self.tied_grads)
+      update = opt.update
+    self.params[s], self.opt_states[s] = update(
+      g, self.opt_states[s], self.params[s], stale, scale
+    )
+    if self.profiler:
+      self.profiler.record(action, self.params[s])
+    self.grads[s] = None
+    self.stream_steps[s] += 1
+    self.versions[s][self.stream_steps[s]] = self.params[s]
+    for b in group:
+      self.forward_params.pop((s, b), None)
+    d.tied.release(s, group, self.tied)
+    oldest = d.policy.oldest_needed(s, self.forwards[s], self.stream_steps[s])
+    for v in [v for v in self.versions[s] if v < oldest]:
+      del self.versions[s][v]
+
+  def synchronous_steps(self, actions):
+    """Every stage's step after all backwards: tied leaves' gradients
+    summed over their replicas, every replica taking the same step."""
+    d = self.d
+    tied = d.tied.sum_replicas(
+      {s: d.programs.unpack(s)(self.grads[s]) for s in d.tied.stages}
+    )
+    for action in actions:
+      s, opt = action.stage, d.optimizers[action.stage]
+      g, update = self.grads[s], opt.update_packed
+      if s in tied:
+        g, update = tied[s], opt.update
+      self.params[s], self.opt_states[s] = update(
+        g, self.opt_states[s], self.params[s], None, 1.0
+      )
+      if self.profiler:
+        self.profiler.record(action, self.params[s])
+      self.grads[s] = None
+      self.pending[s] = []
+    self.forward_params.clear()
+
+  # -- helpers -----------------------------------------------------------
+
+  def result(self) -> CallResult:
+    if self.values:
+      raise RuntimeError(  # A schedule bug, not a user error.
+        f"activations never read: {sorted(self.values)[:4]}"
+      )
+    flight = InFlight(
+      fed=self.fed,
+      forwards=tuple(self.forwards),
+      stream_steps=tuple(self.stream_steps),
+      versions=tuple(self.versions),
+      forward_params=self.forward_params,
+      saved=self.saved,
+      cots=self.cots,
+      grads=tuple(self.grads),
+      pending=tuple(tuple(p) for p in self.pending),
+      tied=self.tied,
+      tied_grads=self.tied_grads,
+    )
+    return CallResult(
+      self.params,
+      self.opt_states,
+      self.model_state,
+      flight,
+      self.losses,
+      self.peak,
+      self.used,
+    )
+
+  def _predictor(self, s):
+    """``(theta, delay) -> predicted params`` of stage s (aggmsnag uses
+    the gradient accumulated so far, unpacked inside the prediction)."""
+    opt = self.d.optimizers[s]
+
+    def predict(theta, delay):
+      acc = self.grads[s]
+      if self.d.policy.prediction == "aggmsnag" and acc is not None:
+        return opt.predict_packed(theta, self.opt_states[s], delay, acc)
+      return opt.predict(theta, self.opt_states[s], delay, None)
+
+    return predict
+
+  def _tie(self, s, b, theta):
+    if self.d.stream is None:
+      return theta
+    return self.d.tied.tie(s, b, theta, self.tied)
+
+  def _held(self, s) -> int:
+    """Distinct param versions stage s holds (live, stashed, predicted)."""
+    held = {id(t) for t in self.versions[s].values()}
+    held.add(id(self.params[s]))
+    held |= {id(t) for (s_, _), t in self.forward_params.items() if s_ == s}
+    return len(held)
+
+  def _record(self, kind, s, b, theta):
+    if self.used is not None:
+      self.used[(kind, s, b)] = theta
+
+  def _result_cots(self, spec):
+    """Cotangents of a stage's results: the loss's weight in its step's
+    mean; none for model-state outputs."""
+    return tuple(self.loss_cotangent if r == 0 else None for r in spec.results)
+
+  def _read_value(self, b, v, s):
+    """Activation v of microbatch b on stage s's devices (forgotten after
+    its last reader)."""
+    x = self.values[(b, v)]
+    self.reads_left[(b, v)] -= 1
+    if not self.reads_left[(b, v)]:
+      del self.values[(b, v)], self.reads_left[(b, v)]
+    return self._move(x, self.d.producer[v], s)
+
+  def _local_inputs(self, spec, batch_leaves, place):
+    """A stage's batch inputs on its device(s): microbatch leaves (already
+    there), then model-state leaves (placed here, whole)."""
+    nb = self.d.num_batch_leaves
+    state = [self.model_state[i - nb] for i in spec.batch_leaves if i >= nb]
+    state = iter(place.put_replicated(state) if state else ())
+    return tuple(
+      batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
+    )
+
+  def _send_cotangents(self, s, b, act_cots):
+    """B(s, b)'s input cotangents, summed on each producer's device."""
+    for v, c in zip(self.d.stages.specs[s].inputs, act_cots, strict=True):
+      if c is not None:
+        c = self._move(c, s, self.d.producer[v])
+        key = (b, v)
+        self.cots[key] = c if key not in self.cots else self.cots[key] + c
+
+  def _move(self, x, src: int, dst: int):
+    """Value ``x`` from stage src's device(s) to stage dst's."""
+    if self.d.placement[src] == self.d.placement[dst]:
+      return x
+    return self.d.placement[dst].put_values(x)
+
+  def _before_donating(self, s):
+    """The accumulator is about to be donated: a profiler must have
+    stamped the action that produced it first."""
+    if self.profiler and self.acc_producer[s] is not None:
+      self.profiler.wait_for(self.acc_producer[s])

@@ -1,0 +1,81 @@
+"""The compiled programs of a pipeline's stages, built once and cached.
+
+Stage forwards come jitted from ``jpipe.partition.Stages``; this adds the
+programs that also carry the stage's gradient accumulator (one flat buffer
+per dtype, ``_flat.py``): a backward that adds its gradient to it, the
+last stage's forward and backward as one program, and the unpacking of the
+accumulator into leaves. An accumulator passed back in is donated (updated
+in place), so profiling must not hold it past its next use (the driver
+waits for the profiler before it donates, ``_driver.py``).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jpipe.partition import Stages
+from jpipe.runtime._flat import FlatLayout
+
+
+class StagePrograms:
+  """Jitted accumulate-and-differentiate programs of every stage.
+
+  Args:
+    stages: the built stages.
+    grad_layouts: each stage's ``FlatLayout`` of its param leaves.
+    recompute: backwards recompute the forward (else they start from the
+      residuals a saving forward returned).
+  """
+
+  def __init__(
+    self, stages: Stages, grad_layouts: tuple[FlatLayout, ...], recompute
+  ):
+    self.stages = stages
+    self.grad_layouts = grad_layouts
+    self.recompute = recompute
+    self._cache: dict[tuple, object] = {}
+
+  def forward(self, s: int):
+    """``(params, batch, acts) -> (outputs, results)`` of stage s (with
+    ``recompute``), or ``-> (outputs, results, residuals)``."""
+    kind = "forward" if self.recompute else "forward_saving"
+    return self.stages.jitted(kind, s)
+
+  def backward(self, s: int, first: bool):
+    """``(acc, params, batch, acts, out_cots, result_cots)`` (with
+    recompute) or ``(acc, params, residuals, out_cots, result_cots)`` ->
+    ``(acc + grads, act_cots)``; ``first``: no accumulator yet (acc is
+    None)."""
+    kind = "backward" if self.recompute else "backward_from_residuals"
+    return self._accumulating(kind, s, first)
+
+  def forward_backward(self, s: int, first: bool):
+    """``(acc, params, batch, acts, result_cots) -> (results, acc + grads,
+    act_cots)`` of an output-free stage: its forward and backward as one
+    program."""
+    return self._accumulating("forward_backward", s, first)
+
+  def unpack(self, s: int):
+    """A packed accumulator of stage s -> its tuple of gradient leaves."""
+    key = ("unpack", s)
+    if key not in self._cache:
+      self._cache[key] = jax.jit(self.grad_layouts[s].unpack)
+    return self._cache[key]
+
+  def _accumulating(self, kind, s, first):
+    key = (kind, s, first)
+    if key not in self._cache:
+      run = getattr(self.stages, kind)
+      layout = self.grad_layouts[s]
+
+      def fn(acc, *args):
+        *head, grads, act_cots = run(s, *args)
+        flat = layout.pack(grads)
+        acc = flat if first else tuple(map(jnp.add, acc, flat))
+        return (*head, acc, act_cots)
+
+      self._cache[key] = jax.jit(fn, donate_argnums=() if first else (0,))
+    return self._cache[key]
+
+  def compiled_kinds(self) -> set[str]:
+    """The kinds of program compiled so far (for tests)."""
+    return {k[0] for k in self._cache}

@@ -1,0 +1,97 @@
+"""The weight-version policy: which params each forward and backward uses.
+
+=====================  ===========================  =========================
+                       forward of microbatch b      backward (recompute)
+=====================  ===========================  =========================
+synchronous            current params               current params
+stale (no mitigation)  current params               current params
+weight stashing (ws)   current params               the forward's params
+prediction (wp)        predict(current, state, d)   current params
+ws + wp                predict(current, state, d)   the forward's (predicted)
+ga_jfl                 as above                     current params
+2bw                    W(t-1) (minibatch t)         the forward's params
+=====================  ===========================  =========================
+
+Without recomputation the backward differentiates at the forward's params
+(its saved residuals pin them); an asynchronous pipeline refuses that
+without weight stashing (``_options.py``), since it IS stashing. ``d`` is
+the delay: steps between the forward and the step applying its gradient.
+"""
+
+from typing import Any
+
+from jpipe.schedule import Stream
+
+
+class VersionPolicy:
+  """Which params F(s, b) and B(s, b) use, and which versions to keep.
+
+  Args:
+    stream: the asynchronous stream rule, or None (synchronous: every
+      action uses the current params).
+    recompute: backwards recompute the forward (else saved residuals).
+    weight_stashing, prediction, gap_aware: the mitigations.
+    record: keep every forward's params (to report them).
+  """
+
+  def __init__(
+    self,
+    stream: Stream | None,
+    *,
+    recompute: bool,
+    weight_stashing: bool = False,
+    prediction: str | None = None,
+    gap_aware: str | None = None,
+    record: bool = False,
+  ):
+    self.stream = stream
+    self.recompute = recompute
+    self.prediction = prediction
+    stash = stream is not None and stream.backward_uses_stash
+    self.backward_at_forward = stash or (
+      weight_stashing and gap_aware != "ga_jfl"
+    )
+    # A backward, a Gap-Aware step or a report may need F's params later.
+    self.keeps_forward_params = (
+      not recompute
+      or self.backward_at_forward
+      or gap_aware is not None
+      or record
+    )
+
+  def forward_version(self, s: int, b: int) -> int | None:
+    """The stream step whose params F(s, b) starts from (None: current)."""
+    if self.stream is None or not self.stream.backward_uses_stash:
+      return None
+    return self.stream.forward_version(s, b)
+
+  def forward_params(self, s, b, current, versions, predict) -> Any:
+    """F(s, b)'s params: its version (current, or 2BW's pinned one),
+    predicted ``delay`` steps ahead with ``predict(theta, delay)`` when
+    asked."""
+    version = self.forward_version(s, b)
+    theta = current if version is None else versions[version]
+    if self.prediction is None or self.stream is None:
+      return theta
+    delay = self.stream.delay(s, b)
+    return theta if delay == 0 else predict(theta, delay)
+
+  def backward_params(self, current, forward_theta) -> Any:
+    """The params B(s, b) differentiates at."""
+    if not self.recompute or self.backward_at_forward:
+      return forward_theta
+    return current
+
+  def same_backward_params(self, forward_theta, current) -> bool:
+    """Whether B(s, b), run right after F(s, b), would use F's params."""
+    if not self.recompute or self.backward_at_forward:
+      return True
+    # It recomputes at the current params: the same unless F's were an
+    # older or predicted version (identity: no step can intervene).
+    return forward_theta is current
+
+  def oldest_needed(self, s: int, next_forward: int, steps: int) -> int:
+    """The oldest stream version a later forward of stage s may read
+    (older ones can be dropped unless a stash holds them)."""
+    version = self.forward_version(s, next_forward)
+    return steps if version is None else min(version, steps)

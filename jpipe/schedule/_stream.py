@@ -1,0 +1,160 @@
+"""Asynchronous schedules as unbounded streams (1F1B without flushes).
+
+PipeDream's asynchronous 1F1B never drains: stage s of n runs
+``w = n - 1 - s`` warm-up forwards once, then alternates the forward of
+microbatch ``w + i`` with the backward of microbatch ``i`` for as long as
+microbatches arrive, stepping after every ``step_every``-th backward. A
+``step`` call of the pipeline feeds the next microbatches into this stream
+and runs, per stage, the actions they make possible; in-flight microbatches
+finish in later calls. A flush drains the stream (every pending backward,
+and a step for a partial window) and the next call starts a new stream,
+with a new warm-up. Microbatch indices count from the stream's start.
+
+Per stage s, with k = ``step_every`` (``2bw``: microbatches per minibatch):
+
+- F(s, b) runs after the backwards of microbatches ``< b - w``: the stage
+  has taken ``max(b - w, 0) // k`` steps of the stream;
+- the step applying b's gradient is the stream's step ``b // k`` of s;
+- so F(s, b) runs ``delay = b // k - max(b - w, 0) // k`` steps before
+  that step: ``min(b, n - 1 - s)`` with k = 1, whatever the call
+  boundaries;
+- ``2bw`` pins F(s, b) (and its backward) to the version after
+  ``max(t - 1, 0)`` steps, t = b // k: W(t+1) = W(t) - lr grad f(W(t-1)).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from jpipe.partition import steady_state_delay
+from jpipe.schedule._schedule import (
+  BACKWARD,
+  FORWARD,
+  STEP,
+  Action,
+  Schedule,
+  make_schedule,
+)
+
+STREAMS = ("async", "2bw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+  """The unbounded per-stage action streams of ``async`` or ``2bw``.
+
+  Attributes:
+    name: "async" (a step every ``step_every`` backwards) or "2bw"
+      (PipeDream-2BW: a step every ``step_every`` microbatches, forwards
+      and backwards at the version before the last).
+    num_stages: pipeline stages.
+    step_every: backwards per step; for 2bw at least ``num_stages`` (the
+      version W(t-1) must exist when minibatch t's first forward runs).
+  """
+
+  name: str
+  num_stages: int
+  step_every: int = 1
+
+  def __post_init__(self):
+    if self.name not in STREAMS:
+      raise ValueError(f"unknown stream {self.name!r}: one of {STREAMS}")
+    if self.num_stages < 1:
+      raise ValueError(f"need >= 1 stage, got {self.num_stages}")
+    if self.step_every < 1:
+      raise ValueError(f"step_every must be >= 1, got {self.step_every}")
+    if self.name == "2bw" and self.step_every < self.num_stages:
+      raise ValueError(
+        f"2bw needs step_every (microbatches per minibatch) >= num_stages "
+        f"({self.num_stages}), got {self.step_every}: stage 0 runs "
+        f"{self.num_stages - 1} forwards ahead of its backwards, so a "
+        "shorter minibatch would need a third weight version"
+      )
+
+  @property
+  def backward_uses_stash(self) -> bool:
+    """Whether B(s, b) runs at F(s, b)'s version whatever the options."""
+    return self.name == "2bw"
+
+  def warmup(self, s: int) -> int:
+    """Forwards stage s runs before its first backward."""
+    return steady_state_delay(self.num_stages, s)
+
+  def stage_actions(
+    self, s: int, fed_before: int, fed: int
+  ) -> tuple[Action, ...]:
+    """Stage s's actions while microbatches ``[fed_before, fed)`` enter
+    the stream: their forwards, each followed (after the warm-up) by the
+    backward 1F1B pairs with it and any step that closes a window."""
+    w = self.warmup(s)
+    out = []
+    for b in range(fed_before, fed):
+      out.append(Action(FORWARD, s, b))
+      if b >= w:
+        out += self._backward(s, b - w)
+    return tuple(out)
+
+  def drain_actions(self, s: int, fed: int) -> tuple[Action, ...]:
+    """Stage s's actions of a flush after ``fed`` microbatches: its
+    pending backwards, then a step for a partial window."""
+    out = []
+    for i in range(max(fed - self.warmup(s), 0), fed):
+      out += self._backward(s, i)
+    if fed % self.step_every:
+      out.append(Action(STEP, s, fed - 1))
+    return tuple(out)
+
+  def _backward(self, s, i):
+    if (i + 1) % self.step_every:
+      return [Action(BACKWARD, s, i)]
+    return [Action(BACKWARD, s, i), Action(STEP, s, i)]
+
+  def steps_before_forward(self, s: int, b: int) -> int:
+    """Steps of the stream stage s has taken when F(s, b) runs."""
+    return max(b - self.warmup(s), 0) // self.step_every
+
+  def delay(self, s: int, b: int) -> int:
+    """Steps between F(s, b) and the step applying b (no flush between)."""
+    return b // self.step_every - self.steps_before_forward(s, b)
+
+  def max_delay(self, s: int) -> int:
+    """The largest delay stage s sees (steady state)."""
+    span = self.warmup(s) + 2 * self.step_every
+    return max(self.delay(s, b) for b in range(span))
+
+  def forward_version(self, s: int, b: int) -> int:
+    """Steps of the stream whose params F(s, b) uses."""
+    if self.name == "2bw":
+      return max(b // self.step_every - 1, 0)
+    return self.steps_before_forward(s, b)
+
+  def schedule(self, calls: tuple[int, ...]) -> Schedule:
+    """The actions of ``step`` calls feeding ``calls[i]`` microbatches
+    each (stage s on device s), then a flush: a finite Schedule to
+    simulate or inspect."""
+    if any(m < 1 for m in calls):
+      raise ValueError(f"every call needs >= 1 microbatch, got {calls}")
+    fed = int(sum(calls))
+    stages = []
+    for s in range(self.num_stages):
+      acts, start = [], 0
+      for m in calls:
+        acts += self.stage_actions(s, start, start + m)
+        start += m
+      acts += self.drain_actions(s, fed)
+      stages.append(acts)
+    version = np.array(
+      [
+        [self.forward_version(s, b) for b in range(fed)]
+        for s in range(self.num_stages)
+      ],
+      np.int64,
+    )
+    return make_schedule(
+      self.name,
+      stages,
+      list(range(self.num_stages)),
+      fed,
+      forward_version=version if self.name == "2bw" else None,
+      backward_uses_stash=self.backward_uses_stash,
+    )
