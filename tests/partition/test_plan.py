@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jpipe import partition
+from jpipe import schedule as jpipe_schedule
 from tests.partition import flax_models
 
 
@@ -59,6 +60,12 @@ def test_plan_round_trips_json_and_builds(mlp):
   )
   assert plan.stage_stash_bytes[-1] == 0.0
   assert plan.stage_stash_bytes[0] == 3 * plan.stage_param_bytes[0]
+  # One formula for the plan's stash and the runtime's delays.
+  stream = jpipe_schedule.Stream("async", plan.num_stages)
+  for s in range(plan.num_stages):
+    delay = partition.steady_state_delay(plan.num_stages, s)
+    assert stream.max_delay(s) == delay
+    assert plan.stage_stash_bytes[s] == delay * plan.stage_param_bytes[s]
   stages = partition.Stages(traced, plan.stage_of_node)
   assert stages.num_stages == 4
 

@@ -78,6 +78,15 @@ def test_every_config_documents_its_run_command_and_result():
     assert "Expected:" in source, name
 
 
+def test_variants_without_stashing_recompute():
+  """A stale / wp / ga variant must not silently stash: its backward
+  recomputes at the current params; ws variants keep residuals."""
+  for variant, recompute in (("stale", True), ("wp+ga", True), ("ws", False)):
+    config = _get_config("wrn_stale", variant)
+    assert config.pipeline.recompute == recompute, variant
+    config_check.check(config)
+
+
 def test_unknown_variant_is_a_clear_error():
   with pytest.raises(ValueError, match="unknown config variant 'wz'"):
     base_config.apply_variant(base_config.base_config(), "wz")

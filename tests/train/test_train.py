@@ -124,6 +124,8 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("staleness.stashing", True, "apply to schedule.name='async' only"),
     ("optimizer.name", "lion", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
+    # async, no stashing, recompute False (the default): it would stash.
+    ("schedule.name", "async", "config.pipeline.recompute: an async"),
   ],
 )
 def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
