@@ -9,12 +9,14 @@ and wp+ga, evaluating every ``--eval_every`` steps (an asynchronous stream
 is flushed there, as the training CLI does), and reports the first step
 that reaches the target.
 
-Wall time is PREDICTED from measured per-action costs: each variant's
-pipeline profiles one compiled step; the event simulator replays the
-schedule with those per-stage costs (gpipe: a flush per call; async: a
-stream, its warm-up paid once per evaluation interval) and gives seconds
-per step. CPU devices share two cores, so measured wall time on this
-machine would only show the cores' contention; on a GPU, time it there.
+Wall time is PREDICTED from measured per-action costs: each stage's
+forward, backward and step are timed one at a time (a ``seq`` twin of the
+variant's pipeline, profiled after compilation; plus one weight
+prediction per forward where the variant predicts) and the event
+simulator replays the variant's schedule with them (gpipe: a flush per
+call; async: a stream whose warm-up is paid once per evaluation
+interval). CPU devices share two cores, so wall time measured here would
+show the cores' contention, not the schedule; on a GPU, time it there.
 
 Writes results/time_to_accuracy.{md,json}.
 
@@ -28,10 +30,12 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from jpipe import schedule as schedule_lib  # noqa: E402
+from jpipe import staleness  # noqa: E402
 from jpipe.train import config_plan, tasks, train_lib  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
@@ -70,33 +74,71 @@ def _config(path, variant, steps):
   return config
 
 
-def seconds_per_step(pipe, state, batch, calls_per_stream):
-  """Predicted seconds per step: the schedule simulated with per-stage
-  costs measured from one profiled, compiled step."""
-  state, metrics = pipe.step(state, batch, profile=True)
+def isolated_costs(config, task, prediction_delay=0):
+  """Median seconds of each stage's forward, backward and step, measured
+  one action at a time: a ``seq`` twin of the pipeline (same model,
+  partition and recomputation; one microbatch in flight, so no two
+  devices compete for the host's cores) profiles a compiled step. With
+  ``prediction_delay``, each forward is charged one weight prediction
+  over that delay (its own program, run before the forward)."""
+  twin = ml_collections.ConfigDict(config.to_dict())
+  twin.schedule.name = "seq"
+  twin.schedule.step_every = 1
+  twin.staleness.stashing = False
+  twin.staleness.prediction = ""
+  twin.staleness.gap_aware = ""
+  twin.pipeline.fuse_last_stage = False
+  lr = train_lib.learning_rate(twin)
+  tx = train_lib.build_optimizer(twin, lr)
+  pipe = train_lib.build_pipeline(twin, task, task.batch_at(0), tx, lr)
+  state = pipe.init(task.params, task.model_state)
+  for step in range(2):
+    state, _ = pipe.step(state, task.batch_at(step))
+  state, metrics = pipe.step(state, task.batch_at(2), profile=True)
   timeline = metrics["timeline"]
   n = pipe.stages.num_stages
   costs = {k: [[] for _ in range(n)] for k in "FBS"}
   for action, start in timeline.start.items():
     costs[action.kind][action.stage].append(timeline.end[action] - start)
-  # A fused last stage's F spans its B (an instant): charge it as F.
-  med = {
-    k: [float(np.median(v)) if v else 0.0 for v in c] for k, c in costs.items()
-  }
-  m = pipe.num_microbatches
-  if pipe.stream is None:
-    sim = schedule_lib.simulate(
-      schedule_lib.build(pipe.schedule_name, n, m),
-      med["F"],
-      med["B"],
-      step_seconds=float(np.mean(med["S"])),
-    )
-    return sim.makespan, state
-  lists = pipe.stream.schedule((m,) * calls_per_stream)
-  sim = schedule_lib.simulate(
-    lists, med["F"], med["B"], step_seconds=float(np.mean(med["S"]))
+  costs = {k: [float(np.median(v)) for v in c] for k, c in costs.items()}
+  if prediction_delay:
+    predictor = staleness.replay_predictor(tx)
+    for s in range(n):
+      opt = pipe.stage_optimizers[s]
+      predict = jax.jit(
+        lambda p, st, opt=opt: predictor(opt.as_dict(p), st, prediction_delay)
+      )
+      args = (state.stage_params[s], opt.base_state(state.opt_states[s]))
+      jax.block_until_ready(predict(*args))
+      t0 = time.perf_counter()
+      for _ in range(5):
+        jax.block_until_ready(predict(*args))
+      costs["F"][s] += (time.perf_counter() - t0) / 5
+  return costs
+
+
+def seconds_per_step(config, costs, calls_per_stream):
+  """Predicted seconds per ``step`` call: the config's schedule simulated
+  with per-stage costs (a stream: its warm-up paid once per evaluation
+  interval, where the loop flushes)."""
+  n = len(costs["F"])
+  m = config.pipeline.num_microbatches
+  step = float(np.mean(costs["S"]))
+  if config.schedule.name not in schedule_lib.STREAMS:
+    lists = schedule_lib.build(config.schedule.name, n, m)
+    return schedule_lib.simulate(
+      lists, costs["F"], costs["B"], step_seconds=step
+    ).makespan
+  stream = schedule_lib.Stream(
+    config.schedule.name, n, config.schedule.step_every
   )
-  return sim.makespan / calls_per_stream, state
+  sim = schedule_lib.simulate(
+    stream.schedule((m,) * calls_per_stream),
+    costs["F"],
+    costs["B"],
+    step_seconds=step,
+  )
+  return sim.makespan / calls_per_stream
 
 
 def run(model, variant):
@@ -123,9 +165,9 @@ def run(model, variant):
         reached = done
         break
   wall = time.perf_counter() - t0
-  per_step, _ = seconds_per_step(
-    pipe, state, task.batch_at(steps), FLAGS.eval_every
-  )
+  delay = pipe.stages.num_stages - 1 if config.staleness.prediction else 0
+  costs = isolated_costs(config, task, delay)
+  per_step = seconds_per_step(config, costs, FLAGS.eval_every)
   return {
     "model": model,
     "variant": variant,
@@ -136,6 +178,7 @@ def run(model, variant):
     "predicted_seconds_to_target": None
     if reached is None
     else reached * per_step,
+    "stage_costs_seconds": costs,
     "cpu_wall_seconds": wall,
     "curve": curve,
   }
