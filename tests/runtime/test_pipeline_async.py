@@ -9,8 +9,6 @@ applies the mean gradient of its window. It keeps every version and uses
 plain optax / jpipe.staleness calls on tuples of leaves, no driver code.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -607,43 +605,6 @@ def test_async_tied_embedding_follows_its_owner(stashing):
   assert pipe.tied.replicas  # the head on the last stage is a replica
   data = jax.tree.map(lambda x: jnp.concatenate([x] * 2), batch)
   _check_against_reference(pipe, params, SGD, opts, (3, 5, "flush"), data)
-
-
-def test_async_on_a_mixed_plan_matches_reference():
-  """Several stages share a device (FTPipe's mixed pipe): the semantics are
-  per stage, so the reference is unchanged."""
-  loss_fn, params, batch = _mlp()
-  devices = jax.devices()[:2]
-  traced = jpipe.partition.trace(loss_fn, params, batch)
-  costs = jpipe.partition.profile_nodes(
-    traced, params, batch, method="analytic"
-  )
-  plan = jpipe.partition.plan_traced(traced, costs, 2, method="contiguous")
-  # Four stages over two devices, alternating (0, 1, 0, 1).
-  bounds = np.linspace(0, traced.num_nodes, 5).astype(int)
-  stage_of_node = np.repeat(np.arange(4), np.diff(bounds)).tolist()
-  plan = dataclasses.replace(
-    plan,
-    method="mixed",
-    stage_of_node=tuple(stage_of_node),
-    stage_devices=((0,), (1,), (0,), (1,)),
-  )
-  opts = {"weight_stashing": True}
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=4,
-    devices=devices,
-    schedule="async",
-    num_microbatches=NUM_MICRO,
-    optimizer=SGD,
-    partition=plan,
-    record_params=True,
-    **opts,
-  )
-  assert len(pipe.device_names) == 2
-  _check_against_reference(pipe, params, SGD, opts, (4, 3, "flush"))
 
 
 def test_async_carries_batchnorm_statistics():
