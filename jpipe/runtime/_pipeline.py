@@ -37,6 +37,7 @@ from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
 from jpipe.runtime._batches import batch_size, place_microbatches
+from jpipe.runtime._calls import CallActions
 from jpipe.runtime._driver import Driver, InFlight
 from jpipe.runtime._flat import FlatLayout
 from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
@@ -49,9 +50,9 @@ from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
 from jpipe.runtime._state_dict import (
-  merge_keyed,
+  merge_optimizer_states,
   restore_structure,
-  select_keyed,
+  select_optimizer_states,
 )
 from jpipe.runtime._tied import TiedParams
 from jpipe.runtime._versions import VersionPolicy
@@ -275,12 +276,16 @@ class Pipeline:
     self.stream = None
     if schedule in ASYNCHRONOUS:
       self.stream = schedule_lib.Stream(schedule, n, step_every)
-      self.schedule = self.stream
-    else:
-      self.schedule = self._synchronous_schedule(num_microbatches)
-    self._fuse = fuse_last_stage
-    self._output_free = tuple(not spec.outputs for spec in self.stages.specs)
-    self._calls: dict[tuple, tuple] = {}  # cached action lists and order
+    self.calls = CallActions(
+      schedule,
+      self.stream,
+      n,
+      self._schedule_device,
+      output_free=tuple(not spec.outputs for spec in self.stages.specs),
+      fuse=fuse_last_stage,
+    )
+    # The Stream, or the synchronous Schedule of num_microbatches.
+    self.schedule = self.stream or self.calls.synchronous(num_microbatches)
 
     # -- Stage programs, tied params, optimizers, version policy ---------
     param_avals = self.traced.closed_jaxpr.in_avals
@@ -347,68 +352,13 @@ class Pipeline:
 
   # -- Action lists of a call ----------------------------------------------
 
-  def _synchronous_schedule(self, m: int) -> schedule_lib.Schedule:
-    """The synchronous schedule of a call of m microbatches, on the
-    schedule's devices."""
-    if self.schedule_name == "interleaved":
-      return schedule_lib.interleaved(self._schedule_device, m)
-    built = schedule_lib.build(self.schedule_name, self.stages.num_stages, m)
-    if self._schedule_device == built.stage_device:
-      return built
-    lists = schedule_lib.place(
-      built.name, _stage_lists(built), self._schedule_device
-    )
-    return schedule_lib.make_schedule(
-      built.name, lists.device_actions, self._schedule_device, m
-    )
-
   def call_actions(
     self, state: PipelineState, num_microbatches: int | None
   ) -> schedule_lib.ActionLists:
     """The action lists the next ``step`` with ``num_microbatches`` (None:
     the next ``flush``) would run from ``state``, per schedule device."""
     fed = state.in_flight.fed if state.in_flight else 0
-    return self._call_actions(fed, num_microbatches)[0]
-
-  def _call_actions(self, fed: int, m: int | None):
-    """(action lists, issue order, fusable pairs) of a call feeding m
-    microbatches after ``fed`` (a flush: m None), cached: a stream's
-    steady-state calls repeat with shifted microbatch indices."""
-    n = self.stages.num_stages
-    start = fed
-    if self.stream is not None and fed >= n - 1:
-      # Past every warm-up a call depends on fed only through the step
-      # windows: build it at the first such point, shift the indices.
-      start = fed - (fed - (n - 1)) // self.stream.step_every * (
-        self.stream.step_every
-      )
-    shift = fed - start
-    key = (m, start)
-    if key not in self._calls:
-      if self.stream is None:
-        lists = self._synchronous_schedule(m)
-      else:
-        per_stage = [
-          self.stream.drain_actions(s, start)
-          if m is None
-          else self.stream.stage_actions(s, start, start + m)
-          for s in range(n)
-        ]
-        lists = schedule_lib.place(
-          self.stream.name, per_stage, self._schedule_device
-        )
-      fused = frozenset()
-      if self._fuse:
-        fused = schedule_lib.fusable_pairs(lists, self._output_free)
-      self._calls[key] = (lists, schedule_lib.issue_order(lists), fused)
-    lists, order, fused = self._calls[key]
-    if not shift:
-      return lists, order, fused
-    return (
-      _shifted_lists(lists, shift),
-      tuple(_shifted(a, shift) for a in order),
-      frozenset((s, b + shift) for s, b in fused),
-    )
+    return self.calls(fed, num_microbatches).lists
 
   # -- State -----------------------------------------------------------------
 
@@ -489,23 +439,9 @@ class Pipeline:
       microbatch needs saving.
     """
     self._check_drained(state, "state_dict")
-    base = [
-      jax.device_get(opt.base_state(st))
-      for opt, st in zip(self.stage_optimizers, state.opt_states, strict=True)
-    ]
-    merged = merge_keyed(base)
-    ga_states = [
-      jax.device_get(st)
-      for opt, st in zip(self.stage_optimizers, state.opt_states, strict=True)
-      if opt.gap_aware
-    ]
-    gap = {}
-    if ga_states:
-      gap = {
-        "sq_avg": {k: v for st in ga_states for k, v in st.sq_avg.items()},
-        "count": ga_states[0].count,
-        "max_learning_rate": ga_states[0].max_learning_rate,
-      }
+    merged, gap = merge_optimizer_states(
+      self.stage_optimizers, state.opt_states
+    )
     return {
       "params": self.gather_params(state),
       "opt_state": merged,
@@ -551,26 +487,15 @@ class Pipeline:
     if model_state is not None:
       model_state = restore_structure(model_state, self._state_treedef)
     base = self.init(params, model_state)
-    stage_params, opt_states = base.stage_params, []
-    for s, opt in enumerate(self.stage_optimizers):
-      fresh = base.opt_states[s]
-      loaded = select_keyed(
-        tree["opt_state"], opt.base_state(jax.device_get(fresh))
+    stage_params = base.stage_params
+    opt_states = [
+      place.put_replicated(loaded)
+      for place, loaded in zip(
+        self.placement,
+        select_optimizer_states(tree, self.stage_optimizers, base.opt_states),
+        strict=True,
       )
-      if opt.gap_aware:
-        gap = tree.get("gap_aware") or {}
-        sq = {
-          k: gap.get("sq_avg", {}).get(k, v) for k, v in fresh.sq_avg.items()
-        }
-        loaded = fresh._replace(
-          inner_state=loaded,
-          sq_avg=sq,
-          count=gap.get("count", fresh.count),
-          max_learning_rate=gap.get(
-            "max_learning_rate", fresh.max_learning_rate
-          ),
-        )
-      opt_states.append(self.placement[s].put_replicated(loaded))
+    ]
     return self._state(
       stage_params, opt_states, int(tree["step"]), base.model_state
     )
@@ -628,16 +553,16 @@ class Pipeline:
 
   def _run(self, state, fed, m, batches, profile):
     """One driver call: m microbatches after ``fed`` (None: a flush)."""
-    lists, order, fused = self._call_actions(fed, m)
-    profiler = ActionProfiler(lists) if profile else None
+    call = self.calls(fed, m)
+    profiler = ActionProfiler(call.lists) if profile else None
     flight = state.in_flight or InFlight.start(state.stage_params)
     if self.stream is None:
       cotangent = 1.0 / m
     else:  # A window's mean (a short one is rescaled at its step).
       cotangent = 1.0 / self.stream.step_every
     out = self.driver.run(
-      order,
-      fused,
+      call.order,
+      call.fused,
       stage_params=state.stage_params,
       opt_states=state.opt_states,
       model_state=state.model_state,
@@ -718,32 +643,3 @@ def _check_state_output(traced, state_treedef):
       "(loss, new_model_state) with new_model_state structured like "
       "model_state"
     )
-
-
-def _stage_lists(schedule):
-  """Per-stage action lists of a schedule (each stage's own order)."""
-  return [
-    [
-      a
-      for a in schedule.device_actions[schedule.stage_device[s]]
-      if a.stage == s
-    ]
-    for s in range(schedule.num_stages)
-  ]
-
-
-def _shifted(action, shift):
-  return schedule_lib.Action(
-    action.kind, action.stage, action.microbatch + shift
-  )
-
-
-def _shifted_lists(lists, shift):
-  return schedule_lib.ActionLists(
-    lists.name,
-    lists.num_stages,
-    lists.stage_device,
-    tuple(
-      tuple(_shifted(a, shift) for a in acts) for acts in lists.device_actions
-    ),
-  )

@@ -5,7 +5,7 @@ global leaf path (see ``_stage_optimizer``), so merging the stages is a
 key-wise union and any partition can select its keys back.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -92,3 +92,51 @@ def restore_structure(tree, treedef):
       f"{treedef.num_leaves}: it was saved for another model"
     )
   return jax.tree.unflatten(treedef, leaves)
+
+
+def merge_optimizer_states(optimizers, opt_states) -> tuple[dict, dict]:
+  """Stage optimizer states -> (the whole model's optimizer state, the
+  Gap-Aware statistics ``{"sq_avg": {path: array}, "count",
+  "max_learning_rate"}`` of Gap-Aware stages' leaves, {} without), on the
+  host."""
+  base = [
+    jax.device_get(opt.base_state(st))
+    for opt, st in zip(optimizers, opt_states, strict=True)
+  ]
+  ga_states = [
+    jax.device_get(st)
+    for opt, st in zip(optimizers, opt_states, strict=True)
+    if opt.gap_aware
+  ]
+  gap = {}
+  if ga_states:
+    gap = {
+      "sq_avg": {k: v for st in ga_states for k, v in st.sq_avg.items()},
+      "count": ga_states[0].count,
+      "max_learning_rate": ga_states[0].max_learning_rate,
+    }
+  return merge_keyed(base), gap
+
+
+def select_optimizer_states(
+  tree: Mapping, optimizers, fresh_states: Sequence
+) -> list:
+  """Each stage's optimizer state from a state dict's "opt_state" and
+  "gap_aware" (host arrays, structured like ``fresh_states``). Gap-Aware
+  statistics of leaves saved off a Gap-Aware stage start fresh."""
+  out = []
+  for opt, fresh in zip(optimizers, fresh_states, strict=True):
+    loaded = select_keyed(
+      tree["opt_state"], opt.base_state(jax.device_get(fresh))
+    )
+    if opt.gap_aware:
+      gap = tree.get("gap_aware") or {}
+      sq = {k: gap.get("sq_avg", {}).get(k, v) for k, v in fresh.sq_avg.items()}
+      loaded = fresh._replace(
+        inner_state=loaded,
+        sq_avg=sq,
+        count=gap.get("count", fresh.count),
+        max_learning_rate=gap.get("max_learning_rate", fresh.max_learning_rate),
+      )
+    out.append(loaded)
+  return out

@@ -42,10 +42,8 @@ def _run(case, schedule, fuse, **kwargs):
 
 def _fused_pairs(pipe, state):
   """The (stage, microbatch) pairs the next call fuses."""
-  if not pipe._fuse:
-    return frozenset()
-  lists = pipe.call_actions(state, pipe.num_microbatches)
-  return schedule_lib.fusable_pairs(lists, pipe._output_free)
+  fed = state.in_flight.fed if state.in_flight else 0
+  return pipe.calls(fed, pipe.num_microbatches).fused
 
 
 @pytest.mark.parametrize(

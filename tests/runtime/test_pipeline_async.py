@@ -321,15 +321,15 @@ def test_steady_state_delay_is_n_minus_1_minus_s_across_calls():
   # A call of m microbatches in steady state: m forwards and m backwards
   # per stage, whatever m and wherever the call starts.
   for fed, m in ((5, 1), (7, 4), (11, 16)):
-    lists, _, _ = pipe._call_actions(fed, m)
+    lists = pipe.calls(fed, m).lists
     for s in range(NUM_STAGES):
       own = [a for acts in lists.device_actions for a in acts if a.stage == s]
       assert sum(a.kind == "F" for a in own) == m
       assert sum(a.kind == "B" for a in own) == m
       assert sum(a.kind == "S" for a in own) == m
   # Concatenating calls of any sizes gives the same per-stage stream.
-  whole = pipe._call_actions(0, 12)[0]
-  parts = [pipe._call_actions(f, m)[0] for f, m in ((0, 2), (2, 7), (9, 3))]
+  whole = pipe.calls(0, 12).lists
+  parts = [pipe.calls(f, m).lists for f, m in ((0, 2), (2, 7), (9, 3))]
   for d in range(NUM_STAGES):
     joined = [a for p in parts for a in p.device_actions[d]]
     assert joined == list(whole.device_actions[d])

@@ -1,0 +1,120 @@
+"""What one ``step`` or ``flush`` call runs: action lists, issue order and
+fusable pairs, mapped onto the pipeline's devices and cached.
+
+A synchronous call is its schedule for the call's microbatch count. An
+asynchronous call is a segment of the stream: per stage, the actions the
+fed microbatches make possible (``Stream.stage_actions``), or a flush's
+drain. Past every stage's warm-up a segment depends on how many
+microbatches were fed only through the step windows, so steady-state calls
+are built once and reused with shifted microbatch indices.
+"""
+
+import dataclasses
+
+from jpipe import schedule as schedule_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One call's work.
+
+  Attributes:
+    lists: per schedule device, its actions in order.
+    order: every action, in one order that respects the lists and the
+      data dependencies (the driver dispatches in it).
+    fused: ``(stage, microbatch)`` pairs whose backward may run with the
+      forward as one program.
+  """
+
+  lists: schedule_lib.ActionLists
+  order: tuple[schedule_lib.Action, ...]
+  fused: frozenset
+
+  def shifted(self, shift: int) -> "Call":
+    """The same call ``shift`` microbatches later in the stream."""
+    if not shift:
+      return self
+
+    def move(a):
+      return schedule_lib.Action(a.kind, a.stage, a.microbatch + shift)
+
+    lists = self.lists
+    return Call(
+      schedule_lib.ActionLists(
+        lists.name,
+        lists.num_stages,
+        lists.stage_device,
+        tuple(tuple(map(move, acts)) for acts in lists.device_actions),
+      ),
+      tuple(map(move, self.order)),
+      frozenset((s, b + shift) for s, b in self.fused),
+    )
+
+
+class CallActions:
+  """Builds (and caches) the ``Call`` of a pipeline's calls.
+
+  Args:
+    name: the schedule's name.
+    stream: the asynchronous stream, or None (synchronous).
+    num_stages: pipeline stages.
+    stage_device: each stage's schedule device (stages sharing a device
+      are interleaved in the order of their ideal timeline).
+    output_free: per stage, whether no other stage reads its values (its
+      backward may then fuse with its forward).
+    fuse: whether to fuse such pairs at all.
+  """
+
+  def __init__(
+    self, name, stream, num_stages, stage_device, *, output_free, fuse
+  ):
+    self.name = name
+    self.stream = stream
+    self.num_stages = num_stages
+    self.stage_device = tuple(stage_device)
+    self.output_free = tuple(output_free)
+    self.fuse = fuse
+    self._cache: dict[tuple, Call] = {}
+
+  def __call__(self, fed: int, m: int | None) -> Call:
+    """The call feeding m microbatches after ``fed`` (m None: a flush)."""
+    start = fed
+    if self.stream is not None and fed >= self.num_stages - 1:
+      k = self.stream.step_every
+      start = fed - (fed - (self.num_stages - 1)) // k * k
+    key = (m, start)
+    if key not in self._cache:
+      if self.stream is None:
+        lists = self.synchronous(m)
+      else:
+        lists = schedule_lib.place(
+          self.name,
+          [
+            self.stream.drain_actions(s, start)
+            if m is None
+            else self.stream.stage_actions(s, start, start + m)
+            for s in range(self.num_stages)
+          ],
+          self.stage_device,
+        )
+      fused = frozenset()
+      if self.fuse:
+        fused = schedule_lib.fusable_pairs(lists, self.output_free)
+      self._cache[key] = Call(lists, schedule_lib.issue_order(lists), fused)
+    return self._cache[key].shifted(fed - start)
+
+  def synchronous(self, m: int) -> schedule_lib.Schedule:
+    """The synchronous schedule of m microbatches on the devices."""
+    if self.name == "interleaved":
+      return schedule_lib.interleaved(self.stage_device, m)
+    built = schedule_lib.build(self.name, self.num_stages, m)
+    if self.stage_device == built.stage_device:
+      return built
+    per_stage = [
+      [a for a in built.device_actions[built.stage_device[s]] if a.stage == s]
+      for s in range(self.num_stages)
+    ]
+    lists = schedule_lib.place(built.name, per_stage, self.stage_device)
+    return schedule_lib.make_schedule(
+      built.name, lists.device_actions, self.stage_device, m
+    )
