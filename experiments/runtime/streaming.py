@@ -1,9 +1,9 @@
 r"""Bubble of synchronous and streaming schedules, from measured stage costs.
 
 A 4-stage GPT-style pipeline is compiled, run, and one ``step`` profiled
-(the same compiled programs as every other step); each stage's mean
-forward, backward and step times are read off that measured timeline and
-fed to the event simulator (``jpipe.schedule.simulate``), which replays 50
+(the same compiled programs as every other step) under ``seq``, so each
+action is timed alone; each stage's median forward, backward and step
+times are read off that measured timeline and fed to the event simulator (``jpipe.schedule.simulate``), which replays 50
 ``step`` calls of m microbatches each for every schedule: gpipe and 1f1b
 flush at the end of every call, async and 2bw stream across calls and
 flush once at the end. A stream's warm-up and drain are paid once, so its
@@ -30,6 +30,7 @@ import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import jpipe  # noqa: E402
+from experiments.runtime import stage_costs  # noqa: E402
 from jpipe import schedule as schedule_lib  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 
@@ -40,9 +41,8 @@ MICROBATCHES = (1, 4, 16)
 
 
 def measured_stage_costs(num_stages=STAGES, num_microbatches=8):
-  """Mean forward, backward and step seconds per stage, from a profiled
-  step of an asynchronous GPT pipeline (the last stage unfused, so its
-  forward and backward are separate actions)."""
+  """Median forward, backward and step seconds per stage of a GPT
+  pipeline, each action timed alone (``stage_costs.py``)."""
   model = gpt.Model(vocab_size=256, width=64, num_layers=6, num_heads=4)
   tokens = jax.random.randint(
     jax.random.key(0), (2 * num_microbatches, 33), 0, 256
@@ -61,21 +61,14 @@ def measured_stage_costs(num_stages=STAGES, num_microbatches=8):
     tokens,
     num_stages=num_stages,
     devices=jax.devices()[:num_stages],
-    schedule="async",
+    schedule="seq",
     num_microbatches=num_microbatches,
     optimizer=optax.adamw(1e-3),
     recompute=True,
     fuse_last_stage=False,
   )
   state = pipe.init(params)
-  for _ in range(3):  # Compile every program, reach the steady state.
-    state, _ = pipe.step(state, tokens)
-  state, metrics = pipe.step(state, tokens, profile=True)
-  timeline = metrics["timeline"]
-  costs = {kind: [[] for _ in range(num_stages)] for kind in "FBS"}
-  for action, start in timeline.start.items():
-    costs[action.kind][action.stage].append(timeline.end[action] - start)
-  return {k: [float(np.median(v)) for v in per] for k, per in costs.items()}
+  return stage_costs.isolated_stage_costs(pipe, state, [tokens] * 6)
 
 
 def repeated_calls(schedule, calls):

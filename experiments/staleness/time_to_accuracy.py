@@ -34,6 +34,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from experiments.runtime import stage_costs  # noqa: E402
 from jpipe import schedule as schedule_lib  # noqa: E402
 from jpipe import staleness  # noqa: E402
 from jpipe.train import config_plan, tasks, train_lib  # noqa: E402
@@ -42,7 +43,9 @@ OUT = os.path.join(os.path.dirname(__file__), "results")
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["wrn", "gpt"], "Which configs to run.")
 flags.DEFINE_list(
-  "variants", ["gpipe", "ws", "wp", "ws+wp", "wp+ga"], "Schedules/mitigations."
+  "variants",
+  ["gpipe", "ws", "wp", "ws+wp", "wp+ga", "ws-k4"],
+  "Schedules/mitigations; -kN: a step every N backwards.",
 )
 flags.DEFINE_integer("eval_every", 10, "Steps between evaluations.")
 
@@ -54,6 +57,9 @@ MODELS = {
 
 
 def _config(path, variant, steps):
+  """The model's config with a variant: gpipe, ws, wp, ws+wp, wp+ga, and
+  "-kN" for a step every N backwards (FTPipe's step_every)."""
+  variant, _, every = variant.partition("-k")
   spec = f"{path}:{variant}" if "wrn" in path else path
   config = config_plan.load_config_file(spec)
   config.unlock()
@@ -69,18 +75,23 @@ def _config(path, variant, steps):
     config.staleness.stashing = apply["stashing"]
     config.staleness.prediction = apply["prediction"]
     config.staleness.gap_aware = "ga" if "ga" in variant else ""
-    config.pipeline.recompute = not apply["stashing"]
+    # Only a stale async pipeline needs to recompute (no stashing);
+    # gpipe and ws keep residuals, as the WRN variants do.
+    config.pipeline.recompute = (
+      apply["name"] == "async" and not apply["stashing"]
+    )
+  if every:
+    config.schedule.step_every = int(every)
+    config.staleness.gap_aware = ""  # (Gap-Aware needs step_every 1.)
   config.train.steps = steps
   return config
 
 
 def isolated_costs(config, task, prediction_delay=0):
-  """Median seconds of each stage's forward, backward and step, measured
-  one action at a time: a ``seq`` twin of the pipeline (same model,
-  partition and recomputation; one microbatch in flight, so no two
-  devices compete for the host's cores) profiles a compiled step. With
-  ``prediction_delay``, each forward is charged one weight prediction
-  over that delay (its own program, run before the forward)."""
+  """Per-stage forward, backward and step seconds of the variant, each
+  action timed alone (``experiments/runtime/stage_costs.py``) on a
+  ``seq`` twin of its pipeline (same model, partition, recomputation);
+  with ``prediction_delay``, each forward is charged one prediction."""
   twin = ml_collections.ConfigDict(config.to_dict())
   twin.schedule.name = "seq"
   twin.schedule.step_every = 1
@@ -92,29 +103,14 @@ def isolated_costs(config, task, prediction_delay=0):
   tx = train_lib.build_optimizer(twin, lr)
   pipe = train_lib.build_pipeline(twin, task, task.batch_at(0), tx, lr)
   state = pipe.init(task.params, task.model_state)
-  for step in range(2):
-    state, _ = pipe.step(state, task.batch_at(step))
-  state, metrics = pipe.step(state, task.batch_at(2), profile=True)
-  timeline = metrics["timeline"]
-  n = pipe.stages.num_stages
-  costs = {k: [[] for _ in range(n)] for k in "FBS"}
-  for action, start in timeline.start.items():
-    costs[action.kind][action.stage].append(timeline.end[action] - start)
-  costs = {k: [float(np.median(v)) for v in c] for k, c in costs.items()}
-  if prediction_delay:
-    predictor = staleness.replay_predictor(tx)
-    for s in range(n):
-      opt = pipe.stage_optimizers[s]
-      predict = jax.jit(
-        lambda p, st, opt=opt: predictor(opt.as_dict(p), st, prediction_delay)
-      )
-      args = (state.stage_params[s], opt.base_state(state.opt_states[s]))
-      jax.block_until_ready(predict(*args))
-      t0 = time.perf_counter()
-      for _ in range(5):
-        jax.block_until_ready(predict(*args))
-      costs["F"][s] += (time.perf_counter() - t0) / 5
-  return costs
+  predictor = staleness.replay_predictor(tx) if prediction_delay else None
+  return stage_costs.isolated_stage_costs(
+    pipe,
+    state,
+    [task.batch_at(i) for i in range(6)],
+    predictor=predictor,
+    delay=prediction_delay,
+  )
 
 
 def seconds_per_step(config, costs, calls_per_stream):

@@ -188,6 +188,8 @@ class Driver:
     call = _Call(self, stage_params, opt_states, model_state, in_flight)
     call.batches, call.fused, call.profiler = batches, fused, profiler
     call.loss_cotangent = loss_cotangent
+    # Synchronous steps wait for every backward (tied gradients are
+    # summed over all stages first).
     deferred_steps = []
     for action in order:
       if action.kind == FORWARD:
@@ -208,6 +210,10 @@ class _Call:
   call produces. Its methods are the driver's action kinds."""
 
   def __init__(self, driver, stage_params, opt_states, model_state, flight):
+    # The run's inputs (set by Driver.run): this call's placed
+    # microbatches, fusable pairs, profiler and loss cotangent.
+    self.batches, self.fused, self.profiler = {}, frozenset(), None
+    self.loss_cotangent = 1.0
     self.d = driver
     self.params = list(stage_params)
     self.opt_states = list(opt_states)
@@ -230,8 +236,6 @@ class _Call:
     self.losses = []
     self.used = {} if driver.record_params else None
     self.peak = [self._held(s) for s in range(len(self.params))]
-    self.batches, self.fused, self.profiler = {}, frozenset(), None
-    self.loss_cotangent = 1.0
 
   # -- action kinds ------------------------------------------------------
 

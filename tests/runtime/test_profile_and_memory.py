@@ -84,6 +84,10 @@ def test_weight_versions_held_follow_the_d_plus_one_model(kwargs, expected):
   for _ in range(3):  # The stream's steady state holds as many.
     state, metrics = pipe.step(state, batch)
     assert metrics["param_versions"] == expected
+    # Between calls stage s keeps its d = n - 1 - s in-flight microbatches'
+    # inputs (d + 1 at most while one more runs): PipeDream's 1F1B bound.
+    saved = [s for s, _ in state.in_flight.saved]
+    assert [saved.count(s) for s in range(3)] == [2, 1, 0]
 
 
 def _compiled(pipe) -> dict:
