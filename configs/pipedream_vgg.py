@@ -14,7 +14,7 @@ gpipe):
 The pipeline streams (no drain between steps; only at evaluations and
 checkpoints, every 100 steps): stage s of 4 sees delay 3 - s.
 
-Expected (re-measured 2026-11-23, one run each): test accuracy after 300
+Expected: (re-measured 2026-11-23, one run each) test accuracy after 300
 steps ws 96.4%, stale 94.4%, 1f1b 97.5%, 2bw 70.3% (2BW steps once per 4
 microbatches on a gradient one minibatch old: VGG, without normalisation,
 leaves its initial plateau later -- 33% at step 200); about 60 seconds on

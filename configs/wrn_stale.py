@@ -15,7 +15,7 @@ The pipeline streams: stage s of 4 sees delay 3 - s on every microbatch
 after the warm-up (the stream drains only at evaluations and checkpoints,
 every 100 steps). Variants without ws recompute in the backward.
 
-Expected (re-measured 2026-11-23, one run each): test accuracy after 300
+Expected: (re-measured 2026-11-23, one run each) test accuracy after 300
 steps stale 99.2%, ws 98.9%, wp 99.7%, ws+wp 91.7% (99.7% at step 200:
 the 360-image test set swings with BatchNorm statistics), gpipe 98.6%;
 35-45 seconds on 2 CPU cores. With CIFAR-10 prepared by TFDS:
