@@ -1,4 +1,5 @@
-"""Per-stage action costs measured one action at a time.
+"""Per-stage action costs measured one action at a time, and the
+simulated timeline of a run of calls with them.
 
 Fake CPU devices share the host's cores, so an action timed while other
 devices run is slowed by them; and a synchronous step's measured time also
@@ -14,6 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jpipe import schedule as schedule_lib
 
 
 def _median_seconds(fn, repeats=9) -> float:
@@ -69,3 +72,37 @@ def isolated_stage_costs(pipe, state, batches, predictor=None, delay=0):
       predicted = functools.partial(predict, params, opt_state)
       costs["F"][s] += _median_seconds(predicted)
   return costs
+
+
+def simulate_calls(name, num_stages, m, calls, costs, step_every=1):
+  """The event simulator's timeline of ``calls`` ``step`` calls of m
+  microbatches with per-stage ``costs`` (``isolated_stage_costs``).
+
+  A synchronous schedule flushes every call; nothing else separates the
+  calls, since the driver dispatches asynchronously (a device starts the
+  next call's work once its own inputs are there). ``async`` / ``2bw``
+  are one stream (``step_every``: backwards per step / microbatches per
+  minibatch) drained after the last call.
+  """
+  if name in schedule_lib.STREAMS:
+    lists = schedule_lib.Stream(name, num_stages, step_every).schedule(
+      (m,) * calls
+    )
+  else:
+    one = schedule_lib.build(name, num_stages, m)
+    lists = schedule_lib.ActionLists(
+      one.name,
+      one.num_stages,
+      one.stage_device,
+      tuple(
+        tuple(
+          schedule_lib.Action(a.kind, a.stage, a.microbatch + c * m)
+          for c in range(calls)
+          for a in acts
+        )
+        for acts in one.device_actions
+      ),
+    )
+  return schedule_lib.simulate(
+    lists, costs["F"], costs["B"], step_seconds=float(np.mean(costs["S"]))
+  )

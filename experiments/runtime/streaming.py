@@ -31,7 +31,6 @@ from absl import app, flags  # noqa: E402
 
 import jpipe  # noqa: E402
 from experiments.runtime import stage_costs  # noqa: E402
-from jpipe import schedule as schedule_lib  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
@@ -71,25 +70,6 @@ def measured_stage_costs(num_stages=STAGES, num_microbatches=8):
   return stage_costs.isolated_stage_costs(pipe, state, [tokens] * 6)
 
 
-def repeated_calls(schedule, calls):
-  """A synchronous schedule run ``calls`` times (a flush each), as one
-  list per device with microbatch indices offset per call."""
-  m = schedule.num_microbatches
-  return schedule_lib.ActionLists(
-    schedule.name,
-    schedule.num_stages,
-    schedule.stage_device,
-    tuple(
-      tuple(
-        schedule_lib.Action(a.kind, a.stage, a.microbatch + c * m)
-        for c in range(calls)
-        for a in acts
-      )
-      for acts in schedule.device_actions
-    ),
-  )
-
-
 def equalised(costs):
   """Every stage at the mean stage cost: the schedule's own bubble,
   without the partition's imbalance."""
@@ -105,16 +85,10 @@ def imbalance_floor(costs):
 
 
 def simulated(name, m, calls, costs):
-  """The simulated timeline of ``calls`` calls of m microbatches."""
-  n = STAGES
-  if name in ("gpipe", "1f1b"):
-    lists = repeated_calls(schedule_lib.build(name, n, m), calls)
-  else:  # 2bw: minibatches of n microbatches, whatever the call size.
-    step_every = 1 if name == "async" else n
-    lists = schedule_lib.Stream(name, n, step_every).schedule((m,) * calls)
-  return schedule_lib.simulate(
-    lists, costs["F"], costs["B"], step_seconds=float(np.mean(costs["S"]))
-  )
+  """The simulated timeline of ``calls`` calls of m microbatches (2bw:
+  minibatches of ``STAGES`` microbatches, whatever the call size)."""
+  step_every = STAGES if name == "2bw" else 1
+  return stage_costs.simulate_calls(name, STAGES, m, calls, costs, step_every)
 
 
 def main(argv):

@@ -31,11 +31,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from experiments.runtime import stage_costs  # noqa: E402
-from jpipe import schedule as schedule_lib  # noqa: E402
 from jpipe import staleness  # noqa: E402
 from jpipe.train import config_plan, tasks, train_lib  # noqa: E402
 
@@ -113,28 +111,19 @@ def isolated_costs(config, task, prediction_delay=0):
   )
 
 
-def seconds_per_step(config, costs, calls_per_stream):
+def seconds_per_step(config, costs, calls):
   """Predicted seconds per ``step`` call: the config's schedule simulated
-  with per-stage costs (a stream: its warm-up paid once per evaluation
-  interval, where the loop flushes)."""
-  n = len(costs["F"])
-  m = config.pipeline.num_microbatches
-  step = float(np.mean(costs["S"]))
-  if config.schedule.name not in schedule_lib.STREAMS:
-    lists = schedule_lib.build(config.schedule.name, n, m)
-    return schedule_lib.simulate(
-      lists, costs["F"], costs["B"], step_seconds=step
-    ).makespan
-  stream = schedule_lib.Stream(
-    config.schedule.name, n, config.schedule.step_every
+  over ``calls`` calls with per-stage costs (a stream: its warm-up paid
+  once per evaluation interval, where the loop flushes)."""
+  timeline = stage_costs.simulate_calls(
+    config.schedule.name,
+    len(costs["F"]),
+    config.pipeline.num_microbatches,
+    calls,
+    costs,
+    config.schedule.step_every,
   )
-  sim = schedule_lib.simulate(
-    stream.schedule((m,) * calls_per_stream),
-    costs["F"],
-    costs["B"],
-    step_seconds=step,
-  )
-  return sim.makespan / calls_per_stream
+  return timeline.makespan / calls
 
 
 def run(model, variant):
