@@ -143,18 +143,20 @@ class Stream:
         start += m
       acts += self.drain_actions(s, fed)
       stages.append(acts)
-    version = np.array(
-      [
-        [self.forward_version(s, b) for b in range(fed)]
-        for s in range(self.num_stages)
-      ],
-      np.int64,
-    )
+    version = None  # async: the steps taken, as make_schedule counts them
+    if self.name == "2bw":  # 2BW pins each forward to W(t-1).
+      version = np.array(
+        [
+          [self.forward_version(s, b) for b in range(fed)]
+          for s in range(self.num_stages)
+        ],
+        np.int64,
+      )
     return make_schedule(
       self.name,
       stages,
       list(range(self.num_stages)),
       fed,
-      forward_version=version if self.name == "2bw" else None,
+      forward_version=version,
       backward_uses_stash=self.backward_uses_stash,
     )

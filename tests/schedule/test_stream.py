@@ -1,7 +1,5 @@
 """The asynchronous stream: call boundaries, delays, flushes, ordering."""
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -105,7 +103,7 @@ def test_action_kinds_are_their_letters():
     assert kind == letter and hash(kind) == hash(letter)
     assert sc.Action(kind, 0, 1) == sc.Action(letter, 0, 1)
     assert {sc.Action(letter, 0, 1): 1}[sc.Action(kind, 0, 1)] == 1
-  assert list(itertools.islice(sc.ActionKind, 3)) == [
+  assert list(sc.ActionKind) == [
     sc.FORWARD,
     sc.BACKWARD,
     sc.STEP,
