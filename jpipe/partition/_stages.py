@@ -103,6 +103,11 @@ class Stages:
     self._pullback_layout: dict[int, Any] = {}
     self.residual_policy = residual_policy
 
+  def differentiable_inputs(self, s: int) -> tuple[bool, ...]:
+    """Per input of stage s, whether its backward returns a cotangent for
+    it (inexact dtypes; None for the others)."""
+    return self._diff[s]
+
   # -- pure stage functions ------------------------------------------------
 
   def forward(self, s: int, params, batch, acts):

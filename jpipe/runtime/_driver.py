@@ -5,11 +5,23 @@ and never waits: JAX dispatches asynchronously, so the devices run
 concurrently while the host moves on. What a call leaves unfinished -- an
 asynchronous stream's in-flight microbatches -- is returned in an
 ``InFlight`` and picked up by the next call.
+
+Across processes every process walks the same order: it computes the
+actions of the stages it runs and, for the others, only makes the moves
+its stages take part in (``_transport.py``): sending what they produced,
+receiving what they read. Activations move at their reader's forward,
+cotangents at the backward that computes them (also when that backward ran
+fused with its forward), model-state leaves when they are produced, tied
+values and gradients at the holder's forward and step. Counters (forwards,
+steps, pending microbatches) are kept for every stage in every process.
 """
 
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime._placement import StagePlacement
@@ -17,6 +29,7 @@ from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer
 from jpipe.runtime._tied import TiedParams
+from jpipe.runtime._transport import Transport
 from jpipe.runtime._versions import VersionPolicy
 
 FORWARD, BACKWARD, STEP = schedule_lib.ActionKind
@@ -96,7 +109,8 @@ class CallResult:
   Attributes:
     stage_params, opt_states, model_state: the new values.
     in_flight: the stream's state for the next call.
-    losses: the loss of every microbatch whose forward ran in the call.
+    loss: the mean loss of the microbatches whose forward ran in the
+      call, on every process (None if no forward ran).
     param_versions: per stage, the most param versions held at once.
     used_params: ``(kind, stage, b) -> params`` every F and B used (when
       recording; kind "F" or "B").
@@ -106,7 +120,7 @@ class CallResult:
   opt_states: list
   model_state: list
   in_flight: InFlight
-  losses: list
+  loss: Any
   param_versions: list
   used_params: dict | None
 
@@ -121,6 +135,7 @@ class Driver:
     optimizers: each stage's ``StageOptimizer``.
     policy: the weight-version policy.
     tied: tied-parameter ownership.
+    transport: moves values between stages (and processes).
     stream: the asynchronous stream rule, or None (synchronous: the steps
       come after every action, with tied gradients summed).
     num_batch_leaves: leaves of a batch (model-state leaves follow them
@@ -136,6 +151,7 @@ class Driver:
     optimizers: Sequence[StageOptimizer],
     policy: VersionPolicy,
     tied: TiedParams,
+    transport: Transport,
     stream: schedule_lib.Stream | None,
     *,
     num_batch_leaves: int,
@@ -147,6 +163,7 @@ class Driver:
     self.optimizers = tuple(optimizers)
     self.policy = policy
     self.tied = tied
+    self.transport = transport
     self.stream = stream
     self.num_batch_leaves = num_batch_leaves
     self.record_params = record_params
@@ -157,6 +174,25 @@ class Driver:
     for spec in stages.specs:
       for v in spec.inputs:
         self.readers[v] = self.readers.get(v, 0) + 1
+    self.avals = stages.traced.closed_jaxpr.in_avals
+    # Model-state leaf i: its aval, and per process other than its
+    # producer's, the first stage there that reads it (it is sent there
+    # whenever the producer updates it).
+    first_state = stages.traced.num_param_leaves + num_batch_leaves
+    producer_of_result = {
+      r: s for s, spec in enumerate(stages.specs) for r in spec.results
+    }
+    self.state_avals, self.state_readers = [], []
+    for i, aval in enumerate(self.avals[first_state:]):
+      self.state_avals.append(aval)
+      src = producer_of_result.get(i + 1)
+      readers = {}
+      for s, spec in enumerate(stages.specs):
+        if num_batch_leaves + i in spec.batch_leaves:
+          readers.setdefault(transport.stage_process[s], s)
+      if src is not None:
+        readers.pop(transport.stage_process[src], None)
+      self.state_readers.append(tuple(readers.values()))
 
   def run(
     self,
@@ -204,6 +240,18 @@ class Driver:
       call.synchronous_steps(deferred_steps)
     return call.result()
 
+  def _mean_loss(self, losses):
+    """The mean of a call's losses (computed by the last stage), shared
+    with every process."""
+    if not losses:
+      return None
+    last = len(self.stages.specs) - 1
+    loss = jnp.mean(jnp.stack(losses)) if self.transport.owns(last) else None
+    if not self.transport.multiprocess:
+      return loss
+    dtype = self.stages.traced.jaxpr.outvars[0].aval.dtype
+    return self.transport.share(loss, last, jax.ShapeDtypeStruct((), dtype))
+
 
 class _Call:
   """One call's working state: the in-flight state, copied, plus what the
@@ -231,7 +279,8 @@ class _Call:
     self.tied_grads = dict(flight.tied_grads)
     self.values = {}  # (b, var) -> activation, until its last reader ran
     self.reads_left = {}
-    self.fused_done = set()  # (s, b) whose B ran with F
+    # (s, b) whose B ran with F -> its input cotangents for other processes.
+    self.fused_done = {}
     self.acc_producer = [None] * len(self.params)  # action behind grads[s]
     self.losses = []
     self.used = {} if driver.record_params else None
@@ -242,11 +291,14 @@ class _Call:
   def forward(self, action):
     d, s, b = self.d, action.stage, action.microbatch
     spec, place = d.stages.specs[s], d.placement[s]
+    self.forwards[s] += 1
+    if not d.transport.owns(s):
+      self._forward_elsewhere(action)
+      return
     own = d.policy.forward_params(
       s, b, self.params[s], self.versions[s], self._predictor(s)
     )
-    theta = self._tie(s, b, own)
-    self.forwards[s] += 1
+    theta = self._tie_forward(s, b, own)
     if d.policy.keeps_forward_params:
       self.forward_params[(s, b)] = theta
       self.peak[s] = max(self.peak[s], self._held(s))
@@ -263,10 +315,10 @@ class _Call:
         self.grads[s], theta, local, acts, self._result_cots(spec)
       )
       outputs = ()
-      self.fused_done.add((s, b))
+      self.fused_done[(s, b)] = act_cots  # Other processes' at B(s, b).
       self.acc_producer[s] = action
       self._record("B", s, b, theta)
-      self._send_cotangents(s, b, act_cots)
+      self._send_cotangents(s, b, act_cots, remote=False)
     elif d.programs.recompute:
       outputs, results = d.programs.forward(s)(theta, local, acts)
       self.saved[(s, b)] = (local, acts)
@@ -283,13 +335,34 @@ class _Call:
       if r == 0:
         self.losses.append(x)
       else:  # A new model-state leaf: the next forward reads it.
-        self.model_state[r - 1] = x
+        self._update_model_state(r - 1, x, s)
+
+  def _forward_elsewhere(self, action):
+    """F(s, b) of another process's stage: the moves this process's
+    stages take part in (activations they produced, tied values they
+    own, a model-state update they read)."""
+    d, s, b = self.d, action.stage, action.microbatch
+    spec = d.stages.specs[s]
+    # The moves in forward's order: tied values, activations, results.
+    self._tie_forward(s, b, None)
+    for v in spec.inputs:
+      if d.transport.owns(d.producer[v]):
+        self._read_value(b, v, s)
+    for r in spec.results:
+      if r == 0:
+        self.losses.append(None)
+      else:
+        self._update_model_state(r - 1, None, s)
 
   def backward(self, action):
     d, s, b = self.d, action.stage, action.microbatch
     self.pending[s].append(b)
+    if not d.transport.owns(s):
+      self._receive_cotangents(s, b)
+      return
     if (s, b) in self.fused_done:  # Ran with its forward's program: an
-      self.fused_done.remove((s, b))  # instant at its end.
+      act_cots = self.fused_done.pop((s, b))  # instant at its end.
+      self._send_cotangents(s, b, act_cots, local=False)
       if self.profiler:
         self.profiler.record(action, ())
       return
@@ -299,7 +372,8 @@ class _Call:
     if d.programs.recompute:
       local, acts = self.saved.pop((s, b))
       theta = d.policy.backward_params(self.params[s], forward_theta)
-      theta = self._tie(s, b, theta)
+      if d.stream is not None:
+        theta = d.tied.tied_values(s, b, theta, self.tied)
       args = (theta, local, acts, out_cots, self._result_cots(spec))
     else:  # The residuals' params: the forward's.
       theta = forward_theta
@@ -318,6 +392,11 @@ class _Call:
     backwards since its last step."""
     d, s = self.d, action.stage
     group, self.pending[s] = self.pending[s], []
+    if not d.transport.owns(s):
+      if s in d.tied.stages:  # A holder's gradient may come here.
+        d.tied.exchange(s, self.stream_steps[s], None, self.tied_grads)
+      self.stream_steps[s] += 1
+      return
     opt = d.optimizers[s]
     stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
     # Each loss cotangent was 1 / step_every: a short window (at a flush)
@@ -350,10 +429,17 @@ class _Call:
     summed over their replicas, every replica taking the same step."""
     d = self.d
     tied = d.tied.sum_replicas(
-      {s: d.programs.unpack(s)(self.grads[s]) for s in d.tied.stages}
+      {
+        s: d.programs.unpack(s)(self.grads[s])
+        for s in d.tied.stages
+        if d.transport.owns(s)
+      }
     )
     for action in actions:
       s, opt = action.stage, d.optimizers[action.stage]
+      self.pending[s] = []
+      if not d.transport.owns(s):
+        continue
       g, update = self.grads[s], opt.update_packed
       if s in tied:
         g, update = tied[s], opt.update
@@ -363,7 +449,6 @@ class _Call:
       if self.profiler:
         self.profiler.record(action, self.params[s])
       self.grads[s] = None
-      self.pending[s] = []
     self.forward_params.clear()
 
   # -- helpers -----------------------------------------------------------
@@ -391,7 +476,7 @@ class _Call:
       self.opt_states,
       self.model_state,
       flight,
-      self.losses,
+      self.d._mean_loss(self.losses),
       self.peak,
       self.used,
     )
@@ -409,10 +494,10 @@ class _Call:
 
     return predict
 
-  def _tie(self, s, b, theta):
+  def _tie_forward(self, s, b, theta):
     if self.d.stream is None:
       return theta
-    return self.d.tied.tie(s, b, theta, self.tied)
+    return self.d.tied.tie_forward(s, b, theta, self.tied)
 
   def _held(self, s) -> int:
     """Distinct param versions stage s holds (live, stashed, predicted)."""
@@ -432,12 +517,14 @@ class _Call:
 
   def _read_value(self, b, v, s):
     """Activation v of microbatch b on stage s's devices (forgotten after
-    its last reader)."""
-    x = self.values[(b, v)]
-    self.reads_left[(b, v)] -= 1
-    if not self.reads_left[(b, v)]:
-      del self.values[(b, v)], self.reads_left[(b, v)]
-    return self._move(x, self.d.producer[v], s)
+    its last reader); None where s runs in another process."""
+    p, x = self.d.producer[v], None
+    if self.d.transport.owns(p):
+      x = self.values[(b, v)]
+      self.reads_left[(b, v)] -= 1
+      if not self.reads_left[(b, v)]:
+        del self.values[(b, v)], self.reads_left[(b, v)]
+    return self.d.transport.move(x, p, s, v.aval)
 
   def _local_inputs(self, spec, batch_leaves, place):
     """A stage's batch inputs on its device(s): microbatch leaves (already
@@ -449,19 +536,43 @@ class _Call:
       batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
     )
 
-  def _send_cotangents(self, s, b, act_cots):
-    """B(s, b)'s input cotangents, summed on each producer's device."""
-    for v, c in zip(self.d.stages.specs[s].inputs, act_cots, strict=True):
-      if c is not None:
-        c = self._move(c, s, self.d.producer[v])
-        key = (b, v)
-        self.cots[key] = c if key not in self.cots else self.cots[key] + c
+  def _send_cotangents(self, s, b, act_cots, *, local=True, remote=True):
+    """B(s, b)'s input cotangents, summed on each producer's device: to
+    producers in this process (``local``), in others (``remote``)."""
+    d = self.d
+    for v, c in zip(d.stages.specs[s].inputs, act_cots, strict=True):
+      p = d.producer[v]
+      here = d.transport.stage_process[p] == d.transport.process
+      if c is not None and (local if here else remote):
+        c = d.transport.move(c, s, p, v.aval)
+        if here:  # (Else sent: the producer's process adds it.)
+          self._add_cotangent(b, v, c)
 
-  def _move(self, x, src: int, dst: int):
-    """Value ``x`` from stage src's device(s) to stage dst's."""
-    if self.d.placement[src] == self.d.placement[dst]:
-      return x
-    return self.d.placement[dst].put_values(x)
+  def _receive_cotangents(self, s, b):
+    """B(s, b) of another process's stage: the input cotangents it sends
+    to this process's stages."""
+    d = self.d
+    spec, diff = d.stages.specs[s], d.stages.differentiable_inputs(s)
+    for v, differentiable in zip(spec.inputs, diff, strict=True):
+      p = d.producer[v]
+      if differentiable and d.transport.owns(p):
+        self._add_cotangent(b, v, d.transport.move(None, s, p, v.aval))
+
+  def _add_cotangent(self, b, v, c):
+    key = (b, v)
+    self.cots[key] = c if key not in self.cots else self.cots[key] + c
+
+  def _update_model_state(self, i, x, s):
+    """Model-state leaf i, new from F(s, ...) (x None where s runs in
+    another process): kept, and sent to the other processes that read
+    it."""
+    d = self.d
+    if d.transport.owns(s):
+      self.model_state[i] = x
+    for reader in d.state_readers[i]:
+      y = d.transport.move(x, s, reader, d.state_avals[i], replicated=True)
+      if d.transport.owns(reader):
+        self.model_state[i] = y
 
   def _before_donating(self, s):
     """The accumulator is about to be donated: a profiler must have

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -40,6 +39,7 @@ from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._calls import CallActions
 from jpipe.runtime._driver import Driver, InFlight
 from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime._gather import text_from_process_zero, trees_everywhere
 from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
 from jpipe.runtime._placement import (
   StagePlacement,
@@ -55,6 +55,7 @@ from jpipe.runtime._state_dict import (
   select_optimizer_states,
 )
 from jpipe.runtime._tied import TiedParams
+from jpipe.runtime._transport import Transport
 from jpipe.runtime._versions import VersionPolicy
 
 SYNCHRONOUS = ("seq", "gpipe", "1f1b", "interleaved")
@@ -242,6 +243,12 @@ class Pipeline:
       cost_model=cost_model,
       recompute=recompute,
     )
+    if jax.process_count() > 1 and not isinstance(
+      partition, partition_lib.Plan
+    ):  # A measured cost model may solve differently in each process.
+      self.plan = partition_lib.Plan.from_json(
+        text_from_process_zero(self.plan.to_json())
+      )
     self.stages = partition_lib.Stages(self.traced, self.plan.stage_of_node)
     n = self.stages.num_stages
 
@@ -252,10 +259,16 @@ class Pipeline:
       for ds in self.plan.stage_devices
     )
     self.stage_device = tuple(p.device for p in self.placement)
+    # Several processes: each runs the stages on its devices.
+    self.transport = Transport(self.placement)
     # Which batch leaves each placement's stages read (model-state leaves,
-    # numbered after the batch leaves, are not split).
+    # numbered after the batch leaves, are not split), for this process's.
     self._batch_leaves = {}
-    for spec, place in zip(self.stages.specs, self.placement, strict=True):
+    for s, (spec, place) in enumerate(
+      zip(self.stages.specs, self.placement, strict=True)
+    ):
+      if not self.transport.owns(s):
+        continue
       wanted = self._batch_leaves.setdefault(place, [])
       wanted.extend(
         i
@@ -294,7 +307,7 @@ class Pipeline:
       for spec in self.stages.specs
     )
     self.programs = StagePrograms(self.stages, grad_layouts, recompute)
-    self.tied = TiedParams(self.stages, self.placement)
+    self.tied = TiedParams(self.stages, self.transport)
     self._params_treedef = jax.tree.structure(params)
     self._leaf_names = leaf_names(params)
     if prediction is not None and predictor is None:
@@ -325,6 +338,7 @@ class Pipeline:
       self.stage_optimizers,
       self.policy,
       self.tied,
+      self.transport,
       self.stream,
       num_batch_leaves=self._num_batch_leaves,
       record_params=record_params,
@@ -380,6 +394,10 @@ class Pipeline:
       state_leaves = tuple(jax.tree.leaves(model_state))
     stage_params, opt_states = [], []
     for s, leaves in enumerate(self.stages.split_params(params)):
+      if not self.transport.owns(s):  # Another process runs it.
+        stage_params.append(None)
+        opt_states.append(None)
+        continue
       place = self.placement[s]
       placed = place.put_replicated(leaves)
       stage_params.append(placed)
@@ -406,24 +424,53 @@ class Pipeline:
 
   def gather_model_state(self, state: PipelineState) -> Any:
     """The model state pytree (host arrays), or None without one. Needs a
-    drained pipeline (``flush``)."""
+    drained pipeline (``flush``). Across processes every process must
+    call it; each gets the whole state."""
     self._check_drained(state, "gather_model_state")
     if self._state_treedef is None:
       return None
-    return jax.tree.unflatten(
-      self._state_treedef, [jax.device_get(x) for x in state.model_state]
+    # Each leaf from the process of the stage that updates it (any
+    # process holds a leaf no stage updates: its initial value).
+    producer = {
+      r: s for s, spec in enumerate(self.stages.specs) for r in spec.results
+    }
+    held = [
+      self.transport.owns(producer[i + 1])
+      if i + 1 in producer
+      else self.transport.process == 0
+      for i in range(len(state.model_state))
+    ]
+    leaves = trees_everywhere(
+      [x if h else None for x, h in zip(state.model_state, held, strict=True)],
+      self.driver.state_avals,
+      held,
     )
+    return jax.tree.unflatten(self._state_treedef, leaves)
 
   def gather_params(self, state: PipelineState) -> Any:
     """The full params pytree (host arrays). Needs a drained pipeline
-    (``flush``): mid-stream, every stage is at another step."""
+    (``flush``): mid-stream, every stage is at another step. Across
+    processes every process must call it; each gets the whole pytree."""
     self._check_drained(state, "gather_params")
+    stage_params = trees_everywhere(
+      state.stage_params, self._param_avals(), self._held()
+    )
     leaves = [None] * self.traced.num_param_leaves
-    for spec, values in zip(self.stages.specs, state.stage_params, strict=True):
+    for spec, values in zip(self.stages.specs, stage_params, strict=True):
       for i, v in zip(spec.param_leaves, values, strict=True):
         if leaves[i] is None:
-          leaves[i] = jax.device_get(v)
+          leaves[i] = v
     return jax.tree.unflatten(self._params_treedef, leaves)
+
+  def _held(self):
+    """Per stage, whether this process runs it."""
+    return [self.transport.owns(s) for s in range(self.stages.num_stages)]
+
+  def _param_avals(self):
+    avals = self.traced.closed_jaxpr.in_avals
+    return [
+      tuple(avals[i] for i in spec.param_leaves) for spec in self.stages.specs
+    ]
 
   def state_dict(self, state: PipelineState) -> dict[str, Any]:
     """The whole training state, independent of the partition (host arrays).
@@ -439,9 +486,14 @@ class Pipeline:
       microbatch needs saving.
     """
     self._check_drained(state, "state_dict")
-    merged, gap = merge_optimizer_states(
-      self.stage_optimizers, state.opt_states
-    )
+    opt_avals = [
+      jax.eval_shape(opt.init, avals)
+      for opt, avals in zip(
+        self.stage_optimizers, self._param_avals(), strict=True
+      )
+    ]
+    opt_states = trees_everywhere(state.opt_states, opt_avals, self._held())
+    merged, gap = merge_optimizer_states(self.stage_optimizers, opt_states)
     return {
       "params": self.gather_params(state),
       "opt_state": merged,
@@ -488,14 +540,15 @@ class Pipeline:
       model_state = restore_structure(model_state, self._state_treedef)
     base = self.init(params, model_state)
     stage_params = base.stage_params
-    opt_states = [
-      place.put_replicated(loaded)
-      for place, loaded in zip(
-        self.placement,
-        select_optimizer_states(tree, self.stage_optimizers, base.opt_states),
-        strict=True,
-      )
-    ]
+    opt_states = list(base.opt_states)  # None where another process runs it
+    owned = [s for s in range(len(opt_states)) if self.transport.owns(s)]
+    loaded = select_optimizer_states(
+      tree,
+      [self.stage_optimizers[s] for s in owned],
+      [opt_states[s] for s in owned],
+    )
+    for s, opt_state in zip(owned, loaded, strict=True):
+      opt_states[s] = self.placement[s].put_replicated(opt_state)
     return self._state(
       stage_params, opt_states, int(tree["step"]), base.model_state
     )
@@ -532,6 +585,7 @@ class Pipeline:
         f"num_microbatches): pass a multiple of {self.microbatch_size}"
       )
     m = size // self.microbatch_size
+    self._check_profile(profile)
     fed = state.in_flight.fed if state.in_flight else 0
     batches = place_microbatches(
       jax.tree.leaves(batch), self._batch_leaves, m, fed
@@ -549,7 +603,16 @@ class Pipeline:
     """
     if self.stream is None or not state.in_flight.fed:
       return state, {}
+    self._check_profile(profile)
     return self._run(state, state.in_flight.fed, None, {}, profile)
+
+  def _check_profile(self, profile):
+    if profile and self.transport.multiprocess:
+      raise ValueError(
+        "profile=True measures a timeline in one process; across processes "
+        "each sees only its own stages' actions: profile a one-process run "
+        "of the same plan (or leave profile off)"
+      )
 
   def _run(self, state, fed, m, batches, profile):
     """One driver call: m microbatches after ``fed`` (None: a flush)."""
@@ -579,8 +642,8 @@ class Pipeline:
     else:
       flight = dataclasses.replace(flight, fed=fed + m)
     metrics = {"param_versions": tuple(out.param_versions)}
-    if out.losses:
-      metrics["loss"] = jnp.mean(jnp.stack(out.losses))
+    if out.loss is not None:
+      metrics["loss"] = out.loss
     if profiler:
       metrics["timeline"] = profiler.timeline()
     if out.used_params is not None:

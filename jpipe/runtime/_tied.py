@@ -8,6 +8,10 @@ Asynchronous ones give the leaf to the first stage that reads it (the
 owner). A later stage (a replica holder) uses, for microbatch b, the value
 the owner's forward of b used -- as if the version travelled with the
 activations -- and hands its gradient to the owner's step that applies b.
+
+Every exchange goes through the ``Transport``: every process calls these
+methods for every stage (None for values of stages it does not run), so
+the holders' and owners' processes make the same moves in the same order.
 """
 
 from jpipe.partition import Stages
@@ -18,11 +22,12 @@ class TiedParams:
 
   Args:
     stages: the built stages.
-    placement: each stage's ``StagePlacement``.
+    transport: the pipeline's ``Transport``.
   """
 
-  def __init__(self, stages: Stages, placement):
-    self.placement = placement
+  def __init__(self, stages: Stages, transport):
+    self.transport = transport
+    self.avals = stages.traced.closed_jaxpr.in_avals
     holders: dict[int, list[tuple[int, int]]] = {}
     for s, spec in enumerate(stages.specs):
       for pos, leaf in enumerate(spec.param_leaves):
@@ -41,35 +46,58 @@ class TiedParams:
     """Positions of stage s's leaves that another stage owns."""
     return {pos for pos, *_ in self.replicas.get(s, ())}
 
-  def tie(self, s, b, theta, tied):
-    """Asynchronous: the owner records in ``tied`` the value its forward
-    of b used; a replica holder gets that value for b."""
-    for pos, leaf in self.owned.get(s, ()):
-      tied.setdefault((leaf, b), theta[pos])
+  def _move(self, x, src, dst, leaf):
+    return self.transport.move(x, src, dst, self.avals[leaf], replicated=True)
+
+  def tie_forward(self, s, b, theta, tied):
+    """Asynchronous, at F(s, b) (theta None where s runs elsewhere): the
+    owner records in ``tied`` the value its forward of b used; a replica
+    holder receives that value for b (kept in its own process's ``tied``
+    until its step applies b). Returns s's params with the values tied."""
+    if theta is not None:
+      for pos, leaf in self.owned.get(s, ()):
+        tied.setdefault((leaf, b), theta[pos])
+    for _, leaf, owner, _ in self.replicas.get(s, ()):
+      owns = self.transport.owns(owner)
+      x = self._move(tied.get((leaf, b)) if owns else None, owner, s, leaf)
+      if self.transport.owns(s) and not owns:
+        tied[(leaf, b)] = x
+    return None if theta is None else self.tied_values(s, b, theta, tied)
+
+  def tied_values(self, s, b, theta, tied):
+    """Stage s's params for microbatch b, tied leaves as tied at F(s, b)."""
     replicas = self.replicas.get(s)
     if not replicas:
       return theta
     theta = list(theta)
+    place = self.transport.placement[s]
     for pos, leaf, _, _ in replicas:
-      theta[pos] = self.placement[s].put_replicated(tied[(leaf, b)])
+      theta[pos] = place.put_replicated(tied[(leaf, b)])
     return tuple(theta)
 
   def release(self, s, microbatches, tied) -> None:
-    """Forgets the owner's recorded values of applied microbatches."""
+    """At stage s's step: forgets the values of applied microbatches it
+    recorded (an owner) or received from another process (a holder)."""
     for b in microbatches:
       for _, leaf in self.owned.get(s, ()):
         tied.pop((leaf, b), None)
+      for _, leaf, owner, _ in self.replicas.get(s, ()):
+        if not self.transport.owns(owner):
+          tied.pop((leaf, b), None)
 
   def exchange(self, s, step_index, grads, tied_grads):
-    """Asynchronous, before stage s's step ``step_index``: a replica
-    holder hands its gradient of the tied leaves to the owner (whose step
-    of the same index applies the same microbatches); the owner adds the
-    ones handed so far."""
-    grads = list(grads)
+    """Asynchronous, before stage s's step ``step_index`` (grads None
+    where s runs elsewhere): a replica holder hands its gradient of the
+    tied leaves to the owner (whose step of the same index applies the
+    same microbatches); the owner adds the ones handed so far."""
     for pos, leaf, owner, _ in self.replicas.get(s, ()):
-      g = self.placement[owner].put_replicated(grads[pos])
-      key = (leaf, step_index)
-      tied_grads[key] = g if key not in tied_grads else tied_grads[key] + g
+      g = self._move(None if grads is None else grads[pos], s, owner, leaf)
+      if self.transport.owns(owner):
+        key = (leaf, step_index)
+        tied_grads[key] = g if key not in tied_grads else tied_grads[key] + g
+    if grads is None:
+      return None
+    grads = list(grads)
     for pos, leaf in self.owned.get(s, ()):
       g = tied_grads.pop((leaf, step_index), None)
       if g is not None:
@@ -77,15 +105,19 @@ class TiedParams:
     return tuple(grads)
 
   def sum_replicas(self, grads: dict[int, tuple]) -> dict[int, tuple]:
-    """Synchronous: ``{stage: gradient leaves}`` of the stages holding
-    tied leaves, every replica of a tied leaf given the sum over all
-    replicas (placed on each holder's devices)."""
+    """Synchronous: ``{stage: gradient leaves}`` of the tied stages this
+    process runs -> the same, every replica of a tied leaf given the sum
+    over all replicas (summed on the first holder, sent to the others)."""
     grads = {s: list(g) for s, g in grads.items()}
-    for holders in self.shared.values():
+    for leaf, holders in self.shared.items():
+      first = holders[0][0]
       total = None
       for s, pos in holders:
-        g = self.placement[holders[0][0]].put_replicated(grads[s][pos])
-        total = g if total is None else total + g
+        g = self._move(grads[s][pos] if s in grads else None, s, first, leaf)
+        if g is not None:
+          total = g if total is None else total + g
       for s, pos in holders:
-        grads[s][pos] = self.placement[s].put_replicated(total)
+        y = self._move(total, first, s, leaf)
+        if s in grads:
+          grads[s][pos] = y
     return {s: tuple(g) for s, g in grads.items()}

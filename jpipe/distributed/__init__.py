@@ -1,0 +1,11 @@
+"""Several processes (hosts, GPUs) through ``jax.distributed``.
+
+``initialize()`` starts this process's part of a multi-process run from
+the environment (``python -m jpipe.launch`` sets it; SLURM is detected by
+JAX); a ``jpipe.Pipeline`` built afterwards over ``jax.devices()`` runs
+each stage in the process that owns its devices.
+"""
+
+from jpipe.distributed._initialize import initialize, is_main_process
+
+__all__ = ["initialize", "is_main_process"]

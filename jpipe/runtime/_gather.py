@@ -1,0 +1,65 @@
+"""Bringing per-stage state to every process (gather, state dicts, plans).
+
+In one process a stage's arrays are simply fetched to the host. Across
+processes each stage's arrays live only in the process that runs it:
+``trees_everywhere`` broadcasts them from there to every process
+(``multihost_utils.broadcast_one_to_all``: every process calls it, in the
+same order, for every stage). It is for checkpoints and evaluation, not
+for every step: it blocks until the arrays are ready and copies them to
+every host.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def trees_everywhere(trees: Sequence[Any], templates, held: Sequence[bool]):
+  """Pytrees that each live in one process, as host arrays on every
+  process. Every process calls it with the same templates.
+
+  Args:
+    trees: each pytree where this process holds it (else None).
+    templates: each pytree's shapes and dtypes (anything with ``.shape``
+      / ``.dtype`` leaves; used where another process holds it).
+    held: per pytree, whether this process holds it (exactly one process
+      does).
+  """
+  if jax.process_count() == 1:
+    return [jax.device_get(t) for t in trees]
+  out = []
+  for tree, template, here in zip(trees, templates, held, strict=True):
+    if here:
+      local = jax.device_get(tree)
+    else:
+      local = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template)
+    out.append(_broadcast(local, here))
+  return out
+
+
+def _broadcast(tree, is_source):
+  """``broadcast_one_to_all`` (a sum with zeros elsewhere): booleans go
+  as integers."""
+  bools = jax.tree.map(lambda x: np.asarray(x).dtype == bool, tree)
+  tree = jax.tree.map(
+    lambda x, b: np.asarray(x, np.uint8) if b else np.asarray(x), tree, bools
+  )
+  out = multihost_utils.broadcast_one_to_all(tree, is_source=is_source)
+  return jax.tree.map(lambda x, b: x.astype(bool) if b else x, out, bools)
+
+
+def text_from_process_zero(text: str) -> str:
+  """Process 0's ``text`` on every process (e.g. a solved Plan, which a
+  measured cost model may solve differently in each process)."""
+  if jax.process_count() == 1:
+    return text
+  data = np.frombuffer(text.encode(), np.uint8)
+  size = multihost_utils.broadcast_one_to_all(np.int64(data.size))
+  padded = np.zeros(int(size), np.uint8)
+  if jax.process_index() == 0:
+    padded[:] = data
+  padded = multihost_utils.broadcast_one_to_all(padded)
+  return bytes(np.asarray(padded, np.uint8)).decode()

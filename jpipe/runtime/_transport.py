@@ -1,0 +1,154 @@
+"""Moving values between stages, in one process or across processes.
+
+In one process a move is a ``jax.device_put`` onto the destination
+stage's devices. Across processes (``jax.distributed``) it is a pair
+program: a ``ppermute`` inside ``shard_map`` over a two-device mesh
+holding the source stage's first device and the destination's (gloo on
+CPU, NCCL on GPU). Only the two processes involved call it, and they must
+call their pair programs in the same order: every process walks the same
+global action order (``jpipe.schedule.issue_order``) and makes the moves
+of every action in it -- sending what its own stages produced, receiving
+what they read -- so no negotiation is needed and nothing deadlocks
+(spec/multiprocess.md). Processes that own neither end do nothing.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jpipe.runtime._placement import StagePlacement
+
+
+class Transport:
+  """Moves values between the stages of one pipeline.
+
+  Args:
+    placement: each stage's ``StagePlacement`` (devices of any process).
+
+  A stage belongs to the process of its devices; a stage whose devices
+  span processes is an error (a replica group runs SPMD in one process).
+  """
+
+  def __init__(self, placement: Sequence[StagePlacement]):
+    self.placement = tuple(placement)
+    self.process = jax.process_index()
+    self.stage_process = []
+    for s, place in enumerate(self.placement):
+      owners = {d.process_index for d in place.devices}
+      if len(owners) > 1:
+        raise ValueError(
+          f"stage {s} is placed on devices of processes {sorted(owners)}: "
+          "a stage's replica group must lie in one process; give each "
+          "stage devices of one process (a process's devices are "
+          "jax.local_devices() there)"
+        )
+      self.stage_process.append(owners.pop())
+    self.stage_process = tuple(self.stage_process)
+    self.multiprocess = len(set(self.stage_process)) > 1
+    self._pairs: dict[tuple, Any] = {}
+    self._blanks: dict[tuple, jax.Array] = {}
+
+  def owns(self, s: int) -> bool:
+    """Whether this process runs stage s."""
+    return self.stage_process[s] == self.process
+
+  def move(self, x, src: int, dst: int, aval, *, replicated: bool = False):
+    """Value ``x`` (held by stage src) onto stage dst's devices.
+
+    Every process calls it for every move, in the same order: the process
+    of src passes ``x`` (others pass None), the process of dst gets the
+    placed value back; every other process gets None.
+
+    Args:
+      x: the value (one array), or None where src is not this process's.
+      src, dst: the stages.
+      aval: ``x``'s shape and dtype (``jax.ShapeDtypeStruct`` or an
+        abstract value): the receiver allocates by it.
+      replicated: place whole on every device of dst (params, their
+        gradients) instead of split like a microbatch (activations).
+    """
+    place = self.placement[dst]
+    put = place.put_replicated if replicated else place.put_values
+    here_src, here_dst = self.owns(src), self.owns(dst)
+    if self.stage_process[src] == self.stage_process[dst]:
+      return put(x) if here_dst and self.placement[src] != place else x
+    if not (here_src or here_dst):
+      return None
+    # A replica group's value is gathered onto its first device.
+    a, b = self.placement[src].device, place.device
+    y = self._pair(jax.device_put(x, a) if here_src else None, a, b, aval)
+    return None if here_src else put(y) if len(place.devices) > 1 else y
+
+  def share(self, x, src: int, aval):
+    """Value ``x`` of stage src on every process (on a device of its own):
+    the process of src passes ``x`` and gets it back, the others pass
+    None. Every process calls it, in the same order."""
+    owner = self.stage_process[src]
+    for q in sorted({d.process_index for d in jax.devices()} - {owner}):
+      if self.process not in (owner, q):
+        continue
+      a = self.placement[src].device
+      b = next(d for d in jax.devices() if d.process_index == q)
+      y = self._pair(x if self.process == owner else None, a, b, aval)
+      if self.process == q:
+        return y
+    return x
+
+  def _pair(self, x, a, b, aval):
+    """Sends ``x`` (on device a; None on the receiver) to device b of
+    another process; returns the value on the receiver, None on the
+    sender."""
+    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    key = (a, b, shape, dtype)
+    if key not in self._pairs:
+      self._pairs[key] = _pair_program(a, b)
+    program, sharding = self._pairs[key]
+    if x is not None:
+      shard = jnp.reshape(x, _shard_shape(shape))
+    else:
+      shard = self._blank(b, shape, dtype)
+    out = program(
+      jax.make_array_from_single_device_arrays(
+        _global_shape(shape), sharding, [shard]
+      )
+    )
+    if x is not None:
+      return None
+    return out.addressable_shards[0].data.reshape(shape)
+
+  def _blank(self, device, shape, dtype):
+    """The receiver's (unused) input shard, allocated once per shape."""
+    key = (device, shape, dtype)
+    if key not in self._blanks:
+      self._blanks[key] = jax.device_put(
+        jnp.zeros(_shard_shape(shape), dtype), device
+      )
+    return self._blanks[key]
+
+
+def _shard_shape(shape):
+  """A value's shard in the pair array: axis 0 stacks sender, receiver."""
+  return shape if shape else (1,)
+
+
+def _global_shape(shape):
+  s = _shard_shape(shape)
+  return (2 * s[0], *s[1:])
+
+
+def _pair_program(a, b):
+  """A jitted send from device a to device b: (program, input sharding)."""
+  mesh = Mesh(np.array([a, b]), ("pair",))
+  spec = PartitionSpec("pair")
+
+  def send(x):
+    return jax.lax.ppermute(x, "pair", [(0, 1)])
+
+  program = jax.jit(
+    jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec)
+  )
+  return program, NamedSharding(mesh, spec)

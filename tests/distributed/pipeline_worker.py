@@ -1,0 +1,111 @@
+"""One process of a multi-process pipeline test (or the one-process
+reference): trains a few configurations, writes what they produced.
+
+  python tests/distributed/pipeline_worker.py OUT.npz CONFIGS_JSON
+
+Each configuration (a dict): "case" (a tests/partition/flax_models case),
+"stages", "calls" (microbatch counts or "flush"), and Pipeline keyword
+arguments. Started by ``jpipe.launch`` it runs across processes (stage s
+on global device s); without the launcher's environment it is the
+one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
+gathered params, the state dict's optimizer state and every call's loss.
+"""
+
+import json
+import os
+import sys
+
+from jpipe import distributed
+
+distributed.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "partition"))
+import flax_models  # noqa: E402
+
+import jpipe  # noqa: E402
+
+OPTIMIZERS = {
+  "sgd": optax.sgd(0.2, momentum=0.9),
+  "adam": optax.adam(0.01),
+}
+
+
+def run(config, index, out):
+  config = dict(config)
+  case, model_state = config.pop("case"), None
+  if case == "resnet_state":  # BatchNorm statistics as the model state
+    loss_fn, params, model_state, batch = flax_models.resnet_state_case(
+      num_blocks=3, batch_size=8
+    )
+  else:
+    loss_fn, params, batch, _ = flax_models.CASES[case]()
+  stages = config.pop("stages")
+  calls = config.pop("calls")
+  micro = config.pop("num_microbatches", 4)
+  size = jax.tree.leaves(batch)[0].shape[0] // micro
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=stages,
+    devices=jax.devices()[:stages],
+    num_microbatches=micro,
+    optimizer=OPTIMIZERS[config.pop("optimizer", "sgd")],
+    model_state=model_state,
+    **config,
+  )
+  state = pipe.init(params, model_state)
+  losses = []
+  rng = np.random.default_rng(index)
+  for call in calls:
+    if call == "flush":
+      state, _ = pipe.flush(state)
+      continue
+    # Deterministic distinct data: the batch, rows shuffled per call.
+    rows = rng.integers(0, jax.tree.leaves(batch)[0].shape[0], call * size)
+    data = jax.tree.map(
+      lambda x, rows=rows: x[rows] if jnp.ndim(x) else x, batch
+    )
+    state, metrics = pipe.step(state, data)
+    losses.append(float(metrics["loss"]))
+  state, _ = pipe.flush(state)
+  tree = pipe.state_dict(state)
+  leaves = {
+    f"{index}/params/{i}": np.asarray(x)
+    for i, x in enumerate(jax.tree.leaves(tree["params"]))
+  }
+  leaves.update(
+    {
+      f"{index}/opt/{i}": np.asarray(x)
+      for i, x in enumerate(jax.tree.leaves(tree["opt_state"]))
+    }
+  )
+  if tree["model_state"] is not None:
+    leaves.update(
+      {
+        f"{index}/state/{i}": np.asarray(x)
+        for i, x in enumerate(jax.tree.leaves(tree["model_state"]))
+      }
+    )
+  leaves[f"{index}/losses"] = np.asarray(losses)
+  owned = [s for s in range(pipe.stages.num_stages) if pipe.transport.owns(s)]
+  print(f"config {index}: process {jax.process_index()} ran stages {owned}")
+  out.update(leaves)
+
+
+def main():
+  path, configs = sys.argv[1], json.loads(sys.argv[2])
+  out = {}
+  for i, config in enumerate(configs):
+    run(config, i, out)
+  if jax.process_index() == 0:
+    np.savez(path, **out)
+
+
+if __name__ == "__main__":
+  main()
