@@ -122,12 +122,20 @@ def run(command, envs, *, grace: float = 5.0, out=None) -> int:
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if failed:
-        i, code = failed[0]
+        # Seen in one poll: a process killed by a signal is likelier the
+        # cause than one that failed because its peer vanished.
+        failed.sort(key=lambda f: f[1] >= 0)
+        code = failed[0][1]
         with lock:
-          out.write(
-            f"[launch] process {i} exited with {_describe(code)}: stopping "
-            "the others\n"
-          )
+          for i, c in failed:
+            out.write(f"[launch] process {i} exited with {_describe(c)}\n")
+          for i, p in enumerate(procs):
+            if p.poll() is None and _state(p.pid) in ("T", "t"):
+              out.write(
+                f"[launch] process {i} is stopped (SIGSTOP or a debugger): "
+                "it hung the run\n"
+              )
+          out.write("[launch] stopping the others\n")
           out.flush()
         stop(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -150,6 +158,15 @@ def run(command, envs, *, grace: float = 5.0, out=None) -> int:
       t.join(timeout=5)
   # A signal's death as the shell reports it: 128 + signal number.
   return code if code >= 0 else 128 - code
+
+
+def _state(pid) -> str:
+  """A process's state letter (Linux /proc; "" where unknown)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return ""
 
 
 def _describe(code):

@@ -21,6 +21,12 @@ distributed.initialize()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+if os.environ.get("JPIPE_TEST_XLA_CACHE"):  # the test run's shared cache
+  jax.config.update(
+    "jax_compilation_cache_dir", os.environ["JPIPE_TEST_XLA_CACHE"]
+  )
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
