@@ -261,6 +261,7 @@ class Pipeline:
     self.stage_device = tuple(p.device for p in self.placement)
     # Several processes: each runs the stages on its devices.
     self.transport = Transport(self.placement)
+    self.transport.connect()
     # Which batch leaves each placement's stages read (model-state leaves,
     # numbered after the batch leaves, are not split), for this process's.
     self._batch_leaves = {}

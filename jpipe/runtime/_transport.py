@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpipe.runtime._placement import StagePlacement
@@ -51,6 +52,36 @@ class Transport:
     self.multiprocess = len(set(self.stage_process)) > 1
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
+
+  def connect(self) -> None:
+    """Opens every link this pipeline's moves use, all processes together
+    (every process calls it): gloo gives up on a link whose first
+    transfer waits more than ~30 s for its peer (a slow compile of a
+    stage's program), later ones wait as long as needed."""
+    if not self.multiprocess:
+      return
+    multihost_utils.sync_global_devices("jpipe: connect the stages")
+    firsts = [p.device for p in self.placement]
+    # Every other process's first device receives the loss (``share``).
+    firsts += [
+      next(d for d in jax.devices() if d.process_index == q)
+      for q in range(jax.process_count())
+    ]
+    links = sorted(
+      {
+        (a, b)
+        for a in firsts
+        for b in firsts
+        if a.process_index != b.process_index
+      },
+      key=lambda ab: (ab[0].id, ab[1].id),
+    )
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    for a, b in links:
+      if self.process == a.process_index:
+        self._pair(jax.device_put(np.float32(0), a), a, b, scalar)
+      elif self.process == b.process_index:
+        jax.block_until_ready(self._pair(None, a, b, scalar))
 
   def owns(self, s: int) -> bool:
     """Whether this process runs stage s."""

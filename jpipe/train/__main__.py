@@ -1,7 +1,8 @@
 """``python -m jpipe.train --config configs/X.py --workdir DIR``.
 
 Kept short on purpose (the logic is in train_lib): flags, then
-``train_and_evaluate``. Overrides: ``--config.a.b=value``; an unknown key
+``train_and_evaluate`` (after joining a multi-process run, when the
+environment describes one: ``python -m jpipe.launch``). Overrides: ``--config.a.b=value``; an unknown key
 or a wrong type stops before any work (the config is locked).
 """
 
@@ -14,6 +15,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from jpipe import distributed  # noqa: E402
 from jpipe.train import train_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -29,6 +31,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  # Under `python -m jpipe.launch` (or SLURM): join the other processes.
+  distributed.initialize()
   train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import optax
 import tqdm
+from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe import schedule as schedule_lib
@@ -132,8 +133,18 @@ class _StopRequest:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains as the config says, resuming from ``workdir`` if it has a
-  checkpoint. Returns the closing summary (also printed)."""
+  checkpoint. Returns the closing summary (also printed).
+
+  Across processes (``jpipe.distributed.initialize`` first; every process
+  calls this with the same config and workdir, which several hosts must
+  share): each process runs its stages; process 0 alone prints, logs,
+  evaluates and draws; checkpoints are written by all together (the
+  partition-independent state dict, so another process count resumes
+  it).
+  """
   config_check.check(config)
+  main = jax.process_index() == 0
+  say = print if main else _quiet
   os.makedirs(workdir, exist_ok=True)
   bs = config.data.batch_size
   task = build_task(config)
@@ -157,9 +168,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"{e}; delete it or use another --workdir"
       ) from e
     start = int(meta["step"])
-    print(f"Resuming from step {start} ({checkpoints.directory}).")
-  _print_plan(pipe)
-  log = MetricLog(workdir)
+    say(f"Resuming from step {start} ({checkpoints.directory}).")
+  if main:
+    _print_plan(pipe)
+  log = MetricLog(workdir) if main else _NoLog()
+  profile_last = config.train.profile_last_step
+  if profile_last and pipe.transport.multiprocess:
+    say(
+      "train.profile_last_step: no timeline across processes (each sees "
+      "only its own stages); profile a one-process run of this config"
+    )
+    profile_last = False
 
   def save(step, state):
     checkpoints.save(
@@ -180,11 +199,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       unit="step",
       dynamic_ncols=True,
       mininterval=1.0,
+      disable=not main,
     )
     for step in bar:
       batch = task.batch_at(step)
       # The last step is profiled: its programs are compiled by then.
-      profile = config.train.profile_last_step and step == steps - 1
+      profile = profile_last and step == steps - 1
       t0 = time.perf_counter()
       state, metrics = pipe.step(state, batch, profile=profile)
       loss = float(metrics["loss"])  # Blocks: the step's losses are in.
@@ -204,31 +224,65 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         log.write(done, loss=loss, **_throughput(examples, seconds))
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
-      stopping = stop.signal
+      stopping = _agreed(stop.signal, pipe.transport.multiprocess)
       if evaluate or checkpoint or stopping:
         # An asynchronous stream drains first (every in-flight microbatch
         # applied), so a resumed run continues as an uninterrupted one.
         state, _ = pipe.flush(state)
       if evaluate:
-        evaluation = task.evaluate(
-          pipe.gather_params(state), pipe.gather_model_state(state)
-        )
-        log.write(done, **{f"eval_{k}": v for k, v in evaluation.items()})
-        bar.write(f"step {done}: loss {loss:.4f}, {_format(evaluation)}")
+        # Every process gathers (a collective); process 0 evaluates.
+        params = pipe.gather_params(state)
+        model_state = pipe.gather_model_state(state)
+        if main:
+          evaluation = task.evaluate(params, model_state)
+          log.write(done, **{f"eval_{k}": v for k, v in evaluation.items()})
+          bar.write(f"step {done}: loss {loss:.4f}, {_format(evaluation)}")
       if checkpoint or stopping:
         save(done, state)
       if stopping:
         bar.close()
-        print(f"{stopping}: saved step {done} to {checkpoints.directory}.")
+        say(f"{stopping}: saved step {done} to {checkpoints.directory}.")
         log.close()
         checkpoints.close()
         raise SystemExit(0)
     bar.close()
   log.close()
   checkpoints.close()
+  if not main:
+    return {"examples_per_second": _per_second(examples, seconds)}
   return _summary(
     config, pipe, workdir, examples, seconds, evaluation, timeline
   )
+
+
+def _quiet(*args, **kwargs):
+  """``print`` on processes other than 0."""
+
+
+class _NoLog:
+  """The metric log of processes other than 0."""
+
+  def write(self, step, **scalars):
+    pass
+
+  def close(self):
+    pass
+
+
+def _agreed(signal_name, multiprocess):
+  """A stop request any process received, known to all (they must stop
+  at the same step: the flush and the save are collective)."""
+  if not multiprocess:
+    return signal_name
+  names = ("", "SIGTERM", "SIGINT")
+  got = multihost_utils.process_allgather(
+    np.int32(names.index(signal_name or ""))
+  )
+  return names[int(np.max(got))] or None
+
+
+def _per_second(examples, seconds):
+  return examples / seconds if seconds else float("nan")
 
 
 def _format(evaluation: dict | None) -> str:
