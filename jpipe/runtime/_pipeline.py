@@ -160,6 +160,11 @@ class Pipeline:
       longer holds every microbatch's activations. A measured timeline
       shows such an F spanning both and its B as an instant. Only the
       order of the gradient sum changes (float rounding).
+    transport: how values cross processes when the devices belong to
+      several (``jax.distributed``; each process runs its own stages):
+      "pull" (``jax.experimental.transfer``: never blocks a device) or
+      "collective" (a ppermute pair program: gloo / NCCL, but it ties the
+      two stages' streams together). See ``runtime/_transport.py``.
   """
 
   def __init__(
@@ -189,6 +194,7 @@ class Pipeline:
     model_state: Any = None,
     record_params: bool = False,
     fuse_last_stage: bool = True,
+    transport: str = "pull",
   ):
     # -- Options ---------------------------------------------------------
     if schedule not in schedule_lib.SCHEDULES:
@@ -260,7 +266,7 @@ class Pipeline:
     )
     self.stage_device = tuple(p.device for p in self.placement)
     # Several processes: each runs the stages on its devices.
-    self.transport = Transport(self.placement)
+    self.transport = Transport(self.placement, transport)
     self.transport.connect()
     # Which batch leaves each placement's stages read (model-state leaves,
     # numbered after the batch leaves, are not split), for this process's.
@@ -364,6 +370,14 @@ class Pipeline:
       horizon=self.stream.max_delay(s) if self.stream else 0,
       grad_layout=layout,
     )
+
+  @property
+  def reads_batch(self) -> bool:
+    """Whether this process's stages read any batch leaf (inputs,
+    labels). Across processes, one that reads none may pass ``step`` the
+    batch's shapes (``jax.ShapeDtypeStruct`` leaves) instead of its data:
+    only its size is used there."""
+    return any(self._batch_leaves.values())
 
   # -- Action lists of a call ----------------------------------------------
 
@@ -565,7 +579,9 @@ class Pipeline:
     (a flush per call). ``async`` and ``2bw`` stream: each stage runs the
     forwards of the new microbatches and the backwards and steps 1F1B
     pairs with them; microbatches still in flight finish in later calls or
-    at ``flush``.
+    at ``flush``. Across processes every process calls ``step`` with the
+    same batch size; where ``reads_batch`` is False the batch's shapes
+    suffice (no data need be read there).
 
     Returns:
       The new state and ``metrics``: "loss", the mean loss of the

@@ -1,27 +1,46 @@
 """Moving values between stages, in one process or across processes.
 
 In one process a move is a ``jax.device_put`` onto the destination
-stage's devices. Across processes (``jax.distributed``) it is a pair
-program: a ``ppermute`` inside ``shard_map`` over a two-device mesh
-holding the source stage's first device and the destination's (gloo on
-CPU, NCCL on GPU). Only the two processes involved call it, and they must
-call their pair programs in the same order: every process walks the same
-global action order (``jpipe.schedule.issue_order``) and makes the moves
-of every action in it -- sending what its own stages produced, receiving
-what they read -- so no negotiation is needed and nothing deadlocks
-(spec/multiprocess.md). Processes that own neither end do nothing.
+stage's devices. Across processes (``jax.distributed``) every process
+walks the same global action order (``jpipe.schedule.issue_order``) and
+makes the moves of every action in it -- sending what its own stages
+produced, receiving what they read -- so the two ends of every transfer
+agree on it without negotiation (spec/multiprocess.md). Processes that
+own neither end do nothing. Two ways to carry a value:
+
+- "pull" (default): ``jax.experimental.transfer``. The sender registers
+  the array (``await_pull``, returns at once); the receiver's ``pull``
+  returns at once an array that becomes ready when the bytes have arrived
+  (TCP, host memory). Nothing blocks either side's device: a stage keeps
+  computing while its values travel. Transfers are keyed by a counter per
+  (sender, receiver) process pair, equal on both sides by the global order.
+- "collective": a ``ppermute`` inside ``shard_map`` over a two-device mesh
+  (gloo on CPU, NCCL on GPU). Both devices must reach it: each transfer
+  ties the two stages' streams together, so a busy receiver stalls the
+  sender (measured on CPU: 1.2x instead of 1.9x for streaming async over
+  2 processes, experiments/distributed/throughput.py). NCCL's bandwidth
+  may still win for large activations on GPUs.
 """
 
+import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.experimental import multihost_utils, transfer
+from jax.sharding import (
+  Mesh,
+  NamedSharding,
+  PartitionSpec,
+  SingleDeviceSharding,
+)
 
 from jpipe.runtime._placement import StagePlacement
+
+TRANSPORTS = ("pull", "collective")
 
 
 class Transport:
@@ -29,12 +48,16 @@ class Transport:
 
   Args:
     placement: each stage's ``StagePlacement`` (devices of any process).
+    kind: across processes, "pull" or "collective" (module docstring).
 
   A stage belongs to the process of its devices; a stage whose devices
   span processes is an error (a replica group runs SPMD in one process).
   """
 
-  def __init__(self, placement: Sequence[StagePlacement]):
+  def __init__(self, placement: Sequence[StagePlacement], kind: str = "pull"):
+    if kind not in TRANSPORTS:
+      raise ValueError(f"unknown transport {kind!r}: one of {TRANSPORTS}")
+    self.kind = kind
     self.placement = tuple(placement)
     self.process = jax.process_index()
     self.stage_process = []
@@ -52,6 +75,7 @@ class Transport:
     self.multiprocess = len(set(self.stage_process)) > 1
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
+    self._pulls = _PullLinks() if self.multiprocess and kind == "pull" else None
 
   def connect(self) -> None:
     """Opens every link this pipeline's moves use, all processes together
@@ -79,7 +103,7 @@ class Transport:
     scalar = jax.ShapeDtypeStruct((), np.float32)
     for a, b in links:
       if self.process == a.process_index:
-        self._pair(jax.device_put(np.float32(0), a), a, b, scalar)
+        self._pair(np.float32(0), a, b, scalar)
       elif self.process == b.process_index:
         jax.block_until_ready(self._pair(None, a, b, scalar))
 
@@ -109,9 +133,8 @@ class Transport:
       return put(x) if here_dst and self.placement[src] != place else x
     if not (here_src or here_dst):
       return None
-    # A replica group's value is gathered onto its first device.
     a, b = self.placement[src].device, place.device
-    y = self._pair(jax.device_put(x, a) if here_src else None, a, b, aval)
+    y = self._pair(x if here_src else None, a, b, aval)
     return None if here_src else put(y) if len(place.devices) > 1 else y
 
   def share(self, x, src: int, aval):
@@ -133,13 +156,15 @@ class Transport:
     """Sends ``x`` (on device a; None on the receiver) to device b of
     another process; returns the value on the receiver, None on the
     sender."""
+    if self._pulls is not None:
+      return self._pulls.transfer(x, a, b, aval)
     shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
     key = (a, b, shape, dtype)
     if key not in self._pairs:
       self._pairs[key] = _pair_program(a, b)
     program, sharding = self._pairs[key]
-    if x is not None:
-      shard = jnp.reshape(x, _shard_shape(shape))
+    if x is not None:  # (A replica group's value: gathered onto a.)
+      shard = jnp.reshape(jax.device_put(x, a), _shard_shape(shape))
     else:
       shard = self._blank(b, shape, dtype)
     out = program(
@@ -159,6 +184,56 @@ class Transport:
         jnp.zeros(_shard_shape(shape), dtype), device
       )
     return self._blanks[key]
+
+
+class _PullLinks:
+  """This process's transfer server and its connections to the others'
+  (addresses exchanged once, by all processes together)."""
+
+  def __init__(self):
+    me = jax.process_index()
+    device = jax.local_devices()[0]
+    host = _host_address()
+    self.server = transfer.start_transfer_server(
+      device.client, f"{host}:0", [f"{host}:0"]
+    )
+    address = np.zeros(256, np.uint8)
+    raw = self.server.address().encode()
+    address[: len(raw)] = np.frombuffer(raw, np.uint8)
+    everyone = multihost_utils.process_allgather(address)
+    self.addresses = [
+      bytes(np.asarray(a, np.uint8)).rstrip(b"\0").decode() for a in everyone
+    ]
+    self.connections = {}
+    self.count = {}  # (sender, receiver) process -> transfers so far
+    self.me = me
+
+  def transfer(self, x, a, b, aval):
+    src, dst = a.process_index, b.process_index
+    n = self.count.get((src, dst), 0)
+    self.count[(src, dst)] = n + 1
+    # One key per transfer, the same in both processes: the pair, then
+    # the count (2**40 transfers per pair).
+    uuid = ((src * 4096 + dst) << 40) + n
+    if self.me == src:
+      self.server.await_pull(uuid, [jax.device_put(x, a)])
+      return None
+    if src not in self.connections:
+      self.connections[src] = self.server.connect(self.addresses[src])
+    spec = jax.ShapeDtypeStruct(
+      tuple(aval.shape), aval.dtype, sharding=SingleDeviceSharding(b)
+    )
+    (y,) = self.connections[src].pull(uuid, [spec])
+    return y
+
+
+def _host_address() -> str:
+  """This host's address for the transfer server: the coordinator's
+  interface when it is this host's loopback, else the host name's."""
+  coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  if coordinator.startswith(("127.", "localhost")):
+    return "127.0.0.1"
+  return socket.gethostbyname(socket.gethostname())
 
 
 def _shard_shape(shape):

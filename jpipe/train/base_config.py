@@ -42,6 +42,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.recompute = False
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True
+  # Across processes (python -m jpipe.launch, SLURM): "pull" (never blocks
+  # a device) or "collective" (ppermute: gloo / NCCL; ties the streams).
+  c.pipeline.transport = "pull"
   c.pipeline.depth = 1  # Module-path depth of the partitioner's nodes.
   # Bytes/s between devices for the partitioner; 0 plans on compute alone
   # (transfers ignored; PipeDream's all-reduce then at 1e9 bytes/s).

@@ -92,6 +92,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     "weight stashing (set --config.pipeline.recompute=True, or "
     "--config.staleness.stashing=True)",
   )
+  need(
+    config.pipeline.transport in ("pull", "collective"),
+    "pipeline.transport",
+    f"{config.pipeline.transport!r} is not one of 'pull', 'collective'",
+  )
   if config.schedule.name == "2bw":
     need(
       config.schedule.step_every >= config.pipeline.num_stages,

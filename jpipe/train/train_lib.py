@@ -97,6 +97,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     cost_model=config.pipeline.cost_model,
     recompute=config.pipeline.recompute,
     fuse_last_stage=config.pipeline.fuse_last_stage,
+    transport=config.pipeline.transport,
     **kwargs,
   )
 
@@ -201,8 +202,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       mininterval=1.0,
       disable=not main,
     )
+    # Across processes, one whose stages read no batch leaf reads no data.
+    shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example
+    )
     for step in bar:
-      batch = task.batch_at(step)
+      batch = task.batch_at(step) if pipe.reads_batch else shapes
       # The last step is profiled: its programs are compiled by then.
       profile = profile_last and step == steps - 1
       t0 = time.perf_counter()

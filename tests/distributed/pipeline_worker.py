@@ -11,6 +11,7 @@ one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
 gathered params, the state dict's optimizer state and every call's loss.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -53,18 +54,32 @@ def run(config, index, out):
   stages = config.pop("stages")
   calls = config.pop("calls")
   micro = config.pop("num_microbatches", 4)
+  # Replica groups: stage s on devices s*r .. s*r + r - 1.
+  replicas = config.pop("replicas", 1)
   size = jax.tree.leaves(batch)[0].shape[0] // micro
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=stages,
-    devices=jax.devices()[:stages],
-    num_microbatches=micro,
-    optimizer=OPTIMIZERS[config.pop("optimizer", "sgd")],
-    model_state=model_state,
-    **config,
-  )
+
+  def build(partition):
+    return jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=stages,
+      devices=jax.devices()[: stages * replicas],
+      num_microbatches=micro,
+      optimizer=OPTIMIZERS[config.get("optimizer", "sgd")],
+      model_state=model_state,
+      partition=partition,
+      **{k: v for k, v in config.items() if k != "optimizer"},
+    )
+
+  if replicas == 1:
+    pipe = build("contiguous")
+  else:
+    plan = build("contiguous").plan
+    groups = tuple(
+      tuple(range(s * replicas, (s + 1) * replicas)) for s in range(stages)
+    )
+    pipe = build(dataclasses.replace(plan, stage_devices=groups))
   state = pipe.init(params, model_state)
   losses = []
   rng = np.random.default_rng(index)
@@ -77,6 +92,10 @@ def run(config, index, out):
     data = jax.tree.map(
       lambda x, rows=rows: x[rows] if jnp.ndim(x) else x, batch
     )
+    if not pipe.reads_batch:  # a middle stage: the shapes suffice
+      data = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data
+      )
     state, metrics = pipe.step(state, data)
     losses.append(float(metrics["loss"]))
   state, _ = pipe.flush(state)
@@ -100,7 +119,10 @@ def run(config, index, out):
     )
   leaves[f"{index}/losses"] = np.asarray(losses)
   owned = [s for s in range(pipe.stages.num_stages) if pipe.transport.owns(s)]
-  print(f"config {index}: process {jax.process_index()} ran stages {owned}")
+  print(
+    f"config {index}: process {jax.process_index()} ran stages {owned}"
+    + ("" if pipe.reads_batch else ", read no data")
+  )
   out.update(leaves)
 
 

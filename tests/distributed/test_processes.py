@@ -31,13 +31,16 @@ def _env(**extra):
   }
   env.pop("XLA_FLAGS", None)  # each process sets its own device count
   env["JAX_PLATFORMS"] = "cpu"
+  # Compile-bound on 2 cores: XLA's quick compiles (both sides alike).
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   env.update(extra)
   return env
 
 
-def _launch(nprocs, script, *args, timeout=240, env=None):
+def _launch(nprocs, script, *args, timeout=240, env=None, devices=1):
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", str(nprocs)]
+  command += ["--devices-per-process", str(devices)]
   command += ["--", sys.executable, os.path.join(HERE, script), *args]
   return subprocess.run(
     command,
@@ -68,7 +71,13 @@ def _configs(n):
   mixed = [2, 5, 3, "flush", 4, "flush", 1, 2]
   return [
     {"case": "mlp", "stages": n, "calls": [2, 3], "schedule": "gpipe"},
-    {"case": "mlp", "stages": n, "calls": [2, 3], "schedule": "1f1b"},
+    {
+      "case": "mlp",
+      "stages": n,
+      "calls": [2, 3],
+      "schedule": "1f1b",
+      "transport": "collective",
+    },
     {
       "case": "mlp",
       "stages": n,
@@ -102,6 +111,7 @@ def _configs(n):
       "calls": [2, 5, 3],
       "schedule": "async",
       "weight_stashing": True,
+      "transport": "collective",
     },
     {
       "case": "resnet_state",
@@ -117,8 +127,9 @@ def _configs(n):
 def test_processes_equal_one_process(tmp_path, nprocs):
   """gpipe, 1f1b, streaming async (ws, wp, GA, adam), 2bw without
   recomputation, tied embeddings (sync and async) and BatchNorm
-  statistics: n processes with one stage each give the one-process
-  results (params, optimizer state, model state, every call's loss)."""
+  statistics, over both transports (pull; collective for two): n
+  processes with one stage each give the one-process results (params,
+  optimizer state, model state, every call's loss)."""
   configs = _configs(nprocs)
   if nprocs == 3:  # the streaming, tied and model-state ones (CI time)
     configs = [configs[i] for i in (2, 3, 6, 7)]
@@ -129,6 +140,33 @@ def test_processes_equal_one_process(tmp_path, nprocs):
   assert done.returncode == 0, done.stdout[-6000:]
   for p in range(nprocs):  # each process ran only its own stage
     assert f"[p{p}] config 0: process {p} ran stages [{p}]" in done.stdout
+  if nprocs == 3:  # the middle stage's process passed only shapes
+    assert "[p1] config 0: process 1 ran stages [1], read no data" in (
+      done.stdout
+    )
+  want, have = np.load(ref), np.load(got)
+  assert set(want) == set(have)
+  for key in want:
+    np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
+
+
+def test_replica_groups_across_processes(tmp_path):
+  """2 processes x 2 devices, each stage a replica group in its process
+  (values gathered off a group before a transfer, split after): the
+  one-process results on 4 devices."""
+  configs = json.dumps(
+    [
+      {"case": "mlp", "stages": 2, "replicas": 2, "calls": [2, 3],
+       "schedule": "1f1b"},
+      {"case": "gpt_tied", "stages": 2, "replicas": 2, "calls": [2, 5, 3],
+       "num_microbatches": 2,
+       "schedule": "async", "weight_stashing": True},
+    ]
+  )  # fmt: skip
+  ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
+  _reference(4, ref, configs)
+  done = _launch(2, "pipeline_worker.py", got, configs, devices=2)
+  assert done.returncode == 0, done.stdout[-6000:]
   want, have = np.load(ref), np.load(got)
   assert set(want) == set(have)
   for key in want:

@@ -23,6 +23,8 @@ def _env():
   }
   env.pop("XLA_FLAGS", None)
   env["JAX_PLATFORMS"] = "cpu"
+  # Compile-bound on 2 cores: XLA's quick compiles (both sides alike).
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   return env
 

@@ -1,0 +1,328 @@
+"""Real parallel speed across processes: 2 processes with one core each
+running a 2-stage pipeline, against 1 process on one core.
+
+Each process is pinned to its own core (``sched_setaffinity``) and XLA's
+CPU backend runs single-threaded, so the two stages really run in
+parallel and a one-process run really has one core: the limit is 2x.
+Two one-core references:
+
+- the whole model: the plain single-device training step (``jax.jit`` of
+  ``value_and_grad`` and the optax update) on the whole mini-batch;
+- the same schedule: the same 2-stage pipeline in one process whose two
+  CPU devices share the core -- this separates the processes' parallel
+  speed-up from what microbatching itself costs on a CPU.
+
+Stages keep residuals (no recomputation), so their work is the whole
+model's forward and backward. The split is the partitioner's with node
+costs timed on this machine (``cost_model="measured"``; the FLOP count
+gives the same 4 | 4 + head here); every run uses the baseline's plan.
+Each run times ``--steps`` steps after 3 warm-up steps (2-process rows:
+the median of ``--repeats`` runs; this VM's timings vary ~15% run to
+run), blocking only at the end, as a loop that does not read every loss.
+The stage imbalance is each stage's forward + backward time measured
+alone (``seq`` schedule, one core).
+
+  python -m experiments.distributed.throughput [--steps 20]
+
+Prints a table; writes ``experiments/distributed/results/throughput.json``.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+SCHEDULES = ("gpipe", "1f1b", "async")
+MICROBATCHES = (4, 16)
+# Microbatches of 1024 / 4 = 256 rows run as fast per example on one core
+# as the whole batch; 64-row ones (16 microbatches) ~1.6x slower per
+# example (XLA's CPU matmuls; measured): the "same schedule" column.
+BATCH, WIDTH, LAYERS = 1024, 1024, 8
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _pin(core):
+  """This process on one core (before JAX starts its thread pools)."""
+  cores = sorted(os.sched_getaffinity(0))
+  os.sched_setaffinity(0, {cores[core % len(cores)]})
+
+
+def _model():
+  import flax.linen as nn
+  import jax
+  import optax
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(LAYERS):
+        x = nn.relu(nn.Dense(WIDTH, name=f"dense_{i}")(x))
+      return nn.Dense(10, name="head")(x)
+
+  model = Mlp()
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  batch = {
+    "x": jax.random.normal(k1, (BATCH, WIDTH)),
+    "y": jax.random.randint(k2, (BATCH,), 0, 10),
+  }
+  params = model.init(k3, batch["x"][:1])
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, batch
+
+
+def _pipeline(loss_fn, params, batch, schedule, m, plan=None, **kwargs):
+  import optax
+
+  import jpipe
+
+  options = {"weight_stashing": True} if schedule == "async" else {}
+  if plan is not None:
+    options["partition"] = jpipe.partition.Plan.from_json(plan)
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    schedule=schedule,
+    num_microbatches=m,
+    optimizer=optax.sgd(1e-3),
+    recompute=False,
+    cost_model="measured",
+    **options,
+    **kwargs,
+  )
+
+
+def _time_pipeline(pipe, params, batch, steps, barrier=None):
+  """Seconds for ``steps`` steps after 3 warm-up steps."""
+  import jax
+
+  state = pipe.init(params)
+  for _ in range(3):
+    state, metrics = pipe.step(state, batch)
+  jax.block_until_ready((state.stage_params, metrics["loss"]))
+  if barrier:
+    barrier("start")
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = pipe.step(state, batch)
+  jax.block_until_ready((state.stage_params, metrics["loss"]))
+  seconds = time.perf_counter() - t0
+  if barrier:
+    barrier("end")
+  return seconds
+
+
+def worker(schedule, m, steps, out, plan):
+  """One process of a 2-process pipeline run (under jpipe.launch)."""
+  _pin(int(os.environ["JAX_PROCESS_ID"]))
+  from jpipe import distributed
+
+  distributed.initialize()
+  import jax
+  from jax.experimental import multihost_utils
+
+  loss_fn, params, batch = _model()
+  pipe = _pipeline(loss_fn, params, batch, schedule, m, plan)
+  seconds = _time_pipeline(
+    pipe, params, batch, steps, multihost_utils.sync_global_devices
+  )
+  if jax.process_index() == 0:
+    with open(out, "w") as f:
+      json.dump({"seconds": seconds, "steps": steps}, f)
+
+
+def baseline(steps, out):
+  """One process on one core: the whole model's training step, the same
+  pipelines, and each stage's cost alone (for the imbalance)."""
+  _pin(0)
+  from jpipe import distributed
+
+  distributed.initialize()  # one process: its JPIPE_CPU_DEVICES devices
+  import jax
+  import optax
+
+  from experiments.runtime.stage_costs import isolated_stage_costs
+
+  loss_fn, params, batch = _model()
+  tx = optax.sgd(1e-3)
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state = tx.init(params)
+  trained = params
+  for _ in range(3):
+    trained, opt_state, loss = train_step(trained, opt_state, batch)
+  jax.block_until_ready(trained)
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    trained, opt_state, loss = train_step(trained, opt_state, batch)
+  jax.block_until_ready((trained, loss))
+  seconds = time.perf_counter() - t0
+  pipe = _pipeline(loss_fn, params, batch, "seq", 4, fuse_last_stage=False)
+  plan = pipe.plan.to_json()  # every run uses this one split
+  costs = isolated_stage_costs(pipe, pipe.init(params), [batch] * 5)
+  stage = [f + b for f, b in zip(costs["F"], costs["B"], strict=True)]
+  same = {
+    f"{schedule}/{m}": _time_pipeline(
+      _pipeline(loss_fn, params, batch, schedule, m, plan),
+      params,
+      batch,
+      steps,
+    )
+    for schedule in SCHEDULES
+    for m in MICROBATCHES
+  }
+  with open(out, "w") as f:
+    json.dump(
+      {
+        "seconds": seconds,
+        "steps": steps,
+        "stage_seconds": stage,
+        "same_schedule_seconds": same,
+        "plan": plan,
+      },
+      f,
+    )
+
+
+def _env(devices):
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+  }
+  env["XLA_FLAGS"] = ONE_THREAD
+  env["JAX_PLATFORMS"] = "cpu"
+  env["JPIPE_CPU_DEVICES"] = str(devices)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _run(command, env):
+  done = subprocess.run(command, env=env, capture_output=True, text=True)
+  if done.returncode:
+    raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+
+
+def _stage_nodes(plan_json):
+  plan = json.loads(plan_json)
+  nodes = [[] for _ in plan["stage_devices"]]
+  for name, s in zip(plan["node_names"], plan["stage_of_node"], strict=True):
+    nodes[s].append(name)
+  return nodes
+
+
+def _table(result):
+  lines = [
+    f"{result['model']}; whole model, 1 process, 1 core: "
+    f"{result['one_core_examples_per_second']:.0f} examples/s",
+    "stage F+B alone: "
+    + ", ".join(f"{s * 1e3:.1f} ms" for s in result["stage_seconds_alone"])
+    + f" (imbalance max/mean {result['stage_imbalance_max_over_mean']:.2f});"
+    + " stages: "
+    + " | ".join(" ".join(ns) for ns in result["stage_nodes"]),
+    f"{'schedule':9} {'micro':>5} {'2 procs ex/s':>12} {'vs whole':>9} "
+    f"{'same sched 1 core':>17} {'vs it':>6}",
+  ]
+  for r in result["rows"]:
+    lines.append(
+      f"{r['schedule']:9} {r['microbatches']:>5} "
+      f"{r['examples_per_second']:>12.0f} {r['speedup']:>8.2f}x "
+      f"{r['same_schedule_examples_per_second']:>17.0f} "
+      f"{r['speedup_over_same_schedule']:>5.2f}x"
+    )
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument(
+    "--repeats",
+    type=int,
+    default=3,
+    help="2-process runs per row; the median is reported (this VM's "
+    "timings vary by ~15%% run to run)",
+  )
+  parser.add_argument(
+    "--worker", nargs=4, metavar=("SCHEDULE", "M", "OUT", "PLAN_JSON")
+  )
+  parser.add_argument("--baseline", metavar="OUT")
+  args = parser.parse_args()
+  if args.worker:
+    schedule, m, out, plan = args.worker
+    with open(plan) as f:
+      return worker(schedule, int(m), args.steps, out, f.read())
+  if args.baseline:
+    return baseline(args.steps, args.baseline)
+  os.makedirs(RESULTS, exist_ok=True)
+  me = [sys.executable, "-m", "experiments.distributed.throughput"]
+  steps = ["--steps", str(args.steps)]
+  tmp = os.path.join(RESULTS, "_run.json")
+  _run([*me, *steps, "--baseline", tmp], _env(2))
+  with open(tmp) as f:
+    base = json.load(f)
+  plan_path = os.path.join(RESULTS, "throughput_plan.json")
+  with open(plan_path, "w") as f:
+    f.write(base["plan"])
+  one = BATCH * base["steps"] / base["seconds"]
+  stage = base["stage_seconds"]
+  rows = []
+  for schedule in SCHEDULES:
+    for m in MICROBATCHES:
+      launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2", "--"]
+      rates = []
+      for _ in range(args.repeats):
+        _run(
+          [*launch, *me, *steps, "--worker", schedule, str(m), tmp, plan_path],
+          _env(1),
+        )
+        with open(tmp) as f:
+          got = json.load(f)
+        rates.append(BATCH * got["steps"] / got["seconds"])
+      rate = float(sorted(rates)[len(rates) // 2])
+      same = (
+        BATCH * base["steps"] / base["same_schedule_seconds"][f"{schedule}/{m}"]
+      )
+      rows.append(
+        {
+          "schedule": schedule,
+          "microbatches": m,
+          "examples_per_second": rate,
+          "examples_per_second_runs": rates,
+          "speedup": rate / one,
+          "same_schedule_examples_per_second": same,
+          "speedup_over_same_schedule": rate / same,
+        }
+      )
+  os.remove(tmp)
+  result = {
+    "model": f"MLP {LAYERS} x {WIDTH}, batch {BATCH}",
+    "one_core_examples_per_second": one,
+    "stage_seconds_alone": stage,
+    "stage_imbalance_max_over_mean": max(stage) / (sum(stage) / len(stage)),
+    "stage_nodes": _stage_nodes(base["plan"]),
+    "rows": rows,
+  }
+  print(_table(result))
+  with open(os.path.join(RESULTS, "throughput.json"), "w") as f:
+    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,80 @@
+"""``jpipe.distributed.initialize`` reads its environment, and
+``jpipe.launch`` writes it (no processes started here)."""
+
+import pytest
+
+from jpipe import distributed, launch
+
+
+def _clear(monkeypatch):
+  for key in (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "JPIPE_CPU_DEVICES",
+    "SLURM_NTASKS",
+  ):
+    monkeypatch.delenv(key, raising=False)
+
+
+def test_one_process_without_environment(monkeypatch):
+  _clear(monkeypatch)
+  assert distributed.initialize() is False
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+  assert distributed.initialize() is False
+  monkeypatch.setenv("SLURM_NTASKS", "1")  # a one-task SLURM job
+  assert distributed.initialize() is False
+  assert distributed.is_main_process()
+
+
+@pytest.mark.parametrize(
+  "env, message",
+  [
+    ({"JAX_NUM_PROCESSES": "2"}, "JAX_COORDINATOR_ADDRESS"),
+    (
+      {"JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+      "JAX_PROCESS_ID",
+    ),
+    (
+      {
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1",
+        "JAX_PROCESS_ID": "2",
+      },
+      "not in 0 .. 1",
+    ),
+    ({"JAX_NUM_PROCESSES": "two"}, "not an integer"),
+  ],
+)
+def test_incomplete_environment_is_a_clear_error(monkeypatch, env, message):
+  _clear(monkeypatch)
+  for key, value in env.items():
+    monkeypatch.setenv(key, value)
+  with pytest.raises(ValueError, match=message):
+    distributed.initialize()
+
+
+def test_launcher_environments():
+  base = {
+    "PATH": "/bin",
+    "http_proxy": "http://proxy:1",
+    "HTTPS_PROXY": "http://proxy:1",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1",
+  }
+  envs = launch.process_environments(3, 2, "cpu", base=base)
+  assert [e["JAX_PROCESS_ID"] for e in envs] == ["0", "1", "2"]
+  assert {e["JAX_NUM_PROCESSES"] for e in envs} == {"3"}
+  address = {e["JAX_COORDINATOR_ADDRESS"] for e in envs}
+  assert len(address) == 1 and address.pop().startswith("127.0.0.1:")
+  for e in envs:
+    assert e["JPIPE_CPU_DEVICES"] == "2"
+    assert "http_proxy" not in e and "HTTPS_PROXY" not in e
+    assert e["XLA_FLAGS"] == "--xla_foo=1"  # the device-count flag dropped
+  gpus = launch.process_environments(2, 2, "gpu", base={"PATH": "/bin"})
+  assert [e["CUDA_VISIBLE_DEVICES"] for e in gpus] == ["0,1", "2,3"]
+
+
+def test_launcher_needs_a_command(capsys):
+  with pytest.raises(SystemExit):
+    launch.main(["--nprocs", "2"])
+  assert "give the command after --" in capsys.readouterr().err
