@@ -87,10 +87,7 @@ class Transport:
     multihost_utils.sync_global_devices("jpipe: connect the stages")
     firsts = [p.device for p in self.placement]
     # Every other process's first device receives the loss (``share``).
-    firsts += [
-      next(d for d in jax.devices() if d.process_index == q)
-      for q in range(jax.process_count())
-    ]
+    firsts += [_first_device(q) for q in range(jax.process_count())]
     links = sorted(
       {
         (a, b)
@@ -146,7 +143,7 @@ class Transport:
       if self.process not in (owner, q):
         continue
       a = self.placement[src].device
-      b = next(d for d in jax.devices() if d.process_index == q)
+      b = _first_device(q)
       y = self._pair(x if self.process == owner else None, a, b, aval)
       if self.process == q:
         return y
@@ -225,6 +222,11 @@ class _PullLinks:
     )
     (y,) = self.connections[src].pull(uuid, [spec])
     return y
+
+
+def _first_device(process: int):
+  """A process's first device (where values shared with it arrive)."""
+  return next(d for d in jax.devices() if d.process_index == process)
 
 
 def _host_address() -> str:

@@ -23,28 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 
-def _env(**extra):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-  }
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
-  env["JAX_PLATFORMS"] = "cpu"
-  # Compile-bound on 2 cores: XLA's quick compiles (both sides alike).
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  env.update(extra)
-  return env
-
-
-def _launch(nprocs, script, *args, timeout=240, env=None, devices=1):
+def _launch(nprocs, script, *args, env, timeout=240, devices=1):
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", str(nprocs)]
   command += ["--devices-per-process", str(devices)]
   command += ["--", sys.executable, os.path.join(HERE, script), *args]
   return subprocess.run(
     command,
-    env=env or _env(),
+    env=env,
     capture_output=True,
     text=True,
     timeout=timeout,
@@ -52,11 +37,11 @@ def _launch(nprocs, script, *args, timeout=240, env=None, devices=1):
   )
 
 
-def _reference(devices, out, configs):
+def _reference(devices, out, configs, env):
   """The same configurations in one process on ``devices`` CPU devices."""
   done = subprocess.run(
     [sys.executable, os.path.join(HERE, "pipeline_worker.py"), out, configs],
-    env=_env(JPIPE_CPU_DEVICES=str(devices)),
+    env=env(JPIPE_CPU_DEVICES=str(devices)),
     capture_output=True,
     text=True,
     timeout=240,
@@ -124,7 +109,7 @@ def _configs(n):
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_processes_equal_one_process(tmp_path, nprocs):
+def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   """gpipe, 1f1b, streaming async (ws, wp, GA, adam), 2bw without
   recomputation, tied embeddings (sync and async) and BatchNorm
   statistics, over both transports (pull; collective for two): n
@@ -135,8 +120,8 @@ def test_processes_equal_one_process(tmp_path, nprocs):
     configs = [configs[i] for i in (2, 3, 6, 7)]
   configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
-  _reference(nprocs, ref, configs)
-  done = _launch(nprocs, "pipeline_worker.py", got, configs)
+  _reference(nprocs, ref, configs, process_env)
+  done = _launch(nprocs, "pipeline_worker.py", got, configs, env=process_env())
   assert done.returncode == 0, done.stdout[-6000:]
   for p in range(nprocs):  # each process ran only its own stage
     assert f"[p{p}] config 0: process {p} ran stages [{p}]" in done.stdout
@@ -150,7 +135,7 @@ def test_processes_equal_one_process(tmp_path, nprocs):
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
 
 
-def test_replica_groups_across_processes(tmp_path):
+def test_replica_groups_across_processes(tmp_path, process_env):
   """2 processes x 2 devices, each stage a replica group in its process
   (values gathered off a group before a transfer, split after): the
   one-process results on 4 devices."""
@@ -164,8 +149,10 @@ def test_replica_groups_across_processes(tmp_path):
     ]
   )  # fmt: skip
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
-  _reference(4, ref, configs)
-  done = _launch(2, "pipeline_worker.py", got, configs, devices=2)
+  _reference(4, ref, configs, process_env)
+  done = _launch(
+    2, "pipeline_worker.py", got, configs, env=process_env(), devices=2
+  )
   assert done.returncode == 0, done.stdout[-6000:]
   want, have = np.load(ref), np.load(got)
   assert set(want) == set(have)
@@ -201,14 +188,14 @@ def _alive(pid):
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_killed_or_hung_process_stops_the_run(sig):
+def test_killed_or_hung_process_stops_the_run(sig, process_env):
   """A process killed (SIGKILL) or hung (SIGSTOP) mid-run: the launcher
   exits non-zero within 60 s, naming the process, with no process left."""
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2"]
   command += ["--", sys.executable, os.path.join(HERE, "fault_worker.py")]
   proc = subprocess.Popen(
     command,
-    env=_env(),
+    env=process_env(),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -238,12 +225,15 @@ def test_killed_or_hung_process_stops_the_run(sig):
     assert not _alive(pid)
 
 
-def test_exception_in_one_process_stops_all_with_its_traceback():
+def test_exception_in_one_process_stops_all_with_its_traceback(process_env):
   """An exception in process 1 at step 3: every process exits at once,
   the traceback is shown, the launcher returns its status."""
   start = time.monotonic()
   done = _launch(
-    2, "fault_worker.py", env=_env(FAULT="raise:1:3", STEPS="50"), timeout=180
+    2,
+    "fault_worker.py",
+    env=process_env(FAULT="raise:1:3", STEPS="50"),
+    timeout=180,
   )
   took = time.monotonic() - start
   assert done.returncode == 1, done.stdout[-4000:]
@@ -254,7 +244,7 @@ def test_exception_in_one_process_stops_all_with_its_traceback():
   assert took < 120  # start-up and compiles; the failure itself is instant
 
 
-def test_launcher_runs_a_finished_run_to_status_zero():
-  done = _launch(2, "fault_worker.py", env=_env(STEPS="3"), timeout=180)
+def test_launcher_runs_a_finished_run_to_status_zero(process_env):
+  done = _launch(2, "fault_worker.py", env=process_env(STEPS="3"), timeout=180)
   assert done.returncode == 0, done.stdout[-4000:]
   assert "[p0] done 0" in done.stdout and "[p1] done 1" in done.stdout

@@ -15,21 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 
-def _env():
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-  }
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
-  # Compile-bound on 2 cores: XLA's quick compiles (both sides alike).
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
-def _train(workdir, steps, nprocs):
+def _train(workdir, steps, nprocs, env):
   """The default config (2 stages, small) to ``steps``; nprocs None: one
   process without the launcher (8 fake CPU devices)."""
   command = [sys.executable, "-m", "jpipe.train"]
@@ -42,7 +28,7 @@ def _train(workdir, steps, nprocs):
     "--config.train.eval_every=1000",
     f"--config.train.steps={steps}",
   ]
-  env = _env()
+  env = dict(env)
   if nprocs is None:
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   else:
@@ -67,14 +53,17 @@ def _losses(workdir):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_default_config_across_processes_resumes_in_one_and_back(tmp_path):
+def test_default_config_across_processes_resumes_in_one_and_back(
+  tmp_path, process_env
+):
+  env = process_env()
   straight, moved = tmp_path / "straight", tmp_path / "moved"
-  _train(straight, 9, None)
-  out = _train(moved, 3, 2)
+  _train(straight, 9, None, env)
+  out = _train(moved, 3, 2, env)
   # One process prints and logs; the other's stage ran (its lines absent).
   assert "[p0] Done: 3 steps" in out and "[p1] Done" not in out
-  assert "Resuming from step 3" in _train(moved, 6, None)
-  assert "[p0] Resuming from step 6" in _train(moved, 9, 2)
+  assert "Resuming from step 3" in _train(moved, 6, None, env)
+  assert "[p0] Resuming from step 6" in _train(moved, 9, 2, env)
   a, b = _losses(straight), _losses(moved)
   assert sorted(b) == list(range(1, 10))
   for step in range(1, 10):
