@@ -51,11 +51,31 @@ def _broadcast(tree, is_source):
   return jax.tree.map(lambda x, b: x.astype(bool) if b else x, out, bools)
 
 
+def wait_for_all(name: str, timeout_s: float = 900.0) -> None:
+  """A barrier through the coordinator's key-value store, not a device
+  collective: gloo gives up on a communicator's first collective when the
+  processes reach it more than ~30 s apart (one still compiling or
+  loading under load), so every process arrives first."""
+  from jax._src import distributed  # the client JAX's own tests use
+
+  client = distributed.global_state.client
+  if client is None or jax.process_count() == 1:
+    return
+  _barriers[name] = _barriers.get(name, 0) + 1
+  client.wait_at_barrier(
+    f"jpipe/{name}/{_barriers[name]}", int(timeout_s * 1e3)
+  )
+
+
+_barriers: dict[str, int] = {}  # uses per name: every process counts alike
+
+
 def text_from_process_zero(text: str) -> str:
   """Process 0's ``text`` on every process (e.g. a solved Plan, which a
   measured cost model may solve differently in each process)."""
   if jax.process_count() == 1:
     return text
+  wait_for_all("plan")
   data = np.frombuffer(text.encode(), np.uint8)
   size = multihost_utils.broadcast_one_to_all(np.int64(data.size))
   padded = np.zeros(int(size), np.uint8)

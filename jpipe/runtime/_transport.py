@@ -38,6 +38,7 @@ from jax.sharding import (
   SingleDeviceSharding,
 )
 
+from jpipe.runtime._gather import wait_for_all
 from jpipe.runtime._placement import StagePlacement
 
 TRANSPORTS = ("pull", "collective")
@@ -84,7 +85,7 @@ class Transport:
     stage's program), later ones wait as long as needed."""
     if not self.multiprocess:
       return
-    multihost_utils.sync_global_devices("jpipe: connect the stages")
+    wait_for_all("connect")
     firsts = [p.device for p in self.placement]
     # Every other process's first device receives the loss (``share``).
     firsts += [_first_device(q) for q in range(jax.process_count())]
@@ -197,6 +198,7 @@ class _PullLinks:
     address = np.zeros(256, np.uint8)
     raw = self.server.address().encode()
     address[: len(raw)] = np.frombuffer(raw, np.uint8)
+    wait_for_all("transfer servers")
     everyone = multihost_utils.process_allgather(address)
     self.addresses = [
       bytes(np.asarray(a, np.uint8)).rstrip(b"\0").decode() for a in everyone
