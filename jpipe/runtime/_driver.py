@@ -174,7 +174,7 @@ class Driver:
     for spec in stages.specs:
       for v in spec.inputs:
         self.readers[v] = self.readers.get(v, 0) + 1
-    self.avals = stages.traced.closed_jaxpr.in_avals
+    avals = stages.traced.closed_jaxpr.in_avals
     # Model-state leaf i: its aval, and per process other than its
     # producer's, the first stage there that reads it (it is sent there
     # whenever the producer updates it).
@@ -183,7 +183,7 @@ class Driver:
       r: s for s, spec in enumerate(stages.specs) for r in spec.results
     }
     self.state_avals, self.state_readers = [], []
-    for i, aval in enumerate(self.avals[first_state:]):
+    for i, aval in enumerate(avals[first_state:]):
       self.state_avals.append(aval)
       src = producer_of_result.get(i + 1)
       readers = {}

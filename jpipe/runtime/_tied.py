@@ -57,10 +57,13 @@ class TiedParams:
     if theta is not None:
       for pos, leaf in self.owned.get(s, ()):
         tied.setdefault((leaf, b), theta[pos])
+    processes = self.transport.stage_process
     for _, leaf, owner, _ in self.replicas.get(s, ()):
+      if processes[owner] == processes[s]:
+        continue  # tied_values reads the owner's record directly
       owns = self.transport.owns(owner)
       x = self._move(tied.get((leaf, b)) if owns else None, owner, s, leaf)
-      if self.transport.owns(s) and not owns:
+      if self.transport.owns(s):
         tied[(leaf, b)] = x
     return None if theta is None else self.tied_values(s, b, theta, tied)
 
