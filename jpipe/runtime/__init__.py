@@ -1,5 +1,6 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
+from jpipe.runtime._options import GAP_AWARE_POLICIES
 from jpipe.runtime._pipeline import Pipeline, PipelineState
 
-__all__ = ["Pipeline", "PipelineState"]
+__all__ = ["GAP_AWARE_POLICIES", "Pipeline", "PipelineState"]

@@ -211,6 +211,14 @@ class Pipeline:
       gap_aware_options=gap_aware_options,
       gap_aware_policy=gap_aware_policy,
     )
+    if gap_aware is not None:
+      # Gap-Aware reads the optimizer's statistics (Adam's moments or SGD's
+      # momentum) by the name it is given: a wrong name reads nothing.
+      staleness.check_state_matches(
+        jax.eval_shape(optimizer.init, params),
+        gap_aware_options["optimizer"],
+        "Pipeline(gap_aware_options={'optimizer': ...})",
+      )
     if num_microbatches < 1:
       raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     size = batch_size(example_batch)
@@ -476,6 +484,26 @@ class Pipeline:
         if leaves[i] is None:
           leaves[i] = v
     return jax.tree.unflatten(self._params_treedef, leaves)
+
+  def nonfinite_params(self, state: PipelineState) -> dict[int, str]:
+    """``{stage: path of its first param leaf holding a NaN or an
+    infinity}`` for every such stage (empty when all are finite). Works
+    mid-stream (each stage's current params). Across processes every
+    process must call it; each gets the answer for all stages."""
+    firsts = []
+    for leaves in state.stage_params:
+      if leaves is None:  # Another process runs this stage.
+        firsts.append(None)
+        continue
+      finite = [bool(jax.numpy.isfinite(x).all()) for x in leaves]
+      firsts.append(np.int32(finite.index(False) if False in finite else -1))
+    template = jax.ShapeDtypeStruct((), np.int32)
+    firsts = trees_everywhere(firsts, [template] * len(firsts), self._held())
+    return {
+      s: self._leaf_names[self.stages.specs[s].param_leaves[int(i)]]
+      for s, i in enumerate(firsts)
+      if int(i) >= 0
+    }
 
   def _held(self):
     """Per stage, whether this process runs it."""

@@ -4,7 +4,7 @@ Depends on jax and optax only, so any training loop can import it:
 weight prediction (closed form and replay), Gap-Aware, and weight stashing.
 """
 
-from jpipe.staleness._common import OPTIMIZERS
+from jpipe.staleness._common import OPTIMIZERS, check_state_matches
 from jpipe.staleness._gap_aware import GapAwareState, gap_aware
 from jpipe.staleness._replay_prediction import replay_predictor
 from jpipe.staleness._weight_prediction import (
@@ -28,6 +28,7 @@ __all__ = [
   "GapAwareState",
   "Predictor",
   "WeightStash",
+  "check_state_matches",
   "gap_aware",
   "nag_delay",
   "replay_predictor",

@@ -34,6 +34,31 @@ def check_optimizer(optimizer: str) -> str:
   return optimizer
 
 
+def check_state_matches(
+  opt_state: optax.OptState, optimizer: str, who: str
+) -> None:
+  """Raises ValueError when ``opt_state`` was not built by ``optimizer``.
+
+  Adam and AdamW keep an ``optax.ScaleByAdamState`` (first and second
+  moments), SGD does not: a transform told "sgd" that wraps Adam (or the
+  reverse) would read its statistics from the wrong place, silently.
+  """
+  adam_states = find_states(opt_state, optax.ScaleByAdamState)
+  if optimizer == "sgd" and adam_states:
+    raise ValueError(
+      f"{who}: optimizer='sgd', but the optimizer it runs with is "
+      "Adam-like (its state holds an optax.ScaleByAdamState): pass "
+      "optimizer='adam' (or 'adamw') to match it"
+    )
+  if optimizer != "sgd" and not adam_states:
+    raise ValueError(
+      f"{who}: optimizer={optimizer!r}, but the optimizer it runs with "
+      "keeps no Adam moments (no optax.ScaleByAdamState in its state): "
+      "pass optimizer='sgd' for SGD, or build it with optax.adam / "
+      "optax.adamw"
+    )
+
+
 def check_open_unit(name: str, value: Any) -> None:
   """Raises ValueError unless a concrete `value` lies in (0, 1)."""
   if is_concrete(value) and not 0.0 < float(value) < 1.0:

@@ -113,11 +113,13 @@ def gap_aware(
     eta0 = 0.0
     if max_learning_rate is not None:
       eta0 = _common.value_at(max_learning_rate, jnp.zeros([], jnp.int32))
+    inner_state = base_tx.init(params)
+    _common.check_state_matches(inner_state, optimizer, "gap_aware")
     return GapAwareState(
       count=jnp.zeros([], jnp.int32),
       max_learning_rate=jnp.asarray(eta0, jnp.float32),
       sq_avg=optax.tree.zeros_like(params),
-      inner_state=base_tx.init(params),
+      inner_state=inner_state,
     )
 
   def update_fn(

@@ -162,6 +162,7 @@ def weight_predictor(
           f"learning_rates has {len(learning_rates)} entries, fewer than "
           f"delay={int(delay)}"
         )
+    _common.check_state_matches(opt_state, optimizer, "weight prediction")
     lr_at = lr_fn(opt_state, learning_rates)
     delay = jnp.maximum(jnp.asarray(delay, jnp.int32), 0)
     if optimizer == "sgd":

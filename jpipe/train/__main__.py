@@ -1,12 +1,14 @@
-"""``python -m jpipe.train --config configs/X.py --workdir DIR``.
+"""Train a model as a pipeline: ``python -m jpipe.train --config
+configs/default.py --workdir DIR [--config.KEY=VALUE ...]``.
 
-Kept short on purpose (the logic is in train_lib): flags, then
-``train_and_evaluate`` (after joining a multi-process run, when the
-environment describes one: ``python -m jpipe.launch``). Overrides: ``--config.a.b=value``; an unknown key
-or a wrong type stops before any work (the config is locked).
+``--help`` lists every config field with its value and meaning. A DIR
+with a checkpoint resumes; SIGTERM / SIGINT save and exit with 143 / 130.
+Across processes: ``python -m jpipe.launch --nprocs N -- python -m
+jpipe.train ...``.
 """
 
 import os
+import sys
 
 # Without an accelerator, expose 8 CPU devices so a pipeline has devices to
 # run on (must happen before jax starts; harmless on GPU machines).
@@ -16,7 +18,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from jpipe import distributed  # noqa: E402
-from jpipe.train import train_lib  # noqa: E402
+from jpipe.train import config_cli, errors, train_lib  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Training config file (configs/*.py).", lock_config=True
@@ -33,8 +35,16 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Under `python -m jpipe.launch` (or SLURM): join the other processes.
   distributed.initialize()
-  train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  try:
+    train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except errors.UsageError as e:  # Names its fix: no traceback needed.
+    sys.stderr.write(f"error: {e}\n")
+    sys.exit(2)
+  except errors.TrainingDiverged as e:
+    sys.stderr.write(f"error: {e}\n")
+    sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  # Flag and config errors as a few lines naming the fix, not tracebacks.
+  app.run(main, flags_parser=config_cli.parse_flags)

@@ -2,19 +2,24 @@
 
 What is stored: ``Pipeline.state_dict`` (params, optimizer and Gap-Aware
 state, model state -- keyed by global parameter path, so another partition
-can resume), plus JSON metadata (step = data position, config fingerprint).
+can resume), plus JSON metadata (step = data position, config fingerprint, a CRC-32 per array: a
+checkpoint whose files were damaged after the save is refused at restore,
+naming the array and the earlier checkpoint to use).
 orbax writes each step to a temporary directory and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint intact.
 """
 
 import os
+import zlib
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jpipe.train.errors import CheckpointError
 
-class CheckpointError(RuntimeError):
-  """A checkpoint exists but cannot be used."""
+__all__ = ["CheckpointError", "Checkpoints", "checksums"]
 
 
 class Checkpoints:
@@ -31,7 +36,10 @@ class Checkpoints:
     return self._manager.latest_step()
 
   def save(self, step: int, state: dict, meta: dict) -> None:
-    """Writes and waits (so a SIGTERM exit has it on disk)."""
+    """Writes and waits (so a SIGTERM exit has it on disk). ``meta`` gets
+    the CRC-32 of every array of ``state`` (host arrays), checked at
+    restore."""
+    meta = dict(meta, checksums=checksums(state))
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -41,18 +49,14 @@ class Checkpoints:
     )
     self._manager.wait_until_finished()
 
-  def restore(self, template: dict, fingerprint: dict) -> tuple[Any, dict]:
-    """The latest (state, meta); ``template`` gives structure and dtypes.
-
-    Raises CheckpointError when the files are unreadable or were written
-    for another model (``fingerprint`` differs).
-    """
+  def check_fingerprint(self, fingerprint: dict) -> dict | None:
+    """The latest checkpoint's metadata (None without one); a
+    CheckpointError when it is unreadable or was written for another model.
+    Cheap (a small JSON file): run it before loading data or tracing."""
     step = self.latest_step()
-    where = os.path.join(self.directory, str(step))
-    fix = (
-      f"delete {where} (or the whole {self.directory}) to start over, or "
-      f"use another --workdir"
-    )
+    if step is None:
+      return None
+    where, fix = self._where(step)
     try:
       meta = self._manager.restore(
         step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
@@ -67,6 +71,29 @@ class Checkpoints:
         f"checkpoint {where} was written for another model or optimizer "
         f"(saved {saved}, now {fingerprint}); {fix}"
       )
+    return meta
+
+  def _where(self, step: int) -> tuple[str, str]:
+    """A checkpoint's directory and what to do when it cannot be used."""
+    where = os.path.join(self.directory, str(step))
+    earlier = [s for s in self._manager.all_steps() if s < step]
+    fix = (
+      f"delete {where} to resume from step {max(earlier)} (the previous "
+      f"checkpoint)"
+      if earlier
+      else f"delete {where} (or the whole {self.directory}) to start over"
+    )
+    return where, fix + ", or use another --workdir"
+
+  def restore(self, template: dict, fingerprint: dict) -> tuple[Any, dict]:
+    """The latest (state, meta); ``template`` gives structure and dtypes.
+
+    Raises CheckpointError when the files are unreadable or were written
+    for another model (``fingerprint`` differs).
+    """
+    step = self.latest_step()
+    meta = self.check_fingerprint(fingerprint)
+    where, fix = self._where(step)
     try:
       state = self._manager.restore(
         step,
@@ -77,8 +104,29 @@ class Checkpoints:
         f"checkpoint {where} is corrupt or incompatible "
         f"({type(e).__name__}: {e}); {fix}"
       ) from e
+    saved = meta.get("checksums")
+    if saved is not None:  # Checkpoints before checksums have none.
+      for path, crc in checksums(state).items():
+        if saved.get(path) != crc:
+          raise CheckpointError(
+            f"checkpoint {where} (step {step}) fails its checksum at "
+            f"{path}: its files changed after they were written (disk or "
+            f"copy damage); {fix}"
+          )
     return state, meta
 
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def checksums(state) -> dict[str, str]:
+  """``{path: CRC-32 (hex) of the array's bytes}`` for every leaf of a
+  pytree of host arrays (paths as ``jax.tree_util.keystr``)."""
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  return {
+    jax.tree_util.keystr(path): format(
+      zlib.crc32(np.ascontiguousarray(leaf).tobytes()), "08x"
+    )
+    for path, leaf in flat
+  }

@@ -3,6 +3,9 @@
 import ml_collections
 
 from jpipe import schedule as schedule_lib
+from jpipe.runtime import GAP_AWARE_POLICIES
+from jpipe.train.errors import UsageError
+from jpipe.train.tasks import TASK_OF_MODEL
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup_cosine")
@@ -11,7 +14,7 @@ COST_MODELS = ("analytic", "xla", "measured")
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError listing every invalid field and how to fix it."""
+  """Raises UsageError (a ValueError) listing every invalid field and how to fix it."""
   problems = []
 
   def need(ok, key, message):
@@ -22,6 +25,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     config.schedule.name in schedule_lib.SCHEDULES,
     "schedule.name",
     f"{config.schedule.name!r} is not one of {schedule_lib.SCHEDULES}",
+  )
+  need(
+    config.model.name in TASK_OF_MODEL,
+    "model.name",
+    f"{config.model.name!r} is not one of jpipe.models' {tuple(TASK_OF_MODEL)}",
   )
   need(
     config.optimizer.name in OPTIMIZERS,
@@ -63,7 +71,30 @@ def check(config: ml_collections.ConfigDict) -> None:
       f"{m} does not divide data.batch_size={config.data.batch_size}: use "
       f"a divisor of it",
     )
+  need(
+    config.optimizer.warmup_steps >= 0,
+    "optimizer.warmup_steps",
+    "must be >= 0",
+  )
+  need(
+    config.optimizer.warmup_steps == 0
+    or config.optimizer.schedule == "warmup_cosine",
+    "optimizer.warmup_steps",
+    f"{config.optimizer.warmup_steps} has no effect with "
+    f"optimizer.schedule={config.optimizer.schedule!r}: set "
+    f"--config.optimizer.schedule=warmup_cosine, or warmup_steps=0",
+  )
   need(config.train.steps >= 1, "train.steps", "must be >= 1")
+  need(
+    config.train.keep_checkpoints >= 1,
+    "train.keep_checkpoints",
+    "must be >= 1",
+  )
+  need(
+    config.train.divergence_factor >= 0,
+    "train.divergence_factor",
+    "must be >= 0 (0 turns the divergence check off)",
+  )
   for key in ("log_every", "eval_every", "checkpoint_every"):
     need(config.train[key] >= 1, f"train.{key}", "must be >= 1")
   st = config.staleness
@@ -76,6 +107,18 @@ def check(config: ml_collections.ConfigDict) -> None:
     st.gap_aware in ("", "ga", "ga_jfl"),
     "staleness.gap_aware",
     f"{st.gap_aware!r} is not one of '', 'ga', 'ga_jfl'",
+  )
+  need(
+    st.gap_aware_policy in GAP_AWARE_POLICIES,
+    "staleness.gap_aware_policy",
+    f"{st.gap_aware_policy!r} is not one of {tuple(GAP_AWARE_POLICIES)}",
+  )
+  need(
+    config.schedule.step_every == 1 or config.schedule.name in ("async", "2bw"),
+    "schedule.step_every",
+    f"{config.schedule.step_every} applies to schedule.name 'async' or "
+    f"'2bw' only ({config.schedule.name!r} steps once per call): set it "
+    f"to 1",
   )
   uses = st.stashing or st.prediction or st.gap_aware
   need(
@@ -105,4 +148,4 @@ def check(config: ml_collections.ConfigDict) -> None:
       f"({config.pipeline.num_stages}), got {config.schedule.step_every}",
     )
   if problems:
-    raise ValueError("invalid config:\n  " + "\n  ".join(problems))
+    raise UsageError("invalid config:\n  " + "\n  ".join(problems))

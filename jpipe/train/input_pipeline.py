@@ -6,12 +6,14 @@ files, no TensorFlow. Batches are a pure function of (seed, step), so the
 data position of a resumed run is just its step.
 """
 
+import difflib
 from typing import NamedTuple
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jpipe.data import digits, text
+from jpipe.data import digits, split_names, text
+from jpipe.train.errors import UsageError
 
 
 class ArrayData(NamedTuple):
@@ -24,6 +26,7 @@ class ArrayData(NamedTuple):
 def load_images(config) -> tuple[ArrayData, ArrayData]:
   """(train, eval) image splits named by ``config.data``."""
   data = config.data
+  check_splits(data)
   if data.name == "digits":
     train = digits.load_digits("train", data.data_dir or None)
     test = digits.load_digits(data.eval_split, data.data_dir or None)
@@ -38,6 +41,7 @@ def load_text(config) -> tuple[np.ndarray, np.ndarray]:
   """(train, eval) byte streams, uint8 [N]: "stdlib_text" (embedded) or a
   TFDS dataset whose ``config.data.text_key`` feature holds the text."""
   data = config.data
+  check_splits(data)
   if data.name == "stdlib_text":
     return (
       text.load_stdlib_text("train", data.data_dir or None),
@@ -54,8 +58,47 @@ def load_text(config) -> tuple[np.ndarray, np.ndarray]:
   return streams[0], streams[1]
 
 
+EMBEDDED = ("digits", "stdlib_text")  # Built from files on this machine.
+
+
+def check_splits(data) -> None:
+  """Before any data is read: the dataset exists (a TFDS name, or an
+  embedded one) and has the training and evaluation splits; a UsageError
+  naming the config key otherwise."""
+  if data.name in EMBEDDED:
+    splits = ("train", "test")  # Both embedded datasets split this way.
+  else:
+    splits = tuple(_tfds_builder(data).info.splits.keys())
+  if not splits:  # Not prepared yet: reading it says how to.
+    return
+  for key in ("eval_split",):
+    for name in split_names(data[key]):
+      if name not in splits:
+        raise UsageError(
+          f"config.data.{key}={data[key]!r}: dataset {data.name!r} has no "
+          f"split {name!r}; it has {list(splits)} (TFDS slicing such as "
+          f"'{splits[-1]}[:50%]' works too)"
+        )
+
+
+def _tfds_builder(data):
+  """``tfds.builder`` of ``config.data``, or a short UsageError for a name
+  TFDS does not know (its own lists every dataset it has)."""
+  try:
+    return tfds.builder(data.name, data_dir=data.data_dir or None)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    known = list(EMBEDDED) + tfds.list_builders(with_community_datasets=False)
+    close = difflib.get_close_matches(data.name, known, n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise UsageError(
+      f"config.data.name={data.name!r}: no such dataset, neither embedded "
+      f"({', '.join(EMBEDDED)}) nor in TFDS{hint} (the TFDS catalogue: "
+      f"https://www.tensorflow.org/datasets/catalog)"
+    ) from e
+
+
 def _tfds_source(data, split: str, embedded: str):
-  """``tfds.data_source`` or a ValueError saying how to prepare the data."""
+  """``tfds.data_source`` or a UsageError saying how to prepare the data."""
   fix = (
     f"Prepare it where there is internet (`tfds build {data.name} "
     f"--data_dir DIR --file_format array_record`) and set "
@@ -69,7 +112,7 @@ def _tfds_source(data, split: str, embedded: str):
       data.name, split=split, data_dir=data.data_dir or None, download=False
     )
   except Exception as e:  # TFDS raises several types for a missing dataset.
-    raise ValueError(
+    raise UsageError(
       f"TFDS dataset {data.name!r} (split {split!r}) is not available in "
       f"data_dir {data.data_dir or '(default)'!r}: {e}. {fix}."
     ) from e
@@ -92,7 +135,7 @@ def image_batch_at(
   (seed, epoch); the last partial batch of an epoch is dropped."""
   per_epoch = len(data.labels) // batch_size
   if per_epoch == 0:
-    raise ValueError(
+    raise UsageError(
       f"data.batch_size={batch_size} is larger than the training set "
       f"({len(data.labels)} examples)"
     )

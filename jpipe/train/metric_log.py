@@ -1,5 +1,6 @@
 """Metrics out: a JSONL file and TensorBoard event files in the workdir."""
 
+import glob
 import json
 import os
 
@@ -8,19 +9,54 @@ from tensorboardX import SummaryWriter
 
 class MetricLog:
   """Appends ``{"step": s, **scalars}`` lines to ``metrics.jsonl`` and
-  writes the same scalars as TensorBoard events under ``tensorboard/``."""
+  writes the same scalars as TensorBoard events under ``tensorboard/``.
 
-  def __init__(self, workdir: str):
+  A run that resumes from the checkpoint of step ``resume_step`` keeps
+  the metrics up to it and drops the later ones (the steps it trains
+  again), in both files, so a resumed run's logs read as one run.
+  """
+
+  def __init__(self, workdir: str, resume_step: int = 0):
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    events = os.path.join(workdir, "tensorboard")
+    kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
+    with open(self.path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    # TensorBoard shows every event file of a folder: rewrite them as one
+    # file holding the kept rows (its own purge_step is honoured by
+    # TensorBoard's reader only, not by other tools reading the files).
+    for old in glob.glob(os.path.join(events, "events.out.tfevents.*")):
+      os.remove(old)
+    self._tb = SummaryWriter(events)
+    for row in kept:
+      self._add(row["step"], {k: v for k, v in row.items() if k != "step"})
 
   def write(self, step: int, **scalars: float) -> None:
     values = {k: float(v) for k, v in scalars.items()}
     with open(self.path, "a") as f:
       f.write(json.dumps({"step": step, **values}) + "\n")
+    self._add(step, values)
+
+  def _add(self, step, values):
     for name, value in values.items():
       self._tb.add_scalar(name, value, step)
 
   def close(self) -> None:
     self._tb.flush()
     self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The rows of ``WORKDIR/metrics.jsonl`` ([] without one); a line cut
+  short by a kill mid-write is skipped."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows

@@ -19,6 +19,7 @@ import optax
 
 from jpipe.data import sequences
 from jpipe.train import input_pipeline
+from jpipe.train.errors import UsageError
 
 TASK_OF_MODEL = {
   "mlp": "classification",
@@ -57,12 +58,17 @@ def build_task(config) -> Task:
   """Loads the data and initialises the model the config names."""
   kind = TASK_OF_MODEL.get(config.model.name)
   if kind is None:
-    raise ValueError(
+    raise UsageError(
       f"config.model.name: no model {config.model.name!r} in jpipe.models "
       f"({', '.join(TASK_OF_MODEL)})"
     )
   module = importlib.import_module(f"jpipe.models.{config.model.name}")
-  model = module.Model(**config.model.kwargs.to_dict())
+  try:
+    model = module.Model(**config.model.kwargs.to_dict())
+  except TypeError as e:  # An unknown or missing keyword.
+    raise UsageError(
+      f"config.model.kwargs of jpipe.models.{config.model.name}.Model: {e}"
+    ) from e
   return {
     "classification": _classification,
     "language_model": _language_model,
@@ -222,7 +228,7 @@ def _seq2seq(config, model) -> Task:
   )
   need = sequences.BYTE_VOCAB + num_spans
   if model.vocab_size < need:
-    raise ValueError(
+    raise UsageError(
       f"config.model.kwargs.vocab_size={model.vocab_size} cannot hold the "
       f"{sequences.BYTE_VOCAB} byte tokens and {num_spans} span "
       f"sentinels: use >= {need}"

@@ -6,6 +6,8 @@ and ``train_and_evaluate``, the imperative shell that runs them.
 
 import os
 import signal
+import sys
+import tempfile
 import time
 
 import jax
@@ -19,7 +21,8 @@ import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import config_check
-from jpipe.train.metric_log import MetricLog
+from jpipe.train.errors import TrainingDiverged, UsageError
+from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
 
 
@@ -136,6 +139,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains as the config says, resuming from ``workdir`` if it has a
   checkpoint. Returns the closing summary (also printed).
 
+  What can be checked cheaply is checked before the data, the trace and
+  the partition: the config, the workdir (writable), the checkpoint
+  (written for this model; a finished run says so and stops). A SIGTERM
+  or SIGINT finishes the step, checkpoints and exits with 128 + the
+  signal's number (143, 130): the run did not finish.
+
   Across processes (``jpipe.distributed.initialize`` first; every process
   calls this with the same config and workdir, which several hosts must
   share): each process runs its stages; process 0 alone prints, logs,
@@ -146,19 +155,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   config_check.check(config)
   main = jax.process_index() == 0
   say = print if main else _quiet
-  os.makedirs(workdir, exist_ok=True)
+  _check_workdir(workdir)
+  checkpoints = checkpoint_lib.Checkpoints(
+    workdir, config.train.keep_checkpoints
+  )
+  saved_step = checkpoints.latest_step()
+  checkpoints.check_fingerprint(fingerprint(config))
+  steps = config.train.steps
+  if saved_step is not None and saved_step >= steps:
+    checkpoints.close()
+    return _already_done(config, workdir, saved_step, say)
   bs = config.data.batch_size
   task = build_task(config)
   example = task.batch_at(0)
   lr = learning_rate(config)
   tx = build_optimizer(config, lr)
   pipe = build_pipeline(config, task, example, tx, lr)
-  checkpoints = checkpoint_lib.Checkpoints(
-    workdir, config.train.keep_checkpoints
-  )
   state = pipe.init(task.params, task.model_state)
   start = 0
-  if checkpoints.latest_step() is not None:
+  if saved_step is not None:
     template = jax.tree.map(np.asarray, pipe.state_dict(state))
     saved, meta = checkpoints.restore(template, fingerprint(config))
     try:
@@ -172,7 +187,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     say(f"Resuming from step {start} ({checkpoints.directory}).")
   if main:
     _print_plan(pipe)
-  log = MetricLog(workdir) if main else _NoLog()
+    _write_run_files(workdir, config, pipe)
+  log = MetricLog(workdir, resume_step=start) if main else _NoLog()
   profile_last = config.train.profile_last_step
   if profile_last and pipe.transport.multiprocess:
     say(
@@ -188,45 +204,54 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       {"step": step, "fingerprint": fingerprint(config)},
     )
 
-  steps = config.train.steps
   evaluation = timeline = None
   # Throughput leaves out the run's first step (it compiles every program).
   seconds, examples = 0.0, 0
+  window = _Window()
+  divergence = _DivergenceCheck(config.train.divergence_factor)
+  # A bar on a terminal; in a log file (no terminal) plain lines instead.
+  interactive = main and sys.stderr.isatty()
   with _StopRequest() as stop:
     bar = tqdm.tqdm(
-      range(start, steps),
-      initial=start,
       total=steps,
+      initial=start,
       unit="step",
       dynamic_ncols=True,
       mininterval=1.0,
-      disable=not main,
+      disable=not interactive,
     )
+    write = bar.write if interactive else say
     # Across processes, one whose stages read no batch leaf reads no data.
     shapes = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example
     )
-    for step in bar:
+    for step in range(start, steps):
       batch = task.batch_at(step) if pipe.reads_batch else shapes
       # The last step is profiled: its programs are compiled by then.
       profile = profile_last and step == steps - 1
       t0 = time.perf_counter()
       state, metrics = pipe.step(state, batch, profile=profile)
       loss = float(metrics["loss"])  # Blocks: the step's losses are in.
+      took = time.perf_counter() - t0
       if step > start:
-        seconds += time.perf_counter() - t0
+        seconds += took
         examples += bs
+      window.add(loss, bs, took if step > start else None)
       if profile:
         timeline = (step + 1, metrics["timeline"])
       done = step + 1
-      bar.set_postfix(loss=f"{loss:.4f}")
+      bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+      bar.update(1)
       if not np.isfinite(loss):
-        raise FloatingPointError(
-          f"loss is {loss} at step {done}: lower config.optimizer."
-          f"learning_rate (now {config.optimizer.learning_rate})"
-        )
+        raise TrainingDiverged(_nonfinite_message(config, pipe, state, done))
       if done % config.train.log_every == 0 or done == steps:
-        log.write(done, loss=loss, **_throughput(examples, seconds))
+        scalars = window.means()
+        if callable(lr):
+          scalars["learning_rate"] = lr(done * _steps_per_call(config))
+        log.write(done, **{f"train/{k}": v for k, v in scalars.items()})
+        write(_log_line(done, steps, scalars))
+        divergence.check(scalars["loss"], done, window.first_step, config)
+        window = _Window(first_step=done + 1)
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
       stopping = _agreed(stop.signal, pipe.transport.multiprocess)
@@ -240,16 +265,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         model_state = pipe.gather_model_state(state)
         if main:
           evaluation = task.evaluate(params, model_state)
-          log.write(done, **{f"eval_{k}": v for k, v in evaluation.items()})
-          bar.write(f"step {done}: loss {loss:.4f}, {_format(evaluation)}")
+          log.write(done, **{f"eval/{k}": v for k, v in evaluation.items()})
+          write(f"step {done}: {_format(evaluation)}")
       if checkpoint or stopping:
         save(done, state)
       if stopping:
         bar.close()
-        say(f"{stopping}: saved step {done} to {checkpoints.directory}.")
+        code = 128 + signal.Signals[stopping].value
+        say(
+          f"{stopping}: saved step {done} to {checkpoints.directory}; "
+          f"exiting with status {code} (not finished: run the same command "
+          f"to resume)."
+        )
         log.close()
         checkpoints.close()
-        raise SystemExit(0)
+        raise SystemExit(code)
     bar.close()
   log.close()
   checkpoints.close()
@@ -258,6 +288,126 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return _summary(
     config, pipe, workdir, examples, seconds, evaluation, timeline
   )
+
+
+def _check_workdir(workdir: str) -> None:
+  """The workdir exists (or is made) and this process may write in it."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise UsageError(
+      f"--workdir {workdir}: cannot write there ({e.strerror}); choose a "
+      f"directory you may write to"
+    ) from e
+
+
+def _already_done(config, workdir, saved_step, say) -> dict:
+  """A workdir whose checkpoint is at or past ``train.steps``: nothing
+  to train; report its last evaluation (from its metrics)."""
+  rows = read_metrics(workdir)
+  evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+  evaluation = None
+  line = "no evaluation logged"
+  if evals:
+    last = evals[-1]
+    evaluation = {
+      k.removeprefix("eval/"): v for k, v in last.items() if k != "step"
+    }
+    line = f"step {last['step']}: {_format(evaluation)}"
+  say(
+    f"Nothing to train: {workdir} holds the checkpoint of step "
+    f"{saved_step} and config.train.steps is {config.train.steps}. Last "
+    f"evaluation: {line}. To train longer, raise --config.train.steps; "
+    f"to start over, use another --workdir."
+  )
+  return {"eval": evaluation, "examples_per_second": None, "finished": True}
+
+
+def _write_run_files(workdir, config, pipe) -> None:
+  """The resolved config and the plan, beside the checkpoints (as Flax
+  examples and big_vision users expect to find them)."""
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+  with open(os.path.join(workdir, "plan.json"), "w") as f:
+    f.write(pipe.plan.to_json() + "\n")
+
+
+class _Window:
+  """What happened since the last log line: per-step losses, examples
+  and seconds (a compiling first step has no seconds)."""
+
+  def __init__(self, first_step: int = 1):
+    self.first_step = first_step
+    self.losses, self.examples, self.seconds = [], 0, 0.0
+
+  def add(self, loss, examples, seconds):
+    self.losses.append(loss)
+    if seconds is not None:
+      self.examples += examples
+      self.seconds += seconds
+
+  def means(self) -> dict:
+    """``loss``: the window's mean; ``examples_per_second``: the window's
+    (left out when its only step compiled)."""
+    out = {"loss": float(np.mean(self.losses))}
+    if self.seconds:
+      out["examples_per_second"] = self.examples / self.seconds
+    return out
+
+
+class _DivergenceCheck:
+  """Stops a run whose mean loss rose far above its start: ``factor``
+  times the first logged window's mean (0 turns the check off)."""
+
+  def __init__(self, factor: float):
+    self.factor = factor
+    self.start = None
+
+  def check(self, loss, step, first_step, config):
+    if self.start is None:
+      self.start = (loss, step)
+      return
+    start, at = self.start
+    if self.factor and start > 0 and loss > self.factor * start:
+      raise TrainingDiverged(
+        f"training diverged at step {step}: the mean loss of steps "
+        f"{first_step}-{step} is {loss:.4g}, over "
+        f"config.train.divergence_factor={self.factor:g} times its start "
+        f"({start:.4g}, the window ending at step {at}); lower "
+        f"config.optimizer.learning_rate (now "
+        f"{config.optimizer.learning_rate:g}) or set "
+        f"config.train.divergence_factor=0 to train on regardless"
+      )
+
+
+def _nonfinite_message(config, pipe, state, step) -> str:
+  """Where a non-finite loss comes from: the stages whose params hold
+  NaN or inf (the first such leaf), or the forward when none does."""
+  bad = pipe.nonfinite_params(state)
+  if bad:
+    where = "; ".join(
+      f"stage {s}'s params (first: {path})" for s, path in bad.items()
+    )
+    where = f"non-finite values in {where}"
+  else:
+    where = (
+      "every stage's params are finite: the forward made it (an input or "
+      "an activation overflowed)"
+    )
+  return (
+    f"loss is non-finite at step {step}: {where}. Lower "
+    f"config.optimizer.learning_rate (now {config.optimizer.learning_rate:g})"
+    f", or resume from an earlier checkpoint"
+  )
+
+
+def _log_line(step, steps, scalars) -> str:
+  line = f"step {step}/{steps}: train loss {scalars['loss']:.4f}"
+  if "examples_per_second" in scalars:
+    line += f", {scalars['examples_per_second']:.0f} examples/s"
+  return line
 
 
 def _quiet(*args, **kwargs):

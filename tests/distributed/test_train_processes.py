@@ -50,7 +50,7 @@ def _train(workdir, steps, nprocs, env):
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def test_default_config_across_processes_resumes_in_one_and_back(

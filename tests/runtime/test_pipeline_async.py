@@ -531,6 +531,18 @@ def test_bad_async_input():
     jpipe.Pipeline(
       loss_fn, params, batch, schedule="async", gap_aware="ga", **common
     )
+  # Gap-Aware told "sgd" while the pipeline runs Adam: an error at build.
+  with pytest.raises(ValueError, match="gap_aware_options.*Adam-like"):
+    jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      schedule="async",
+      gap_aware="ga",
+      gap_aware_options=GA_SGD,
+      recompute=True,
+      **dict(common, optimizer=optax.adam(0.1)),
+    )
   with pytest.raises(ValueError, match="ga_jfl.*recompute=True"):
     jpipe.Pipeline(
       loss_fn,

@@ -141,3 +141,27 @@ def test_map_params(name):
   ][0]
   assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(ga.sq_avg))
   assert ga.count.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("said, runs", [("sgd", "adam"), ("adam", "sgd")])
+def test_transforms_refuse_an_optimizer_other_than_named(said, runs):
+  """gap_aware / weight_predictor told one optimizer while running with
+  another would read statistics from the wrong place: an error, not a
+  silent run."""
+  params = {"w": jnp.ones(3)}
+  inner = optax.adam(0.1) if runs == "adam" else optax.sgd(0.1, momentum=0.9)
+  with pytest.raises(ValueError, match=f"optimizer='{said}'"):
+    staleness.gap_aware(
+      inner, optimizer=said, learning_rate=0.1, max_learning_rate=0.1
+    ).init(params)
+  predict = staleness.weight_predictor(said, learning_rate=0.1, momentum=0.9)
+  with pytest.raises(ValueError, match=f"optimizer='{said}'"):
+    predict(params, inner.init(params), 1)
+  # The matching pair still works.
+  right = "adam" if runs == "adam" else "sgd"
+  staleness.gap_aware(
+    inner, optimizer=right, learning_rate=0.1, max_learning_rate=0.1
+  ).init(params)
+  staleness.weight_predictor(right, learning_rate=0.1, momentum=0.9)(
+    params, inner.init(params), 1
+  )

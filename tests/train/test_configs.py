@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -136,7 +137,7 @@ def test_user_tfds_text_dataset_through_mock_data(tmp_path):
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 class _StopAfter(train_lib._StopRequest):
@@ -176,8 +177,10 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   train_lib.train_and_evaluate(config, str(straight))
   monkeypatch.setattr(train_lib, "_StopRequest", lambda: _StopAfter(2))
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit) as stopped:
     train_lib.train_and_evaluate(config, str(resumed))
+  # Not finished: a scheduler must not take it for a finished job.
+  assert stopped.value.code == 128 + signal.SIGTERM
   assert os.listdir(resumed / "checkpoints") == ["2"]
   assert sorted(os.listdir(straight / "checkpoints")) == ["2", "4"]
   monkeypatch.undo()

@@ -3,16 +3,22 @@
 import glob
 import json
 import os
+import re
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from tensorboardX.proto import event_pb2
 
+import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import train_lib
+from jpipe.train import metric_log, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -42,7 +48,7 @@ def _config(**overrides):
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def test_default_config_trains_logs_and_draws(tmp_path):
@@ -126,6 +132,13 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
     # async, no stashing, recompute False (the default): it would stash.
     ("schedule.name", "async", "config.pipeline.recompute: an async"),
+    ("staleness.gap_aware_policy", "bogus", "gap_aware_policy: 'bogus'"),
+    ("optimizer.warmup_steps", 10, "warmup_steps: 10 has no effect"),
+    ("schedule.step_every", 2, "step_every: 2 applies to"),
+    ("model.name", "gpt3", "config.model.name: 'gpt3' is not one of"),
+    ("train.divergence_factor", -1.0, "divergence_factor: must be >= 0"),
+    ("data.eval_split", "validation", "no split 'validation'; it has"),
+    ("data.name", "cifar1000", "did you mean 'cifar100'"),
   ],
 )
 def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
@@ -166,18 +179,36 @@ def _cli(workdir, *overrides):
   ]
 
 
-def test_cli_rejects_unknown_key_and_wrong_type(tmp_path):
+def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT)
   for flag, message in [
-    ("--config.train.stepz=3", "stepz"),
-    ("--config.train.steps=many", "steps"),
+    ("--config.train.num_steps=20", "did you mean config.train.steps"),
+    ("--config.train.steps=many", "train.steps=many: expected int"),
+    ("--config.data.name=nosuchdata", "config.data.name='nosuchdata'"),
+    ("--config.staleness.gap_aware_policy=bogus", "'bogus' is not one of"),
   ]:
     result = subprocess.run(
       _cli(tmp_path, flag), capture_output=True, text=True, env=env
     )
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr
     assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
+    assert "Traceback" not in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_help_lists_the_config_fields(tmp_path):
+  result = subprocess.run(
+    _cli(tmp_path, "--help"),
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
+  assert result.returncode == 0
+  assert "  train.steps = 300" in result.stdout
+  assert "Pipeline steps (each covers batch_size examples)." in result.stdout
+  assert "Exit status" in result.stdout
+  assert "Kept short on purpose" not in result.stdout
 
 
 @pytest.mark.slow
@@ -211,3 +242,157 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path):
   a, b = _losses(straight), _losses(killed)
   for step in range(36, 41):
     assert a[step] == pytest.approx(b[step], rel=1e-6)
+
+
+def _tensorboard_scalars(workdir):
+  """(tag, step) of every scalar in the workdir's TensorBoard files
+  (TFRecord framing: length u64, its CRC u32, the Event, its CRC u32)."""
+  out = []
+  for path in glob.glob(str(workdir / "tensorboard" / "events.out.*")):
+    with open(path, "rb") as f:
+      data = f.read()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i : i + 8])
+      event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+      i += 12 + n + 4
+      out += [(v.tag, event.step) for v in event.summary.value]
+  return out
+
+
+def test_logs_are_window_means_with_prefixes_and_the_run_files(
+  tmp_path, capsys
+):
+  every = tmp_path / "every"
+  train_lib.train_and_evaluate(_config(), str(every))
+  per_step = _losses(every)
+  windows = tmp_path / "windows"
+  train_lib.train_and_evaluate(_config(**{"train.log_every": 3}), str(windows))
+  rows = metric_log.read_metrics(str(windows))
+  train_rows = [r for r in rows if "train/loss" in r]
+  assert [r["step"] for r in train_rows] == [3, 6]
+  for row in train_rows:  # The mean of the window's steps, not the last.
+    steps = range(row["step"] - 2, row["step"] + 1)
+    expected = np.mean([per_step[s] for s in steps])
+    assert row["train/loss"] == pytest.approx(expected, rel=1e-6)
+  # The first window's rate leaves out the compiling step; the second is
+  # its own window's (not a running average).
+  assert all(r["train/examples_per_second"] > 0 for r in train_rows)
+  assert {k for r in rows for k in r if k.startswith("eval/")} == {
+    "eval/accuracy"
+  }
+  assert not any(k in ("loss", "accuracy") for r in rows for k in r)
+  written = json.loads((windows / "config.json").read_text())
+  assert written["train"]["log_every"] == 3
+  plan = json.loads((windows / "plan.json").read_text())
+  assert len(plan["stage_devices"]) == 2
+  # Without a terminal: plain lines, no progress bar frames.
+  out, err = capsys.readouterr()
+  assert "step 3/6: train loss" in out and "%|" not in err
+
+
+def test_progress_bar_count_matches_its_loss(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+  train_lib.train_and_evaluate(
+    _config(**{"train.eval_every": 100}), str(tmp_path)
+  )
+  per_step = _losses(tmp_path)
+  frames = re.findall(r"(\d+)/6 \[[^\]]*loss=([\d.]+)", capsys.readouterr().err)
+  assert frames
+  for count, loss in frames:  # Each frame's loss is its count's step's.
+    assert float(loss) == pytest.approx(per_step[int(count)], abs=1e-4)
+
+
+def test_resumed_run_logs_read_as_one_run(tmp_path):
+  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  # Killed after logging step 6, before its checkpoint landed.
+  shutil.rmtree(tmp_path / "checkpoints" / "6")
+  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  rows = metric_log.read_metrics(str(tmp_path))
+  steps = [r["step"] for r in rows if "train/loss" in r]
+  assert steps == [1, 2, 3, 4, 5, 6]
+  scalars = _tensorboard_scalars(tmp_path)
+  assert sorted(s for tag, s in scalars if tag == "train/loss") == steps
+  assert len(scalars) == len(set(scalars))
+
+
+def test_finished_run_says_so_without_work(tmp_path, capsys, monkeypatch):
+  first = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  capsys.readouterr()
+  monkeypatch.setattr(train_lib, "build_task", _no_work)
+  again = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  out = capsys.readouterr().out
+  assert "Nothing to train" in out and "step 6" in out and "nan" not in out
+  assert again["eval"] == pytest.approx(first["eval"])
+
+
+def _no_work(config):
+  raise AssertionError("data loaded before a check that needs none")
+
+
+def test_workdir_and_checkpoint_problems_stop_before_data(
+  tmp_path, monkeypatch
+):
+  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
+  monkeypatch.setattr(train_lib, "build_task", _no_work)
+  with pytest.raises(checkpoint_lib.CheckpointError, match="another model"):
+    train_lib.train_and_evaluate(
+      _config(**{"model.kwargs.hidden": (16, 16)}), str(tmp_path)
+    )
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(ValueError, match="--workdir .*cannot write there"):
+    train_lib.train_and_evaluate(_config(), str(blocker / "work"))
+  if os.geteuid() != 0:  # root writes anywhere
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="cannot write there"):
+      train_lib.train_and_evaluate(_config(), str(locked))
+
+
+def test_checkpoint_damaged_in_place_is_refused(tmp_path):
+  """400 bytes garbled inside the largest file, its size unchanged:
+  orbax reads it back without complaint; the checksums do not."""
+  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  files = glob.glob(str(tmp_path / "checkpoints" / "6" / "**"), recursive=True)
+  largest = max((f for f in files if os.path.isfile(f)), key=os.path.getsize)
+  size = os.path.getsize(largest)
+  with open(largest, "r+b") as f:
+    f.seek(size // 2)
+    f.write(np.random.default_rng(0).bytes(400))
+  assert os.path.getsize(largest) == size
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"checkpoints/6 \(step 6\) fails its checksum at .*resume from step 3",
+  ):
+    train_lib.train_and_evaluate(_config(**{"train.steps": 9}), str(tmp_path))
+
+
+def test_divergence_names_the_step(tmp_path):
+  """Adam at learning rate 1e3 'finished' with loss 886 before: now it
+  stops, naming the step and the fix."""
+  config = _config(**{"optimizer.name": "adam", "optimizer.learning_rate": 1e3})
+  with pytest.raises(train_lib.TrainingDiverged, match="diverged at step"):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
+  real_step = jpipe.Pipeline.step
+
+  def poisoned_step(self, state, batch, **kwargs):
+    state, metrics = real_step(self, state, batch, **kwargs)
+    if state.step == 2:  # Stage 1's first leaf becomes NaN.
+      leaves = list(state.stage_params[1])
+      leaves[0] = leaves[0] * np.nan
+      params = (state.stage_params[0], tuple(leaves))
+      state = state._replace(stage_params=params)
+      metrics = dict(metrics, loss=np.nan)
+    return state, metrics
+
+  monkeypatch.setattr(jpipe.Pipeline, "step", poisoned_step)
+  with pytest.raises(
+    train_lib.TrainingDiverged,
+    match=r"non-finite at step 2: non-finite values in stage 1's params "
+    r"\(first: ",
+  ):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))

@@ -1,0 +1,207 @@
+"""The training command line's flags: short errors and a help that lists
+the config's fields.
+
+absl and ml_collections report a bad override as a Python traceback (an
+unknown key ends in ``AttributeError: "'num_steps'"``). ``parse_flags``
+(``app.run``'s ``flags_parser``) turns any flag error into a few lines:
+the flag, the value, what is allowed and the closest valid key; ``--help``
+prints every config field with its value and meaning (from the comments
+of ``base_config.py``).
+"""
+
+import difflib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import textwrap
+
+import ml_collections
+from absl import flags
+
+from jpipe.train import base_config
+
+USAGE = """\
+usage: python -m jpipe.train --config CONFIG.py[:VARIANT] --workdir DIR \
+[--config.KEY=VALUE ...]
+
+Trains a model split into pipeline stages (one per device) as CONFIG says,
+writing checkpoints, metrics.jsonl, TensorBoard events, the resolved config
+and the plan into DIR; a DIR with a checkpoint resumes. Any config field
+can be overridden: --config.train.steps=1000 --config.schedule.name=async.
+Several processes: python -m jpipe.launch --nprocs N -- python -m
+jpipe.train ... . Exit status: 0 finished, 2 bad flags or config, 143 / 130
+stopped by SIGTERM / SIGINT after saving a checkpoint (run the same
+command to resume), 1 any other error.
+"""
+
+_HELP_FLAGS = ("-h", "--help", "--helpshort", "-?")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """``absl.app.run``'s flag parser: absl's, with errors and ``--help``
+  rewritten for people. Exits with status 2 on a bad flag."""
+  if any(arg in _HELP_FLAGS for arg in argv[1:]):
+    print(help_text(argv))
+    sys.exit(0)
+  try:
+    rest = flags.FLAGS(argv)
+    # ml_collections defers a config file's load errors to the first read.
+    if flags.FLAGS["config"].present:
+      flags.FLAGS.config.to_dict()
+    return rest
+  except Exception as e:  # absl's flag errors and the overrides' raw ones.
+    sys.stderr.write(
+      f"error: {explain(argv, e)}\n(python -m jpipe.train --help lists "
+      f"every config field)\n"
+    )
+    sys.exit(2)
+
+
+def explain(argv: list[str], error: Exception) -> str:
+  """One or a few lines saying which flag is wrong and how to fix it."""
+  spec = _flag_value(argv, "config")
+  if spec is None:
+    return (
+      "--config is required: --config configs/default.py (any configs/*.py)"
+    )
+  try:
+    config = load_config(spec)
+  except Exception as e:
+    return f"--config {spec}: cannot load it ({type(e).__name__}: {e})"
+  keys = sorted(flatten(config))
+  for key, value in _overrides(argv):
+    if key not in keys and not any(k.startswith(key + ".") for k in keys):
+      return _unknown_key(key, value, keys)
+  message = str(error).strip().splitlines()[0] if str(error) else repr(error)
+  match = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", message)
+  if match:
+    key, value, why = match.groups()
+    now = flatten(config).get(key)
+    return (
+      f"--config.{key}={value}: expected {type(now).__name__} like its "
+      f"current value {now!r} ({why})"
+    )
+  if _flag_value(argv, "workdir") is None:
+    return "--workdir is required: where checkpoints and logs go"
+  return message.removeprefix("flag ")
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """``path.py[:arg]`` as ``ml_collections.config_flags`` loads it."""
+  path, _, arg = spec.partition(":")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no file {path}")
+  module_spec = importlib.util.spec_from_file_location("_jpipe_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def flatten(config, prefix: str = "") -> dict:
+  """``{"train.steps": 300, ...}`` for every leaf field."""
+  out = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, ml_collections.ConfigDict):
+      out.update(flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out
+
+
+def field_docs(text_data: bool = False) -> dict[str, str]:
+  """Each field's meaning, from the comments beside and above its line in
+  ``base_config.py`` (``d.x`` there is ``data.x``, from ``text_data`` or
+  ``image_data``)."""
+  skip = "image_data" if text_data else "text_data"
+  docs, block, function = {}, [], None
+  for line in inspect.getsource(base_config).splitlines():
+    stripped = line.strip()
+    if line.startswith("def "):
+      function = line[4:].split("(")[0]
+    if stripped.startswith("#"):
+      block.append(stripped.lstrip("# "))
+      continue
+    match = re.match(r"([cd])\.([\w.]+)\s*=\s*(.*)$", stripped)
+    if match and function != skip:
+      kind, key, rest = match.groups()
+      key = f"data.{key}" if kind == "d" else key
+      trailing = rest.split("  # ", 1)[1] if "  # " in rest else ""
+      docs[key] = " ".join([*block, trailing]).strip()
+    block = []
+  return docs
+
+
+def help_text(argv: list[str]) -> str:
+  """The usage, the flags, and the fields of ``--config`` (when given and
+  loadable; else the fields every config has)."""
+  spec = _flag_value(argv, "config")
+  title = "Config fields (every config has these; CONFIG sets its own values)"
+  try:
+    config = load_config(spec) if spec else None
+  except Exception:
+    config = None
+  if config is None:
+    config = base_config.base_config()
+    config.data = base_config.image_data()
+  else:
+    title = f"Fields of {spec} (override any: --config.KEY=VALUE)"
+  docs = field_docs(text_data="text_key" in config.get("data", {}))
+  lines = [
+    USAGE,
+    "flags:",
+    "  --config: the training config file (configs/*.py[:VARIANT]).",
+  ]
+  lines += [
+    "  --workdir: where checkpoints, logs and pictures go (resumes).",
+    "",
+  ]
+  lines.append(f"{title}:")
+  for key, value in flatten(config).items():
+    lines.append(f"  {key} = {value!r}")
+    if docs.get(key):
+      lines += textwrap.wrap(
+        docs[key], 78, initial_indent=" " * 6, subsequent_indent=" " * 6
+      )
+  return "\n".join(lines)
+
+
+def _unknown_key(key, value, keys) -> str:
+  section = key.rpartition(".")[0]
+  close = difflib.get_close_matches(key, keys, n=2, cutoff=0.6)
+  last = key.rpartition(".")[2]
+  close += [k for k in keys if k.rpartition(".")[2] == last and k not in close]
+  hint = f"; did you mean {' or '.join(f'config.{k}' for k in close)}?"
+  siblings = [k for k in keys if k.rpartition(".")[0] == section]
+  if not close:
+    hint = (
+      f"; config.{section} has {', '.join(k.rpartition('.')[2] for k in siblings)}"
+      if siblings
+      else ""
+    )
+  return f"--config.{key}={value}: config has no field {key}{hint}"
+
+
+def _overrides(argv):
+  """(key, value) of every ``--config.KEY=VALUE`` / ``--config.KEY VALUE``."""
+  out = []
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config."):
+      key, eq, value = arg[len("--config.") :].partition("=")
+      if not eq and i + 1 < len(argv):
+        value = argv[i + 1]
+      out.append((key, value))
+  return out
+
+
+def _flag_value(argv, name):
+  """The value of ``--name=X`` or ``--name X`` in argv, else None."""
+  for i, arg in enumerate(argv):
+    if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+      return argv[i + 1]
+    for prefix in (f"--{name}=", f"-{name}="):
+      if arg.startswith(prefix):
+        return arg[len(prefix) :]
+  return None

@@ -1,0 +1,18 @@
+"""Errors a user fixes (config, data, workdir, checkpoint) and a diverged
+run: ``python -m jpipe.train`` prints them as a few lines, not a
+traceback."""
+
+
+class UsageError(ValueError):
+  """The command's inputs are wrong; the message names the fix. The CLI
+  exits with status 2."""
+
+
+class CheckpointError(UsageError):
+  """A checkpoint exists but cannot be used."""
+
+
+class TrainingDiverged(FloatingPointError):
+  """The loss went non-finite or far above its start (the message names
+  the step, and the stage when its params went non-finite). The CLI exits
+  with status 1."""
