@@ -211,6 +211,27 @@ def test_cli_help_lists_the_config_fields(tmp_path):
   assert "Kept short on purpose" not in result.stdout
 
 
+def test_sigterm_saves_and_exits_143(tmp_path):
+  """A scheduler's SIGTERM: the step finishes, a checkpoint is written,
+  and the exit status says the job did not finish."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  process = subprocess.Popen(
+    _cli(tmp_path, "--config.train.steps=100000"),
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  deadline = time.time() + 120
+  while time.time() < deadline and not metric_log.read_metrics(tmp_path):
+    time.sleep(0.05)
+  process.send_signal(signal.SIGTERM)
+  out, err = process.communicate(timeout=120)
+  assert process.returncode == 143, err
+  assert "SIGTERM: saved step" in out
+  assert checkpoint_lib.Checkpoints(str(tmp_path), 2).latest_step() >= 1
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT)
