@@ -505,6 +505,21 @@ class Pipeline:
       if int(i) >= 0
     }
 
+  def param_norms(self, state: PipelineState) -> list[float]:
+    """Each stage's parameter L2 norm (all its leaves together). Across
+    processes every process must call it; each gets every stage's."""
+    norms = [
+      None
+      if leaves is None
+      else np.float32(
+        np.sqrt(sum(float(jax.numpy.vdot(x, x).real) for x in leaves))
+      )
+      for leaves in state.stage_params
+    ]
+    template = jax.ShapeDtypeStruct((), np.float32)
+    norms = trees_everywhere(norms, [template] * len(norms), self._held())
+    return [float(n) for n in norms]
+
   def _held(self):
     """Per stage, whether this process runs it."""
     return [self.transport.owns(s) for s in range(self.stages.num_stages)]

@@ -75,7 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.keep_checkpoints = 2  # Checkpoints kept in the workdir.
   c.train.profile_last_step = True  # Timeline PNG + trace of the last step.
   # Stop when a logged window's mean loss exceeds this many times the
-  # first window's (a diverged run); 0 turns the check off.
+  # loss of the run's first step (a diverged run); 0 turns the check off.
   c.train.divergence_factor = 10.0
   return c
 

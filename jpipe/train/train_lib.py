@@ -244,13 +244,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       bar.update(1)
       if not np.isfinite(loss):
         raise TrainingDiverged(_nonfinite_message(config, pipe, state, done))
+      if step == start:  # The reference a diverged loss is measured by.
+        divergence.begin(loss, done, pipe, state)
       if done % config.train.log_every == 0 or done == steps:
         scalars = window.means()
         if callable(lr):
           scalars["learning_rate"] = lr(done * _steps_per_call(config))
         log.write(done, **{f"train/{k}": v for k, v in scalars.items()})
         write(_log_line(done, steps, scalars))
-        divergence.check(scalars["loss"], done, window.first_step, config)
+        divergence.check(
+          scalars["loss"], done, window.first_step, config, pipe, state
+        )
         window = _Window(first_step=done + 1)
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
@@ -359,27 +363,38 @@ class _Window:
 
 class _DivergenceCheck:
   """Stops a run whose mean loss rose far above its start: ``factor``
-  times the first logged window's mean (0 turns the check off)."""
+  times the loss of the run's first step (0 turns the check off). Names
+  the stage whose params grew most since then."""
 
   def __init__(self, factor: float):
     self.factor = factor
     self.start = None
 
-  def check(self, loss, step, first_step, config):
+  def begin(self, loss, step, pipe, state):
+    if self.factor:
+      self.start = (loss, step, pipe.param_norms(state))
+
+  def check(self, loss, step, first_step, config, pipe, state):
     if self.start is None:
-      self.start = (loss, step)
       return
-    start, at = self.start
-    if self.factor and start > 0 and loss > self.factor * start:
-      raise TrainingDiverged(
-        f"training diverged at step {step}: the mean loss of steps "
-        f"{first_step}-{step} is {loss:.4g}, over "
-        f"config.train.divergence_factor={self.factor:g} times its start "
-        f"({start:.4g}, the window ending at step {at}); lower "
-        f"config.optimizer.learning_rate (now "
-        f"{config.optimizer.learning_rate:g}) or set "
-        f"config.train.divergence_factor=0 to train on regardless"
-      )
+    start, at, norms = self.start
+    if start <= 0 or loss <= self.factor * start:
+      return
+    growth = [
+      now / max(before, 1e-30)
+      for now, before in zip(pipe.param_norms(state), norms, strict=True)
+    ]
+    stage = int(np.argmax(growth))
+    raise TrainingDiverged(
+      f"training diverged at step {step}: the mean loss of steps "
+      f"{first_step}-{step} is {loss:.4g}, over "
+      f"config.train.divergence_factor={self.factor:g} times its start "
+      f"({start:.4g} at step {at}); stage {stage}'s params grew most since "
+      f"then ({growth[stage]:.3g}x in norm). Lower "
+      f"config.optimizer.learning_rate (now "
+      f"{config.optimizer.learning_rate:g}) or set "
+      f"config.train.divergence_factor=0 to train on regardless"
+    )
 
 
 def _nonfinite_message(config, pipe, state, step) -> str:
