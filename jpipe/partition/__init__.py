@@ -1,6 +1,11 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
+from jpipe.partition._granularity import (
+  Granularity,
+  choose_depth,
+  min_max_split,
+)
 from jpipe.partition._graph_txt import ProfileGraph, load_pipedream_profile
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
@@ -16,6 +21,7 @@ from jpipe.partition._trace import TracedModel, trace, with_model_state
 
 __all__ = [
   "ContiguousSolution",
+  "Granularity",
   "MixedSolution",
   "NodeCosts",
   "Plan",
@@ -23,7 +29,9 @@ __all__ = [
   "StageSpec",
   "Stages",
   "TracedModel",
+  "choose_depth",
   "load_pipedream_profile",
+  "min_max_split",
   "plan_from_pipedream",
   "plan_traced",
   "profile_nodes",

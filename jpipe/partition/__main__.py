@@ -216,7 +216,11 @@ def _main_config(parser, args) -> int:
     method = args.method or config.pipeline.partition
     if method not in PLAN_METHODS:
       raise ValueError(f"unknown method {method!r}: one of {PLAN_METHODS}")
-    traced, costs = config_plan.trace_config(config, args.cost_model)
+    with config.unlocked():  # The planned devices, as training gets them.
+      config.pipeline.num_stages = args.stages
+    traced, costs = config_plan.trace_config(
+      config, args.cost_model, args.stages, method
+    )
     start = time.perf_counter()
     plan = plan_traced(
       traced,

@@ -44,6 +44,9 @@ class TracedModel:
       ``#2``, ``#3``...).
     eqn_node: node index of every equation, non-decreasing.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    depth: the module-path depth the nodes were cut at.
+    eqn_scopes: every equation's module path below the root (so another
+      depth regroups without tracing again: ``at_depth``).
   """
 
   closed_jaxpr: jcore.ClosedJaxpr
@@ -54,10 +57,28 @@ class TracedModel:
   node_names: tuple[str, ...]
   eqn_node: tuple[int, ...]
   has_aux: bool
+  depth: int = 1
+  eqn_scopes: tuple[tuple[str, ...], ...] = ()
 
   @property
   def num_nodes(self) -> int:
     return len(self.node_names)
+
+  @property
+  def max_depth(self) -> int:
+    """The deepest module path of any equation: deeper cuts add no
+    nodes."""
+    return max((len(s) for s in self.eqn_scopes), default=1) or 1
+
+  def at_depth(self, depth: int) -> "TracedModel":
+    """The same trace with its nodes cut at another depth (no retrace:
+    linear in the number of equations)."""
+    if depth < 1:
+      raise ValueError(f"depth must be >= 1, got {depth}")
+    names, eqn_node = _group(self.eqn_scopes, depth)
+    return dataclasses.replace(
+      self, node_names=tuple(names), eqn_node=tuple(eqn_node), depth=depth
+    )
 
   @property
   def jaxpr(self) -> jcore.Jaxpr:
@@ -197,7 +218,8 @@ def trace(
       f"loss_fn must return a scalar loss{' first' if has_aux else ''}; "
       f"got {loss_shape} (pass has_aux=True for (loss, aux))"
     )
-  names, eqn_node = _group(closed.jaxpr.eqns, depth)
+  scopes = _below_root([_scope(e) for e in closed.jaxpr.eqns])
+  names, eqn_node = _group(scopes, depth)
   if not names:
     raise ValueError("loss_fn traced to no equations: nothing to partition")
   return TracedModel(
@@ -209,6 +231,8 @@ def trace(
     node_names=tuple(names),
     eqn_node=tuple(eqn_node),
     has_aux=has_aux,
+    depth=depth,
+    eqn_scopes=tuple(scopes),
   )
 
 
@@ -236,15 +260,19 @@ def _scope(eqn) -> tuple[str, ...]:
   return outer
 
 
-def _group(eqns: Sequence[Any], depth: int) -> tuple[list[str], list[int]]:
-  """Node names and the node of every equation (see the module doc)."""
-  scopes = [_scope(e) for e in eqns]
+def _below_root(scopes: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+  """Module paths without the root module's own name (when one module
+  holds everything, its children are depth 1)."""
   roots = {s[0] for s in scopes if s}
   strip = 1 if len(roots) == 1 and any(len(s) > 1 for s in scopes) else 0
-  keys = []
-  for s in scopes:
-    inner = s[strip:]
-    keys.append("/".join(inner[:depth]) if inner else None)
+  return [s[strip:] for s in scopes]
+
+
+def _group(
+  scopes: Sequence[tuple[str, ...]], depth: int
+) -> tuple[list[str], list[int]]:
+  """Node names and the node of every equation (see the module doc)."""
+  keys = ["/".join(s[:depth]) if s else None for s in scopes]
   names, eqn_node, counts = [], [], {}
   current = None
   for key in keys:
@@ -253,7 +281,7 @@ def _group(eqns: Sequence[Any], depth: int) -> tuple[list[str], list[int]]:
       names.append(key if counts[key] == 1 else f"{key}#{counts[key]}")
       current = key
     eqn_node.append(len(names) - 1)
-  if not names and eqns:
+  if not names and scopes:
     names = ["model"]
   # Leading glue (before any module) joins the first node.
   eqn_node = [max(n, 0) for n in eqn_node]

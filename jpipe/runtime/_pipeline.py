@@ -105,7 +105,10 @@ class Pipeline:
       microbatch split among the replicas (it must divide evenly), with
       the same results as on one device. Stages share all their devices
       or none.
-    depth: module-path depth of the traced nodes.
+    depth: module-path depth of the traced nodes; None (the default)
+      chooses it: the shallowest depth whose split into the stages is as
+      balanced (within 5 %) as the deepest's (``self.granularity`` says
+      which and why; with a Plan, the depth its nodes were cut at).
     bandwidth: bytes/s between devices, for the partitioner (None: plan on
       compute alone; "pipedream" / "pipedream_hybrid" then assume 1e9 for
       the all-reduce of replicated stages).
@@ -179,7 +182,7 @@ class Pipeline:
     num_microbatches: int = 1,
     optimizer: optax.GradientTransformation,
     partition: Any = "contiguous",
-    depth: int = 1,
+    depth: int | None = None,
     bandwidth: float | None = None,
     cost_model: str = "analytic",
     recompute: bool = True,
@@ -242,8 +245,13 @@ class Pipeline:
         loss_fn, micro, model_state
       )
     self.traced = partition_lib.trace(
-      loss_fn, params, micro, depth=depth, has_aux=model_state is not None
+      loss_fn, params, micro, depth=depth or 1, has_aux=model_state is not None
     )
+    self.granularity = None  # An explicit depth.
+    if depth is None:
+      self.traced, self.granularity = _granularity(
+        self.traced, partition, num_stages, len(devices)
+      )
     if model_state is not None:
       _check_state_output(self.traced, self._state_treedef)
     self.plan = _make_plan(
@@ -716,6 +724,22 @@ class Pipeline:
       flight,
     )
     return new, metrics
+
+
+def _granularity(traced, partition, num_stages, num_devices):
+  """The trace cut at the automatic depth (see ``Pipeline``'s ``depth``)."""
+  if isinstance(partition, partition_lib.Plan):
+    for depth in range(1, traced.max_depth + 1):
+      cut = traced.at_depth(depth)
+      if cut.node_names == partition.node_names:
+        why = f"depth {depth}: the depth the given Plan's nodes were cut at"
+        return cut, partition_lib.Granularity(depth, cut.num_nodes, {}, why)
+    raise ValueError(
+      "the Plan was made for a different model: no depth of this model "
+      "has its nodes"
+    )
+  stages = num_stages if partition == "mixed" else min(num_stages, num_devices)
+  return partition_lib.choose_depth(traced, stages)
 
 
 def _make_plan(

@@ -45,7 +45,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Across processes (python -m jpipe.launch, SLURM): "pull" (never blocks
   # a device) or "collective" (ppermute: gloo / NCCL; ties the streams).
   c.pipeline.transport = "pull"
-  c.pipeline.depth = 1  # Module-path depth of the partitioner's nodes.
+  # Module-path depth of the partitioner's nodes; 0 chooses it (the
+  # shallowest depth whose split is as balanced as the deepest's).
+  c.pipeline.depth = 0
   # Bytes/s between devices for the partitioner; 0 plans on compute alone
   # (transfers ignored; PipeDream's all-reduce then at 1e9 bytes/s).
   c.pipeline.bandwidth = 0.0

@@ -62,6 +62,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     f"{config.pipeline.cost_model!r} is not one of {COST_MODELS}",
   )
   need(config.pipeline.num_stages >= 1, "pipeline.num_stages", "must be >= 1")
+  need(
+    config.pipeline.depth >= 0,
+    "pipeline.depth",
+    "must be >= 0 (0 chooses it; 1 cuts at the root's children)",
+  )
   m = config.pipeline.num_microbatches
   need(m >= 1, "pipeline.num_microbatches", "must be >= 1")
   if m >= 1:

@@ -29,7 +29,10 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
 
 
 def trace_config(
-  config: ml_collections.ConfigDict, cost_model: str | None = None
+  config: ml_collections.ConfigDict,
+  cost_model: str | None = None,
+  num_devices: int | None = None,
+  method: str | None = None,
 ) -> tuple[partition_lib.TracedModel, partition_lib.NodeCosts]:
   """Traces and costs the config's model on one microbatch of its data,
   as ``python -m jpipe.train`` does before it partitions.
@@ -38,6 +41,10 @@ def trace_config(
     config: a training config.
     cost_model: "analytic", "xla" or "measured"; default the config's
       ``pipeline.cost_model``.
+    num_devices: the devices the plan is for (default the config's
+      ``pipeline.num_stages``): with ``pipeline.depth`` 0 the nodes' depth
+      is chosen for them, as ``jpipe.Pipeline`` does.
+    method: the partition method (default the config's).
 
   Returns:
     (traced model, node costs); pass them to ``jpipe.partition.plan_traced``.
@@ -56,9 +63,14 @@ def trace_config(
     loss_fn,
     task.params,
     inputs,
-    depth=config.pipeline.depth,
+    depth=config.pipeline.depth or 1,
     has_aux=task.model_state is not None,
   )
+  if not config.pipeline.depth:  # Chosen as jpipe.Pipeline chooses it.
+    stages = config.pipeline.num_stages
+    if (method or config.pipeline.partition) != "mixed":
+      stages = min(stages, num_devices or stages)
+    traced, _ = partition_lib.choose_depth(traced, stages)
   costs = partition_lib.profile_nodes(
     traced,
     task.params,

@@ -95,7 +95,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     num_microbatches=config.pipeline.num_microbatches,
     optimizer=tx,
     partition=config.pipeline.partition,
-    depth=config.pipeline.depth,
+    depth=config.pipeline.depth or None,  # 0: automatic
     bandwidth=config.pipeline.bandwidth or None,
     cost_model=config.pipeline.cost_model,
     recompute=config.pipeline.recompute,
@@ -469,6 +469,8 @@ def _print_plan(pipe) -> None:
     f"{pipe.schedule_name}, {pipe.num_microbatches} microbatches; "
     f"predicted speed-up {plan.predicted_speedup:.2f}"
   )
+  if pipe.granularity is not None:
+    print(f"Nodes: {pipe.granularity.reason}.")
 
 
 def _device_groups(stage_devices) -> list:

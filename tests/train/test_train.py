@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 from tensorboardX.proto import event_pb2
@@ -372,8 +374,9 @@ def test_workdir_and_checkpoint_problems_stop_before_data(
 
 
 def test_checkpoint_damaged_in_place_is_refused(tmp_path):
-  """400 bytes garbled inside the largest file, its size unchanged:
-  orbax reads it back without complaint; the checksums do not."""
+  """400 bytes garbled inside the largest file, its size unchanged: an
+  error naming the checkpoint and the earlier one to resume from (orbax
+  notices damage inside a compressed chunk; the checksums the rest)."""
   train_lib.train_and_evaluate(_config(), str(tmp_path))
   files = glob.glob(str(tmp_path / "checkpoints" / "6" / "**"), recursive=True)
   largest = max((f for f in files if os.path.isfile(f)), key=os.path.getsize)
@@ -384,7 +387,40 @@ def test_checkpoint_damaged_in_place_is_refused(tmp_path):
   assert os.path.getsize(largest) == size
   with pytest.raises(
     checkpoint_lib.CheckpointError,
-    match=r"checkpoints/6 \(step 6\) fails its checksum at .*resume from step 3",
+    match=r"checkpoints/6 .*resume from step 3",
+  ):
+    train_lib.train_and_evaluate(_config(**{"train.steps": 9}), str(tmp_path))
+
+
+def test_checkpoint_whose_values_changed_fails_its_checksum(tmp_path):
+  """Files rewritten in a valid format with one entry changed (what orbax
+  cannot notice: the kernel that came back with 1.6e37 entries)."""
+  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"))
+  saved = manager.restore(
+    6,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
+    ),
+  )
+  state = jax.tree.map(np.asarray, saved.state)
+  kernel = state["params"]["head"]["kernel"]
+  kernel[0, 0] = 1.6e37
+  manager.close()
+  shutil.rmtree(tmp_path / "checkpoints" / "6")
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"))
+  manager.save(
+    6,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(saved.meta)
+    ),
+  )
+  manager.wait_until_finished()
+  manager.close()
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"checkpoints/6 \(step 6\) fails its checksum at "
+    r".*'head'.*'kernel'.*resume from step 3",
   ):
     train_lib.train_and_evaluate(_config(**{"train.steps": 9}), str(tmp_path))
 
