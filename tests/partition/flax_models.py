@@ -252,3 +252,89 @@ CASES = {
   "nnx": nnx_case,
   "dropout_scan": dropout_scan_case,
 }
+
+
+class Residual(nn.Module):
+  """x + Dense(tanh(Dense(x))): a block of two nodes at depth 2."""
+
+  width: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(self.width, name="out")(
+      jnp.tanh(nn.Dense(self.width, name="inp")(x))
+    )
+
+
+class Stack(nn.Module):
+  """Blocks inside one submodule: one node at depth 1."""
+
+  num_blocks: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(self.num_blocks):
+      x = Residual(name=f"block_{i}")(x)
+    return x
+
+
+class MethodsEncoderDecoder(nn.Module):
+  """Like the Flax examples' seq2seq model: ``__call__`` calls ``encode``
+  and ``decode``, each a stack inside one submodule, sharing an
+  embedding (3 nodes at depth 1)."""
+
+  def setup(self):
+    self.embed = nn.Embed(32, 16)
+    self.encoder = Stack()
+    self.decoder = Stack()
+
+  def encode(self, tokens):
+    return self.encoder(self.embed(tokens))
+
+  def decode(self, memory, tokens):
+    return self.decoder(self.embed(tokens) + memory.mean(1, keepdims=True))
+
+  def __call__(self, source, target):
+    return self.embed.attend(self.decode(self.encode(source), target))
+
+
+def methods_encoder_decoder_case():
+  model = MethodsEncoderDecoder()
+  source = jax.random.randint(jax.random.key(0), (8, 6), 0, 32)
+  target = jax.random.randint(jax.random.key(1), (8, 5), 0, 32)
+  params = model.init(jax.random.key(2), source, target[:, :-1])["params"]
+
+  def loss_fn(params, batch):
+    logits = model.apply(
+      {"params": params}, batch["source"], batch["target"][:, :-1]
+    )
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["target"][:, 1:]
+    ).mean()
+
+  return loss_fn, params, {"source": source, "target": target}, False
+
+
+class StackedClassifier(nn.Module):
+  """A decoder stack inside one submodule between a stem and a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, name="stem")(x)
+    x = Stack(num_blocks=8, name="decoder")(x)
+    return nn.Dense(10, name="head")(x)
+
+
+def stack_in_submodule_case():
+  model = StackedClassifier()
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  params = model.init(jax.random.key(2), x)["params"]
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"x": x, "y": y}, False
