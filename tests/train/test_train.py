@@ -326,21 +326,20 @@ def test_progress_bar_count_matches_its_loss(tmp_path, capsys, monkeypatch):
     assert float(loss) == pytest.approx(per_step[int(count)], abs=1e-4)
 
 
-def test_resumed_run_logs_read_as_one_run(tmp_path):
+def test_resumed_logs_read_as_one_run_and_a_finished_run_says_so(
+  tmp_path, capsys, monkeypatch
+):
   train_lib.train_and_evaluate(_config(), str(tmp_path))
   # Killed after logging step 6, before its checkpoint landed.
   shutil.rmtree(tmp_path / "checkpoints" / "6")
-  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  first = train_lib.train_and_evaluate(_config(), str(tmp_path))
   rows = metric_log.read_metrics(str(tmp_path))
   steps = [r["step"] for r in rows if "train/loss" in r]
   assert steps == [1, 2, 3, 4, 5, 6]
   scalars = _tensorboard_scalars(tmp_path)
   assert sorted(s for tag, s in scalars if tag == "train/loss") == steps
   assert len(scalars) == len(set(scalars))
-
-
-def test_finished_run_says_so_without_work(tmp_path, capsys, monkeypatch):
-  first = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  # Run again: nothing to train, said before any data is read.
   capsys.readouterr()
   monkeypatch.setattr(train_lib, "build_task", _no_work)
   again = train_lib.train_and_evaluate(_config(), str(tmp_path))
@@ -373,11 +372,14 @@ def test_workdir_and_checkpoint_problems_stop_before_data(
       train_lib.train_and_evaluate(_config(), str(locked))
 
 
-def test_checkpoint_damaged_in_place_is_refused(tmp_path):
+def test_damaged_checkpoints_are_refused(tmp_path):
   """400 bytes garbled inside the largest file, its size unchanged: an
   error naming the checkpoint and the earlier one to resume from (orbax
   notices damage inside a compressed chunk; the checksums the rest)."""
-  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  train_lib.train_and_evaluate(_config(), str(tmp_path / "run"))
+  shutil.copytree(tmp_path / "run", tmp_path / "copy")
+  _check_changed_entry_fails_checksum(tmp_path / "copy")
+  tmp_path = tmp_path / "run"
   files = glob.glob(str(tmp_path / "checkpoints" / "6" / "**"), recursive=True)
   largest = max((f for f in files if os.path.isfile(f)), key=os.path.getsize)
   size = os.path.getsize(largest)
@@ -392,10 +394,9 @@ def test_checkpoint_damaged_in_place_is_refused(tmp_path):
     train_lib.train_and_evaluate(_config(**{"train.steps": 9}), str(tmp_path))
 
 
-def test_checkpoint_whose_values_changed_fails_its_checksum(tmp_path):
+def _check_changed_entry_fails_checksum(tmp_path):
   """Files rewritten in a valid format with one entry changed (what orbax
   cannot notice: the kernel that came back with 1.6e37 entries)."""
-  train_lib.train_and_evaluate(_config(), str(tmp_path))
   manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"))
   saved = manager.restore(
     6,
