@@ -10,9 +10,7 @@ of ``base_config.py``).
 """
 
 import difflib
-import importlib.util
 import inspect
-import os
 import re
 import sys
 import textwrap
@@ -21,6 +19,7 @@ import ml_collections
 from absl import flags
 
 from jpipe.train import base_config
+from jpipe.train.config_plan import load_config_file
 
 USAGE = """\
 usage: python -m jpipe.train --config CONFIG.py[:VARIANT] --workdir DIR \
@@ -67,7 +66,7 @@ def explain(argv: list[str], error: Exception) -> str:
       "--config is required: --config configs/default.py (any configs/*.py)"
     )
   try:
-    config = load_config(spec)
+    config = load_config_file(spec)
   except Exception as e:
     return f"--config {spec}: cannot load it ({type(e).__name__}: {e})"
   keys = sorted(flatten(config))
@@ -86,17 +85,6 @@ def explain(argv: list[str], error: Exception) -> str:
   if _flag_value(argv, "workdir") is None:
     return "--workdir is required: where checkpoints and logs go"
   return message.removeprefix("flag ")
-
-
-def load_config(spec: str) -> ml_collections.ConfigDict:
-  """``path.py[:arg]`` as ``ml_collections.config_flags`` loads it."""
-  path, _, arg = spec.partition(":")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no file {path}")
-  module_spec = importlib.util.spec_from_file_location("_jpipe_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
 
 
 def flatten(config, prefix: str = "") -> dict:
@@ -140,7 +128,7 @@ def help_text(argv: list[str]) -> str:
   spec = _flag_value(argv, "config")
   title = "Config fields (every config has these; CONFIG sets its own values)"
   try:
-    config = load_config(spec) if spec else None
+    config = load_config_file(spec) if spec else None
   except Exception:
     config = None
   if config is None:
