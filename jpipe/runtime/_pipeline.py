@@ -498,15 +498,12 @@ class Pipeline:
     infinity}`` for every such stage (empty when all are finite). Works
     mid-stream (each stage's current params). Across processes every
     process must call it; each gets the answer for all stages."""
-    firsts = []
-    for leaves in state.stage_params:
-      if leaves is None:  # Another process runs this stage.
-        firsts.append(None)
-        continue
+
+    def first_nonfinite(leaves):
       finite = [bool(jax.numpy.isfinite(x).all()) for x in leaves]
-      firsts.append(np.int32(finite.index(False) if False in finite else -1))
-    template = jax.ShapeDtypeStruct((), np.int32)
-    firsts = trees_everywhere(firsts, [template] * len(firsts), self._held())
+      return finite.index(False) if False in finite else -1
+
+    firsts = self._per_stage_scalar(state, first_nonfinite, np.int32)
     return {
       s: self._leaf_names[self.stages.specs[s].param_leaves[int(i)]]
       for s, i in enumerate(firsts)
@@ -516,17 +513,21 @@ class Pipeline:
   def param_norms(self, state: PipelineState) -> list[float]:
     """Each stage's parameter L2 norm (all its leaves together). Across
     processes every process must call it; each gets every stage's."""
-    norms = [
-      None
-      if leaves is None
-      else np.float32(
-        np.sqrt(sum(float(jax.numpy.vdot(x, x).real) for x in leaves))
-      )
+
+    def norm(leaves):
+      return np.sqrt(sum(float(jax.numpy.vdot(x, x).real) for x in leaves))
+
+    return [float(n) for n in self._per_stage_scalar(state, norm, np.float32)]
+
+  def _per_stage_scalar(self, state, fn, dtype) -> list:
+    """``fn(stage's param leaves)`` of every stage, computed by the process
+    that runs it and known to all (a collective across processes)."""
+    values = [
+      None if leaves is None else dtype(fn(leaves))
       for leaves in state.stage_params
     ]
-    template = jax.ShapeDtypeStruct((), np.float32)
-    norms = trees_everywhere(norms, [template] * len(norms), self._held())
-    return [float(n) for n in norms]
+    template = jax.ShapeDtypeStruct((), dtype)
+    return trees_everywhere(values, [template] * len(values), self._held())
 
   def _held(self):
     """Per stage, whether this process runs it."""
