@@ -26,6 +26,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from jpipe.partition._state_updates import place_state_updates
 from jpipe.partition._trace import TracedModel
 
 
@@ -72,6 +73,12 @@ class Stages:
   to memory between two programs that XLA can no longer fuse across; on
   a CPU that made a GPT's saved-residual pipeline 1.2-1.4x slower than
   one fused value_and_grad (experiments/runtime/overhead.py).
+
+  ``carried`` names model state: ``(batch leaf, result)`` pairs whose
+  result is the batch leaf's value for the next microbatch. The equations
+  that only compute such a new value run on the stage that reads the old
+  one, so microbatches update it in order (``_state_updates``);
+  ``eqn_stage`` is every equation's stage after that move.
   """
 
   def __init__(
@@ -79,6 +86,7 @@ class Stages:
     traced: TracedModel,
     stage_of_node: Sequence[int],
     residual_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
+    carried: Sequence[tuple[int, int]] = (),
   ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
@@ -94,7 +102,16 @@ class Stages:
       raise ValueError(f"stages {sorted(missing)} have no nodes")
     self.traced = traced
     self.stage_of_node = tuple(stage_of_node)
-    self.specs = _specs(traced, self.stage_of_node, self.num_stages)
+    self.eqn_stage = tuple(
+      place_state_updates(
+        traced.jaxpr,
+        [self.stage_of_node[n] for n in traced.eqn_node],
+        traced.num_param_leaves,
+        carried,
+        traced.leaf_paths,
+      )
+    )
+    self.specs = _specs(traced, self.eqn_stage, self.num_stages)
     # Which stage inputs get cotangents (floating point values only).
     self._diff = [
       tuple(_inexact(v.aval.dtype) for v in spec.inputs) for spec in self.specs
@@ -328,17 +345,14 @@ class Stages:
     return self.assemble_results(results), self.gather_grads(grads, params)
 
 
-def _specs(traced: TracedModel, stage_of_node, num_stages) -> list[StageSpec]:
+def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
   """Reads and writes of each stage; checks no value flows backwards."""
   jaxpr = traced.jaxpr
   n_params = traced.num_param_leaves
   invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
   producer_stage: dict[Any, int] = {}
   eqns: list[list[int]] = [[] for _ in range(num_stages)]
-  for i, (eqn, node) in enumerate(
-    zip(jaxpr.eqns, traced.eqn_node, strict=True)
-  ):
-    s = stage_of_node[node]
+  for i, (eqn, s) in enumerate(zip(jaxpr.eqns, eqn_stage, strict=True)):
     eqns[s].append(i)
     for v in eqn.outvars:
       if not isinstance(v, jcore.DropVar):

@@ -271,7 +271,14 @@ class Pipeline:
       self.plan = partition_lib.Plan.from_json(
         text_from_process_zero(self.plan.to_json())
       )
-    self.stages = partition_lib.Stages(self.traced, self.plan.stage_of_node)
+    # Model-state leaf j is batch input num_batch_leaves + j and result
+    # j + 1 (after the loss): carried from one microbatch to the next.
+    num_state = 0 if model_state is None else len(jax.tree.leaves(model_state))
+    self.stages = partition_lib.Stages(
+      self.traced,
+      self.plan.stage_of_node,
+      carried=[(self._num_batch_leaves + j, j + 1) for j in range(num_state)],
+    )
     n = self.stages.num_stages
 
     # -- Placement -------------------------------------------------------

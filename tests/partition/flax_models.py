@@ -20,11 +20,14 @@ class Mlp(nn.Module):
 
 class ResidualBlock(nn.Module):
   features: int
+  bn_axis_name: str | None = None
 
   @nn.compact
   def __call__(self, x, train: bool):
     y = nn.Conv(self.features, (3, 3), use_bias=False)(x)
-    y = nn.BatchNorm(use_running_average=not train)(y)
+    y = nn.BatchNorm(
+      use_running_average=not train, axis_name=self.bn_axis_name
+    )(y)
     return nn.relu(x + y)
 
 
@@ -32,12 +35,13 @@ class ResNet(nn.Module):
   """Convolutions with BatchNorm (mutable statistics) and residuals."""
 
   num_blocks: int = 6
+  bn_axis_name: str | None = None  # Cross-replica BatchNorm (pmap style).
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     x = nn.Conv(8, (3, 3), name="stem")(x)
     for i in range(self.num_blocks):
-      x = ResidualBlock(8, name=f"block_{i}")(x, train)
+      x = ResidualBlock(8, self.bn_axis_name, name=f"block_{i}")(x, train)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(10, name="head")(x)
 
@@ -126,6 +130,38 @@ def resnet_state_case(num_blocks=6, batch_size=4):
     variables["batch_stats"],
     {"x": x, "y": y},
   )
+
+
+def vmapped_batchnorm_case(num_blocks=4, batch_size=8, replicas=2):
+  """A BatchNorm model written for ``pmap`` (``axis_name`` in its
+  BatchNorm) run under ``jax.vmap(axis_name=...)``: its new statistics
+  come back batched (one equal copy per replica) and the loss takes
+  ``[0]`` of them after the model -- on the last stage. Returns
+  (loss_fn, params, stats, batch) as ``resnet_state_case``."""
+  model = ResNet(num_blocks=num_blocks, bn_axis_name="replica")
+  x = jax.random.normal(jax.random.key(0), (batch_size, 6, 6, 3))
+  y = jax.random.randint(jax.random.key(1), (batch_size,), 0, 10)
+  variables = jax.vmap(model.init, (None, 0), axis_name="replica")(
+    jax.random.key(2), x.reshape(replicas, -1, *x.shape[1:])
+  )
+  params, stats = jax.tree.map(
+    lambda v: v[0], (variables["params"], variables["batch_stats"])
+  )
+
+  def loss_fn(params, stats, batch):
+    def replica_loss(x, y):
+      logits, updates = model.apply(
+        {"params": params, "batch_stats": stats}, x, mutable=["batch_stats"]
+      )
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+      return loss.mean(), updates["batch_stats"]
+
+    xs = batch["x"].reshape(replicas, -1, *batch["x"].shape[1:])
+    ys = batch["y"].reshape(replicas, -1)
+    losses, new_stats = jax.vmap(replica_loss, axis_name="replica")(xs, ys)
+    return losses.mean(), jax.tree.map(lambda s: s[0], new_stats)
+
+  return loss_fn, params, stats, {"x": x, "y": y}
 
 
 def resnet_case():
