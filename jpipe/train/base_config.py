@@ -19,6 +19,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.name = "mlp"
   c.model.kwargs = ml_collections.ConfigDict()
+  # Fine-tuning: start from pretrained params instead of a random init.
+  # A jpipe workdir or checkpoint (its params), another orbax checkpoint
+  # of params, a Flax msgpack file, or "package.module:callable" returning
+  # params (e.g. a HuggingFace Flax model's .params); "" = random init.
+  c.init_from = ""
+  # Comma-separated regular expressions of param paths ("head/") that keep
+  # the random init instead (a new head of another size).
+  c.init_keep = ""
 
   # Optimizer (optax): sgd (with momentum), adam or adamw.
   c.optimizer = ml_collections.ConfigDict()
@@ -28,6 +36,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.0  # L2 for sgd/adam, decoupled for adamw.
   c.optimizer.schedule = "constant"  # "constant" or "warmup_cosine".
   c.optimizer.warmup_steps = 0  # Optimizer steps of linear warm-up.
+  # Comma-separated regular expressions of param paths that are not
+  # trained (zero updates, e.g. "^embed/,^block_0/"); "" trains all.
+  c.optimizer.freeze = ""
 
   # Pipeline: how the model is split and placed.
   c.pipeline = ml_collections.ConfigDict()
@@ -90,6 +101,7 @@ def image_data(name: str = "digits") -> ml_collections.ConfigDict:
   d.image_key = "image"  # Feature names of a TFDS dataset.
   d.label_key = "label"
   d.batch_size = 64  # Examples per step (split into microbatches).
+  d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
   d.eval_split = "test"  # Split for the periodic evaluation.
   return d
 
@@ -104,6 +116,7 @@ def text_data(
   d.text_key = "text"  # Feature holding the text in a TFDS dataset.
   d.batch_size = 32  # Sequences per step (split into microbatches).
   d.sequence_length = 128  # Bytes per sequence (the model's input).
+  d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
   d.eval_split = "test"  # Split for the periodic evaluation.
   d.eval_sequences = 128  # Fixed, evenly spaced held-out sequences.
   if span_corruption:

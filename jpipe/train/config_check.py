@@ -96,6 +96,12 @@ def check(config: ml_collections.ConfigDict) -> None:
     "must be >= 1",
   )
   need(
+    bool(config.init_from) or not config.init_keep,
+    "init_keep",
+    "keeps leaves of the random init instead of pretrained ones: set "
+    "config.init_from too",
+  )
+  need(
     config.train.divergence_factor >= 0,
     "train.divergence_factor",
     "must be >= 0 (0 turns the divergence check off)",

@@ -28,11 +28,11 @@ def load_images(config) -> tuple[ArrayData, ArrayData]:
   data = config.data
   check_splits(data)
   if data.name == "digits":
-    train = digits.load_digits("train", data.data_dir or None)
+    train = digits.load_digits(data.train_split, data.data_dir or None)
     test = digits.load_digits(data.eval_split, data.data_dir or None)
     return ArrayData(*train), ArrayData(*test)
   return (
-    _tfds_arrays(data, "train"),
+    _tfds_arrays(data, data.train_split),
     _tfds_arrays(data, data.eval_split),
   )
 
@@ -44,11 +44,11 @@ def load_text(config) -> tuple[np.ndarray, np.ndarray]:
   check_splits(data)
   if data.name == "stdlib_text":
     return (
-      text.load_stdlib_text("train", data.data_dir or None),
+      text.load_stdlib_text(data.train_split, data.data_dir or None),
       text.load_stdlib_text(data.eval_split, data.data_dir or None),
     )
   streams = []
-  for split in ("train", data.eval_split):
+  for split in (data.train_split, data.eval_split):
     source = _tfds_source(data, split, embedded="stdlib_text")
     streams.append(
       text.concatenate_texts(
@@ -71,7 +71,7 @@ def check_splits(data) -> None:
     splits = tuple(_tfds_builder(data).info.splits.keys())
   if not splits:  # Not prepared yet: reading it says how to.
     return
-  for key in ("eval_split",):
+  for key in ("eval_split", "train_split"):
     for name in split_names(data[key]):
       if name not in splits:
         raise UsageError(

@@ -4,6 +4,7 @@ Small top-level functions (build the model, the optimizer, the pipeline)
 and ``train_and_evaluate``, the imperative shell that runs them.
 """
 
+import dataclasses
 import os
 import signal
 import sys
@@ -20,7 +21,7 @@ from jax.experimental import multihost_utils
 import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check
+from jpipe.train import config_check, pretrained
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
@@ -165,11 +166,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if saved_step is not None and saved_step >= steps:
     checkpoints.close()
     return _already_done(config, workdir, saved_step, say)
+  fine_tune = bool(config.init_from) and saved_step is None
+  if fine_tune:
+    pretrained.check_source(config.init_from)
   bs = config.data.batch_size
   task = build_task(config)
+  if fine_tune:
+    task = _from_pretrained(config, task, say)
   example = task.batch_at(0)
   lr = learning_rate(config)
-  tx = build_optimizer(config, lr)
+  tx = _frozen(config, task.params, build_optimizer(config, lr), say)
   pipe = build_pipeline(config, task, example, tx, lr)
   state = pipe.init(task.params, task.model_state)
   start = 0
@@ -189,6 +195,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     _print_plan(pipe)
     _write_run_files(workdir, config, pipe)
   log = MetricLog(workdir, resume_step=start) if main else _NoLog()
+  if fine_tune and main:  # Where fine-tuning starts: the pretrained loss.
+    evaluation = task.evaluate(task.params, task.model_state)
+    log.write(0, **{f"eval/{k}": v for k, v in evaluation.items()})
+    say(f"step 0: {_format(evaluation)}")
   profile_last = config.train.profile_last_step
   if profile_last and pipe.transport.multiprocess:
     say(
@@ -292,6 +302,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return _summary(
     config, pipe, workdir, examples, seconds, evaluation, timeline
   )
+
+
+def _from_pretrained(config, task: Task, say) -> Task:
+  """The task with ``config.init_from``'s params (checked against the
+  model's; ``config.init_keep`` leaves keep the random init)."""
+  keep = pretrained.matching(config.init_keep, task.params)
+  if config.init_keep and not keep:
+    raise UsageError(
+      f"config.init_keep={config.init_keep!r} matches no param path; "
+      f"paths look like {next(iter(pretrained.flat_paths(task.params)))!r}"
+    )
+  params = pretrained.load_params(
+    config.init_from, task.params, keep_init=config.init_keep
+  )
+  n = len(jax.tree.leaves(params))
+  kept = f", {len(keep)} kept from the random init" if keep else ""
+  say(
+    f"Initialised from {config.init_from}: {n - len(keep)} of {n} leaves{kept}."
+  )
+  return dataclasses.replace(task, params=params)
+
+
+def _frozen(config, params, tx, say):
+  """``tx`` with ``config.optimizer.freeze``'s leaves frozen."""
+  patterns = config.optimizer.freeze
+  if not patterns:
+    return tx
+  frozen, n = (
+    pretrained.matching(patterns, params),
+    len(jax.tree.leaves(params)),
+  )
+  if not frozen or len(frozen) == n:
+    raise UsageError(
+      f"config.optimizer.freeze={patterns!r} matches {len(frozen)} of the "
+      f"{n} param paths (paths look like "
+      f"{next(iter(pretrained.flat_paths(params)))!r}); freeze some, not "
+      "none or all"
+    )
+  say(f"Frozen: {len(frozen)} of {n} param leaves ({patterns}).")
+  return pretrained.freeze(tx, patterns)
 
 
 def _check_workdir(workdir: str) -> None:

@@ -122,9 +122,9 @@ def test_run_writes_tables_json_and_png(tmp_path):
     optimizers=["sgd"],
     delays=["0", "2"],
     methods=["none", "wp+ga"],
-    seeds=2,
-    steps=20,
-    eval_every=10,
+    seeds=1,
+    steps=10,
+    eval_every=5,
     out_dir=str(tmp_path),
     data_dir=str(tmp_path / "tfds"),
   ):
@@ -134,7 +134,7 @@ def test_run_writes_tables_json_and_png(tmp_path):
   results = json.loads((tmp_path / "staleness.json").read_text())
   runs = {(r["optimizer"], r["delay"], r["method"]) for r in results["runs"]}
   assert runs == {("sgd", 0, "none"), ("sgd", 2, "none"), ("sgd", 2, "wp+ga")}
-  assert all(len(r["train_loss_curve"]) == 20 for r in results["runs"])
+  assert all(len(r["train_loss_curve"]) == 10 for r in results["runs"])
   table = (tmp_path / "staleness.md").read_text()
   assert "| sgd | wp+ga |" in table
   assert (tmp_path / "staleness.png").stat().st_size > 10_000

@@ -52,7 +52,8 @@ def test_the_configs_are_the_ones_the_issue_names():
 
 @pytest.mark.parametrize(
   "name, variant",
-  [(name, ()) for name in CONFIGS]
+  # (gpt_finetune needs a pretrained run: test_finetune_experiment.)
+  [(name, ()) for name in CONFIGS if name != "gpt_finetune"]
   + [
     ("wrn_stale", ("ws+wp+ga",)),
     ("pipedream_vgg", ("2bw",)),

@@ -1,0 +1,251 @@
+"""Fine-tuning: pretrained params into a model, and frozen params.
+
+``load_params(source, template)`` reads pretrained parameters from
+
+- a jpipe training workdir, or one of its checkpoints (the params of its
+  latest / that step);
+- any other orbax checkpoint of a params pytree (``StandardSave`` /
+  ``PyTreeSave``, e.g. ``ocp.StandardCheckpointer().save(path, params)``);
+- a Flax msgpack file (``flax.serialization.to_bytes(params)``; also what
+  a HuggingFace Flax model's ``flax_model.msgpack`` holds);
+- ``"package.module:name"``: a Python callable returning params (or an
+  object with ``.params``, such as a HuggingFace ``FlaxPreTrainedModel``),
+  or such a value itself;
+
+and checks them leaf by leaf against the model's own freshly initialised
+params (``template``): same paths, same shapes. A mismatch is an error
+naming the first path that differs; ``keep_init`` (regular expressions on
+the path) keeps chosen leaves of the fresh init instead -- a new head of
+another size. Values are cast to the template's dtypes.
+
+``freeze(tx, patterns)`` is ``optax.multi_transform`` that zeroes the
+updates of the leaves whose path matches. A pipeline's stage optimizer
+sees its leaves as a flat ``{"a/b/kernel": leaf}`` dict; the labels here
+are computed from each leaf's path string, which is the same in that dict
+and in the nested params, so the same transform works on both (a labels
+*pytree* shaped like the nested params would not).
+"""
+
+import importlib
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import flax.serialization
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from jpipe.train.errors import UsageError
+
+
+class PretrainedError(UsageError):
+  """Pretrained params that cannot be read or do not fit the model."""
+
+
+def leaf_path(path) -> str:
+  """``"a/b/c"`` for a ``tree_flatten_with_path`` key path."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def flat_paths(tree) -> dict[str, Any]:
+  """``{"a/b/c": leaf}`` in flatten order."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {leaf_path(path): leaf for path, leaf in flat}
+
+
+def _patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
+  if isinstance(patterns, str):
+    patterns = [p for p in patterns.split(",") if p.strip()]
+  try:
+    return [re.compile(p.strip()) for p in patterns]
+  except re.error as e:
+    raise UsageError(f"bad parameter path pattern {e.pattern!r}: {e}") from e
+
+
+def matching(patterns: str | Sequence[str], tree) -> list[str]:
+  """Paths of ``tree``'s leaves that any pattern (``re.search``) finds."""
+  compiled = _patterns(patterns)
+  return [p for p in flat_paths(tree) if any(c.search(p) for c in compiled)]
+
+
+def freeze(
+  tx: optax.GradientTransformation, patterns: str | Sequence[str]
+) -> optax.GradientTransformation:
+  """``tx`` for every leaf but those whose path matches a pattern, which
+  get zero updates (and no optimizer state).
+
+  Args:
+    tx: the optimizer of the trained leaves.
+    patterns: regular expressions searched in each leaf's ``"a/b/c"``
+      path (a comma-separated string or a list), e.g. ``"^embed/"``.
+  """
+  compiled = _patterns(patterns)
+  if not compiled:
+    return tx
+
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: (
+        "frozen"
+        if any(c.search(leaf_path(path)) for c in compiled)
+        else "trained"
+      ),
+      params,
+    )
+
+  return optax.multi_transform(
+    {"trained": tx, "frozen": optax.set_to_zero()}, labels
+  )
+
+
+def load_params(
+  source: Any, template: Any, *, keep_init: str | Sequence[str] = ()
+) -> Any:
+  """Pretrained params shaped like ``template``.
+
+  Args:
+    source: a path (workdir, orbax checkpoint, msgpack file), a
+      ``"module:name"`` string, or a params pytree / callable / object
+      with ``.params``.
+    template: the model's own params (arrays or ShapeDtypeStructs): the
+      structure, shapes and dtypes to fill.
+    keep_init: path patterns whose leaves keep ``template``'s values (they
+      may be missing from, or differ in shape in, the pretrained params).
+
+  Raises:
+    PretrainedError: unreadable source, or params that do not fit; the
+      message names the first path that differs.
+  """
+  loaded = _read(source)
+  want = flat_paths(template)
+  got = flat_paths(loaded)
+  if "params" in {p.split("/")[0] for p in got} and not any(
+    p.startswith("params/") for p in want
+  ):  # {"params": ...} around the params (Flax variables, a state dict).
+    got = {
+      p[len("params/") :]: x for p, x in got.items() if p.startswith("params/")
+    }
+  keep = _patterns(keep_init)
+  kept = {p for p in want if any(c.search(p) for c in keep)}
+  where = _describe(source)
+  missing = [p for p in want if p not in got and p not in kept]
+  if missing:
+    raise PretrainedError(
+      f"pretrained params {where} have no {missing[0]!r} "
+      f"({len(missing)} of the model's {len(want)} leaves missing)"
+      f"{_closest(missing[0], got)}; keep the fresh init of new leaves "
+      "with keep_init (config.init_keep) or load a checkpoint of this model"
+    )
+  unexpected = [p for p in got if p not in want]
+  if unexpected:
+    raise PretrainedError(
+      f"pretrained params {where} have {unexpected[0]!r}, which the model "
+      f"has not ({len(unexpected)} such leaves){_closest(unexpected[0], want)}"
+      "; check the model's config (model.kwargs) against the pretrained one"
+    )
+  leaves = []
+  for path, like in want.items():
+    if path in kept:
+      leaves.append(like)
+      continue
+    value = got[path]
+    if tuple(np.shape(value)) != tuple(like.shape):
+      raise PretrainedError(
+        f"pretrained params {where}: {path!r} has shape "
+        f"{tuple(np.shape(value))}, the model's {tuple(like.shape)}; check "
+        "model.kwargs against the pretrained model, or keep the fresh init "
+        "of this leaf with keep_init (config.init_keep)"
+      )
+    leaves.append(np.asarray(value).astype(like.dtype))
+  return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def check_source(source: str) -> None:
+  """A cheap check before any work: the path exists, or it has the
+  ``module:name`` form."""
+  if os.path.exists(os.path.expanduser(source)):
+    return
+  module_name, colon, name = source.partition(":")
+  if not (colon and module_name and name):
+    raise PretrainedError(
+      f"no file or directory {source!r}: give a jpipe workdir or "
+      "checkpoint, an orbax checkpoint directory, a Flax msgpack file or "
+      "module:callable"
+    )
+
+
+def _describe(source) -> str:
+  return f"from {source}" if isinstance(source, str) else "given"
+
+
+def _closest(path: str, paths) -> str:
+  import difflib
+
+  near = difflib.get_close_matches(path, list(paths), n=2, cutoff=0.6)
+  return f" (closest: {', '.join(near)})" if near else ""
+
+
+def _read(source: Any) -> Any:
+  """The pytree a source names (see ``load_params``)."""
+  if not isinstance(source, str):
+    return _unwrap(source() if callable(source) else source)
+  path = os.path.expanduser(source)
+  if os.path.isfile(path):
+    try:
+      with open(path, "rb") as f:
+        return flax.serialization.msgpack_restore(f.read())
+    except Exception as e:
+      raise PretrainedError(
+        f"{source} is not a Flax msgpack file of params "
+        f"({type(e).__name__}: {e}); give a msgpack file, an orbax "
+        "checkpoint directory or module:callable"
+      ) from e
+  if os.path.isdir(path):
+    return _read_orbax(path)
+  check_source(source)
+  module_name, _, name = source.partition(":")
+  try:
+    value = getattr(importlib.import_module(module_name), name)
+  except (ImportError, AttributeError) as e:
+    raise PretrainedError(
+      f"cannot load pretrained params from {source!r}: {e}"
+    ) from e
+  return _unwrap(value() if callable(value) else value)
+
+
+def _unwrap(value):
+  """A HuggingFace Flax model (or anything with ``.params``) -> params."""
+  params = getattr(value, "params", None)
+  return value if params is None or callable(params) else params
+
+
+def _read_orbax(path: str):
+  """A jpipe workdir / checkpoint's params, or an orbax params pytree."""
+  steps = os.path.join(path, "checkpoints")
+  if os.path.isdir(steps):  # A jpipe workdir.
+    path = steps
+  numbered = [d for d in os.listdir(path) if d.isdigit()]
+  if numbered:  # A CheckpointManager directory: its latest step.
+    path = os.path.join(path, max(numbered, key=int))
+  if os.path.isdir(os.path.join(path, "state")):  # jpipe's composite item.
+    path = os.path.join(path, "state")
+  try:
+    tree = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+  except Exception as e:
+    raise PretrainedError(
+      f"{path} is not an orbax checkpoint of params "
+      f"({type(e).__name__}: {e}); give a jpipe workdir or checkpoint, an "
+      "orbax checkpoint directory, a Flax msgpack file or module:callable"
+    ) from e
+  return tree

@@ -1,0 +1,207 @@
+"""Fine-tuning: pretrained params from every source, checked against the
+model; frozen params through the pipeline; the training CLI's init_from."""
+
+import os
+import sys
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jpipe
+from jpipe.train import pretrained, train_lib
+from jpipe.train.metric_log import read_metrics
+from tests.partition import flax_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+import default as default_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _params():
+  """An MLP's params and a different draw of the same shapes."""
+  _, params, _, _ = flax_models.mlp_case()
+  other = jax.tree.map(lambda x: x + 1.0, params)
+  return params, other
+
+
+def _assert_tree_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class _HuggingFaceLike:
+  """What ``FlaxPreTrainedModel.from_pretrained`` returns: ``.params``."""
+
+  def __init__(self, params):
+    self.params = params
+
+
+PRETRAINED = _params()[1]
+
+
+def pretrained_params():
+  return PRETRAINED
+
+
+def test_every_source_loads_the_saved_params(tmp_path):
+  template, saved = _params()
+  msgpack = tmp_path / "flax_model.msgpack"
+  msgpack.write_bytes(flax.serialization.to_bytes(saved))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "orbax", saved)
+  checkpointer.wait_until_finished()
+  sources = {
+    "msgpack": str(msgpack),
+    "orbax": str(tmp_path / "orbax"),
+    "module:callable": "tests.train.test_pretrained:pretrained_params",
+    "callable": lambda: saved,
+    ".params": _HuggingFaceLike(saved),
+  }
+  for source in sources.values():
+    _assert_tree_equal(pretrained.load_params(source, template), saved)
+  # Flax variables (or a state dict) around a model's bare params.
+  variables = {"params": saved["params"], "batch_stats": {"x": np.ones(2)}}
+  loaded = pretrained.load_params(variables, template["params"])
+  _assert_tree_equal(loaded, saved["params"])
+  # Values take the model's dtypes (bf16 weights into an f32 model).
+  halves = jax.tree.map(lambda x: x.astype(jnp.bfloat16), saved)
+  loaded = pretrained.load_params(halves, template)
+  assert {x.dtype for x in jax.tree.leaves(loaded)} == {np.dtype("float32")}
+
+
+def test_mismatches_name_the_first_differing_path():
+  template, saved = _params()
+  inner = saved["params"]
+  missing = {"params": {k: v for k, v in inner.items() if k != "head"}}
+  with pytest.raises(ValueError, match=r"have no 'params/head/bias'"):
+    pretrained.load_params(missing, template)
+  extra = {"params": {**inner, "head_2": inner["head"]}}
+  with pytest.raises(ValueError, match=r"have 'params/head_2/bias', which"):
+    pretrained.load_params(extra, template)
+  wide = {
+    "params": {
+      **inner,
+      "head": {"bias": np.zeros(11), **{"kernel": np.zeros((16, 11))}},
+    }
+  }
+  with pytest.raises(ValueError, match=r"'params/head/bias' has shape \(11,\)"):
+    pretrained.load_params(wide, template)
+  # keep_init: the new head keeps its fresh init, the rest is pretrained.
+  loaded = pretrained.load_params(wide, template, keep_init="^params/head/")
+  _assert_tree_equal(loaded["params"]["head"], template["params"]["head"])
+  _assert_tree_equal(loaded["params"]["dense_0"], inner["dense_0"])
+  with pytest.raises(ValueError, match="no file or directory 'nowhere'"):
+    pretrained.load_params("nowhere", template)
+
+
+def test_frozen_params_through_the_pipeline_equal_plain_optax():
+  """1F1B over 2 stages (the stage optimizers see flat {path: leaf}
+  dicts) against optax on the nested params, one device."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  tx = pretrained.freeze(optax.adam(0.01), "dense_0/|^params/head/kernel")
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="1f1b",
+    num_microbatches=1,
+    optimizer=tx,
+  )
+  state = pipe.init(params)
+  want, opt_state = params, tx.init(params)
+  for _ in range(2):
+    state, _ = pipe.step(state, batch)
+    grads = jax.grad(loss_fn)(want, batch)
+    updates, opt_state = tx.update(grads, opt_state, want)
+    want = optax.apply_updates(want, updates)
+  got = pipe.gather_params(state)
+  for path, x in pretrained.flat_paths(got).items():
+    np.testing.assert_allclose(
+      x, pretrained.flat_paths(want)[path], rtol=1e-5, atol=1e-6
+    )
+    before = pretrained.flat_paths(params)[path]
+    frozen = path.startswith("params/dense_0/") or path == "params/head/kernel"
+    assert np.array_equal(x, before) == frozen, path
+
+
+def _config(**overrides):
+  config = default_config.get_config()
+  config.train.steps = 2
+  config.train.log_every = config.train.eval_every = 2
+  config.train.checkpoint_every = 2
+  config.train.profile_last_step = False
+  config.model.kwargs.hidden = (32, 32)
+  config.pipeline.num_stages = 2
+  config.data.batch_size = 32
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return config
+
+
+def _no_work(config):
+  raise AssertionError("built the task before refusing the config")
+
+
+def test_cli_fine_tunes_from_a_workdir_and_freezes(tmp_path, monkeypatch):
+  pre, tuned = str(tmp_path / "pre"), str(tmp_path / "tuned")
+  train_lib.train_and_evaluate(_config(), pre)
+  summary = train_lib.train_and_evaluate(
+    _config(
+      init_from=pre,
+      **{"optimizer.freeze": "^layer_0/", "data.train_split": "train[:50%]"},
+    ),
+    tuned,
+  )
+  evals = [r for r in read_metrics(tuned) if "eval/accuracy" in r]
+  # Step 0 is evaluated: the pretrained model's accuracy, exactly.
+  pretrained_eval = [r for r in read_metrics(pre) if "eval/accuracy" in r]
+  assert evals[0]["step"] == 0
+  assert evals[0]["eval/accuracy"] == pretrained_eval[-1]["eval/accuracy"]
+  assert summary["eval"]["accuracy"] == evals[-1]["eval/accuracy"]
+  # The frozen layer still holds the pretrained values after training.
+  before = pretrained.load_params(pre, _template(pre))
+  after = pretrained.load_params(tuned, _template(pre))
+  for path, x in pretrained.flat_paths(after).items():
+    same = np.array_equal(x, pretrained.flat_paths(before)[path])
+    assert same == path.startswith("layer_0/"), path
+  # Bad fine-tuning settings stop before any work.
+  monkeypatch.setattr(train_lib, "build_task", _no_work)
+  for overrides, message in (
+    ({"init_from": str(tmp_path / "nowhere")}, "no file or directory"),
+    ({"init_keep": "head"}, "init_keep: keeps leaves .* set config.init_from"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      train_lib.train_and_evaluate(_config(**overrides), str(tmp_path / "x"))
+
+
+def _template(workdir):
+  """The default config's params, as a template (shapes and dtypes)."""
+  from jpipe.train import tasks
+
+  return tasks.build_task(_config()).params
+
+
+def test_cli_refuses_patterns_that_match_nothing(tmp_path):
+  for overrides, message in (
+    ({"optimizer.freeze": "^nothing/"}, "matches 0 of the .* param paths"),
+    (
+      {"init_from": str(tmp_path), "init_keep": "^nothing/"},
+      "init_keep='\\^nothing/' matches no param path",
+    ),
+  ):
+    with pytest.raises(ValueError, match=message):
+      train_lib.train_and_evaluate(_config(**overrides), str(tmp_path / "w"))
