@@ -6,10 +6,16 @@ from jpipe.partition._granularity import (
   choose_depth,
   min_max_split,
 )
-from jpipe.partition._graph_txt import ProfileGraph, load_pipedream_profile
+from jpipe.partition._graph_txt import (
+  PIPEDREAM_PROFILES,
+  ProfileGraph,
+  load_pipedream_profile,
+  profile_path,
+)
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._plan import (
+  METHODS,
   Plan,
   plan_from_pipedream,
   plan_traced,
@@ -20,6 +26,8 @@ from jpipe.partition._stages import Stages, StageSpec
 from jpipe.partition._trace import TracedModel, trace, with_model_state
 
 __all__ = [
+  "METHODS",
+  "PIPEDREAM_PROFILES",
   "ContiguousSolution",
   "Granularity",
   "MixedSolution",
@@ -35,6 +43,7 @@ __all__ = [
   "plan_from_pipedream",
   "plan_traced",
   "profile_nodes",
+  "profile_path",
   "solve_contiguous",
   "solve_mixed",
   "solve_pipedream",

@@ -94,12 +94,33 @@ class ProfileGraph:
     return order, compute, edges
 
 
+# PipeDream's profiles of 14 models, shipped with jpipe (see README there).
+_PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles", "pipedream")
+PIPEDREAM_PROFILES = tuple(
+  sorted(
+    d
+    for d in os.listdir(_PROFILE_DIR)
+    if os.path.isfile(os.path.join(_PROFILE_DIR, d, "graph.txt"))
+  )
+)
+
+
+def profile_path(path_or_name: str) -> str:
+  """A path as given, or the shipped profile of that name (``vgg16``)."""
+  if not os.path.exists(path_or_name) and path_or_name in PIPEDREAM_PROFILES:
+    return os.path.join(_PROFILE_DIR, path_or_name)
+  return path_or_name
+
+
 def load_pipedream_profile(path: str) -> ProfileGraph:
   """Parses a PipeDream ``graph.txt`` (see the module docstring)."""
   if os.path.isdir(path):
     path = os.path.join(path, "graph.txt")
   if not os.path.isfile(path):
-    raise ValueError(f"no PipeDream profile at {path!r}")
+    raise ValueError(
+      f"no PipeDream profile at {path!r} (a graph.txt, its folder, or one "
+      f"of the shipped {', '.join(PIPEDREAM_PROFILES)})"
+    )
   names, descs, f, b, a, p, raw_edges = [], [], [], [], [], [], []
   with open(path) as lines:
     for number, line in enumerate(lines, start=1):

@@ -1,6 +1,6 @@
 """The model a training config would partition, traced and costed.
 
-``python -m jpipe.partition --config configs/X.py[:VARIANT]`` uses this:
+``python -m jpipe.train.plan --config configs/X.py[:VARIANT]`` uses this:
 the config's model and loss are traced on one microbatch of its data
 and costed exactly as ``python -m jpipe.train`` does before it splits them.
 """

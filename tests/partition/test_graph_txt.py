@@ -68,7 +68,7 @@ def test_cli_json(method):
       "jpipe.partition",
       "--pipedream-profile",
       os.path.join(PROFILES, "resnet18"),
-      "--stages",
+      "--devices",
       "4",
       "--method",
       method,
@@ -123,6 +123,48 @@ def test_cli_errors():
     text=True,
   )
   assert run.returncode == 2 and "unknown method 'metis'" in run.stderr
+
+
+def test_cli_one_word_for_devices_one_for_stages():
+  """--stages is stages: PipeDream's DP (which replicates) refuses it and
+  names --devices; a shipped profile's name works from anywhere."""
+
+  def cli(*args):
+    return subprocess.run(
+      [sys.executable, "-m", "jpipe.partition", *args],
+      capture_output=True,
+      text=True,
+      cwd="/",
+    )
+
+  run = cli("--pipedream-profile", "vgg16", "--stages", "4")
+  assert run.returncode == 2 and "give --devices N, or --straight" in (
+    run.stderr
+  )
+  run = cli("--pipedream-profile", "vgg16", "--devices", "4", "--json")
+  assert run.returncode == 0, run.stderr
+  assert json.loads(run.stdout)["replicas"] == [3, 1]  # 2 stages, 4 devices
+  run = cli("--pipedream-profile", "vgg16", "--stages", "4", "--straight")
+  assert run.returncode == 0 and "replication 1-1-1-1" in run.stdout
+  run = cli(
+    "--pipedream-profile",
+    "vgg16",
+    "--stages",
+    "4",
+    "--devices",
+    "2",
+    "--method",
+    "contiguous",
+  )
+  assert run.returncode == 2 and "give --devices 4 or omit it" in run.stderr
+  run = cli(
+    "--pipedream-profile", "vgg16", "--stages", "3", "--method", "mixed"
+  )
+  assert run.returncode == 2 and "mixed chooses its stages" in run.stderr
+  run = cli("--pipedream-profile", "vgg16", "--config", "configs/t5.py")
+  assert run.returncode == 2 and "python -m jpipe.train.plan" in run.stderr
+  run = cli("--pipedream-profile", "nosuch", "--devices", "2")
+  assert run.returncode == 2 and "shipped alexnet" in run.stderr
 
 
 def test_input_nodes_cost_nothing_when_partitioning():

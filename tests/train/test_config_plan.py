@@ -1,12 +1,12 @@
-"""``python -m jpipe.partition --config``: the plan training would use."""
+"""``python -m jpipe.train.plan --config``: the plan training would use."""
 
 import json
 import os
 
 import pytest
 
-from jpipe.partition import __main__ as partition_cli
 from jpipe.train import config_plan, tasks, train_lib
+from jpipe.train import plan as plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _run(capsys, *argv):
-  code = partition_cli.main(list(argv))
+  code = plan_cli.main(list(argv))
   captured = capsys.readouterr()
   return code, captured.out, captured.err
 
@@ -59,7 +59,7 @@ def test_cli_table_and_png(capsys, tmp_path):
     str(png),
   )
   assert code == 0
-  assert "contiguous, 4 devices" in out and "stage 3: " in out
+  assert "contiguous, 4 stages on 4 devices" in out and "stage 3: " in out
   assert png.stat().st_size > 1000
 
 
@@ -73,8 +73,10 @@ def test_cli_config_errors(capsys):
   assert code == 2 and "unknown method 'metis'" in err
   code, _, err = _run(capsys, "--config", "nope.py", "--stages", "2")
   assert code == 2 and "config file 'nope.py' does not exist" in err
+  code, _, err = _run(capsys, "--config", path, "--devices", "0")
+  assert code == 2 and "--devices must be >= 1, got 0" in err
   with pytest.raises(SystemExit):
-    partition_cli.main(["--config", path])  # No --stages.
+    plan_cli.main(["--stages", "2"])  # No --config.
 
 
 def test_pipedream_hybrid_with_fast_links_is_data_parallel_and_trains(

@@ -1,0 +1,144 @@
+"""The plan ``python -m jpipe.train`` would use for a config, without training.
+
+  python -m jpipe.train.plan --config configs/X.py[:VARIANT]
+      [--stages K] [--devices N]
+      [--method contiguous|mixed|pipedream|pipedream_hybrid]
+      [--bandwidth B] [--memory BYTES]
+      [--cost-model analytic|xla|measured] [--json] [--png FILE]
+
+Traces the config's model on one microbatch of its data and costs its nodes
+as training does (``--method``, ``--cost-model`` and ``--bandwidth``
+default to the config's ``pipeline.partition``, ``pipeline.cost_model``
+and ``pipeline.bandwidth``), then prints the plan for ``--stages`` stages
+(default the config's ``pipeline.num_stages``) on a machine with
+``--devices`` devices (default: as many as stages); training, like this,
+plans on min(stages, devices) devices. ``pipedream`` is straight and
+``pipedream_hybrid`` may replicate stages. ``--json`` adds ``plan`` (the
+full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
+(For a PipeDream profile: ``python -m jpipe.partition``.)
+"""
+
+import argparse
+import json
+import sys
+import time
+
+from jpipe import partition
+from jpipe.partition._report import plot, print_table
+from jpipe.train import config_plan
+
+
+def _parser():
+  parser = argparse.ArgumentParser(
+    prog="python -m jpipe.train.plan", description=__doc__.splitlines()[0]
+  )
+  parser.add_argument(
+    "--config", required=True, help="a training config, configs/X.py[:VARIANT]"
+  )
+  parser.add_argument(
+    "--stages", type=int, default=None, help="stages (default: the config's)"
+  )
+  parser.add_argument(
+    "--devices", type=int, default=None, help="devices (default: --stages)"
+  )
+  parser.add_argument(
+    "--method", default=None, help="default: the config's pipeline.partition"
+  )
+  parser.add_argument(
+    "--cost-model",
+    default=None,
+    help="analytic, xla or measured (default: the config's)",
+  )
+  parser.add_argument(
+    "--bandwidth",
+    type=float,
+    default=None,
+    help="link bytes/s (default: the config's; 0 = compute only)",
+  )
+  parser.add_argument(
+    "--memory", type=float, default=None, help="bytes per device (contiguous)"
+  )
+  parser.add_argument(
+    "--json", action="store_true", help="print one JSON object"
+  )
+  parser.add_argument("--png", default=None, help="write a stage-cost PNG")
+  return parser
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    config = config_plan.load_config_file(args.config)
+    method = args.method or config.pipeline.partition
+    if method not in partition.METHODS:
+      raise ValueError(f"unknown method {method!r}: one of {partition.METHODS}")
+    stages = config.pipeline.num_stages if args.stages is None else args.stages
+    devices = stages if args.devices is None else args.devices
+    for name, value in (("--stages", stages), ("--devices", devices)):
+      if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    devices = min(stages, devices)  # What training plans on.
+    with config.unlocked():  # The planned stages, as training gets them.
+      config.pipeline.num_stages = stages
+    traced, costs = config_plan.trace_config(
+      config, args.cost_model, devices, method
+    )
+    bandwidth = config.pipeline.bandwidth
+    if args.bandwidth is not None:
+      bandwidth = args.bandwidth
+    start = time.perf_counter()
+    plan = partition.plan_traced(
+      traced,
+      costs,
+      devices,
+      method=method,
+      bandwidth=bandwidth or None,
+      memory_limit=args.memory,
+    )
+    solve_seconds = time.perf_counter() - start
+  except ValueError as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  node_seconds = costs.forward_seconds + costs.backward_seconds
+  result = {
+    "method": method,
+    "stage_of": plan.stage_of,
+    "stage_devices": [list(d) for d in plan.stage_devices],
+    "stage_costs": [
+      f + b
+      for f, b in zip(
+        plan.stage_forward_seconds, plan.stage_backward_seconds, strict=True
+      )
+    ],
+    "stage_seconds": list(plan.stage_seconds),
+    "bottleneck": plan.bottleneck_seconds,
+    "lower_bound": float(max(node_seconds.sum() / devices, node_seconds.max())),
+    "sequential": plan.sequential_seconds,
+    "solve_seconds": solve_seconds,
+    "plan": json.loads(plan.to_json()),
+  }
+  if args.json:
+    print(json.dumps(result))
+  else:
+    print_table(
+      f"{len(plan.node_names)} nodes of {args.config}, {method}, "
+      f"{plan.num_stages} stages on {devices} devices, solved in "
+      f"{1e3 * solve_seconds:.1f} ms",
+      result,
+      list(plan.stage_of_node),
+    )
+    for s in range(plan.num_stages):
+      names = [k for k, v in plan.stage_of.items() if v == s]
+      print(f"  stage {s}: {', '.join(names)}")
+  if args.png:
+    memory = {
+      "params": plan.stage_param_bytes,
+      "activations": plan.stage_activation_bytes,
+      "stash": plan.stage_stash_bytes,
+    }
+    plot(result["stage_costs"], result["stage_seconds"], args.png, memory)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
