@@ -26,6 +26,7 @@ and in the nested params, so the same transform works on both (a labels
 *pytree* shaped like the nested params would not).
 """
 
+import difflib
 import importlib
 import os
 import re
@@ -190,8 +191,6 @@ def _describe(source) -> str:
 
 
 def _closest(path: str, paths) -> str:
-  import difflib
-
   near = difflib.get_close_matches(path, list(paths), n=2, cutoff=0.6)
   return f" (closest: {', '.join(near)})" if near else ""
 

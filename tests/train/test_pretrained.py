@@ -1,9 +1,6 @@
 """Fine-tuning: pretrained params from every source, checked against the
 model; frozen params through the pipeline; the training CLI's init_from."""
 
-import os
-import sys
-
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -13,13 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jpipe
-from jpipe.train import pretrained, train_lib
+from jpipe.train import pretrained, tasks, train_lib
 from jpipe.train.metric_log import read_metrics
 from tests.partition import flax_models
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "configs"))
-import default as default_config  # noqa: E402
+from tests.train.test_train import _config as train_config
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -135,21 +129,11 @@ def test_frozen_params_through_the_pipeline_equal_plain_optax():
 
 
 def _config(**overrides):
-  config = default_config.get_config()
-  config.train.steps = 2
-  config.train.log_every = config.train.eval_every = 2
-  config.train.checkpoint_every = 2
-  config.train.profile_last_step = False
-  config.model.kwargs.hidden = (32, 32)
-  config.pipeline.num_stages = 2
-  config.data.batch_size = 32
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
-  return config
+  """test_train's small default config, trained 2 steps."""
+  short = {f"train.{k}": 2 for k in ("steps", "eval_every", "checkpoint_every")}
+  return train_config(
+    **short, **{"train.profile_last_step": False}, **overrides
+  )
 
 
 def _no_work(config):
@@ -173,8 +157,9 @@ def test_cli_fine_tunes_from_a_workdir_and_freezes(tmp_path, monkeypatch):
   assert evals[0]["eval/accuracy"] == pretrained_eval[-1]["eval/accuracy"]
   assert summary["eval"]["accuracy"] == evals[-1]["eval/accuracy"]
   # The frozen layer still holds the pretrained values after training.
-  before = pretrained.load_params(pre, _template(pre))
-  after = pretrained.load_params(tuned, _template(pre))
+  template = tasks.build_task(_config()).params
+  before = pretrained.load_params(pre, template)
+  after = pretrained.load_params(tuned, template)
   for path, x in pretrained.flat_paths(after).items():
     same = np.array_equal(x, pretrained.flat_paths(before)[path])
     assert same == path.startswith("layer_0/"), path
@@ -186,13 +171,6 @@ def test_cli_fine_tunes_from_a_workdir_and_freezes(tmp_path, monkeypatch):
   ):
     with pytest.raises(ValueError, match=message):
       train_lib.train_and_evaluate(_config(**overrides), str(tmp_path / "x"))
-
-
-def _template(workdir):
-  """The default config's params, as a template (shapes and dtypes)."""
-  from jpipe.train import tasks
-
-  return tasks.build_task(_config()).params
 
 
 def test_cli_refuses_patterns_that_match_nothing(tmp_path):
