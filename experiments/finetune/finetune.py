@@ -30,15 +30,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 flags.DEFINE_integer("pretrain_steps", 300, "Pretraining steps.")
 flags.DEFINE_integer("finetune_steps", 100, "Fine-tuning (and baseline) steps.")
 flags.DEFINE_integer("eval_sequences", 128, "Held-out sequences evaluated.")
-flags.DEFINE_string(
-  "out_dir",
+flags.DEFINE_string(  # Not out_dir: experiments imported together clash.
+  "results_dir",
   os.path.join(os.path.dirname(__file__), "results"),
   "Output folder.",
 )
 flags.DEFINE_string("work_dir", "", "Run workdirs; default a temporary dir.")
 
 
-def _config(name, init_from=None):
+def _config(name, eval_sequences, init_from=None):
   config = config_plan.load_config_file(
     os.path.join(ROOT, "configs", f"{name}.py")
   )
@@ -46,7 +46,7 @@ def _config(name, init_from=None):
   if init_from is not None:
     config.init_from = init_from
   config.train.profile_last_step = False
-  config.data.eval_sequences = FLAGS.eval_sequences
+  config.data.eval_sequences = eval_sequences
   return config
 
 
@@ -59,13 +59,13 @@ def _evaluations(workdir):
   ]
 
 
-def run(work_dir):
-  """The three runs; returns the results dict."""
+def run(work_dir, pretrain_steps, finetune_steps, eval_sequences):
+  """The three runs in ``work_dir``; returns the results dict."""
   pre_dir = os.path.join(work_dir, "pretrain")
-  pre = _config("gpt_lm")
+  pre = _config("gpt_lm", eval_sequences)
   pre.data.train_split = "train[:50%]"
-  pre.train.steps = FLAGS.pretrain_steps
-  pre.train.eval_every = pre.train.checkpoint_every = FLAGS.pretrain_steps
+  pre.train.steps = pretrain_steps
+  pre.train.eval_every = pre.train.checkpoint_every = pretrain_steps
   train_lib.train_and_evaluate(pre, pre_dir)
   runs = {"pretrain (train[:50%])": _evaluations(pre_dir)}
   for label, init_from in (
@@ -73,17 +73,17 @@ def run(work_dir):
     ("from scratch (train[50%:])", ""),
   ):
     workdir = os.path.join(work_dir, label.split()[0])
-    config = _config("gpt_finetune", init_from)
-    config.train.steps = FLAGS.finetune_steps
-    config.train.eval_every = max(FLAGS.finetune_steps // 2, 1)
-    config.train.checkpoint_every = FLAGS.finetune_steps
+    config = _config("gpt_finetune", eval_sequences, init_from)
+    config.train.steps = finetune_steps
+    config.train.eval_every = max(finetune_steps // 2, 1)
+    config.train.checkpoint_every = finetune_steps
     train_lib.train_and_evaluate(config, workdir)
     runs[label] = _evaluations(workdir)
   return {
     "date": datetime.date.today().isoformat(),
-    "pretrain_steps": FLAGS.pretrain_steps,
-    "finetune_steps": FLAGS.finetune_steps,
-    "eval_sequences": FLAGS.eval_sequences,
+    "pretrain_steps": pretrain_steps,
+    "finetune_steps": finetune_steps,
+    "eval_sequences": eval_sequences,
     "runs": {
       label: [{"step": s, "loss": x, "perplexity": p} for s, x, p in evals]
       for label, evals in runs.items()
@@ -104,20 +104,26 @@ def table(results) -> str:
   return "\n".join(lines)
 
 
+def write(results, results_dir) -> str:
+  """Writes finetune.{md,json}; returns the table."""
+  text = table(results)
+  os.makedirs(results_dir, exist_ok=True)
+  with open(os.path.join(results_dir, "finetune.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(results_dir, "finetune.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  return text
+
+
 def main(argv):
   del argv
+  sizes = (FLAGS.pretrain_steps, FLAGS.finetune_steps, FLAGS.eval_sequences)
   if FLAGS.work_dir:
-    results = run(FLAGS.work_dir)
+    results = run(FLAGS.work_dir, *sizes)
   else:
     with tempfile.TemporaryDirectory() as work_dir:
-      results = run(work_dir)
-  text = table(results)
-  print(text)
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.out_dir, "finetune.md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(FLAGS.out_dir, "finetune.json"), "w") as f:
-    json.dump(results, f, indent=1)
+      results = run(work_dir, *sizes)
+  print(write(results, FLAGS.results_dir))
 
 
 if __name__ == "__main__":

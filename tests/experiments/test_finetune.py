@@ -10,20 +10,12 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def test_finetune_starts_from_the_pretrained_loss(tmp_path):
-  from absl import flags
-  from absl.testing import flagsaver
-
   from experiments.finetune import finetune
 
-  flags.FLAGS(["finetune"], known_only=True)
-  with flagsaver.flagsaver(
-    pretrain_steps=2,
-    finetune_steps=1,
-    eval_sequences=8,
-    out_dir=str(tmp_path),
-    work_dir=str(tmp_path / "runs"),
-  ):
-    finetune.main(["finetune"])
+  results = finetune.run(
+    str(tmp_path / "runs"), pretrain_steps=2, finetune_steps=1, eval_sequences=8
+  )
+  finetune.write(results, str(tmp_path))
   results = json.loads((tmp_path / "finetune.json").read_text())
   runs = results["runs"]
   (pretrained,) = runs["pretrain (train[:50%])"]

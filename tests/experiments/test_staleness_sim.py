@@ -112,6 +112,10 @@ def test_bad_stage_counts_and_methods():
 
 def test_run_writes_tables_json_and_png(tmp_path):
   """The study's entry point end to end, shrunk to seconds."""
+  # Defines absl flags of its own at import: imported inside the
+  # flagsaver, they would be deleted at its exit under a module that
+  # still reads them (later TFDS reads in this process would fail).
+  import array_record.python.array_record_data_source  # noqa: F401
   from absl import flags
   from absl.testing import flagsaver
 
