@@ -10,7 +10,6 @@ from jpipe.partition._graph_txt import (
   PIPEDREAM_PROFILES,
   ProfileGraph,
   load_pipedream_profile,
-  profile_path,
 )
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
@@ -43,7 +42,6 @@ __all__ = [
   "plan_from_pipedream",
   "plan_traced",
   "profile_nodes",
-  "profile_path",
   "solve_contiguous",
   "solve_mixed",
   "solve_pipedream",

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from jpipe.partition._contiguous import solve_contiguous
-from jpipe.partition._graph_txt import load_pipedream_profile, profile_path
+from jpipe.partition._graph_txt import load_pipedream_profile
 from jpipe.partition._mixed import solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._report import plot, print_table
@@ -49,9 +49,6 @@ def _parser():
     required=True,
     help="a PipeDream graph.txt, its folder, or a shipped profile's name",
   )
-  parser.add_argument(
-    "--config", help=argparse.SUPPRESS
-  )  # Moved to python -m jpipe.train.plan: a clear error says so.
   size = parser.add_mutually_exclusive_group()
   size.add_argument("--devices", type=int, help="devices (one level)")
   size.add_argument(
@@ -121,6 +118,8 @@ def main(argv=None) -> int:
   parser = _parser()
   if argv is None:
     argv = sys.argv[1:]
+  # Before parsing: --pipedream-profile is required, and a config user
+  # should learn where the config mode went, not that.
   if "--config" in argv or any(a.startswith("--config=") for a in argv):
     parser.error(
       "a training config's plan moved to: python -m jpipe.train.plan "
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
   ):
     parser.error(f"--method {args.method} takes one level of machines")
   try:
-    graph = load_pipedream_profile(profile_path(args.pipedream_profile))
+    graph = load_pipedream_profile(args.pipedream_profile)
     order, compute, edges = graph.ordered()
     start = time.perf_counter()
     extra = {}

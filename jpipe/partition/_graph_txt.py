@@ -113,7 +113,9 @@ def profile_path(path_or_name: str) -> str:
 
 
 def load_pipedream_profile(path: str) -> ProfileGraph:
-  """Parses a PipeDream ``graph.txt`` (see the module docstring)."""
+  """Parses a PipeDream ``graph.txt`` (see the module docstring): a path
+  to it or its folder, or a shipped profile's name (``"vgg16"``)."""
+  path = profile_path(path)
   if os.path.isdir(path):
     path = os.path.join(path, "graph.txt")
   if not os.path.isfile(path):
