@@ -23,7 +23,7 @@ def __getattr__(name):
     import importlib
 
     return importlib.import_module(f"jpipe.{name}")
-  if name in ("Pipeline", "PipelineState"):
+  if name in ("Pipeline", "PipelineState", "MemoryLimitError"):
     from jpipe import runtime
 
     return getattr(runtime, name)

@@ -70,6 +70,10 @@ def solve_contiguous(
   memory_limit: float | None = None,
   in_flight: Sequence[int] | None = None,
   comm_model: str = "overlapped",
+  param_bytes: Sequence[float] | None = None,
+  param_versions: Sequence[int] | None = None,
+  recompute: bool = False,
+  working_bytes: Sequence[float] | None = None,
 ) -> ContiguousSolution:
   """Min-max bottleneck split of N ordered nodes into ``num_stages`` runs.
 
@@ -85,6 +89,13 @@ def solve_contiguous(
     in_flight: microbatches in flight per stage, [num_stages]; default
       ``num_stages - s`` (1F1B).
     comm_model: "overlapped" or "ftpipe" (see the module docstring).
+    param_bytes: per node, its params' bytes, [N]; with
+      ``param_versions`` (per stage, default 1) a stage also holds
+      ``versions - 1`` extra copies of them (weight stashing).
+    recompute: a microbatch in flight keeps the bytes entering the stage
+      (``edges``), else its ``activation_bytes``.
+    working_bytes: per node, memory one microbatch's programs need while
+      they run (counted once per stage), [N].
 
   Returns:
     The optimal split.
@@ -111,10 +122,20 @@ def solve_contiguous(
   )
   if flight.shape != (num_stages,):
     raise ValueError(f"in_flight needs {num_stages} entries")
+  params = _per_node(param_bytes, n_nodes, "param_bytes")
+  working = _per_node(working_bytes, n_nodes, "working_bytes")
+  versions = np.asarray(
+    [1] * num_stages if param_versions is None else param_versions, np.float64
+  )
+  if versions.shape != (num_stages,) or np.any(versions < 1):
+    raise ValueError(f"param_versions needs {num_stages} entries >= 1")
+  extra = versions - 1.0  # Stashed copies beside the live params.
 
   prefix = np.concatenate([[0.0], np.cumsum(cost)])
   static_prefix = np.concatenate([[0.0], np.cumsum(static)])
   act_prefix = np.concatenate([[0.0], np.cumsum(acts)])
+  param_prefix = np.concatenate([[0.0], np.cumsum(params)])
+  work_prefix = np.concatenate([[0.0], np.cumsum(working)])
   cut_in, cut_out = _crossing_bytes(edges or {}, n_nodes)
   idx = np.arange(n_nodes + 1)
   starts, ends = idx[:, None], idx[None, :]  # stage = nodes [start, end)
@@ -128,10 +149,14 @@ def solve_contiguous(
     stage_time = compute
 
   def memory(s):
+    kept = cut_in if recompute else act_prefix[ends] - act_prefix[starts]
     return (
       static_prefix[ends]
       - static_prefix[starts]
-      + flight[s] * (act_prefix[ends] - act_prefix[starts])
+      + extra[s] * (param_prefix[ends] - param_prefix[starts])
+      + flight[s] * kept
+      + work_prefix[ends]
+      - work_prefix[starts]
     )
 
   def run_dp(objective):

@@ -117,6 +117,9 @@ def plan_traced(
   optimizer_state_factor: float = 2.0,
   devices: Sequence[int] | None = None,
   comm_model: str = "overlapped",
+  in_flight: Sequence[int] | None = None,
+  param_versions: Sequence[int] | None = None,
+  recompute: bool = False,
 ) -> Plan:
   """Partitions a traced model onto ``num_devices`` devices.
 
@@ -137,9 +140,17 @@ def plan_traced(
       at ``bandwidth``, 1e9 bytes/s when None). jpipe's runtime splits each
       microbatch among a stage's replicas, so their count must divide it.
     bandwidth: bytes/s between devices; None ignores communication.
-    memory_limit: bytes per device; None for no limit ("contiguous").
+    memory_limit: bytes per device; None for no limit ("contiguous" and
+      "pipedream*"; "mixed" refuses one).
     optimizer_state_factor: optimizer state per parameter byte (2 for
       Adam's two moments, 1 for momentum SGD); gradients add one more.
+    in_flight, param_versions, recompute: "contiguous"'s memory model:
+      microbatches in flight per stage (default ``n - s``, 1F1B), param
+      versions per stage (default 1; weight stashing keeps ``n - s``), and
+      whether a microbatch in flight keeps only the stage's inputs (the
+      backward recomputes) or every value its nodes compute. One
+      microbatch's values and the unpacked gradients count once more, as
+      the programs' working memory (upper bounds: XLA fuses and frees).
     devices: the device index of each of the ``num_devices`` slots;
       default ``range(num_devices)``.
     comm_model: how transfers add to a stage's time, "overlapped"
@@ -178,6 +189,12 @@ def plan_traced(
       solution.stage_seconds,
     )
   if method == "mixed":
+    if memory_limit is not None:
+      raise ValueError(
+        "partition method 'mixed' has no memory model: use 'contiguous' or "
+        "'pipedream' with memory_limit (jpipe.Pipeline checks any plan's "
+        "memory after building it)"
+      )
     mixed = solve_mixed(
       compute,
       num_devices,
@@ -194,7 +211,7 @@ def plan_traced(
       mixed.stage_seconds,
     )
   param_bytes = traced.node_param_bytes()
-  act_bytes = traced.node_output_bytes()
+  values = traced.node_intermediate_bytes()
   static = param_bytes * (2.0 + optimizer_state_factor)  # + grads + state
   solution = solve_contiguous(
     compute,
@@ -202,9 +219,14 @@ def plan_traced(
     edges=traced.edges(),
     bandwidth=bandwidth,
     static_bytes=static,
-    activation_bytes=act_bytes,
+    activation_bytes=values,
+    working_bytes=values + param_bytes,
     memory_limit=memory_limit,
+    in_flight=in_flight,
     comm_model=comm_model,
+    param_bytes=param_bytes,
+    param_versions=param_versions,
+    recompute=recompute,
   )
   return _finish(
     traced,

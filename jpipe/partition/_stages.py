@@ -199,6 +199,16 @@ class Stages:
     self._pullback_layout[s] = (treedef, layout)
     return outputs, results, residuals
 
+  def intermediates(self, s: int, params, batch, acts) -> tuple:
+    """Every intermediate a recomputing backward of stage s holds for its
+    pullback (its params excluded): the arrays ``backward`` rebuilds
+    before XLA fuses or frees any, an upper bound on its working set."""
+    _, _, vjp_fn = self._vjp(s, params, batch, acts)
+    param_ids = {id(p) for p in params}
+    return tuple(
+      leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in param_ids
+    )
+
   def backward_from_residuals(
     self, s: int, params, residuals, out_cots, result_cots
   ):

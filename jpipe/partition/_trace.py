@@ -143,6 +143,19 @@ class TracedModel:
       np.float64,
     )
 
+  def node_intermediate_bytes(self) -> np.ndarray:
+    """Bytes of every value each node's equations compute, for one
+    microbatch [num_nodes]: what a backward of the node may hold (an upper
+    bound; XLA fuses and frees some)."""
+    out = np.zeros(self.num_nodes)
+    for eqn, node in zip(self.jaxpr.eqns, self.eqn_node, strict=True):
+      out[node] += sum(
+        np.prod(v.aval.shape) * v.aval.dtype.itemsize
+        for v in eqn.outvars
+        if hasattr(v.aval, "shape")
+      )
+    return out
+
   def node_output_bytes(self) -> np.ndarray:
     """Bytes of the values each node sends to later nodes [num_nodes]."""
     out = np.zeros(self.num_nodes)

@@ -1,6 +1,14 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
+from jpipe.runtime._memory import MemoryLimitError, StageMemory, format_bytes
 from jpipe.runtime._options import GAP_AWARE_POLICIES
 from jpipe.runtime._pipeline import Pipeline, PipelineState
 
-__all__ = ["GAP_AWARE_POLICIES", "Pipeline", "PipelineState"]
+__all__ = [
+  "GAP_AWARE_POLICIES",
+  "MemoryLimitError",
+  "Pipeline",
+  "PipelineState",
+  "StageMemory",
+  "format_bytes",
+]

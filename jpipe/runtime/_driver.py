@@ -112,6 +112,9 @@ class CallResult:
     loss: the mean loss of the microbatches whose forward ran in the
       call, on every process (None if no forward ran).
     param_versions: per stage, the most param versions held at once.
+    param_bytes: per stage, the most bytes of distinct param arrays held
+      at once (versions share the arrays that did not change, e.g. a tied
+      replica's own leaves).
     used_params: ``(kind, stage, b) -> params`` every F and B used (when
       recording; kind "F" or "B").
   """
@@ -122,6 +125,7 @@ class CallResult:
   in_flight: InFlight
   loss: Any
   param_versions: list
+  param_bytes: list
   used_params: dict | None
 
 
@@ -285,6 +289,7 @@ class _Call:
     self.losses = []
     self.used = {} if driver.record_params else None
     self.peak = [self._held(s) for s in range(len(self.params))]
+    self.peak_bytes = [self._held_bytes(s) for s in range(len(self.params))]
 
   # -- action kinds ------------------------------------------------------
 
@@ -302,6 +307,7 @@ class _Call:
     if d.policy.keeps_forward_params:
       self.forward_params[(s, b)] = theta
       self.peak[s] = max(self.peak[s], self._held(s))
+      self.peak_bytes[s] = max(self.peak_bytes[s], self._held_bytes(s))
     self._record("F", s, b, theta)
     acts = tuple(self._read_value(b, v, s) for v in spec.inputs)
     local = self._local_inputs(spec, self.batches[place][b], place)
@@ -478,6 +484,7 @@ class _Call:
       flight,
       self.d._mean_loss(self.losses),
       self.peak,
+      self.peak_bytes,
       self.used,
     )
 
@@ -505,6 +512,13 @@ class _Call:
     held.add(id(self.params[s]))
     held |= {id(t) for (s_, _), t in self.forward_params.items() if s_ == s}
     return len(held)
+
+  def _held_bytes(self, s) -> int:
+    """Bytes of the distinct param arrays stage s holds."""
+    tuples = [*self.versions[s].values(), self.params[s]]
+    tuples += [t for (s_, _), t in self.forward_params.items() if s_ == s]
+    arrays = {id(x): x for t in tuples if t is not None for x in t}
+    return int(sum(x.nbytes for x in arrays.values()))
 
   def _record(self, kind, s, b, theta):
     if self.used is not None:

@@ -40,6 +40,17 @@ from jpipe.runtime._calls import CallActions
 from jpipe.runtime._driver import Driver, InFlight
 from jpipe.runtime._flat import FlatLayout
 from jpipe.runtime._gather import text_from_process_zero, trees_everywhere
+from jpipe.runtime._memory import (
+  MemoryLimitError,
+  StageMemory,
+  device_totals,
+  format_bytes,
+  in_flight_counts,
+  nbytes,
+  param_versions,
+  predict_stage_memory,
+  tied_copies,
+)
 from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
 from jpipe.runtime._placement import (
   StagePlacement,
@@ -168,6 +179,14 @@ class Pipeline:
       "pull" (``jax.experimental.transfer``: never blocks a device) or
       "collective" (a ppermute pair program: gloo / NCCL, but it ties the
       two stages' streams together). See ``runtime/_transport.py``.
+    memory_limit: bytes each device may hold, or "device" (each device's
+      own capacity, where the platform reports it: GPUs and TPUs); None
+      (default) checks nothing. The partitioner ("contiguous",
+      "pipedream*") then only considers splits that fit, and the built
+      pipeline's prediction (``self.memory``: params and their stashed
+      versions, gradients, optimizer state, microbatches in flight for
+      the schedule) must fit, or construction fails naming the stage, the
+      predicted bytes and the fixes -- before anything compiles.
   """
 
   def __init__(
@@ -198,6 +217,7 @@ class Pipeline:
     record_params: bool = False,
     fuse_last_stage: bool = True,
     transport: str = "pull",
+    memory_limit: float | str | None = None,
   ):
     # -- Options ---------------------------------------------------------
     if schedule not in schedule_lib.SCHEDULES:
@@ -231,6 +251,7 @@ class Pipeline:
         f"{size}: use a divisor of {size}"
       )
     devices = list(jax.devices() if devices is None else devices)
+    self.memory_limit = _resolve_memory_limit(memory_limit, devices)
     self.num_microbatches = num_microbatches
     self.microbatch_size = size // num_microbatches
     self.optimizer = optimizer
@@ -264,6 +285,17 @@ class Pipeline:
       bandwidth=bandwidth,
       cost_model=cost_model,
       recompute=recompute,
+      memory=_partitioner_memory_model(
+        self.memory_limit,
+        optimizer,
+        params,
+        schedule,
+        num_microbatches,
+        min(num_stages, len(devices)),
+        recompute=recompute,
+        stashes=weight_stashing or not recompute,
+        fused_last=fuse_last_stage,
+      ),
     )
     if jax.process_count() > 1 and not isinstance(
       partition, partition_lib.Plan
@@ -372,6 +404,100 @@ class Pipeline:
       self.stream,
       num_batch_leaves=self._num_batch_leaves,
       record_params=record_params,
+    )
+    self._memory = None
+    if self.memory_limit is not None:
+      self._check_memory(self.memory_limit)
+
+  # -- Memory ----------------------------------------------------------------
+
+  @property
+  def memory(self) -> tuple[StageMemory, ...]:
+    """Per stage, the bytes it is predicted to hold on each of its devices
+    at its peak (``StageMemory``: params x versions, gradients, optimizer
+    state, microbatches in flight x what each keeps, one program's
+    working buffers), for this schedule and microbatch count. From
+    abstract shapes: nothing compiles."""
+    if self._memory is None:
+      self._memory = self._predict_memory()
+    return self._memory
+
+  def _predict_memory(self) -> tuple[StageMemory, ...]:
+    n, m = self.stages.num_stages, self.num_microbatches
+    if self.stream is None:
+      calls = [self.calls(0, m)]
+    else:  # Enough calls to reach the stream's steady state, then a flush.
+      count = 2 + -(-(n + 2 * self.stream.step_every) // m)
+      calls = [self.calls(i * m, m) for i in range(count)]
+      calls.append(self.calls(count * m, None))
+    flight = in_flight_counts(calls, n)
+    versions = param_versions(self.policy, self.stream, n)
+    replicas = [sorted(self.tied.replica_positions(s)) for s in range(n)]
+    owners = [self.tied.replica_owner(s) for s in range(n)]
+    copies = tied_copies(self.policy, self.stream, owners)
+    avals = self.traced.closed_jaxpr.in_avals
+    first_batch = self.traced.num_param_leaves
+    out = []
+    for s, (spec, params) in enumerate(
+      zip(self.stages.specs, self._param_avals(), strict=True)
+    ):
+      batch = tuple(avals[first_batch + i] for i in spec.batch_leaves)
+      acts = tuple(v.aval for v in spec.inputs)
+      outputs, results, residuals = jax.eval_shape(
+        lambda p, b, a, s=s: self.stages.forward_saving(s, p, b, a),
+        params,
+        batch,
+        acts,
+      )
+      out.append(
+        predict_stage_memory(
+          params=params,
+          opt_state=jax.eval_shape(self.stage_optimizers[s].init, params),
+          kept=(batch, acts) if self.programs.recompute else residuals,
+          residuals=residuals,
+          outputs=(outputs, results),
+          intermediates=jax.eval_shape(
+            lambda p, b, a, s=s: self.stages.intermediates(s, p, b, a),
+            params,
+            batch,
+            acts,
+          ),
+          in_flight=flight[s],
+          versions=versions[s],
+          tied=copies[s] * nbytes([params[p] for p in replicas[s]]),
+          replicas=len(self.plan.stage_devices[s]),
+        )
+      )
+    return tuple(out)
+
+  def _check_memory(self, limit: float) -> None:
+    """Refuses a pipeline whose prediction exceeds ``limit`` on a device."""
+    totals = device_totals(self.memory, self.plan.stage_devices)
+    over = [d for d in sorted(totals) if totals[d] > limit]
+    if not over:
+      return
+    d = max(over, key=totals.get)
+    stages = [s for s, ds in enumerate(self.plan.stage_devices) if d in ds]
+    worst = max(stages, key=lambda s: self.memory[s].total)
+    fixes = ["more stages (each holds fewer params and activations)"]
+    if not self.programs.recompute:
+      fixes.append(
+        "recompute=True (a microbatch in flight keeps only the stage's "
+        "inputs, not its residuals)"
+      )
+    if self.memory[worst].in_flight > 1:
+      fixes.append(
+        "smaller microbatches (more num_microbatches for the same batch)"
+      )
+    if self.schedule_name == "gpipe":
+      fixes.append("schedule='1f1b' (n - s microbatches in flight, not all)")
+    if self.memory[worst].versions > 1:
+      fixes.append("fewer stashed versions (2bw, or no weight stashing)")
+    raise MemoryLimitError(
+      f"the pipeline does not fit memory_limit={format_bytes(limit)}: "
+      f"device {d} is predicted to hold {format_bytes(totals[d])} "
+      f"(stage {', '.join(map(str, stages))}); stage {worst}: "
+      f"{self.memory[worst].describe()}. Use " + "; or ".join(fixes)
     )
 
   def _stage_optimizer(self, s, layout, predictor, lr_schedule, ga, policy):
@@ -646,7 +772,8 @@ class Pipeline:
       The new state and ``metrics``: "loss", the mean loss of the
       microbatches whose forward (and so loss) ran in this call -- each
       microbatch's loss is counted once, in the call that feeds it;
-      "param_versions", per stage the most param versions held at once;
+      "param_versions", per stage the most param versions held at once,
+      and "param_bytes", the most bytes of distinct param arrays;
       with ``profile=True`` "timeline", when every action of the call ran
       on its device (a ``jpipe.schedule.Timeline``; export with
       ``write_chrome_trace`` / ``plot_timeline``; the call runs the same
@@ -717,7 +844,10 @@ class Pipeline:
       flight = InFlight.start(out.stage_params) if self.stream else None
     else:
       flight = dataclasses.replace(flight, fed=fed + m)
-    metrics = {"param_versions": tuple(out.param_versions)}
+    metrics = {
+      "param_versions": tuple(out.param_versions),
+      "param_bytes": tuple(out.param_bytes),
+    }
     if out.loss is not None:
       metrics["loss"] = out.loss
     if profiler:
@@ -750,6 +880,75 @@ def _granularity(traced, partition, num_stages, num_devices):
   return partition_lib.choose_depth(traced, stages)
 
 
+def _resolve_memory_limit(memory_limit, devices) -> float | None:
+  """``memory_limit`` in bytes (None: no limit)."""
+  if memory_limit is None:
+    return None
+  if memory_limit == "device":
+    stats = [d.memory_stats() for d in devices]
+    if any(not st or "bytes_limit" not in st for st in stats):
+      raise ValueError(
+        f"memory_limit='device': the {devices[0].platform} devices do not "
+        "report their memory: pass memory_limit in bytes"
+      )
+    return float(min(st["bytes_limit"] for st in stats))
+  if isinstance(memory_limit, str) or not memory_limit > 0:
+    raise ValueError(
+      f"memory_limit must be bytes per device (> 0), 'device' or None, got "
+      f"{memory_limit!r}"
+    )
+  return float(memory_limit)
+
+
+def _partitioner_memory_model(
+  limit,
+  optimizer,
+  params,
+  schedule,
+  num_microbatches,
+  num_stages,
+  *,
+  recompute,
+  stashes,
+  fused_last,
+):
+  """The partitioner's memory options for a schedule (None: no limit).
+
+  A per-node model, coarser than ``Pipeline.memory`` (which the built
+  pipeline is checked against): optimizer state as the optimizer's own
+  ratio to the params, PipeDream's in-flight and stash counts.
+  """
+  if limit is None:
+    return None
+  n, m = num_stages, num_microbatches
+  param_bytes = max(nbytes(params), 1)
+  factor = nbytes(jax.eval_shape(optimizer.init, params)) / param_bytes
+  stream = schedule in ASYNCHRONOUS
+  if schedule == "gpipe":
+    flight = [m] * n
+  elif schedule == "seq":
+    flight = [1] * n
+  elif stream:
+    flight = [n - s for s in range(n)]
+  else:  # 1f1b, interleaved.
+    flight = [min(n - s, m) for s in range(n)]
+  if fused_last:
+    flight[-1] = 0
+  if schedule == "2bw":
+    versions = [2] * n
+  elif stream and stashes:
+    versions = [n - s for s in range(n)]
+  else:
+    versions = [1] * n
+  return {
+    "memory_limit": limit,
+    "optimizer_state_factor": factor,
+    "in_flight": flight,
+    "param_versions": versions,
+    "recompute": recompute,
+  }
+
+
 def _make_plan(
   traced, params, micro, partition, num_stages, num_devices, **options
 ):
@@ -769,12 +968,18 @@ def _make_plan(
       method=options["cost_model"],
       recompute=options["recompute"],
     )
+    memory = options["memory"] or {}
+    if partition == "mixed":  # Checked on the built pipeline instead.
+      memory = {}
+    elif partition != "contiguous":  # PipeDream's own stash model.
+      memory = {"memory_limit": memory.get("memory_limit")}
     plan = partition_lib.plan_traced(
       traced,
       costs,
       min(num_stages, num_devices),
       method=partition,
       bandwidth=options["bandwidth"],
+      **memory,
     )
   if plan.node_names != traced.node_names:
     raise ValueError("the Plan was made for a different model (nodes differ)")

@@ -46,6 +46,12 @@ class TiedParams:
     """Positions of stage s's leaves that another stage owns."""
     return {pos for pos, *_ in self.replicas.get(s, ())}
 
+  def replica_owner(self, s: int) -> int | None:
+    """The earliest stage owning one of stage s's leaves (the longest
+    delay a replica's value can have), or None."""
+    owners = [owner for _, _, owner, _ in self.replicas.get(s, ())]
+    return min(owners, default=None)
+
   def _move(self, x, src, dst, leaf):
     return self.transport.move(x, src, dst, self.avals[leaf], replicated=True)
 

@@ -65,6 +65,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Node costs for the partitioner: "analytic" (FLOPs), "xla" (XLA's cost
   # analysis) or "measured" (each node timed on this machine; slower start).
   c.pipeline.cost_model = "analytic"
+  # Memory each device may hold: "" (no check), "device" (the device's own
+  # capacity, GPUs and TPUs) or a size ("16GiB", "512MiB", "2e9" bytes).
+  # The partitioner keeps to it and a pipeline predicted not to fit stops
+  # before training, naming the stage and the fixes.
+  c.pipeline.memory_limit = ""
 
   # Schedule: seq, gpipe, 1f1b, interleaved (synchronous), async, 2bw.
   c.schedule = ml_collections.ConfigDict()

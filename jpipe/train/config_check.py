@@ -13,6 +13,32 @@ PARTITIONS = ("contiguous", "mixed", "pipedream", "pipedream_hybrid")
 COST_MODELS = ("analytic", "xla", "measured")
 
 
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def memory_limit(text: str) -> float | str | None:
+  """``config.pipeline.memory_limit`` as ``jpipe.Pipeline`` takes it: ""
+  -> None, "device", or a size ("16GiB", "512MB", "2e9") -> bytes."""
+  text = text.strip()
+  if not text:
+    return None
+  if text == "device":
+    return text
+  number = text.rstrip("KMGTkmgtIiBb").strip()
+  unit = text[len(number) :].strip().upper()
+  try:
+    value = float(number) * _UNITS[unit]
+  except (KeyError, ValueError):
+    raise ValueError(
+      f"{text!r} is not a size: use bytes ('2e9'), a unit ('16GiB', "
+      "'512MB'), 'device' or '' (no limit)"
+    ) from None
+  if not value > 0:
+    raise ValueError(f"{text!r}: a memory limit must be > 0")
+  return value
+
+
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises UsageError (a ValueError) listing every invalid field and how to fix it."""
   problems = []
@@ -146,6 +172,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     "weight stashing (set --config.pipeline.recompute=True, or "
     "--config.staleness.stashing=True)",
   )
+  try:
+    memory_limit(config.pipeline.memory_limit)
+  except ValueError as e:
+    problems.append(f"config.pipeline.memory_limit: {e}")
   need(
     config.pipeline.transport in ("pull", "collective"),
     "pipeline.transport",

@@ -3,13 +3,16 @@
   python -m jpipe.train.plan --config configs/X.py[:VARIANT]
       [--stages K] [--devices N]
       [--method contiguous|mixed|pipedream|pipedream_hybrid]
-      [--bandwidth B] [--memory BYTES]
+      [--bandwidth B] [--memory SIZE]
       [--cost-model analytic|xla|measured] [--json] [--png FILE]
 
 Traces the config's model on one microbatch of its data and costs its nodes
 as training does (``--method``, ``--cost-model`` and ``--bandwidth``
 default to the config's ``pipeline.partition``, ``pipeline.cost_model``
-and ``pipeline.bandwidth``), then prints the plan for ``--stages`` stages
+and ``pipeline.bandwidth``; ``--memory``, bytes or a size such as 16GiB
+per device, to the config's ``pipeline.memory_limit``: the partitioner's
+1F1B memory model; training checks the built pipeline for its schedule
+too), then prints the plan for ``--stages`` stages
 (default the config's ``pipeline.num_stages``) on a machine with
 ``--devices`` devices (default: as many as stages); training, like this,
 plans on min(stages, devices) devices. ``pipedream`` is straight and
@@ -25,7 +28,7 @@ import time
 
 from jpipe import partition
 from jpipe.partition._report import plot, print_table
-from jpipe.train import config_plan
+from jpipe.train import config_check, config_plan
 
 
 def _parser():
@@ -56,7 +59,10 @@ def _parser():
     help="link bytes/s (default: the config's; 0 = compute only)",
   )
   parser.add_argument(
-    "--memory", type=float, default=None, help="bytes per device (contiguous)"
+    "--memory",
+    default=None,
+    help="bytes per device, e.g. 2e9 or 16GiB (default: the config's "
+    "pipeline.memory_limit)",
   )
   parser.add_argument(
     "--json", action="store_true", help="print one JSON object"
@@ -86,6 +92,13 @@ def main(argv=None) -> int:
     bandwidth = config.pipeline.bandwidth
     if args.bandwidth is not None:
       bandwidth = args.bandwidth
+    memory = config_check.memory_limit(
+      config.pipeline.memory_limit if args.memory is None else args.memory
+    )
+    if memory == "device":
+      raise ValueError(
+        "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
+      )
     start = time.perf_counter()
     plan = partition.plan_traced(
       traced,
@@ -93,7 +106,7 @@ def main(argv=None) -> int:
       devices,
       method=method,
       bandwidth=bandwidth or None,
-      memory_limit=args.memory,
+      memory_limit=memory,
     )
     solve_seconds = time.perf_counter() - start
   except ValueError as error:

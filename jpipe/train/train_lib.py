@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe import schedule as schedule_lib
+from jpipe.runtime import format_bytes
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import config_check, pretrained
 from jpipe.train.errors import TrainingDiverged, UsageError
@@ -86,6 +87,16 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
   if task.model_state is not None:
     kwargs["model_state"] = task.model_state
   devices = jax.devices()
+  try:
+    return _pipeline(config, task, example_batch, tx, devices, kwargs)
+  except ValueError as e:
+    if "memory_limit" not in str(e):
+      raise
+    # The prediction, or no split fitting: both name their fixes.
+    raise UsageError(f"config.pipeline.memory_limit: {e}") from e
+
+
+def _pipeline(config, task, example_batch, tx, devices, kwargs):
   return jpipe.Pipeline(
     task.loss_fn,
     task.params,
@@ -102,6 +113,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     recompute=config.pipeline.recompute,
     fuse_last_stage=config.pipeline.fuse_last_stage,
     transport=config.pipeline.transport,
+    memory_limit=config_check.memory_limit(config.pipeline.memory_limit),
     **kwargs,
   )
 
@@ -521,6 +533,13 @@ def _print_plan(pipe) -> None:
   )
   if pipe.granularity is not None:
     print(f"Nodes: {pipe.granularity.reason}.")
+  limit = pipe.memory_limit
+  print(
+    "Predicted peak memory per stage: "
+    + ", ".join(format_bytes(m.total) for m in pipe.memory)
+    + (f" (limit {format_bytes(limit)})" if limit else "")
+    + "."
+  )
 
 
 def _device_groups(stage_devices) -> list:

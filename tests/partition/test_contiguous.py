@@ -9,7 +9,18 @@ from jpipe.partition._contiguous import solve_contiguous
 
 
 def _brute_force(
-  cost, edges, n_stages, bandwidth, static, acts, limit, comm_model="overlapped"
+  cost,
+  edges,
+  n_stages,
+  bandwidth,
+  static,
+  acts,
+  limit,
+  comm_model="overlapped",
+  params=None,
+  versions=None,
+  recompute=False,
+  working=None,
 ):
   n = len(cost)
   best = np.inf
@@ -28,7 +39,12 @@ def _brute_force(
           t = max(t, t_in, t_out)
         else:
           t = compute + max(0, t_in - compute) + max(0, t_out - compute)
-      mem = sum(static[a:b]) + (n_stages - s) * sum(acts[a:b])
+      kept = into if recompute else sum(acts[a:b])  # Per microbatch.
+      mem = sum(static[a:b]) + (n_stages - s) * kept
+      if working is not None:
+        mem += sum(working[a:b])
+      if versions is not None:  # Stashed copies of the params.
+        mem += (versions[s] - 1) * sum(params[a:b])
       if limit is not None and mem > limit:
         t = np.inf
       worst = max(worst, t)
@@ -77,6 +93,50 @@ def test_matches_brute_force(seed):
     assert max(sol.stage_seconds) == pytest.approx(expected)
     assert sol.boundaries[0] == 0 and sol.boundaries[-1] == n
     assert len(sol.stage_of_node()) == n
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("recompute", [False, True])
+def test_memory_model_with_stashes_and_recompute_matches_brute_force(
+  seed, recompute
+):
+  rng = np.random.default_rng(100 + seed)
+  n = int(rng.integers(3, 8))
+  cost, edges = _random_instance(rng, n)
+  static, acts, params, working = (rng.uniform(0, 2, n) for _ in range(4))
+  for n_stages in range(1, min(n, 4) + 1):
+    versions = [n_stages - s for s in range(n_stages)]  # PipeDream's d + 1
+    limit = float(rng.uniform(4, 12))
+    expected = _brute_force(
+      cost,
+      edges,
+      n_stages,
+      None,
+      static,
+      acts,
+      limit,
+      params=params,
+      versions=versions,
+      recompute=recompute,
+      working=working,
+    )
+    kwargs = dict(
+      edges=edges,
+      static_bytes=static,
+      activation_bytes=acts,
+      memory_limit=limit,
+      param_bytes=params,
+      param_versions=versions,
+      recompute=recompute,
+      working_bytes=working,
+    )
+    if not np.isfinite(expected):
+      with pytest.raises(ValueError, match="smallest limit that fits"):
+        solve_contiguous(cost, n_stages, **kwargs)
+      continue
+    sol = solve_contiguous(cost, n_stages, **kwargs)
+    np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
+    assert max(sol.memory_bytes) <= limit  # The property: it fits.
 
 
 def test_memory_error_names_the_limit_that_fits():

@@ -20,7 +20,7 @@ from tensorboardX.proto import event_pb2
 
 import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import metric_log, train_lib
+from jpipe.train import config_check, metric_log, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -141,12 +141,30 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("train.divergence_factor", -1.0, "divergence_factor: must be >= 0"),
     ("data.eval_split", "validation", "no split 'validation'; it has"),
     ("data.name", "cifar1000", "did you mean 'cifar100'"),
+    ("pipeline.memory_limit", "lots", "memory_limit: 'lots' is not a size"),
+    # Too small for any split: the partitioner names the smallest limit.
+    ("pipeline.memory_limit", "1KiB", "memory_limit: no split into 2"),
   ],
 )
 def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
   with pytest.raises(ValueError, match=message):
     train_lib.train_and_evaluate(_config(**{key: value}), str(tmp_path))
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+  "text, expected",
+  [
+    ("", None),
+    ("device", "device"),
+    ("2e9", 2e9),
+    ("16GiB", 16 * 2**30),
+    ("512 MB", 512e6),
+    ("1.5kib", 1536.0),
+  ],
+)
+def test_memory_limit_sizes(text, expected):
+  assert config_check.memory_limit(text) == expected
 
 
 def test_corrupt_or_foreign_checkpoint_is_an_error(tmp_path):

@@ -1,0 +1,233 @@
+"""What each device of a pipeline holds, predicted before anything runs.
+
+A stage's device holds, at its peak (bytes):
+
+  params x versions    the live params, and the older (or predicted)
+                       versions weight stashing, 2BW and prediction keep
+                       for microbatches in flight
+  + grads              the gradient accumulator (the params' bytes, packed)
+  + opt_state          the optimizer's state of the stage's leaves
+                       (Gap-Aware's statistics included)
+  + in_flight x kept   what each microbatch between its forward and its
+                       backward keeps: the stage's inputs when the backward
+                       recomputes, else the forward's residuals
+  + working            one program's own buffers, bounded from above: the
+                       larger of the saving forward's residuals and
+                       outputs and the backward's (every intermediate of
+                       one microbatch, plus the gradients before they are
+                       packed into the accumulator)
+
+Every term comes from abstract evaluation (``jax.eval_shape``: no
+compilation) and from the call's real action lists, so the prediction
+knows the schedule: GPipe keeps every microbatch of a call in flight, 1F1B
+``n - s``, and a last stage whose backward runs fused with its forward
+none. Stages sharing a device (a mixed pipe) add up; a replicated stage's
+replicas each hold the params and their share of every microbatch.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+
+from jpipe.schedule import BACKWARD, FORWARD
+
+
+class MemoryLimitError(ValueError):
+  """A pipeline predicted not to fit its memory limit (names the fixes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+  """Predicted bytes one stage holds on each of its devices at its peak.
+
+  Attributes:
+    params: one version of the stage's param leaves.
+    versions: param versions held at once at most (1: no stash).
+    tied_copies: bytes of the extra copies of tied leaves another stage
+      owns (a stream's replica takes the owner's value per microbatch).
+    grads: the gradient accumulator.
+    opt_state: the optimizer state.
+    kept_per_microbatch: what one microbatch keeps between its forward and
+      its backward (stage inputs, or residuals without recomputation).
+    in_flight: microbatches between forward and backward at once, at most.
+    working: one program's own buffers at its peak, an upper bound (XLA
+      fuses and frees some intermediates: its figure is often 2-3x less
+      on small stages).
+  """
+
+  params: int
+  versions: int
+  tied_copies: int
+  grads: int
+  opt_state: int
+  kept_per_microbatch: int
+  in_flight: int
+  working: int
+
+  @property
+  def total(self) -> int:
+    return (
+      self.params * self.versions
+      + self.tied_copies
+      + self.grads
+      + self.opt_state
+      + self.in_flight * self.kept_per_microbatch
+      + self.working
+    )
+
+  def describe(self) -> str:
+    """One line: the total and its terms."""
+    return (
+      f"{format_bytes(self.total)} = params {format_bytes(self.params)} x {self.versions} "
+      f"version(s) + tied copies {format_bytes(self.tied_copies)} + grads "
+      f"{format_bytes(self.grads)} + optimizer state "
+      f"{format_bytes(self.opt_state)} + {self.in_flight} microbatch(es) in flight "
+      f"x {format_bytes(self.kept_per_microbatch)} + working "
+      f"{format_bytes(self.working)}"
+    )
+
+
+def nbytes(tree) -> int:
+  """Bytes of a pytree of arrays or ``ShapeDtypeStruct``s."""
+  return int(
+    sum(
+      math.prod(x.shape) * x.dtype.itemsize  # PRNG key dtypes have one too
+      for x in jax.tree.leaves(tree)
+      if hasattr(x, "shape")
+    )
+  )
+
+
+def in_flight_counts(calls: Sequence, num_stages: int) -> tuple[int, ...]:
+  """Per stage, the most microbatches between forward and backward at once
+  over a sequence of ``Call``s (``_calls.py``) run in order. A forward
+  whose backward runs fused with it keeps nothing."""
+  open_, peak = [0] * num_stages, [0] * num_stages
+  for call in calls:
+    for action in call.order:
+      s, b = action.stage, action.microbatch
+      if (s, b) in call.fused:
+        continue
+      if action.kind == FORWARD:
+        open_[s] += 1
+        peak[s] = max(peak[s], open_[s])
+      elif action.kind == BACKWARD:
+        open_[s] -= 1
+  return tuple(peak)
+
+
+def tied_copies(policy, stream, owner_of_replicas) -> tuple[int, ...]:
+  """Per stage, how many extra copies of the tied leaves it holds for
+  another stage (``owner_of_replicas[s]``: that stage, or None).
+
+  In a stream a replica's forward of microbatch b takes the value the
+  owner's forward of b used, kept until b's backward: at most one per
+  owner step in between (its delay), or per microbatch of a 2BW
+  minibatch. An upper bound.
+  """
+  if stream is None:
+    return tuple(0 for _ in owner_of_replicas)
+  out = []
+  for owner in owner_of_replicas:
+    if owner is None:
+      out.append(0)
+    elif stream.backward_uses_stash:
+      out.append(stream.step_every)
+    elif policy.keeps_forward_params:
+      out.append(stream.max_delay(owner))
+    else:
+      out.append(0)
+  return tuple(out)
+
+
+def param_versions(policy, stream, num_stages: int) -> tuple[int, ...]:
+  """Per stage, the param versions held at once at most (the driver's
+  ``param_versions`` metric in steady state).
+
+  PipeDream's model: weight stashing keeps a version per in-flight
+  microbatch, ``d + 1`` with the live one (d = the stage's largest delay);
+  with prediction each in-flight forward has its own predicted version,
+  one more. 2BW keeps two. Prediction without a stash makes one
+  predicted copy at a time, beside the live params.
+  """
+  if stream is None:
+    return (1,) * num_stages
+  if stream.backward_uses_stash:  # 2BW: W(t-1) and W(t).
+    return (2,) * num_stages
+  out = []
+  for s in range(num_stages):
+    d = stream.max_delay(s)
+    predicted = policy.prediction is not None and d > 0
+    if policy.keeps_forward_params:
+      out.append(d + 1 + predicted if d > 0 else 1)
+    else:
+      out.append(1 + predicted)
+  return tuple(out)
+
+
+def predict_stage_memory(
+  *,
+  params,
+  opt_state,
+  kept,
+  residuals,
+  outputs,
+  intermediates,
+  in_flight: int,
+  versions: int,
+  tied: int,
+  replicas: int,
+) -> StageMemory:
+  """One stage's ``StageMemory`` from abstract values.
+
+  Args:
+    params: the stage's param leaves (avals).
+    opt_state: its optimizer state (avals).
+    kept: what one microbatch keeps in flight (avals).
+    residuals: one microbatch's residuals (avals).
+    outputs: one microbatch's outputs and results (avals).
+    intermediates: every intermediate of one microbatch's backward
+      (avals).
+    in_flight: microbatches in flight at most.
+    versions: param versions at most.
+    tied: bytes of the extra copies of tied leaves (``tied_copies`` x
+      their bytes).
+    replicas: devices the stage runs on (each gets 1/replicas of a
+      microbatch).
+  """
+  per_replica = max(replicas, 1)
+  grads = nbytes(params)  # The accumulator packs the same leaves.
+  forward = nbytes(residuals) + nbytes(outputs)
+  backward = nbytes(intermediates)
+  return StageMemory(
+    params=nbytes(params),
+    versions=versions,
+    tied_copies=tied,
+    grads=grads,
+    opt_state=nbytes(opt_state),
+    kept_per_microbatch=-(-nbytes(kept) // per_replica),
+    in_flight=in_flight,
+    working=-(-max(forward, backward) // per_replica) + grads,
+  )
+
+
+def device_totals(
+  stage_memory: Sequence[StageMemory], stage_devices: Sequence[Sequence[int]]
+) -> dict[int, int]:
+  """``{device index: predicted bytes}``: the stages each device runs, added
+  up (a conservative bound where a mixed pipe puts several on one)."""
+  totals: dict[int, int] = {}
+  for memory, devices in zip(stage_memory, stage_devices, strict=True):
+    for d in devices:
+      totals[d] = totals.get(d, 0) + memory.total
+  return totals
+
+
+def format_bytes(n: float) -> str:
+  """``n`` bytes with a binary unit: "1.5 GiB", "640.0 KiB", "12 B"."""
+  for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+    if abs(n) >= 1024**power:
+      return f"{n / 1024**power:.1f} {unit}"
+  return f"{n:.0f} B"
