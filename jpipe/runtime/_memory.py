@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jpipe.schedule import BACKWARD, FORWARD
+from jpipe.schedule import BACKWARD, FORWARD, STREAMS
 
 
 class MemoryLimitError(ValueError):
@@ -223,6 +223,75 @@ def device_totals(
     for d in devices:
       totals[d] = totals.get(d, 0) + memory.total
   return totals
+
+
+def resolve_memory_limit(memory_limit, devices) -> float | None:
+  """``memory_limit`` in bytes (None: no limit)."""
+  if memory_limit is None:
+    return None
+  if memory_limit == "device":
+    stats = [d.memory_stats() for d in devices]
+    if any(not st or "bytes_limit" not in st for st in stats):
+      raise ValueError(
+        f"memory_limit='device': the {devices[0].platform} devices do not "
+        "report their memory: pass memory_limit in bytes"
+      )
+    return float(min(st["bytes_limit"] for st in stats))
+  if isinstance(memory_limit, str) or not memory_limit > 0:
+    raise ValueError(
+      f"memory_limit must be bytes per device (> 0), 'device' or None, got "
+      f"{memory_limit!r}"
+    )
+  return float(memory_limit)
+
+
+def partitioner_memory_model(
+  limit,
+  optimizer,
+  params,
+  schedule,
+  num_microbatches,
+  num_stages,
+  *,
+  recompute,
+  stashes,
+  fused_last,
+):
+  """The partitioner's memory options for a schedule (None: no limit).
+
+  A per-node model, coarser than ``Pipeline.memory`` (which the built
+  pipeline is checked against): optimizer state as the optimizer's own
+  ratio to the params, PipeDream's in-flight and stash counts.
+  """
+  if limit is None:
+    return None
+  n, m = num_stages, num_microbatches
+  param_bytes = max(nbytes(params), 1)
+  factor = nbytes(jax.eval_shape(optimizer.init, params)) / param_bytes
+  stream = schedule in STREAMS
+  if schedule == "gpipe":
+    flight = [m] * n
+  elif schedule == "seq":
+    flight = [1] * n
+  elif stream:
+    flight = [n - s for s in range(n)]
+  else:  # 1f1b, interleaved.
+    flight = [min(n - s, m) for s in range(n)]
+  if fused_last:
+    flight[-1] = 0
+  if schedule == "2bw":
+    versions = [2] * n
+  elif stream and stashes:
+    versions = [n - s for s in range(n)]
+  else:
+    versions = [1] * n
+  return {
+    "memory_limit": limit,
+    "optimizer_state_factor": factor,
+    "in_flight": flight,
+    "param_versions": versions,
+    "recompute": recompute,
+  }
 
 
 def format_bytes(n: float) -> str:
