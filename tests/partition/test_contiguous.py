@@ -61,6 +61,18 @@ def _random_instance(rng, n):
   return cost, edges
 
 
+def _solve_as_expected(cost, n_stages, expected, kwargs):
+  """solve_contiguous, checked against the brute force's bottleneck
+  (``expected``; inf: no split fits, which must be the error)."""
+  if not np.isfinite(expected):
+    with pytest.raises(ValueError, match="smallest limit that fits"):
+      solve_contiguous(cost, n_stages, **kwargs)
+    return None
+  sol = solve_contiguous(cost, n_stages, **kwargs)
+  np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
+  return sol
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_matches_brute_force(seed):
   rng = np.random.default_rng(seed)
@@ -84,12 +96,9 @@ def test_matches_brute_force(seed):
       memory_limit=limit,
       comm_model=model,
     )
-    if not np.isfinite(expected):
-      with pytest.raises(ValueError, match="smallest limit that fits"):
-        solve_contiguous(cost, n_stages, **kwargs)
+    sol = _solve_as_expected(cost, n_stages, expected, kwargs)
+    if sol is None:
       continue
-    sol = solve_contiguous(cost, n_stages, **kwargs)
-    np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
     assert max(sol.stage_seconds) == pytest.approx(expected)
     assert sol.boundaries[0] == 0 and sol.boundaries[-1] == n
     assert len(sol.stage_of_node()) == n
@@ -130,13 +139,9 @@ def test_memory_model_with_stashes_and_recompute_matches_brute_force(
       recompute=recompute,
       working_bytes=working,
     )
-    if not np.isfinite(expected):
-      with pytest.raises(ValueError, match="smallest limit that fits"):
-        solve_contiguous(cost, n_stages, **kwargs)
-      continue
-    sol = solve_contiguous(cost, n_stages, **kwargs)
-    np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
-    assert max(sol.memory_bytes) <= limit  # The property: it fits.
+    sol = _solve_as_expected(cost, n_stages, expected, kwargs)
+    if sol is not None:
+      assert max(sol.memory_bytes) <= limit  # The property: it fits.
 
 
 def test_memory_error_names_the_limit_that_fits():
