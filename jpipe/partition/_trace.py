@@ -150,9 +150,7 @@ class TracedModel:
     out = np.zeros(self.num_nodes)
     for eqn, node in zip(self.jaxpr.eqns, self.eqn_node, strict=True):
       out[node] += sum(
-        np.prod(v.aval.shape) * v.aval.dtype.itemsize
-        for v in eqn.outvars
-        if hasattr(v.aval, "shape")
+        _nbytes(v.aval) for v in eqn.outvars if hasattr(v.aval, "shape")
       )
     return out
 
