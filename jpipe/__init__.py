@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _SUBPACKAGES = (
   "data",
   "models",
+  "parallel",
   "partition",
   "runtime",
   "schedule",

@@ -35,6 +35,26 @@ from jpipe.runtime._versions import VersionPolicy
 FORWARD, BACKWARD, STEP = schedule_lib.ActionKind
 
 
+class DriverHooks:
+  """What a layer above may do around a driver's actions; these defaults
+  do nothing. Several pipelines in data parallel (``jpipe.parallel``)
+  synchronise replicas of a stage and inject simulated delays here. A
+  driver calls them only for the stages its process runs.
+  """
+
+  def before_compute(self, action: schedule_lib.Action) -> None:
+    """Before a forward or backward is dispatched."""
+
+  def reduce_gradient(self, stage: int, grads: Any) -> Any:
+    """A stage's gradient (packed accumulator or leaves) before its step:
+    returns the gradient the step applies."""
+    return grads
+
+  def after_step(self, stage: int, params: tuple) -> tuple:
+    """A stage's params after its step: returns the params it keeps."""
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class InFlight:
   """An asynchronous stream between calls: what its microbatches left
@@ -171,6 +191,7 @@ class Driver:
     self.stream = stream
     self.num_batch_leaves = num_batch_leaves
     self.record_params = record_params
+    self.hooks = DriverHooks()
     self.producer = {
       v: s for s, spec in enumerate(stages.specs) for v in spec.outputs
     }
@@ -300,6 +321,7 @@ class _Call:
     if not d.transport.owns(s):
       self._forward_elsewhere(action)
       return
+    d.hooks.before_compute(action)
     own = d.policy.forward_params(
       s, b, self.params[s], self.versions[s], self._predictor(s)
     )
@@ -366,6 +388,7 @@ class _Call:
     if not d.transport.owns(s):
       self._receive_cotangents(s, b)
       return
+    d.hooks.before_compute(action)
     if (s, b) in self.fused_done:  # Ran with its forward's program: an
       act_cots = self.fused_done.pop((s, b))  # instant at its end.
       self._send_cotangents(s, b, act_cots, local=False)
@@ -415,9 +438,11 @@ class _Call:
       leaves = d.programs.unpack(s)(g)
       g = d.tied.exchange(s, self.stream_steps[s], leaves, self.tied_grads)
       update = opt.update
+    g = d.hooks.reduce_gradient(s, g)
     self.params[s], self.opt_states[s] = update(
       g, self.opt_states[s], self.params[s], stale, scale
     )
+    self.params[s] = d.hooks.after_step(s, self.params[s])
     if self.profiler:
       self.profiler.record(action, self.params[s])
     self.grads[s] = None
@@ -449,9 +474,11 @@ class _Call:
       g, update = self.grads[s], opt.update_packed
       if s in tied:
         g, update = tied[s], opt.update
+      g = d.hooks.reduce_gradient(s, g)
       self.params[s], self.opt_states[s] = update(
         g, self.opt_states[s], self.params[s], None, 1.0
       )
+      self.params[s] = d.hooks.after_step(s, self.params[s])
       if self.profiler:
         self.profiler.record(action, self.params[s])
       self.grads[s] = None

@@ -1,0 +1,51 @@
+"""SD-Pipe's epoch end without a global barrier.
+
+The last stage's scheduler counts replica steps (``acc``). When the count
+crosses a multiple of ``N * sync_every`` (every worker's share of the
+epoch, on average), the epoch is over: the next arrival of each of the N
+workers records its batch id, and that worker's pipeline stops feeding
+there and drains. Fast pipelines have done more batches than slow ones;
+nobody waited for anybody.
+"""
+
+
+class EpochEnd:
+  """Counts steps and records where each worker stops.
+
+  Args:
+    num_workers: N.
+    sync_every: batches per worker in an epoch (on average).
+  """
+
+  def __init__(self, num_workers: int, sync_every: int):
+    if sync_every < 1:
+      raise ValueError(
+        f"sync_every (batches per epoch) must be >= 1, got {sync_every}"
+      )
+    self.n = num_workers
+    self.sync_every = sync_every
+    self.acc = 0
+    self.pending = False
+    self.stops: dict[int, int] = {}  # rank -> batch id it stops at
+
+  def arrive(self, rank: int, batch_id: int) -> None:
+    """A worker's step of ``batch_id`` reached the last stage: it records
+    its stop if the epoch is over and it has none yet."""
+    if self.pending and rank not in self.stops:
+      self.stops[rank] = batch_id
+
+  def add(self, count: int) -> None:
+    """``count`` more replica steps were taken."""
+    before, self.acc = self.acc, self.acc + count
+    every = self.n * self.sync_every
+    if self.acc // every > before // every:
+      self.pending = True
+
+  @property
+  def over(self) -> bool:
+    """Every worker recorded its stop."""
+    return len(self.stops) == self.n
+
+  def new_epoch(self) -> None:
+    self.pending = False
+    self.stops = {}

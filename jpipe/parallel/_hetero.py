@@ -1,0 +1,76 @@
+"""Simulated heterogeneity: seeded delays before a device's work.
+
+SD-Pipe's ``--hetero h``: before every scheduled forward or backward, with
+probability 0.1, the device's work is delayed by ``h`` seconds. Beside it,
+fixed per-device slowdowns: a device with factor f spends f times the
+simulated compute time ``base_seconds`` on each forward or backward
+(factor 1 where none is given). Whether a given action is delayed depends
+only on the seed, the device and the action's index on that device --
+never on thread timing -- so a run's delays repeat exactly.
+"""
+
+import dataclasses
+
+import numpy as np
+
+HETERO_PROBABILITY = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Heterogeneity:
+  """Delays per device.
+
+  Attributes:
+    hetero: seconds of a random delay (SD-Pipe's ``h``; 0: none).
+    slowdown: ``{device index: factor}`` (factor >= 1).
+    base_seconds: simulated compute seconds of every forward and backward
+      on a device of factor 1 (0: none).
+    seed: seeds the random delays.
+    probability: of a random delay, per action.
+  """
+
+  hetero: float = 0.0
+  slowdown: dict = dataclasses.field(default_factory=dict)
+  base_seconds: float = 0.0
+  seed: int = 0
+  probability: float = HETERO_PROBABILITY
+
+  def __post_init__(self):
+    if self.hetero < 0 or self.base_seconds < 0:
+      raise ValueError(
+        f"hetero ({self.hetero}) and base_seconds ({self.base_seconds}) "
+        "are seconds: use values >= 0"
+      )
+    for device, factor in self.slowdown.items():
+      if factor < 1:
+        raise ValueError(
+          f"slowdown factor {factor} of device {device} is below 1: a "
+          "factor says how many times slower a device is (e.g. 2.0)"
+        )
+
+  @property
+  def active(self) -> bool:
+    return self.hetero > 0 or self.base_seconds > 0
+
+  def delay(self, device: int, index: int) -> float:
+    """Seconds before the ``index``-th forward or backward on ``device``."""
+    seconds = self.base_seconds * self.slowdown.get(device, 1.0)
+    if self.hetero > 0:
+      u = np.random.default_rng((self.seed, device, index)).random()
+      if u < self.probability:
+        seconds += self.hetero
+    return seconds
+
+
+def parse_slowdown(text: str) -> dict[int, float]:
+  """``"DEVICE:FACTOR,..."`` (e.g. ``"3:2.0,5:1.5"``) as a dict."""
+  out = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    try:
+      device, factor = part.split(":")
+      out[int(device)] = float(factor)
+    except ValueError:
+      raise ValueError(
+        f"bad slowdown {part!r}: write DEVICE:FACTOR, e.g. '3:2.0'"
+      ) from None
+  return out

@@ -1,0 +1,354 @@
+"""P pipelines in data parallel: SD-Pipe's pipelined data parallelism.
+
+``DataParallelPipelines`` builds P copies of one partitioned pipeline on
+disjoint devices (pipeline p on ``devices[p*D:(p+1)*D]``, D = devices per
+pipeline), each its own ``jpipe.Pipeline`` with its own stream, and joins
+their stages' replicas by a sync policy (``_sync.py``). Each pipeline runs
+in its own host thread, so one pipeline's delays or waits never stall
+another's dispatch; the policy decides who waits for whom.
+
+In one process a pipeline's stages share its thread: a delay injected
+before one of its stages' work holds back the dispatch of its other
+stages too (in SD-Pipe each stage is its own process). In 1F1B's steady
+state a stage's delay stalls its pipeline anyway, so pipelines still
+progress at the pace of their own devices.
+"""
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jpipe.parallel._hetero import Heterogeneity
+from jpipe.parallel._hooks import ReplicaHooks
+from jpipe.parallel._sync import SYNC_POLICIES, HetPipe, make_policy
+from jpipe.runtime import Pipeline, PipelineState
+from jpipe.runtime._driver import InFlight
+
+
+@dataclasses.dataclass
+class EpochReport:
+  """What an epoch of free-running pipelines did.
+
+  Attributes:
+    batches: per pipeline, the batches (``step`` calls) it ran.
+    steps: per pipeline, its last stage's optimizer steps so far.
+    losses: per pipeline, each call's mean loss.
+    seconds: wall-clock seconds of the epoch (all pipelines drained).
+    pipeline_seconds: per pipeline, seconds until it had drained.
+    delayed_seconds: per pipeline, injected delay so far (all its stages).
+    mean_group_size: per stage, the mean size of the averaging groups so
+      far (P for allreduce, 2 for adpsgd, 1 for hetpipe's pushes).
+  """
+
+  batches: list[int]
+  steps: list[int]
+  losses: list[list[float]]
+  seconds: float
+  pipeline_seconds: list[float]
+  delayed_seconds: list[float]
+  mean_group_size: list[float]
+
+
+class DataParallelPipelines:
+  """P pipelines of S stages, their stages' replicas synchronised.
+
+  Args:
+    loss_fn, params, example_batch: as ``jpipe.Pipeline`` (the example
+      batch is one pipeline's).
+    pipelines: P.
+    sync: "allreduce", "preduce", "adpsgd" or "hetpipe" (see
+      ``jpipe.parallel``).
+    devices: all pipelines' devices (default ``jax.devices()``); each
+      pipeline gets ``len(devices) // pipelines`` consecutive ones.
+    batches_per_epoch: batches per pipeline in an epoch, on average: the
+      epoch ends when the last stages' replicas have taken P times this
+      many steps (``run_epoch``).
+    hetero: simulated delays (``Heterogeneity``; None: none).
+    ssp_bound: preduce: rounds between graph-sync rounds.
+    pairwise: preduce: hand out pairs (default: beyond 8 pipelines).
+    gossip_seed: adpsgd: the shared shuffle seed.
+    hetpipe_every: hetpipe: batches between pushes.
+    **pipeline_options: ``jpipe.Pipeline``'s other arguments (schedule,
+      num_stages, num_microbatches, optimizer, partition...). Pipeline 0 is
+      partitioned; the others reuse its plan.
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., jax.Array],
+    params: Any,
+    example_batch: Any,
+    *,
+    pipelines: int,
+    sync: str = "allreduce",
+    devices: Sequence[Any] | None = None,
+    batches_per_epoch: int = 100,
+    hetero: Heterogeneity | None = None,
+    ssp_bound: int = 10,
+    pairwise: bool | None = None,
+    gossip_seed: int = 0,
+    hetpipe_every: int = 10,
+    **pipeline_options,
+  ):
+    if sync not in SYNC_POLICIES:
+      raise ValueError(f"unknown sync {sync!r}: one of {SYNC_POLICIES}")
+    if not isinstance(pipelines, int) or pipelines < 1:
+      raise ValueError(f"pipelines must be an int >= 1, got {pipelines!r}")
+    if jax.process_count() > 1:
+      raise ValueError(
+        "several pipelines in data parallel run in one process so far; "
+        "across processes run one pipeline (data_parallel.pipelines = 1)"
+      )
+    devices = list(jax.devices() if devices is None else devices)
+    per = len(devices) // pipelines
+    if per < 1:
+      raise ValueError(
+        f"{pipelines} pipelines need at least {pipelines} devices, got "
+        f"{len(devices)}: use fewer pipelines (or more devices, e.g. "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU)"
+      )
+    if "devices" in pipeline_options:
+      raise ValueError("pass devices once, to DataParallelPipelines")
+    self.num_pipelines = pipelines
+    self.devices_per_pipeline = per
+    first = Pipeline(
+      loss_fn, params, example_batch, devices=devices[:per], **pipeline_options
+    )
+    plan = first.plan
+    replicated = [ds for ds in plan.stage_devices if len(ds) > 1]
+    if replicated:
+      raise ValueError(
+        "a stage replicated inside a pipeline (a pipedream_hybrid plan) "
+        "cannot also be replicated across pipelines: partition with "
+        "'contiguous' or 'pipedream' and let the pipelines be the replicas"
+      )
+    options = dict(pipeline_options, partition=plan)
+    self.pipelines = [first] + [
+      Pipeline(
+        loss_fn,
+        params,
+        example_batch,
+        devices=devices[p * per : (p + 1) * per],
+        **options,
+      )
+      for p in range(1, pipelines)
+    ]
+    self.plan = plan
+    self.num_stages = first.stages.num_stages
+    self.sync = sync
+    policy_options = {
+      "preduce": {"ssp_bound": ssp_bound, "pairwise": pairwise},
+      "adpsgd": {"seed": gossip_seed},
+      "hetpipe": {"every": hetpipe_every},
+    }.get(sync, {})
+    self.policy = make_policy(
+      sync, pipelines, self.num_stages, batches_per_epoch, **policy_options
+    )
+    self.batches_per_epoch = batches_per_epoch
+    self.hetero = hetero or Heterogeneity()
+    self.hooks = []
+    for p, pipe in enumerate(self.pipelines):
+      stage_devices = [p * per + ds[0] for ds in plan.stage_devices]
+      hooks = ReplicaHooks(p, self.policy, self.hetero, stage_devices)
+      pipe.driver.hooks = hooks
+      self.hooks.append(hooks)
+
+  # -- state -----------------------------------------------------------------
+
+  def init(self, params: Any, model_state: Any = None) -> list[PipelineState]:
+    """Every pipeline's state from the same params."""
+    states = [pipe.init(params, model_state) for pipe in self.pipelines]
+    self._start_servers(states)
+    return states
+
+  def _start_servers(self, states):
+    if isinstance(self.policy, HetPipe):
+      self.policy.start(states[0].stage_params)
+
+  def consensus_params(self, states: Sequence[PipelineState]) -> Any:
+    """The mean of the pipelines' params (host arrays): the model to
+    evaluate. Needs drained pipelines."""
+    trees = [
+      pipe.gather_params(s)
+      for pipe, s in zip(self.pipelines, states, strict=True)
+    ]
+    return jax.tree.map(
+      lambda *xs: np.mean(np.stack(xs), axis=0).astype(xs[0].dtype), *trees
+    )
+
+  def state_dict(self, states: Sequence[PipelineState]) -> dict:
+    """``{"pipelines": [each pipeline's state_dict]}`` (host arrays)."""
+    return {
+      "pipelines": [
+        pipe.state_dict(s)
+        for pipe, s in zip(self.pipelines, states, strict=True)
+      ]
+    }
+
+  def load_state_dict(self, tree: dict) -> list[PipelineState]:
+    """States from ``state_dict``'s output. Saved with as many pipelines:
+    each resumes its own replica. With another count, every pipeline
+    starts from the replicas' mean (params, optimizer and model state;
+    the largest step)."""
+    saved = list(tree["pipelines"])
+    if len(saved) != self.num_pipelines:
+      saved = [_mean_state_dict(saved)] * self.num_pipelines
+    states = [
+      pipe.load_state_dict(d)
+      for pipe, d in zip(self.pipelines, saved, strict=True)
+    ]
+    self._start_servers(states)
+    return states
+
+  def compile_groups(self, states) -> int:
+    """Compiles, ahead of training, the averaging program of every group
+    the policy may form (else each compiles when it first forms, inside
+    the timed run). Returns how many were compiled."""
+    first = self.pipelines[0]
+    count = 0
+    for s in range(self.num_stages):
+      params = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for x in states[0].stage_params[s]
+      ]
+      tree = params
+      if self.policy.averages == "grads" and s not in first.tied.stages:
+        tree = jax.eval_shape(first.programs.grad_layouts[s].pack, params)
+      for group in self.policy.possible_groups():
+        devices = [self.pipelines[r].stage_device[s] for r in group]
+        self.policy.mean.compile(devices, tree)
+        count += 1
+    return count
+
+  # -- lockstep calls --------------------------------------------------------
+
+  def step(self, states, batches):
+    """Each pipeline's ``step`` on its batch, concurrently (one thread
+    each); returns (states, per-pipeline metrics)."""
+    return self._each(lambda p: self.pipelines[p].step(states[p], batches[p]))
+
+  def flush(self, states):
+    """Drains every pipeline (asynchronous schedules)."""
+    return self._each(lambda p: self.pipelines[p].flush(states[p]))
+
+  def _each(self, fn):
+    results = [None] * self.num_pipelines
+    errors = []
+
+    def work(p):
+      try:
+        results[p] = fn(p)
+      except BaseException as e:  # Re-raised below, in the caller.
+        errors.append(e)
+        self.policy.abort(p)
+
+    threads = [
+      threading.Thread(target=work, args=(p,), name=f"pipeline-{p}")
+      for p in range(self.num_pipelines)
+    ]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    if errors:
+      raise errors[0]
+    return [r[0] for r in results], [r[1] for r in results]
+
+  # -- free-running epochs ---------------------------------------------------
+
+  def run_epoch(
+    self,
+    states,
+    batch_at: Callable[[int, int], Any],
+    *,
+    max_batches: int | None = None,
+  ) -> tuple[list[PipelineState], EpochReport]:
+    """Every pipeline trains at its own pace until the epoch ends.
+
+    Args:
+      states: the pipelines' states.
+      batch_at: ``batch_at(pipeline, i)``: that pipeline's i-th batch of
+        the epoch (a pipeline's own shard of the data).
+      max_batches: a bound on any pipeline's batches (default 4x
+        ``batches_per_epoch``; the epoch normally ends first).
+
+    Returns:
+      The drained states and an ``EpochReport``.
+    """
+    limit = max_batches or 4 * self.batches_per_epoch
+    self.policy.new_epoch()
+    for hooks in self.hooks:
+      hooks.draining = False
+    losses = [[] for _ in range(self.num_pipelines)]
+    batches = [0] * self.num_pipelines
+    ended = [0.0] * self.num_pipelines
+    start = time.perf_counter()
+
+    def train(p):
+      pipe, state, pending = self.pipelines[p], states[p], []
+      while batches[p] < limit and self.policy.stop_of(p) is None:
+        state, metrics = pipe.step(state, batch_at(p, batches[p]))
+        batches[p] += 1
+        if "loss" in metrics:
+          pending.append(metrics["loss"])
+        if len(pending) > 2:  # Stay at most two calls ahead of the devices.
+          losses[p].append(float(pending.pop(0)))
+      self.hooks[p].draining = True
+      self.policy.start_draining(p)
+      state, _ = pipe.flush(state)
+      state = self._finish(p, state)
+      jax.block_until_ready(state.stage_params)
+      losses[p].extend(float(x) for x in pending)
+      ended[p] = time.perf_counter() - start
+      return state, None
+
+    states, _ = self._each(train)
+    report = EpochReport(
+      batches=batches,
+      steps=[h.steps[-1] for h in self.hooks],
+      losses=losses,
+      seconds=time.perf_counter() - start,
+      pipeline_seconds=ended,
+      delayed_seconds=[h.delayed_seconds for h in self.hooks],
+      mean_group_size=self.policy.mean_group_size(),
+    )
+    return states, report
+
+  def _finish(self, p, state):
+    """The policy's end-of-epoch sync of pipeline p (HetPipe's last push),
+    into its drained state."""
+    if not isinstance(self.policy, HetPipe):
+      return state
+    params = tuple(
+      self.policy.finish(p, s, leaves)
+      for s, leaves in enumerate(state.stage_params)
+    )
+    flight = None if state.in_flight is None else InFlight.start(params)
+    return state._replace(stage_params=params, in_flight=flight)
+
+
+def _mean_state_dict(dicts):
+  """The element-wise mean of state dicts (numeric leaves; the largest
+  step)."""
+  step = max(int(d["step"]) for d in dicts)
+
+  def mean(*xs):
+    x0 = np.asarray(xs[0])
+    if not np.issubdtype(x0.dtype, np.number) or np.issubdtype(
+      x0.dtype, np.integer
+    ):
+      return xs[0]  # Counts (an optimizer's step) stay as the first's.
+    return np.mean(np.stack([np.asarray(x) for x in xs]), axis=0).astype(
+      x0.dtype
+    )
+
+  out = jax.tree.map(
+    mean, *[{k: v for k, v in d.items() if k != "step"} for d in dicts]
+  )
+  out["step"] = step
+  return out

@@ -1,0 +1,197 @@
+"""P pipelines in data parallel: allreduce = one pipeline on P x the
+batch; averaging = the NumPy mean; free-running epochs end and keep
+pipelines independent."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe import parallel
+from tests.partition import flax_models
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _close(a, b, atol=1e-6):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=atol)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_allreduce_equals_one_pipeline_on_the_whole_batch(schedule):
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  tx = optax.sgd(0.1, momentum=0.9)
+  shards = [
+    batch,
+    jax.tree.map(
+      lambda x: x[::-1] * 0.5 if x.dtype == jnp.float32 else x[::-1], batch
+    ),
+  ]
+  whole = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *shards)
+  dp = parallel.DataParallelPipelines(
+    loss_fn,
+    params,
+    batch,
+    pipelines=2,
+    sync="allreduce",
+    devices=jax.devices()[:4],
+    num_stages=2,
+    schedule=schedule,
+    num_microbatches=2,
+    optimizer=tx,
+  )
+  one = jpipe.Pipeline(
+    loss_fn,
+    params,
+    whole,
+    num_stages=2,
+    devices=jax.devices()[4:6],
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=tx,
+  )
+  states, state = dp.init(params), one.init(params)
+  for _ in range(3):
+    states, metrics = dp.step(states, shards)
+    state, expected = one.step(state, whole)
+    mean_loss = np.mean([float(m["loss"]) for m in metrics])
+    assert mean_loss == pytest.approx(float(expected["loss"]), rel=1e-6)
+  reference = one.gather_params(state)
+  for pipe, s in zip(dp.pipelines, states, strict=True):
+    _close(pipe.gather_params(s), reference)
+  assert dp.pipelines[1].stage_device[0] == jax.devices()[2]  # Disjoint.
+
+
+def test_group_mean_equals_numpy_mean():
+  devices = [jax.devices()[i] for i in (1, 4, 6)]
+  rng = np.random.default_rng(0)
+  trees = [
+    (
+      rng.normal(size=(3, 5)).astype(np.float32),
+      np.float32(rng.normal()),
+      rng.normal(size=(2,)).astype(np.float32),
+    )
+    for _ in devices
+  ]
+  placed = [jax.device_put(t, d) for t, d in zip(trees, devices, strict=True)]
+  means = parallel.GroupMean()(placed)
+  for got, device in zip(means, devices, strict=True):
+    for g, *xs in zip(got, *trees, strict=True):
+      assert g.devices() == {device}
+      np.testing.assert_allclose(g, np.mean(np.stack(xs), axis=0), rtol=1e-6)
+  with pytest.raises(ValueError, match="share a device"):
+    parallel.GroupMean()([placed[0], placed[0]])
+
+
+def _free_running(sync, **options):
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  return (
+    parallel.DataParallelPipelines(
+      loss_fn,
+      params,
+      batch,
+      pipelines=4,
+      sync=sync,
+      num_stages=2,
+      schedule="async",
+      weight_stashing=True,
+      num_microbatches=2,
+      optimizer=optax.sgd(0.05),
+      batches_per_epoch=6,
+      **options,
+    ),
+    params,
+    batch,
+  )
+
+
+@pytest.mark.parametrize("sync", ["preduce", "adpsgd", "hetpipe", "allreduce"])
+def test_epochs_end_and_replicas_sync(sync):
+  dp, params, batch = _free_running(
+    sync, hetero=parallel.Heterogeneity(hetero=0.01, seed=1)
+  )
+  assert dp.compile_groups(dp.init(params)) == 2 * len(
+    dp.policy.possible_groups()
+  )
+  states = dp.init(params)
+  shards = [
+    jax.tree.map(lambda x, p=p: jnp.roll(x, p, axis=0), batch) for p in range(4)
+  ]
+  states, report = dp.run_epoch(states, lambda p, i: shards[p])
+  # The epoch ends once 4 * 6 last-stage steps were taken; each pipeline
+  # stops at its next step after that (2 steps per call here).
+  assert 24 <= sum(report.steps) <= 24 + 4 * 2 * 2
+  sizes = report.mean_group_size
+  expected = {"allreduce": 4.0, "adpsgd": 2.0, "hetpipe": 1.0}
+  if sync == "preduce":
+    assert all(1.0 <= g <= 4.0 for g in sizes)
+  else:
+    assert sizes == [expected[sync]] * 2
+  if sync in ("allreduce", "adpsgd"):  # Lockstep: the same count each.
+    assert len(set(report.batches)) == 1
+  consensus = dp.consensus_params(states)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(consensus))
+  states, again = dp.run_epoch(states, lambda p, i: shards[p])  # Epoch 2.
+  assert sum(again.steps) >= 48
+
+
+def test_a_slow_pipeline_does_not_stall_the_others():
+  """HetPipe never waits: pipeline 0's devices 5x slower -> it runs
+  fewer batches in the epoch while the others go on."""
+  slow = parallel.Heterogeneity(base_seconds=0.004, slowdown={0: 5.0, 1: 5.0})
+  dp, params, batch = _free_running("hetpipe", hetero=slow)
+  states, report = dp.run_epoch(dp.init(params), lambda p, i: batch)
+  assert report.batches[0] < min(report.batches[1:])
+  assert report.delayed_seconds[0] > report.delayed_seconds[1]
+
+
+def test_state_dict_resumes_each_replica_or_their_mean():
+  dp, params, batch = _free_running("preduce")
+  states = dp.init(params)
+  shards = [
+    jax.tree.map(lambda x, p=p: jnp.roll(x, p, axis=0), batch) for p in range(4)
+  ]
+  states, _ = dp.step(states, shards)
+  states, _ = dp.flush(states)
+  saved = dp.state_dict(states)
+  same = dp.load_state_dict(saved)
+  for pipe, a, b in zip(dp.pipelines, states, same, strict=True):
+    _close(pipe.gather_params(a), pipe.gather_params(b))
+  # Saved by 2 pipelines: every pipeline starts from their mean.
+  two = {"pipelines": saved["pipelines"][:2]}
+  mean = dp.load_state_dict(two)
+  expected = jax.tree.map(
+    lambda a, b: (a + b) / 2, *(d["params"] for d in two["pipelines"])
+  )
+  for pipe, s in zip(dp.pipelines, mean, strict=True):
+    _close(pipe.gather_params(s), expected)
+
+
+def test_bad_combinations_are_refused():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  common = dict(num_stages=2, num_microbatches=2, optimizer=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="even number"):
+    parallel.DataParallelPipelines(
+      loss_fn, params, batch, pipelines=3, sync="adpsgd", **common
+    )
+  with pytest.raises(ValueError, match="unknown sync"):
+    parallel.DataParallelPipelines(
+      loss_fn, params, batch, pipelines=2, sync="ring", **common
+    )
+  with pytest.raises(ValueError, match="need at least 9 devices"):
+    parallel.DataParallelPipelines(
+      loss_fn, params, batch, pipelines=9, **common
+    )
+  plan = jpipe.Pipeline(
+    loss_fn, params, batch, devices=jax.devices()[:4], **common
+  ).plan
+  replicated = dataclasses.replace(plan, stage_devices=((0, 1), (2, 3)))
+  with pytest.raises(ValueError, match="replicated inside a pipeline"):
+    parallel.DataParallelPipelines(
+      loss_fn, params, batch, pipelines=2, partition=replicated, **common
+    )
