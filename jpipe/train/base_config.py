@@ -84,6 +84,29 @@ def base_config() -> ml_collections.ConfigDict:
   c.staleness.gap_aware = ""  # "", "ga" or "ga_jfl".
   c.staleness.gap_aware_policy = "all_except_last"  # FTPipe's stage policy.
 
+  # Several pipelines in data parallel (SD-Pipe): P copies of the
+  # partitioned pipeline on disjoint devices (each gets devices // P),
+  # each on its own shard of the data at its own pace.
+  c.data_parallel = ml_collections.ConfigDict()
+  c.data_parallel.pipelines = 1  # P; 1 = one pipeline (the usual loop).
+  # How replicas of a stage synchronise: "allreduce" (gradient mean every
+  # step), "preduce" (SD-Pipe's partial reduce), "adpsgd" (random pairs)
+  # or "hetpipe" (parameter server, push/pull every hetpipe_every).
+  c.data_parallel.sync = "allreduce"
+  # Batches per pipeline in an epoch, on average (fast pipelines run more);
+  # evaluation and a checkpoint after each. 0: train.eval_every.
+  c.data_parallel.epoch_batches = 0
+  c.data_parallel.ssp_bound = 10  # preduce: rounds between graph syncs.
+  c.data_parallel.hetpipe_every = 10  # hetpipe: batches between pushes.
+  c.data_parallel.gossip_seed = 0  # adpsgd: the shared shuffle seed.
+  # Simulated heterogeneity (seeded by config.seed): SD-Pipe's hetero, the
+  # seconds a forward or backward is delayed with probability 0.1; a
+  # simulated compute time per forward/backward (ms); per-device slowdown
+  # factors of that time, "DEVICE:FACTOR,..." (e.g. "0:3.0").
+  c.data_parallel.hetero = 0.0
+  c.data_parallel.simulated_ms = 0.0
+  c.data_parallel.slowdown = ""
+
   # Training loop.
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300  # Pipeline steps (each covers batch_size examples).

@@ -2,6 +2,7 @@
 
 import ml_collections
 
+from jpipe import parallel
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import GAP_AWARE_POLICIES
 from jpipe.train.errors import UsageError
@@ -188,5 +189,52 @@ def check(config: ml_collections.ConfigDict) -> None:
       f"2bw needs microbatches per minibatch >= pipeline.num_stages "
       f"({config.pipeline.num_stages}), got {config.schedule.step_every}",
     )
+  _check_data_parallel(config, need, problems)
   if problems:
     raise UsageError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_data_parallel(config, need, problems) -> None:
+  dp = config.data_parallel
+  p = dp.pipelines
+  need(p >= 1, "data_parallel.pipelines", "must be >= 1")
+  need(
+    dp.sync in parallel.SYNC_POLICIES,
+    "data_parallel.sync",
+    f"{dp.sync!r} is not one of {parallel.SYNC_POLICIES}",
+  )
+  need(
+    p > 1 or dp.sync == "allreduce",
+    "data_parallel.sync",
+    f"{dp.sync!r} synchronises several pipelines: set "
+    "data_parallel.pipelines >= 2 (or sync='allreduce')",
+  )
+  need(
+    dp.sync != "adpsgd" or p % 2 == 0,
+    "data_parallel.sync",
+    f"adpsgd pairs pipelines: it needs an even data_parallel.pipelines, "
+    f"got {p} (or use sync='preduce')",
+  )
+  need(
+    p == 1 or config.pipeline.partition != "pipedream_hybrid",
+    "pipeline.partition",
+    "pipedream_hybrid replicates stages inside a pipeline; with "
+    "data_parallel.pipelines > 1 the pipelines are the replicas: use "
+    "'contiguous' or 'pipedream'",
+  )
+  for key in ("epoch_batches", "hetero", "simulated_ms"):
+    need(dp[key] >= 0, f"data_parallel.{key}", "must be >= 0")
+  for key in ("ssp_bound", "hetpipe_every"):
+    need(dp[key] >= 1, f"data_parallel.{key}", "must be >= 1")
+  try:
+    slowdown = parallel.parse_slowdown(dp.slowdown)
+    parallel.Heterogeneity(slowdown=slowdown)
+  except ValueError as e:
+    problems.append(f"config.data_parallel.slowdown: {e}")
+    slowdown = {}
+  need(
+    not slowdown or dp.simulated_ms > 0,
+    "data_parallel.slowdown",
+    "slows the simulated compute time down: set data_parallel.simulated_ms "
+    "> 0 too",
+  )

@@ -22,7 +22,7 @@ import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check, pretrained
+from jpipe.train import config_check, data_parallel_lib, pretrained
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
@@ -67,7 +67,9 @@ def _steps_per_call(config) -> int:
   return 1
 
 
-def build_pipeline(config, task: Task, example_batch, tx, lr):
+def pipeline_options(config, task: Task, lr) -> dict:
+  """``jpipe.Pipeline``'s keyword arguments beyond the model and batch,
+  as the config says (but ``devices`` and ``optimizer``)."""
   st = config.staleness
   kwargs = {}
   if config.schedule.name in ("async", "2bw"):
@@ -86,26 +88,10 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     }
   if task.model_state is not None:
     kwargs["model_state"] = task.model_state
-  devices = jax.devices()
-  try:
-    return _pipeline(config, task, example_batch, tx, devices, kwargs)
-  except ValueError as e:
-    if "memory_limit" not in str(e):
-      raise
-    # The prediction, or no split fitting: both name their fixes.
-    raise UsageError(f"config.pipeline.memory_limit: {e}") from e
-
-
-def _pipeline(config, task, example_batch, tx, devices, kwargs):
-  return jpipe.Pipeline(
-    task.loss_fn,
-    task.params,
-    example_batch,
+  return dict(
     num_stages=config.pipeline.num_stages,
-    devices=devices,
     schedule=config.schedule.name,
     num_microbatches=config.pipeline.num_microbatches,
-    optimizer=tx,
     partition=config.pipeline.partition,
     depth=config.pipeline.depth or None,  # 0: automatic
     bandwidth=config.pipeline.bandwidth or None,
@@ -118,13 +104,35 @@ def _pipeline(config, task, example_batch, tx, devices, kwargs):
   )
 
 
+def build_pipeline(config, task: Task, example_batch, tx, lr):
+  options = pipeline_options(config, task, lr)
+  try:
+    return jpipe.Pipeline(
+      task.loss_fn,
+      task.params,
+      example_batch,
+      devices=jax.devices(),
+      optimizer=tx,
+      **options,
+    )
+  except ValueError as e:
+    if "memory_limit" not in str(e):
+      raise
+    # The prediction, or no split fitting: both name their fixes.
+    raise UsageError(f"config.pipeline.memory_limit: {e}") from e
+
+
 def fingerprint(config) -> dict:
   """What a checkpoint must match to be resumed (not the partition)."""
   return {
     "model": config.model.name,
     "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
     "optimizer": config.optimizer.name,
-  }
+  } | (  # Each replica is saved: resume with as many.
+    {"pipelines": config.data_parallel.pipelines}
+    if config.data_parallel.pipelines > 1
+    else {}
+  )
 
 
 class _StopRequest:
@@ -188,6 +196,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   example = task.batch_at(0)
   lr = learning_rate(config)
   tx = _frozen(config, task.params, build_optimizer(config, lr), say)
+  if data_parallel_lib.uses_data_parallel(config):
+    options = pipeline_options(config, task, lr) | {"optimizer": tx}
+    dp = data_parallel_lib.build(
+      config, task, example, options, _steps_per_call(config)
+    )
+    return data_parallel_lib.train(
+      config,
+      workdir,
+      task,
+      dp,
+      checkpoints,
+      saved_step,
+      fingerprint(config),
+      say,
+    )
   pipe = build_pipeline(config, task, example, tx, lr)
   state = pipe.init(task.params, task.model_state)
   start = 0

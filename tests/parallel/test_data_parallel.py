@@ -22,17 +22,28 @@ def _close(a, b, atol=1e-6):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=atol)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async"])
 def test_allreduce_equals_one_pipeline_on_the_whole_batch(schedule):
+  """P pipelines, each on its shard, = one pipeline whose microbatch k is
+  every shard's microbatch k (sync: the mean over all; async: each
+  step's gradient)."""
   loss_fn, params, batch, _ = flax_models.mlp_case()
   tx = optax.sgd(0.1, momentum=0.9)
-  shards = [
-    batch,
-    jax.tree.map(
-      lambda x: x[::-1] * 0.5 if x.dtype == jnp.float32 else x[::-1], batch
-    ),
-  ]
-  whole = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *shards)
+  shards = [batch, jax.tree.map(lambda x: x[::-1], batch)]
+  half = batch_size = 4  # per microbatch of a shard
+
+  def micro(t, k):
+    return jax.tree.map(lambda x: x[k * half : (k + 1) * half], t)
+
+  whole = jax.tree.map(
+    lambda *xs: jnp.concatenate(xs),
+    *[micro(shard, k) for k in range(2) for shard in shards],
+  )
+  options = dict(
+    num_stages=2, schedule=schedule, num_microbatches=2, optimizer=tx
+  )
+  if schedule == "async":
+    options["weight_stashing"] = True
   dp = parallel.DataParallelPipelines(
     loss_fn,
     params,
@@ -40,27 +51,20 @@ def test_allreduce_equals_one_pipeline_on_the_whole_batch(schedule):
     pipelines=2,
     sync="allreduce",
     devices=jax.devices()[:4],
-    num_stages=2,
-    schedule=schedule,
-    num_microbatches=2,
-    optimizer=tx,
+    **options,
   )
   one = jpipe.Pipeline(
-    loss_fn,
-    params,
-    whole,
-    num_stages=2,
-    devices=jax.devices()[4:6],
-    schedule=schedule,
-    num_microbatches=4,
-    optimizer=tx,
+    loss_fn, params, whole, devices=jax.devices()[4:6], **options
   )
+  assert one.microbatch_size == 2 * batch_size
   states, state = dp.init(params), one.init(params)
   for _ in range(3):
     states, metrics = dp.step(states, shards)
     state, expected = one.step(state, whole)
     mean_loss = np.mean([float(m["loss"]) for m in metrics])
     assert mean_loss == pytest.approx(float(expected["loss"]), rel=1e-6)
+  states, _ = dp.flush(states)
+  state, _ = one.flush(state)
   reference = one.gather_params(state)
   for pipe, s in zip(dp.pipelines, states, strict=True):
     _close(pipe.gather_params(s), reference)
