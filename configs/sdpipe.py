@@ -11,6 +11,11 @@ SD-Pipe's partial reduce. Each forward and backward spends a simulated
 Run:
   python -m jpipe.train --config configs/sdpipe.py --workdir /tmp/jpipe_sdpipe
 
+Expected: the consensus model (the replicas' mean) near 85 % test
+accuracy after 15 epochs -- noisy at this learning rate, 0.8-0.9 -- in
+about 20 s of training on 2 CPU cores (plus compilation); each epoch line
+shows the batches every pipeline ran and the mean averaging-group size.
+
 Variants: --config.data_parallel.sync=allreduce|adpsgd|hetpipe,
 --config.data_parallel.hetero=0.1, --config.data_parallel.slowdown=0:3.0
 (device 0, pipeline 0's first stage, 3x slower).

@@ -136,7 +136,7 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
     "pipelines": p,
     "sync": dp.sync,
     "examples_per_second": examples / seconds if seconds else None,
-    "final_eval": evaluation,
+    "eval": evaluation,
   }
   say(f"Done: {summary}")
   return summary
