@@ -86,9 +86,7 @@ def run(task, sync: str, hetero: float) -> dict:
   dp.compile_groups(warm)
   warm, _ = dp.step(warm, [example] * PIPELINES)
   dp.flush(warm)
-  for hooks in dp.hooks:  # The warm-up's delays do not count.
-    hooks.delayed_seconds = 0.0
-  dp.policy.group_sizes = [[] for _ in range(STAGES)]
+  dp.reset_statistics()  # The warm-up's groups and delays do not count.
 
   states = dp.init(task.params)
   seconds, steps, epochs = 0.0, 0, []

@@ -225,6 +225,13 @@ class DataParallelPipelines:
         count += 1
     return count
 
+  def reset_statistics(self) -> None:
+    """Forgets the group sizes and injected delays so far (e.g. those of
+    a warm-up call)."""
+    self.policy.reset_group_sizes()
+    for hooks in self.hooks:
+      hooks.delayed_seconds = 0.0
+
   # -- lockstep calls --------------------------------------------------------
 
   def step(self, states, batches):

@@ -244,7 +244,6 @@ class PartialReduceScheduler:
     self.rounds = rounds
     self.clock = clock
     self.lock = threading.Condition()
-    self.group_sizes: list[int] = []  # Per handed group, its size.
 
   def get_group(self, rank: int, batch_id: int, wait_ms: float) -> Group:
     """Waits for ``rank``'s group after its step of ``batch_id``."""
@@ -254,7 +253,6 @@ class PartialReduceScheduler:
       while True:
         group = self.rounds.collect(rank)
         if group is not None:
-          self.group_sizes.append(len(group.members))
           return group
         deadline = self.rounds.deadline
         if self.rounds.graph_sync or deadline is None:

@@ -104,12 +104,15 @@ class SyncPolicy:
       self._epoch.new_epoch()
 
   def _average(self, key, members, rank, tree):
-    out = self.rendezvous.meet(key, members, rank, tree, self.mean)
-    return out
+    return self.rendezvous.meet(key, members, rank, tree, self.mean)
 
   def _record_size(self, stage, size):
     with self._sizes_lock:
       self.group_sizes[stage].append(size)
+
+  def reset_group_sizes(self) -> None:
+    with self._sizes_lock:
+      self.group_sizes = [[] for _ in range(self.s)]
 
   def mean_group_size(self) -> list[float]:
     """Per stage, the mean size of the groups that averaged (1 = alone)."""
