@@ -77,7 +77,7 @@ class GroupMean:
     its member's device."""
     if len(trees) == 1:
       return list(trees)
-    devices = tuple(_device(t) for t in trees)
+    devices = tuple(device_of(t) for t in trees)
     if len(set(devices)) != len(devices):
       raise ValueError(f"group members share a device: {devices}")
     leaves = [jax.tree.leaves(t) for t in trees]
@@ -111,7 +111,8 @@ def _stacked_shape(shape, members):
   return (members * shape[0],) + tuple(shape[1:])
 
 
-def _device(tree):
+def device_of(tree):
+  """The one device a replica's arrays sit on."""
   devices = {d for x in jax.tree.leaves(tree) for d in x.devices()}
   if len(devices) != 1:
     raise ValueError(

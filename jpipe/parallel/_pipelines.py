@@ -173,12 +173,11 @@ class DataParallelPipelines:
   def consensus_params(self, states: Sequence[PipelineState]) -> Any:
     """The mean of the pipelines' params (host arrays): the model to
     evaluate. Needs drained pipelines."""
-    trees = [
-      pipe.gather_params(s)
-      for pipe, s in zip(self.pipelines, states, strict=True)
-    ]
-    return jax.tree.map(
-      lambda *xs: np.mean(np.stack(xs), axis=0).astype(xs[0].dtype), *trees
+    return _mean_trees(
+      [
+        pipe.gather_params(s)
+        for pipe, s in zip(self.pipelines, states, strict=True)
+      ]
     )
 
   def state_dict(self, states: Sequence[PipelineState]) -> dict:
@@ -339,23 +338,25 @@ class DataParallelPipelines:
     return state._replace(stage_params=params, in_flight=flight)
 
 
-def _mean_state_dict(dicts):
-  """The element-wise mean of state dicts (numeric leaves; the largest
-  step)."""
-  step = max(int(d["step"]) for d in dicts)
+def _mean_trees(trees):
+  """The element-wise mean of pytrees of host arrays; integer and
+  non-numeric leaves (an optimizer's step count) stay as the first's."""
 
   def mean(*xs):
     x0 = np.asarray(xs[0])
-    if not np.issubdtype(x0.dtype, np.number) or np.issubdtype(
-      x0.dtype, np.integer
-    ):
-      return xs[0]  # Counts (an optimizer's step) stay as the first's.
+    if not np.issubdtype(x0.dtype, np.inexact):
+      return xs[0]
     return np.mean(np.stack([np.asarray(x) for x in xs]), axis=0).astype(
       x0.dtype
     )
 
-  out = jax.tree.map(
-    mean, *[{k: v for k, v in d.items() if k != "step"} for d in dicts]
+  return jax.tree.map(mean, *trees)
+
+
+def _mean_state_dict(dicts):
+  """The mean of state dicts (``_mean_trees``), with the largest step."""
+  out = _mean_trees(
+    [{k: v for k, v in d.items() if k != "step"} for d in dicts]
   )
-  out["step"] = step
+  out["step"] = max(int(d["step"]) for d in dicts)
   return out

@@ -23,9 +23,7 @@ not synchronise (except ``allreduce``, whose pipelines stop together).
 import itertools
 import threading
 
-import jax
-
-from jpipe.parallel._averaging import GroupMean, Rendezvous
+from jpipe.parallel._averaging import GroupMean, Rendezvous, device_of
 from jpipe.parallel._epoch import EpochEnd
 from jpipe.parallel._gossip import GossipPairs
 from jpipe.parallel._param_server import (
@@ -232,8 +230,7 @@ class HetPipe(SyncPolicy):
       raise ValueError(f"hetpipe_every must be >= 1 batches, got {every}")
     self.every = every
     self.servers = [None] * num_stages
-    self.bases = {}  # (rank, stage) -> its last pull
-    self._lock = threading.Lock()
+    self.bases = {}  # (rank, stage) -> its last pull (rank's thread only)
 
   def start(self, stage_params):
     """Each stage's server from pipeline 0's initial params (every
@@ -243,7 +240,7 @@ class HetPipe(SyncPolicy):
     self.bases = {}
 
   def _push_pull(self, rank, stage, params):
-    device = _device_of(params)
+    device = device_of(params)
     base = self.bases.get((rank, stage), None)
     if base is None:  # First push: from the common start.
       base = self.servers[stage].initial_on(device)
@@ -260,10 +257,6 @@ class HetPipe(SyncPolicy):
 
   def finish(self, rank, stage, params):
     return self._push_pull(rank, stage, params)
-
-
-def _device_of(tree):
-  return next(iter(jax.tree.leaves(tree)[0].devices()))
 
 
 def make_policy(name, num_pipelines, num_stages, batches_per_epoch, **options):
