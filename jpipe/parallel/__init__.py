@@ -6,10 +6,13 @@ each stage by a policy: "allreduce" (gradients, every step), "preduce"
 (SD-Pipe's partial reduce: groups from arrival order average weights),
 "adpsgd" (AD-PSGD's random pairs) or "hetpipe" (HetPipe's parameter
 server). The scheduler, pairing and server rules are plain classes here,
-usable and testable without devices.
+usable and testable without devices. Across processes (one or more
+pipelines per process, ``python -m jpipe.launch``) process 0 serves the
+schedulers, the epoch's end and the servers to the others; averaging is a
+collective over the group's devices in whichever processes hold them.
 """
 
-from jpipe.parallel._averaging import GroupMean, Rendezvous
+from jpipe.parallel._averaging import GroupMean, Rendezvous, Roster
 from jpipe.parallel._epoch import EpochEnd
 from jpipe.parallel._gossip import GossipPairs
 from jpipe.parallel._hetero import (
@@ -48,6 +51,7 @@ __all__ = [
   "PartialReduceRounds",
   "PartialReduceScheduler",
   "Rendezvous",
+  "Roster",
   "hetpipe_syncs",
   "make_policy",
   "parse_slowdown",

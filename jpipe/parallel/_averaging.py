@@ -6,9 +6,11 @@ group's devices (no copy) and runs ``pmean`` over it in one jitted
 program: on GPUs an NCCL all-reduce, on CPU devices XLA's own; the values
 never pass through the host. Meshes and programs are cached per group.
 
-``Rendezvous`` lets the threads of a group's pipelines meet: each
-deposits its arrays; the last to arrive runs the mean for all; a member
-that has left (its pipeline drains) is not waited for.
+``Roster`` and ``Rendezvous`` let a group's pipelines meet: the roster
+(one for all processes) says who comes, a member that has left (its
+pipeline drains) is not waited for; each process's members deposit their
+arrays and the last to arrive runs the mean for them (across processes,
+the members in other processes run the same program at the same time).
 """
 
 import threading
@@ -71,15 +73,27 @@ class GroupMean:
     """Compiles the mean of pytrees shaped like ``tree`` over ``devices``."""
     self._program(tuple(devices), jax.tree.leaves(tree))
 
-  def __call__(self, trees):
-    """``trees``: one pytree per member, each on its member's device
-    (distinct devices). Returns the members' pytrees of the mean, each on
-    its member's device."""
-    if len(trees) == 1:
+  def __call__(self, trees, devices=None):
+    """The group's mean.
+
+    Args:
+      trees: one pytree per member this process holds, in rank order,
+        each on its member's device (distinct devices).
+      devices: every member's device, in rank order (default: the trees'
+        devices: every member is here). Across processes each process
+        passes its own members and the program runs over all of them.
+
+    Returns:
+      This process's members' pytrees of the mean, each on its device.
+    """
+    mine = tuple(device_of(t) for t in trees)
+    devices = mine if devices is None else tuple(devices)
+    if len(devices) == 1:
       return list(trees)
-    devices = tuple(device_of(t) for t in trees)
     if len(set(devices)) != len(devices):
       raise ValueError(f"group members share a device: {devices}")
+    if not set(mine) <= set(devices):
+      raise ValueError(f"members on {mine} are not in the group {devices}")
     leaves = [jax.tree.leaves(t) for t in trees]
     treedef = jax.tree.structure(trees[0])
     sharding, run = self._program(devices, leaves[0])
@@ -89,13 +103,13 @@ class GroupMean:
       parts = [
         ls[j].reshape((1,)) if ls[j].ndim == 0 else ls[j] for ls in leaves
       ]
-      shape = _stacked_shape(x.shape, len(trees))
+      shape = _stacked_shape(x.shape, len(devices))
       stacked.append(
         jax.make_array_from_single_device_arrays(shape, sharding, parts)
       )
     out = run(stacked)
     means = []
-    for device in devices:
+    for device in mine:
       member = []
       for x, o in zip(leaves[0], out, strict=True):
         shard = next(s.data for s in o.addressable_shards if s.device == device)
@@ -121,51 +135,93 @@ def device_of(tree):
   return devices.pop()
 
 
-class Rendezvous:
-  """Where the threads of a group meet to average.
+class Roster:
+  """Who comes to each averaging meeting, for every process.
 
-  ``meet(key, members, rank, tree, combine)``: ``key`` names the meeting
-  (the same for every member), ``members`` the ranks expected. Blocks
-  until every member still present has deposited; the last runs
-  ``combine(list of trees, in rank order)`` and everyone gets its own
-  result. ``leave(rank)`` stops meetings from waiting for ``rank``.
+  ``gather(key, members, rank)``: ``rank`` is at meeting ``key`` (the
+  same key for every member) of ``members``; blocks until every member
+  is present or has left, and returns the ranks present (sorted), the
+  same answer for each. ``leave(rank)``: meetings stop waiting for
+  ``rank`` (its pipeline drains); ``rejoin_all`` undoes every leave (a
+  new epoch). Thread-safe; across processes process 0 serves it
+  (``_hub.py``).
   """
 
   def __init__(self):
     self._cond = threading.Condition()
-    self._meetings = {}
+    self._meetings = {}  # key -> {"present": set, "out": tuple, "told": set}
     self._left = set()
 
+  def gather(self, key, members, rank) -> tuple[int, ...]:
+    with self._cond:
+      meeting = self._meetings.setdefault(
+        key, {"present": set(), "out": None, "told": set()}
+      )
+      meeting["present"].add(rank)
+      self._cond.notify_all()
+      while meeting["out"] is None:
+        if all(r in meeting["present"] or r in self._left for r in members):
+          meeting["out"] = tuple(sorted(meeting["present"]))
+        else:
+          self._cond.wait()
+      meeting["told"].add(rank)
+      if meeting["told"] == set(meeting["out"]):
+        del self._meetings[key]
+      return meeting["out"]
+
+  def leave(self, rank) -> None:
+    with self._cond:
+      self._left.add(rank)
+      self._cond.notify_all()
+
+  def rejoin_all(self) -> None:
+    with self._cond:
+      self._left = set()
+
+
+class Rendezvous:
+  """Where the threads of a group's pipelines meet to average.
+
+  ``meet(key, members, rank, tree, combine)``: ``key`` names the meeting
+  (the same for every member), ``members`` the ranks expected. The
+  ``Roster`` (shared by every process) says who comes: every member
+  still present. This process's members among them meet here; the last
+  to arrive runs ``combine(their trees in rank order, every rank that
+  came)``, which returns their results in the same order, and each gets
+  its own. ``local_ranks``: the ranks this process runs (default: all).
+  """
+
+  def __init__(self, roster: Roster | None = None, local_ranks=None):
+    self.roster = Roster() if roster is None else roster
+    self.local = None if local_ranks is None else frozenset(local_ranks)
+    self._cond = threading.Condition()
+    self._meetings = {}
+
   def meet(self, key, members, rank, tree, combine):
+    came = tuple(self.roster.gather(key, tuple(members), rank))
+    here = [r for r in came if self.local is None or r in self.local]
     with self._cond:
       meeting = self._meetings.setdefault(key, {"trees": {}, "out": None})
       meeting["trees"][rank] = tree
-      self._maybe_close(key, members, combine)
+      last = len(meeting["trees"]) == len(here)
+    if last:
+      # Outside the lock: across processes ``combine`` is a collective
+      # that other processes' members may reach only later.
+      results = combine([meeting["trees"][r] for r in here], came)
+      with self._cond:
+        meeting["out"] = dict(zip(here, results, strict=True))
+        self._cond.notify_all()
+    with self._cond:
       while meeting["out"] is None:
         self._cond.wait()
-        self._maybe_close(key, members, combine)
       out = meeting["out"]
       mine = out.pop(rank)
       if not out:
         del self._meetings[key]
       return mine
 
-  def _maybe_close(self, key, members, combine):
-    meeting = self._meetings[key]
-    if meeting["out"] is not None:
-      return
-    present = meeting["trees"]
-    if all(r in present or r in self._left for r in members):
-      ranks = sorted(present)
-      results = combine([present[r] for r in ranks])
-      meeting["out"] = dict(zip(ranks, results, strict=True))
-      self._cond.notify_all()
-
   def leave(self, rank):
-    with self._cond:
-      self._left.add(rank)
-      self._cond.notify_all()
+    self.roster.leave(rank)
 
   def rejoin_all(self):
-    with self._cond:
-      self._left = set()
+    self.roster.rejoin_all()

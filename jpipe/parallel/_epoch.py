@@ -8,6 +8,8 @@ there and drains. Fast pipelines have done more batches than slow ones;
 nobody waited for anybody.
 """
 
+import threading
+
 
 class EpochEnd:
   """Counts steps and records where each worker stops.
@@ -49,3 +51,27 @@ class EpochEnd:
   def new_epoch(self) -> None:
     self.pending = False
     self.stops = {}
+
+
+class SharedEpochEnd:
+  """``EpochEnd`` for every pipeline's thread (and, across processes,
+  served by process 0): each last-stage step counts."""
+
+  def __init__(self, num_workers: int, sync_every: int):
+    self._epoch = EpochEnd(num_workers, sync_every)
+    self._lock = threading.Lock()
+
+  def step(self, rank: int, batch_id: int) -> None:
+    """``rank``'s last stage took the step of ``batch_id``."""
+    with self._lock:
+      self._epoch.arrive(rank, batch_id)
+      self._epoch.add(1)
+
+  def stop_of(self, rank: int) -> int | None:
+    """The batch id at which ``rank``'s epoch stops (None: not yet)."""
+    with self._lock:
+      return self._epoch.stops.get(rank)
+
+  def new_epoch(self) -> None:
+    with self._lock:
+      self._epoch.new_epoch()

@@ -11,6 +11,7 @@ applied one at a time as they come: no pipeline waits for another.
 import threading
 
 import jax
+import numpy as np
 
 
 def hetpipe_syncs(batch_id: int, every: int, last: bool) -> bool:
@@ -59,6 +60,21 @@ class ParameterServer:
       self.pushes += 1
       weights = self.weights
     return jax.device_put(weights, to_device)
+
+  def initial_host(self) -> list:
+    """The starting weights' leaves as host arrays (for another process)."""
+    return [np.asarray(x) for x in jax.tree.leaves(self.initial)]
+
+  def push_pull_host(self, params: list, base: list) -> list:
+    """``push_pull`` with host arrays, leaves in order (from another
+    process, through the hub); returns the server's leaves."""
+    treedef = jax.tree.structure(self.weights)
+    new = self.push_pull(
+      jax.tree.unflatten(treedef, params),
+      jax.tree.unflatten(treedef, base),
+      self.device,
+    )
+    return [np.asarray(x) for x in jax.tree.leaves(new)]
 
 
 def server_device():

@@ -12,6 +12,15 @@ before one of its stages' work holds back the dispatch of its other
 stages too (in SD-Pipe each stage is its own process). In 1F1B's steady
 state a stage's delay stalls its pipeline anyway, so pipelines still
 progress at the pace of their own devices.
+
+Across processes (``jpipe.distributed.initialize`` first, e.g. under
+``python -m jpipe.launch``) every process builds the same object over the
+global ``jax.devices()`` and runs the pipelines whose devices it holds
+(one or more per process, as many in each; a pipeline may not span
+processes). Process 0 serves the shared objects (``_hub.py``); the
+averaging collectives run over the group's devices in whichever
+processes hold them. Every process calls every method, in the same
+order; lists of states are this process's pipelines' (``ranks``).
 """
 
 import dataclasses
@@ -22,9 +31,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
+from jpipe.parallel._hub import make_hub
 from jpipe.parallel._sync import SYNC_POLICIES, HetPipe, make_policy
 from jpipe.runtime import Pipeline, PipelineState
 from jpipe.runtime._driver import InFlight
@@ -32,7 +43,8 @@ from jpipe.runtime._driver import InFlight
 
 @dataclasses.dataclass
 class EpochReport:
-  """What an epoch of free-running pipelines did.
+  """What an epoch of free-running pipelines did (every pipeline's, also
+  across processes).
 
   Attributes:
     batches: per pipeline, the batches (``step`` calls) it ran.
@@ -99,11 +111,6 @@ class DataParallelPipelines:
       raise ValueError(f"unknown sync {sync!r}: one of {SYNC_POLICIES}")
     if not isinstance(pipelines, int) or pipelines < 1:
       raise ValueError(f"pipelines must be an int >= 1, got {pipelines!r}")
-    if jax.process_count() > 1:
-      raise ValueError(
-        "several pipelines in data parallel run in one process so far; "
-        "across processes run one pipeline (data_parallel.pipelines = 1)"
-      )
     devices = list(jax.devices() if devices is None else devices)
     per = len(devices) // pipelines
     if per < 1:
@@ -116,8 +123,19 @@ class DataParallelPipelines:
       raise ValueError("pass devices once, to DataParallelPipelines")
     self.num_pipelines = pipelines
     self.devices_per_pipeline = per
+    self.ranks = _local_ranks(devices, pipelines, per)
+    self.hub = make_hub()
+    first_rank = self.ranks[0]
+
+    def devices_of(p):
+      return devices[p * per : (p + 1) * per]
+
     first = Pipeline(
-      loss_fn, params, example_batch, devices=devices[:per], **pipeline_options
+      loss_fn,
+      params,
+      example_batch,
+      devices=devices_of(first_rank),
+      **pipeline_options,
     )
     plan = first.plan
     replicated = [ds for ds in plan.stage_devices if len(ds) > 1]
@@ -129,14 +147,8 @@ class DataParallelPipelines:
       )
     options = dict(pipeline_options, partition=plan)
     self.pipelines = [first] + [
-      Pipeline(
-        loss_fn,
-        params,
-        example_batch,
-        devices=devices[p * per : (p + 1) * per],
-        **options,
-      )
-      for p in range(1, pipelines)
+      Pipeline(loss_fn, params, example_batch, devices=devices_of(p), **options)
+      for p in self.ranks[1:]
     ]
     self.plan = plan
     self.num_stages = first.stages.num_stages
@@ -147,16 +159,32 @@ class DataParallelPipelines:
       "hetpipe": {"every": hetpipe_every},
     }.get(sync, {})
     self.policy = make_policy(
-      sync, pipelines, self.num_stages, batches_per_epoch, **policy_options
+      sync,
+      pipelines,
+      self.num_stages,
+      batches_per_epoch,
+      hub=self.hub,
+      local_ranks=self.ranks,
+      **policy_options,
+    )
+    self.policy.place(
+      {
+        p: tuple(devices[p * per + ds[0]] for ds in plan.stage_devices)
+        for p in range(pipelines)
+      }
     )
     self.batches_per_epoch = batches_per_epoch
     self.hetero = hetero or Heterogeneity()
     self.hooks = []
-    for p, pipe in enumerate(self.pipelines):
+    for p, pipe in zip(self.ranks, self.pipelines, strict=True):
       stage_devices = [p * per + ds[0] for ds in plan.stage_devices]
       hooks = ReplicaHooks(p, self.policy, self.hetero, stage_devices)
       pipe.driver.hooks = hooks
       self.hooks.append(hooks)
+
+  def close(self) -> None:
+    """Stops serving the shared objects (process 0 across processes)."""
+    self.hub.close()
 
   # -- state -----------------------------------------------------------------
 
@@ -171,35 +199,40 @@ class DataParallelPipelines:
       self.policy.start(states[0].stage_params)
 
   def consensus_params(self, states: Sequence[PipelineState]) -> Any:
-    """The mean of the pipelines' params (host arrays): the model to
-    evaluate. Needs drained pipelines."""
-    return _mean_trees(
+    """The mean of all pipelines' params (host arrays, on every process):
+    the model to evaluate. Needs drained pipelines."""
+    mine = _mean_trees(
       [
         pipe.gather_params(s)
         for pipe, s in zip(self.pipelines, states, strict=True)
       ]
     )
+    if jax.process_count() == 1:
+      return mine
+    # Every process runs as many pipelines: the mean of the means.
+    return _mean_trees(_all_gather(mine))
 
   def state_dict(self, states: Sequence[PipelineState]) -> dict:
-    """``{"pipelines": [each pipeline's state_dict]}`` (host arrays)."""
-    return {
-      "pipelines": [
-        pipe.state_dict(s)
-        for pipe, s in zip(self.pipelines, states, strict=True)
-      ]
-    }
+    """``{"pipelines": [every pipeline's state_dict, by rank]}`` (host
+    arrays, on every process)."""
+    mine = [
+      pipe.state_dict(s) for pipe, s in zip(self.pipelines, states, strict=True)
+    ]
+    if jax.process_count() > 1:
+      mine = [d for process in _all_gather(mine) for d in process]
+    return {"pipelines": mine}
 
   def load_state_dict(self, tree: dict) -> list[PipelineState]:
-    """States from ``state_dict``'s output. Saved with as many pipelines:
-    each resumes its own replica. With another count, every pipeline
-    starts from the replicas' mean (params, optimizer and model state;
-    the largest step)."""
+    """This process's pipelines' states from ``state_dict``'s output.
+    Saved with as many pipelines: each resumes its own replica. With
+    another count, every pipeline starts from the replicas' mean (params,
+    optimizer and model state; the largest step)."""
     saved = list(tree["pipelines"])
     if len(saved) != self.num_pipelines:
       saved = [_mean_state_dict(saved)] * self.num_pipelines
     states = [
-      pipe.load_state_dict(d)
-      for pipe, d in zip(self.pipelines, saved, strict=True)
+      pipe.load_state_dict(saved[p])
+      for p, pipe in zip(self.ranks, self.pipelines, strict=True)
     ]
     self._start_servers(states)
     return states
@@ -209,6 +242,7 @@ class DataParallelPipelines:
     the policy may form (else each compiles when it first forms, inside
     the timed run). Returns how many were compiled."""
     first = self.pipelines[0]
+    mine = set(self.ranks)
     count = 0
     for s in range(self.num_stages):
       params = [
@@ -219,7 +253,9 @@ class DataParallelPipelines:
       if self.policy.averages == "grads" and s not in first.tied.stages:
         tree = jax.eval_shape(first.programs.grad_layouts[s].pack, params)
       for group in self.policy.possible_groups():
-        devices = [self.pipelines[r].stage_device[s] for r in group]
+        if mine.isdisjoint(group):
+          continue  # Other processes' pipelines only.
+        devices = [self.policy.devices[r][s] for r in group]
         self.policy.mean.compile(devices, tree)
         count += 1
     return count
@@ -234,28 +270,30 @@ class DataParallelPipelines:
   # -- lockstep calls --------------------------------------------------------
 
   def step(self, states, batches):
-    """Each pipeline's ``step`` on its batch, concurrently (one thread
-    each); returns (states, per-pipeline metrics)."""
-    return self._each(lambda p: self.pipelines[p].step(states[p], batches[p]))
+    """Each of this process's pipelines' ``step`` on its batch
+    (``batches``: one per pipeline in ``ranks``), concurrently (one
+    thread each); returns (states, per-pipeline metrics)."""
+    return self._each(lambda i: self.pipelines[i].step(states[i], batches[i]))
 
   def flush(self, states):
     """Drains every pipeline (asynchronous schedules)."""
-    return self._each(lambda p: self.pipelines[p].flush(states[p]))
+    return self._each(lambda i: self.pipelines[i].flush(states[i]))
 
   def _each(self, fn):
-    results = [None] * self.num_pipelines
+    """``fn(i)`` for each local pipeline i, one thread each."""
+    results = [None] * len(self.pipelines)
     errors = []
 
-    def work(p):
+    def work(i):
       try:
-        results[p] = fn(p)
+        results[i] = fn(i)
       except BaseException as e:  # Re-raised below, in the caller.
         errors.append(e)
-        self.policy.abort(p)
+        self.policy.abort(self.ranks[i])
 
     threads = [
-      threading.Thread(target=work, args=(p,), name=f"pipeline-{p}")
-      for p in range(self.num_pipelines)
+      threading.Thread(target=work, args=(i,), name=f"pipeline-{p}")
+      for i, p in enumerate(self.ranks)
     ]
     for t in threads:
       t.start()
@@ -287,41 +325,69 @@ class DataParallelPipelines:
       The drained states and an ``EpochReport``.
     """
     limit = max_batches or 4 * self.batches_per_epoch
+    # Every process has finished the last epoch before the owner of the
+    # shared objects resets them, and before anyone starts.
+    self.hub.barrier("epoch done")
     self.policy.new_epoch()
+    self.hub.barrier("epoch reset")
     for hooks in self.hooks:
       hooks.draining = False
-    losses = [[] for _ in range(self.num_pipelines)]
-    batches = [0] * self.num_pipelines
-    ended = [0.0] * self.num_pipelines
+    n = len(self.pipelines)
+    losses = [[] for _ in range(n)]
+    batches = [0] * n
+    ended = [0.0] * n
     start = time.perf_counter()
 
-    def train(p):
-      pipe, state, pending = self.pipelines[p], states[p], []
-      while batches[p] < limit and self.policy.stop_of(p) is None:
-        state, metrics = pipe.step(state, batch_at(p, batches[p]))
-        batches[p] += 1
+    def train(i):
+      p, pipe, state, pending = self.ranks[i], self.pipelines[i], states[i], []
+      while batches[i] < limit and self.policy.stop_of(p) is None:
+        state, metrics = pipe.step(state, batch_at(p, batches[i]))
+        batches[i] += 1
         if "loss" in metrics:
           pending.append(metrics["loss"])
         if len(pending) > 2:  # Stay at most two calls ahead of the devices.
-          losses[p].append(float(pending.pop(0)))
-      self.hooks[p].draining = True
+          losses[i].append(float(pending.pop(0)))
+      self.hooks[i].draining = True
       self.policy.start_draining(p)
       state, _ = pipe.flush(state)
       state = self._finish(p, state)
       jax.block_until_ready(state.stage_params)
-      losses[p].extend(float(x) for x in pending)
-      ended[p] = time.perf_counter() - start
+      losses[i].extend(float(x) for x in pending)
+      ended[i] = time.perf_counter() - start
       return state, None
 
     states, _ = self._each(train)
+    seconds = time.perf_counter() - start
+    mine = {
+      "batches": batches,
+      "steps": [h.steps[-1] for h in self.hooks],
+      "losses": losses,
+      "pipeline_seconds": ended,
+      "delayed_seconds": [h.delayed_seconds for h in self.hooks],
+      "sizes": self.policy.group_size_sums(),
+      "seconds": seconds,
+    }
+    everyone = self.hub.all_gather("epoch report", mine)
+    sizes = [
+      (
+        sum(e["sizes"][s][0] for e in everyone),
+        sum(e["sizes"][s][1] for e in everyone),
+      )
+      for s in range(self.num_stages)
+    ]
     report = EpochReport(
-      batches=batches,
-      steps=[h.steps[-1] for h in self.hooks],
-      losses=losses,
-      seconds=time.perf_counter() - start,
-      pipeline_seconds=ended,
-      delayed_seconds=[h.delayed_seconds for h in self.hooks],
-      mean_group_size=self.policy.mean_group_size(),
+      **{
+        k: [x for e in everyone for x in e[k]]
+        for k in (
+          "batches",
+          "steps",
+          "losses",
+          "pipeline_seconds",
+          "delayed_seconds",
+        )
+      },
+      seconds=max(e["seconds"] for e in everyone),
+      mean_group_size=[t / c if c else float("nan") for t, c in sizes],
     )
     return states, report
 
@@ -336,6 +402,50 @@ class DataParallelPipelines:
     )
     flight = None if state.in_flight is None else InFlight.start(params)
     return state._replace(stage_params=params, in_flight=flight)
+
+
+def _local_ranks(devices, pipelines, per) -> tuple[int, ...]:
+  """The pipelines whose devices this process holds (pipeline p on
+  ``devices[p*per:(p+1)*per]``); every process must hold as many, and no
+  pipeline may span processes."""
+  me, count = jax.process_index(), jax.process_count()
+  mine = []
+  for p in range(pipelines):
+    owners = {d.process_index for d in devices[p * per : (p + 1) * per]}
+    if len(owners) > 1:
+      raise ValueError(
+        f"pipeline {p} would span processes {sorted(owners)}: across "
+        "processes each pipeline runs in one process; give every process "
+        "a multiple of the devices per pipeline (e.g. one pipeline per "
+        "process: --devices-per-process = devices per pipeline)"
+      )
+    if owners == {me}:
+      mine.append(p)
+  if pipelines % count or len(mine) != pipelines // count:
+    raise ValueError(
+      f"{pipelines} pipelines over {count} processes: this process holds "
+      f"{len(mine)}; every process must run as many (pipelines a multiple "
+      "of the process count, as many devices in each process)"
+    )
+  return tuple(mine)
+
+
+def _all_gather(tree) -> list:
+  """Every process's ``tree`` of host arrays (the same structure in
+  each), by process index, with this process's dtypes (the gather goes
+  through JAX, which makes 64-bit values 32-bit)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  stacked = jax.tree.leaves(multihost_utils.process_allgather(tree))
+  return [
+    jax.tree.unflatten(
+      treedef,
+      [
+        np.asarray(x[q], dtype=np.asarray(mine).dtype)
+        for x, mine in zip(stacked, leaves, strict=True)
+      ],
+    )
+    for q in range(jax.process_count())
+  ]
 
 
 def _mean_trees(trees):

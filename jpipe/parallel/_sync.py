@@ -14,6 +14,11 @@ count in the pipeline (SD-Pipe's batch id).
 - ``hetpipe``: HetPipe: local steps; every ``hetpipe_every`` batches and at
   the epoch's last, a push to the stage's parameter server and a pull.
 
+The objects every pipeline shares (schedulers, the epoch's end, the
+meetings' roster, HetPipe's servers) come from a hub (``_hub.py``): plain
+objects in one process, process 0's across processes; averaging is a
+collective over the group's devices wherever they are.
+
 Every policy ends an epoch as SD-Pipe does (``EpochEnd``): when the last
 stage's replicas have taken ``P * batches_per_epoch`` steps together, each
 pipeline stops at its next last-stage step and drains; draining steps do
@@ -23,15 +28,20 @@ not synchronise (except ``allreduce``, whose pipelines stop together).
 import itertools
 import threading
 
-from jpipe.parallel._averaging import GroupMean, Rendezvous, device_of
-from jpipe.parallel._epoch import EpochEnd
+import jax
+import numpy as np
+
+from jpipe.parallel._averaging import GroupMean, Rendezvous, Roster, device_of
+from jpipe.parallel._epoch import SharedEpochEnd
 from jpipe.parallel._gossip import GossipPairs
+from jpipe.parallel._hub import LocalHub
 from jpipe.parallel._param_server import (
   ParameterServer,
   hetpipe_syncs,
   server_device,
 )
 from jpipe.parallel._preduce import (
+  PAIRWISE_ABOVE,
   AdaptiveWait,
   GraphSyncToken,
   PartialReduceRounds,
@@ -42,22 +52,48 @@ SYNC_POLICIES = ("allreduce", "preduce", "adpsgd", "hetpipe")
 
 
 class SyncPolicy:
-  """The shared part of every policy: the epoch's end and averaging."""
+  """The shared part of every policy: the epoch's end and averaging.
+
+  Args:
+    num_pipelines, num_stages: P and S.
+    batches_per_epoch: batches per pipeline in an epoch, on average.
+    hub: where shared objects live (default: this process).
+    local_ranks: the pipelines this process runs (default: all).
+  """
 
   name = ""
   averages = "params"  # What a group averages: "params" or "grads".
 
   def __init__(
-    self, num_pipelines: int, num_stages: int, batches_per_epoch: int
+    self,
+    num_pipelines: int,
+    num_stages: int,
+    batches_per_epoch: int,
+    *,
+    hub=None,
+    local_ranks=None,
   ):
     self.p = num_pipelines
     self.s = num_stages
+    self.hub = LocalHub() if hub is None else hub
+    self.local_ranks = tuple(
+      range(num_pipelines) if local_ranks is None else local_ranks
+    )
     self.mean = GroupMean()
-    self.rendezvous = Rendezvous()
-    self._epoch = EpochEnd(num_pipelines, batches_per_epoch)
-    self._epoch_lock = threading.Lock()
-    self.group_sizes = [[] for _ in range(num_stages)]  # per stage
+    self.rendezvous = Rendezvous(
+      self.hub.share("roster", Roster), self.local_ranks
+    )
+    self._epoch = self.hub.share(
+      "epoch", lambda: SharedEpochEnd(num_pipelines, batches_per_epoch)
+    )
+    # rank -> per stage, its device (``place``).
+    self.devices: dict[int, tuple] = {}
+    self.group_sizes = [[] for _ in range(num_stages)]  # this process's
     self._sizes_lock = threading.Lock()
+
+  def place(self, devices: dict[int, tuple]) -> None:
+    """Every pipeline's stage devices, ``{rank: (device per stage)}``."""
+    self.devices = dict(devices)
 
   def possible_groups(self) -> list[tuple[int, ...]]:
     """The groups of two or more ranks this policy may form."""
@@ -73,16 +109,13 @@ class SyncPolicy:
 
   def last_stage_step(self, rank: int, step: int) -> None:
     """The last stage's step ``step`` of pipeline ``rank`` (epoch count)."""
-    with self._epoch_lock:
-      self._epoch.arrive(rank, step)
-      self._epoch.add(1)
+    self._epoch.step(rank, step)
 
   # -- per epoch --------------------------------------------------------------
 
   def stop_of(self, rank: int) -> int | None:
     """The last-stage step at which ``rank``'s epoch ends (None: not yet)."""
-    with self._epoch_lock:
-      return self._epoch.stops.get(rank)
+    return self._epoch.stop_of(rank)
 
   def start_draining(self, rank: int) -> None:
     """``rank`` drains: nobody waits for it any more."""
@@ -97,12 +130,17 @@ class SyncPolicy:
     self.rendezvous.leave(rank)
 
   def new_epoch(self) -> None:
-    self.rendezvous.rejoin_all()
-    with self._epoch_lock:
+    """Resets the shared objects (by their owner: across processes,
+    process 0, while the others wait at a barrier)."""
+    if self.hub.owner:
+      self.rendezvous.rejoin_all()
       self._epoch.new_epoch()
 
-  def _average(self, key, members, rank, tree):
-    return self.rendezvous.meet(key, members, rank, tree, self.mean)
+  def _average(self, key, stage, members, rank, tree):
+    def combine(trees, came):
+      return self.mean(trees, [self.devices[r][stage] for r in came])
+
+    return self.rendezvous.meet(key, members, rank, tree, combine)
 
   def _record_size(self, stage, size):
     with self._sizes_lock:
@@ -112,10 +150,16 @@ class SyncPolicy:
     with self._sizes_lock:
       self.group_sizes = [[] for _ in range(self.s)]
 
-  def mean_group_size(self) -> list[float]:
-    """Per stage, the mean size of the groups that averaged (1 = alone)."""
+  def group_size_sums(self) -> list[tuple[int, int]]:
+    """Per stage, (sum of sizes, number of groups) of this process's
+    members' groups."""
     with self._sizes_lock:
-      return [sum(g) / len(g) if g else float("nan") for g in self.group_sizes]
+      return [(sum(g), len(g)) for g in self.group_sizes]
+
+  def mean_group_size(self) -> list[float]:
+    """Per stage, the mean size of the groups that averaged (1 = alone),
+    over this process's pipelines."""
+    return [t / n if n else float("nan") for t, n in self.group_size_sums()]
 
 
 class AllReduce(SyncPolicy):
@@ -127,7 +171,8 @@ class AllReduce(SyncPolicy):
 
   def gradient(self, rank, stage, step, grads, draining):
     self._record_size(stage, self.p)
-    return self._average(("grad", stage, step), range(self.p), rank, grads)
+    key = ("grad", stage, step)
+    return self._average(key, stage, range(self.p), rank, grads)
 
   def start_draining(self, rank):
     pass  # Its pipelines stop at the same step and drain in step.
@@ -144,28 +189,36 @@ class PartialReduce(SyncPolicy):
     *,
     ssp_bound=10,
     pairwise=None,
+    **shared,
   ):
-    super().__init__(num_pipelines, num_stages, batches_per_epoch)
-    token = GraphSyncToken()
-    self.schedulers = [
-      PartialReduceScheduler(
+    super().__init__(num_pipelines, num_stages, batches_per_epoch, **shared)
+    self.pairwise = (
+      num_pipelines > PAIRWISE_ABOVE if pairwise is None else pairwise
+    )
+    token = GraphSyncToken()  # Used where the schedulers are built.
+
+    def scheduler(s):
+      return PartialReduceScheduler(
         PartialReduceRounds(
           num_pipelines,
           ssp_bound=ssp_bound,
           sync_every=batches_per_epoch if s == num_stages - 1 else None,
           key=num_stages - 1 - s,
           token=token,
-          pairwise=pairwise,
+          pairwise=self.pairwise,
         )
       )
+
+    self.schedulers = [
+      self.hub.share(f"scheduler/{s}", lambda s=s: scheduler(s))
       for s in range(num_stages)
     ]
-    self.waits = [
-      [AdaptiveWait() for _ in range(num_stages)] for _ in range(num_pipelines)
-    ]
+    self.waits = {
+      r: [AdaptiveWait() for _ in range(num_stages)] for r in self.local_ranks
+    }
 
   def possible_groups(self):
-    sizes = [2] if self.schedulers[0].rounds.pairwise else range(2, self.p + 1)
+    sizes = [2] if self.pairwise else range(2, self.p + 1)
     return [g for k in sizes for g in itertools.combinations(range(self.p), k)]
 
   def params(self, rank, stage, step, params, draining):
@@ -178,7 +231,7 @@ class PartialReduce(SyncPolicy):
     if len(group.members) == 1:
       return params
     key = ("preduce", stage, group.round, group.members)
-    return self._average(key, group.members, rank, params)
+    return self._average(key, stage, group.members, rank, params)
 
   def last_stage_step(self, rank, step):
     pass  # The last stage's scheduler counts (at its rounds).
@@ -196,15 +249,18 @@ class PartialReduce(SyncPolicy):
 
   def new_epoch(self):
     super().new_epoch()
-    for scheduler in self.schedulers:
-      scheduler.rejoin_all()
+    if self.hub.owner:
+      for scheduler in self.schedulers:
+        scheduler.rejoin_all()
 
 
 class Gossip(SyncPolicy):
   name = "adpsgd"
 
-  def __init__(self, num_pipelines, num_stages, batches_per_epoch, *, seed=0):
-    super().__init__(num_pipelines, num_stages, batches_per_epoch)
+  def __init__(
+    self, num_pipelines, num_stages, batches_per_epoch, *, seed=0, **shared
+  ):
+    super().__init__(num_pipelines, num_stages, batches_per_epoch, **shared)
     # One shared shuffle stream per stage, drawn in round order.
     self.pairs = [GossipPairs(num_pipelines, seed) for _ in range(num_stages)]
     self._pairs_lock = threading.Lock()
@@ -218,14 +274,17 @@ class Gossip(SyncPolicy):
     with self._pairs_lock:
       pair = self.pairs[stage].partner_group(rank, step)
     self._record_size(stage, 2)
-    return self._average(("adpsgd", stage, step, pair), pair, rank, params)
+    key = ("adpsgd", stage, step, pair)
+    return self._average(key, stage, pair, rank, params)
 
 
 class HetPipe(SyncPolicy):
   name = "hetpipe"
 
-  def __init__(self, num_pipelines, num_stages, batches_per_epoch, *, every=10):
-    super().__init__(num_pipelines, num_stages, batches_per_epoch)
+  def __init__(
+    self, num_pipelines, num_stages, batches_per_epoch, *, every=10, **shared
+  ):
+    super().__init__(num_pipelines, num_stages, batches_per_epoch, **shared)
     if every < 1:
       raise ValueError(f"hetpipe_every must be >= 1 batches, got {every}")
     self.every = every
@@ -233,18 +292,37 @@ class HetPipe(SyncPolicy):
     self.bases = {}  # (rank, stage) -> its last pull (rank's thread only)
 
   def start(self, stage_params):
-    """Each stage's server from pipeline 0's initial params (every
-    pipeline starts from the same)."""
+    """Each stage's server from this process's first pipeline's initial
+    params (every pipeline starts from the same); across processes,
+    process 0's serve every pipeline."""
     device = server_device()
-    self.servers = [ParameterServer(p, self.p, device) for p in stage_params]
+    self.servers = [
+      self.hub.share(
+        f"server/{s}", lambda p=p: ParameterServer(p, self.p, device)
+      )
+      for s, p in enumerate(stage_params)
+    ]
     self.bases = {}
 
   def _push_pull(self, rank, stage, params):
     device = device_of(params)
+    server = self.servers[stage]
     base = self.bases.get((rank, stage), None)
-    if base is None:  # First push: from the common start.
-      base = self.servers[stage].initial_on(device)
-    new = self.servers[stage].push_pull(params, base, device)
+    if isinstance(server, ParameterServer):  # In this process.
+      if base is None:  # First push: from the common start.
+        base = server.initial_on(device)
+      new = server.push_pull(params, base, device)
+    else:  # Process 0's, through the hub: host arrays travel.
+      if base is None:
+        base = server.initial_host()
+      leaves, treedef = jax.tree.flatten(params)
+      pulled = server.push_pull_host(
+        [np.asarray(x) for x in leaves],
+        [np.asarray(x) for x in jax.tree.leaves(base)],
+      )
+      new = jax.tree.unflatten(
+        treedef, [jax.device_put(x, device) for x in pulled]
+      )
     self.bases[(rank, stage)] = new
     self._record_size(stage, 1)
     return new
@@ -261,7 +339,8 @@ class HetPipe(SyncPolicy):
 
 def make_policy(name, num_pipelines, num_stages, batches_per_epoch, **options):
   """A policy by name; ``options``: ``ssp_bound``, ``pairwise`` (preduce),
-  ``seed`` (adpsgd), ``every`` (hetpipe)."""
+  ``seed`` (adpsgd), ``every`` (hetpipe); ``hub`` and ``local_ranks``
+  (any, see ``SyncPolicy``)."""
   classes = {c.name: c for c in (AllReduce, PartialReduce, Gossip, HetPipe)}
   if name not in classes:
     raise ValueError(f"unknown sync policy {name!r}: one of {SYNC_POLICIES}")

@@ -9,6 +9,8 @@ for every step: it blocks until the arrays are ready and copies them to
 every host.
 """
 
+import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +28,11 @@ def trees_everywhere(trees: Sequence[Any], templates, held: Sequence[bool]):
     templates: each pytree's shapes and dtypes (anything with ``.shape``
       / ``.dtype`` leaves; used where another process holds it).
     held: per pytree, whether this process holds it (exactly one process
-      does).
+      does). A process that holds them all (one process, or a pipeline
+      of its own among several processes' pipelines, as in data parallel)
+      only fetches them: no other process takes part.
   """
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 or all(held):
     return [jax.device_get(t) for t in trees]
   out = []
   for tree, template, here in zip(trees, templates, held, strict=True):
@@ -83,3 +87,13 @@ def text_from_process_zero(text: str) -> str:
     padded[:] = data
   padded = multihost_utils.broadcast_one_to_all(padded)
   return bytes(np.asarray(padded, np.uint8)).decode()
+
+
+def host_address() -> str:
+  """This host's address for servers other processes reach: the
+  coordinator's interface when it is this host's loopback, else the host
+  name's."""
+  coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  if coordinator.startswith(("127.", "localhost")):
+    return "127.0.0.1"
+  return socket.gethostbyname(socket.gethostname())

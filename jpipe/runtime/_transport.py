@@ -22,8 +22,6 @@ own neither end do nothing. Two ways to carry a value:
   may still win for large activations on GPUs.
 """
 
-import os
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +36,7 @@ from jax.sharding import (
   SingleDeviceSharding,
 )
 
-from jpipe.runtime._gather import wait_for_all
+from jpipe.runtime._gather import host_address, wait_for_all
 from jpipe.runtime._placement import StagePlacement
 
 TRANSPORTS = ("pull", "collective")
@@ -191,7 +189,7 @@ class _PullLinks:
   def __init__(self):
     me = jax.process_index()
     device = jax.local_devices()[0]
-    host = _host_address()
+    host = host_address()
     self.server = transfer.start_transfer_server(
       device.client, f"{host}:0", [f"{host}:0"]
     )
@@ -229,15 +227,6 @@ class _PullLinks:
 def _first_device(process: int):
   """A process's first device (where values shared with it arrive)."""
   return next(d for d in jax.devices() if d.process_index == process)
-
-
-def _host_address() -> str:
-  """This host's address for the transfer server: the coordinator's
-  interface when it is this host's loopback, else the host name's."""
-  coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
-  if coordinator.startswith(("127.", "localhost")):
-    return "127.0.0.1"
-  return socket.gethostbyname(socket.gethostname())
 
 
 def _shard_shape(shape):

@@ -8,6 +8,12 @@ more, the epoch ends without a barrier); after each, the consensus model
 (the replicas' mean) is evaluated, a line is printed and logged, and a
 checkpoint of every replica is written. The run's "step" counts batches
 per pipeline on average: ``train.steps`` of them in all.
+
+Across processes (``python -m jpipe.launch``) each process runs its share
+of the pipelines and reads only their batches; process 0 prints, logs
+and evaluates; checkpoints hold every replica (gathered) and resume with
+another process count. A SIGTERM or SIGINT ends the epoch under way,
+checkpoints and exits with 128 + the signal's number.
 """
 
 import math
@@ -17,7 +23,8 @@ import jax
 import numpy as np
 
 from jpipe import parallel
-from jpipe.train.errors import UsageError
+from jpipe.train import stopping
+from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog
 
 
@@ -31,11 +38,6 @@ def build(config, task, example, options, steps_per_call):
   """The ``DataParallelPipelines`` the config describes (``options``:
   ``jpipe.Pipeline``'s keyword arguments)."""
   dp = config.data_parallel
-  if jax.process_count() > 1:
-    raise UsageError(
-      "config.data_parallel: several pipelines run in one process so far; "
-      "across processes set data_parallel.pipelines=1"
-    )
   hetero = parallel.Heterogeneity(
     hetero=dp.hetero,
     slowdown=parallel.parse_slowdown(dp.slowdown),
@@ -84,54 +86,76 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
     f"{per_epoch} batches per pipeline"
   )
   say("Compiled averaging programs for", dp.compile_groups(states), "groups.")
-  log = MetricLog(workdir, resume_step=start * per_epoch)
+  main = jax.process_index() == 0
+  log = MetricLog(workdir, resume_step=start * per_epoch) if main else None
   evaluation, seconds, examples = None, 0.0, 0
   bs = config.data.batch_size
-  for epoch in range(start, epochs):
-    position = drawn
+  multiprocess = jax.process_count() > 1
+  with stopping.StopRequest() as stop:
+    for epoch in range(start, epochs):
+      position = drawn
 
-    def batch_at(rank, i, position=position):
-      # Disjoint shards of the stream: pipeline p takes every P-th batch.
-      return task.batch_at(position + i * p + rank)
+      def batch_at(rank, i, position=position):
+        # Disjoint shards of the stream: pipeline p takes every P-th batch.
+        return task.batch_at(position + i * p + rank)
 
-    t0 = time.perf_counter()
-    states, report = dp.run_epoch(states, batch_at)
-    seconds += time.perf_counter() - t0
-    examples += bs * sum(report.batches)
-    drawn += p * max(report.batches)
-    done = (epoch + 1) * per_epoch
-    losses = [np.mean(ls) for ls in report.losses if ls]
-    evaluation = task.evaluate(
-      dp.consensus_params(states), _model_state(dp, states)
-    )
-    scalars = {
-      "train/loss": float(np.mean(losses)),
-      "train/epoch_seconds": report.seconds,
-      "sync/mean_group_size": float(np.nanmean(report.mean_group_size)),
-      "sync/batches_min": min(report.batches),
-      "sync/batches_max": max(report.batches),
-    }
-    scalars |= {f"eval/{k}": v for k, v in evaluation.items()}
-    log.write(done, **scalars)
-    say(
-      f"epoch {epoch + 1}/{epochs} (step {done}): loss "
-      f"{scalars['train/loss']:.4f}, {report.seconds:.2f} s, batches per "
-      f"pipeline {report.batches}, mean group size "
-      f"{scalars['sync/mean_group_size']:.2f}; "
-      + ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
-    )
-    checkpoints.save(
-      done,
-      jax.tree.map(np.asarray, dp.state_dict(states)),
-      {
-        "step": done,
-        "epoch": epoch + 1,
-        "data_position": drawn,
-        "fingerprint": fingerprint,
-      },
-    )
-  log.close()
-  checkpoints.close()
+      t0 = time.perf_counter()
+      states, report = dp.run_epoch(states, batch_at)
+      seconds += time.perf_counter() - t0
+      examples += bs * sum(report.batches)
+      drawn += p * max(report.batches)
+      done = (epoch + 1) * per_epoch
+      losses = [np.mean(ls) for ls in report.losses if ls]
+      if not np.all(np.isfinite(losses)):
+        raise TrainingDiverged(
+          f"loss is non-finite in epoch {epoch + 1} (per pipeline: "
+          f"{[float(x) for x in losses]}). Lower "
+          "config.optimizer.learning_rate (now "
+          f"{config.optimizer.learning_rate:g}), or resume from an earlier "
+          "checkpoint"
+        )
+      # Every process takes part in the mean; process 0 evaluates it.
+      consensus = dp.consensus_params(states)
+      if main:
+        evaluation = task.evaluate(consensus, _model_state(dp, states))
+      scalars = {
+        "train/loss": float(np.mean(losses)),
+        "train/epoch_seconds": report.seconds,
+        "sync/mean_group_size": float(np.nanmean(report.mean_group_size)),
+        "sync/batches_min": min(report.batches),
+        "sync/batches_max": max(report.batches),
+      }
+      if main:
+        scalars |= {f"eval/{k}": v for k, v in evaluation.items()}
+        log.write(done, **scalars)
+        say(
+          f"epoch {epoch + 1}/{epochs} (step {done}): loss "
+          f"{scalars['train/loss']:.4f}, {report.seconds:.2f} s, batches "
+          f"per pipeline {report.batches}, mean group size "
+          f"{scalars['sync/mean_group_size']:.2f}; "
+          + ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
+        )
+      checkpoints.save(
+        done,
+        jax.tree.map(np.asarray, dp.state_dict(states)),
+        {
+          "step": done,
+          "epoch": epoch + 1,
+          "data_position": drawn,
+          "fingerprint": fingerprint,
+        },
+      )
+      requested = stopping.agreed(stop.signal, multiprocess)
+      if requested and epoch + 1 < epochs:
+        code = stopping.exit_code(requested)
+        say(
+          f"{requested}: saved step {done} (epoch {epoch + 1}) to "
+          f"{checkpoints.directory}; exiting with status {code} (not "
+          "finished: run the same command to resume)."
+        )
+        _close(log, checkpoints, dp)
+        raise SystemExit(code)
+  _close(log, checkpoints, dp)
   summary = {
     "pipelines": p,
     "sync": dp.sync,
@@ -142,6 +166,14 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
   return summary
 
 
+def _close(log, checkpoints, dp):
+  if log is not None:
+    log.close()
+  checkpoints.close()
+  dp.close()
+
+
 def _model_state(dp, states):
-  """Pipeline 0's model state (BatchNorm statistics are not averaged)."""
+  """This process's first pipeline's model state (pipeline 0's on
+  process 0; BatchNorm statistics are not averaged)."""
   return dp.pipelines[0].gather_model_state(states[0])

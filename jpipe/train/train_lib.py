@@ -6,7 +6,6 @@ and ``train_and_evaluate``, the imperative shell that runs them.
 
 import dataclasses
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -16,13 +15,12 @@ import ml_collections
 import numpy as np
 import optax
 import tqdm
-from jax.experimental import multihost_utils
 
 import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check, data_parallel_lib, pretrained
+from jpipe.train import config_check, data_parallel_lib, pretrained, stopping
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
@@ -135,27 +133,6 @@ def fingerprint(config) -> dict:
   )
 
 
-class _StopRequest:
-  """SIGTERM / SIGINT: finish the current step, checkpoint, exit."""
-
-  def __init__(self):
-    self.signal = None
-    self._old = {}
-
-  def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.signal = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains as the config says, resuming from ``workdir`` if it has a
   checkpoint. Returns the closing summary (also printed).
@@ -256,7 +233,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   divergence = _DivergenceCheck(config.train.divergence_factor)
   # A bar on a terminal; in a log file (no terminal) plain lines instead.
   interactive = main and sys.stderr.isatty()
-  with _StopRequest() as stop:
+  with stopping.StopRequest() as stop:
     bar = tqdm.tqdm(
       total=steps,
       initial=start,
@@ -303,8 +280,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         window = _Window(first_step=done + 1)
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
-      stopping = _agreed(stop.signal, pipe.transport.multiprocess)
-      if evaluate or checkpoint or stopping:
+      requested = stopping.agreed(stop.signal, pipe.transport.multiprocess)
+      if evaluate or checkpoint or requested:
         # An asynchronous stream drains first (every in-flight microbatch
         # applied), so a resumed run continues as an uninterrupted one.
         state, _ = pipe.flush(state)
@@ -316,13 +293,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           evaluation = task.evaluate(params, model_state)
           log.write(done, **{f"eval/{k}": v for k, v in evaluation.items()})
           write(f"step {done}: {_format(evaluation)}")
-      if checkpoint or stopping:
+      if checkpoint or requested:
         save(done, state)
-      if stopping:
+      if requested:
         bar.close()
-        code = 128 + signal.Signals[stopping].value
+        code = stopping.exit_code(requested)
         say(
-          f"{stopping}: saved step {done} to {checkpoints.directory}; "
+          f"{requested}: saved step {done} to {checkpoints.directory}; "
           f"exiting with status {code} (not finished: run the same command "
           f"to resume)."
         )
@@ -522,18 +499,6 @@ class _NoLog:
 
   def close(self):
     pass
-
-
-def _agreed(signal_name, multiprocess):
-  """A stop request any process received, known to all (they must stop
-  at the same step: the flush and the save are collective)."""
-  if not multiprocess:
-    return signal_name
-  names = ("", "SIGTERM", "SIGINT")
-  got = multihost_utils.process_allgather(
-    np.int32(names.index(signal_name or ""))
-  )
-  return names[int(np.max(got))] or None
 
 
 def _per_second(examples, seconds):

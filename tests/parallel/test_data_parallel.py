@@ -199,3 +199,27 @@ def test_bad_combinations_are_refused():
     parallel.DataParallelPipelines(
       loss_fn, params, batch, pipelines=2, partition=replicated, **common
     )
+
+
+def test_pipelines_are_split_between_processes(monkeypatch):
+  """Across processes each process runs the pipelines whose devices it
+  holds, as many in each; a pipeline spanning processes is refused."""
+  from types import SimpleNamespace
+
+  from jpipe.parallel._pipelines import _local_ranks
+
+  def devices(per_process, processes):
+    return [
+      SimpleNamespace(process_index=q)
+      for q in range(processes)
+      for _ in range(per_process)
+    ]
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  for me, want in ((0, (0, 1)), (1, (2, 3))):
+    monkeypatch.setattr(jax, "process_index", lambda me=me: me)
+    assert _local_ranks(devices(4, 2), pipelines=4, per=2) == want
+  with pytest.raises(ValueError, match="pipeline 1 would span processes"):
+    _local_ranks(devices(3, 2), pipelines=3, per=2)
+  with pytest.raises(ValueError, match="every process must run as many"):
+    _local_ranks(devices(4, 2), pipelines=3, per=2)  # 2 + 1

@@ -480,31 +480,3 @@ def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
     r"\(first: ",
   ):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
-
-
-def test_data_parallel_pipelines_train_and_resume(tmp_path):
-  """configs/sdpipe.py's shape, small: 4 pipelines x 2 stages, preduce
-  with delays; an epoch per checkpoint; resumes where it stopped."""
-  sys.path.insert(0, ROOT)
-  from configs import sdpipe
-
-  config = sdpipe.get_config()
-  config.model.kwargs.hidden = (32, 32)
-  config.data_parallel.epoch_batches = 2
-  config.data_parallel.hetero = 0.01
-  config.data_parallel.simulated_ms = 1.0
-  config.train.steps = 2
-  train_lib.train_and_evaluate(config, str(tmp_path))
-  config.train.steps = 4
-  summary = train_lib.train_and_evaluate(config, str(tmp_path))
-  assert summary["pipelines"] == 4 and summary["sync"] == "preduce"
-  rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-  assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 4]
-  assert all(
-    1 <= r["sync/mean_group_size"] <= 4
-    for r in rows
-    if "sync/mean_group_size" in r
-  )
-  config.data_parallel.pipelines = 2  # Another count: refused, by name.
-  with pytest.raises(checkpoint_lib.CheckpointError, match="'pipelines': 4"):
-    train_lib.train_and_evaluate(config, str(tmp_path))
