@@ -40,11 +40,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sd_sync", list(parallel.SYNC_POLICIES), "Policies.")
 flags.DEFINE_list("sd_hetero", ["0", "0.05", "0.1"], "Hetero delays (s).")
 flags.DEFINE_integer("sd_epochs", 15, "Epochs per run.")
-flags.DEFINE_float("sd_learning_rate", 0.1, "SGD (momentum 0.9) rate.")
+flags.DEFINE_float("sd_learning_rate", 0.03, "SGD (momentum 0.9) rate.")
 flags.DEFINE_integer("sd_steps_per_epoch", 24, "Steps per pipeline/epoch.")
 flags.DEFINE_float("sd_base_ms", 4.0, "Simulated ms per forward/backward.")
 flags.DEFINE_float("sd_target", 0.9, "Target test accuracy.")
-flags.DEFINE_integer("sd_seed", 0, "Seed of data, params and delays.")
+flags.DEFINE_list("sd_seeds", ["0", "1", "2"], "Seeds of params and delays.")
 flags.DEFINE_string(
   "sd_results_dir",
   os.path.join(os.path.dirname(__file__), "results"),
@@ -54,14 +54,14 @@ flags.DEFINE_string(
 PIPELINES, STAGES, BATCH, MICROBATCHES = 4, 2, 32, 2
 
 
-def _task():
+def _task(seed):
   config = default.get_config()
   config.data.batch_size = BATCH
-  config.seed = FLAGS.sd_seed
+  config.seed = seed
   return tasks.build_task(config)
 
 
-def run(task, sync: str, hetero: float) -> dict:
+def run(task, sync: str, hetero: float, seed: int) -> dict:
   """One training run; returns its per-epoch record."""
   tx = optax.sgd(FLAGS.sd_learning_rate, momentum=0.9)
   example = task.batch_at(0)
@@ -78,7 +78,7 @@ def run(task, sync: str, hetero: float) -> dict:
     optimizer=tx,
     batches_per_epoch=FLAGS.sd_steps_per_epoch,
     hetero=parallel.Heterogeneity(
-      hetero=hetero, base_seconds=FLAGS.sd_base_ms / 1000, seed=FLAGS.sd_seed
+      hetero=hetero, base_seconds=FLAGS.sd_base_ms / 1000, seed=seed
     ),
   )
   # Compile everything before the clock: a throw-away call per pipeline.
@@ -115,13 +115,14 @@ def run(task, sync: str, hetero: float) -> dict:
       }
     )
     print(
-      f"  {sync:9s} hetero={hetero:<5} epoch {epoch + 1:2d}: "
+      f"  {sync:9s} hetero={hetero:<5} seed {seed} epoch {epoch + 1:2d}: "
       f"{seconds:6.2f} s, {steps:4d} steps, acc {accuracy:.3f}, "
       f"batches {report.batches}, groups "
       f"{[round(g, 2) for g in report.mean_group_size]}",
       flush=True,
     )
-  return {"sync": sync, "hetero": hetero, "epochs": epochs}
+  dp.close()
+  return {"sync": sync, "hetero": hetero, "seed": seed, "epochs": epochs}
 
 
 def _to_target(record, target):
@@ -131,21 +132,46 @@ def _to_target(record, target):
   return None, None
 
 
+def _groups(records):
+  """Runs by (hetero, sync), in the order they ran."""
+  out = {}
+  for r in records:
+    out.setdefault((r["hetero"], r["sync"]), []).append(r)
+  return out
+
+
 def _table(records, target) -> str:
   lines = [
-    f"| hetero (s) | sync | s to {target:.0%} | steps to {target:.0%} | "
-    "final acc | s per epoch | mean group size |",
-    "|---|---|---|---|---|---|---|",
+    f"| hetero (s) | sync | runs at {target:.0%} | median s to {target:.0%} | "
+    f"median steps to {target:.0%} | final acc (mean ± sd) | "
+    "best acc (mean) | s per epoch | mean group size |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
-  for r in records:
-    sec, steps = _to_target(r, target)
-    last = r["epochs"][-1]
+  for (hetero, sync), runs in _groups(records).items():
+    reached = [_to_target(r, target) for r in runs]
+    reached = [x for x in reached if x[0] is not None]
+    finals = [r["epochs"][-1]["accuracy"] for r in runs]
+    bests = [max(e["accuracy"] for e in r["epochs"]) for r in runs]
+    per_epoch = [r["epochs"][-1]["seconds"] / len(r["epochs"]) for r in runs]
+    group = [np.mean(r["epochs"][-1]["mean_group_size"]) for r in runs]
+    # Median over all runs, a run that never reached it counting as
+    # infinitely slow ("-" when most never did).
+    times = sorted(
+      [s for s, _ in reached] + [np.inf] * (len(runs) - len(reached))
+    )
+    steps = sorted(
+      [n for _, n in reached] + [np.inf] * (len(runs) - len(reached))
+    )
+    mid = len(runs) // 2
+
+    def fmt(x, spec):
+      return "-" if not np.isfinite(x) else format(x, spec)
+
     lines.append(
-      f"| {r['hetero']} | {r['sync']} | "
-      f"{'-' if sec is None else f'{sec:.2f}'} | "
-      f"{'-' if steps is None else steps} | {last['accuracy']:.3f} | "
-      f"{last['seconds'] / last['epoch']:.2f} | "
-      f"{np.mean(last['mean_group_size']):.2f} |"
+      f"| {hetero} | {sync} | {len(reached)}/{len(runs)} | "
+      f"{fmt(times[mid], '.1f')} | {fmt(steps[mid], '.0f')} | "
+      f"{np.mean(finals):.3f} ± {np.std(finals):.3f} | {np.mean(bests):.3f} | "
+      f"{np.mean(per_epoch):.2f} | {np.mean(group):.2f} |"
     )
   return "\n".join(lines)
 
@@ -161,16 +187,17 @@ def _plot(records, path):
     1, len(heteros), figsize=(5 * len(heteros), 4), squeeze=False
   )
   for ax, h in zip(axes[0], heteros, strict=True):
-    for r in records:
-      if r["hetero"] == h:
-        xs = [e["seconds"] for e in r["epochs"]]
-        ax.plot(
-          xs, [e["accuracy"] for e in r["epochs"]], marker="o", label=r["sync"]
-        )
+    for (hetero, sync), runs in _groups(records).items():
+      if hetero != h:
+        continue
+      # Mean over seeds, epoch by epoch.
+      xs = np.mean([[e["seconds"] for e in r["epochs"]] for r in runs], 0)
+      ys = np.mean([[e["accuracy"] for e in r["epochs"]] for r in runs], 0)
+      ax.plot(xs, ys, marker="o", label=f"{sync} ({len(runs)} seeds)")
     ax.axhline(FLAGS.sd_target, color="grey", lw=0.8, ls="--")
     ax.set_title(f"hetero = {h} s")
     ax.set_xlabel("training seconds")
-    ax.set_ylabel("test accuracy (consensus model)")
+    ax.set_ylabel("test accuracy (consensus model, mean over seeds)")
     ax.legend()
   fig.suptitle(f"{PIPELINES} pipelines x {STAGES} stages, 8 CPU devices")
   fig.tight_layout()
@@ -179,13 +206,16 @@ def _plot(records, path):
 
 def main(argv):
   del argv
-  task = _task()
   records = []
-  for h in map(float, FLAGS.sd_hetero):
-    for sync in FLAGS.sd_sync:
-      start = time.perf_counter()
-      records.append(run(task, sync, h))
-      print(f"  ({time.perf_counter() - start:.0f} s with set-up)", flush=True)
+  for seed in map(int, FLAGS.sd_seeds):
+    task = _task(seed)
+    for h in map(float, FLAGS.sd_hetero):
+      for sync in FLAGS.sd_sync:
+        start = time.perf_counter()
+        records.append(run(task, sync, h, seed))
+        print(
+          f"  ({time.perf_counter() - start:.0f} s with set-up)", flush=True
+        )
   table = _table(records, FLAGS.sd_target)
   print(table)
   os.makedirs(FLAGS.sd_results_dir, exist_ok=True)
@@ -201,6 +231,7 @@ def main(argv):
     "steps_per_epoch": FLAGS.sd_steps_per_epoch,
     "target": FLAGS.sd_target,
     "learning_rate": FLAGS.sd_learning_rate,
+    "seeds": [int(x) for x in FLAGS.sd_seeds],
   }
   with open(out + ".json", "w") as f:
     json.dump({"meta": meta, "runs": records}, f, indent=1)

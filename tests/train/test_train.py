@@ -480,3 +480,37 @@ def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
     r"\(first: ",
   ):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
+
+
+def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
+  tmp_path, monkeypatch, capsys
+):
+  """A SIGTERM during a data-parallel run: the epoch under way ends, its
+  checkpoint is written, the run exits with 143 and the same command
+  resumes from the next epoch."""
+  sys.path.insert(0, ROOT)
+  from configs import sdpipe
+  from jpipe.train import stopping
+
+  config = sdpipe.get_config()
+  config.model.kwargs.hidden = (16,)
+  config.data_parallel.pipelines = 2
+  config.data_parallel.epoch_batches = 1
+  config.data_parallel.hetero = 0.0
+  config.data_parallel.simulated_ms = 0.0
+  config.train.steps = 3
+  enter = stopping.StopRequest.__enter__
+
+  def signalled(self):  # As if SIGTERM arrived during the first epoch.
+    out = enter(self)
+    self.signal = "SIGTERM"
+    return out
+
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  with pytest.raises(SystemExit) as stop:
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert stop.value.code == 143
+  assert "SIGTERM: saved step 1 (epoch 1)" in capsys.readouterr().out
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", enter)
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "Resuming from epoch 1" in capsys.readouterr().out
