@@ -16,6 +16,7 @@ from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._plan import (
   METHODS,
   Plan,
+  plan_from_boundaries,
   plan_from_pipedream,
   plan_traced,
   steady_state_delay,
@@ -39,6 +40,7 @@ __all__ = [
   "choose_depth",
   "load_pipedream_profile",
   "min_max_split",
+  "plan_from_boundaries",
   "plan_from_pipedream",
   "plan_traced",
   "profile_nodes",

@@ -74,6 +74,7 @@ def solve_contiguous(
   param_versions: Sequence[int] | None = None,
   recompute: bool = False,
   working_bytes: Sequence[float] | None = None,
+  stage_slowdown: Sequence[float] | None = None,
 ) -> ContiguousSolution:
   """Min-max bottleneck split of N ordered nodes into ``num_stages`` runs.
 
@@ -96,6 +97,9 @@ def solve_contiguous(
       (``edges``), else its ``activation_bytes``.
     working_bytes: per node, memory one microbatch's programs need while
       they run (counted once per stage), [N].
+    stage_slowdown: per stage slot, a factor on its compute (its device
+      runs that much slower, e.g. under interference), [num_stages];
+      default 1 everywhere.
 
   Returns:
     The optimal split.
@@ -130,6 +134,12 @@ def solve_contiguous(
   if versions.shape != (num_stages,) or np.any(versions < 1):
     raise ValueError(f"param_versions needs {num_stages} entries >= 1")
   extra = versions - 1.0  # Stashed copies beside the live params.
+  slowdown = np.asarray(
+    [1.0] * num_stages if stage_slowdown is None else stage_slowdown,
+    np.float64,
+  )
+  if slowdown.shape != (num_stages,) or np.any(slowdown <= 0):
+    raise ValueError(f"stage_slowdown needs {num_stages} factors > 0")
 
   prefix = np.concatenate([[0.0], np.cumsum(cost)])
   static_prefix = np.concatenate([[0.0], np.cumsum(static)])
@@ -141,12 +151,15 @@ def solve_contiguous(
   starts, ends = idx[:, None], idx[None, :]  # stage = nodes [start, end)
   valid = ends > starts
   compute = np.where(valid, prefix[ends] - prefix[starts], np.inf)
-  if bandwidth is not None:
-    stage_time = stage_seconds(
-      compute, 2.0 * cut_in / bandwidth, 2.0 * cut_out / bandwidth, comm_model
+
+  def stage_time(s):
+    """Every run's time as stage s, [N+1, N+1]."""
+    slowed = compute * slowdown[s]
+    if bandwidth is None:
+      return slowed
+    return stage_seconds(
+      slowed, 2.0 * cut_in / bandwidth, 2.0 * cut_out / bandwidth, comm_model
     )
-  else:
-    stage_time = compute
 
   def memory(s):
     kept = cut_in if recompute else act_prefix[ends] - act_prefix[starts]
@@ -170,7 +183,7 @@ def solve_contiguous(
     return best, arg
 
   def time_objective(s):
-    t = np.where(valid, stage_time, np.inf)
+    t = np.where(valid, stage_time(s), np.inf)
     if memory_limit is not None:
       t = np.where(memory(s) <= memory_limit, t, np.inf)
     return t
@@ -192,8 +205,12 @@ def solve_contiguous(
   pairs = list(zip(bounds[:-1], bounds[1:], strict=True))
   return ContiguousSolution(
     boundaries=bounds,
-    stage_seconds=tuple(float(stage_time[a, b]) for a, b in pairs),
-    compute_seconds=tuple(float(compute[a, b]) for a, b in pairs),
+    stage_seconds=tuple(
+      float(stage_time(s)[a, b]) for s, (a, b) in enumerate(pairs)
+    ),
+    compute_seconds=tuple(
+      float(compute[a, b] * slowdown[s]) for s, (a, b) in enumerate(pairs)
+    ),
     memory_bytes=tuple(
       float(memory(s)[a, b]) for s, (a, b) in enumerate(pairs)
     ),

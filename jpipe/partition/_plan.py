@@ -120,6 +120,7 @@ def plan_traced(
   in_flight: Sequence[int] | None = None,
   param_versions: Sequence[int] | None = None,
   recompute: bool = False,
+  stage_slowdown: Sequence[float] | None = None,
 ) -> Plan:
   """Partitions a traced model onto ``num_devices`` devices.
 
@@ -153,6 +154,9 @@ def plan_traced(
       the programs' working memory (upper bounds: XLA fuses and frees).
     devices: the device index of each of the ``num_devices`` slots;
       default ``range(num_devices)``.
+    stage_slowdown: "contiguous" only: per device slot, how much slower
+      than the cost model it computes (DynPipe's re-partitioning of a
+      slowed device); the plan's stage times include it.
     comm_model: how transfers add to a stage's time, "overlapped"
       (PipeDream: max of compute and transfers) or "ftpipe" (compute plus
       the transfer time compute cannot hide); see ``solve_contiguous``.
@@ -166,6 +170,10 @@ def plan_traced(
   if len(devices) != num_devices:
     raise ValueError(f"devices needs {num_devices} entries, got {devices}")
   compute = costs.forward_seconds + costs.backward_seconds
+  if stage_slowdown is not None and method != "contiguous":
+    raise ValueError(
+      f"stage_slowdown is for method 'contiguous', not {method!r}"
+    )
   if method in ("pipedream", "pipedream_hybrid"):
     if comm_model != "overlapped":
       raise ValueError(f"method {method!r} has only the 'overlapped' model")
@@ -227,6 +235,7 @@ def plan_traced(
     param_bytes=param_bytes,
     param_versions=param_versions,
     recompute=recompute,
+    stage_slowdown=stage_slowdown,
   )
   return _finish(
     traced,
@@ -236,6 +245,37 @@ def plan_traced(
     [(d,) for d in devices],
     solution.stage_seconds,
   )
+
+
+def plan_from_boundaries(
+  traced: TracedModel,
+  costs: NodeCosts,
+  boundaries: Sequence[int],
+  *,
+  devices: Sequence[int] | None = None,
+  stage_slowdown: Sequence[float] | None = None,
+  method: str = "contiguous",
+) -> Plan:
+  """The straight plan whose stage s holds nodes
+  ``boundaries[s]:boundaries[s+1]`` (program order), stage s on device
+  ``devices[s]`` (default s); its stage times are the nodes' costs times
+  ``stage_slowdown`` (default 1)."""
+  b = np.asarray(boundaries)
+  n = len(b) - 1
+  if b[0] != 0 or b[-1] != len(traced.node_names) or np.any(np.diff(b) < 1):
+    raise ValueError(
+      f"boundaries {tuple(boundaries)} must rise from 0 to "
+      f"{len(traced.node_names)} with every stage non-empty"
+    )
+  devices = tuple(range(n)) if devices is None else tuple(devices)
+  slowdown = (
+    np.ones(n) if stage_slowdown is None else np.asarray(stage_slowdown)
+  )
+  compute = costs.forward_seconds + costs.backward_seconds
+  prefix = np.concatenate([[0.0], np.cumsum(compute)])
+  seconds = (prefix[b[1:]] - prefix[b[:-1]]) * slowdown
+  of = np.repeat(np.arange(n), np.diff(b))
+  return _finish(traced, costs, method, of, [(d,) for d in devices], seconds)
 
 
 def _finish(

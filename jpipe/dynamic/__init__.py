@@ -1,0 +1,42 @@
+"""Re-partitioning while training (DynPipe).
+
+The pieces, each usable alone: ``Trigger`` (DynPipe's per-stage window
+ratios against a reference), the re-partitioning rules (DynPipe's top-k
+candidate cuts scored by its 1F1B simulation, ``dynpipe_split``; jpipe's
+exact min-max split with slowed stage slots, ``jpipe_split``; scoring by
+jpipe's event simulator, ``predicted_step_seconds``) and ``PlanSwitch``
+(drain, move every bit of state by parameter path to the new plan's
+pipeline, reusing pipelines of plans seen before).
+"""
+
+from jpipe.dynamic._replan import (
+  boundaries_of,
+  candidate_cuts,
+  dynpipe_score,
+  dynpipe_split,
+  jpipe_split,
+  node_weights,
+  predicted_step_seconds,
+  stage_costs,
+  stage_of_node,
+)
+from jpipe.dynamic._switch import PlanSwitch, Switch, plan_key
+from jpipe.dynamic._trigger import Trigger, clamped_ratios, triggers
+
+__all__ = [
+  "PlanSwitch",
+  "Switch",
+  "Trigger",
+  "boundaries_of",
+  "candidate_cuts",
+  "clamped_ratios",
+  "dynpipe_score",
+  "dynpipe_split",
+  "jpipe_split",
+  "node_weights",
+  "plan_key",
+  "predicted_step_seconds",
+  "stage_costs",
+  "stage_of_node",
+  "triggers",
+]
