@@ -6,9 +6,13 @@ candidate cuts scored by its 1F1B simulation, ``dynpipe_split``; jpipe's
 exact min-max split with slowed stage slots, ``jpipe_split``; scoring by
 jpipe's event simulator, ``predicted_step_seconds``) and ``PlanSwitch``
 (drain, move every bit of state by parameter path to the new plan's
-pipeline, reusing pipelines of plans seen before).
+pipeline, reusing pipelines of plans seen before); ``DynamicPipeline``
+puts them together (watch one profiled step per window, decide, switch)
+and ``Interference`` injects slowdowns (sleeps) for tests and experiments.
 """
 
+from jpipe.dynamic._controller import POLICIES, DynamicPipeline, Window
+from jpipe.dynamic._inject import Interference, Slowdown, parse_inject
 from jpipe.dynamic._replan import (
   boundaries_of,
   candidate_cuts,
@@ -24,9 +28,14 @@ from jpipe.dynamic._switch import PlanSwitch, Switch, plan_key
 from jpipe.dynamic._trigger import Trigger, clamped_ratios, triggers
 
 __all__ = [
+  "POLICIES",
+  "DynamicPipeline",
+  "Interference",
   "PlanSwitch",
+  "Slowdown",
   "Switch",
   "Trigger",
+  "Window",
   "boundaries_of",
   "candidate_cuts",
   "clamped_ratios",
@@ -34,6 +43,7 @@ __all__ = [
   "dynpipe_split",
   "jpipe_split",
   "node_weights",
+  "parse_inject",
   "plan_key",
   "predicted_step_seconds",
   "stage_costs",

@@ -33,6 +33,7 @@ class Switch:
   new: tuple[tuple[int, ...], ...]
   seconds: float  # Drain, move and (first time only) build.
   compiled: bool  # A new pipeline was built for the plan.
+  build_seconds: float  # Of ``seconds``, building it (0 when seen).
 
 
 class PlanSwitch:
@@ -67,8 +68,10 @@ class PlanSwitch:
     saved = old.state_dict(state)
     key = plan_key(plan)
     compiled = key not in self._pipelines
+    built = time.perf_counter()
     if compiled:
       self._pipelines[key] = self._build(plan)
+    built = time.perf_counter() - built
     new = self._pipelines[key]
     if new.plan.node_names != old.plan.node_names:
       raise ValueError("the new plan is for another model (nodes differ)")
@@ -81,6 +84,7 @@ class PlanSwitch:
         new=_bounds(new.plan),
         seconds=time.perf_counter() - start,
         compiled=compiled,
+        build_seconds=built,
       )
     )
     return moved

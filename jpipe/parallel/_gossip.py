@@ -7,6 +7,8 @@ worker, so a slow worker stalls its partner of that round (the cost
 partial reduce avoids). SD-Pipe needs an even number of workers.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -18,7 +20,7 @@ class GossipPairs:
     seed: the shared shuffle seed.
   """
 
-  def __init__(self, num_workers: int, seed: int = 0):
+  def __init__(self, num_workers: int, seed: int | Sequence[int] = 0):
     if num_workers < 2 or num_workers % 2:
       raise ValueError(
         f"AD-PSGD pairs workers: it needs an even number of pipelines "

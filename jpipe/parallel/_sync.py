@@ -255,15 +255,29 @@ class PartialReduce(SyncPolicy):
 
 
 class Gossip(SyncPolicy):
+  """AD-PSGD's pairs. Rounds count each pipeline's steps of a stage from
+  the epoch's start: pipelines stop an epoch at different batches, so a
+  count across epochs would pair a pipeline with a partner that already
+  passed that round (and wait for it forever). Every epoch draws its own
+  shuffles from the shared seed."""
+
   name = "adpsgd"
 
   def __init__(
     self, num_pipelines, num_stages, batches_per_epoch, *, seed=0, **shared
   ):
     super().__init__(num_pipelines, num_stages, batches_per_epoch, **shared)
-    # One shared shuffle stream per stage, drawn in round order.
-    self.pairs = [GossipPairs(num_pipelines, seed) for _ in range(num_stages)]
+    self.seed = seed
+    self.epoch = 0
+    self._new_pairs()
     self._pairs_lock = threading.Lock()
+
+  def _new_pairs(self):
+    # One shared shuffle stream per stage and epoch, drawn in round order.
+    self.pairs = [
+      GossipPairs(self.p, [self.seed, self.epoch, s]) for s in range(self.s)
+    ]
+    self._first_step = {}  # (rank, stage) -> its first step this epoch
 
   def possible_groups(self):
     return list(itertools.combinations(range(self.p), 2))
@@ -272,10 +286,17 @@ class Gossip(SyncPolicy):
     if draining:
       return params
     with self._pairs_lock:
-      pair = self.pairs[stage].partner_group(rank, step)
+      first = self._first_step.setdefault((rank, stage), step)
+      pair = self.pairs[stage].partner_group(rank, step - first)
     self._record_size(stage, 2)
-    key = ("adpsgd", stage, step, pair)
+    key = ("adpsgd", self.epoch, stage, step - first, pair)
     return self._average(key, stage, pair, rank, params)
+
+  def new_epoch(self):
+    super().new_epoch()
+    with self._pairs_lock:
+      self.epoch += 1
+      self._new_pairs()
 
 
 class HetPipe(SyncPolicy):

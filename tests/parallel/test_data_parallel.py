@@ -144,6 +144,46 @@ def test_epochs_end_and_replicas_sync(sync):
   assert sum(again.steps) >= 48
 
 
+def test_gossip_survives_epochs_that_end_at_different_batches():
+  """AD-PSGD's rounds count from each epoch's start. Pipeline 1 ends an
+  epoch two steps after pipeline 0 (alone once 0 has left); in the next
+  epoch both must meet at their first step (a count across epochs made 0
+  wait at its step 3 for a partner that had passed it: a hang)."""
+  import threading
+
+  policy = parallel.make_policy("adpsgd", 2, 1, 10)
+  devices = jax.devices()[:2]
+  policy.place({r: (devices[r],) for r in range(2)})
+  trees = [
+    jax.device_put(jnp.full((3,), float(r)), devices[r]) for r in range(2)
+  ]
+  out = {}
+
+  def pipeline(rank, steps):
+    for step in steps:
+      out[(rank, step)] = policy.params(rank, 0, step, trees[rank], False)
+    policy.start_draining(rank)
+
+  def epoch(steps0, steps1):
+    threads = [
+      threading.Thread(target=pipeline, args=(r, st), daemon=True)
+      for r, st in ((0, steps0), (1, steps1))
+    ]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=30)
+    return not any(t.is_alive() for t in threads)
+
+  policy.new_epoch()
+  assert epoch([0, 1, 2], [0, 1, 2, 3, 4])
+  policy.new_epoch()
+  assert epoch([3, 4], [5, 6]), "the next epoch's pairs never met"
+  # Both pairs of the second epoch averaged the two pipelines.
+  np.testing.assert_allclose(out[(0, 3)], [0.5] * 3)
+  np.testing.assert_allclose(out[(1, 5)], [0.5] * 3)
+
+
 def test_a_slow_pipeline_does_not_stall_the_others():
   """HetPipe never waits: pipeline 0's devices 5x slower -> it runs
   fewer batches in the epoch while the others go on."""

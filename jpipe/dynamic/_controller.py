@@ -1,0 +1,369 @@
+"""A pipeline that re-partitions itself when a device slows (DynPipe).
+
+``DynamicPipeline`` wraps ``jpipe.Pipeline``: every ``window`` steps it
+profiles one step (the action profiler's watcher threads stamp each
+action's end while the stream runs on; only that step waits for its
+timeline) and estimates each stage slot's slowdown
+
+  sigma_s = measured seconds per microbatch / (model_seconds * share_s),
+
+``share_s`` being the stage's part of the model's cost (the cost model's
+node costs) and ``model_seconds`` the whole model's forward + backward per
+microbatch (the simulated compute, or measured over the reference
+window). Then, by policy:
+
+- "jpipe": when a slot's sigma moved by the trigger's factor from what
+  the plan in force assumed (>= high or <= low), solve the exact min-max
+  split for the measured sigmas, predict both splits' step time with
+  jpipe's event simulator on the schedule in use, and switch only when
+  the gain over ``horizon_steps`` beats the cost of switching (measured:
+  the first build, or an earlier switch to a plan seen before).
+- "dynpipe": DynPipe's rule: its trigger on stage times against a
+  reference window (re-taken after every switch, as DynPipe restarts),
+  sigmas between the thresholds counted as 1, the best of its top-k
+  candidate cuts by its 1F1B score, switched to whenever it differs.
+- "static": measures, never switches (the baseline).
+
+A switch is ``PlanSwitch``'s: drain, move every bit of state by
+parameter path, continue the stream. Every switch is recorded in
+``history`` and reported in the step's metrics under "repartition".
+"""
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jpipe import partition as partition_lib
+from jpipe.dynamic._inject import Interference
+from jpipe.dynamic._replan import (
+  boundaries_of,
+  dynpipe_split,
+  jpipe_split,
+  predicted_step_seconds,
+  stage_costs,
+)
+from jpipe.dynamic._switch import PlanSwitch
+from jpipe.dynamic._trigger import Trigger, clamped_ratios, triggers
+from jpipe.runtime import Pipeline, PipelineState
+
+POLICIES = ("jpipe", "dynpipe", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """One measured window: at ``step`` (calls so far), per stage slot,
+  seconds per microbatch and the slowdown estimate (relative to the
+  reference window's)."""
+
+  step: int
+  stage_seconds: tuple[float, ...]
+  sigma: tuple[float, ...]
+  step_seconds: float  # The profiled call's wall-clock seconds.
+
+
+class DynamicPipeline:
+  """A ``jpipe.Pipeline`` that re-partitions itself while training.
+
+  Args:
+    loss_fn, params, example_batch: as ``jpipe.Pipeline``.
+    policy: "jpipe", "dynpipe" or "static" (module docstring).
+    window: calls (``step``) per measurement window.
+    high, low: the trigger's thresholds (DynPipe: 2 and 0.5).
+    warmup_windows: windows before the reference (compilation).
+    top_k: DynPipe's candidate cuts per stage.
+    horizon_steps: steps a switch's predicted gain is counted over
+      (default two windows).
+    interference: injected slowdowns and simulated compute
+      (``Interference``; default none).
+    cost_model: node costs for re-planning ("analytic", "xla",
+      "measured"; see ``jpipe.partition.profile_nodes``).
+    **pipeline_options: ``jpipe.Pipeline``'s other arguments (num_stages,
+      devices, schedule, num_microbatches, optimizer, partition, ...); the
+      plan must be straight with one device per stage.
+  """
+
+  def __init__(
+    self,
+    loss_fn,
+    params,
+    example_batch,
+    *,
+    policy: str = "jpipe",
+    window: int = 10,
+    high: float = 2.0,
+    low: float = 0.5,
+    warmup_windows: int = 1,
+    top_k: int = 2,
+    horizon_steps: int | None = None,
+    interference: Interference | None = None,
+    cost_model: str = "analytic",
+    **pipeline_options,
+  ):
+    if policy not in POLICIES:
+      raise ValueError(f"unknown policy {policy!r}: one of {POLICIES}")
+    if window < 1:
+      raise ValueError(f"window must be >= 1 steps, got {window}")
+    if jax.process_count() > 1:
+      raise ValueError(
+        "re-partitioning runs in one process so far: run a dynamic config "
+        "without jpipe.launch"
+      )
+    self.policy = policy
+    self.window = window
+    self.top_k = top_k
+    self.horizon_steps = horizon_steps or 2 * window
+    self.high, self.low = high, low
+    self.interference = interference or Interference()
+    first_partition = pipeline_options.pop("partition", "contiguous")
+    options = dict(pipeline_options)
+
+    def build(plan):
+      pipe = Pipeline(loss_fn, params, example_batch, partition=plan, **options)
+      pipe.driver.hooks = self.interference
+      return pipe
+
+    start = time.perf_counter()
+    first = build(first_partition)
+    self.build_seconds = time.perf_counter() - start
+    _check_straight(first.plan)
+    self.switch = PlanSwitch(build, first)
+    self.schedule_name = first.schedule_name
+    self.num_microbatches = first.num_microbatches
+    micro = jax.tree.map(
+      lambda x: x[: x.shape[0] // first.num_microbatches], example_batch
+    )
+    costs = partition_lib.profile_nodes(
+      first.traced, params, micro, method=cost_model
+    )
+    self.costs = costs
+    self.forward = np.asarray(costs.forward_seconds, np.float64)
+    self.backward = np.asarray(costs.backward_seconds, np.float64)
+    self.total = float(np.sum(self.forward + self.backward))
+    if self.total <= 0:
+      raise ValueError("the cost model gives the model no cost to split by")
+    self.calls = 0
+    self.windows: list[Window] = []
+    self.history: list[dict] = []
+    # Slowdowns are relative to the reference window (the cost model's
+    # error per stage is in both); the plan in force assumed ``assumed``.
+    self.reference_sigma = None
+    self.assumed = np.ones(first.stages.num_stages)
+    self.trigger = Trigger(high, low, warmup_windows)
+    self._warmup_left = warmup_windows
+    self._move_seconds = None  # Last switch's drain and move (no build).
+    self._place()
+
+  # -- the pipeline in force -------------------------------------------------
+
+  @property
+  def pipeline(self) -> Pipeline:
+    return self.switch.pipeline
+
+  @property
+  def plan(self) -> partition_lib.Plan:
+    return self.switch.plan
+
+  @property
+  def boundaries(self) -> tuple[int, ...]:
+    return boundaries_of(self.plan.stage_of_node)
+
+  def _place(self):
+    """Tells the interference what each stage holds now."""
+    b = self.boundaries
+    forward = stage_costs(self.forward, b) / self.total
+    backward = stage_costs(self.backward, b) / self.total
+    self.interference.stage_shares = tuple(
+      zip(forward.tolist(), backward.tolist(), strict=True)
+    )
+    self.interference.stage_devices = tuple(
+      ds[0] for ds in self.plan.stage_devices
+    )
+
+  def init(self, params, model_state=None) -> PipelineState:
+    return self.pipeline.init(params, model_state)
+
+  def flush(self, state):
+    return self.pipeline.flush(state)
+
+  def state_dict(self, state) -> dict[str, Any]:
+    return self.pipeline.state_dict(state)
+
+  def load_state_dict(self, tree) -> PipelineState:
+    return self.pipeline.load_state_dict(tree)
+
+  def gather_params(self, state):
+    return self.pipeline.gather_params(state)
+
+  # -- a call ----------------------------------------------------------------
+
+  def step(self, state: PipelineState, batch) -> tuple[PipelineState, dict]:
+    """One ``Pipeline.step``; the window's last also measures and may
+    re-partition (then metrics has "repartition")."""
+    self.interference.step = self.calls
+    measure = (self.calls + 1) % self.window == 0
+    if measure:
+      self.interference.take_slept()
+    start = time.perf_counter()
+    state, metrics = self.pipeline.step(state, batch, profile=measure)
+    self.calls += 1
+    if not measure:
+      return state, metrics
+    timeline = metrics.pop("timeline")
+    window = self._measure(timeline, time.perf_counter() - start)
+    decision = self._decide(window)
+    if decision is not None:
+      state, record = self._switch_to(state, *decision, window)
+      metrics["repartition"] = record
+    return state, metrics
+
+  def _measure(self, timeline, seconds) -> Window:
+    slept = self.interference.take_slept()
+    n = self.plan.num_stages
+    busy = np.zeros(n)
+    micro = np.zeros(n)
+    for action, end in timeline.end.items():
+      if action.kind == "S":
+        continue
+      busy[action.stage] += end - timeline.start[action]
+      if action.kind == "F":
+        micro[action.stage] += 1
+    for s, t in slept.items():
+      busy[s] += t
+    per_micro = busy / np.maximum(micro, 1)
+    if self.interference.model_seconds is None and self._warmup_left <= 0:
+      # The reference window calibrates the cost model to seconds.
+      self.interference.model_seconds = float(np.sum(per_micro))
+    self._warmup_left -= 1
+    shares = np.array([f + b for f, b in self.interference.stage_shares])
+    model = self.interference.model_seconds
+    sigma = per_micro / (model * shares) if model else np.ones(n)
+    if model and self.reference_sigma is None and self._warmup_left < 0:
+      self.reference_sigma = sigma
+    if self.reference_sigma is not None:
+      sigma = sigma / self.reference_sigma
+    window = Window(self.calls, tuple(per_micro), tuple(sigma), seconds)
+    self.windows.append(window)
+    return window
+
+  def _decide(self, window: Window):
+    """``(new boundaries, sigma used, predicted old and new)`` or None."""
+    if self.policy == "static" or self._warmup_left >= 0:
+      return None
+    sigma = np.asarray(window.sigma)
+    current = self.boundaries
+    if self.policy == "dynpipe":
+      if self.trigger.add(window.stage_seconds) is None:
+        return None
+      factors = clamped_ratios(sigma, np.ones_like(sigma), self.high, self.low)
+      new, _ = dynpipe_split(
+        self.forward, self.backward, current, factors, top_k=self.top_k
+      )
+      if new == current:
+        return None
+      old_t, new_t = (self._predict(b, factors) for b in (current, new))
+      return new, factors, old_t, new_t
+    if not triggers(sigma / self.assumed, self.high, self.low):
+      return None
+    new, _ = jpipe_split(self.forward, self.backward, sigma)
+    old_t, new_t = (self._predict(b, sigma) for b in (current, new))
+    if new == current:
+      return None
+    # What switching costs: draining and moving (measured at the last
+    # switch; before one, bounded by a build), plus a build if new.
+    move = (
+      self.build_seconds if self._move_seconds is None else self._move_seconds
+    )
+    cost = move + (
+      0.0 if self.switch.seen(self._plan(new)) else self.build_seconds
+    )
+    if (old_t - new_t) * self.horizon_steps <= cost:
+      return None
+    return new, sigma, old_t, new_t
+
+  def _predict(self, boundaries, sigma) -> float:
+    """Seconds per call of the split under ``sigma`` (jpipe's simulator,
+    the cost model scaled to the measured model seconds). A streaming
+    schedule has no fill or drain per call: its steady state is a long
+    1F1B's time per microbatch."""
+    m = self.num_microbatches
+    if self.schedule_name in ("async", "2bw"):
+      long = 8 * len(boundaries)
+      t = (
+        m
+        / long
+        * predicted_step_seconds(
+          self.forward,
+          self.backward,
+          boundaries,
+          sigma,
+          schedule="1f1b",
+          microbatches=long,
+        )
+      )
+    else:
+      t = predicted_step_seconds(
+        self.forward,
+        self.backward,
+        boundaries,
+        sigma,
+        schedule=self.schedule_name,
+        microbatches=m,
+      )
+    return t * (self.interference.model_seconds or 0.0) / self.total
+
+  def _plan(self, boundaries) -> partition_lib.Plan:
+    return partition_lib.plan_from_boundaries(
+      self.pipeline.traced,
+      self.costs,
+      boundaries,
+      devices=[ds[0] for ds in self.plan.stage_devices],
+    )
+
+  def _switch_to(self, state, boundaries, sigma, old_t, new_t, window):
+    old = self.boundaries
+    state = self.switch.switch(state, self._plan(boundaries))
+    done = self.switch.history[-1]
+    self._move_seconds = done.seconds - done.build_seconds
+    self.assumed = np.asarray(sigma, np.float64)
+    self.trigger.rebase()
+    self._place()
+    record = {
+      "step": self.calls,
+      "old": list(old),
+      "new": list(boundaries),
+      "sigma": [float(x) for x in sigma],
+      "predicted_old_seconds": old_t,
+      "predicted_new_seconds": new_t,
+      "measured_seconds": window.step_seconds,
+      "switch_seconds": done.seconds,
+      "compiled": done.compiled,
+    }
+    self.history.append(record)
+    return state, record
+
+
+def _check_straight(plan):
+  if any(len(ds) != 1 for ds in plan.stage_devices):
+    raise ValueError(
+      "re-partitioning needs one device per stage (no replicated stages)"
+    )
+  if len({ds[0] for ds in plan.stage_devices}) != plan.num_stages:
+    raise ValueError(
+      "re-partitioning needs one stage per device (no mixed pipe)"
+    )
+  boundaries_of(plan.stage_of_node)  # Raises unless straight.
+
+
+def describe(boundaries: Sequence[int]) -> str:
+  """``"[0:3 | 3:7 | 7:12]"``: each stage's node range."""
+  return (
+    "["
+    + " | ".join(
+      f"{a}:{b}" for a, b in zip(boundaries[:-1], boundaries[1:], strict=True)
+    )
+    + "]"
+  )

@@ -1,0 +1,128 @@
+"""Injected interference: a device slowed by a factor from a step on.
+
+``Interference`` is a ``DriverHooks``: before each forward or backward
+it sleeps on behalf of the stage, so timings are sleep-dominated (honest
+on a CPU) and the slowdown follows the layers a stage holds:
+
+- with ``simulated_seconds`` > 0 (the whole model's forward + backward
+  of one microbatch), every action sleeps its simulated compute: the
+  stage's share of the model's cost times that, times its device's
+  factor;
+- without, only the extra of a slowed device sleeps: ``(factor - 1)``
+  times the stage's share times ``model_seconds`` (what the model's
+  forward + backward of a microbatch measured, set by the controller).
+
+The factor of a device at a step comes from ``Slowdown``s ("DEVICE:FACTOR:
+FROM_STEP[:TO_STEP]", as ``config.dynamic.inject``). What was slept, per
+stage, is counted so the controller adds it to the stage's measured time
+(in one process the host thread sleeps, so the device itself looks idle).
+"""
+
+import dataclasses
+import threading
+import time
+
+from jpipe.runtime._driver import DriverHooks
+
+
+@dataclasses.dataclass(frozen=True)
+class Slowdown:
+  """Device ``device`` runs ``factor`` times slower from step ``start``
+  (counting from 0) until before step ``end`` (None: to the end)."""
+
+  device: int
+  factor: float
+  start: int
+  end: int | None = None
+
+  def active(self, step: int) -> bool:
+    return self.start <= step and (self.end is None or step < self.end)
+
+
+def parse_inject(text: str) -> tuple[Slowdown, ...]:
+  """``"DEVICE:FACTOR:FROM_STEP[:TO_STEP],..."`` -> Slowdowns."""
+  out = []
+  for part in (p.strip() for p in text.split(",") if p.strip()):
+    fields = part.split(":")
+    try:
+      if len(fields) not in (3, 4):
+        raise ValueError
+      device, start = int(fields[0]), int(fields[2])
+      factor = float(fields[1])
+      end = int(fields[3]) if len(fields) == 4 else None
+    except ValueError:
+      raise ValueError(
+        f"inject entry {part!r} is not DEVICE:FACTOR:FROM_STEP[:TO_STEP] "
+        "(e.g. '1:3.0:100:300' slows device 1 three times from step 100 to "
+        "step 300)"
+      ) from None
+    if (
+      device < 0
+      or factor <= 0
+      or start < 0
+      or (end is not None and end <= start)
+    ):
+      raise ValueError(
+        f"inject entry {part!r}: needs DEVICE >= 0, FACTOR > 0 and "
+        "0 <= FROM_STEP < TO_STEP"
+      )
+    out.append(Slowdown(device, factor, start, end))
+  return tuple(out)
+
+
+class Interference(DriverHooks):
+  """Sleeps for simulated compute and injected slowdowns.
+
+  Args:
+    slowdowns: the injected ``Slowdown``s.
+    simulated_seconds: seconds of the whole model's forward + backward
+      per microbatch, slept by every action in proportion (0: none).
+
+  The controller sets ``step`` before each call, ``stage_shares`` (per
+  stage: its (forward, backward) share of the model's cost per
+  microbatch, summing to 1 over all stages) and ``stage_devices`` (per
+  stage, its device index) for the plan in force, and ``model_seconds``
+  once measured.
+  """
+
+  def __init__(self, slowdowns=(), simulated_seconds: float = 0.0):
+    if simulated_seconds < 0:
+      raise ValueError(
+        f"simulated_seconds must be >= 0, got {simulated_seconds}"
+      )
+    self.slowdowns = tuple(slowdowns)
+    self.simulated_seconds = simulated_seconds
+    self.step = 0
+    self.model_seconds = simulated_seconds or None
+    self.stage_shares: tuple[tuple[float, float], ...] = ()
+    self.stage_devices: tuple[int, ...] = ()
+    self._slept: dict[int, float] = {}
+    self._lock = threading.Lock()
+
+  def factor(self, device: int, step: int) -> float:
+    """The product of the device's slowdowns active at ``step``."""
+    out = 1.0
+    for s in self.slowdowns:
+      if s.device == device and s.active(step):
+        out *= s.factor
+    return out
+
+  def before_compute(self, action):
+    if not self.stage_shares or self.model_seconds is None:
+      return  # Before the controller placed the plan or measured.
+    s = action.stage
+    forward, backward = self.stage_shares[s]
+    share = forward if action.kind == "F" else backward
+    factor = self.factor(self.stage_devices[s], self.step)
+    extra = factor if self.simulated_seconds > 0 else factor - 1.0
+    seconds = extra * share * self.model_seconds
+    if seconds > 0:
+      time.sleep(seconds)
+      with self._lock:
+        self._slept[s] = self._slept.get(s, 0.0) + seconds
+
+  def take_slept(self) -> dict[int, float]:
+    """Per stage, seconds slept since the last call (and resets)."""
+    with self._lock:
+      out, self._slept = self._slept, {}
+    return out
