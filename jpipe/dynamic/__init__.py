@@ -11,7 +11,12 @@ puts them together (watch one profiled step per window, decide, switch)
 and ``Interference`` injects slowdowns (sleeps) for tests and experiments.
 """
 
-from jpipe.dynamic._controller import POLICIES, DynamicPipeline, Window
+from jpipe.dynamic._controller import (
+  POLICIES,
+  DynamicPipeline,
+  Window,
+  describe,
+)
 from jpipe.dynamic._inject import Interference, Slowdown, parse_inject
 from jpipe.dynamic._replan import (
   boundaries_of,
@@ -39,6 +44,7 @@ __all__ = [
   "boundaries_of",
   "candidate_cuts",
   "clamped_ratios",
+  "describe",
   "dynpipe_score",
   "dynpipe_split",
   "jpipe_split",

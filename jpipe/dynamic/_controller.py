@@ -5,12 +5,14 @@ profiles one step (the action profiler's watcher threads stamp each
 action's end while the stream runs on; only that step waits for its
 timeline) and estimates each stage slot's slowdown
 
-  sigma_s = measured seconds per microbatch / (model_seconds * share_s),
+  sigma_s = measured seconds per microbatch / expected seconds.
 
-``share_s`` being the stage's part of the model's cost (the cost model's
-node costs) and ``model_seconds`` the whole model's forward + backward per
-microbatch (the simulated compute, or measured over the reference
-window). Then, by policy:
+The expected seconds of a stage are its nodes' calibrated times: the
+reference window (after ``warmup_windows``) measures each stage of the
+first plan, and a stage's measured time is split among its nodes in the
+cost model's proportions. Cost-model errors thereby stay with the nodes
+that have them when nodes move, instead of reading as a slow device. The
+planners use the calibrated node times too. Then, by policy:
 
 - "jpipe": when a slot's sigma moved by the trigger's factor from what
   the plan in force assumed (>= high or <= low), solve the exact min-max
@@ -140,18 +142,19 @@ class DynamicPipeline:
       first.traced, params, micro, method=cost_model
     )
     self.costs = costs
-    self.forward = np.asarray(costs.forward_seconds, np.float64)
-    self.backward = np.asarray(costs.backward_seconds, np.float64)
+    # Per node, seconds per microbatch: the cost model's until the
+    # reference window calibrates them.
+    self.forward = np.array(costs.forward_seconds, np.float64)
+    self.backward = np.array(costs.backward_seconds, np.float64)
     self.total = float(np.sum(self.forward + self.backward))
     if self.total <= 0:
       raise ValueError("the cost model gives the model no cost to split by")
+    self._shares = (self.forward / self.total, self.backward / self.total)
+    self.calibrated = False
     self.calls = 0
     self.windows: list[Window] = []
     self.history: list[dict] = []
-    # Slowdowns are relative to the reference window (the cost model's
-    # error per stage is in both); the plan in force assumed ``assumed``.
-    self.reference_sigma = None
-    self.assumed = np.ones(first.stages.num_stages)
+    self.assumed = np.ones(first.stages.num_stages)  # sigma of the plan
     self.trigger = Trigger(high, low, warmup_windows)
     self._warmup_left = warmup_windows
     self._move_seconds = None  # Last switch's drain and move (no build).
@@ -174,8 +177,8 @@ class DynamicPipeline:
   def _place(self):
     """Tells the interference what each stage holds now."""
     b = self.boundaries
-    forward = stage_costs(self.forward, b) / self.total
-    backward = stage_costs(self.backward, b) / self.total
+    forward = stage_costs(self._shares[0], b)
+    backward = stage_costs(self._shares[1], b)
     self.interference.stage_shares = tuple(
       zip(forward.tolist(), backward.tolist(), strict=True)
     )
@@ -200,20 +203,33 @@ class DynamicPipeline:
 
   # -- a call ----------------------------------------------------------------
 
-  def step(self, state: PipelineState, batch) -> tuple[PipelineState, dict]:
+  def __getattr__(self, name):
+    # Everything else (plan reports, gathers, norms) is the pipeline in
+    # force's.
+    if name.startswith("_") or "switch" not in self.__dict__:
+      raise AttributeError(name)
+    return getattr(self.switch.pipeline, name)
+
+  def step(
+    self, state: PipelineState, batch, *, profile: bool = False
+  ) -> tuple[PipelineState, dict]:
     """One ``Pipeline.step``; the window's last also measures and may
-    re-partition (then metrics has "repartition")."""
+    re-partition (then metrics has "repartition" and "window").
+    ``profile``: also return the step's "timeline" (``Pipeline.step``)."""
     self.interference.step = self.calls
     measure = (self.calls + 1) % self.window == 0
     if measure:
       self.interference.take_slept()
     start = time.perf_counter()
-    state, metrics = self.pipeline.step(state, batch, profile=measure)
+    state, metrics = self.pipeline.step(
+      state, batch, profile=measure or profile
+    )
     self.calls += 1
     if not measure:
       return state, metrics
-    timeline = metrics.pop("timeline")
+    timeline = metrics["timeline"] if profile else metrics.pop("timeline")
     window = self._measure(timeline, time.perf_counter() - start)
+    metrics["window"] = window
     decision = self._decide(window)
     if decision is not None:
       state, record = self._switch_to(state, *decision, window)
@@ -234,20 +250,38 @@ class DynamicPipeline:
     for s, t in slept.items():
       busy[s] += t
     per_micro = busy / np.maximum(micro, 1)
-    if self.interference.model_seconds is None and self._warmup_left <= 0:
-      # The reference window calibrates the cost model to seconds.
-      self.interference.model_seconds = float(np.sum(per_micro))
+    if not self.calibrated and self._warmup_left <= 0:
+      self._calibrate(per_micro)
     self._warmup_left -= 1
-    shares = np.array([f + b for f, b in self.interference.stage_shares])
-    model = self.interference.model_seconds
-    sigma = per_micro / (model * shares) if model else np.ones(n)
-    if model and self.reference_sigma is None and self._warmup_left < 0:
-      self.reference_sigma = sigma
-    if self.reference_sigma is not None:
-      sigma = sigma / self.reference_sigma
+    if self.calibrated:
+      expected = stage_costs(self.forward + self.backward, self.boundaries)
+      sigma = per_micro / np.maximum(expected, 1e-12)
+    else:
+      sigma = np.ones(n)
     window = Window(self.calls, tuple(per_micro), tuple(sigma), seconds)
     self.windows.append(window)
     return window
+
+  def _calibrate(self, per_micro):
+    """The reference window: each stage's measured seconds per
+    microbatch, split among its nodes as the cost model proportions them
+    (a stage the model gives no cost: evenly)."""
+    b = self.boundaries
+    cost = self.forward + self.backward
+    for s, (lo, hi) in enumerate(zip(b[:-1], b[1:], strict=True)):
+      part = cost[lo:hi]
+      weights = (
+        part / part.sum() if part.sum() > 0 else np.full(hi - lo, 1 / (hi - lo))
+      )
+      seconds = per_micro[s] * weights
+      with np.errstate(invalid="ignore", divide="ignore"):
+        f_share = np.where(part > 0, self.forward[lo:hi] / part, 0.5)
+      self.forward[lo:hi] = seconds * f_share
+      self.backward[lo:hi] = seconds * (1 - f_share)
+    self.total = float(np.sum(self.forward + self.backward))
+    if self.interference.model_seconds is None:
+      self.interference.model_seconds = self.total
+    self.calibrated = True
 
   def _decide(self, window: Window):
     """``(new boundaries, sigma used, predicted old and new)`` or None."""
@@ -285,8 +319,8 @@ class DynamicPipeline:
     return new, sigma, old_t, new_t
 
   def _predict(self, boundaries, sigma) -> float:
-    """Seconds per call of the split under ``sigma`` (jpipe's simulator,
-    the cost model scaled to the measured model seconds). A streaming
+    """Seconds per call of the split under ``sigma`` (jpipe's simulator
+    on the calibrated node times). A streaming
     schedule has no fill or drain per call: its steady state is a long
     1F1B's time per microbatch."""
     m = self.num_microbatches
@@ -313,7 +347,23 @@ class DynamicPipeline:
         schedule=self.schedule_name,
         microbatches=m,
       )
-    return t * (self.interference.model_seconds or 0.0) / self.total
+    return t
+
+  def start_at(self, calls: int) -> None:
+    """Counts calls from ``calls`` (a resumed run: injected slowdowns
+    and windows follow the run's steps). Measurement starts afresh: its
+    warm-up, then a reference window on the split in force."""
+    self.calls = int(calls)
+
+  def move_to(self, state: PipelineState, boundaries) -> PipelineState:
+    """Switches to the split ``boundaries`` (e.g. the plan a checkpoint
+    recorded) without a decision; the plan then assumes no slowdown."""
+    boundaries = tuple(int(b) for b in boundaries)
+    if boundaries == self.boundaries:
+      return state
+    state = self.switch.switch(state, self._plan(boundaries))
+    self._place()
+    return state
 
   def _plan(self, boundaries) -> partition_lib.Plan:
     return partition_lib.plan_from_boundaries(

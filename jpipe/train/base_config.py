@@ -107,6 +107,30 @@ def base_config() -> ml_collections.ConfigDict:
   c.data_parallel.simulated_ms = 0.0
   c.data_parallel.slowdown = ""
 
+  # Re-partitioning while training when a device slows down (DynPipe).
+  # One profiled step per window measures each stage's time; a stage slot
+  # whose slowdown moved by the trigger's factor (>= high or <= low) makes
+  # the policy re-solve the split: "jpipe" (exact split for the measured
+  # slowdowns, switched to when the simulated gain over horizon_steps
+  # beats the switch's measured cost), "dynpipe" (DynPipe's top_k
+  # candidate cuts scored by its 1F1B simulation) or "static" (measure
+  # only). State moves by parameter path; nothing is reset.
+  c.dynamic = ml_collections.ConfigDict()
+  c.dynamic.enabled = False
+  c.dynamic.policy = "jpipe"
+  c.dynamic.window = 20  # Steps per measurement window.
+  c.dynamic.warmup_windows = 1  # Windows before the reference window.
+  c.dynamic.high = 2.0
+  c.dynamic.low = 0.5
+  c.dynamic.top_k = 2  # DynPipe's candidate cuts per stage.
+  c.dynamic.horizon_steps = 0  # Steps a switch must pay off in; 0: 2 windows.
+  # Injected slowdowns (sleeps, for experiments): "DEVICE:FACTOR:FROM_STEP
+  # [:TO_STEP]", comma-separated; simulated_ms: every forward + backward of
+  # the whole model per microbatch sleeps this long, split by the stages'
+  # cost shares (0: only the injected extra sleeps).
+  c.dynamic.inject = ""
+  c.dynamic.simulated_ms = 0.0
+
   # Training loop.
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300  # Pipeline steps (each covers batch_size examples).

@@ -2,9 +2,10 @@
 
 import ml_collections
 
-from jpipe import parallel
+from jpipe import dynamic, parallel
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import GAP_AWARE_POLICIES
+from jpipe.train.data_parallel_lib import uses_data_parallel
 from jpipe.train.errors import UsageError
 from jpipe.train.tasks import TASK_OF_MODEL
 
@@ -190,8 +191,65 @@ def check(config: ml_collections.ConfigDict) -> None:
       f"({config.pipeline.num_stages}), got {config.schedule.step_every}",
     )
   _check_data_parallel(config, need, problems)
+  _check_dynamic(config, need, problems)
   if problems:
     raise UsageError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_dynamic(config, need, problems) -> None:
+  dyn = config.dynamic
+  need(
+    dyn.policy in dynamic.POLICIES,
+    "dynamic.policy",
+    f"{dyn.policy!r} is not one of {dynamic.POLICIES}",
+  )
+  need(dyn.window >= 1, "dynamic.window", "must be >= 1 steps")
+  need(dyn.warmup_windows >= 0, "dynamic.warmup_windows", "must be >= 0")
+  need(dyn.top_k >= 1, "dynamic.top_k", "must be >= 1")
+  need(dyn.horizon_steps >= 0, "dynamic.horizon_steps", "must be >= 0")
+  need(dyn.simulated_ms >= 0, "dynamic.simulated_ms", "must be >= 0")
+  need(
+    dyn.low < 1.0 < dyn.high,
+    "dynamic.high",
+    f"the thresholds need low < 1 < high, got low={dyn.low}, high={dyn.high}",
+  )
+  try:
+    inject = dynamic.parse_inject(dyn.inject)
+  except ValueError as e:
+    problems.append(f"config.dynamic.inject: {e}")
+    inject = ()
+  if not dyn.enabled:
+    need(
+      not inject and not dyn.simulated_ms,
+      "dynamic.enabled",
+      "inject / simulated_ms are set but dynamic.enabled is False: enable "
+      "it (policy='static' to measure without re-partitioning)",
+    )
+    return
+  need(
+    not uses_data_parallel(config),
+    "dynamic.enabled",
+    "re-partitioning runs one pipeline: set data_parallel.pipelines=1 "
+    "(and no data_parallel delays)",
+  )
+  need(
+    config.pipeline.partition in ("contiguous", "pipedream"),
+    "pipeline.partition",
+    f"re-partitioning keeps a straight pipeline, one stage per device; "
+    f"{config.pipeline.partition!r} is not: use 'contiguous' or 'pipedream'",
+  )
+  need(
+    config.schedule.name != "interleaved",
+    "schedule.name",
+    "re-partitioning needs one stage per device, not 'interleaved'",
+  )
+  stages = config.pipeline.num_stages
+  for s in inject:
+    need(
+      s.device < max(stages, 1),
+      "dynamic.inject",
+      f"device {s.device} holds no stage of {stages}: use 0 .. {stages - 1}",
+    )
 
 
 def _check_data_parallel(config, need, problems) -> None:

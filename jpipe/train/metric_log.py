@@ -29,7 +29,14 @@ class MetricLog:
       os.remove(old)
     self._tb = SummaryWriter(events)
     for row in kept:
-      self._add(row["step"], {k: v for k, v in row.items() if k != "step"})
+      self._add(
+        row["step"],
+        {
+          k: v
+          for k, v in row.items()
+          if k != "step" and isinstance(v, (int, float))  # not events
+        },
+      )
 
   def write(self, step: int, **scalars: float) -> None:
     values = {k: float(v) for k, v in scalars.items()}
@@ -40,6 +47,12 @@ class MetricLog:
   def _add(self, step, values):
     for name, value in values.items():
       self._tb.add_scalar(name, value, step)
+
+  def write_event(self, step: int, key: str, value) -> None:
+    """A ``{"step": step, key: value}`` line (any JSON value, e.g. a
+    re-partition's record); not a TensorBoard scalar."""
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": step, key: value}) + "\n")
 
   def close(self) -> None:
     self._tb.flush()

@@ -20,7 +20,13 @@ import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check, data_parallel_lib, pretrained, stopping
+from jpipe.train import (
+  config_check,
+  data_parallel_lib,
+  dynamic_lib,
+  pretrained,
+  stopping,
+)
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
@@ -188,7 +194,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       fingerprint(config),
       say,
     )
-  pipe = build_pipeline(config, task, example, tx, lr)
+  if config.dynamic.enabled:
+    pipe = dynamic_lib.build(
+      config, task, example, tx, pipeline_options(config, task, lr)
+    )
+  else:
+    pipe = build_pipeline(config, task, example, tx, lr)
   state = pipe.init(task.params, task.model_state)
   start = 0
   if saved_step is not None:
@@ -196,6 +207,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     saved, meta = checkpoints.restore(template, fingerprint(config))
     try:
       state = pipe.load_state_dict(saved)
+      if config.dynamic.enabled:
+        pipe.start_at(int(meta["step"]))
+      if config.dynamic.enabled and "plan" in meta:  # The split in force.
+        state = pipe.move_to(state, meta["plan"])
+        say(
+          f"Resuming on the split in force: {dynamic_lib.describe(meta['plan'])}"
+        )
     except ValueError as e:
       raise checkpoint_lib.CheckpointError(
         f"checkpoint in {checkpoints.directory} does not fit this model: "
@@ -223,7 +241,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpoints.save(
       step,
       jax.tree.map(np.asarray, pipe.state_dict(state)),
-      {"step": step, "fingerprint": fingerprint(config)},
+      {"step": step, "fingerprint": fingerprint(config)}
+      | ({"plan": list(pipe.boundaries)} if config.dynamic.enabled else {}),
     )
 
   evaluation = timeline = None
@@ -264,6 +283,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       done = step + 1
       bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
       bar.update(1)
+      if config.dynamic.enabled:
+        dynamic_lib.report(metrics, done, log, write)
       if not np.isfinite(loss):
         raise TrainingDiverged(_nonfinite_message(config, pipe, state, done))
       if step == start:  # The reference a diverged loss is measured by.
@@ -311,9 +332,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpoints.close()
   if not main:
     return {"examples_per_second": _per_second(examples, seconds)}
-  return _summary(
+  summary = _summary(
     config, pipe, workdir, examples, seconds, evaluation, timeline
   )
+  if config.dynamic.enabled:
+    summary["repartitions"] = list(pipe.history)
+    if pipe.windows:
+      summary["dynamic_png"] = dynamic_lib.draw(pipe, workdir)
+      say(f"Re-partitioning: {summary['dynamic_png']}")
+  return summary
 
 
 def _from_pretrained(config, task: Task, say) -> Task:
@@ -495,6 +522,9 @@ class _NoLog:
   """The metric log of processes other than 0."""
 
   def write(self, step, **scalars):
+    pass
+
+  def write_event(self, step, key, value):
     pass
 
   def close(self):
