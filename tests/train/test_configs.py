@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from jpipe.train import base_config, config_check, config_plan, tasks, train_lib
+from jpipe.train import (
+  base_config,
+  config_check,
+  config_plan,
+  stopping,
+  tasks,
+  train_lib,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs")
@@ -141,7 +148,7 @@ def _losses(workdir):
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-class _StopAfter(train_lib._StopRequest):
+class _StopAfter(stopping.StopRequest):
   """A SIGTERM that arrives during step ``steps`` (in-process)."""
 
   def __init__(self, steps):
@@ -177,7 +184,7 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   config.optimizer.warmup_steps = 4
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   train_lib.train_and_evaluate(config, str(straight))
-  monkeypatch.setattr(train_lib, "_StopRequest", lambda: _StopAfter(2))
+  monkeypatch.setattr(stopping, "StopRequest", lambda: _StopAfter(2))
   with pytest.raises(SystemExit) as stopped:
     train_lib.train_and_evaluate(config, str(resumed))
   # Not finished: a scheduler must not take it for a finished job.
