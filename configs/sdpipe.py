@@ -11,10 +11,15 @@ SD-Pipe's partial reduce. Each forward and backward spends a simulated
 Run:
   python -m jpipe.train --config configs/sdpipe.py --workdir /tmp/jpipe_sdpipe
 
-Expected: the consensus model (the replicas' mean) near 85 % test
-accuracy after 15 epochs -- noisy at this learning rate, 0.8-0.9 -- in
-about 20 s of training on 2 CPU cores (plus compilation); each epoch line
-shows the batches every pipeline ran and the mean averaging-group size.
+Expected: the consensus model (the replicas' mean) near 97 % test
+accuracy after 15 epochs (above 90 % from about the 5th), in about 20 s
+of training on 2 CPU cores (plus compilation); each epoch line shows the
+batches every pipeline ran and the mean averaging-group size
+(experiments/sdpipe: the same shape for every policy and delay).
+
+Across processes, one pipeline each:
+  python -m jpipe.launch --nprocs 4 --devices-per-process 2 -- \
+      python -m jpipe.train --config configs/sdpipe.py --workdir /tmp/jpipe_sdpipe4
 
 Variants: --config.data_parallel.sync=allreduce|adpsgd|hetpipe,
 --config.data_parallel.hetero=0.1, --config.data_parallel.slowdown=0:3.0
@@ -31,7 +36,7 @@ def get_config():
   c.pipeline.num_microbatches = 2
   c.schedule.name = "async"
   c.staleness.stashing = True
-  c.optimizer.learning_rate = 0.1
+  c.optimizer.learning_rate = 0.03  # Stable for async pipelines here.
   c.data_parallel.pipelines = 4
   c.data_parallel.sync = "preduce"
   c.data_parallel.epoch_batches = 12  # ~24 steps per pipeline per epoch
