@@ -26,18 +26,26 @@ planners use the calibrated node times too. Then, by policy:
   candidate cuts by its 1F1B score, switched to whenever it differs.
 - "static": measures, never switches (the baseline).
 
+Across processes (one or more stages per process) each process times its
+own stages -- an action's start waits for its inputs from other
+processes, so waiting is not counted as compute -- the times are
+gathered, every process calibrates alike, and process 0 decides (its
+measured switch costs) and tells the others.
+
 A switch is ``PlanSwitch``'s: drain, move every bit of state by
 parameter path, continue the stream. Every switch is recorded in
 ``history`` and reported in the step's metrics under "repartition".
 """
 
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jpipe import partition as partition_lib
 from jpipe.dynamic._inject import Interference
@@ -51,6 +59,7 @@ from jpipe.dynamic._replan import (
 from jpipe.dynamic._switch import PlanSwitch
 from jpipe.dynamic._trigger import Trigger, clamped_ratios, triggers
 from jpipe.runtime import Pipeline, PipelineState
+from jpipe.runtime._gather import text_from_process_zero
 
 POLICIES = ("jpipe", "dynpipe", "static")
 
@@ -109,11 +118,6 @@ class DynamicPipeline:
       raise ValueError(f"unknown policy {policy!r}: one of {POLICIES}")
     if window < 1:
       raise ValueError(f"window must be >= 1 steps, got {window}")
-    if jax.process_count() > 1:
-      raise ValueError(
-        "re-partitioning runs in one process so far: run a dynamic config "
-        "without jpipe.launch"
-      )
     self.policy = policy
     self.window = window
     self.top_k = top_k
@@ -141,6 +145,17 @@ class DynamicPipeline:
     costs = partition_lib.profile_nodes(
       first.traced, params, micro, method=cost_model
     )
+    if jax.process_count() > 1:  # A measured model differs per process.
+      f, b = json.loads(
+        text_from_process_zero(
+          json.dumps(
+            [costs.forward_seconds.tolist(), costs.backward_seconds.tolist()]
+          )
+        )
+      )
+      costs = dataclasses.replace(
+        costs, forward_seconds=np.asarray(f), backward_seconds=np.asarray(b)
+      )
     self.costs = costs
     # Per node, seconds per microbatch: the cost model's until the
     # reference window calibrates them.
@@ -230,7 +245,12 @@ class DynamicPipeline:
     timeline = metrics["timeline"] if profile else metrics.pop("timeline")
     window = self._measure(timeline, time.perf_counter() - start)
     metrics["window"] = window
-    decision = self._decide(window)
+    decision = self._decide(window) if jax.process_index() == 0 else None
+    if jax.process_count() > 1:
+      # Process 0 decides (its measured switch costs), everyone follows.
+      decision = json.loads(
+        text_from_process_zero(json.dumps(_jsonable(decision)))
+      )
     if decision is not None:
       state, record = self._switch_to(state, *decision, window)
       metrics["repartition"] = record
@@ -249,6 +269,10 @@ class DynamicPipeline:
         micro[action.stage] += 1
     for s, t in slept.items():
       busy[s] += t
+    if jax.process_count() > 1:
+      # Each process timed its own stages: every process gets them all.
+      both = multihost_utils.process_allgather(np.stack([busy, micro]))
+      busy, micro = np.asarray(both).sum(axis=0)
     per_micro = busy / np.maximum(micro, 1)
     if not self.calibrated and self._warmup_left <= 0:
       self._calibrate(per_micro)
@@ -394,6 +418,18 @@ class DynamicPipeline:
     }
     self.history.append(record)
     return state, record
+
+
+def _jsonable(decision):
+  if decision is None:
+    return None
+  boundaries, sigma, old_t, new_t = decision
+  return [
+    [int(b) for b in boundaries],
+    [float(x) for x in sigma],
+    float(old_t),
+    float(new_t),
+  ]
 
 
 def _check_straight(plan):

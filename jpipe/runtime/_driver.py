@@ -332,6 +332,8 @@ class _Call:
       self.peak_bytes[s] = max(self.peak_bytes[s], self._held_bytes(s))
     self._record("F", s, b, theta)
     acts = tuple(self._read_value(b, v, s) for v in spec.inputs)
+    if self.profiler and d.transport.multiprocess:
+      self.profiler.record_inputs(action, acts)
     local = self._local_inputs(spec, self.batches[place][b], place)
     if (s, b) in self.fused and d.policy.same_backward_params(
       own, self.params[s]
@@ -397,6 +399,8 @@ class _Call:
       return
     spec = d.stages.specs[s]
     out_cots = tuple(self.cots.pop((b, v), None) for v in spec.outputs)
+    if self.profiler and d.transport.multiprocess:
+      self.profiler.record_inputs(action, out_cots)
     forward_theta = self.forward_params.get((s, b))
     if d.programs.recompute:
       local, acts = self.saved.pop((s, b))

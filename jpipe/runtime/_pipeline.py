@@ -779,7 +779,8 @@ class Pipeline:
       with ``profile=True`` "timeline", when every action of the call ran
       on its device (a ``jpipe.schedule.Timeline``; export with
       ``write_chrome_trace`` / ``plot_timeline``; the call runs the same
-      compiled programs as any other); with ``record_params``
+      compiled programs as any other; across processes it holds this
+      process's actions, on its own clock); with ``record_params``
       "used_params".
     """
     size = batch_size(batch)
@@ -790,7 +791,6 @@ class Pipeline:
         f"num_microbatches): pass a multiple of {self.microbatch_size}"
       )
     m = size // self.microbatch_size
-    self._check_profile(profile)
     fed = state.in_flight.fed if state.in_flight else 0
     batches = place_microbatches(
       jax.tree.leaves(batch), self._batch_leaves, m, fed
@@ -808,16 +808,7 @@ class Pipeline:
     """
     if self.stream is None or not state.in_flight.fed:
       return state, {}
-    self._check_profile(profile)
     return self._run(state, state.in_flight.fed, None, {}, profile)
-
-  def _check_profile(self, profile):
-    if profile and self.transport.multiprocess:
-      raise ValueError(
-        "profile=True measures a timeline in one process; across processes "
-        "each sees only its own stages' actions: profile a one-process run "
-        "of the same plan (or leave profile off)"
-      )
 
   def _run(self, state, fed, m, batches, profile):
     """One driver call: m microbatches after ``fed`` (None: a flush)."""

@@ -34,6 +34,7 @@ class ActionProfiler:
     self._t0 = time.perf_counter()
     self._dispatched: dict = {}
     self._ready_at: dict = {}
+    self._arrived: dict = {}  # action -> when its remote inputs were ready
     self._stamped: dict = {}  # action -> threading.Event
     self._errors: list = []
     self._queues = [queue.Queue() for _ in range(schedule.num_devices)]
@@ -49,12 +50,15 @@ class ActionProfiler:
       item = q.get()
       if item is None:
         return
-      action, outputs = item
+      kind, action, arrays = item
       try:
-        jax.block_until_ready(outputs)
+        jax.block_until_ready(arrays)
       except Exception as e:  # noqa: BLE001 -- reported by timeline()
         self._errors.append(e)
       # Even if the program failed: nothing may wait forever.
+      if kind == "inputs":
+        self._arrived[action] = time.perf_counter() - self._t0
+        continue
       self._ready_at[action] = time.perf_counter() - self._t0
       self._stamped[action].set()
 
@@ -63,7 +67,14 @@ class ActionProfiler:
     self._dispatched[action] = time.perf_counter() - self._t0
     self._stamped[action] = threading.Event()
     device = self.schedule.stage_device[action.stage]
-    self._queues[device].put((action, outputs))
+    self._queues[device].put(("outputs", action, outputs))
+
+  def record_inputs(self, action, inputs) -> None:
+    """Before ``record``: inputs of ``action`` that another process sends
+    (their producers are not in this process's timeline). The action
+    starts no earlier than they are ready."""
+    device = self.schedule.stage_device[action.stage]
+    self._queues[device].put(("inputs", action, inputs))
 
   def wait_for(self, action) -> None:
     """Returns once ``action``'s outputs are ready and stamped (before a
@@ -90,6 +101,7 @@ class ActionProfiler:
     for action in sorted(self._dispatched, key=self._dispatched.get):
       d = dev[action.stage]
       deps = ready_time(action, end, dev, 0.0, pending_b, n, listed) or 0.0
+      deps = max(deps, self._arrived.get(action, 0.0))
       start[action] = max(self._dispatched[action], clock[d], deps)
       end[action] = max(self._ready_at[action], start[action])
       clock[d] = end[action]
