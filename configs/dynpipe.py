@@ -12,12 +12,13 @@ next 50 steps pays for the switch, keeping every bit of optimizer state.
 Run:
   python -m jpipe.train --config configs/dynpipe.py --workdir /tmp/jpipe_dynpipe
 
-Expected: a line "re-partition at step 70: [0:2 | 2:4 | 4:6 | 6:8] ->
-[0:2 | 2:3 | 3:5 | 5:8]" (slot 1 measured ~2.6x slower: a node leaves
-it), another within two windows of step 140 moving back to the first
-plan (no new pipeline); WORKDIR/dynamic.png shows the step time and the
-slowdowns per window with both; eval accuracy near 70 % after 200
-steps, in about 50 s on 2 CPU cores (most of it the simulated compute).
+Expected: a line "re-partition at step 80: [0:2 | 2:4 | 4:6 | 6:8] ->
+[0:2 | 2:3 | 3:5 | 5:8]" (slot 1 measured ~2.6x slower in the windows
+at 70 and 80: a node leaves it); after step 140 a move back to the
+first plan (no new pipeline) when the predicted gain pays for it (it is
+small here: a few %); WORKDIR/dynamic.png shows the step time and the
+slowdowns per window; eval accuracy 0.7-0.95 after 200 steps (this
+asynchronous run swings between evaluations), in about 50 s on 2 CPU cores (most of it the simulated compute).
 In one process one host thread sleeps for every stage, so the step time
 falls less than a pipeline of one process per stage would show.
 

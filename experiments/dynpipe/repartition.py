@@ -21,8 +21,8 @@ Runs, each ``--dp_steps`` steps:
   the start: the step time the policies should reach during the slowdown.
 
 Each process reads the loss every step (so step times are wall-clock
-between steps, measured in process 0); the consensus... the model is
-evaluated every ``--dp_eval_every`` steps (time to accuracy).
+between steps, measured in process 0); the model is evaluated every
+``--dp_eval_every`` steps (time to accuracy; evaluation is not timed).
 
   python -m experiments.dynpipe.repartition [--dp_steps 200]
 
@@ -83,7 +83,7 @@ def _worker():
   )
   slowed = f"1:{FLAGS.dp_factor}:{FLAGS.dp_from}:{FLAGS.dp_to}"
   records = []
-  best_split = None
+  best_split = best_bounds = None
   for run in FLAGS.dp_runs:
     inject = slowed
     plan = "contiguous"
@@ -110,9 +110,9 @@ def _worker():
     if best_split is None:  # From the first run's traced model and costs.
       slowdown = [1.0] * STAGES
       slowdown[1] = FLAGS.dp_factor
-      bounds, _ = dynamic.jpipe_split(dp.forward, dp.backward, slowdown)
+      best_bounds, _ = dynamic.jpipe_split(dp.forward, dp.backward, slowdown)
       best_split = partition.plan_from_boundaries(
-        dp.pipeline.traced, dp.costs, bounds
+        dp.pipeline.traced, dp.costs, best_bounds
       )
     state = dp.init(task.params, task.model_state)
     times, evals, start = [], [], time.perf_counter()
@@ -153,16 +153,12 @@ def _worker():
       print(f"{run}: {np.mean(times[1:]):.4f} s/step, {dp.history}", flush=True)
   if jax.process_index() == 0:
     with open(FLAGS.dp_worker, "w") as f:
-      json.dump({"runs": records, "best_split": list(dp.boundaries)}, f)
+      json.dump({"runs": records, "best_split": list(best_bounds)}, f)
 
 
 def _launch(out):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-  }
-  env.pop("XLA_FLAGS", None)
+  env = dict(os.environ)  # (jpipe.launch drops proxies for its children.)
+  env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", str(STAGES)]

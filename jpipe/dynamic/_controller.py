@@ -10,13 +10,18 @@ timeline) and estimates each stage slot's slowdown
 The expected seconds of a stage are its nodes' calibrated times: the
 reference window (after ``warmup_windows``) measures each stage of the
 first plan, and a stage's measured time is split among its nodes in the
-cost model's proportions. Cost-model errors thereby stay with the nodes
-that have them when nodes move, instead of reading as a slow device. The
-planners use the calibrated node times too. Then, by policy:
+cost model's proportions, so cost-model errors (a loss head the FLOP
+count underrates) stay with their nodes when they move instead of
+reading as a slow device. What this cannot place (a stage's fixed
+dispatch cost, which a small stage carries relatively more of) reads as
+up to ~1.5x: hence sigmas between the thresholds count as 1. The
+planners use the calibrated node times. Then, by policy:
 
-- "jpipe": when a slot's sigma moved by the trigger's factor from what
-  the plan in force assumed (>= high or <= low), solve the exact min-max
-  split for the measured sigmas, predict both splits' step time with
+- "jpipe": sigmas between the thresholds count as 1 (as DynPipe's); when
+  a slot becomes slowed or recovers, or its sigma moves by the trigger's
+  factor from what the plan in force assumed, in two windows in a row
+  (one profiled step is a noisy sample), solve the exact min-max split
+  for their mean sigmas, predict both splits' step time with
   jpipe's event simulator on the schedule in use, and switch only when
   the gain over ``horizon_steps`` beats the cost of switching (measured:
   the first build, or an earlier switch to a plan seen before).
@@ -57,7 +62,7 @@ from jpipe.dynamic._replan import (
   stage_costs,
 )
 from jpipe.dynamic._switch import PlanSwitch
-from jpipe.dynamic._trigger import Trigger, clamped_ratios, triggers
+from jpipe.dynamic._trigger import Trigger, clamped_ratios
 from jpipe.runtime import Pipeline, PipelineState
 from jpipe.runtime._gather import text_from_process_zero
 
@@ -170,9 +175,14 @@ class DynamicPipeline:
     self.windows: list[Window] = []
     self.history: list[dict] = []
     self.assumed = np.ones(first.stages.num_stages)  # sigma of the plan
+    self._changed = None  # The last window's changed slots and sigmas.
     self.trigger = Trigger(high, low, warmup_windows)
     self._warmup_left = warmup_windows
     self._move_seconds = None  # Last switch's drain and move (no build).
+    # A new pipeline's first call compiles its programs: timed, it is
+    # part of what a switch to an unseen plan costs.
+    self.compile_seconds = 0.0
+    self._fresh = True
     self._place()
 
   # -- the pipeline in force -------------------------------------------------
@@ -239,6 +249,9 @@ class DynamicPipeline:
     state, metrics = self.pipeline.step(
       state, batch, profile=measure or profile
     )
+    if self._fresh:  # Dispatch of a first call: mostly compilation.
+      self.compile_seconds = time.perf_counter() - start
+      self._fresh = False
     self.calls += 1
     if not measure:
       return state, metrics
@@ -324,20 +337,36 @@ class DynamicPipeline:
         return None
       old_t, new_t = (self._predict(b, factors) for b in (current, new))
       return new, factors, old_t, new_t
-    if not triggers(sigma / self.assumed, self.high, self.low):
+    # As DynPipe, slowdowns between the thresholds count as none (a small
+    # stage's unslowed dispatch reads as up to ~1.5x). A slot entering or
+    # leaving the slowed state, or a slowed slot moving by the trigger's
+    # factor, asks for a new split.
+    factors = clamped_ratios(sigma, np.ones_like(sigma), self.high, self.low)
+    state_changed = (factors == 1.0) != (self.assumed == 1.0)
+    ratio = factors / self.assumed
+    changed = state_changed | (ratio >= self.high) | (ratio <= self.low)
+    # One profiled step is a noisy sample (a pause reads as a slowdown):
+    # act when two windows in a row show the same slots changed, on their
+    # mean.
+    seen, self._changed = self._changed, (changed, factors)
+    if not np.any(changed) or seen is None or np.any(seen[0] != changed):
       return None
+    sigma = clamped_ratios(
+      (seen[1] + factors) / 2, np.ones_like(factors), self.high, self.low
+    )
     new, _ = jpipe_split(self.forward, self.backward, sigma)
     old_t, new_t = (self._predict(b, sigma) for b in (current, new))
     if new == current:
       return None
     # What switching costs: draining and moving (measured at the last
-    # switch; before one, bounded by a build), plus a build if new.
+    # switch; before one, bounded by a build), plus, for a plan not seen
+    # before, building its pipeline and compiling its programs (measured
+    # on the last new pipeline's first call).
     move = (
       self.build_seconds if self._move_seconds is None else self._move_seconds
     )
-    cost = move + (
-      0.0 if self.switch.seen(self._plan(new)) else self.build_seconds
-    )
+    new_pipeline = self.build_seconds + self.compile_seconds
+    cost = move + (0.0 if self.switch.seen(self._plan(new)) else new_pipeline)
     if (old_t - new_t) * self.horizon_steps <= cost:
       return None
     return new, sigma, old_t, new_t
@@ -402,7 +431,9 @@ class DynamicPipeline:
     state = self.switch.switch(state, self._plan(boundaries))
     done = self.switch.history[-1]
     self._move_seconds = done.seconds - done.build_seconds
+    self._fresh = done.compiled
     self.assumed = np.asarray(sigma, np.float64)
+    self._changed = None
     self.trigger.rebase()
     self._place()
     record = {

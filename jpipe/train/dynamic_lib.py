@@ -59,10 +59,6 @@ def report(metrics, step, log, write) -> None:
     write(line(step, record))
 
 
-def describe(boundaries) -> str:
-  return dynamic.describe(boundaries)
-
-
 def line(step, record) -> str:
   """The printed line of a re-partition."""
   sigma = ", ".join(f"{x:.2f}" for x in record["sigma"])

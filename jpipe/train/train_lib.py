@@ -18,6 +18,7 @@ import tqdm
 
 import jpipe
 from jpipe import schedule as schedule_lib
+from jpipe.dynamic import describe
 from jpipe.runtime import format_bytes
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import (
@@ -211,9 +212,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         pipe.start_at(int(meta["step"]))
       if config.dynamic.enabled and "plan" in meta:  # The split in force.
         state = pipe.move_to(state, meta["plan"])
-        say(
-          f"Resuming on the split in force: {dynamic_lib.describe(meta['plan'])}"
-        )
+        say(f"Resuming on the split in force: {describe(meta['plan'])}")
     except ValueError as e:
       raise checkpoint_lib.CheckpointError(
         f"checkpoint in {checkpoints.directory} does not fit this model: "

@@ -133,10 +133,11 @@ def test_cli_across_processes_resumes_in_one(tmp_path, process_env):
 
 def test_dynamic_repartition_across_processes(tmp_path, process_env):
   """configs/dynpipe.py with 2 stages, one process each: device 1 slowed
-  3x from step 4 to 10. Each process times its own stage (inputs from
+  4x from step 4 to 10. Each process times its own stage (inputs from
   the other process bound an action's start), process 0 decides, both
-  switch: nodes leave stage 1 at step 6 and come back (the first plan's
-  pipeline, kept) by step 14; the slowdown is measured near 3x."""
+  switch: nodes leave stage 1 at step 8 (the second window that saw the
+  slowdown) and come back (the first plan's
+  pipeline, kept) by step 14; the slowdown is measured near 4x."""
   hidden = "(" + ",".join(["128"] * 11) + ")"
   launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2", "--"]
   done = _run(
@@ -151,16 +152,16 @@ def test_dynamic_repartition_across_processes(tmp_path, process_env):
       str(tmp_path),
       "--config.pipeline.num_stages=2",
       "--config.dynamic.window=2",
-      "--config.dynamic.inject=1:3:4:10",
+      "--config.dynamic.inject=1:4:4:10",
       "--config.dynamic.horizon_steps=500",
       f"--config.model.kwargs.hidden={hidden}",
       "--config.train.steps=14",
     ],
     process_env(),
   )
-  assert "[p0] re-partition at step 6: [0:6 | 6:12] -> [0:" in done.stdout
+  assert "[p0] re-partition at step 8: [0:6 | 6:12] -> [0:" in done.stdout
   assert "[p1] re-partition" not in done.stdout  # Process 0 prints.
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   moved, back = [r["repartition"] for r in rows if "repartition" in r]
-  assert moved["new"][1] > 6 and moved["sigma"][1] == pytest.approx(3, rel=0.2)
+  assert moved["new"][1] > 6 and moved["sigma"][1] == pytest.approx(4, rel=0.25)
   assert back["new"] == [0, 6, 12] and not back["compiled"]

@@ -18,7 +18,10 @@ WINDOW = 2
 def _run(policy, inject="1:4:6:16", steps=24, horizon_steps=50):
   loss_fn, params, batch, _ = flax_models.mlp_case()
   interference = dynamic.Interference(
-    dynamic.parse_inject(inject), simulated_seconds=0.01
+    # Sleeps well above the real work, so a busy machine cannot blur
+    # the slowdowns.
+    dynamic.parse_inject(inject),
+    simulated_seconds=0.02,
   )
   dp = dynamic.DynamicPipeline(
     loss_fn,
@@ -49,14 +52,14 @@ def test_jpipe_policy_moves_off_the_slowed_device_and_back():
   dp, start, reported = _run("jpipe")
   assert reported == dp.history and len(reported) == 2
   onset, end = reported
-  # Device 1 slows 4x from step 6: the switch comes at the first window
-  # that measured it (step 8), nodes leave stage 1.
-  assert 6 < onset["step"] <= 6 + 2 * WINDOW
+  # Device 1 slows 4x from step 6: the switch comes at the second window
+  # that measured it (step 10: two in a row confirm), nodes leave stage 1.
+  assert onset["step"] == 6 + 2 * WINDOW
   assert onset["new"][1] > start[1]
   assert onset["sigma"][1] == pytest.approx(4.0, rel=0.25)
   assert onset["predicted_new_seconds"] < onset["predicted_old_seconds"]
   # It ends before step 16: back to the first plan, built before.
-  assert 16 < end["step"] <= 16 + 2 * WINDOW
+  assert end["step"] == 16 + 2 * WINDOW
   assert tuple(end["new"]) == start and not end["compiled"]
   # The measured slowdown follows the injection.
   sigma = {w.step: w.sigma[1] for w in dp.windows}
@@ -77,7 +80,9 @@ def test_dynpipe_policy_picks_among_its_candidate_cuts():
 def test_static_policy_measures_but_never_switches():
   dp, start, reported = _run("static", steps=12)
   assert reported == [] and dp.boundaries == start
-  assert max(w.sigma[1] for w in dp.windows) > 3
+  # Seen (over the 2x trigger; 4x injected, less measured: the unslowed
+  # dispatch of each action counts in the stage's time).
+  assert max(w.sigma[1] for w in dp.windows) > 2.5
 
 
 def test_no_switch_when_the_gain_cannot_pay_for_it():
@@ -85,7 +90,7 @@ def test_no_switch_when_the_gain_cannot_pay_for_it():
   over one step is below the cost of a new pipeline."""
   dp, start, reported = _run("jpipe", steps=12, horizon_steps=1)
   assert reported == [] and dp.boundaries == start
-  assert max(w.sigma[1] for w in dp.windows) > 3
+  assert max(w.sigma[1] for w in dp.windows) > 2.5  # (As above.)
 
 
 def test_interference_sleeps_the_stages_share_times_the_factor():
