@@ -18,7 +18,8 @@ at 70 and 80: a node leaves it); after step 140 a move back to the
 first plan (no new pipeline) when the predicted gain pays for it (it is
 small here: a few %); WORKDIR/dynamic.png shows the step time and the
 slowdowns per window; eval accuracy 0.7-0.95 after 200 steps (this
-asynchronous run swings between evaluations), in about 50 s on 2 CPU cores (most of it the simulated compute).
+asynchronous run swings between evaluations), in about 50 s on 2 CPU
+cores (most of it the simulated compute).
 In one process one host thread sleeps for every stage, so the step time
 falls less than a pipeline of one process per stage would show.
 
