@@ -13,7 +13,6 @@ momentum, nothing is reset; the stream warms up again from the switch.
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 from jpipe.partition import Plan
 from jpipe.runtime import Pipeline, PipelineState
@@ -88,9 +87,6 @@ class PlanSwitch:
       )
     )
     return moved
-
-  def state_dict(self, state: PipelineState) -> dict[str, Any]:
-    return self.pipeline.state_dict(state)
 
 
 def _bounds(plan: Plan) -> tuple[tuple[int, ...], ...]:
