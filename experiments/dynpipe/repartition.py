@@ -16,6 +16,10 @@ Runs, each ``--dp_steps`` steps:
   1F1B score);
 - jpipe: jpipe's rule (exact split for the measured slowdowns, switched
   to when the predicted gain pays for the switch);
+- jpipe_rf, dynpipe_rf: the same rules with DynPipe's slowdown predictor
+  (a random forest fitted first on stage times this 4-process pipeline
+  measured on several splits with its devices slowed 1.5-4x:
+  ``jpipe.dynamic.collect``; the collection's time is reported);
 - best: the split that is optimal for the slowed device (jpipe's exact
   solver on the cost model with the true factor), static, slowed from
   the start: the step time the policies should reach during the slowdown.
@@ -46,7 +50,12 @@ flags.DEFINE_float("dp_factor", 3.0, "Slowdown factor of device 1.")
 flags.DEFINE_integer("dp_from", 60, "First slowed step.")
 flags.DEFINE_integer("dp_to", 140, "First step after the slowdown.")
 flags.DEFINE_integer("dp_eval_every", 20, "Steps between evaluations.")
-flags.DEFINE_list("dp_runs", ["static", "dynpipe", "jpipe", "best"], "Runs.")
+flags.DEFINE_list(
+  "dp_runs",
+  ["static", "dynpipe", "jpipe", "dynpipe_rf", "jpipe_rf", "best"],
+  "Runs.",
+)
+flags.DEFINE_integer("dp_splits", 8, "Splits the predictor is fitted on.")
 flags.DEFINE_string("dp_worker", "", "(internal) write results here.")
 flags.DEFINE_string(
   "dp_results_dir",
@@ -84,10 +93,14 @@ def _worker():
   slowed = f"1:{FLAGS.dp_factor}:{FLAGS.dp_from}:{FLAGS.dp_to}"
   records = []
   best_split = best_bounds = None
+  predictor, collection = None, {}
+  if any(run.endswith("_rf") for run in FLAGS.dp_runs):
+    predictor, collection = _fit_predictor(task, example, tx, options)
   for run in FLAGS.dp_runs:
     inject = slowed
     plan = "contiguous"
-    policy = run if run in dynamic.POLICIES else "static"
+    policy = run.removesuffix("_rf")
+    policy = policy if policy in dynamic.POLICIES else "static"
     if run == "best":
       inject = f"1:{FLAGS.dp_factor}:0"  # Slowed throughout.
       plan = best_split
@@ -105,6 +118,8 @@ def _worker():
       devices=jax.devices(),
       optimizer=tx,
       partition=plan,
+      # Process 0 decides: only it consults the predictor.
+      predictor=predictor if run.endswith("_rf") else None,
       **options,
     )
     if best_split is None:  # From the first run's traced model and costs.
@@ -153,7 +168,48 @@ def _worker():
       print(f"{run}: {np.mean(times[1:]):.4f} s/step, {dp.history}", flush=True)
   if jax.process_index() == 0:
     with open(FLAGS.dp_worker, "w") as f:
-      json.dump({"runs": records, "best_split": list(best_bounds)}, f)
+      json.dump(
+        {
+          "runs": records,
+          "best_split": list(best_bounds),
+          "predictor": collection,
+        },
+        f,
+      )
+
+
+def _fit_predictor(task, example, tx, options):
+  """DynPipe's forest, fitted on what this pipeline measures (every
+  process collects; process 0 fits): ``(predictor or None, info)``."""
+  import jax
+
+  from jpipe import dynamic
+
+  start = time.perf_counter()
+  dp = dynamic.DynamicPipeline(
+    task.loss_fn,
+    task.params,
+    example,
+    policy="static",
+    interference=dynamic.Interference((), FLAGS.dp_simulated_ms / 1e3),
+    devices=jax.devices(),
+    optimizer=tx,
+    **options,
+  )
+  state = dp.init(task.params, task.model_state)
+  _, measured = dynamic.collect(
+    dp, state, task.batch_at, num_splits=FLAGS.dp_splits
+  )
+  seconds = time.perf_counter() - start
+  if jax.process_index() != 0:
+    return None, {}
+  predictor = dynamic.SlowdownPredictor.fit(measured)
+  info = predictor.info | {
+    "collect_seconds": seconds,
+    "splits": [list(b) for b in measured.splits],
+  }
+  print(f"predictor: {info}", flush=True)
+  return predictor, info
 
 
 def _launch(out):
@@ -172,6 +228,7 @@ def _launch(out):
     "dp_from",
     "dp_to",
     "dp_eval_every",
+    "dp_splits",
   ):
     command.append(f"--{name}={getattr(FLAGS, name)}")
   command.append(f"--dp_runs={','.join(FLAGS.dp_runs)}")
@@ -284,6 +341,15 @@ def main(argv):
   with open(out + ".json", "w") as f:
     json.dump(data, f, indent=1)
   table = _table(data)
+  fitted = data.get("predictor")
+  if fitted:
+    table += (
+      f"\n\nPredictor: {fitted['samples']} samples from "
+      f"{len(fitted['splits'])} splits, collected in "
+      f"{fitted['collect_seconds']:.0f} s; held-out mean absolute error of "
+      f"the slowdown: forest {fitted['heldout_mae']:.3f}, measured rule "
+      f"{fitted['heldout_mae_measured_rule']:.3f}."
+    )
   print(table)
   with open(out + ".md", "w") as f:
     f.write(table + "\n")

@@ -50,14 +50,22 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jpipe import partition as partition_lib
 from jpipe.dynamic._inject import Interference
+from jpipe.dynamic._measure import stage_seconds_per_microbatch
+from jpipe.dynamic._predictor import (
+  SlowdownPredictor,
+  node_features,
+  predicted_slowdowns,
+  range_features,
+  sample_features,
+)
 from jpipe.dynamic._replan import (
   boundaries_of,
   dynpipe_split,
   jpipe_split,
+  minmax_split,
   predicted_step_seconds,
   stage_costs,
 )
@@ -97,6 +105,10 @@ class DynamicPipeline:
       (``Interference``; default none).
     cost_model: node costs for re-planning ("analytic", "xla",
       "measured"; see ``jpipe.partition.profile_nodes``).
+    predictor: a fitted ``SlowdownPredictor`` (DynPipe's random forest):
+      a candidate stage's slowdown on a slowed device is predicted from
+      what the device shows and the stage's features, instead of the
+      device's measured slowdown applying to any layers.
     **pipeline_options: ``jpipe.Pipeline``'s other arguments (num_stages,
       devices, schedule, num_microbatches, optimizer, partition, ...); the
       plan must be straight with one device per stage.
@@ -117,6 +129,7 @@ class DynamicPipeline:
     horizon_steps: int | None = None,
     interference: Interference | None = None,
     cost_model: str = "analytic",
+    predictor: SlowdownPredictor | None = None,
     **pipeline_options,
   ):
     if policy not in POLICIES:
@@ -170,6 +183,12 @@ class DynamicPipeline:
     if self.total <= 0:
       raise ValueError("the cost model gives the model no cost to split by")
     self._shares = (self.forward / self.total, self.backward / self.total)
+    self.predictor = predictor
+    self.features = (
+      None
+      if predictor is None
+      else range_features(node_features(first.traced), first.traced.edges())
+    )
     self.calibrated = False
     self.calls = 0
     self.windows: list[Window] = []
@@ -270,23 +289,10 @@ class DynamicPipeline:
     return state, metrics
 
   def _measure(self, timeline, seconds) -> Window:
-    slept = self.interference.take_slept()
+    per_micro = stage_seconds_per_microbatch(
+      timeline, self.interference.take_slept(), self.plan.num_stages
+    )
     n = self.plan.num_stages
-    busy = np.zeros(n)
-    micro = np.zeros(n)
-    for action, end in timeline.end.items():
-      if action.kind == "S":
-        continue
-      busy[action.stage] += end - timeline.start[action]
-      if action.kind == "F":
-        micro[action.stage] += 1
-    for s, t in slept.items():
-      busy[s] += t
-    if jax.process_count() > 1:
-      # Each process timed its own stages: every process gets them all.
-      both = multihost_utils.process_allgather(np.stack([busy, micro]))
-      busy, micro = np.asarray(both).sum(axis=0)
-    per_micro = busy / np.maximum(micro, 1)
     if not self.calibrated and self._warmup_left <= 0:
       self._calibrate(per_micro)
     self._warmup_left -= 1
@@ -331,12 +337,18 @@ class DynamicPipeline:
         return None
       factors = clamped_ratios(sigma, np.ones_like(sigma), self.high, self.low)
       new, _ = dynpipe_split(
-        self.forward, self.backward, current, factors, top_k=self.top_k
+        self.forward,
+        self.backward,
+        current,
+        factors if self.predictor is None else self._slowdowns_of(factors),
+        top_k=self.top_k,
       )
       if new == current:
         return None
-      old_t, new_t = (self._predict(b, factors) for b in (current, new))
-      return new, factors, old_t, new_t
+      expected = self._expected(factors, new)
+      old_t = self._predict(current, factors)
+      new_t = self._predict(new, expected)
+      return new, factors, old_t, new_t, expected
     # As DynPipe, slowdowns between the thresholds count as none (a small
     # stage's unslowed dispatch reads as up to ~1.5x). A slot entering or
     # leaving the slowed state, or a slowed slot moving by the trigger's
@@ -354,10 +366,14 @@ class DynamicPipeline:
     sigma = clamped_ratios(
       (seen[1] + factors) / 2, np.ones_like(factors), self.high, self.low
     )
-    new, _ = jpipe_split(self.forward, self.backward, sigma)
-    old_t, new_t = (self._predict(b, sigma) for b in (current, new))
+    if self.predictor is None:
+      new, _ = jpipe_split(self.forward, self.backward, sigma)
+    else:
+      new, _ = minmax_split(self._range_seconds(sigma))
     if new == current:
       return None
+    expected = self._expected(sigma, new)
+    old_t, new_t = self._predict(current, sigma), self._predict(new, expected)
     # What switching costs: draining and moving (measured at the last
     # switch; before one, bounded by a build), plus, for a plan not seen
     # before, building its pipeline and compiling its programs (measured
@@ -369,7 +385,42 @@ class DynamicPipeline:
     cost = move + (0.0 if self.switch.seen(self._plan(new)) else new_pipeline)
     if (old_t - new_t) * self.horizon_steps <= cost:
       return None
-    return new, sigma, old_t, new_t
+    return new, sigma, old_t, new_t, expected
+
+  # -- slowdowns of other splits ---------------------------------------------
+
+  def _slowdowns_of(self, observed):
+    """split -> its stages' predicted slowdowns (the forest's)."""
+    current = self.boundaries
+    return lambda split: predicted_slowdowns(
+      self.predictor, observed, current, split, self.features
+    )
+
+  def _expected(self, observed, split) -> np.ndarray:
+    """The slowdowns ``split``'s stages will show: the forest's, or
+    (measured rule) each slot's observed one."""
+    if self.predictor is None:
+      return np.asarray(observed, np.float64)
+    return self._slowdowns_of(observed)(split)
+
+  def _range_seconds(self, observed) -> np.ndarray:
+    """[S, N + 1, N + 1]: nodes lo:hi as stage s, their calibrated
+    seconds times the forest's slowdown for them on slot s's device."""
+    n = len(self.forward)
+    prefix = np.concatenate([[0.0], np.cumsum(self.forward + self.backward)])
+    plain = prefix[None, :] - prefix[:, None]
+    lo, hi = np.triu_indices(n + 1, 1)
+    current = self.boundaries
+    out = np.empty((len(observed), n + 1, n + 1))
+    for s, x in enumerate(observed):
+      out[s] = plain
+      if x > 1.0:
+        cur = self.features[current[s], current[s + 1]]
+        rows = sample_features(x, cur, self.features[lo, hi])
+        out[s][lo, hi] *= np.maximum(self.predictor.predict(rows), 1.0)
+      elif x != 1.0:
+        out[s] *= x
+    return out
 
   def _predict(self, boundaries, sigma) -> float:
     """Seconds per call of the split under ``sigma`` (jpipe's simulator
@@ -426,13 +477,19 @@ class DynamicPipeline:
       devices=[ds[0] for ds in self.plan.stage_devices],
     )
 
-  def _switch_to(self, state, boundaries, sigma, old_t, new_t, window):
+  def _switch_to(
+    self, state, boundaries, sigma, old_t, new_t, expected, window
+  ):
     old = self.boundaries
     state = self.switch.switch(state, self._plan(boundaries))
     done = self.switch.history[-1]
     self._move_seconds = done.seconds - done.build_seconds
     self._fresh = done.compiled
-    self.assumed = np.asarray(sigma, np.float64)
+    # What the new split's slots should show from now on (the forest's
+    # prediction, or the measured slowdowns), as the trigger reads them.
+    self.assumed = clamped_ratios(
+      expected, np.ones_like(expected), self.high, self.low
+    )
     self._changed = None
     self.trigger.rebase()
     self._place()
@@ -441,6 +498,7 @@ class DynamicPipeline:
       "old": list(old),
       "new": list(boundaries),
       "sigma": [float(x) for x in sigma],
+      "expected_sigma": [float(x) for x in expected],
       "predicted_old_seconds": old_t,
       "predicted_new_seconds": new_t,
       "measured_seconds": window.step_seconds,
@@ -454,12 +512,13 @@ class DynamicPipeline:
 def _jsonable(decision):
   if decision is None:
     return None
-  boundaries, sigma, old_t, new_t = decision
+  boundaries, sigma, old_t, new_t, expected = decision
   return [
     [int(b) for b in boundaries],
     [float(x) for x in sigma],
     float(old_t),
     float(new_t),
+    [float(x) for x in expected],
   ]
 
 

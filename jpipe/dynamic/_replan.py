@@ -144,7 +144,8 @@ def dynpipe_split(
   Args:
     forward, backward: per node, seconds per microbatch.
     boundaries: the current split (0, b1, ..., N).
-    slowdown: per stage slot, its device's factor.
+    slowdown: per stage slot, its device's factor; or a function of a
+      candidate split giving its stages' factors (DynPipe's predictor).
     comm: per node, seconds to send its output on (default 0).
   """
   n_nodes = len(forward)
@@ -155,9 +156,10 @@ def dynpipe_split(
   best, best_score = tuple(boundaries), np.inf
   for chosen in itertools.combinations(cuts, stages - 1):
     split = (0, *chosen, n_nodes)
+    factors = slowdown(split) if callable(slowdown) else slowdown
     score = dynpipe_score(
-      stage_costs(forward, split, slowdown),
-      stage_costs(backward, split, slowdown),
+      stage_costs(forward, split, factors),
+      stage_costs(backward, split, factors),
       [c[i - 1] for i in chosen],
       microbatches,
     )
@@ -175,6 +177,35 @@ def jpipe_split(forward, backward, slowdown, **solver_options):
     compute, len(slowdown), stage_slowdown=slowdown, **solver_options
   )
   return solution.boundaries, solution.bottleneck_seconds
+
+
+def minmax_split(stage_seconds) -> tuple[tuple[int, ...], float]:
+  """The exact min-max contiguous split when a stage's time depends on
+  its slot and its whole node range (a predicted slowdown per range):
+  ``(boundaries, bottleneck seconds)``.
+
+  Args:
+    stage_seconds: [S, N + 1, N + 1]; ``[s, lo, hi]`` is nodes ``lo:hi``
+      as stage s (only lo < hi is read).
+  """
+  t = np.asarray(stage_seconds, np.float64)
+  stages, n = t.shape[0], t.shape[1] - 1
+  if not 1 <= stages <= n:
+    raise ValueError(f"cannot split {n} nodes into {stages} stages")
+  # best[s, hi]: the least bottleneck of nodes 0:hi in stages 0..s.
+  best = np.full((stages, n + 1), np.inf)
+  cut = np.zeros((stages, n + 1), np.int64)
+  best[0, 1:] = t[0, 0, 1:]
+  for s in range(1, stages):
+    for hi in range(s + 1, n + 1):
+      lo = np.arange(s, hi)
+      worst = np.maximum(best[s - 1, lo], t[s, lo, hi])
+      i = int(np.argmin(worst))
+      best[s, hi], cut[s, hi] = worst[i], lo[i]
+  boundaries = [n]
+  for s in range(stages - 1, 0, -1):
+    boundaries.append(int(cut[s, boundaries[-1]]))
+  return (0, *reversed(boundaries)), float(best[stages - 1, n])
 
 
 def predicted_step_seconds(

@@ -124,6 +124,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.dynamic.low = 0.5
   c.dynamic.top_k = 2  # DynPipe's candidate cuts per stage.
   c.dynamic.horizon_steps = 0  # Steps a switch must pay off in; 0: 2 windows.
+  # DynPipe's slowdown predictor: a file written by `python -m
+  # jpipe.train.slowdowns --config ... --out PATH` (a random forest fitted
+  # on stage times this config's pipeline measured under injected
+  # slowdowns): a candidate stage's slowdown on a slowed device is
+  # predicted from its features. "": the device's measured slowdown
+  # applies to whatever layers it holds.
+  c.dynamic.predictor = ""
   # Injected slowdowns (sleeps, for experiments): "DEVICE:FACTOR:FROM_STEP
   # [:TO_STEP]", comma-separated; simulated_ms: every forward + backward of
   # the whole model per microbatch sleeps this long, split by the stages'

@@ -1,5 +1,7 @@
 """Checks a training config before any work: each problem names its key."""
 
+import os
+
 import ml_collections
 
 from jpipe import dynamic, parallel
@@ -242,6 +244,18 @@ def _check_dynamic(config, need, problems) -> None:
     config.schedule.name != "interleaved",
     "schedule.name",
     "re-partitioning needs one stage per device, not 'interleaved'",
+  )
+  need(
+    not dyn.predictor or dyn.policy != "static",
+    "dynamic.predictor",
+    "the static policy never re-plans, so a predictor would go unused: "
+    "set dynamic.policy to 'jpipe' or 'dynpipe', or predictor=''",
+  )
+  need(
+    not dyn.predictor or os.path.isfile(dyn.predictor),
+    "dynamic.predictor",
+    f"no file {dyn.predictor!r}: write one with `python -m "
+    "jpipe.train.slowdowns --config CONFIG --out PATH`",
   )
   stages = config.pipeline.num_stages
   for s in inject:

@@ -24,6 +24,9 @@ def build(config, task, example_batch, tx, options):
     dynamic.parse_inject(dyn.inject), simulated_seconds=dyn.simulated_ms / 1e3
   )
   try:
+    predictor = (
+      dynamic.SlowdownPredictor.load(dyn.predictor) if dyn.predictor else None
+    )
     return dynamic.DynamicPipeline(
       task.loss_fn,
       task.params,
@@ -36,6 +39,7 @@ def build(config, task, example_batch, tx, options):
       top_k=dyn.top_k,
       horizon_steps=dyn.horizon_steps or None,
       interference=interference,
+      predictor=predictor,
       devices=jax.devices(),
       optimizer=tx,
       **options,

@@ -167,6 +167,11 @@ def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
     ({"pipeline.partition": "mixed"}, "'mixed' is not: use 'contiguous'"),
     ({"dynamic.inject": "7:2:10"}, "device 7 holds no stage of 2"),
     ({"dynamic.high": 0.9}, "low < 1 < high"),
+    ({"dynamic.predictor": "/no/rf.pkl"}, "python -m jpipe.train.slowdowns"),
+    (
+      {"dynamic.policy": "static", "dynamic.predictor": "/no/rf.pkl"},
+      "static policy never re-plans",
+    ),
   ],
 )
 def test_bad_dynamic_combinations_fail_before_work(tmp_path, other, message):
@@ -577,6 +582,43 @@ def test_dynamic_repartitions_logs_draws_and_resumes_on_its_split(
   train_lib.train_and_evaluate(config, str(tmp_path))
   out = capsys.readouterr().out
   assert f"Resuming on the split in force: {_split(moved['new'])}" in out
+
+
+def test_slowdown_predictor_fitted_by_its_cli_drives_a_training_run(
+  tmp_path, capsys
+):
+  """``jpipe.train.slowdowns`` on a small config writes a predictor and
+  its data; training with ``dynamic.predictor`` set re-partitions off a
+  slowed device with it (the line, and the forest's expected slowdowns
+  in metrics.jsonl)."""
+  from jpipe.train import slowdowns
+
+  config = _config(
+    **{
+      "dynamic.enabled": True,
+      "dynamic.window": 2,
+      "dynamic.simulated_ms": 20.0,
+      "dynamic.horizon_steps": 500,
+      "model.kwargs.hidden": (32,) * 4,
+    }
+  )
+  out = str(tmp_path / "rf.pkl")
+  info = slowdowns.collect_and_fit(config, out, ["2", "4"], 3, 1, 20)
+  assert info["samples"] == 3 * 3 * 2 * 2  # Split pairs x factors x slots.
+  assert os.path.exists(out) and os.path.exists(out + ".json")
+  assert "held-out mean absolute error" in capsys.readouterr().out
+  config.dynamic.predictor = out
+  config.dynamic.inject = "1:6.0:4"  # After the reference window (step 4).
+  config.train.steps = 8
+  summary = train_lib.train_and_evaluate(config, str(tmp_path / "run"))
+  assert "\nre-partition at step 8: " in capsys.readouterr().out
+  record = summary["repartitions"][0]
+  assert record["new"][1] > record["old"][1]  # Slot 1 holds less.
+  # The forest's slowdowns for the new split, logged with the switch.
+  rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+  logged = [r["repartition"] for r in rows if "repartition" in r][0]
+  assert logged["expected_sigma"] == record["expected_sigma"]
+  assert len(record["expected_sigma"]) == 2
 
 
 def _split(boundaries):
