@@ -25,7 +25,9 @@ falls less than a pipeline of one process per stage would show.
 
 Variants: --config.dynamic.policy=dynpipe (DynPipe's candidate cuts and
 1F1B score) or static (measure only, never move: the baseline);
---config.dynamic.inject=2:4.0:50 (device 2, 4x, from step 50 on).
+--config.dynamic.inject=2:4.0:50 (device 2, 4x, from step 50 on);
+--config.dynamic.predictor=PATH (DynPipe's random forest, fitted by
+`python -m jpipe.train.slowdowns --config configs/dynpipe.py --out PATH`).
 """
 
 from configs import default

@@ -329,7 +329,7 @@ def collect(
   *,
   factors: Sequence[float] = (1.5, 2.0, 3.0, 4.0),
   num_splits: int = 8,
-  steps_per_window: int = 2,
+  steps_per_window: int = 3,
   seed: int = 0,
   progress: Callable[[str], None] | None = None,
 ):
@@ -341,7 +341,8 @@ def collect(
   warm-up window (compilation), an unslowed reference window, then one
   window per factor, the factors rotated over the devices (each slot
   sees each factor once). A window is ``steps_per_window`` training
-  steps (they train: the state moves on), the last one profiled.
+  steps (they train: the state moves on), each profiled, their stage
+  times averaged.
 
   Args:
     dyn: a ``DynamicPipeline`` (its ``Interference`` is driven here;
@@ -372,16 +373,18 @@ def collect(
   slowed = np.zeros((len(splits), factors.size, stages))
 
   def window():
+    """Per stage, seconds per microbatch: the mean over the window's
+    steps, each profiled (one profiled step is a noisy sample)."""
     nonlocal state, step
-    for i in range(steps_per_window):
-      last = i == steps_per_window - 1
-      if last:
-        interference.take_slept()
-      state, metrics = dyn.pipeline.step(state, batch_at(step), profile=last)
+    interference.take_slept()
+    seconds = np.zeros(stages)
+    for _ in range(steps_per_window):
+      state, metrics = dyn.pipeline.step(state, batch_at(step), profile=True)
       step += 1
-    return stage_seconds_per_microbatch(
-      metrics["timeline"], interference.take_slept(), stages
-    )
+      seconds += stage_seconds_per_microbatch(
+        metrics["timeline"], interference.take_slept(), stages
+      )
+    return seconds / steps_per_window
 
   try:
     for k, split in enumerate(splits):

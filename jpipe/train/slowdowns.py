@@ -42,7 +42,7 @@ _FACTORS = flags.DEFINE_list(
 )
 _SPLITS = flags.DEFINE_integer("splits", 8, "Splits to measure on.")
 _STEPS = flags.DEFINE_integer(
-  "steps_per_window", 2, "Training steps per measured window."
+  "steps_per_window", 3, "Training steps per measured window (averaged)."
 )
 _TREES = flags.DEFINE_integer(
   "trees", 500, "Trees of the random forest (DynPipe: 500)."
