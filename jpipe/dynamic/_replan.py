@@ -9,7 +9,8 @@ a slowdown factor per stage slot (its device computes that much slower).
   in each current stage the ``top_k`` heaviest nodes may end a stage
   (a cut right after them); every choice of S - 1 cuts among those is
   scored by DynPipe's own 1F1B simulation (99 microbatches, stage costs
-  times their slowdown) and the best is kept.
+  times their slowdown) and the best is kept (on a tie, the split in
+  force).
 - jpipe (``jpipe_split``): the exact min-max contiguous split with the
   slowed costs (``jpipe.partition.solve_contiguous``), every split, not
   only DynPipe's candidates.
@@ -154,6 +155,7 @@ def dynpipe_split(
   cuts = candidate_cuts(weights, boundaries, top_k)
   c = np.zeros(n_nodes) if comm is None else np.asarray(comm, np.float64)
   best, best_score = tuple(boundaries), np.inf
+  current_score = None
   for chosen in itertools.combinations(cuts, stages - 1):
     split = (0, *chosen, n_nodes)
     factors = slowdown(split) if callable(slowdown) else slowdown
@@ -163,8 +165,14 @@ def dynpipe_split(
       [c[i - 1] for i in chosen],
       microbatches,
     )
+    if split == tuple(boundaries):
+      current_score = score
     if score < best_score:
       best, best_score = split, score
+  # A tie with the split in force keeps it (DynPipe's argmin takes the
+  # first in its enumeration and would move for nothing).
+  if current_score is not None and current_score <= best_score:
+    best = tuple(boundaries)
   return best, float(best_score)
 
 

@@ -157,3 +157,17 @@ def test_boundaries_round_trip():
   assert dynamic.stage_of_node((0, 2, 5, 6)) == of
   with pytest.raises(ValueError, match="straight plan"):
     dynamic.boundaries_of((0, 1, 0))
+
+
+def test_dynpipe_split_keeps_the_split_in_force_on_a_tie():
+  """Node 2 is free: cutting after node 1 or node 2 gives the same
+  stages' costs; DynPipe's argmin would take the first (a move for
+  nothing), jpipe's reading keeps the split in force."""
+  f = np.array([1.0, 1.0, 0.0, 1.0, 1.0])
+  current = (0, 3, 5)
+  new, score = dynamic.dynpipe_split(f, f, current, [1.0, 1.0], top_k=3)
+  assert new == current
+  other, other_score = dynamic.dynpipe_split(
+    f, f, (0, 1, 5), [1.0, 1.0], top_k=3
+  )
+  assert other == (0, 2, 5) and other_score == score  # From elsewhere: moves.

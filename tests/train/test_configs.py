@@ -124,7 +124,8 @@ def test_cli_takes_a_config_variant(tmp_path):
     ],
     capture_output=True,
     text=True,
-    env=dict(os.environ, PYTHONPATH=ROOT),
+    # Quick compiles, as the in-process tests (fast_compiles).
+    env=dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1"),
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "schedule async" in result.stdout
