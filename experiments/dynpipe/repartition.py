@@ -30,7 +30,8 @@ between steps, measured in process 0); the model is evaluated every
 
   python -m experiments.dynpipe.repartition [--dp_steps 200]
 
-Prints a table; writes results/repartition.{json,md,png}.
+Prints a table; writes results/repartition_seed{SEED}.{json,md,png}
+(``--dp_seed``: config.seed, the params and the data order).
 """
 
 import datetime
@@ -348,7 +349,7 @@ def main(argv):
     _worker()
     return
   os.makedirs(FLAGS.dp_results_dir, exist_ok=True)
-  out = os.path.join(FLAGS.dp_results_dir, "repartition")
+  out = os.path.join(FLAGS.dp_results_dir, f"repartition_seed{FLAGS.dp_seed}")
   _launch(out + ".json")
   with open(out + ".json") as f:
     data = json.load(f)
