@@ -22,7 +22,8 @@ run), blocking only at the end, as a loop that does not read every loss.
 The stage imbalance is each stage's forward + backward time measured
 alone (``seq`` schedule, one core).
 
-  python -m experiments.distributed.throughput [--steps 20]
+  python -m experiments.distributed.throughput [--steps 20] [--layers 8]
+      [--width 1024] [--batch 1024] [--schedules async] [--microbatches 4]
 
 Prints a table; writes ``experiments/distributed/results/throughput.json``.
 """
@@ -41,7 +42,7 @@ MICROBATCHES = (4, 16)
 # Microbatches of 1024 / 4 = 256 rows run as fast per example on one core
 # as the whole batch; 64-row ones (16 microbatches) ~1.6x slower per
 # example (XLA's CPU matmuls; measured): the "same schedule" column.
-BATCH, WIDTH, LAYERS = 1024, 1024, 8
+BATCH, WIDTH, LAYERS = 1024, 1024, 8  # Defaults of --batch, --width, --layers.
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -249,6 +250,14 @@ def _table(result):
   return "\n".join(lines)
 
 
+def _set_size(args):
+  """The model and the rows from the flags (every process parses them)."""
+  global LAYERS, WIDTH, BATCH, SCHEDULES, MICROBATCHES
+  LAYERS, WIDTH, BATCH = args.layers, args.width, args.batch
+  SCHEDULES = tuple(args.schedules.split(","))
+  MICROBATCHES = tuple(int(m) for m in args.microbatches.split(","))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=20)
@@ -263,7 +272,22 @@ def main():
     "--worker", nargs=4, metavar=("SCHEDULE", "M", "OUT", "PLAN_JSON")
   )
   parser.add_argument("--baseline", metavar="OUT")
+  parser.add_argument(
+    "--name", default="throughput", help="results/NAME.json is written"
+  )
+  parser.add_argument("--layers", type=int, default=LAYERS)
+  parser.add_argument("--width", type=int, default=WIDTH)
+  parser.add_argument("--batch", type=int, default=BATCH)
+  parser.add_argument(
+    "--schedules", default=",".join(SCHEDULES), help="comma-separated"
+  )
+  parser.add_argument(
+    "--microbatches",
+    default=",".join(map(str, MICROBATCHES)),
+    help="comma-separated",
+  )
   args = parser.parse_args()
+  _set_size(args)
   if args.worker:
     schedule, m, out, plan = args.worker
     with open(plan) as f:
@@ -272,12 +296,14 @@ def main():
     return baseline(args.steps, args.baseline)
   os.makedirs(RESULTS, exist_ok=True)
   me = [sys.executable, "-m", "experiments.distributed.throughput"]
+  me += [f"--layers={LAYERS}", f"--width={WIDTH}", f"--batch={BATCH}"]
+  me += [f"--schedules={args.schedules}", f"--microbatches={args.microbatches}"]
   steps = ["--steps", str(args.steps)]
   tmp = os.path.join(RESULTS, "_run.json")
   _run([*me, *steps, "--baseline", tmp], _env(2))
   with open(tmp) as f:
     base = json.load(f)
-  plan_path = os.path.join(RESULTS, "throughput_plan.json")
+  plan_path = os.path.join(RESULTS, f"{args.name}_plan.json")
   with open(plan_path, "w") as f:
     f.write(base["plan"])
   one = BATCH * base["steps"] / base["seconds"]
@@ -320,7 +346,7 @@ def main():
     "rows": rows,
   }
   print(_table(result))
-  with open(os.path.join(RESULTS, "throughput.json"), "w") as f:
+  with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
     json.dump(result, f, indent=1)
 
 
