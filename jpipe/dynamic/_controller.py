@@ -22,7 +22,9 @@ planners use the calibrated node times. Then, by policy:
   factor from what the plan in force assumed, in two windows in a row
   (one profiled step is a noisy sample), solve the exact min-max split
   for their mean sigmas, predict both splits' step time with
-  jpipe's event simulator on the schedule in use, and switch only when
+  jpipe's event simulator on the schedule in use (the split in force on
+  its two windows' measured stage times, the new one on the calibrated
+  node times), and switch only when
   the gain over ``horizon_steps`` beats the cost of switching (measured:
   the first build, or an earlier switch to a plan seen before).
 - "dynpipe": DynPipe's rule: its trigger on stage times against a
@@ -360,7 +362,8 @@ class DynamicPipeline:
     # One profiled step is a noisy sample (a pause reads as a slowdown):
     # act when two windows in a row show the same slots changed, on their
     # mean.
-    seen, self._changed = self._changed, (changed, factors)
+    seen = self._changed
+    self._changed = (changed, factors, np.asarray(window.stage_seconds))
     if not np.any(changed) or seen is None or np.any(seen[0] != changed):
       return None
     sigma = clamped_ratios(
@@ -373,7 +376,12 @@ class DynamicPipeline:
     if new == current:
       return None
     expected = self._expected(sigma, new)
-    old_t, new_t = self._predict(current, sigma), self._predict(new, expected)
+    # The split in force is scored on what it measured (the two windows'
+    # stage times), the candidate on the calibrated node times: a model
+    # error on the split in force (a stage's fixed cost spread over its
+    # nodes) no longer hides the gain of a move.
+    old_t = self._predict_measured((seen[2] + self._changed[2]) / 2)
+    new_t = self._predict(new, expected)
     # What switching costs: draining and moving (measured at the last
     # switch; before one, bounded by a build), plus, for a plan not seen
     # before, building its pipeline and compiling its programs (measured
@@ -422,11 +430,26 @@ class DynamicPipeline:
         out[s] *= x
     return out
 
-  def _predict(self, boundaries, sigma) -> float:
+  def _predict_measured(self, stage_seconds) -> float:
+    """Seconds per call of the split in force from its measured stage
+    seconds per microbatch (split into forward and backward as its
+    nodes' calibrated times are)."""
+    b = self.boundaries
+    f, bwd = stage_costs(self.forward, b), stage_costs(self.backward, b)
+    share = f / np.maximum(f + bwd, 1e-300)
+    stages = tuple(range(len(b)))
+    t = np.asarray(stage_seconds, np.float64)
+    return self._predict(
+      stages, np.ones(len(b) - 1), t * share, t * (1 - share)
+    )
+
+  def _predict(self, boundaries, sigma, forward=None, backward=None) -> float:
     """Seconds per call of the split under ``sigma`` (jpipe's simulator
-    on the calibrated node times). A streaming
-    schedule has no fill or drain per call: its steady state is a long
-    1F1B's time per microbatch."""
+    on the calibrated node times, or on ``forward`` / ``backward`` node
+    times). A streaming schedule has no fill or drain per call: its
+    steady state is a long 1F1B's time per microbatch."""
+    forward = self.forward if forward is None else forward
+    backward = self.backward if backward is None else backward
     m = self.num_microbatches
     if self.schedule_name in ("async", "2bw"):
       long = 8 * len(boundaries)
@@ -434,8 +457,8 @@ class DynamicPipeline:
         m
         / long
         * predicted_step_seconds(
-          self.forward,
-          self.backward,
+          forward,
+          backward,
           boundaries,
           sigma,
           schedule="1f1b",
@@ -444,8 +467,8 @@ class DynamicPipeline:
       )
     else:
       t = predicted_step_seconds(
-        self.forward,
-        self.backward,
+        forward,
+        backward,
         boundaries,
         sigma,
         schedule=self.schedule_name,
