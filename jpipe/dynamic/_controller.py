@@ -59,7 +59,6 @@ from jpipe.dynamic._measure import stage_seconds_per_microbatch
 from jpipe.dynamic._predictor import (
   SlowdownPredictor,
   node_features,
-  predicted_slowdowns,
   range_features,
   sample_features,
 )
@@ -397,12 +396,28 @@ class DynamicPipeline:
 
   # -- slowdowns of other splits ---------------------------------------------
 
+  def _slowdown_table(self, observed) -> np.ndarray:
+    """[S, N + 1, N + 1]: nodes lo:hi as stage s, their slowdown on slot
+    s's device: the forest's where the slot is slowed (all ranges in one
+    call), its observed factor where not (1, or a speed-up)."""
+    n = len(self.forward)
+    lo, hi = np.triu_indices(n + 1, 1)
+    current = self.boundaries
+    out = np.ones((len(observed), n + 1, n + 1))
+    for s, x in enumerate(observed):
+      out[s] = x
+      if x > 1.0:
+        cur = self.features[current[s], current[s + 1]]
+        rows = sample_features(x, cur, self.features[lo, hi])
+        out[s][lo, hi] = np.maximum(self.predictor.predict(rows), 1.0)
+    return out
+
   def _slowdowns_of(self, observed):
     """split -> its stages' predicted slowdowns (the forest's)."""
-    current = self.boundaries
-    return lambda split: predicted_slowdowns(
-      self.predictor, observed, current, split, self.features
-    )
+    table = self._slowdown_table(observed)
+    return lambda split: table[
+      np.arange(len(split) - 1), np.asarray(split[:-1]), np.asarray(split[1:])
+    ]
 
   def _expected(self, observed, split) -> np.ndarray:
     """The slowdowns ``split``'s stages will show: the forest's, or
@@ -413,22 +428,11 @@ class DynamicPipeline:
 
   def _range_seconds(self, observed) -> np.ndarray:
     """[S, N + 1, N + 1]: nodes lo:hi as stage s, their calibrated
-    seconds times the forest's slowdown for them on slot s's device."""
-    n = len(self.forward)
+    seconds times their slowdown on slot s's device
+    (``_slowdown_table``)."""
     prefix = np.concatenate([[0.0], np.cumsum(self.forward + self.backward)])
     plain = prefix[None, :] - prefix[:, None]
-    lo, hi = np.triu_indices(n + 1, 1)
-    current = self.boundaries
-    out = np.empty((len(observed), n + 1, n + 1))
-    for s, x in enumerate(observed):
-      out[s] = plain
-      if x > 1.0:
-        cur = self.features[current[s], current[s + 1]]
-        rows = sample_features(x, cur, self.features[lo, hi])
-        out[s][lo, hi] *= np.maximum(self.predictor.predict(rows), 1.0)
-      elif x != 1.0:
-        out[s] *= x
-    return out
+    return plain[None] * self._slowdown_table(observed)
 
   def _predict_measured(self, stage_seconds) -> float:
     """Seconds per call of the split in force from its measured stage

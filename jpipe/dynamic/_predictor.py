@@ -441,30 +441,6 @@ def _count_splits(nodes, stages) -> int:
   return math.comb(nodes - 1, stages - 1)
 
 
-def predicted_slowdowns(
-  predictor: SlowdownPredictor,
-  observed: Sequence[float],
-  current: Sequence[int],
-  boundaries: Sequence[int],
-  features: np.ndarray,
-) -> np.ndarray:
-  """Per stage of the split ``boundaries``, its predicted slowdown on
-  its slot's device: 1 where the slot's ``observed`` slowdown is 1 (not
-  slowed), the observed one where it is below 1 (a speed-up: the forest
-  learnt slowdowns), the forest's otherwise.
-
-  Args:
-    observed: per slot, the slowdown its device shows with the stage of
-      ``current`` (the split in force) on it.
-    features: ``range_features``, [N + 1, N + 1, 10].
-  """
-  observed = np.asarray(observed, np.float64)
-  cur = boundaries_of_features(features, current)
-  new = boundaries_of_features(features, boundaries)
-  forest = predictor.predict(sample_features(observed, cur, new))
-  return np.where(observed > 1.0, np.maximum(forest, 1.0), observed)
-
-
 def boundaries_of_features(features, boundaries) -> np.ndarray:
   """Per stage of ``boundaries``, its features: [S, 10]."""
   b = np.asarray(boundaries)

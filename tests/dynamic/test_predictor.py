@@ -235,3 +235,13 @@ def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   assert record["step"] == 10 and record["new"][1] > start[1]
   # What the forest expects the slowed slot to show with its new stage.
   assert 1.0 <= record["expected_sigma"][1] <= 4.4
+  # The planners' table of every range's slowdown (one forest call) is
+  # the forest's prediction for each stage of a split, row by row.
+  observed = [1.0, 3.0]
+  split = (0, 2, dp.boundaries[-1])
+  cur = predictor_lib.boundaries_of_features(dp.features, dp.boundaries)
+  new = predictor_lib.boundaries_of_features(dp.features, split)
+  direct = forest.predict(predictor_lib.sample_features(3.0, cur[1], new[1]))
+  np.testing.assert_allclose(
+    dp._slowdowns_of(observed)(split), [1.0, max(float(direct), 1.0)]
+  )
