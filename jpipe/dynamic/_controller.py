@@ -337,16 +337,17 @@ class DynamicPipeline:
       if self.trigger.add(window.stage_seconds) is None:
         return None
       factors = clamped_ratios(sigma, np.ones_like(sigma), self.high, self.low)
+      slowdowns = self._slowdowns_of(factors)
       new, _ = dynpipe_split(
         self.forward,
         self.backward,
         current,
-        factors if self.predictor is None else self._slowdowns_of(factors),
+        factors if self.predictor is None else slowdowns,
         top_k=self.top_k,
       )
       if new == current:
         return None
-      expected = self._expected(factors, new)
+      expected = slowdowns(new)
       old_t = self._predict(current, factors)
       new_t = self._predict(new, expected)
       return new, factors, old_t, new_t, expected
@@ -370,11 +371,13 @@ class DynamicPipeline:
     )
     if self.predictor is None:
       new, _ = jpipe_split(self.forward, self.backward, sigma)
+      expected = sigma
     else:
-      new, _ = minmax_split(self._range_seconds(sigma))
+      table = self._slowdown_table(sigma)
+      new, _ = minmax_split(self._range_seconds(table))
+      expected = _of_split(table, new)
     if new == current:
       return None
-    expected = self._expected(sigma, new)
     # The split in force is scored on what it measured (the two windows'
     # stage times), the candidate on the calibrated node times: a model
     # error on the split in force (a stage's fixed cost spread over its
@@ -413,26 +416,20 @@ class DynamicPipeline:
     return out
 
   def _slowdowns_of(self, observed):
-    """split -> its stages' predicted slowdowns (the forest's)."""
-    table = self._slowdown_table(observed)
-    return lambda split: table[
-      np.arange(len(split) - 1), np.asarray(split[:-1]), np.asarray(split[1:])
-    ]
-
-  def _expected(self, observed, split) -> np.ndarray:
-    """The slowdowns ``split``'s stages will show: the forest's, or
-    (measured rule) each slot's observed one."""
+    """split -> the slowdowns its stages will show: the forest's (one
+    call for every node range), or (measured rule) each slot's
+    ``observed`` one."""
     if self.predictor is None:
-      return np.asarray(observed, np.float64)
-    return self._slowdowns_of(observed)(split)
+      return lambda split: np.asarray(observed, np.float64)
+    table = self._slowdown_table(observed)
+    return lambda split: _of_split(table, split)
 
-  def _range_seconds(self, observed) -> np.ndarray:
+  def _range_seconds(self, table) -> np.ndarray:
     """[S, N + 1, N + 1]: nodes lo:hi as stage s, their calibrated
-    seconds times their slowdown on slot s's device
-    (``_slowdown_table``)."""
+    seconds times their slowdown on slot s's device (``table``, from
+    ``_slowdown_table``)."""
     prefix = np.concatenate([[0.0], np.cumsum(self.forward + self.backward)])
-    plain = prefix[None, :] - prefix[:, None]
-    return plain[None] * self._slowdown_table(observed)
+    return (prefix[None, :] - prefix[:, None])[None] * table
 
   def _predict_measured(self, stage_seconds) -> float:
     """Seconds per call of the split in force from its measured stage
@@ -534,6 +531,12 @@ class DynamicPipeline:
     }
     self.history.append(record)
     return state, record
+
+
+def _of_split(table, split) -> np.ndarray:
+  """Per stage of ``split``, its entry of a [S, N + 1, N + 1] table."""
+  b = np.asarray(split)
+  return table[np.arange(len(b) - 1), b[:-1], b[1:]]
 
 
 def _jsonable(decision):

@@ -152,14 +152,13 @@ def sample_features(observed, current, candidate) -> np.ndarray:
   candidate = np.asarray(candidate, np.float64)
   current, candidate = np.broadcast_arrays(current, candidate)
   observed = np.broadcast_to(observed, current.shape[:-1])
-  with np.errstate(divide="ignore", invalid="ignore"):
-    relative = np.stack(
-      [
-        candidate[..., 0] / np.maximum(current[..., 0], 1.0),
-        candidate[..., 7] / np.maximum(current[..., 7], 1.0),
-      ],
-      -1,
-    )
+  relative = np.stack(
+    [
+      candidate[..., 0] / np.maximum(current[..., 0], 1.0),
+      candidate[..., 7] / np.maximum(current[..., 7], 1.0),
+    ],
+    -1,
+  )
   return np.concatenate([observed[..., None], current, candidate, relative], -1)
 
 

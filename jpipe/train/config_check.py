@@ -222,10 +222,11 @@ def _check_dynamic(config, need, problems) -> None:
     inject = ()
   if not dyn.enabled:
     need(
-      not inject and not dyn.simulated_ms,
+      not inject and not dyn.simulated_ms and not dyn.predictor,
       "dynamic.enabled",
-      "inject / simulated_ms are set but dynamic.enabled is False: enable "
-      "it (policy='static' to measure without re-partitioning)",
+      "inject / simulated_ms / predictor are set but dynamic.enabled is "
+      "False: enable it (policy='static' to measure without "
+      "re-partitioning)",
     )
     return
   need(

@@ -152,6 +152,7 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("dynamic.policy", "magic", "dynamic.policy: 'magic' is not one"),
     ("dynamic.inject", "1:3", "DEVICE:FACTOR:FROM_STEP"),
     ("dynamic.simulated_ms", 10.0, "dynamic.enabled is False: enable it"),
+    ("dynamic.predictor", "/no/rf.pkl", "dynamic.enabled is False: enable"),
   ],
 )
 def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
