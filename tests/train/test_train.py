@@ -47,6 +47,12 @@ def _config(**overrides):
   return config
 
 
+def _cli_env():
+  """The CLI's environment in a subprocess: quick compiles, as the
+  in-process tests (``fast_compiles``); runs compared share it."""
+  return dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+
+
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
@@ -229,7 +235,7 @@ def _cli(workdir, *overrides):
 
 
 def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  env = _cli_env()
   for flag, message in [
     ("--config.train.num_steps=20", "did you mean config.train.steps"),
     ("--config.train.steps=many", "train.steps=many: expected int"),
@@ -251,7 +257,7 @@ def test_cli_help_lists_the_config_fields(tmp_path):
     _cli(tmp_path, "--help"),
     capture_output=True,
     text=True,
-    env=dict(os.environ, PYTHONPATH=ROOT),
+    env=_cli_env(),
   )
   assert result.returncode == 0
   assert "  train.steps = 300" in result.stdout
@@ -263,7 +269,7 @@ def test_cli_help_lists_the_config_fields(tmp_path):
 def test_sigterm_saves_and_exits_143(tmp_path):
   """A scheduler's SIGTERM: the step finishes, a checkpoint is written,
   and the exit status says the job did not finish."""
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  env = _cli_env()
   process = subprocess.Popen(
     _cli(tmp_path, "--config.train.steps=100000"),
     env=env,
@@ -283,7 +289,7 @@ def test_sigterm_saves_and_exits_143(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  env = _cli_env()
   steps = ["--config.train.steps=40", "--config.train.checkpoint_every=5"]
   straight = tmp_path / "straight"
   subprocess.run(
