@@ -1,7 +1,8 @@
 """Real parallel speed across processes: 2 processes with one core each
 running a 2-stage pipeline, against 1 process on one core.
 
-Each process is pinned to its own core (``sched_setaffinity``) and XLA's
+Each process is pinned to its own core (``sched_setaffinity``, every
+thread, once JAX has started: ``_pin``) and XLA's
 CPU backend runs single-threaded, so the two stages really run in
 parallel and a one-process run really has one core: the limit is 2x.
 Two one-core references:
@@ -43,13 +44,29 @@ MICROBATCHES = (4, 16)
 # as the whole batch; 64-row ones (16 microbatches) ~1.6x slower per
 # example (XLA's CPU matmuls; measured): the "same schedule" column.
 BATCH, WIDTH, LAYERS = 1024, 1024, 8  # Defaults of --batch, --width, --layers.
+# async: a stage's optimizer step after every STEP_EVERY backwards
+# (--step_every; 1: after each, PipeDream's).
+STEP_EVERY = 1
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def _pin(core):
-  """This process on one core (before JAX starts its thread pools)."""
+  """Every thread of this process on one core, once JAX has started.
+
+  Pinning before JAX starts sizes the CPU client's worker pool to one
+  thread: a transfer server's work then queues behind the computation
+  running on it, so a value already computed reaches the other process
+  only when the sender's next action ends (measured: 1.44 s per step
+  instead of 1.03 for a 16-layer stage pair). Pinned afterwards, the
+  pool keeps its threads and they share the one core, as host threads
+  share a GPU's host core in a real deployment.
+  """
+  import jax
+
+  jax.devices()  # The client and its thread pools exist from here on.
   cores = sorted(os.sched_getaffinity(0))
-  os.sched_setaffinity(0, {cores[core % len(cores)]})
+  for tid in os.listdir("/proc/self/task"):
+    os.sched_setaffinity(int(tid), {cores[core % len(cores)]})
 
 
 def _model():
@@ -87,6 +104,8 @@ def _pipeline(loss_fn, params, batch, schedule, m, plan=None, **kwargs):
   import jpipe
 
   options = {"weight_stashing": True} if schedule == "async" else {}
+  if schedule == "async" and STEP_EVERY > 1:
+    options["step_every"] = STEP_EVERY
   if plan is not None:
     options["partition"] = jpipe.partition.Plan.from_json(plan)
   return jpipe.Pipeline(
@@ -126,10 +145,10 @@ def _time_pipeline(pipe, params, batch, steps, barrier=None):
 
 def worker(schedule, m, steps, out, plan):
   """One process of a 2-process pipeline run (under jpipe.launch)."""
-  _pin(int(os.environ["JAX_PROCESS_ID"]))
   from jpipe import distributed
 
   distributed.initialize()
+  _pin(int(os.environ["JAX_PROCESS_ID"]))
   import jax
   from jax.experimental import multihost_utils
 
@@ -146,10 +165,10 @@ def worker(schedule, m, steps, out, plan):
 def baseline(steps, out):
   """One process on one core: the whole model's training step, the same
   pipelines, and each stage's cost alone (for the imbalance)."""
-  _pin(0)
   from jpipe import distributed
 
   distributed.initialize()  # one process: its JPIPE_CPU_DEVICES devices
+  _pin(0)
   import jax
   import optax
 
@@ -252,8 +271,9 @@ def _table(result):
 
 def _set_size(args):
   """The model and the rows from the flags (every process parses them)."""
-  global LAYERS, WIDTH, BATCH, SCHEDULES, MICROBATCHES
+  global LAYERS, WIDTH, BATCH, SCHEDULES, MICROBATCHES, STEP_EVERY
   LAYERS, WIDTH, BATCH = args.layers, args.width, args.batch
+  STEP_EVERY = args.step_every
   SCHEDULES = tuple(args.schedules.split(","))
   MICROBATCHES = tuple(int(m) for m in args.microbatches.split(","))
 
@@ -276,6 +296,7 @@ def main():
     "--name", default="throughput", help="results/NAME.json is written"
   )
   parser.add_argument("--layers", type=int, default=LAYERS)
+  parser.add_argument("--step_every", type=int, default=STEP_EVERY)
   parser.add_argument("--width", type=int, default=WIDTH)
   parser.add_argument("--batch", type=int, default=BATCH)
   parser.add_argument(
@@ -297,6 +318,7 @@ def main():
   os.makedirs(RESULTS, exist_ok=True)
   me = [sys.executable, "-m", "experiments.distributed.throughput"]
   me += [f"--layers={LAYERS}", f"--width={WIDTH}", f"--batch={BATCH}"]
+  me += [f"--step_every={STEP_EVERY}"]
   me += [f"--schedules={args.schedules}", f"--microbatches={args.microbatches}"]
   steps = ["--steps", str(args.steps)]
   tmp = os.path.join(RESULTS, "_run.json")
@@ -338,7 +360,8 @@ def main():
       )
   os.remove(tmp)
   result = {
-    "model": f"MLP {LAYERS} x {WIDTH}, batch {BATCH}",
+    "model": f"MLP {LAYERS} x {WIDTH}, batch {BATCH}"
+    + (f", async step_every {STEP_EVERY}" if STEP_EVERY > 1 else ""),
     "one_core_examples_per_second": one,
     "stage_seconds_alone": stage,
     "stage_imbalance_max_over_mean": max(stage) / (sum(stage) / len(stage)),
