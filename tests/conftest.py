@@ -29,6 +29,12 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The processes tests start (the CLI, launched workers) share it: a
+# reference run and its resumption, or every process of a run, compile
+# the same programs once.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JPIPE_TEST_XLA_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 def pytest_unconfigure(config):
