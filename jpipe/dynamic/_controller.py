@@ -185,11 +185,7 @@ class DynamicPipeline:
       raise ValueError("the cost model gives the model no cost to split by")
     self._shares = (self.forward / self.total, self.backward / self.total)
     self.predictor = predictor
-    self.features = (
-      None
-      if predictor is None
-      else range_features(node_features(first.traced), first.traced.edges())
-    )
+    self._features = None
     self.calibrated = False
     self.calls = 0
     self.windows: list[Window] = []
@@ -398,6 +394,16 @@ class DynamicPipeline:
     return new, sigma, old_t, new_t, expected
 
   # -- slowdowns of other splits ---------------------------------------------
+
+  @property
+  def features(self) -> np.ndarray:
+    """Every node range's stage features (``range_features``, [N + 1,
+    N + 1, 10]; computed once, when first needed: the forest's input and
+    ``collect``'s)."""
+    if self._features is None:
+      traced = self.pipeline.traced
+      self._features = range_features(node_features(traced), traced.edges())
+    return self._features
 
   def _slowdown_table(self, observed) -> np.ndarray:
     """[S, N + 1, N + 1]: nodes lo:hi as stage s, their slowdown on slot

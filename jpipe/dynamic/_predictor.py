@@ -361,9 +361,7 @@ def collect(
   first = dyn.boundaries
   stages = len(first) - 1
   splits = _splits_to_measure(dyn, first, factors, num_splits, seed)
-  features = range_features(
-    node_features(dyn.pipeline.traced), dyn.pipeline.traced.edges()
-  )
+  features = dyn.features
   interference = dyn.interference
   devices = list(interference.stage_devices)
   saved = interference.slowdowns

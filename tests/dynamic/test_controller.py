@@ -3,41 +3,18 @@ slowdowns (sleeps): it moves layers off a slowed device within two
 windows, moves them back when the slowdown ends (a plan seen before: no
 new build), and DynPipe's policy keeps to its candidate cuts."""
 
-import jax
-import optax
 import pytest
 
 from jpipe import dynamic
+from tests.dynamic import mlp_pipeline
+from tests.dynamic.mlp_pipeline import WINDOW
 from tests.partition import flax_models
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
-WINDOW = 2
-
 
 def _run(policy, inject="1:4:6:16", steps=24, horizon_steps=50):
-  loss_fn, params, batch, _ = flax_models.mlp_case()
-  interference = dynamic.Interference(
-    # Sleeps well above the real work, so a busy machine cannot blur
-    # the slowdowns.
-    dynamic.parse_inject(inject),
-    simulated_seconds=0.02,
-  )
-  dp = dynamic.DynamicPipeline(
-    loss_fn,
-    params,
-    batch,
-    policy=policy,
-    window=WINDOW,
-    horizon_steps=horizon_steps,  # 50: a long run ahead, worth a build.
-    interference=interference,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    schedule="async",
-    weight_stashing=True,
-    num_microbatches=4,
-    optimizer=optax.sgd(0.05, momentum=0.9),
-  )
+  dp, params, batch = mlp_pipeline.build(policy, inject, horizon_steps)
   start = dp.boundaries
   state = dp.init(params)
   reported = []

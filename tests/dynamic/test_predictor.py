@@ -6,13 +6,12 @@ with the forest) on a real pipeline."""
 
 import itertools
 
-import jax
 import numpy as np
-import optax
 import pytest
 
 from jpipe import dynamic, partition
 from jpipe.dynamic import _predictor as predictor_lib
+from tests.dynamic import mlp_pipeline
 from tests.partition import flax_models
 
 
@@ -183,29 +182,7 @@ def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   """The library's own data: stage times on several splits with device
   slowdowns (sleeps), a forest fitted on them, and a controller using it
   moving layers off a device slowed 4x."""
-  loss_fn, params, batch, _ = flax_models.mlp_case()
-
-  def build(policy, predictor=None, inject=""):
-    return dynamic.DynamicPipeline(
-      loss_fn,
-      params,
-      batch,
-      policy=policy,
-      window=2,
-      horizon_steps=50,
-      interference=dynamic.Interference(
-        dynamic.parse_inject(inject), simulated_seconds=0.02
-      ),
-      predictor=predictor,
-      num_stages=2,
-      devices=jax.devices()[:2],
-      schedule="async",
-      weight_stashing=True,
-      num_microbatches=4,
-      optimizer=optax.sgd(0.05, momentum=0.9),
-    )
-
-  dp = build("static")
+  dp, params, batch = mlp_pipeline.build("static")
   state = dp.init(params)
   state, measured = dynamic.collect(
     dp,
@@ -225,7 +202,7 @@ def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   np.testing.assert_array_equal(again.slowed, measured.slowed)
   forest = dynamic.SlowdownPredictor.fit(measured, n_estimators=30)
 
-  dp = build("jpipe", forest, inject="1:4:6")
+  dp, _, _ = mlp_pipeline.build("jpipe", "1:4:6", predictor=forest)
   start = dp.boundaries
   state = dp.init(params)
   for _ in range(12):
