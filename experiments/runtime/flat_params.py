@@ -16,6 +16,7 @@ Usage: python -m experiments.runtime.flat_params [--width 1024]
 """
 
 import json
+import math
 import os
 import time
 
@@ -87,7 +88,7 @@ def main(argv):
     0.01 * jax.random.normal(jax.random.key(i), (n, n))
     for i in range(2 * FLAGS.blocks)
   )
-  layout = FlatLayout(leaves)
+  layout = FlatLayout(leaves, own_buffer_bytes=math.inf)  # All packed.
   flat = jax.jit(layout.pack)(leaves)
   programs = _programs(layout)
   records, lines = [], []

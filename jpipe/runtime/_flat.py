@@ -1,4 +1,5 @@
-"""A stage's parameter (or gradient) leaves as one flat buffer per dtype.
+"""A stage's gradient leaves as few buffers: the small ones packed into one
+flat buffer per dtype, the big ones as they are.
 
 Every array passed to or returned from a jitted call costs the host a few
 microseconds: on the development CPU a call taking and returning 1 array
@@ -7,8 +8,9 @@ parameter leaves, and its backward takes the gradient accumulator and
 returns the new one; the driver keeps that accumulator packed (one buffer
 per dtype, unpacked once before the optimizer step), which cut the
 dispatch of a 2-layer GPT stage's backward from 960-1,385 µs to
-230-650 µs (experiments/RESULTS.md). Inside a program, the packing is a
-concatenation XLA fuses into the gradient computation.
+230-650 µs (experiments/RESULTS.md). Inside a program the packing is a
+concatenation: a copy, which for a big leaf costs more than its dispatch
+(``OWN_BUFFER_BYTES``), so big leaves are not packed.
 
 Params are NOT kept packed: XLA copies each weight sliced out of a flat
 buffer before a matmul reads it, which made a forward 1.4-2.7x slower at
@@ -21,46 +23,101 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Leaves of at least this many bytes keep their own buffer (FlatLayout).
+# On a CPU core, packing costs nothing measurable up to 1 MiB leaves but
+# 10-26 % of a 4-layer backward once its kernels are 4 MiB (the 16 MiB
+# flat buffer is a pass over memory outside the caches;
+# experiments/runtime/flat_grads.py), while a buffer saves only ~5 us of
+# dispatch. On an accelerator the copy runs at memory bandwidth (~1 us per
+# MiB on an H100) and the host's dispatch is what paces small programs:
+# only leaves from 4 MiB stay apart there (not yet measured on a GPU).
+OWN_BUFFER_BYTES = {"cpu": 1 << 20}
+ACCELERATOR_OWN_BUFFER_BYTES = 1 << 22
+
+
+def own_buffer_bytes(platform: str) -> int:
+  """The size from which a leaf keeps its own buffer on ``platform``
+  (``"cpu"``, ``"gpu"``, ``"tpu"``...)."""
+  return OWN_BUFFER_BYTES.get(platform, ACCELERATOR_OWN_BUFFER_BYTES)
+
 
 class FlatLayout:
-  """Where each leaf of a fixed tuple lives in per-dtype flat buffers.
+  """Where each leaf of a fixed tuple lives: its own buffer (a big leaf)
+  or a slice of one flat buffer per dtype (the small ones).
 
-  Built from example leaves or avals (their shapes and dtypes). ``pack`` and
-  ``unpack`` are traceable; use them inside jitted programs. A tuple with
-  a non-floating leaf is not packed (``pack``/``unpack`` are identities),
-  since its gradient would be float0.
+  Built from example leaves or avals (their shapes and dtypes). ``pack``
+  and ``unpack`` are traceable; use them inside jitted programs. A tuple
+  with a non-floating leaf is not packed (``pack``/``unpack`` are
+  identities), since its gradient would be float0.
+
+  Args:
+    leaves: the tuple's leaves (arrays or avals).
+    own_buffer_bytes: a leaf of at least this many bytes stays its own
+      buffer (default: the CPU's, ``own_buffer_bytes("cpu")``; ``math.inf``
+      packs every leaf). Copying a big gradient into a flat buffer is a
+      pass over memory that saves only a few microseconds of dispatch: on
+      the development CPU (one core) packing a 4-layer stage's 16 MiB of
+      kernel gradients made its backward 55 -> 73 ms (the pipeline's, in
+      experiments/distributed/throughput.py's model).
   """
 
-  def __init__(self, leaves: Sequence[jax.Array]):
+  def __init__(
+    self,
+    leaves: Sequence[jax.Array],
+    own_buffer_bytes: float = OWN_BUFFER_BYTES["cpu"],
+  ):
     self.shapes = tuple(tuple(x.shape) for x in leaves)
     dtypes = [jnp.dtype(x.dtype) for x in leaves]
     self.packed = all(jnp.issubdtype(d, jnp.inexact) for d in dtypes)
-    self.dtypes: tuple = tuple(dict.fromkeys(dtypes))
-    self.entries = []  # per leaf: (group, offset, size)
+    sizes_of = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+    big = [
+      size * d.itemsize >= own_buffer_bytes
+      for size, d in zip(sizes_of, dtypes, strict=True)
+    ]
+    self.num_own = sum(big)
+    self.dtypes: tuple = tuple(
+      dict.fromkeys(d for d, b in zip(dtypes, big, strict=True) if not b)
+    )
+    # Per leaf: ("own", buffer index) or (group, offset, size) in group
+    # buffer num_own + group.
+    self.entries = []
     sizes = [0] * len(self.dtypes)
-    for shape, dtype in zip(self.shapes, dtypes, strict=True):
+    own = 0
+    for size, dtype, is_big in zip(sizes_of, dtypes, big, strict=True):
+      if is_big:
+        self.entries.append(("own", own))
+        own += 1
+        continue
       group = self.dtypes.index(dtype)
-      size = int(np.prod(shape, dtype=np.int64))
       self.entries.append((group, sizes[group], size))
       sizes[group] += size
     self.sizes = tuple(sizes)
 
   def pack(self, leaves) -> tuple:
-    """Leaves -> one 1-D buffer per dtype (in ``self.dtypes`` order)."""
+    """Leaves -> the big leaves as they are, then one 1-D buffer per dtype
+    of the small ones (in ``self.dtypes`` order)."""
     if not self.packed:
       return tuple(leaves)
+    own = []
     groups = [[] for _ in self.dtypes]
-    for (group, _, _), x in zip(self.entries, leaves, strict=True):
-      groups[group].append(jnp.reshape(x, (-1,)))
-    return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups)
+    for entry, x in zip(self.entries, leaves, strict=True):
+      if entry[0] == "own":
+        own.append(x)
+      else:
+        groups[entry[0]].append(jnp.reshape(x, (-1,)))
+    flat = [jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups]
+    return (*own, *flat)
 
   def unpack(self, flat) -> tuple:
     """The inverse of ``pack``."""
     if not self.packed:
       return tuple(flat)
-    return tuple(
-      jnp.reshape(flat[group][offset : offset + size], shape)
-      for (group, offset, size), shape in zip(
-        self.entries, self.shapes, strict=True
-      )
-    )
+    leaves = []
+    for entry, shape in zip(self.entries, self.shapes, strict=True):
+      if entry[0] == "own":
+        leaves.append(flat[entry[1]])
+      else:
+        group, offset, size = entry
+        buffer = flat[self.num_own + group]
+        leaves.append(jnp.reshape(buffer[offset : offset + size], shape))
+    return tuple(leaves)

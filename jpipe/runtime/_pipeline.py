@@ -38,7 +38,7 @@ from jpipe import staleness
 from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._calls import CallActions
 from jpipe.runtime._driver import Driver, InFlight
-from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
 from jpipe.runtime._gather import text_from_process_zero, trees_everywhere
 from jpipe.runtime._memory import (
   MemoryLimitError,
@@ -367,8 +367,11 @@ class Pipeline:
     # -- Stage programs, tied params, optimizers, version policy ---------
     param_avals = self.traced.closed_jaxpr.in_avals
     grad_layouts = tuple(
-      FlatLayout([param_avals[i] for i in spec.param_leaves])
-      for spec in self.stages.specs
+      FlatLayout(
+        [param_avals[i] for i in spec.param_leaves],
+        own_buffer_bytes(place.devices[0].platform),
+      )
+      for spec, place in zip(self.stages.specs, self.placement, strict=True)
     )
     self.programs = StagePrograms(self.stages, grad_layouts, recompute)
     self.tied = TiedParams(self.stages, self.transport)

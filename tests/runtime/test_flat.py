@@ -1,9 +1,15 @@
 """FlatLayout: leaves <-> one flat buffer per dtype, against NumPy."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+import jpipe
+from jpipe.models import mlp
 from jpipe.runtime._flat import FlatLayout
 
 
@@ -48,3 +54,59 @@ def test_empty_and_integer_tuples_pass_through():
   layout = FlatLayout(ints)
   assert not layout.packed
   assert layout.unpack(layout.pack(ints)) == ints
+
+
+def test_leaves_from_the_threshold_keep_their_own_buffer():
+  leaves = _leaves()  # 48, 4, 10 and 16 bytes
+  layout = FlatLayout(leaves, own_buffer_bytes=16)
+  flat = jax.jit(layout.pack)(leaves)
+  # Own buffers first (in leaf order), then the small ones per dtype.
+  assert [x.shape for x in flat] == [(3, 4), (2, 1, 2), (1,), (5,)]
+  np.testing.assert_array_equal(flat[0], leaves[0])
+  np.testing.assert_array_equal(flat[1], leaves[3])
+  np.testing.assert_array_equal(flat[2], leaves[1].reshape(1))
+  back = jax.jit(layout.unpack)(flat)
+  for a, b in zip(back, leaves, strict=True):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), b)
+  assert len(FlatLayout(leaves, own_buffer_bytes=0).pack(leaves)) == 4
+  assert len(FlatLayout(leaves, own_buffer_bytes=math.inf).pack(leaves)) == 2
+
+
+def test_a_stage_backward_never_copies_a_big_gradient_into_a_flat_buffer():
+  """512 x 512 kernels (1 MiB) on a CPU: the saved-residual backward of
+  a stage returns their gradients as their own buffers -- its compiled
+  program concatenates nothing that big (it would be a copy of them)."""
+  model = mlp.Model(hidden=(512, 512), num_classes=4)
+  x = jnp.ones((8, 512))
+  params = model.init(jax.random.key(0), x)
+
+  def loss_fn(params, batch):
+    return model.apply(params, batch["x"]).sum()
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    {"x": x},
+    num_stages=2,
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+    recompute=False,
+  )
+  assert pipe.programs.grad_layouts[0].num_own >= 1
+  stages = pipe.stages
+  stage_params = stages.split_params(params)[0]
+  stage_batch = stages.split_batch({"x": x[:4]})[0]
+  outputs, _, residuals = stages.jitted("forward_saving", 0)(
+    stage_params, stage_batch, ()
+  )
+  out_cots = tuple(jnp.ones_like(o) for o in outputs)
+  backward = pipe.programs.backward(0, first=True)
+  hlo = backward.lower(None, stage_params, residuals, out_cots, ())
+  concatenated = [
+    int(np.prod([int(d) for d in m.group(1).split(",") if d], dtype=np.int64))
+    for m in re.finditer(
+      r"= \w+\[([\d,]*)\]\S* concatenate\(", hlo.compile().as_text()
+    )
+  ]
+  assert all(n < 512 * 512 for n in concatenated), concatenated
