@@ -17,9 +17,12 @@ Stages keep residuals (no recomputation), so their work is the whole
 model's forward and backward. The split is the partitioner's with node
 costs timed on this machine (``cost_model="measured"``; the FLOP count
 gives the same 4 | 4 + head here); every run uses the baseline's plan.
-Each run times ``--steps`` steps after 3 warm-up steps (2-process rows:
-the median of ``--repeats`` runs; this VM's timings vary ~15% run to
-run), blocking only at the end, as a loop that does not read every loss.
+Each run times ``--steps`` steps after 3 warm-up steps, blocking only at
+the end, as a loop that does not read every loss. This VM's speed drifts
+(~15 % run to run), so every 2-process run is paired with a one-core run
+of the whole model right before it: a row's speed-up is the median of
+``--repeats`` such ratios (its rate, the median rate). The whole model's
+step donates its params and optimizer state, as a user would write it.
 The stage imbalance is each stage's forward + backward time measured
 alone (``seq`` schedule, one core).
 
@@ -35,6 +38,8 @@ import os
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -162,29 +167,25 @@ def worker(schedule, m, steps, out, plan):
       json.dump({"seconds": seconds, "steps": steps}, f)
 
 
-def baseline(steps, out):
-  """One process on one core: the whole model's training step, the same
-  pipelines, and each stage's cost alone (for the imbalance)."""
-  from jpipe import distributed
+def _time_whole(loss_fn, params, batch, steps):
+  """Seconds for ``steps`` steps of the whole model's jitted training step
+  (after 3 warm-up steps), params and optimizer state donated as a user
+  would write it."""
+  import functools
 
-  distributed.initialize()  # one process: its JPIPE_CPU_DEVICES devices
-  _pin(0)
   import jax
   import optax
 
-  from experiments.runtime.stage_costs import isolated_stage_costs
-
-  loss_fn, params, batch = _model()
   tx = optax.sgd(1e-3)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  opt_state = tx.init(params)
-  trained = params
+  trained = jax.tree.map(jax.numpy.copy, params)
+  opt_state = tx.init(trained)
   for _ in range(3):
     trained, opt_state, loss = train_step(trained, opt_state, batch)
   jax.block_until_ready(trained)
@@ -192,7 +193,33 @@ def baseline(steps, out):
   for _ in range(steps):
     trained, opt_state, loss = train_step(trained, opt_state, batch)
   jax.block_until_ready((trained, loss))
-  seconds = time.perf_counter() - t0
+  return time.perf_counter() - t0
+
+
+def whole(steps, out):
+  """One process on one core: only the whole model's step (the reference
+  timed next to every 2-process run: this VM's speed drifts)."""
+  from jpipe import distributed
+
+  distributed.initialize()
+  _pin(0)
+  loss_fn, params, batch = _model()
+  seconds = _time_whole(loss_fn, params, batch, steps)
+  with open(out, "w") as f:
+    json.dump({"seconds": seconds, "steps": steps}, f)
+
+
+def baseline(steps, out):
+  """One process on one core: the whole model's training step, the same
+  pipelines, and each stage's cost alone (for the imbalance)."""
+  from jpipe import distributed
+
+  distributed.initialize()  # one process: its JPIPE_CPU_DEVICES devices
+  _pin(0)
+  from experiments.runtime.stage_costs import isolated_stage_costs
+
+  loss_fn, params, batch = _model()
+  seconds = _time_whole(loss_fn, params, batch, steps)
   pipe = _pipeline(loss_fn, params, batch, "seq", 4, fuse_last_stage=False)
   plan = pipe.plan.to_json()  # every run uses this one split
   costs = isolated_stage_costs(pipe, pipe.init(params), [batch] * 5)
@@ -264,7 +291,9 @@ def _table(result):
       f"{r['schedule']:9} {r['microbatches']:>5} "
       f"{r['examples_per_second']:>12.0f} {r['speedup']:>8.2f}x "
       f"{r['same_schedule_examples_per_second']:>17.0f} "
-      f"{r['speedup_over_same_schedule']:>5.2f}x"
+      f"{r['speedup_over_same_schedule']:>5.2f}x  (paired: "
+      + ", ".join(f"{x:.2f}" for x in r["speedup_runs"])
+      + ")"
     )
   return "\n".join(lines)
 
@@ -292,6 +321,7 @@ def main():
     "--worker", nargs=4, metavar=("SCHEDULE", "M", "OUT", "PLAN_JSON")
   )
   parser.add_argument("--baseline", metavar="OUT")
+  parser.add_argument("--whole", metavar="OUT")
   parser.add_argument(
     "--name", default="throughput", help="results/NAME.json is written"
   )
@@ -315,6 +345,8 @@ def main():
       return worker(schedule, int(m), args.steps, out, f.read())
   if args.baseline:
     return baseline(args.steps, args.baseline)
+  if args.whole:
+    return whole(args.steps, args.whole)
   os.makedirs(RESULTS, exist_ok=True)
   me = [sys.executable, "-m", "experiments.distributed.throughput"]
   me += [f"--layers={LAYERS}", f"--width={WIDTH}", f"--batch={BATCH}"]
@@ -334,8 +366,13 @@ def main():
   for schedule in SCHEDULES:
     for m in MICROBATCHES:
       launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2", "--"]
-      rates = []
+      rates, wholes = [], []
       for _ in range(args.repeats):
+        # The reference right before the run it is compared with.
+        _run([*me, *steps, "--whole", tmp], _env(1))
+        with open(tmp) as f:
+          got = json.load(f)
+        wholes.append(BATCH * got["steps"] / got["seconds"])
         _run(
           [*launch, *me, *steps, "--worker", schedule, str(m), tmp, plan_path],
           _env(1),
@@ -343,7 +380,8 @@ def main():
         with open(tmp) as f:
           got = json.load(f)
         rates.append(BATCH * got["steps"] / got["seconds"])
-      rate = float(sorted(rates)[len(rates) // 2])
+      rate = float(np.median(rates))
+      ratios = [r / w for r, w in zip(rates, wholes, strict=True)]
       same = (
         BATCH * base["steps"] / base["same_schedule_seconds"][f"{schedule}/{m}"]
       )
@@ -353,12 +391,19 @@ def main():
           "microbatches": m,
           "examples_per_second": rate,
           "examples_per_second_runs": rates,
-          "speedup": rate / one,
+          "whole_model_examples_per_second_runs": wholes,
+          "speedup_runs": ratios,
+          "speedup": float(np.median(ratios)),
           "same_schedule_examples_per_second": same,
           "speedup_over_same_schedule": rate / same,
         }
       )
   os.remove(tmp)
+  # Every timing of the whole model: the baseline's and the paired ones.
+  everyone = [one] + [
+    w for r in rows for w in r["whole_model_examples_per_second_runs"]
+  ]
+  one = float(np.median(everyone))
   result = {
     "model": f"MLP {LAYERS} x {WIDTH}, batch {BATCH}"
     + (f", async step_every {STEP_EVERY}" if STEP_EVERY > 1 else ""),

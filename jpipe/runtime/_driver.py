@@ -307,6 +307,8 @@ class _Call:
     # (s, b) whose B ran with F -> its input cotangents for other processes.
     self.fused_done = {}
     self.acc_producer = [None] * len(self.params)  # action behind grads[s]
+    # Whether opt_states[s] came from this call's steps (donatable).
+    self.made_state = [False] * len(self.params)
     self.losses = []
     self.used = {} if driver.record_params else None
     self.peak = [self._held(s) for s in range(len(self.params))]
@@ -437,15 +439,12 @@ class _Call:
     scale = d.stream.step_every / len(group)
     # The packed accumulator, unpacked inside the step -- or before it,
     # to exchange tied leaves' gradients.
-    g, update = self.grads[s], opt.update_packed
+    g, packed = self.grads[s], True
     if s in d.tied.stages:
       leaves = d.programs.unpack(s)(g)
       g = d.tied.exchange(s, self.stream_steps[s], leaves, self.tied_grads)
-      update = opt.update
-    g = d.hooks.reduce_gradient(s, g)
-    self.params[s], self.opt_states[s] = update(
-      g, self.opt_states[s], self.params[s], stale, scale
-    )
+      packed = False
+    self._optimizer_step(s, g, packed, stale, scale)
     self.params[s] = d.hooks.after_step(s, self.params[s])
     if self.profiler:
       self.profiler.record(action, self.params[s])
@@ -471,17 +470,14 @@ class _Call:
       }
     )
     for action in actions:
-      s, opt = action.stage, d.optimizers[action.stage]
+      s = action.stage
       self.pending[s] = []
       if not d.transport.owns(s):
         continue
-      g, update = self.grads[s], opt.update_packed
       if s in tied:
-        g, update = tied[s], opt.update
-      g = d.hooks.reduce_gradient(s, g)
-      self.params[s], self.opt_states[s] = update(
-        g, self.opt_states[s], self.params[s], None, 1.0
-      )
+        self._optimizer_step(s, tied[s], False, None, 1.0)
+      else:
+        self._optimizer_step(s, self.grads[s], True, None, 1.0)
       self.params[s] = d.hooks.after_step(s, self.params[s])
       if self.profiler:
         self.profiler.record(action, self.params[s])
@@ -618,6 +614,22 @@ class _Call:
       y = d.transport.move(x, s, reader, d.state_avals[i], replicated=True)
       if d.transport.owns(reader):
         self.model_state[i] = y
+
+  def _optimizer_step(self, s, grads, packed, stale, scale):
+    """Stage s's optimizer step from ``grads`` (the packed accumulator, or
+    leaves): new ``params[s]`` and ``opt_states[s]``. A packed
+    accumulator is donated to the step, and so is an optimizer state this
+    call produced (the caller's own state is never consumed)."""
+    d, opt = self.d, self.d.optimizers[s]
+    grads = d.hooks.reduce_gradient(s, grads)
+    args = (grads, self.opt_states[s], self.params[s], stale, scale)
+    if packed:
+      self._before_donating(s)
+      new = opt.update_packed(*args, donate_state=self.made_state[s])
+    else:
+      new = opt.update(*args)
+    self.params[s], self.opt_states[s] = new
+    self.made_state[s] = True
 
   def _before_donating(self, s):
     """The accumulator is about to be donated: a profiler must have

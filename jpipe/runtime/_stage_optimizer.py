@@ -83,17 +83,48 @@ class StageOptimizer:
     self.init = jax.jit(lambda leaves: self.tx.init(self.as_dict(leaves)))
     self.update = jax.jit(self._update)
     self.predict = jax.jit(self._predict)
-    self.update_packed = self.predict_packed = None
+    self.predict_packed = None
+    self._grad_layout = grad_layout
     if grad_layout is not None:
       unpack = grad_layout.unpack
-      self.update_packed = jax.jit(
-        lambda flat, *args: self._update(unpack(flat), *args)
+
+      def update_split(own, packed, *args):
+        return self._update(unpack((*own, *packed)), *args)
+
+      # The gradient's own buffers are donated (the new params are written
+      # into them instead of fresh memory: on a CPU core an SGD step over
+      # 16 MiB took 9.7 ms with fresh buffers -- page faults -- and 1.4 ms
+      # in donated ones), and with ``donate_state`` the optimizer state
+      # too. The small leaves' flat buffer matches no output: kept.
+      self._update_donating = (
+        jax.jit(update_split, donate_argnums=(0,)),
+        jax.jit(update_split, donate_argnums=(0, 2)),
       )
       self.predict_packed = jax.jit(
         lambda params, opt_state, delay, flat: self._predict(
           params, opt_state, delay, unpack(flat)
         )
       )
+
+  def update_packed(
+    self,
+    flat,
+    opt_state,
+    params,
+    stale_params=None,
+    scale=1.0,
+    *,
+    donate_state=False,
+  ):
+    """``update`` from the gradient as the layout's buffers (unpacked
+    inside the program). Consumes ``flat`` (donated) and, with
+    ``donate_state``, ``opt_state``: neither may be used afterwards."""
+    if self._grad_layout is None:
+      raise ValueError("update_packed needs the StageOptimizer's grad_layout")
+    n = self._grad_layout.num_own if self._grad_layout.packed else 0
+    update = self._update_donating[bool(donate_state)]
+    flat = tuple(flat)
+    return update(flat[:n], flat[n:], opt_state, params, stale_params, scale)
 
   def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:
     """The managed leaves of a stage tuple, keyed by path."""
