@@ -12,31 +12,26 @@ than the dispatch it saves.
 
 Writes results/flat_grads_<platform>.{md,json}.
 
-Usage: python -m experiments.runtime.flat_grads [--rows 256]
+Usage: python -m experiments.runtime.flat_grads [--grad_rows 256]
 """
 
-import json
 import math
-import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments.runtime.flat_params import _median_ms, write_results
 from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
 
+# --repeats and --out_dir are flat_params' flags.
 FLAGS = flags.FLAGS
-flags.DEFINE_list("widths", ["128", "256", "512", "1024", "2048"], "Widths.")
-flags.DEFINE_integer("layers", 4, "Dense-ReLU layers in the stage.")
-flags.DEFINE_integer("rows", 256, "Rows per microbatch.")
-flags.DEFINE_integer("repeats", 21, "Timed calls per measurement (median).")
-flags.DEFINE_string(
-  "grads_out_dir",
-  os.path.join(os.path.dirname(__file__), "results"),
-  "Output folder.",
+flags.DEFINE_list(
+  "grad_widths", ["128", "256", "512", "1024", "2048"], "Widths."
 )
+flags.DEFINE_integer("grad_layers", 4, "Dense-ReLU layers in the stage.")
+flags.DEFINE_integer("grad_rows", 256, "Rows per microbatch.")
 
 
 def _loss(leaves, x):
@@ -44,16 +39,6 @@ def _loss(leaves, x):
   for w, b in zip(leaves[::2], leaves[1::2], strict=True):
     x = jax.nn.relu(x @ w + b)
   return x.sum()
-
-
-def _median_ms(fn, *args):
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(FLAGS.repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * float(np.median(times))
 
 
 def main(argv):
@@ -65,13 +50,13 @@ def main(argv):
     "none packed": 0,
   }
   records, lines = [], []
-  for n in (int(w) for w in FLAGS.widths):
-    keys = jax.random.split(jax.random.key(0), FLAGS.layers)
+  for n in (int(w) for w in FLAGS.grad_widths):
+    keys = jax.random.split(jax.random.key(0), FLAGS.grad_layers)
     leaves = []
     for k in keys:
       leaves += [0.05 * jax.random.normal(k, (n, n)), jnp.zeros((n,))]
     leaves = tuple(leaves)
-    x = jax.random.normal(jax.random.key(99), (FLAGS.rows, n))
+    x = jax.random.normal(jax.random.key(99), (FLAGS.grad_rows, n))
     ms, buffers, reference = {}, {}, None
     for name, threshold in thresholds.items():
       layout = FlatLayout(leaves, own_buffer_bytes=threshold)
@@ -96,7 +81,7 @@ def main(argv):
   device = jax.devices()[0]
   header = (
     f"{device.device_kind} ({platform}), jax {jax.__version__}: backward "
-    f"of {FLAGS.layers} dense-ReLU layers, {FLAGS.rows} rows, gradients "
+    f"of {FLAGS.grad_layers} dense-ReLU layers, {FLAGS.grad_rows} rows, gradients "
     f"returned through FlatLayout; median of {FLAGS.repeats} calls, ms "
     f"(buffers returned). Default: leaves from "
     f"{own_buffer_bytes(platform) / 1024:.0f} KiB keep their own buffer."
@@ -109,23 +94,18 @@ def main(argv):
   )
   text = f"{header}\n\n{table}\n"
   print(text)
-  os.makedirs(FLAGS.grads_out_dir, exist_ok=True)
-  name = os.path.join(FLAGS.grads_out_dir, f"flat_grads_{platform}")
-  with open(name + ".md", "w") as f:
-    f.write(text)
-  with open(name + ".json", "w") as f:
-    json.dump(
-      {
-        "device": device.device_kind,
-        "jax": jax.__version__,
-        "layers": FLAGS.layers,
-        "rows": FLAGS.rows,
-        "default_own_buffer_bytes": own_buffer_bytes(platform),
-        "results": records,
-      },
-      f,
-      indent=1,
-    )
+  write_results(
+    f"flat_grads_{platform}",
+    text,
+    {
+      "device": device.device_kind,
+      "jax": jax.__version__,
+      "layers": FLAGS.grad_layers,
+      "rows": FLAGS.grad_rows,
+      "default_own_buffer_bytes": own_buffer_bytes(platform),
+      "results": records,
+    },
+  )
 
 
 if __name__ == "__main__":

@@ -120,22 +120,27 @@ def main(argv):
   )
   text = f"{header}\n\n{table}\n"
   print(text)
+  write_results(
+    f"flat_params_{device.platform}",
+    text,
+    {
+      "device": device.device_kind,
+      "jax": jax.__version__,
+      "width": n,
+      "blocks": FLAGS.blocks,
+      "results": records,
+    },
+  )
+
+
+def write_results(name: str, text: str, record: dict) -> None:
+  """``text`` to ``--out_dir``/NAME.md and ``record`` to NAME.json."""
   os.makedirs(FLAGS.out_dir, exist_ok=True)
-  name = os.path.join(FLAGS.out_dir, f"flat_params_{device.platform}")
-  with open(name + ".md", "w") as f:
+  path = os.path.join(FLAGS.out_dir, name)
+  with open(path + ".md", "w") as f:
     f.write(text)
-  with open(name + ".json", "w") as f:
-    json.dump(
-      {
-        "device": device.device_kind,
-        "jax": jax.__version__,
-        "width": n,
-        "blocks": FLAGS.blocks,
-        "results": records,
-      },
-      f,
-      indent=1,
-    )
+  with open(path + ".json", "w") as f:
+    json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
