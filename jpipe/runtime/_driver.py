@@ -618,8 +618,9 @@ class _Call:
   def _optimizer_step(self, s, grads, packed, stale, scale):
     """Stage s's optimizer step from ``grads`` (the packed accumulator, or
     leaves): new ``params[s]`` and ``opt_states[s]``. A packed
-    accumulator is donated to the step, and so is an optimizer state this
-    call produced (the caller's own state is never consumed)."""
+    accumulator's own (big-leaf) buffers are donated to the step, and so
+    is an optimizer state this call produced (the caller's own state is
+    never consumed)."""
     d, opt = self.d, self.d.optimizers[s]
     grads = d.hooks.reduce_gradient(s, grads)
     args = (grads, self.opt_states[s], self.params[s], stale, scale)

@@ -117,8 +117,10 @@ class StageOptimizer:
     donate_state=False,
   ):
     """``update`` from the gradient as the layout's buffers (unpacked
-    inside the program). Consumes ``flat`` (donated) and, with
-    ``donate_state``, ``opt_state``: neither may be used afterwards."""
+    inside the program). Consumes (donates) ``flat``'s own buffers -- the
+    big leaves; its packed small-leaf buffers are kept -- and, with
+    ``donate_state``, ``opt_state``: what is consumed may not be used
+    afterwards."""
     if self._grad_layout is None:
       raise ValueError("update_packed needs the StageOptimizer's grad_layout")
     n = self._grad_layout.num_own if self._grad_layout.packed else 0
