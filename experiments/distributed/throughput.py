@@ -266,6 +266,15 @@ def _run(command, env):
     raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
 
 
+def _examples_per_second(command, out):
+  """Runs ``command`` (a ``--whole`` or ``--worker`` run writing ``out``)
+  with one device per process: its examples per second."""
+  _run(command, _env(1))
+  with open(out) as f:
+    got = json.load(f)
+  return BATCH * got["steps"] / got["seconds"]
+
+
 def _stage_nodes(plan_json):
   plan = json.loads(plan_json)
   nodes = [[] for _ in plan["stage_devices"]]
@@ -369,17 +378,11 @@ def main():
       rates, wholes = [], []
       for _ in range(args.repeats):
         # The reference right before the run it is compared with.
-        _run([*me, *steps, "--whole", tmp], _env(1))
-        with open(tmp) as f:
-          got = json.load(f)
-        wholes.append(BATCH * got["steps"] / got["seconds"])
-        _run(
-          [*launch, *me, *steps, "--worker", schedule, str(m), tmp, plan_path],
-          _env(1),
+        wholes.append(_examples_per_second([*me, *steps, "--whole", tmp], tmp))
+        worker_args = ["--worker", schedule, str(m), tmp, plan_path]
+        rates.append(
+          _examples_per_second([*launch, *me, *steps, *worker_args], tmp)
         )
-        with open(tmp) as f:
-          got = json.load(f)
-        rates.append(BATCH * got["steps"] / got["seconds"])
       rate = float(np.median(rates))
       ratios = [r / w for r, w in zip(rates, wholes, strict=True)]
       same = (
