@@ -8,13 +8,18 @@ starts N copies of the command with the environment
 127.0.0.1, the process count and each one's rank; K CPU devices each, or
 K GPUs each where there are GPUs), prints their output line by line
 prefixed with ``[pI]``, and, when one exits with an error, stops the
-others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with
-that process's code. SIGINT / SIGTERM to the launcher go to every process.
+others (SIGTERM, then SIGKILL after ``FAILED_RUN_GRACE_S`` seconds) and
+exits with that process's code. SIGINT / SIGTERM to the launcher go to
+every process (a training run checkpoints and exits); one still running
+``--grace`` seconds later gets SIGKILL. The processes die with the
+launcher, however it dies (Linux's parent-death signal): killing the
+launcher, even with SIGKILL, leaves no process behind.
 For several hosts, start one process per host or GPU with your cluster's
 launcher instead (BUILD.md: SLURM).
 """
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -23,6 +28,29 @@ import subprocess
 import sys
 import threading
 import time
+
+# After one process failed, the others get this long between SIGTERM and
+# SIGKILL (they cannot save a checkpoint without it; most are gone first).
+FAILED_RUN_GRACE_S = 5.0
+
+_PR_SET_PDEATHSIG = 1
+# Looked up before any fork: the child only calls it.
+_prctl = (
+  ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+)
+
+
+def _die_with(parent: int):
+  """A ``preexec_fn``: the child gets SIGKILL when ``parent`` dies (it
+  survives the exec); a parent already gone ends the child at once."""
+
+  def preexec():
+    if _prctl is not None:
+      _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+      os._exit(1)
+
+  return preexec
 
 
 def _free_port() -> int:
@@ -85,9 +113,10 @@ def _pump(stream, prefix, out, lock):
   stream.close()
 
 
-def run(command, envs, *, grace: float = 5.0, out=None) -> int:
+def run(command, envs, *, grace: float = 30.0, out=None) -> int:
   """Runs ``command`` once per environment; returns the run's exit code
-  (0, or the first failing process's)."""
+  (0, or the first failing process's). ``grace``: seconds between a
+  forwarded SIGTERM / SIGINT and SIGKILL."""
   out = out or sys.stdout
   lock = threading.Lock()
   procs, pumps = [], []
@@ -98,6 +127,7 @@ def run(command, envs, *, grace: float = 5.0, out=None) -> int:
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       start_new_session=True,  # its own group: stopped with its children
+      preexec_fn=_die_with(os.getpid()),
     )
     t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}] ", out, lock))
     t.start()
@@ -107,18 +137,32 @@ def run(command, envs, *, grace: float = 5.0, out=None) -> int:
   def stop(sig=signal.SIGTERM):
     for p in procs:
       if p.poll() is None:
+        # A stopped process cannot act on SIGTERM: it gets SIGKILL.
+        stopped = _state(p.pid) in ("T", "t")
         try:
-          os.killpg(p.pid, sig)
+          os.killpg(p.pid, signal.SIGKILL if stopped else sig)
         except ProcessLookupError:
           pass
 
+  kill_at = []  # When a forwarded stop request turns into SIGKILL.
+
   def forward(signum, frame):
+    if not kill_at:
+      kill_at.append(time.monotonic() + grace)
+      # (No lock: the main thread may hold it when the signal arrives.)
+      out.write(
+        f"[launch] {signal.Signals(signum).name}: passed on to every "
+        f"process; SIGKILL to those still running in {grace:g} s\n"
+      )
+      out.flush()
     stop(signum)
 
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   code = 0
   try:
     while True:
+      if kill_at and time.monotonic() > kill_at[0]:
+        stop(signal.SIGKILL)
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if failed:
@@ -138,7 +182,7 @@ def run(command, envs, *, grace: float = 5.0, out=None) -> int:
           out.write("[launch] stopping the others\n")
           out.flush()
         stop(signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + FAILED_RUN_GRACE_S
         while time.monotonic() < deadline and any(
           p.poll() is None for p in procs
         ):
@@ -172,6 +216,8 @@ def _state(pid) -> str:
 def _describe(code):
   if code < 0:
     return f"signal {signal.Signals(-code).name}"
+  if code == 124:  # jpipe.train.watchdog.EXIT_HUNG (not imported: no jax)
+    return "status 124 (its watchdog: the run hung)"
   return f"status {code}"
 
 
@@ -199,8 +245,9 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--grace",
     type=float,
-    default=5.0,
-    help="seconds between SIGTERM and SIGKILL when stopping the others",
+    default=30.0,
+    help="seconds the processes have to save and exit after a SIGTERM / "
+    "SIGINT to the launcher, before SIGKILL (default 30)",
   )
   parser.add_argument("command", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)

@@ -7,5 +7,30 @@ each stage in the process that owns its devices.
 """
 
 from jpipe.distributed._initialize import initialize, is_main_process
+from jpipe.distributed._sync import (
+  agree,
+  allgather,
+  arrays_everywhere,
+  barrier,
+  broadcast,
+  exchange,
+  host_address,
+  note_received,
+  quiet,
+  text_from_process_zero,
+)
 
-__all__ = ["initialize", "is_main_process"]
+__all__ = [
+  "agree",
+  "allgather",
+  "arrays_everywhere",
+  "barrier",
+  "broadcast",
+  "exchange",
+  "host_address",
+  "initialize",
+  "is_main_process",
+  "note_received",
+  "quiet",
+  "text_from_process_zero",
+]

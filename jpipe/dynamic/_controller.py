@@ -54,6 +54,7 @@ import jax
 import numpy as np
 
 from jpipe import partition as partition_lib
+from jpipe.distributed import text_from_process_zero
 from jpipe.dynamic._inject import Interference
 from jpipe.dynamic._measure import stage_seconds_per_microbatch
 from jpipe.dynamic._predictor import (
@@ -73,7 +74,6 @@ from jpipe.dynamic._replan import (
 from jpipe.dynamic._switch import PlanSwitch
 from jpipe.dynamic._trigger import Trigger, clamped_ratios
 from jpipe.runtime import Pipeline, PipelineState
-from jpipe.runtime._gather import text_from_process_zero
 
 POLICIES = ("jpipe", "dynpipe", "static")
 

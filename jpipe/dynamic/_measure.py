@@ -10,7 +10,8 @@ stages and the result is gathered, so every process gets every stage.
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+
+from jpipe import distributed
 
 
 def stage_seconds_per_microbatch(
@@ -36,6 +37,8 @@ def stage_seconds_per_microbatch(
   for s, t in slept.items():
     busy[s] += t
   if jax.process_count() > 1:
-    both = multihost_utils.process_allgather(np.stack([busy, micro]))
-    busy, micro = np.asarray(both).sum(axis=0)
+    both = distributed.arrays_everywhere(
+      "stage seconds", np.stack([busy, micro])
+    )
+    busy, micro = both.sum(axis=0)
   return busy / np.maximum(micro, 1)

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from jpipe.runtime._gather import host_address
+from jpipe.distributed import host_address
 
 _TIMEOUT_MS = 300_000  # Waiting for process 0 to publish its address.
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
+from jpipe import distributed
 from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
 from jpipe.parallel._hub import make_hub
@@ -435,7 +435,7 @@ def _all_gather(tree) -> list:
   each), by process index, with this process's dtypes (the gather goes
   through JAX, which makes 64-bit values 32-bit)."""
   leaves, treedef = jax.tree.flatten(tree)
-  stacked = jax.tree.leaves(multihost_utils.process_allgather(tree))
+  stacked = jax.tree.leaves(distributed.allgather(tree))
   return [
     jax.tree.unflatten(
       treedef,

@@ -1,7 +1,7 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
 from jpipe.runtime._memory import MemoryLimitError, StageMemory, format_bytes
-from jpipe.runtime._options import GAP_AWARE_POLICIES
+from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
 from jpipe.runtime._pipeline import Pipeline, PipelineState
 
 __all__ = [
@@ -10,5 +10,6 @@ __all__ = [
   "Pipeline",
   "PipelineState",
   "StageMemory",
+  "check_staleness_options",
   "format_bytes",
 ]

@@ -35,11 +35,12 @@ import optax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
+from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._calls import CallActions
 from jpipe.runtime._driver import Driver, InFlight
 from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
-from jpipe.runtime._gather import text_from_process_zero, trees_everywhere
+from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._memory import (
   MemoryLimitError,
   StageMemory,
@@ -253,6 +254,7 @@ class Pipeline:
         f"{size}: use a divisor of {size}"
       )
     devices = list(jax.devices() if devices is None else devices)
+    _check_stage_count(num_stages, len(devices), partition)
     self.memory_limit = resolve_memory_limit(memory_limit, devices)
     self.num_microbatches = num_microbatches
     self.microbatch_size = size // num_microbatches
@@ -876,6 +878,20 @@ def _granularity(traced, partition, num_stages, num_devices):
   return partition_lib.choose_depth(traced, stages)
 
 
+def _check_stage_count(num_stages, num_devices, partition) -> None:
+  """One device per stage unless FTPipe's mixed pipe (or a given Plan,
+  which names its devices) puts several stages on a device."""
+  if num_stages < 1:
+    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+  if isinstance(partition, str) and partition != "mixed":
+    if num_stages > num_devices:
+      raise ValueError(
+        f"{num_stages} stages need {num_stages} devices, got "
+        f"{num_devices}: use at most {num_devices} stages, pass more "
+        f"devices, or partition='mixed' (several stages per device)"
+      )
+
+
 def _make_plan(
   traced, params, micro, partition, num_stages, num_devices, **options
 ):
@@ -883,11 +899,6 @@ def _make_plan(
   if isinstance(partition, partition_lib.Plan):
     plan = partition
   else:
-    if num_stages > num_devices and partition != "mixed":
-      raise ValueError(
-        f"{num_stages} stages need {num_stages} devices, got "
-        f"{num_devices}: pass more devices or partition='mixed'"
-      )
     costs = partition_lib.profile_nodes(
       traced,
       params,

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils, transfer
+from jax.experimental import transfer
 from jax.sharding import (
   Mesh,
   NamedSharding,
@@ -36,7 +36,7 @@ from jax.sharding import (
   SingleDeviceSharding,
 )
 
-from jpipe.runtime._gather import host_address, wait_for_all
+from jpipe import distributed
 from jpipe.runtime._placement import StagePlacement
 
 TRANSPORTS = ("pull", "collective")
@@ -83,7 +83,7 @@ class Transport:
     stage's program), later ones wait as long as needed."""
     if not self.multiprocess:
       return
-    wait_for_all("connect")
+    distributed.barrier("connect")
     firsts = [p.device for p in self.placement]
     # Every other process's first device receives the loss (``share``).
     firsts += [_first_device(q) for q in range(jax.process_count())]
@@ -189,18 +189,14 @@ class _PullLinks:
   def __init__(self):
     me = jax.process_index()
     device = jax.local_devices()[0]
-    host = host_address()
+    host = distributed.host_address()
     self.server = transfer.start_transfer_server(
       device.client, f"{host}:0", [f"{host}:0"]
     )
-    address = np.zeros(256, np.uint8)
-    raw = self.server.address().encode()
-    address[: len(raw)] = np.frombuffer(raw, np.uint8)
-    wait_for_all("transfer servers")
-    everyone = multihost_utils.process_allgather(address)
-    self.addresses = [
-      bytes(np.asarray(a, np.uint8)).rstrip(b"\0").decode() for a in everyone
-    ]
+    everyone = distributed.exchange(
+      "transfer servers", self.server.address().encode()
+    )
+    self.addresses = [a.decode() for a in everyone]
     self.connections = {}
     self.count = {}  # (sender, receiver) process -> transfers so far
     self.me = me
@@ -221,6 +217,7 @@ class _PullLinks:
       tuple(aval.shape), aval.dtype, sharding=SingleDeviceSharding(b)
     )
     (y,) = self.connections[src].pull(uuid, [spec])
+    distributed.note_received(y)  # (A device collective waits for it.)
     return y
 
 

@@ -149,6 +149,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Stop when a logged window's mean loss exceeds this many times the
   # loss of the run's first step (a diverged run); 0 turns the check off.
   c.train.divergence_factor = 10.0
+  # Seconds without a completed step, evaluation or checkpoint after
+  # which the run counts as hung: every process writes its stacks and
+  # the run exits with status 124. 0: max(300, 20x the median step).
+  c.train.hang_timeout = 0.0
   return c
 
 

@@ -6,7 +6,7 @@ import ml_collections
 
 from jpipe import dynamic, parallel
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import GAP_AWARE_POLICIES
+from jpipe.runtime import GAP_AWARE_POLICIES, check_staleness_options
 from jpipe.train.data_parallel_lib import uses_data_parallel
 from jpipe.train.errors import UsageError
 from jpipe.train.tasks import TASK_OF_MODEL
@@ -136,6 +136,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     "train.divergence_factor",
     "must be >= 0 (0 turns the divergence check off)",
   )
+  need(
+    config.train.hang_timeout >= 0,
+    "train.hang_timeout",
+    "must be >= 0 seconds (0: max(300, 20x the median step))",
+  )
   for key in ("log_every", "eval_every", "checkpoint_every"):
     need(config.train[key] >= 1, f"train.{key}", "must be >= 1")
   st = config.staleness
@@ -176,6 +181,28 @@ def check(config: ml_collections.ConfigDict) -> None:
     "weight stashing (set --config.pipeline.recompute=True, or "
     "--config.staleness.stashing=True)",
   )
+  need(
+    not st.gap_aware or config.schedule.step_every == 1,
+    "schedule.step_every",
+    f"staleness.gap_aware needs step_every=1 (FTPipe: each optimizer step "
+    f"applies one microbatch, whose forward's params define the gap), got "
+    f"{config.schedule.step_every}: set --config.schedule.step_every=1 or "
+    f"drop staleness.gap_aware",
+  )
+  if not problems:  # What the Pipeline itself would refuse, before work.
+    try:
+      check_staleness_options(
+        config.schedule.name,
+        recompute=config.pipeline.recompute,
+        step_every=config.schedule.step_every,
+        weight_stashing=st.stashing,
+        prediction=st.prediction or None,
+        gap_aware=st.gap_aware or None,
+        gap_aware_options={"optimizer": config.optimizer.name},
+        gap_aware_policy=st.gap_aware_policy,
+      )
+    except ValueError as e:
+      problems.append(f"config.staleness / config.schedule: {e}")
   try:
     memory_limit(config.pipeline.memory_limit)
   except ValueError as e:
@@ -196,6 +223,26 @@ def check(config: ml_collections.ConfigDict) -> None:
   _check_dynamic(config, need, problems)
   if problems:
     raise UsageError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def check_devices(config, devices) -> None:
+  """Raises UsageError when the run's devices cannot hold the config's
+  stages (one device per stage, except FTPipe's mixed pipe)."""
+  if config.pipeline.partition == "mixed":
+    return
+  n, stages = len(devices), config.pipeline.num_stages
+  kind = devices[0].platform if devices else "no"
+  p = config.data_parallel.pipelines if uses_data_parallel(config) else 1
+  if stages * p <= n:
+    return
+  what = f"{p} pipelines x {stages} stages" if p > 1 else f"{stages} stages"
+  most = max(n // p, 1)
+  raise UsageError(
+    f"config.pipeline.num_stages: {what} need {stages * p} devices, this "
+    f"run has {n} (jax.devices(): {n} {kind}); use at most {most} stages"
+    + (" per pipeline" if p > 1 else "")
+    + ", or --config.pipeline.partition=mixed (several stages per device)"
+  )
 
 
 def _check_dynamic(config, need, problems) -> None:

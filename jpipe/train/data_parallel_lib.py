@@ -26,6 +26,7 @@ from jpipe import parallel
 from jpipe.train import stopping
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog
+from jpipe.train.watchdog import Watchdog
 
 
 def uses_data_parallel(config) -> bool:
@@ -90,8 +91,13 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
   log = MetricLog(workdir, resume_step=start * per_epoch) if main else None
   evaluation, seconds, examples = None, 0.0, 0
   bs = config.data.batch_size
-  multiprocess = jax.process_count() > 1
-  with stopping.StopRequest() as stop:
+  # Every process issues the same cross-process operations in one order
+  # (jpipe.distributed states the rule): the epoch's averaging, the
+  # consensus gather, the checkpoint's, the stop agreement.
+  with (
+    stopping.StopRequest() as stop,
+    Watchdog(config.train.hang_timeout) as watchdog,
+  ):
     for epoch in range(start, epochs):
       position = drawn
 
@@ -101,7 +107,9 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
 
       t0 = time.perf_counter()
       states, report = dp.run_epoch(states, batch_at)
-      seconds += time.perf_counter() - t0
+      took = time.perf_counter() - t0
+      seconds += took
+      watchdog.beat(f"epoch {epoch + 1}'s end", took if epoch > start else None)
       examples += bs * sum(report.batches)
       drawn += p * max(report.batches)
       done = (epoch + 1) * per_epoch
@@ -145,7 +153,8 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
           "fingerprint": fingerprint,
         },
       )
-      requested = stopping.agreed(stop.signal, multiprocess)
+      watchdog.beat(f"epoch {epoch + 2}")
+      requested = stopping.agreed(stop.signal)
       if requested and epoch + 1 < epochs:
         code = stopping.exit_code(requested)
         say(

@@ -65,6 +65,16 @@ def check_splits(data) -> None:
   """Before any data is read: the dataset exists (a TFDS name, or an
   embedded one) and has the training and evaluation splits; a UsageError
   naming the config key otherwise."""
+  for key in ("train_split", "eval_split"):
+    try:
+      tfds.core.ReadInstruction.from_spec(data[key])
+    except ValueError as e:  # TFDS's first line only points at its docs.
+      why = str(e).strip().splitlines()[-1].split(". See format")[0]
+      raise UsageError(
+        f"config.data.{key}={data[key]!r} is not a split: {why}. Write a "
+        f"split name with an optional slice, e.g. 'train', 'train[:50%]', "
+        f"'train[100:200]' or 'train[:80%]+test'"
+      ) from None
   if data.name in EMBEDDED:
     splits = ("train", "test")  # Both embedded datasets split this way.
   else:

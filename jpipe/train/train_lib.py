@@ -31,6 +31,7 @@ from jpipe.train import (
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
+from jpipe.train.watchdog import Watchdog
 
 
 def learning_rate(config):
@@ -158,6 +159,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   it).
   """
   config_check.check(config)
+  config_check.check_devices(config, jax.devices())
   main = jax.process_index() == 0
   say = print if main else _quiet
   _check_workdir(workdir)
@@ -251,7 +253,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   divergence = _DivergenceCheck(config.train.divergence_factor)
   # A bar on a terminal; in a log file (no terminal) plain lines instead.
   interactive = main and sys.stderr.isatty()
-  with stopping.StopRequest() as stop:
+  # Across processes, every process issues the loop's cross-process
+  # operations in one order (jpipe.distributed states the rule): the
+  # step's transfers (and the loss, shared with every process); the stop
+  # agreement, every step (a host exchange); then, where a step asks for
+  # them, the flush's transfers and the gathers of evaluation and of the
+  # checkpoint (device collectives, each behind a quiet point). No branch
+  # below on the process index decides whether one of them runs: process
+  # 0 alone evaluates what all gathered (on its own devices), prints and
+  # logs. The watchdog stops a run that hangs anyway.
+  with (
+    stopping.StopRequest() as stop,
+    Watchdog(config.train.hang_timeout) as watchdog,
+  ):
     bar = tqdm.tqdm(
       total=steps,
       initial=start,
@@ -273,6 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       state, metrics = pipe.step(state, batch, profile=profile)
       loss = float(metrics["loss"])  # Blocks: the step's losses are in.
       took = time.perf_counter() - t0
+      watchdog.beat(f"step {step + 2}", took if step > start else None)
       if step > start:
         seconds += took
         examples += bs
@@ -300,7 +315,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         window = _Window(first_step=done + 1)
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
-      requested = stopping.agreed(stop.signal, pipe.transport.multiprocess)
+      requested = stopping.agreed(stop.signal)
       if evaluate or checkpoint or requested:
         # An asynchronous stream drains first (every in-flight microbatch
         # applied), so a resumed run continues as an uninterrupted one.
@@ -313,8 +328,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           evaluation = task.evaluate(params, model_state)
           log.write(done, **{f"eval/{k}": v for k, v in evaluation.items()})
           write(f"step {done}: {_format(evaluation)}")
+        watchdog.beat(f"step {done + 1} (after evaluating)")
       if checkpoint or requested:
         save(done, state)
+        watchdog.beat(f"step {done + 1} (after a checkpoint)")
       if requested:
         bar.close()
         code = stopping.exit_code(requested)

@@ -1,0 +1,203 @@
+"""Stops a run in which no step completes for too long (a hang).
+
+A multi-process run whose processes wait for each other (a cross-process
+operation issued in a different order, a peer stuck in a library) shows
+no error: every process is alive, so the coordination service's heartbeat
+never fires. The training loops call ``Watchdog.beat`` whenever a step,
+an evaluation or a checkpoint completes; when none has for ``timeout``
+seconds, every process writes its Python stacks (``faulthandler``) and
+where its main thread waits, process 0 names where each process waits,
+and all exit with ``EXIT_HUNG``. One process whose watchdog fires makes
+the others' fire within a second (a key in the coordinator's key-value
+store), so the stacks are of one moment.
+
+The timeout: ``config.train.hang_timeout`` seconds, or with 0 (default)
+max(300 s, 20x the median step so far): long enough for the first step's
+compilation on a slow machine, short enough that a hang is reported
+within minutes.
+"""
+
+import faulthandler
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+from jpipe import distributed
+
+# What a process stopped by its watchdog exits with (as timeout(1) does).
+EXIT_HUNG = 124
+
+FLOOR_S = 300.0
+MEDIAN_FACTOR = 20.0
+_KEY = "jpipe/hang/"
+
+
+class Watchdog:
+  """The watchdog of one training loop (a context manager).
+
+  Args:
+    timeout_s: seconds without progress that count as a hang; 0 or None:
+      max(``floor_s``, ``factor`` x the median step so far).
+    floor_s, factor: the automatic timeout's parts.
+    poll_s: how often it looks (seconds).
+    out: where its report goes (stderr).
+  """
+
+  def __init__(
+    self,
+    timeout_s: float | None = None,
+    *,
+    floor_s: float = FLOOR_S,
+    factor: float = MEDIAN_FACTOR,
+    poll_s: float = 1.0,
+    out=None,
+  ):
+    self.fixed = timeout_s or None
+    self.floor_s, self.factor, self.poll_s = floor_s, factor, poll_s
+    self.out = out or sys.stderr
+    self.steps = deque(maxlen=101)  # Recent step seconds, for the median.
+    self.last = time.monotonic()
+    self.doing = "the first step (compiling)"
+    self._stop = threading.Event()
+    self._thread = threading.Thread(
+      target=self._watch, name="jpipe-watchdog", daemon=True
+    )
+
+  def timeout(self) -> float:
+    """The timeout in force (seconds)."""
+    if self.fixed:
+      return self.fixed
+    if not self.steps:
+      return self.floor_s
+    return max(self.floor_s, self.factor * statistics.median(self.steps))
+
+  def beat(self, doing: str, step_seconds: float | None = None) -> None:
+    """Progress: the loop goes on to ``doing`` (e.g. "step 7"), after a
+    step that took ``step_seconds`` (None: not a step, or one that
+    compiled)."""
+    if step_seconds is not None:
+      self.steps.append(step_seconds)
+    self.doing = doing
+    self.last = time.monotonic()
+
+  def __enter__(self):
+    self.last = time.monotonic()
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join(timeout=5)
+
+  def _watch(self):
+    client = distributed.client()
+    while not self._stop.wait(self.poll_s):
+      waited = time.monotonic() - self.last
+      if waited > self.timeout():
+        self._fire(client, f"no progress for {waited:.0f} s")
+        return
+      if client is not None and _peer_fired(client):
+        self._fire(client, "another process's watchdog fired")
+        return
+
+  def _fire(self, client, why: str) -> None:
+    """Reports where this process waits, and exits (never returns)."""
+    me = _process_index()
+    where = waiting_in(threading.main_thread())
+    head = (
+      f"process {me}: hung while doing {self.doing}: {why} (timeout "
+      f"{self.timeout():.0f} s); its main thread waits in {where}"
+    )
+    if client is not None:
+      try:
+        client.key_value_set(f"{_KEY}where/{me}", where)
+        client.key_value_set(f"{_KEY}fired/{me}", "1")
+      except Exception:  # The coordinator may be gone: report alone.
+        client = None
+    self.out.write(f"{head}\nStacks of process {me}:\n")
+    self.out.flush()
+    faulthandler.dump_traceback(file=self.out, all_threads=True)
+    self.out.flush()
+    if me == 0:
+      wheres = _wheres(client) if client is not None else {0: where}
+      lines = "; ".join(
+        f"process {q} waits in {w}" for q, w in sorted(wheres.items())
+      )
+      fix = (
+        f"raise --config.train.hang_timeout (seconds; now "
+        f"{self.timeout():.0f}) if a step really takes this long"
+      )
+      self.out.write(
+        f"error: the run hung (no step, evaluation or checkpoint completed "
+        f"for {self.timeout():.0f} s): {lines}. Stacks above. Processes "
+        f"that wait for each other issued cross-process operations in "
+        f"different orders (a bug: please report it with this log); {fix}.\n"
+      )
+      self.out.flush()
+    os._exit(EXIT_HUNG)
+
+
+def waiting_in(thread: threading.Thread) -> str:
+  """Where ``thread`` is now: its innermost jpipe frame (with its source
+  line) and, when deeper, the innermost frame of all (file:line in
+  function)."""
+  frame = sys._current_frames().get(thread.ident)
+  if frame is None:
+    return "(not running)"
+  stack = traceback.extract_stack(frame)
+  ours = [f for f in stack if f"{os.sep}jpipe{os.sep}" in f.filename]
+  inner = stack[-1]
+
+  def name(f):
+    path = f.filename
+    for root in ("jpipe", "jax", "orbax", "flax"):
+      marker = f"{os.sep}{root}{os.sep}"
+      if marker in path:
+        path = root + os.sep + path.split(marker, 1)[1]
+        break
+    return f"{path}:{f.lineno} in {f.name}"
+
+  if not ours:
+    return name(inner)
+  text = f"{name(ours[-1])} ({(ours[-1].line or '').strip()})"
+  return text if ours[-1] is inner else f"{text}, inside {name(inner)}"
+
+
+def _process_index() -> int:
+  import jax
+
+  return jax.process_index()
+
+
+def _peer_fired(client) -> bool:
+  try:
+    return bool(client.key_value_dir_get(f"{_KEY}fired/"))
+  except Exception:
+    return False
+
+
+def _wheres(client, wait_s: float = 10.0) -> dict[int, str]:
+  """Every process's published ``where``, waiting up to ``wait_s`` for
+  the others' watchdogs (they fire within a poll of this one's)."""
+  import jax
+
+  deadline = time.monotonic() + wait_s
+  got = {}
+  while True:
+    try:
+      got = {
+        int(k.rsplit("/", 1)[1]): v
+        for k, v in client.key_value_dir_get(f"{_KEY}where/")
+      }
+    except Exception:
+      pass
+    if len(got) == jax.process_count() or time.monotonic() > deadline:
+      break
+    time.sleep(0.2)
+  for q in range(jax.process_count()):
+    got.setdefault(q, "(no report: the process may hold the interpreter)")
+  return got
