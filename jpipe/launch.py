@@ -165,7 +165,14 @@ def run(command, envs, *, grace: float = 30.0, out=None) -> int:
         stop(signal.SIGKILL)
       codes = [p.poll() for p in procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
+      if kill_at:  # Stopping on request: each saves and exits by itself.
+        if all(c is not None for c in codes):
+          code = next((c for c in codes if c), 0)
+          with lock:
+            for i, c in failed:
+              out.write(f"[launch] process {i} exited with {_describe(c)}\n")
+          break
+      elif failed:
         # Seen in one poll: a process killed by a signal is likelier the
         # cause than one that failed because its peer vanished.
         failed.sort(key=lambda f: f[1] >= 0)

@@ -4,6 +4,7 @@ import contextlib
 import fcntl
 import io
 import os
+import sys
 
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils as tfds_tqdm
@@ -49,6 +50,7 @@ def _build_quietly(builder) -> None:
     f"Building the embedded dataset {builder.name} once into "
     f"{builder.data_dir} (from files installed on this machine; nothing is "
     f"downloaded).",
+    file=sys.stderr,  # A status line: stdout may be a JSON plan.
     flush=True,
   )
   was_active = getattr(tfds_tqdm, "_active", True)

@@ -148,7 +148,8 @@ def note_received(value) -> None:
 
 
 def _pending(value) -> bool:
-  return value is not None and not value.is_ready()
+  # (A value a program consumed -- donated -- has nothing left to wait for.)
+  return value is not None and not value.is_deleted() and not value.is_ready()
 
 
 def quiet(name: str) -> None:
@@ -159,7 +160,7 @@ def quiet(name: str) -> None:
     return
   values = [r() for r in _received]
   _received.clear()
-  jax.block_until_ready([v for v in values if v is not None])
+  jax.block_until_ready([v for v in values if _pending(v)])
   barrier("quiet/" + name)
 
 

@@ -10,6 +10,7 @@ complete, so a run killed mid-save leaves the previous checkpoint intact.
 """
 
 import os
+import sys
 import zlib
 from typing import Any
 
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jpipe import distributed
 from jpipe.train.errors import CheckpointError
 
 __all__ = ["CheckpointError", "Checkpoints", "checksums"]
@@ -40,6 +42,8 @@ class Checkpoints:
     the CRC-32 of every array of ``state`` (host arrays), checked at
     restore."""
     meta = dict(meta, checksums=checksums(state))
+    # orbax synchronises the processes with device collectives.
+    distributed.quiet("checkpoint")
     self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -58,20 +62,47 @@ class Checkpoints:
       return None
     where, fix = self._where(step)
     try:
-      meta = self._manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-      ).meta
+      meta = self._meta(step)
     except Exception as e:
       raise CheckpointError(
         f"checkpoint {where} is unreadable ({type(e).__name__}: {e}); {fix}"
       ) from e
     saved = (meta or {}).get("fingerprint")
     if saved != fingerprint:
+      # The earlier checkpoints may be the other model's too: point only
+      # at one written for this model.
+      ours = [
+        s
+        for s in self._manager.all_steps()
+        if s < step and self._fingerprint_or_none(s) == fingerprint
+      ]
+      if ours:
+        fix = (
+          f"delete the checkpoints after step {max(ours)} in "
+          f"{self.directory} to resume from step {max(ours)} (the latest "
+          f"written for this model), or use another --workdir"
+        )
+      else:
+        fix = (
+          f"none of its checkpoints is of this model: use another "
+          f"--workdir, or delete {self.directory} to start over here"
+        )
       raise CheckpointError(
         f"checkpoint {where} was written for another model or optimizer "
         f"(saved {saved}, now {fingerprint}); {fix}"
       )
     return meta
+
+  def _meta(self, step: int) -> dict | None:
+    return self._manager.restore(
+      step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+    ).meta
+
+  def _fingerprint_or_none(self, step: int):
+    try:
+      return (self._meta(step) or {}).get("fingerprint")
+    except Exception:  # Unreadable: not one to resume from.
+      return None
 
   def _where(self, step: int) -> tuple[str, str]:
     """A checkpoint's directory and what to do when it cannot be used."""
@@ -100,6 +131,7 @@ class Checkpoints:
         args=ocp.args.Composite(state=ocp.args.StandardRestore(template)),
       ).state
     except Exception as e:
+      _quiet_late_reads()
       raise CheckpointError(
         f"checkpoint {where} is corrupt or incompatible "
         f"({type(e).__name__}: {e}); {fix}"
@@ -118,6 +150,23 @@ class Checkpoints:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _quiet_late_reads() -> None:
+  """After a failed restore, the reads still under way finish into the
+  closed event loop of the restore, and each would print a 6-line
+  "RuntimeError: Event loop is closed" traceback under the one-line
+  error. Those (only those) are dropped from now on."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if not (
+      isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+    ):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
 
 
 def checksums(state) -> dict[str, str]:

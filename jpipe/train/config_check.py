@@ -222,6 +222,8 @@ def check(config: ml_collections.ConfigDict) -> None:
   _check_data_parallel(config, need, problems)
   _check_dynamic(config, need, problems)
   if problems:
+    if len(problems) == 1:  # One line: the key and its fix.
+      raise UsageError(f"invalid config: {problems[0]}")
     raise UsageError("invalid config:\n  " + "\n  ".join(problems))
 
 
@@ -235,6 +237,12 @@ def check_devices(config, devices) -> None:
   p = config.data_parallel.pipelines if uses_data_parallel(config) else 1
   if stages * p <= n:
     return
+  if p > n:
+    raise UsageError(
+      f"config.data_parallel.pipelines: {p} pipelines need at least {p} "
+      f"devices, this run has {n} (jax.devices(): {n} {kind}); use at most "
+      f"{n} pipelines"
+    )
   what = f"{p} pipelines x {stages} stages" if p > 1 else f"{stages} stages"
   most = max(n // p, 1)
   raise UsageError(

@@ -109,7 +109,7 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
       states, report = dp.run_epoch(states, batch_at)
       took = time.perf_counter() - t0
       seconds += took
-      watchdog.beat(f"epoch {epoch + 1}'s end", took if epoch > start else None)
+      watchdog.beat(f"after epoch {epoch + 1}", took if epoch > start else None)
       examples += bs * sum(report.batches)
       drawn += p * max(report.batches)
       done = (epoch + 1) * per_epoch
@@ -153,7 +153,7 @@ def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
           "fingerprint": fingerprint,
         },
       )
-      watchdog.beat(f"epoch {epoch + 2}")
+      watchdog.beat(f"after the checkpoint of epoch {epoch + 1}")
       requested = stopping.agreed(stop.signal)
       if requested and epoch + 1 < epochs:
         code = stopping.exit_code(requested)

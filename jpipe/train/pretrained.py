@@ -28,6 +28,7 @@ and in the nested params, so the same transform works on both (a labels
 
 import difflib
 import importlib
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from jpipe.train.checkpoint import checksums
 from jpipe.train.errors import UsageError
 
 
@@ -198,7 +200,7 @@ def _closest(path: str, paths) -> str:
 def _read(source: Any) -> Any:
   """The pytree a source names (see ``load_params``)."""
   if not isinstance(source, str):
-    return _unwrap(source() if callable(source) else source)
+    return _unwrap(_call(source, "the given callable"))
   path = os.path.expanduser(source)
   if os.path.isfile(path):
     try:
@@ -220,7 +222,22 @@ def _read(source: Any) -> Any:
     raise PretrainedError(
       f"cannot load pretrained params from {source!r}: {e}"
     ) from e
-  return _unwrap(value() if callable(value) else value)
+  return _unwrap(_call(value, source))
+
+
+def _call(value, where: str):
+  """``value()`` when callable (else ``value``): a callable that fails is
+  a PretrainedError naming it, not a traceback from inside it."""
+  if not callable(value):
+    return value
+  try:
+    return value()
+  except Exception as e:
+    raise PretrainedError(
+      f"pretrained params from {where}: calling it failed "
+      f"({type(e).__name__}: {e}); name a callable that takes no arguments "
+      "and returns params (or a model with .params), or a params value"
+    ) from e
 
 
 def _unwrap(value):
@@ -237,7 +254,9 @@ def _read_orbax(path: str):
   numbered = [d for d in os.listdir(path) if d.isdigit()]
   if numbered:  # A CheckpointManager directory: its latest step.
     path = os.path.join(path, max(numbered, key=int))
+  saved = None
   if os.path.isdir(os.path.join(path, "state")):  # jpipe's composite item.
+    saved = _saved_checksums(path)
     path = os.path.join(path, "state")
   try:
     tree = ocp.StandardCheckpointer().restore(os.path.abspath(path))
@@ -247,4 +266,35 @@ def _read_orbax(path: str):
       f"({type(e).__name__}: {e}); give a jpipe workdir or checkpoint, an "
       "orbax checkpoint directory, a Flax msgpack file or module:callable"
     ) from e
+  if saved:  # A jpipe checkpoint is checked as resuming checks it.
+    # Restored without a template, named tuples come back as dicts:
+    # ".trace" was saved, "['trace']" is read.
+    saved = {_as_dict_path(k): v for k, v in saved.items()}
+    for leaf, crc in checksums(tree).items():
+      if saved.get(_as_dict_path(leaf)) != crc:
+        raise PretrainedError(
+          f"{os.path.dirname(path)} fails its checksum at {leaf}: its files "
+          "changed after they were written (disk or copy damage); "
+          "initialise from another checkpoint of that run (a numbered "
+          "directory beside it) or a fresh copy"
+        )
   return tree
+
+
+def _as_dict_path(keystr: str) -> str:
+  """A ``jax.tree_util.keystr`` path with attributes written as keys."""
+  return re.sub(r"\.(\w+)", r"['\1']", keystr)
+
+
+def _saved_checksums(step_dir: str) -> dict | None:
+  """The CRC-32 per array that a jpipe checkpoint recorded when saved
+  (None: none recorded, as in checkpoints written before checksums)."""
+  try:
+    with open(os.path.join(step_dir, "meta", "metadata")) as f:
+      return json.load(f).get("checksums")
+  except (OSError, ValueError) as e:
+    raise PretrainedError(
+      f"{step_dir}/meta is unreadable ({type(e).__name__}: {e}): the "
+      "checkpoint is incomplete or damaged; initialise from another "
+      "checkpoint of that run or a fresh copy"
+    ) from e

@@ -287,7 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       state, metrics = pipe.step(state, batch, profile=profile)
       loss = float(metrics["loss"])  # Blocks: the step's losses are in.
       took = time.perf_counter() - t0
-      watchdog.beat(f"step {step + 2}", took if step > start else None)
+      watchdog.beat(f"after step {step + 1}", took if step > start else None)
       if step > start:
         seconds += took
         examples += bs
@@ -328,10 +328,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           evaluation = task.evaluate(params, model_state)
           log.write(done, **{f"eval/{k}": v for k, v in evaluation.items()})
           write(f"step {done}: {_format(evaluation)}")
-        watchdog.beat(f"step {done + 1} (after evaluating)")
+        watchdog.beat(f"after the evaluation at step {done}")
       if checkpoint or requested:
         save(done, state)
-        watchdog.beat(f"step {done + 1} (after a checkpoint)")
+        watchdog.beat(f"after the checkpoint of step {done}")
       if requested:
         bar.close()
         code = stopping.exit_code(requested)

@@ -18,6 +18,7 @@ within minutes.
 """
 
 import faulthandler
+import linecache
 import os
 import statistics
 import sys
@@ -61,7 +62,7 @@ class Watchdog:
     self.out = out or sys.stderr
     self.steps = deque(maxlen=101)  # Recent step seconds, for the median.
     self.last = time.monotonic()
-    self.doing = "the first step (compiling)"
+    self.doing = "before step 1 (compiling)"
     self._stop = threading.Event()
     self._thread = threading.Thread(
       target=self._watch, name="jpipe-watchdog", daemon=True
@@ -76,9 +77,9 @@ class Watchdog:
     return max(self.floor_s, self.factor * statistics.median(self.steps))
 
   def beat(self, doing: str, step_seconds: float | None = None) -> None:
-    """Progress: the loop goes on to ``doing`` (e.g. "step 7"), after a
-    step that took ``step_seconds`` (None: not a step, or one that
-    compiled)."""
+    """Progress, and where the loop is now (``doing``, e.g. "after step
+    7"): a step that took ``step_seconds`` (None: not a step, or one
+    that compiled) or something else completed."""
     if step_seconds is not None:
       self.steps.append(step_seconds)
     self.doing = doing
@@ -109,7 +110,7 @@ class Watchdog:
     me = _process_index()
     where = waiting_in(threading.main_thread())
     head = (
-      f"process {me}: hung while doing {self.doing}: {why} (timeout "
+      f"process {me}: hung {self.doing}: {why} (timeout "
       f"{self.timeout():.0f} s); its main thread waits in {where}"
     )
     if client is not None:
@@ -142,29 +143,50 @@ class Watchdog:
 
 
 def waiting_in(thread: threading.Thread) -> str:
-  """Where ``thread`` is now: its innermost jpipe frame (with its source
-  line) and, when deeper, the innermost frame of all (file:line in
-  function)."""
+  """Where ``thread`` is now: its innermost jpipe frames (up to three,
+  outermost first, the last with its source line) and, when deeper, the
+  innermost frame of all."""
   frame = sys._current_frames().get(thread.ident)
   if frame is None:
     return "(not running)"
-  stack = traceback.extract_stack(frame)
-  ours = [f for f in stack if f"{os.sep}jpipe{os.sep}" in f.filename]
+  stack = [
+    f
+    for f in traceback.extract_stack(frame)
+    if not f.name.startswith("<") or f.name == "<module>"
+  ]
+  if not stack:
+    return "(no Python frame)"
+  ours = [
+    f
+    for f in stack
+    if f"{os.sep}jpipe{os.sep}" in f.filename
+    and not f.filename.endswith("__main__.py")  # (an entry point)
+  ][-4:]
   inner = stack[-1]
-
-  def name(f):
-    path = f.filename
-    for root in ("jpipe", "jax", "orbax", "flax"):
-      marker = f"{os.sep}{root}{os.sep}"
-      if marker in path:
-        path = root + os.sep + path.split(marker, 1)[1]
-        break
-    return f"{path}:{f.lineno} in {f.name}"
-
   if not ours:
-    return name(inner)
-  text = f"{name(ours[-1])} ({(ours[-1].line or '').strip()})"
-  return text if ours[-1] is inner else f"{text}, inside {name(inner)}"
+    return _frame_name(inner)
+  text = " > ".join(_frame_name(f) for f in ours) + f" ({_source(ours[-1])})"
+  return text if ours[-1] is inner else f"{text}, inside {_frame_name(inner)}"
+
+
+def _source(f, width: int = 100) -> str:
+  """A frame's statement (all its lines, joined), without comments."""
+  end = getattr(f, "end_lineno", None) or f.lineno
+  lines = [linecache.getline(f.filename, n) for n in range(f.lineno, end + 1)]
+  code = " ".join(line.split("  #")[0].strip() for line in lines).strip()
+  code = code.replace("( ", "(").replace(" )", ")")
+  return code if len(code) <= width else code[: width - 3] + "..."
+
+
+def _frame_name(f) -> str:
+  """``package/path.py:line in function``, the path from the package."""
+  path = f.filename
+  for root in ("jpipe", "jax", "jaxlib", "orbax", "flax"):
+    marker = f"{os.sep}{root}{os.sep}"
+    if marker in path:
+      path = root + os.sep + path.split(marker, 1)[1]
+      break
+  return f"{path}:{f.lineno} in {f.name}"
 
 
 def _process_index() -> int:

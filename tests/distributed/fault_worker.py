@@ -2,11 +2,14 @@
 stepping (``STEPS`` steps, default: until stopped).
 
   FAULT=raise:P:K   process P raises at step K
+  FAULT=hang:P:K    process P stops making progress at step K (alive:
+                    the heartbeat goes on; its peer waits in a transfer)
 
 Prints "ready <process> <pid>" after its first step.
 """
 
 import os
+import threading
 
 from jpipe import distributed
 
@@ -46,6 +49,9 @@ def main():
   for step in range(steps):
     if fault == f"raise:{me}:{step}":
       raise _Injected(f"injected failure in process {me} at step {step}")
+    if fault == f"hang:{me}:{step}":
+      print(f"hanging {me}", flush=True)
+      threading.Event().wait()
     state, metrics = pipe.step(state, batch)
     loss = float(metrics["loss"])
     if step == 0:

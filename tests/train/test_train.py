@@ -20,7 +20,7 @@ from tensorboardX.proto import event_pb2
 
 import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check, metric_log, train_lib
+from jpipe.train import config_check, metric_log, pretrained, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -252,6 +252,68 @@ def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (
+      [
+        "--config.schedule.name=async",
+        "--config.staleness.stashing=True",
+        "--config.staleness.gap_aware=ga",
+        "--config.schedule.step_every=2",
+      ],
+      "config.schedule.step_every: staleness.gap_aware needs step_every=1",
+    ),
+    (
+      ["--config.pipeline.num_stages=16"],
+      "16 stages need 16 devices, this run has 8",
+    ),
+    (
+      ["--config.data.train_split=train[:200%]"],
+      "config.data.train_split='train[:200%]' is not a split",
+    ),
+    (
+      ["--config.init_from=os.path:join"],
+      "from os.path:join: calling it failed (TypeError",
+    ),
+  ],
+)
+def test_the_last_tracebacks_are_one_line_errors(tmp_path, flags, message):
+  """Each once ended in a 23- to 75-line traceback (issue 37)."""
+  result = subprocess.run(
+    _cli(tmp_path, "--config.train.steps=2", *flags),
+    capture_output=True,
+    text=True,
+    env=_cli_env(),
+  )
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+  assert message in lines[0]
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_truncated_checkpoint_is_one_line(tmp_path):
+  """A checkpoint file cut short: the one-line error alone (the reads
+  still under way once printed "Event loop is closed" tracebacks)."""
+  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  files = glob.glob(
+    str(tmp_path / "checkpoints" / "6" / "state" / "**"), recursive=True
+  )
+  largest = max((f for f in files if os.path.isfile(f)), key=os.path.getsize)
+  os.truncate(largest, 100)
+  result = subprocess.run(
+    _cli(tmp_path, "--config.train.steps=9", "--config.data.batch_size=32"),
+    capture_output=True,
+    text=True,
+    env=_cli_env(),
+  )
+  assert result.returncode == 2, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert "checkpoints/6 is corrupt" in lines[0] and "step 3" in lines[0]
+
+
 def test_cli_help_lists_the_config_fields(tmp_path):
   result = subprocess.run(
     _cli(tmp_path, "--help"),
@@ -450,6 +512,18 @@ def test_damaged_checkpoints_are_refused(tmp_path):
 def _check_changed_entry_fails_checksum(tmp_path):
   """Files rewritten in a valid format with one entry changed (what orbax
   cannot notice: the kernel that came back with 1.6e37 entries)."""
+  _change_an_entry(tmp_path)
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"checkpoints/6 \(step 6\) fails its checksum at "
+    r".*'head'.*'kernel'.*resume from step 3",
+  ):
+    train_lib.train_and_evaluate(_config(**{"train.steps": 9}), str(tmp_path))
+
+
+def _change_an_entry(tmp_path):
+  """Rewrites checkpoint 6 of the workdir with one kernel entry changed
+  and its recorded checksums kept."""
   manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"))
   saved = manager.restore(
     6,
@@ -471,12 +545,44 @@ def _check_changed_entry_fails_checksum(tmp_path):
   )
   manager.wait_until_finished()
   manager.close()
+
+
+def test_init_from_a_damaged_checkpoint_is_refused(tmp_path):
+  """Fine-tuning from a checkpoint whose arrays fail their checksums is
+  refused as resuming is, naming the leaf (it once loaded, evaluated
+  lower, then went non-finite)."""
+  train_lib.train_and_evaluate(_config(), str(tmp_path / "pre"))
+  _change_an_entry(tmp_path / "pre")
+  config = _config(**{"init_from": str(tmp_path / "pre")})
+  with pytest.raises(
+    pretrained.PretrainedError,
+    match=r"pre/checkpoints/6 fails its checksum at .*'head'.*'kernel'",
+  ):
+    train_lib.train_and_evaluate(config, str(tmp_path / "tuned"))
+  assert not (tmp_path / "tuned" / "metrics.jsonl").exists()
+
+
+def test_another_models_checkpoints_get_true_advice(tmp_path):
+  """A workdir whose latest checkpoint is another model's: the advice
+  points at the latest one of this model, or at another workdir when
+  none is (it once said "resume from step 3", the other model's too)."""
+  ours, other = _config(), _config(**{"model.kwargs.hidden": (16, 16)})
+  train_lib.train_and_evaluate(other, str(tmp_path / "other"))
   with pytest.raises(
     checkpoint_lib.CheckpointError,
-    match=r"checkpoints/6 \(step 6\) fails its checksum at "
-    r".*'head'.*'kernel'.*resume from step 3",
+    match="none of its checkpoints is of this model: use another --workdir",
   ):
-    train_lib.train_and_evaluate(_config(**{"train.steps": 9}), str(tmp_path))
+    train_lib.train_and_evaluate(ours, str(tmp_path / "other"))
+  mixed = tmp_path / "mixed"
+  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(mixed))
+  shutil.copytree(
+    tmp_path / "other" / "checkpoints" / "6", mixed / "checkpoints" / "6"
+  )
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"delete the checkpoints after step 3 .* to resume from step 3",
+  ):
+    train_lib.train_and_evaluate(ours, str(mixed))
 
 
 def test_divergence_names_the_step(tmp_path):
