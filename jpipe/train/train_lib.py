@@ -256,12 +256,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # Across processes, every process issues the loop's cross-process
   # operations in one order (jpipe.distributed states the rule): the
   # step's transfers (and the loss, shared with every process); the stop
-  # agreement, every step (a host exchange); then, where a step asks for
-  # them, the flush's transfers and the gathers of evaluation and of the
-  # checkpoint (device collectives, each behind a quiet point). No branch
-  # below on the process index decides whether one of them runs: process
-  # 0 alone evaluates what all gathered (on its own devices), prints and
-  # logs. The watchdog stops a run that hangs anyway.
+  # agreement (a host exchange, every few steps: StopAgreement); then,
+  # where a step asks for them, the flush's transfers and the gathers of
+  # evaluation and of the checkpoint (device collectives, each behind a
+  # quiet point). No branch below on the process index decides whether
+  # one of them runs: process 0 alone evaluates what all gathered (on its
+  # own devices), prints and logs. The watchdog stops a run that hangs
+  # anyway.
+  agree = stopping.StopAgreement()
   with (
     stopping.StopRequest() as stop,
     Watchdog(config.train.hang_timeout) as watchdog,
@@ -315,7 +317,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         window = _Window(first_step=done + 1)
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
-      requested = stopping.agreed(stop.signal)
+      requested = agree(done, stop.signal, took if step > start else None)
       if evaluate or checkpoint or requested:
         # An asynchronous stream drains first (every in-flight microbatch
         # applied), so a resumed run continues as an uninterrupted one.

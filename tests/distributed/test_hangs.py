@@ -48,7 +48,8 @@ def test_a_collective_waits_for_transfers_in_flight(process_env):
 def test_watchdog_stops_a_run_whose_processes_wait_for_each_other(
   tmp_path, process_env
 ):
-  """Process 1 skips the stop agreement of step 3 (a test-only switch):
+  """Process 1 skips the second stop agreement, after step 2 (a test-only
+  switch; later ones come at steps the run's speed decides):
   both processes wait for each other. The watchdog (15 s here) stops the
   run with status 124, every process's stacks and where each waits."""
   train = [sys.executable, "-m", "jpipe.train", "--config"]
@@ -62,7 +63,7 @@ def test_watchdog_stops_a_run_whose_processes_wait_for_each_other(
   start = time.monotonic()
   done = subprocess.run(
     _launch(*train),
-    env=process_env(JPIPE_TEST_SKIP="stop request:1:3"),
+    env=process_env(JPIPE_TEST_SKIP="stop request:1:2"),
     capture_output=True,
     text=True,
     timeout=240,
@@ -84,7 +85,7 @@ def test_watchdog_stops_a_run_whose_processes_wait_for_each_other(
   assert "process 1 waits in jpipe/" in error, error
   assert "--config.train.hang_timeout" in error
   assert "status 124 (its watchdog: the run hung)" in out
-  assert took < 150  # start-up, 3 steps, 15 s of waiting, the reports
+  assert took < 150  # start-up, 2 steps, 15 s of waiting, the reports
 
 
 def _start(command, env):

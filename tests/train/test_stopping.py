@@ -1,0 +1,37 @@
+"""Stop requests: agreed at once in one process; across processes at
+intervals that keep the exchange near 1 % of the time and a request's
+wait under a second."""
+
+import math
+
+import pytest
+
+from jpipe.train import stopping
+
+
+def test_one_process_knows_its_request_every_step():
+  agree = stopping.StopAgreement()
+  assert agree(1, None) is None
+  assert agree(2, "SIGTERM", 0.01) == "SIGTERM"
+  assert agree(3, "SIGINT", 0.01) == "SIGINT"
+
+
+@pytest.mark.parametrize(
+  "exchange_s,step_s",
+  [(1e-3, 5e-3), (1e-3, 0.1), (1e-3, 1e-3), (1e-3, 2e-4), (5e-4, 2.0)],
+)
+def test_interval_keeps_the_exchange_near_one_percent(exchange_s, step_s):
+  agree = stopping.StopAgreement(share=0.01, max_wait_s=1.0)
+  agree.fastest = exchange_s
+  k = agree._interval(step_s)
+  # The restated rule: the fewest steps over which one exchange is <= 1 %
+  # of the time, but no more steps than fit in one second (at least 1).
+  want = max(1, min(math.ceil(exchange_s / (0.01 * step_s)), int(1.0 / step_s)))
+  assert k == want
+  assert k >= 1 and (k == 1 or (k - 1) * step_s < 1.0)
+  assert exchange_s / (k * step_s) <= 0.01 or k * step_s >= 1.0 - step_s
+
+
+def test_interval_is_one_before_anything_is_measured():
+  agree = stopping.StopAgreement()
+  assert agree._interval(None) == 1 and agree._interval(0.01) == 1
