@@ -318,6 +318,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       evaluate = done % config.train.eval_every == 0 or done == steps
       checkpoint = done % config.train.checkpoint_every == 0 or done == steps
       requested = agree(done, stop.signal, took if step > start else None)
+      since = time.perf_counter()  # (Evaluation and checkpoint times.)
       if evaluate or checkpoint or requested:
         # An asynchronous stream drains first (every in-flight microbatch
         # applied), so a resumed run continues as an uninterrupted one.
@@ -330,10 +331,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           evaluation = task.evaluate(params, model_state)
           log.write(done, **{f"eval/{k}": v for k, v in evaluation.items()})
           write(f"step {done}: {_format(evaluation)}")
-        watchdog.beat(f"after the evaluation at step {done}")
+        watchdog.beat(
+          f"after the evaluation at step {done}",
+          other_seconds=time.perf_counter() - since,
+        )
       if checkpoint or requested:
         save(done, state)
-        watchdog.beat(f"after the checkpoint of step {done}")
+        watchdog.beat(
+          f"after the checkpoint of step {done}",
+          other_seconds=time.perf_counter() - since,
+        )
       if requested:
         bar.close()
         code = stopping.exit_code(requested)

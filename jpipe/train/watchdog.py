@@ -12,9 +12,11 @@ the others' fire within a second (a key in the coordinator's key-value
 store), so the stacks are of one moment.
 
 The timeout: ``config.train.hang_timeout`` seconds, or with 0 (default)
-max(300 s, 20x the median step so far): long enough for the first step's
-compilation on a slow machine, short enough that a hang is reported
-within minutes.
+max(300 s, 20x the median step so far, 3x the longest evaluation or
+checkpoint so far): long enough for the first step's compilation on a
+slow machine, short enough that a hang is reported within minutes. (An
+evaluation longer than 300 s before any has been timed needs a larger
+``hang_timeout``: the other processes wait for it without progress.)
 """
 
 import faulthandler
@@ -61,6 +63,7 @@ class Watchdog:
     self.floor_s, self.factor, self.poll_s = floor_s, factor, poll_s
     self.out = out or sys.stderr
     self.steps = deque(maxlen=101)  # Recent step seconds, for the median.
+    self.longest_other = 0.0  # The longest evaluation or checkpoint (s).
     self.last = time.monotonic()
     self.doing = "before step 1 (compiling)"
     self._stop = threading.Event()
@@ -72,16 +75,24 @@ class Watchdog:
     """The timeout in force (seconds)."""
     if self.fixed:
       return self.fixed
-    if not self.steps:
-      return self.floor_s
-    return max(self.floor_s, self.factor * statistics.median(self.steps))
+    median = statistics.median(self.steps) if self.steps else 0.0
+    return max(self.floor_s, self.factor * median, 3 * self.longest_other)
 
-  def beat(self, doing: str, step_seconds: float | None = None) -> None:
+  def beat(
+    self,
+    doing: str,
+    step_seconds: float | None = None,
+    *,
+    other_seconds: float | None = None,
+  ) -> None:
     """Progress, and where the loop is now (``doing``, e.g. "after step
     7"): a step that took ``step_seconds`` (None: not a step, or one
-    that compiled) or something else completed."""
+    that compiled), or an evaluation or checkpoint that took
+    ``other_seconds``."""
     if step_seconds is not None:
       self.steps.append(step_seconds)
+    if other_seconds is not None:
+      self.longest_other = max(self.longest_other, other_seconds)
     self.doing = doing
     self.last = time.monotonic()
 

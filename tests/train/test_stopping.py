@@ -35,3 +35,18 @@ def test_interval_keeps_the_exchange_near_one_percent(exchange_s, step_s):
 def test_interval_is_one_before_anything_is_measured():
   agree = stopping.StopAgreement()
   assert agree._interval(None) == 1 and agree._interval(0.01) == 1
+
+
+def test_watchdog_timeout_follows_steps_and_evaluations():
+  """max(floor, 20x the median step, 3x the longest evaluation or
+  checkpoint); a fixed timeout overrides."""
+  from jpipe.train.watchdog import Watchdog
+
+  dog = Watchdog(floor_s=300.0, factor=20.0)
+  assert dog.timeout() == 300.0
+  for seconds in (10.0, 30.0, 20.0):
+    dog.beat("after a step", seconds)
+  assert dog.timeout() == 20.0 * 20.0
+  dog.beat("after an evaluation", other_seconds=200.0)
+  assert dog.timeout() == 600.0
+  assert Watchdog(42.0).timeout() == 42.0
