@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.distributed.processes import alive, read_until, ready_pids
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -100,38 +102,10 @@ def _start(command, env):
   )
 
 
-def _read_until(proc, marker, lines, deadline):
-  """Launcher output lines up to the first containing ``marker``."""
-  while True:
-    assert time.monotonic() < deadline, "".join(lines)
-    line = proc.stdout.readline()
-    assert line, "launcher ended early:\n" + "".join(lines)
-    lines.append(line)
-    if marker in line:
-      return line
-
-
-def _worker_pids(proc, nprocs, lines, deadline):
-  pids = {}
-  while len(pids) < nprocs:
-    line = _read_until(proc, "] ready ", lines, deadline)
-    _, p, pid = line.split("] ")[1].split()
-    pids[int(p)] = int(pid)
-  return pids
-
-
-def _alive(pid):
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
-
-
 def _gone_within(pids, seconds):
   deadline = time.monotonic() + seconds
   while time.monotonic() < deadline:
-    if not any(_alive(p) for p in pids):
+    if not any(alive(p) for p in pids):
       return True
     time.sleep(0.1)
   return False
@@ -149,8 +123,8 @@ def test_sigterm_to_the_launcher_of_a_hung_run_stops_everything(process_env):
   lines = []
   try:
     deadline = time.monotonic() + 180
-    pids = _worker_pids(proc, 2, lines, deadline)
-    _read_until(proc, "[p1] hanging 1", lines, deadline)
+    pids, _ = ready_pids(proc, 2, deadline, lines)
+    read_until(proc, "[p1] hanging 1", lines, deadline)
     time.sleep(1.0)  # process 0 is waiting in its transfer now
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -174,11 +148,11 @@ def test_sigkill_to_the_launcher_leaves_no_process_behind(process_env):
   proc = _start(_launch(*worker), process_env())
   lines, pids = [], {}
   try:
-    pids = _worker_pids(proc, 2, lines, time.monotonic() + 180)
+    pids, _ = ready_pids(proc, 2, time.monotonic() + 180, lines)
     proc.kill()
     proc.wait()
     assert _gone_within(pids.values(), 10), "".join(lines)
   finally:
     for pid in pids.values():
-      if _alive(pid):
+      if alive(pid):
         os.kill(pid, signal.SIGKILL)

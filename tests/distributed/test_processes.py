@@ -17,6 +17,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.distributed.processes import alive, ready_pids
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -162,33 +164,6 @@ def test_replica_groups_across_processes(tmp_path, process_env):
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
 
 
-def _ready_pids(proc, nprocs, deadline):
-  """Reads the launcher's output until every process said "ready"."""
-  pids, lines = {}, []
-  while len(pids) < nprocs:
-    assert time.monotonic() < deadline, "".join(lines)
-    line = proc.stdout.readline()
-    assert line, "launcher ended early:\n" + "".join(lines)
-    lines.append(line)
-    if "] ready " in line:
-      _, p, pid = line.split("] ")[1].split()
-      pids[int(p)] = int(pid)
-  return pids, lines
-
-
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  # A zombie is dead: it only waits for its parent to read its status.
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().split()[2] != "Z"
-  except FileNotFoundError:
-    return False
-
-
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_killed_or_hung_process_stops_the_run(sig, process_env):
   """A process killed (SIGKILL) or hung (SIGSTOP) mid-run: the launcher
@@ -205,7 +180,7 @@ def test_killed_or_hung_process_stops_the_run(sig, process_env):
     start_new_session=True,
   )
   try:
-    pids, lines = _ready_pids(proc, 2, time.monotonic() + 180)
+    pids, lines = ready_pids(proc, 2, time.monotonic() + 180)
     os.kill(pids[1], getattr(signal, sig))
     start = time.monotonic()
     rest, _ = proc.communicate(timeout=60)
@@ -224,7 +199,7 @@ def test_killed_or_hung_process_stops_the_run(sig, process_env):
     assert "process 0 exited with" in out, out[-4000:]
     assert "process 1 is stopped" in out, out[-4000:]
   for pid in pids.values():
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def test_exception_in_one_process_stops_all_with_its_traceback(process_env):

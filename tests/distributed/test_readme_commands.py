@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.distributed.processes import environment
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -62,7 +64,7 @@ def one_process_losses(tmp_path_factory):
   """The default config's per-step losses in one process (8 CPU
   devices), the reference of every multi-process run of it."""
   workdir = tmp_path_factory.mktemp("one_process")
-  env = _env()
+  env = environment()
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   command = [sys.executable, "-m", "jpipe.train", "--config"]
   command += ["configs/default.py", "--workdir", str(workdir)]
@@ -70,20 +72,6 @@ def one_process_losses(tmp_path_factory):
   _run(command, env)
   rows = _rows(workdir)
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
-def _env():
-  """As ``process_env`` (conftest), for the module-scoped fixture."""
-  out = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-  }
-  out.pop("XLA_FLAGS", None)
-  out["JAX_PLATFORMS"] = "cpu"
-  out["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-  out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
-  return out
 
 
 # (processes, log_every, eval_every, checkpoint_every, repeat): the
@@ -116,7 +104,7 @@ def test_default_config_across_processes_as_in_the_readme(
       f"--config.train.eval_every={eval_every}",
       f"--config.train.checkpoint_every={ckpt_every}",
     ),
-    _env(),
+    environment(),
   )
   assert f"[p0] Done: {STEPS} steps" in out, out[-3000:]
   rows = _rows(tmp_path)
@@ -144,7 +132,7 @@ def test_sdpipe_across_processes_as_in_the_readme(tmp_path, repeat):
   checkpointed, to the end."""
   del repeat
   command = readme_command("jpipe.launch", "configs/sdpipe.py")
-  out = _run(_with(command, tmp_path, "--config.train.steps=24"), _env())
+  out = _run(_with(command, tmp_path, "--config.train.steps=24"), environment())
   assert "[p0] epoch 2/2 (step 24)" in out, out[-3000:]
   assert "[p0] Done:" in out
   rows = _rows(tmp_path)
@@ -158,7 +146,7 @@ def test_dynpipe_across_processes_as_in_the_readme(tmp_path, repeat):
   every stage's times and process 0's decision every 10 steps)."""
   del repeat
   command = readme_command("jpipe.launch", "configs/dynpipe.py")
-  out = _run(_with(command, tmp_path, "--config.train.steps=40"), _env())
+  out = _run(_with(command, tmp_path, "--config.train.steps=40"), environment())
   assert "[p0] Done: 40 steps" in out, out[-3000:]
   rows = _rows(tmp_path)
   windows = [r["step"] for r in rows if "dynamic/step_seconds" in r]

@@ -1,0 +1,65 @@
+"""Helpers of the tests that start processes: their environment, their
+pids as the launcher's output announces them, whether one is alive."""
+
+import os
+import time
+
+ROOT = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
+
+
+def environment(**extra) -> dict:
+  """This environment without proxies (gRPC would route 127.0.0.1
+  through them) and without the fake-device flag (each process sets its
+  own device count), on CPU with quick compiles (the tests are
+  compile-bound on 2 cores; both sides of a comparison alike)."""
+  out = {
+    k: v
+    for k, v in os.environ.items()
+    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+  }
+  out.pop("XLA_FLAGS", None)
+  out["JAX_PLATFORMS"] = "cpu"
+  out["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+  out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
+  out.update(extra)
+  return out
+
+
+def read_until(proc, marker, lines, deadline) -> str:
+  """The launcher's output lines (appended to ``lines``) up to the first
+  that contains ``marker``; that line."""
+  while True:
+    assert time.monotonic() < deadline, "".join(lines)
+    line = proc.stdout.readline()
+    assert line, "launcher ended early:\n" + "".join(lines)
+    lines.append(line)
+    if marker in line:
+      return line
+
+
+def ready_pids(proc, nprocs, deadline, lines=None):
+  """Reads the launcher's output until every process said "ready <process>
+  <pid>"; returns ({process: pid}, the lines read)."""
+  lines = [] if lines is None else lines
+  pids = {}
+  while len(pids) < nprocs:
+    line = read_until(proc, "] ready ", lines, deadline)
+    _, p, pid = line.split("] ")[1].split()
+    pids[int(p)] = int(pid)
+  return pids, lines
+
+
+def alive(pid) -> bool:
+  """Whether process ``pid`` runs (a zombie is dead: it only waits for
+  its parent to read its status)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
