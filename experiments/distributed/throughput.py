@@ -418,7 +418,7 @@ def main():
   }
   print(_table(result))
   with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
-    json.dump(result, f, indent=1)
+    json.dump(result, f, separators=(",", ":"))
 
 
 if __name__ == "__main__":

@@ -366,7 +366,7 @@ def main(argv):
     "target_accuracy": FLAGS.dp_target,
   }
   with open(out + ".json", "w") as f:
-    json.dump(data, f, indent=1)
+    json.dump(data, f, separators=(",", ":"))
   table = _table(data)
   fitted = data.get("predictor")
   if fitted:

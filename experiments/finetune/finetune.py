@@ -111,7 +111,7 @@ def write(results, results_dir) -> str:
   with open(os.path.join(results_dir, "finetune.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(results_dir, "finetune.json"), "w") as f:
-    json.dump(results, f, indent=1)
+    json.dump(results, f, separators=(",", ":"))
   return text
 
 

@@ -101,7 +101,7 @@ def main(argv):
   with open(os.path.join(FLAGS.out_dir, "granularity.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(FLAGS.out_dir, "granularity.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+    json.dump(rows, f, separators=(",", ":"))
 
 
 def _finite(x):

@@ -206,7 +206,9 @@ def main():
   with open(os.path.join(OUT, "pipedream_profiles.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(OUT, "pipedream_profiles.json"), "w") as f:
-    json.dump({"straight": straight, "replicated": replicated}, f, indent=1)
+    json.dump(
+      {"straight": straight, "replicated": replicated}, f, separators=(",", ":")
+    )
   print(table)
 
 

@@ -131,7 +131,7 @@ def main(argv):
   with open(os.path.join(FLAGS.out_dir, "traced_models.md"), "w") as f:
     f.write(note + "\n\n" + table + "\n")
   with open(os.path.join(FLAGS.out_dir, "traced_models.json"), "w") as f:
-    json.dump(records, f, indent=1)
+    json.dump(records, f, separators=(",", ":"))
   _plot(balance, os.path.join(FLAGS.out_dir, "traced_models_n4.png"))
   print(note + "\n\n" + table)
 

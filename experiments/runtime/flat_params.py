@@ -140,7 +140,7 @@ def write_results(name: str, text: str, record: dict) -> None:
   with open(path + ".md", "w") as f:
     f.write(text)
   with open(path + ".json", "w") as f:
-    json.dump(record, f, indent=1)
+    json.dump(record, f, separators=(",", ":"))
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def write(rows, results_dir) -> str:
         "rows": rows,
       },
       f,
-      indent=1,
+      separators=(",", ":"),
     )
   return table
 

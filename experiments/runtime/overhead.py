@@ -269,7 +269,7 @@ def main(argv):
         "records": records,
       },
       f,
-      indent=1,
+      separators=(",", ":"),
     )
   print(text)
 

@@ -118,7 +118,7 @@ def main():
   with open(os.path.join(OUT, "stash_memory.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(OUT, "stash_memory.json"), "w") as f:
-    json.dump(records, f, indent=1)
+    json.dump(records, f, separators=(",", ":"))
   print(table)
 
 

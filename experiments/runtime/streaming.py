@@ -142,7 +142,7 @@ def main(argv):
   with open(os.path.join(OUT, "streaming.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(OUT, "streaming.json"), "w") as f:
-    json.dump({"stage_costs": costs, "rows": records}, f, indent=1)
+    json.dump({"stage_costs": costs, "rows": records}, f, separators=(",", ":"))
 
 
 if __name__ == "__main__":

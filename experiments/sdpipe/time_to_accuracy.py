@@ -234,7 +234,7 @@ def main(argv):
     "seeds": [int(x) for x in FLAGS.sd_seeds],
   }
   with open(out + ".json", "w") as f:
-    json.dump({"meta": meta, "runs": records}, f, indent=1)
+    json.dump({"meta": meta, "runs": records}, f, separators=(",", ":"))
   with open(out + ".md", "w") as f:
     f.write(table + "\n")
   _plot(records, out + ".png")

@@ -278,7 +278,7 @@ def main(argv):
         "runs": records,
       },
       f,
-      indent=1,
+      separators=(",", ":"),
     )
   png = os.path.join(FLAGS.out_dir, "staleness.png")
   plot(curves, FLAGS.optimizers, delays, methods, png, args["steps"])

@@ -198,7 +198,7 @@ def main(argv):
   with open(os.path.join(OUT, "time_to_accuracy.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(OUT, "time_to_accuracy.json"), "w") as f:
-    json.dump(records, f, indent=1)
+    json.dump(records, f, separators=(",", ":"))
 
 
 if __name__ == "__main__":
