@@ -1,13 +1,18 @@
 """``python -m jpipe.train`` across processes (``python -m jpipe.launch``):
 the default config trains over 2 processes, its checkpoint resumes in 1
-process and back in 2, on the trajectory of an uninterrupted run."""
+process and back in 2, on the trajectory of an uninterrupted run; a
+SIGTERM to the launcher saves and resumes."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from tests.distributed.processes import read_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -40,6 +45,10 @@ def _train(workdir, steps, nprocs, env):
       "--",
       *command,
     ]
+  return _run_command(command, env)
+
+
+def _run_command(command, env):
   done = subprocess.run(
     command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
   )
@@ -68,3 +77,51 @@ def test_default_config_across_processes_resumes_in_one_and_back(
   assert sorted(b) == list(range(1, 10))
   for step in range(1, 10):
     assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(
+  tmp_path, process_env
+):
+  """SIGTERM to the launcher of a healthy 2-process run: the processes
+  agree on a step, save it together and exit 143; the same command
+  resumes from that step."""
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2", "--"]
+  command += [sys.executable, "-m", "jpipe.train", "--config"]
+  command += [os.path.join(ROOT, "configs", "default.py")]
+  command += [
+    f"--workdir={tmp_path}",
+    "--config.model.kwargs.hidden=(32,32)",
+    "--config.pipeline.num_stages=2",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=100000",
+    "--config.train.checkpoint_every=100000",
+  ]
+  proc = subprocess.Popen(
+    [*command, "--config.train.steps=100000"],
+    env=process_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    cwd=ROOT,
+    start_new_session=True,
+  )
+  lines = []
+  try:
+    read_until(proc, "[p0] step 5/", lines, time.monotonic() + 180)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  out = "".join(lines) + rest
+  assert proc.returncode == 143, out[-4000:]
+  for p in (0, 1):
+    assert f"[launch] process {p} exited with status 143" in out, out[-4000:]
+  saved = int(out.split("SIGTERM: saved step ")[1].split()[0])
+  assert saved >= 5
+  again = _run_command(
+    [*command, f"--config.train.steps={saved + 2}"], process_env()
+  )
+  assert f"[p0] Resuming from step {saved}" in again
+  assert f"[p0] Done: {saved + 2} steps" in again
