@@ -4,9 +4,9 @@ In one process a stage's arrays are simply fetched to the host. Across
 processes each stage's arrays live only in the process that runs it:
 ``trees_everywhere`` broadcasts them from there to every process
 (``jpipe.distributed.broadcast``, at a quiet point: every process calls
-it, in the same order, for every stage). It is for checkpoints and evaluation, not
-for every step: it blocks until the arrays are ready and copies them to
-every host.
+it, in the same order, for every stage). It is for checkpoints and
+evaluation, not for every step: it blocks until the arrays are ready and
+copies them to every host.
 """
 
 from collections.abc import Sequence

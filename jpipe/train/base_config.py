@@ -151,7 +151,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.divergence_factor = 10.0
   # Seconds without a completed step, evaluation or checkpoint after
   # which the run counts as hung: every process writes its stacks and
-  # the run exits with status 124. 0: max(300, 20x the median step).
+  # the run exits with status 124. 0: max(300, 20x the median step, 3x
+  # the longest evaluation or checkpoint so far).
   c.train.hang_timeout = 0.0
   return c
 

@@ -139,7 +139,8 @@ def check(config: ml_collections.ConfigDict) -> None:
   need(
     config.train.hang_timeout >= 0,
     "train.hang_timeout",
-    "must be >= 0 seconds (0: max(300, 20x the median step))",
+    "must be >= 0 seconds (0: automatic, max(300, 20x the median step, 3x "
+    "the longest evaluation or checkpoint))",
   )
   for key in ("log_every", "eval_every", "checkpoint_every"):
     need(config.train[key] >= 1, f"train.{key}", "must be >= 1")
