@@ -22,7 +22,7 @@ import dataclasses
 import threading
 import time
 
-from jpipe.runtime._driver import DriverHooks
+from jpipe.runtime import DriverHooks
 
 
 @dataclasses.dataclass(frozen=True)

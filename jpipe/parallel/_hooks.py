@@ -3,7 +3,7 @@
 import time
 
 from jpipe.parallel._hetero import Heterogeneity
-from jpipe.runtime._driver import DriverHooks
+from jpipe.runtime import DriverHooks
 
 
 class ReplicaHooks(DriverHooks):

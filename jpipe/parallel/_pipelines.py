@@ -38,7 +38,6 @@ from jpipe.parallel._hooks import ReplicaHooks
 from jpipe.parallel._hub import make_hub
 from jpipe.parallel._sync import SYNC_POLICIES, HetPipe, make_policy
 from jpipe.runtime import Pipeline, PipelineState
-from jpipe.runtime._driver import InFlight
 
 
 @dataclasses.dataclass
@@ -251,7 +250,7 @@ class DataParallelPipelines:
       ]
       tree = params
       if self.policy.averages == "grads" and s not in first.tied.stages:
-        tree = jax.eval_shape(first.programs.grad_layouts[s].pack, params)
+        tree = first.gradient_avals(s, params)
       for group in self.policy.possible_groups():
         if mine.isdisjoint(group):
           continue  # Other processes' pipelines only.
@@ -350,7 +349,7 @@ class DataParallelPipelines:
       self.hooks[i].draining = True
       self.policy.start_draining(p)
       state, _ = pipe.flush(state)
-      state = self._finish(p, state)
+      state = self._finish(pipe, p, state)
       jax.block_until_ready(state.stage_params)
       losses[i].extend(float(x) for x in pending)
       ended[i] = time.perf_counter() - start
@@ -391,7 +390,7 @@ class DataParallelPipelines:
     )
     return states, report
 
-  def _finish(self, p, state):
+  def _finish(self, pipe, p, state):
     """The policy's end-of-epoch sync of pipeline p (HetPipe's last push),
     into its drained state."""
     if not isinstance(self.policy, HetPipe):
@@ -400,8 +399,7 @@ class DataParallelPipelines:
       self.policy.finish(p, s, leaves)
       for s, leaves in enumerate(state.stage_params)
     )
-    flight = None if state.in_flight is None else InFlight.start(params)
-    return state._replace(stage_params=params, in_flight=flight)
+    return pipe.with_stage_params(state, params)
 
 
 def _local_ranks(devices, pipelines, per) -> tuple[int, ...]:

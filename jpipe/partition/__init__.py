@@ -22,6 +22,7 @@ from jpipe.partition._plan import (
   steady_state_delay,
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
+from jpipe.partition._report import plot_plan, print_plan_table
 from jpipe.partition._stages import Stages, StageSpec
 from jpipe.partition._trace import TracedModel, trace, with_model_state
 
@@ -43,6 +44,8 @@ __all__ = [
   "plan_from_boundaries",
   "plan_from_pipedream",
   "plan_traced",
+  "plot_plan",
+  "print_plan_table",
   "profile_nodes",
   "solve_contiguous",
   "solve_mixed",

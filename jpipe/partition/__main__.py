@@ -35,7 +35,7 @@ from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import load_pipedream_profile
 from jpipe.partition._mixed import solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
-from jpipe.partition._report import plot, print_table
+from jpipe.partition._report import plot_plan, print_plan_table
 
 METHODS = ("pipedream", "contiguous", "mixed")
 
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
       memory["params"] = np.bincount(
         stage_of_pos, graph.parameter_bytes[order], minlength=num_stages
       )
-    plot(costs, stage_time, args.png, memory)
+    plot_plan(costs, stage_time, args.png, memory)
   return 0
 
 
@@ -264,7 +264,7 @@ def _one_order(graph, order, compute, edges, n, args):
 
 
 def _print(graph, args, machines, result, stage_of_pos):
-  print_table(
+  print_plan_table(
     f"{graph.num_nodes} nodes, {args.method}, machines {machines}, "
     f"solved in {1e3 * result['solve_seconds']:.1f} ms",
     result,

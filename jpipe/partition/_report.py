@@ -5,7 +5,7 @@ for a training config)."""
 import numpy as np
 
 
-def print_table(title, result, stage_of_pos):
+def print_plan_table(title, result, stage_of_pos):
   print(title)
   print("stage  devices  nodes  compute ms  stage ms")
   for s, devices in enumerate(result["stage_devices"]):
@@ -31,7 +31,7 @@ def print_table(title, result, stage_of_pos):
     )
 
 
-def plot(costs, stage_time, path, memory=None):
+def plot_plan(costs, stage_time, path, memory=None):
   """Per-stage compute and stage time; beside it, per-stage memory (MB,
   stacked: ``memory`` maps a label to per-stage bytes) when given."""
   import matplotlib

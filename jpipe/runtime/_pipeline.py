@@ -577,6 +577,22 @@ class Pipeline:
       )
     return self._state(stage_params, opt_states, 0, state_leaves)
 
+  def with_stage_params(
+    self, state: PipelineState, stage_params: Sequence[Any]
+  ) -> PipelineState:
+    """The drained ``state`` with other params per stage (each stage's
+    leaves, placed as ``state.stage_params`` are): an asynchronous stream
+    starts anew from them. E.g. a replica's params after a sync."""
+    self._check_drained(state, "with_stage_params")
+    flight = InFlight.start(stage_params) if self.stream else None
+    return state._replace(stage_params=tuple(stage_params), in_flight=flight)
+
+  def gradient_avals(self, stage: int, params: Sequence[Any]) -> Any:
+    """Shapes and dtypes of stage ``stage``'s gradient as its optimizer
+    step receives it (small leaves packed into one buffer) for its param
+    leaves ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
+    return jax.eval_shape(self.programs.grad_layouts[stage].pack, params)
+
   def _state(self, stage_params, opt_states, step, model_state):
     """A drained state: a new stream for asynchronous schedules."""
     flight = InFlight.start(stage_params) if self.stream else None

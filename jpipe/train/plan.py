@@ -27,7 +27,6 @@ import sys
 import time
 
 from jpipe import partition
-from jpipe.partition._report import plot, print_table
 from jpipe.train import config_check, config_plan
 
 
@@ -133,7 +132,7 @@ def main(argv=None) -> int:
   if args.json:
     print(json.dumps(result))
   else:
-    print_table(
+    partition.print_plan_table(
       f"{len(plan.node_names)} nodes of {args.config}, {method}, "
       f"{plan.num_stages} stages on {devices} devices, solved in "
       f"{1e3 * solve_seconds:.1f} ms",
@@ -149,7 +148,9 @@ def main(argv=None) -> int:
       "activations": plan.stage_activation_bytes,
       "stash": plan.stage_stash_bytes,
     }
-    plot(result["stage_costs"], result["stage_seconds"], args.png, memory)
+    partition.plot_plan(
+      result["stage_costs"], result["stage_seconds"], args.png, memory
+    )
   return 0
 
 

@@ -349,6 +349,42 @@ def test_unflushed_state_is_refused_where_it_would_be_wrong():
   assert again is state and metrics == {}
 
 
+def test_with_stage_params_restarts_the_stream_at_new_params():
+  """A drained state with other params: they replace the old ones; with
+  the same params, the next step is the drained state's own (the stream
+  restarts as a drained one does); an undrained state is refused."""
+  pipe, params, batch = _build({"weight_stashing": True}, SGD)
+  state, _ = pipe.step(pipe.init(params), batch)
+
+  def halve(state):
+    return tuple(
+      tuple(x * 0.5 for x in leaves) for leaves in state.stage_params
+    )
+
+  with pytest.raises(ValueError, match="pipe.flush"):
+    pipe.with_stage_params(state, halve(state))
+  drained, _ = pipe.flush(state)
+  before = pipe.gather_params(drained)
+  halved = pipe.with_stage_params(drained, halve(drained))
+  assert halved.in_flight.fed == 0
+  _close(pipe.gather_params(halved), jax.tree.map(lambda x: x * 0.5, before))
+  same = pipe.with_stage_params(drained, drained.stage_params)
+  got, _ = pipe.flush(pipe.step(same, batch)[0])
+  want, _ = pipe.flush(pipe.step(drained, batch)[0])
+  _close(pipe.gather_params(got), pipe.gather_params(want))
+
+
+def test_gradient_avals_are_what_each_stage_step_receives():
+  """Per stage, the packed gradient's shapes hold every param entry
+  once (small leaves packed, big ones kept)."""
+  pipe, params, _ = _build({"weight_stashing": True}, SGD)
+  state = pipe.init(params)
+  for s, leaves in enumerate(state.stage_params):
+    avals = pipe.gradient_avals(s, leaves)
+    entries = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(avals))
+    assert entries == sum(int(np.prod(x.shape)) for x in leaves)
+
+
 def test_step_every_windows_span_calls():
   opts = {"step_every": 2, "weight_stashing": True}
   pipe, params, _ = _build(opts, SGD)
