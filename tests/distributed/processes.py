@@ -1,7 +1,10 @@
 """Helpers of the tests that start processes: their environment, their
 pids as the launcher's output announces them, whether one is alive."""
 
+import contextlib
 import os
+import signal
+import subprocess
 import time
 
 ROOT = os.path.dirname(
@@ -63,3 +66,25 @@ def alive(pid) -> bool:
       return f.read().rsplit(")", 1)[1].split()[0] != "Z"
   except FileNotFoundError:
     return False
+
+
+@contextlib.contextmanager
+def started(command, env):
+  """``command`` started in a session of its own, its output (stdout and
+  stderr) on ``proc.stdout`` as text; killed with its process group if
+  it still runs when the block ends."""
+  proc = subprocess.Popen(
+    command,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    cwd=ROOT,
+    start_new_session=True,
+  )
+  try:
+    yield proc
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()

@@ -11,7 +11,12 @@ import time
 
 import pytest
 
-from tests.distributed.processes import alive, read_until, ready_pids
+from tests.distributed.processes import (
+  alive,
+  read_until,
+  ready_pids,
+  started,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -90,18 +95,6 @@ def test_watchdog_stops_a_run_whose_processes_wait_for_each_other(
   assert took < 150  # start-up, 2 steps, 15 s of waiting, the reports
 
 
-def _start(command, env):
-  return subprocess.Popen(
-    command,
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    cwd=ROOT,
-    start_new_session=True,
-  )
-
-
 def _gone_within(pids, seconds):
   deadline = time.monotonic() + seconds
   while time.monotonic() < deadline:
@@ -116,12 +109,9 @@ def test_sigterm_to_the_launcher_of_a_hung_run_stops_everything(process_env):
   0 waits in a transfer. SIGTERM to the launcher: passed on, then SIGKILL
   after --grace 3 s; everything is gone within the grace period."""
   worker = [sys.executable, os.path.join(HERE, "fault_worker.py")]
-  proc = _start(
-    _launch(*worker, extra=["--grace=3"]),
-    process_env(FAULT="hang:1:3"),
-  )
+  command = _launch(*worker, extra=["--grace=3"])
   lines = []
-  try:
+  with started(command, process_env(FAULT="hang:1:3")) as proc:
     deadline = time.monotonic() + 180
     pids, _ = ready_pids(proc, 2, deadline, lines)
     read_until(proc, "[p1] hanging 1", lines, deadline)
@@ -130,10 +120,6 @@ def test_sigterm_to_the_launcher_of_a_hung_run_stops_everything(process_env):
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=30)
     took = time.monotonic() - start
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
   out = "".join(lines) + rest
   assert "[launch] SIGTERM: passed on to every process" in out, out[-3000:]
   assert proc.returncode != 0
@@ -145,12 +131,12 @@ def test_sigkill_to_the_launcher_leaves_no_process_behind(process_env):
   """The launcher killed outright (as ``timeout -k`` does): its workers
   get the parent-death signal and die too."""
   worker = [sys.executable, os.path.join(HERE, "fault_worker.py")]
-  proc = _start(_launch(*worker), process_env())
   lines, pids = [], {}
   try:
-    pids, _ = ready_pids(proc, 2, time.monotonic() + 180, lines)
-    proc.kill()
-    proc.wait()
+    with started(_launch(*worker), process_env()) as proc:
+      pids, _ = ready_pids(proc, 2, time.monotonic() + 180, lines)
+      proc.kill()
+      proc.wait()
     assert _gone_within(pids.values(), 10), "".join(lines)
   finally:
     for pid in pids.values():

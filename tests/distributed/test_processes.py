@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.distributed.processes import alive, ready_pids
+from tests.distributed.processes import alive, ready_pids, started
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -170,25 +170,12 @@ def test_killed_or_hung_process_stops_the_run(sig, process_env):
   exits non-zero within 60 s, naming the process, with no process left."""
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2"]
   command += ["--", sys.executable, os.path.join(HERE, "fault_worker.py")]
-  proc = subprocess.Popen(
-    command,
-    env=process_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    cwd=ROOT,
-    start_new_session=True,
-  )
-  try:
+  with started(command, process_env()) as proc:
     pids, lines = ready_pids(proc, 2, time.monotonic() + 180)
     os.kill(pids[1], getattr(signal, sig))
     start = time.monotonic()
     rest, _ = proc.communicate(timeout=60)
     took = time.monotonic() - start
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
   out = "".join(lines) + rest
   assert proc.returncode != 0, out[-4000:]
   assert took < 60

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.distributed.processes import read_until
+from tests.distributed.processes import read_until, started
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -96,24 +96,13 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(
     "--config.train.eval_every=100000",
     "--config.train.checkpoint_every=100000",
   ]
-  proc = subprocess.Popen(
-    [*command, "--config.train.steps=100000"],
-    env=process_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    cwd=ROOT,
-    start_new_session=True,
-  )
   lines = []
-  try:
+  with started(
+    [*command, "--config.train.steps=100000"], process_env()
+  ) as proc:
     read_until(proc, "[p0] step 5/", lines, time.monotonic() + 180)
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=60)
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
   out = "".join(lines) + rest
   assert proc.returncode == 143, out[-4000:]
   for p in (0, 1):
