@@ -16,13 +16,16 @@ candidate stage's predicted slowdown (``minmax_split`` for jpipe's
 exact split with range-dependent stage times).
 """
 
-from jpipe.dynamic._controller import (
-  POLICIES,
-  DynamicPipeline,
-  Window,
-  describe,
-)
+from jpipe.dynamic._controller import DynamicPipeline, Window, describe
 from jpipe.dynamic._inject import Interference, Slowdown, parse_inject
+from jpipe.dynamic._policies import (
+  POLICIES,
+  Decision,
+  DynpipePolicy,
+  JpipePolicy,
+  Policy,
+  make_policy,
+)
 from jpipe.dynamic._predictor import (
   NODE_FEATURES,
   STAGE_FEATURES,
@@ -51,10 +54,14 @@ __all__ = [
   "NODE_FEATURES",
   "POLICIES",
   "STAGE_FEATURES",
+  "Decision",
   "DynamicPipeline",
+  "DynpipePolicy",
   "Interference",
+  "JpipePolicy",
   "Measurements",
   "PlanSwitch",
+  "Policy",
   "Slowdown",
   "SlowdownPredictor",
   "Switch",
@@ -68,6 +75,7 @@ __all__ = [
   "dynpipe_score",
   "dynpipe_split",
   "jpipe_split",
+  "make_policy",
   "minmax_split",
   "node_features",
   "node_weights",

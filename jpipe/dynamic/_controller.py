@@ -15,7 +15,8 @@ count underrates) stay with their nodes when they move instead of
 reading as a slow device. What this cannot place (a stage's fixed
 dispatch cost, which a small stage carries relatively more of) reads as
 up to ~1.5x: hence sigmas between the thresholds count as 1. The
-planners use the calibrated node times. Then, by policy:
+planners use the calibrated node times. Then, by policy (classes in
+``_policies.py``; a decision is a ``Decision``):
 
 - "jpipe": sigmas between the thresholds count as 1 (as DynPipe's); when
   a slot becomes slowed or recovers, or its sigma moves by the trigger's
@@ -57,6 +58,7 @@ from jpipe import partition as partition_lib
 from jpipe.distributed import text_from_process_zero
 from jpipe.dynamic._inject import Interference
 from jpipe.dynamic._measure import stage_seconds_per_microbatch
+from jpipe.dynamic._policies import Decision, make_policy
 from jpipe.dynamic._predictor import (
   SlowdownPredictor,
   node_features,
@@ -65,17 +67,14 @@ from jpipe.dynamic._predictor import (
 )
 from jpipe.dynamic._replan import (
   boundaries_of,
-  dynpipe_split,
   jpipe_split,
   minmax_split,
   predicted_step_seconds,
   stage_costs,
 )
 from jpipe.dynamic._switch import PlanSwitch
-from jpipe.dynamic._trigger import Trigger, clamped_ratios
+from jpipe.dynamic._trigger import clamped_ratios
 from jpipe.runtime import Pipeline, PipelineState
-
-POLICIES = ("jpipe", "dynpipe", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +132,12 @@ class DynamicPipeline:
     predictor: SlowdownPredictor | None = None,
     **pipeline_options,
   ):
-    if policy not in POLICIES:
-      raise ValueError(f"unknown policy {policy!r}: one of {POLICIES}")
     if window < 1:
       raise ValueError(f"window must be >= 1 steps, got {window}")
-    self.policy = policy
+    self.policy = make_policy(
+      policy, high=high, low=low, warmup_windows=warmup_windows, top_k=top_k
+    )
     self.window = window
-    self.top_k = top_k
     self.horizon_steps = horizon_steps or 2 * window
     self.high, self.low = high, low
     self.interference = interference or Interference()
@@ -191,8 +189,6 @@ class DynamicPipeline:
     self.windows: list[Window] = []
     self.history: list[dict] = []
     self.assumed = np.ones(first.stages.num_stages)  # sigma of the plan
-    self._changed = None  # The last window's changed slots and sigmas.
-    self.trigger = Trigger(high, low, warmup_windows)
     self._warmup_left = warmup_windows
     self._move_seconds = None  # Last switch's drain and move (no build).
     # A new pipeline's first call compiles its programs: timed, it is
@@ -277,11 +273,11 @@ class DynamicPipeline:
     decision = self._decide(window) if jax.process_index() == 0 else None
     if jax.process_count() > 1:
       # Process 0 decides (its measured switch costs), everyone follows.
-      decision = json.loads(
-        text_from_process_zero(json.dumps(_jsonable(decision)))
+      decision = Decision.from_json(
+        text_from_process_zero(decision.to_json() if decision else "null")
       )
     if decision is not None:
-      state, record = self._switch_to(state, *decision, window)
+      state, record = self._switch_to(state, decision, window)
       metrics["repartition"] = record
     return state, metrics
 
@@ -323,75 +319,34 @@ class DynamicPipeline:
       self.interference.model_seconds = self.total
     self.calibrated = True
 
-  def _decide(self, window: Window):
-    """``(new boundaries, sigma used, predicted old and new)`` or None."""
-    if self.policy == "static" or self._warmup_left >= 0:
+  def _decide(self, window: Window) -> Decision | None:
+    """The policy's decision after ``window`` (none while warming up)."""
+    if self._warmup_left >= 0:
       return None
-    sigma = np.asarray(window.sigma)
-    current = self.boundaries
-    if self.policy == "dynpipe":
-      if self.trigger.add(window.stage_seconds) is None:
-        return None
-      factors = clamped_ratios(sigma, np.ones_like(sigma), self.high, self.low)
-      slowdowns = self._slowdowns_of(factors)
-      new, _ = dynpipe_split(
-        self.forward,
-        self.backward,
-        current,
-        factors if self.predictor is None else slowdowns,
-        top_k=self.top_k,
-      )
-      if new == current:
-        return None
-      expected = slowdowns(new)
-      old_t = self._predict(current, factors)
-      new_t = self._predict(new, expected)
-      return new, factors, old_t, new_t, expected
-    # As DynPipe, slowdowns between the thresholds count as none (a small
-    # stage's unslowed dispatch reads as up to ~1.5x). A slot entering or
-    # leaving the slowed state, or a slowed slot moving by the trigger's
-    # factor, asks for a new split.
-    factors = clamped_ratios(sigma, np.ones_like(sigma), self.high, self.low)
-    state_changed = (factors == 1.0) != (self.assumed == 1.0)
-    ratio = factors / self.assumed
-    changed = state_changed | (ratio >= self.high) | (ratio <= self.low)
-    # One profiled step is a noisy sample (a pause reads as a slowdown):
-    # act when two windows in a row show the same slots changed, on their
-    # mean.
-    seen = self._changed
-    self._changed = (changed, factors, np.asarray(window.stage_seconds))
-    if not np.any(changed) or seen is None or np.any(seen[0] != changed):
-      return None
-    sigma = clamped_ratios(
-      (seen[1] + factors) / 2, np.ones_like(factors), self.high, self.low
-    )
+    return self.policy.decide(self, window)
+
+  def best_split(self, sigma) -> tuple[tuple[int, ...], np.ndarray]:
+    """jpipe's split for the slots' slowdowns ``sigma``: the exact
+    min-max split (range-dependent stage times under the forest), and
+    the slowdowns its slots should show."""
     if self.predictor is None:
       new, _ = jpipe_split(self.forward, self.backward, sigma)
-      expected = sigma
-    else:
-      table = self._slowdown_table(sigma)
-      new, _ = minmax_split(self._range_seconds(table))
-      expected = _of_split(table, new)
-    if new == current:
-      return None
-    # The split in force is scored on what it measured (the two windows'
-    # stage times), the candidate on the calibrated node times: a model
-    # error on the split in force (a stage's fixed cost spread over its
-    # nodes) no longer hides the gain of a move.
-    old_t = self._predict_measured((seen[2] + self._changed[2]) / 2)
-    new_t = self._predict(new, expected)
-    # What switching costs: draining and moving (measured at the last
-    # switch; before one, bounded by a build), plus, for a plan not seen
-    # before, building its pipeline and compiling its programs (measured
-    # on the last new pipeline's first call).
+      return new, np.asarray(sigma, np.float64)
+    table = self._slowdown_table(sigma)
+    new, _ = minmax_split(self._range_seconds(table))
+    return new, _of_split(table, new)
+
+  def switch_cost(self, boundaries) -> float:
+    """Seconds a switch to ``boundaries`` costs: draining and moving
+    (measured at the last switch; before one, bounded by a build), plus,
+    for a plan not seen before, building its pipeline and compiling its
+    programs (measured on the last new pipeline's first call)."""
     move = (
       self.build_seconds if self._move_seconds is None else self._move_seconds
     )
     new_pipeline = self.build_seconds + self.compile_seconds
-    cost = move + (0.0 if self.switch.seen(self._plan(new)) else new_pipeline)
-    if (old_t - new_t) * self.horizon_steps <= cost:
-      return None
-    return new, sigma, old_t, new_t, expected
+    seen = self.switch.seen(self._plan(boundaries))
+    return move + (0.0 if seen else new_pipeline)
 
   # -- slowdowns of other splits ---------------------------------------------
 
@@ -421,7 +376,7 @@ class DynamicPipeline:
         out[s][lo, hi] = np.maximum(self.predictor.predict(rows), 1.0)
     return out
 
-  def _slowdowns_of(self, observed):
+  def slowdowns_of(self, observed):
     """split -> the slowdowns its stages will show: the forest's (one
     call for every node range), or (measured rule) each slot's
     ``observed`` one."""
@@ -437,7 +392,7 @@ class DynamicPipeline:
     prefix = np.concatenate([[0.0], np.cumsum(self.forward + self.backward)])
     return (prefix[None, :] - prefix[:, None])[None] * table
 
-  def _predict_measured(self, stage_seconds) -> float:
+  def predict_measured(self, stage_seconds) -> float:
     """Seconds per call of the split in force from its measured stage
     seconds per microbatch (split into forward and backward as its
     nodes' calibrated times are)."""
@@ -446,11 +401,9 @@ class DynamicPipeline:
     share = f / np.maximum(f + bwd, 1e-300)
     stages = tuple(range(len(b)))
     t = np.asarray(stage_seconds, np.float64)
-    return self._predict(
-      stages, np.ones(len(b) - 1), t * share, t * (1 - share)
-    )
+    return self.predict(stages, np.ones(len(b) - 1), t * share, t * (1 - share))
 
-  def _predict(self, boundaries, sigma, forward=None, backward=None) -> float:
+  def predict(self, boundaries, sigma, forward=None, backward=None) -> float:
     """Seconds per call of the split under ``sigma`` (jpipe's simulator
     on the calibrated node times, or on ``forward`` / ``backward`` node
     times). A streaming schedule has no fill or drain per call: its
@@ -507,30 +460,28 @@ class DynamicPipeline:
       devices=[ds[0] for ds in self.plan.stage_devices],
     )
 
-  def _switch_to(
-    self, state, boundaries, sigma, old_t, new_t, expected, window
-  ):
+  def _switch_to(self, state, decision: Decision, window):
     old = self.boundaries
-    state = self.switch.switch(state, self._plan(boundaries))
+    state = self.switch.switch(state, self._plan(decision.boundaries))
     done = self.switch.history[-1]
     self._move_seconds = done.seconds - done.build_seconds
     self._fresh = done.compiled
     # What the new split's slots should show from now on (the forest's
     # prediction, or the measured slowdowns), as the trigger reads them.
+    expected = np.asarray(decision.expected_sigma)
     self.assumed = clamped_ratios(
       expected, np.ones_like(expected), self.high, self.low
     )
-    self._changed = None
-    self.trigger.rebase()
+    self.policy.switched()
     self._place()
     record = {
       "step": self.calls,
       "old": list(old),
-      "new": list(boundaries),
-      "sigma": [float(x) for x in sigma],
-      "expected_sigma": [float(x) for x in expected],
-      "predicted_old_seconds": old_t,
-      "predicted_new_seconds": new_t,
+      "new": list(decision.boundaries),
+      "sigma": list(decision.sigma),
+      "expected_sigma": list(decision.expected_sigma),
+      "predicted_old_seconds": decision.old_seconds,
+      "predicted_new_seconds": decision.new_seconds,
       "measured_seconds": window.step_seconds,
       "switch_seconds": done.seconds,
       "compiled": done.compiled,
@@ -543,19 +494,6 @@ def _of_split(table, split) -> np.ndarray:
   """Per stage of ``split``, its entry of a [S, N + 1, N + 1] table."""
   b = np.asarray(split)
   return table[np.arange(len(b) - 1), b[:-1], b[1:]]
-
-
-def _jsonable(decision):
-  if decision is None:
-    return None
-  boundaries, sigma, old_t, new_t, expected = decision
-  return [
-    [int(b) for b in boundaries],
-    [float(x) for x in sigma],
-    float(old_t),
-    float(new_t),
-    [float(x) for x in expected],
-  ]
 
 
 def _check_straight(plan):

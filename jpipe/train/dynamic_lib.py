@@ -103,7 +103,7 @@ def draw(pipe, workdir) -> str:
       rotation=90,
       va="top",
     )
-  fig.suptitle(f"re-partitioning ({pipe.policy}), red: switches")
+  fig.suptitle(f"re-partitioning ({pipe.policy.name}), red: switches")
   fig.tight_layout()
   path = os.path.join(workdir, "dynamic.png")
   fig.savefig(path, dpi=100)

@@ -222,5 +222,5 @@ def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   new = predictor_lib.boundaries_of_features(dp.features, split)
   direct = forest.predict(predictor_lib.sample_features(3.0, cur[1], new[1]))
   np.testing.assert_allclose(
-    dp._slowdowns_of(observed)(split), [1.0, max(float(direct), 1.0)]
+    dp.slowdowns_of(observed)(split), [1.0, max(float(direct), 1.0)]
   )
