@@ -145,9 +145,14 @@ class DynamicPipeline:
     options = dict(pipeline_options)
 
     def build(plan):
-      pipe = Pipeline(loss_fn, params, example_batch, partition=plan, **options)
-      pipe.driver.hooks = self.interference
-      return pipe
+      return Pipeline(
+        loss_fn,
+        params,
+        example_batch,
+        partition=plan,
+        hooks=self.interference,
+        **options,
+      )
 
     start = time.perf_counter()
     first = build(first_partition)

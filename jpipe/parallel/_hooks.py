@@ -9,24 +9,30 @@ from jpipe.runtime import DriverHooks
 class ReplicaHooks(DriverHooks):
   """Pipeline ``rank``'s side of a sync policy, plus simulated delays.
 
+  Made before its pipeline (``Pipeline(hooks=...)``) and ``bind``-ed to
+  the policy once the plan, which the first pipeline solves, is known;
+  nothing runs in between.
+
   Args:
     rank: the pipeline's index.
-    policy: the shared ``SyncPolicy``.
     hetero: the delays (``Heterogeneity``).
-    stage_devices: per stage, the index of its device among all
-      pipelines' devices (the delays are per device).
   """
 
-  def __init__(self, rank, policy, hetero: Heterogeneity, stage_devices):
+  def __init__(self, rank, hetero: Heterogeneity):
     self.rank = rank
-    self.policy = policy
     self.hetero = hetero
+    self.policy = None
+    self.draining = False
+    self.delayed_seconds = 0.0
+
+  def bind(self, policy, stage_devices) -> None:
+    """The shared ``SyncPolicy``, and per stage the index of its device
+    among all pipelines' devices (the delays are per device)."""
+    self.policy = policy
     self.stage_devices = tuple(stage_devices)
     self.last = len(stage_devices) - 1
     self.steps = [0] * len(stage_devices)  # per stage, steps taken
     self.computes = [0] * len(stage_devices)  # per stage, F and B run
-    self.draining = False
-    self.delayed_seconds = 0.0
 
   def before_compute(self, action):
     s = action.stage

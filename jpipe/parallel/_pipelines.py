@@ -129,11 +129,14 @@ class DataParallelPipelines:
     def devices_of(p):
       return devices[p * per : (p + 1) * per]
 
+    self.hetero = hetero or Heterogeneity()
+    self.hooks = [ReplicaHooks(p, self.hetero) for p in self.ranks]
     first = Pipeline(
       loss_fn,
       params,
       example_batch,
       devices=devices_of(first_rank),
+      hooks=self.hooks[0],
       **pipeline_options,
     )
     plan = first.plan
@@ -146,8 +149,15 @@ class DataParallelPipelines:
       )
     options = dict(pipeline_options, partition=plan)
     self.pipelines = [first] + [
-      Pipeline(loss_fn, params, example_batch, devices=devices_of(p), **options)
-      for p in self.ranks[1:]
+      Pipeline(
+        loss_fn,
+        params,
+        example_batch,
+        devices=devices_of(p),
+        hooks=hooks,
+        **options,
+      )
+      for p, hooks in zip(self.ranks[1:], self.hooks[1:], strict=True)
     ]
     self.plan = plan
     self.num_stages = first.stages.num_stages
@@ -173,13 +183,8 @@ class DataParallelPipelines:
       }
     )
     self.batches_per_epoch = batches_per_epoch
-    self.hetero = hetero or Heterogeneity()
-    self.hooks = []
-    for p, pipe in zip(self.ranks, self.pipelines, strict=True):
-      stage_devices = [p * per + ds[0] for ds in plan.stage_devices]
-      hooks = ReplicaHooks(p, self.policy, self.hetero, stage_devices)
-      pipe.driver.hooks = hooks
-      self.hooks.append(hooks)
+    for p, hooks in zip(self.ranks, self.hooks, strict=True):
+      hooks.bind(self.policy, [p * per + ds[0] for ds in plan.stage_devices])
 
   def close(self) -> None:
     """Stops serving the shared objects (process 0 across processes)."""

@@ -38,7 +38,7 @@ from jpipe import staleness
 from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._calls import CallActions
-from jpipe.runtime._driver import Driver, InFlight
+from jpipe.runtime._driver import Driver, DriverHooks, InFlight
 from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._memory import (
@@ -190,6 +190,12 @@ class Pipeline:
       versions, gradients, optimizer state, microbatches in flight for
       the schedule) must fit, or construction fails naming the stage, the
       predicted bytes and the fixes -- before anything compiles.
+    hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
+      actions, for the stages this process runs (before each forward or
+      backward, on each gradient before its step, on each stage's params
+      after it): what a layer above adds, e.g. data-parallel replica
+      sync and simulated delays (``jpipe.parallel``) or injected
+      slowdowns (``jpipe.dynamic``). None: no hooks.
   """
 
   def __init__(
@@ -221,6 +227,7 @@ class Pipeline:
     fuse_last_stage: bool = True,
     transport: str = "pull",
     memory_limit: float | str | None = None,
+    hooks: DriverHooks | None = None,
   ):
     # -- Options ---------------------------------------------------------
     if schedule not in schedule_lib.SCHEDULES:
@@ -412,6 +419,8 @@ class Pipeline:
       num_batch_leaves=self._num_batch_leaves,
       record_params=record_params,
     )
+    if hooks is not None:
+      self.driver.hooks = hooks
     self._memory = None
     if self.memory_limit is not None:
       self._check_memory(self.memory_limit)

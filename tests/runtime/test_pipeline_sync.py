@@ -192,3 +192,73 @@ def test_batchnorm_state_flows_like_one_device(schedule):
   _assert_tree_close(pipe.gather_model_state(again), ref_stats)
   with pytest.raises(ValueError, match="pass model_state to init"):
     pipe.init(params)
+
+
+class _Counting(jpipe.runtime.DriverHooks):
+  """Counts what a driver calls; halves the gradient of stage 0."""
+
+  def __init__(self):
+    self.computes, self.reduced, self.stepped = [], [], []
+
+  def before_compute(self, action):
+    self.computes.append((action.kind, action.stage))
+
+  def reduce_gradient(self, stage, grads):
+    self.reduced.append(stage)
+    return jax.tree.map(lambda g: g * 0.5, grads) if stage == 0 else grads
+
+  def after_step(self, stage, params):
+    self.stepped.append(stage)
+    return params
+
+
+def test_hooks_argument_sees_every_action_and_changes_gradients():
+  """``Pipeline(hooks=...)``: called before each forward and backward,
+  on each stage's gradient before its step (what it returns is applied)
+  and after each step."""
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  hooks = _Counting()
+  tx = optax.sgd(0.1)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="gpipe",
+    num_microbatches=4,
+    optimizer=tx,
+    hooks=hooks,
+    fuse_last_stage=False,
+  )
+  state = pipe.init(params)
+  state, _ = pipe.step(state, batch)
+  assert sorted(hooks.computes) == sorted(
+    (kind, s) for kind in "FB" for s in (0, 1) for _ in range(4)
+  )
+  assert sorted(hooks.reduced) == [0, 1] and sorted(hooks.stepped) == [0, 1]
+  # Stage 0 stepped with half its gradient: half its plain update.
+  plain = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="gpipe",
+    num_microbatches=4,
+    optimizer=tx,
+    partition=pipe.plan,
+  )
+  plain_state, _ = plain.step(plain.init(params), batch)
+  for got, want, start in zip(
+    state.stage_params[0],
+    plain_state.stage_params[0],
+    pipe.init(params).stage_params[0],
+    strict=True,
+  ):
+    np.testing.assert_allclose(
+      np.asarray(got) - np.asarray(start),
+      0.5 * (np.asarray(want) - np.asarray(start)),
+      rtol=1e-5,
+      atol=1e-7,
+    )
