@@ -218,19 +218,21 @@ def test_hooks_argument_sees_every_action_and_changes_gradients():
   and after each step."""
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
   hooks = _Counting()
-  tx = optax.sgd(0.1)
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    schedule="gpipe",
-    num_microbatches=4,
-    optimizer=tx,
-    hooks=hooks,
-    fuse_last_stage=False,
-  )
+
+  def build(**options):
+    return jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=2,
+      devices=jax.devices()[:2],
+      schedule="gpipe",
+      num_microbatches=4,
+      optimizer=optax.sgd(0.1),
+      **options,
+    )
+
+  pipe = build(hooks=hooks, fuse_last_stage=False)
   state = pipe.init(params)
   state, _ = pipe.step(state, batch)
   assert sorted(hooks.computes) == sorted(
@@ -238,17 +240,7 @@ def test_hooks_argument_sees_every_action_and_changes_gradients():
   )
   assert sorted(hooks.reduced) == [0, 1] and sorted(hooks.stepped) == [0, 1]
   # Stage 0 stepped with half its gradient: half its plain update.
-  plain = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    schedule="gpipe",
-    num_microbatches=4,
-    optimizer=tx,
-    partition=pipe.plan,
-  )
+  plain = build(partition=pipe.plan)
   plain_state, _ = plain.step(plain.init(params), batch)
   for got, want, start in zip(
     state.stage_params[0],
