@@ -1,5 +1,7 @@
 """A GPT-style decoder-only language model with tied embeddings."""
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,22 +13,24 @@ class Block(nn.Module):
   num_heads: int
   mlp_ratio: int = 4
   dropout: float = 0.0
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x, train: bool):
     length = x.shape[1]
     mask = nn.make_causal_mask(jnp.ones((x.shape[0], length), jnp.int32))
-    h = nn.LayerNorm(name="ln_0")(x)
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_0")(x)
     h = nn.MultiHeadDotProductAttention(
       self.num_heads,
+      dtype=self.dtype,
       dropout_rate=self.dropout,
       deterministic=not train,
       name="attn",
     )(h, h, mask=mask)
     x = x + h
-    h = nn.LayerNorm(name="ln_1")(x)
-    h = nn.Dense(self.mlp_ratio * x.shape[-1], name="fc")(h)
-    h = nn.Dense(x.shape[-1], name="proj")(nn.gelu(h))
+    h = nn.LayerNorm(dtype=self.dtype, name="ln_1")(x)
+    h = nn.Dense(self.mlp_ratio * x.shape[-1], dtype=self.dtype, name="fc")(h)
+    h = nn.Dense(x.shape[-1], dtype=self.dtype, name="proj")(nn.gelu(h))
     if self.dropout:
       h = nn.Dropout(self.dropout, deterministic=not train)(h)
     return x + h
@@ -37,6 +41,10 @@ class Model(nn.Module):
 
   The token embedding is also the output projection (``embed.attend``),
   so the first and the last pipeline stage share it.
+
+  ``dtype`` is the compute dtype (e.g. ``jnp.bfloat16``: mixed precision
+  with float32 params, which stay float32 whatever it is); None computes
+  in the params' dtype. The logits are float32 either way, so the loss is.
   """
 
   vocab_size: int = 256
@@ -45,16 +53,26 @@ class Model(nn.Module):
   num_heads: int = 4
   max_length: int = 256
   dropout: float = 0.0
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = True) -> jax.Array:
-    embed = nn.Embed(self.vocab_size, self.width, name="embed")
+    embed = nn.Embed(
+      self.vocab_size, self.width, dtype=self.dtype, name="embed"
+    )
     positions = self.param(
       "pos_embed", nn.initializers.normal(0.02), (self.max_length, self.width)
     )
-    x = embed(tokens) + positions[None, : tokens.shape[1]]
+    positions = positions[None, : tokens.shape[1]]
+    if self.dtype is not None:
+      positions = positions.astype(self.dtype)
+    x = embed(tokens) + positions
     for i in range(self.num_layers):
-      x = Block(self.num_heads, dropout=self.dropout, name=f"block_{i}")(
-        x, train
-      )
-    return embed.attend(nn.LayerNorm(name="ln_f")(x))
+      x = Block(
+        self.num_heads,
+        dropout=self.dropout,
+        dtype=self.dtype,
+        name=f"block_{i}",
+      )(x, train)
+    logits = embed.attend(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))
+    return logits if self.dtype is None else logits.astype(jnp.float32)

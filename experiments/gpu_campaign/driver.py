@@ -1,0 +1,99 @@
+r"""The driver's cost per action, and the gradient own-buffer threshold.
+
+(1) A tiny GPT (8 layers x 8 wide: compute ~ 0) on p stages of one device
+and m microbatches under gpipe and the streaming asynchronous schedule:
+step time / actions in microseconds, and the host's share (time until
+``pipe.step`` returned, per action). On a GPU the host's share near the
+whole is the driver setting the pace.
+(2) ``experiments.runtime.flat_grads`` on this device: a stage's backward
+with its gradients all packed into one buffer, none packed, and jpipe's
+default threshold (``jpipe.runtime._flat.own_buffer_bytes``), by leaf size;
+its tables are written beside this part's JSON.
+
+Usage: python -m experiments.gpu_campaign.driver [--quick] --out DIR
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optax
+
+from experiments.gpu_campaign import _common
+from experiments.gpu_campaign.overhead import one_device_pipeline, timed_runner
+
+TINY = dict(layers=8, width=8, heads=1, length=4, batch=64)
+GRID = {
+  "quick": [(p, m) for p in (2, 4) for m in (4, 8)],
+  "full": [(p, m) for p in (2, 4, 8) for m in (8, 32)],
+}
+
+
+def main(args):
+  grid = GRID["quick" if args.quick else "full"]
+  repeats = 3 if args.quick else 10
+  results = _common.Results(
+    args.out, "driver", {**TINY, "repeats": repeats, "grid": grid}
+  )
+  budget = _common.Budget(args.budget)
+  loss_fn, params, batch, _ = _common.language_model(**TINY)
+  for schedule in ("gpipe", "async"):
+    for p, m in grid:
+      if budget.spent:
+        results.note("stopped_by_budget", True)
+        break
+      pipe = one_device_pipeline(
+        loss_fn,
+        params,
+        batch,
+        p=p,
+        schedule=schedule,
+        m=m,
+        tx=optax.sgd(1e-3),
+        recompute=False,
+      )
+      run = timed_runner(pipe, params, batch)
+      times = []
+      for i in range(repeats + 2):
+        start = time.perf_counter()
+        run()
+        if i >= 2:  # compiled and warm
+          times.append(time.perf_counter() - start)
+      actions = run.actions()
+      step = float(np.median(times))
+      host = float(np.median(run.host_seconds[-repeats:]))
+      results.add(
+        {
+          "schedule": schedule,
+          "stages": p,
+          "microbatches": m,
+          "actions": actions,
+          "step_ms": 1e3 * step,
+          "us_per_action": 1e6 * step / actions,
+          "host_us_per_action": 1e6 * host / actions,
+        }
+      )
+  widths = "128,512" if args.quick else "256,512,1024,2048,4096"
+  child = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.runtime.flat_grads",
+      f"--out_dir={args.out}",
+      f"--grad_widths={widths}",
+      f"--repeats={repeats}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=max(30.0, budget.left),
+  )
+  if child.returncode == 0:
+    platform = _common.metadata()["platform"]
+    with open(os.path.join(args.out, f"flat_grads_{platform}.json")) as f:
+      results.note("grad_buffers", json.load(f))
+  else:
+    results.note("grad_buffers_error", child.stderr[-2000:])
+  results.finish()

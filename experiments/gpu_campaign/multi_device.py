@@ -1,0 +1,69 @@
+r"""On a machine with several devices: the pipeline's speed-up over one.
+
+The overhead part's GPT on p = every device (at most 8), one stage per
+device, 1f1b and the streaming asynchronous schedule, recompute off,
+against the same model as one jitted step on one device: speed-up =
+reference time / pipeline time (ideal p, less the bubble: m / (m + p - 1)
+for 1f1b). With one device the part records why it did nothing. The
+zero-bubble schedules join it when they land (issue 33).
+
+Usage: python -m experiments.gpu_campaign.multi_device [--quick] --out DIR
+"""
+
+import jax
+import optax
+
+import jpipe
+from experiments.gpu_campaign import _common
+from experiments.gpu_campaign.overhead import SIZES, timed_runner
+
+
+def main(args):
+  size = dict(SIZES["quick" if args.quick else "full"])
+  m = size.pop("m")
+  repeats = 3 if args.quick else 10
+  p = min(jax.device_count(), 8)
+  results = _common.Results(
+    args.out, "multi_device", {**size, "microbatches": m, "stages": p}
+  )
+  if p < 2:
+    results.note("skipped", "one device: no pipeline across devices to time")
+    results.finish()
+    return
+  budget = _common.Budget(args.budget)
+  loss_fn, params, batch, _ = _common.language_model(**size, dtype=args.dtype)
+  tx = optax.adamw(1e-4)
+  for schedule in ("1f1b", "async"):
+    if budget.spent:
+      results.note("stopped_by_budget", True)
+      break
+    asynchronous = schedule == "async"
+    reference = _common.reference_step(
+      loss_fn, params, batch, m, tx, update_every_microbatch=asynchronous
+    )
+    pipe = jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=p,
+      devices=jax.devices()[:p],
+      schedule=schedule,
+      num_microbatches=m,
+      optimizer=tx,
+      recompute=False,
+      weight_stashing=asynchronous,
+    )
+    run = timed_runner(pipe, params, batch)
+    summary = _common.ratio_summary(
+      *_common.paired_times(run, reference, repeats)
+    )
+    results.add(
+      {
+        "schedule": schedule,
+        "stages": p,
+        **summary,
+        "speedup": 1.0 / summary["ratio"],
+        "ideal_1f1b": p * m / (m + p - 1),
+      }
+    )
+  results.finish()
