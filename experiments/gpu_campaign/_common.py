@@ -126,8 +126,11 @@ def language_model(
     max_length=length,
     dtype=DTYPES[dtype],
   )
-  cpu = jax.devices("cpu")[0]
-  with jax.default_device(cpu):
+  try:
+    host = jax.devices("cpu")[0]
+  except RuntimeError:  # JAX_PLATFORMS names no cpu: make them on device 0
+    host = jax.devices()[0]
+  with jax.default_device(host):
     tokens = jax.random.randint(
       jax.random.key(0), (batch, length + 1), 0, vocab
     )
