@@ -57,6 +57,11 @@ def _arguments(argv):
     choices=sorted(_common.DTYPES),
     help="compute dtype of the overhead and multi-device GPT (params f32)",
   )
+  parser.add_argument(
+    "--overhead_rows",
+    default=":",
+    help="START:STOP slice of the overhead part's rows (to resume a run)",
+  )
   parser.add_argument("--part", help=argparse.SUPPRESS)  # a child's part
   parser.add_argument("--budget", type=float, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -78,6 +83,7 @@ def _run_part(args, part: str) -> dict:
     f"--budget={budget}",
     f"--out={args.out}",
     f"--dtype={args.dtype}",
+    f"--overhead_rows={args.overhead_rows}",
   ] + (["--quick"] if args.quick else [])
   start = time.monotonic()
   print(f"== {part} (budget {budget:.0f} s)", flush=True)

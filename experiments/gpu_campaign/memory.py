@@ -6,7 +6,7 @@ Each setting runs in its own process, so the device's peak
 the process's life) is that pipeline's alone: params are made on the
 host, then the pipeline is built, initialised and stepped 3 times. Its
 prediction (``pipe.memory``, from abstract shapes before anything
-compiles) is summed over the stages each device holds (all of them on a
+compiles) for each device (``pipe.device_memory``: all stages on a
 one-device machine; one stage per device where there are p devices).
 Target: within 10 % of measured. Devices that report no memory
 statistics (CPUs) give the prediction alone.
@@ -69,14 +69,8 @@ def measure(size: dict, schedule: str, recompute: bool) -> dict:
   for _ in range(3):
     state, metrics = pipe.step(state, device_batch)
   jax.block_until_ready((state.stage_params, metrics["loss"]))
-  predicted: dict[int, int] = {}
-  for memory, stage_devices in zip(
-    pipe.memory, pipe.plan.stage_devices, strict=True
-  ):
-    for d in stage_devices:
-      predicted[d] = predicted.get(d, 0) + memory.total
   per_device = []
-  for d, total in sorted(predicted.items()):
+  for d, total in sorted(pipe.device_memory.items()):
     stats = devices[d].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     per_device.append(

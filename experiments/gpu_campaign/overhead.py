@@ -109,7 +109,8 @@ def main(args):
   budget = _common.Budget(args.budget)
   tx = optax.adamw(1e-4)
   references = {}
-  for p, schedule, recompute in ROWS:
+  start, stop = (int(x) if x else None for x in args.overhead_rows.split(":"))
+  for p, schedule, recompute in ROWS[start:stop]:
     if budget.spent:
       results.note("stopped_by_budget", True)
       break

@@ -438,6 +438,13 @@ class Pipeline:
       self._memory = self._predict_memory()
     return self._memory
 
+  @property
+  def device_memory(self) -> dict[int, int]:
+    """``{device index: predicted peak bytes}``: the stages each device
+    runs (``memory``) added up, one program's working buffers counted
+    once per device."""
+    return device_totals(self.memory, self.plan.stage_devices)
+
   def _predict_memory(self) -> tuple[StageMemory, ...]:
     n, m = self.stages.num_stages, self.num_microbatches
     if self.stream is None:
@@ -488,7 +495,7 @@ class Pipeline:
 
   def _check_memory(self, limit: float) -> None:
     """Refuses a pipeline whose prediction exceeds ``limit`` on a device."""
-    totals = device_totals(self.memory, self.plan.stage_devices)
+    totals = self.device_memory
     over = [d for d in sorted(totals) if totals[d] > limit]
     if not over:
       return

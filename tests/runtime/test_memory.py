@@ -208,9 +208,17 @@ def test_memory_limit_bad_values():
 
 
 def test_device_totals_add_the_stages_a_device_runs():
-  def mem(total):
-    return StageMemory(total, 1, 0, 0, 0, 0, 0, 0)
+  def mem(total, working=0):
+    return StageMemory(total, 1, 0, 0, 0, 0, 0, working)
 
   stages = [mem(10), mem(20), mem(5)]
   # A mixed pipe (stages 0 and 2 on device 0) and a replicated stage.
   assert device_totals(stages, [(0,), (1, 2), (0,)]) == {0: 15, 1: 20, 2: 20}
+  # One program runs at a time on a device: the largest working term
+  # counts once, the rest of each stage adds up (params 10 and 5 here).
+  stages = [mem(10, working=4), mem(20, working=7), mem(5, working=1)]
+  assert device_totals(stages, [(0,), (1, 2), (0,)]) == {
+    0: 10 + 5 + 4,
+    1: 20 + 7,
+    2: 20 + 7,
+  }
