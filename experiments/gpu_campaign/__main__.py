@@ -31,7 +31,7 @@ PARTS = {
   "driver": 90,
   "multi_device": 120,
 }
-QUICK_BUDGET = 120
+QUICK_BUDGET = 30
 
 
 def _arguments(argv):

@@ -17,6 +17,7 @@ steps, pending microbatches) are kept for every stage in every process.
 """
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -200,6 +201,15 @@ class Driver:
       for v in spec.inputs:
         self.readers[v] = self.readers.get(v, 0) + 1
     avals = stages.traced.closed_jaxpr.in_avals
+    # Bytes of each stage's param leaves, in its params' order (every
+    # version of a stage's params has these shapes).
+    self.param_leaf_bytes = tuple(
+      tuple(
+        math.prod(avals[i].shape) * avals[i].dtype.itemsize
+        for i in spec.param_leaves
+      )
+      for spec in stages.specs
+    )
     # Model-state leaf i: its aval, and per process other than its
     # producer's, the first stage there that reads it (it is sent there
     # whenever the producer updates it).
@@ -544,8 +554,18 @@ class _Call:
     """Bytes of the distinct param arrays stage s holds."""
     tuples = [*self.versions[s].values(), self.params[s]]
     tuples += [t for (s_, _), t in self.forward_params.items() if s_ == s]
-    arrays = {id(x): x for t in tuples if t is not None for x in t}
-    return int(sum(x.nbytes for x in arrays.values()))
+    # Most entries are the same tuple (every forward of a synchronous
+    # schedule keeps the live params): go through each tuple once, or
+    # this runs per forward over every microbatch in flight (on an H100
+    # it was 45 % of the host's time per action at 32 microbatches).
+    distinct = {id(t): t for t in tuples if t is not None}
+    leaf_bytes = self.d.param_leaf_bytes[s]
+    arrays = {
+      id(x): n
+      for t in distinct.values()
+      for x, n in zip(t, leaf_bytes, strict=True)
+    }
+    return int(sum(arrays.values()))
 
   def _record(self, kind, s, b, theta):
     if self.used is not None:

@@ -95,3 +95,23 @@ def test_three_stage_split_equals_value_and_grad(name):
 def test_wrn_rejects_bad_depth():
   with pytest.raises(ValueError, match="6n \\+ 4"):
     resnet.Model(depth=11).init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
+
+
+def test_gpt_bfloat16_compute_keeps_float32_params_and_logits():
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+  full = gpt.Model(width=64, num_layers=2, num_heads=2)
+  mixed = gpt.Model(width=64, num_layers=2, num_heads=2, dtype=jnp.bfloat16)
+  params = full.init(jax.random.key(1), tokens)
+  # The same params serve both: the dtype changes the compute only.
+  assert jax.tree.structure(mixed.init(jax.random.key(1), tokens)) == (
+    jax.tree.structure(params)
+  )
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  logits = mixed.apply(params, tokens)
+  assert logits.dtype == jnp.float32
+  # Its matmuls run in bfloat16 ...
+  jaxpr = jax.make_jaxpr(mixed.apply)(params, tokens)
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert dots and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dots)
+  # ... and agree with float32 to bfloat16's precision.
+  np.testing.assert_allclose(logits, full.apply(params, tokens), atol=0.1)

@@ -1,0 +1,129 @@
+"""The GPU campaign's one command, at --quick size on the CPU, so it
+cannot break unseen between GPU sessions."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from experiments.gpu_campaign import __main__ as campaign
+from experiments.gpu_campaign import _common
+from jpipe.models import gpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+META = ("date", "device", "platform", "jax", "commit")
+
+
+def _load(out, part):
+  return json.loads((out / f"{part}.json").read_text())
+
+
+@pytest.mark.slow
+def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.gpu_campaign",
+      "--quick",
+      f"--out={tmp_path}",
+    ],
+    cwd=ROOT,
+    check=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", JPIPE_COMMIT="test"),
+    timeout=900,
+  )
+  summary = json.loads((tmp_path / "campaign.json").read_text())
+  assert [p["part"] for p in summary["parts"]] == list(campaign.PARTS)
+  assert all(p["status"] == "ok" for p in summary["parts"]), summary
+  for part in campaign.PARTS:
+    record = _load(tmp_path, part)
+    assert record["finished"] and record["commit"] == "test"
+    assert all(record[k] for k in META)
+    assert record["rows"], part
+  overhead = _load(tmp_path, "overhead")["rows"]
+  for row in overhead:
+    assert row["ratio"] > 0 and row["actions"] > 0
+    expected = (row["pipeline_ms"] - row["reference_ms"]) * 1e3
+    m = _load(tmp_path, "overhead")["settings"]["microbatches"]
+    assert row["fixed_us_per_microbatch"] == pytest.approx(expected / m)
+  assert [r["dtype"] for r in _load(tmp_path, "mfu")["rows"]] == [
+    "bfloat16",
+    "float32",
+  ]
+  memory = {
+    (r["schedule"], r["recompute"]): r
+    for r in _load(tmp_path, "memory")["rows"]
+  }
+  for row in memory.values():
+    assert all(d["predicted_bytes"] > 0 for d in row["per_device"])
+  # The stash: stage s of 4 holds 4 - s versions (PipeDream's d + 1).
+  stash = memory[("async", False)]
+  assert stash["stash_versions_predicted"] == stash["stash_versions_pipedream"]
+  assert stash["stash_versions_pipedream"] == [4, 3, 2, 1]
+  methods = [r["method"] for r in _load(tmp_path, "stage_times")["rows"]]
+  assert methods == ["analytic", "xla", "measured"]
+  for row in _load(tmp_path, "stage_times")["rows"]:
+    assert sum(row["predicted_share"]) == pytest.approx(1.0)
+  driver = _load(tmp_path, "driver")
+  assert driver["host_profile"]["top_own_time"]
+  assert driver["grad_buffers"]["results"]
+  # conftest gives the children 8 CPU devices: the multi-device part runs.
+  assert {r["schedule"] for r in _load(tmp_path, "multi_device")["rows"]} == {
+    "1f1b",
+    "async",
+  }
+
+
+def test_a_failing_part_is_recorded_and_the_next_one_runs(
+  tmp_path, monkeypatch
+):
+  # The child does not know "broken": it exits with a usage error.
+  monkeypatch.setitem(campaign.PARTS, "broken", 10)
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  code = campaign.main(
+    [
+      "--quick",
+      f"--out={tmp_path}",
+      "--parts=broken,multi_device",
+      "--budget_scale=0.1",
+    ]
+  )
+  assert code == 1
+  parts = json.loads((tmp_path / "campaign.json").read_text())["parts"]
+  assert [(p["part"], p["status"]) for p in parts] == [
+    ("broken", "failed"),
+    ("multi_device", "ok"),
+  ]
+  assert "broken" in parts[0]["error"]
+
+
+def test_unknown_part_is_refused_before_anything_runs(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    campaign.main([f"--out={tmp_path}", "--parts=overhead,mfuu"])
+  assert "mfuu" in capsys.readouterr().err
+  assert not (tmp_path / "campaign.json").exists()
+
+
+def test_training_flops_match_xla_count_of_the_forward():
+  # XLA's own count of one forward's FLOPs (the matmuls dominate) against
+  # the formula's forward third.
+  size = dict(layers=2, width=64, length=32, vocab=512)
+  model = gpt.Model(
+    vocab_size=size["vocab"],
+    width=size["width"],
+    num_layers=size["layers"],
+    num_heads=4,
+    max_length=size["length"],
+  )
+  tokens = np.zeros((4, size["length"]), np.int32)
+  params = model.init(jax.random.key(0), tokens)
+  compiled = jax.jit(model.apply).lower(params, tokens).compile()
+  xla = compiled.cost_analysis()["flops"]
+  formula = _common.training_flops(**size, tokens=tokens.size) / 3
+  assert formula == pytest.approx(xla, rel=0.1)
