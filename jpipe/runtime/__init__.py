@@ -2,7 +2,11 @@
 
 from jpipe.runtime._driver import DriverHooks
 from jpipe.runtime._memory import MemoryLimitError, StageMemory, format_bytes
-from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
+from jpipe.runtime._options import (
+  GAP_AWARE_POLICIES,
+  Staleness,
+  check_staleness_options,
+)
 from jpipe.runtime._pipeline import Pipeline, PipelineState
 
 __all__ = [
@@ -12,6 +16,7 @@ __all__ = [
   "Pipeline",
   "PipelineState",
   "StageMemory",
+  "Staleness",
   "check_staleness_options",
   "format_bytes",
 ]

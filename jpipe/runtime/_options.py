@@ -1,4 +1,19 @@
-"""Which staleness options make sense together (clear errors otherwise)."""
+"""The staleness options of a pipeline, as one validated value.
+
+``Staleness`` holds what decides how an asynchronous pipeline treats
+stale weights (PipeDream's weight stashing, FTPipe's weight prediction and
+Gap-Aware, ``step_every``) and whether backwards recompute their forward;
+``check`` refuses the combinations the semantics do not define, with one
+clear line each.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from jpipe import staleness as staleness_lib
 
 PREDICTIONS = (None, "msnag", "aggmsnag")
 GAP_AWARE = (None, "ga", "ga_jfl")
@@ -81,3 +96,96 @@ def check_staleness_options(
       "Gap-Aware-only runs would silently be stashing runs; pass "
       "recompute=True, or weight_stashing=True to ask for stashing"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Staleness:
+  """How a pipeline handles stale weights; see ``Pipeline`` for each field.
+
+  Attributes:
+    recompute: backwards recompute their forward (True) or differentiate
+      from saved residuals.
+    step_every: ``async``: backwards per step; ``2bw``: microbatches per
+      minibatch.
+    weight_stashing: ``async``: each backward at its forward's params.
+    prediction: ``async``: None, "msnag" or "aggmsnag".
+    predictor: the ``staleness.Predictor`` for ``prediction`` (None: the
+      optimizer's own replay, ``staleness.replay_predictor``).
+    learning_rate_schedule: with a closed-form predictor, the future
+      learning rates.
+    gap_aware: ``async``: None, "ga" or "ga_jfl".
+    gap_aware_options: keyword arguments of ``staleness.gap_aware``
+      (``optimizer`` "sgd" | "adam" | "adamw" naming the pipeline's
+      optimizer, ``learning_rate``...).
+    gap_aware_policy: which stages apply Gap-Aware (``GAP_AWARE_POLICIES``).
+  """
+
+  recompute: bool = True
+  step_every: int = 1
+  weight_stashing: bool = False
+  prediction: str | None = None
+  predictor: staleness_lib.Predictor | None = None
+  learning_rate_schedule: Callable[[Any], Any] | None = None
+  gap_aware: str | None = None
+  gap_aware_options: Mapping[str, Any] | None = None
+  gap_aware_policy: str = "all_except_last"
+
+  def check(self, schedule: str, optimizer=None, params=None) -> None:
+    """Raises ValueError for options ``schedule`` does not define, and
+    (given the optimizer and params) for Gap-Aware told another optimizer
+    than the one the pipeline runs: it would read its statistics by the
+    wrong name, silently."""
+    check_staleness_options(
+      schedule,
+      recompute=self.recompute,
+      step_every=self.step_every,
+      weight_stashing=self.weight_stashing,
+      prediction=self.prediction,
+      gap_aware=self.gap_aware,
+      gap_aware_options=self.gap_aware_options,
+      gap_aware_policy=self.gap_aware_policy,
+    )
+    if self.gap_aware is not None and optimizer is not None:
+      staleness_lib.check_state_matches(
+        jax.eval_shape(optimizer.init, params),
+        self.gap_aware_options["optimizer"],
+        "Pipeline(gap_aware_options={'optimizer': ...})",
+      )
+
+  @property
+  def stashes(self) -> bool:
+    """Whether backwards differentiate at their forward's params: weight
+    stashing, or saved residuals (which pin them)."""
+    return self.weight_stashing or not self.recompute
+
+  def stage_predictor(self, optimizer) -> staleness_lib.Predictor | None:
+    """The predictor forwards use, or None without prediction."""
+    if self.prediction is None:
+      return None
+    return self.predictor or staleness_lib.replay_predictor(optimizer)
+
+  def gap_aware_at(self, delay: int) -> dict[str, Any] | None:
+    """Gap-Aware's options for a stage whose steady-state delay is
+    ``delay``, or None where the policy leaves it out."""
+    if self.gap_aware is None:
+      return None
+    if not GAP_AWARE_POLICIES[self.gap_aware_policy](delay):
+      return None
+    return dict(self.gap_aware_options)
+
+
+def staleness_from_keywords(
+  staleness: Staleness | None, **keywords
+) -> Staleness:
+  """``staleness``, or one made from ``Pipeline``'s keyword spelling of
+  the same options; both at once is refused (which would win?)."""
+  if staleness is None:
+    return Staleness(**keywords)
+  defaults = Staleness()
+  given = [k for k, v in keywords.items() if v != getattr(defaults, k)]
+  if given:
+    raise ValueError(
+      f"staleness options given twice: staleness=Staleness(...) and "
+      f"{given}; put them all in the Staleness value"
+    )
+  return staleness

@@ -35,30 +35,26 @@ import optax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
-from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._batches import batch_size, place_microbatches
-from jpipe.runtime._calls import CallActions
+from jpipe.runtime._build import (
+  check_stage_count,
+  cut_model,
+  partition_model,
+  place_stages,
+  schedule_calls,
+)
 from jpipe.runtime._driver import Driver, DriverHooks, InFlight
 from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._memory import (
-  MemoryLimitError,
   StageMemory,
   device_totals,
-  format_bytes,
-  in_flight_counts,
-  nbytes,
-  param_versions,
-  partitioner_memory_model,
-  predict_stage_memory,
   resolve_memory_limit,
-  tied_copies,
 )
-from jpipe.runtime._options import GAP_AWARE_POLICIES, check_staleness_options
-from jpipe.runtime._placement import (
-  StagePlacement,
-  check_device_groups,
-  device_name,
+from jpipe.runtime._options import Staleness, staleness_from_keywords
+from jpipe.runtime._pipeline_memory import (
+  check_memory_limit,
+  predict_pipeline_memory,
 )
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
@@ -69,11 +65,9 @@ from jpipe.runtime._state_dict import (
   select_optimizer_states,
 )
 from jpipe.runtime._tied import TiedParams
-from jpipe.runtime._transport import Transport
 from jpipe.runtime._versions import VersionPolicy
 
 SYNCHRONOUS = ("seq", "gpipe", "1f1b", "interleaved")
-ASYNCHRONOUS = schedule_lib.STREAMS
 
 
 class PipelineState(NamedTuple):
@@ -196,6 +190,9 @@ class Pipeline:
       after it): what a layer above adds, e.g. data-parallel replica
       sync and simulated delays (``jpipe.parallel``) or injected
       slowdowns (``jpipe.dynamic``). None: no hooks.
+    staleness: the staleness options above as one ``jpipe.runtime.
+      Staleness`` value (``self.staleness`` either way); giving it and
+      any of their keywords at once is refused.
   """
 
   def __init__(
@@ -228,152 +225,94 @@ class Pipeline:
     transport: str = "pull",
     memory_limit: float | str | None = None,
     hooks: DriverHooks | None = None,
+    staleness: Staleness | None = None,
   ):
-    # -- Options ---------------------------------------------------------
-    if schedule not in schedule_lib.SCHEDULES:
-      raise ValueError(
-        f"unknown schedule {schedule!r}: one of {schedule_lib.SCHEDULES}"
-      )
-    check_staleness_options(
-      schedule,
+    staleness = staleness_from_keywords(
+      staleness,
       recompute=recompute,
       step_every=step_every,
       weight_stashing=weight_stashing,
       prediction=prediction,
+      predictor=predictor,
+      learning_rate_schedule=learning_rate_schedule,
       gap_aware=gap_aware,
       gap_aware_options=gap_aware_options,
       gap_aware_policy=gap_aware_policy,
     )
-    if gap_aware is not None:
-      # Gap-Aware reads the optimizer's statistics (Adam's moments or SGD's
-      # momentum) by the name it is given: a wrong name reads nothing.
-      staleness.check_state_matches(
-        jax.eval_shape(optimizer.init, params),
-        gap_aware_options["optimizer"],
-        "Pipeline(gap_aware_options={'optimizer': ...})",
-      )
-    if num_microbatches < 1:
-      raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    size = batch_size(example_batch)
-    if size % num_microbatches:
+    if schedule not in schedule_lib.SCHEDULES:
       raise ValueError(
-        f"{num_microbatches} microbatches do not divide the batch of "
-        f"{size}: use a divisor of {size}"
+        f"unknown schedule {schedule!r}: one of {schedule_lib.SCHEDULES}"
       )
-    devices = list(jax.devices() if devices is None else devices)
-    _check_stage_count(num_stages, len(devices), partition)
-    self.memory_limit = resolve_memory_limit(memory_limit, devices)
+    staleness.check(schedule, optimizer, params)
+    self.staleness = staleness
+    self.microbatch_size = _microbatch_size(example_batch, num_microbatches)
     self.num_microbatches = num_microbatches
-    self.microbatch_size = size // num_microbatches
+    devices = list(jax.devices() if devices is None else devices)
+    check_stage_count(num_stages, len(devices), partition)
+    self.memory_limit = resolve_memory_limit(memory_limit, devices)
     self.optimizer = optimizer
 
-    # -- Trace and partition ---------------------------------------------
-    micro = jax.tree.map(lambda x: x[: self.microbatch_size], example_batch)
-    self._num_batch_leaves = len(jax.tree.leaves(micro))
-    self._state_treedef = None
-    if model_state is not None:
-      self._state_treedef = jax.tree.structure(model_state)
-      loss_fn, micro = partition_lib.with_model_state(
-        loss_fn, micro, model_state
-      )
-    self.traced = partition_lib.trace(
-      loss_fn, params, micro, depth=depth or 1, has_aux=model_state is not None
-    )
-    self.granularity = None  # An explicit depth.
-    if depth is None:
-      self.traced, self.granularity = _granularity(
-        self.traced, partition, num_stages, len(devices)
-      )
-    if model_state is not None:
-      _check_state_output(self.traced, self._state_treedef)
-    self.plan = _make_plan(
-      self.traced,
+    cut = cut_model(
+      loss_fn,
       params,
-      micro,
+      example_batch,
+      self.microbatch_size,
+      model_state,
+      depth=depth,
+      partition=partition,
+      num_stages=num_stages,
+      num_devices=len(devices),
+    )
+    self.traced, self.granularity = cut.traced, cut.granularity
+    self._num_batch_leaves = cut.num_batch_leaves
+    self._state_treedef = cut.state_treedef
+    parts = partition_model(
+      cut,
+      params,
       partition,
       num_stages,
       len(devices),
       bandwidth=bandwidth,
       cost_model=cost_model,
-      recompute=recompute,
-      memory=partitioner_memory_model(
-        self.memory_limit,
-        optimizer,
-        params,
-        schedule,
-        num_microbatches,
-        min(num_stages, len(devices)),
-        recompute=recompute,
-        stashes=weight_stashing or not recompute,
-        fused_last=fuse_last_stage,
-      ),
+      staleness=staleness,
+      schedule=schedule,
+      num_microbatches=num_microbatches,
+      optimizer=optimizer,
+      memory_limit=self.memory_limit,
+      fuse_last_stage=fuse_last_stage,
     )
-    if jax.process_count() > 1 and not isinstance(
-      partition, partition_lib.Plan
-    ):  # A measured cost model may solve differently in each process.
-      self.plan = partition_lib.Plan.from_json(
-        text_from_process_zero(self.plan.to_json())
-      )
-    # Model-state leaf j is batch input num_batch_leaves + j and result
-    # j + 1 (after the loss): carried from one microbatch to the next.
-    num_state = 0 if model_state is None else len(jax.tree.leaves(model_state))
-    self.stages = partition_lib.Stages(
-      self.traced,
-      self.plan.stage_of_node,
-      carried=[(self._num_batch_leaves + j, j + 1) for j in range(num_state)],
+    self.plan, self.stages = parts.plan, parts.stages
+    placed = place_stages(
+      self.plan,
+      self.stages,
+      devices,
+      self.microbatch_size,
+      cut.num_batch_leaves,
+      transport,
     )
-    n = self.stages.num_stages
-
-    # -- Placement -------------------------------------------------------
-    # A stage on several devices is a replica group (see _placement.py).
-    self.placement = tuple(
-      StagePlacement([devices[i] for i in ds], self.microbatch_size)
-      for ds in self.plan.stage_devices
-    )
-    self.stage_device = tuple(p.device for p in self.placement)
-    # Several processes: each runs the stages on its devices.
-    self.transport = Transport(self.placement, transport)
-    self.transport.connect()
-    # Which batch leaves each placement's stages read (model-state leaves,
-    # numbered after the batch leaves, are not split), for this process's.
-    self._batch_leaves = {}
-    for s, (spec, place) in enumerate(
-      zip(self.stages.specs, self.placement, strict=True)
-    ):
-      if not self.transport.owns(s):
-        continue
-      wanted = self._batch_leaves.setdefault(place, [])
-      wanted.extend(
-        i
-        for i in spec.batch_leaves
-        if i < self._num_batch_leaves and i not in wanted
-      )
-    # The schedule's devices: one per device group, numbered in the order
-    # of the groups' first devices; labelled "device 2", "devices 0-1".
-    firsts = sorted({ds[0] for ds in self.plan.stage_devices})
-    self._schedule_device = tuple(
-      firsts.index(ds[0]) for ds in self.plan.stage_devices
-    )
-    groups = {ds[0]: ds for ds in self.plan.stage_devices}
-    self.device_names = tuple(device_name(groups[f]) for f in firsts)
-
-    # -- Schedule --------------------------------------------------------
+    self.placement, self.stage_device = placed.placement, placed.stage_device
+    self.transport, self._batch_leaves = placed.transport, placed.batch_leaves
+    self._schedule_device = placed.schedule_device
+    self.device_names = placed.device_names
     self.schedule_name = schedule
-    self.stream = None
-    if schedule in ASYNCHRONOUS:
-      self.stream = schedule_lib.Stream(schedule, n, step_every)
-    self.calls = CallActions(
+    scheduled = schedule_calls(
       schedule,
-      self.stream,
-      n,
-      self._schedule_device,
-      output_free=tuple(not spec.outputs for spec in self.stages.specs),
-      fuse=fuse_last_stage,
+      self.stages,
+      placed.schedule_device,
+      num_microbatches,
+      step_every=staleness.step_every,
+      fuse_last_stage=fuse_last_stage,
     )
-    # The Stream, or the synchronous Schedule of num_microbatches.
-    self.schedule = self.stream or self.calls.synchronous(num_microbatches)
+    self.stream, self.calls = scheduled.stream, scheduled.calls
+    self.schedule = scheduled.schedule
+    self._build_runtime(params, record_params, hooks)
+    self._memory = None
+    if self.memory_limit is not None:
+      check_memory_limit(self, self.memory_limit)
 
-    # -- Stage programs, tied params, optimizers, version policy ---------
+  def _build_runtime(self, params, record_params, hooks) -> None:
+    """Stage programs, tied params, per-stage optimizers, the version
+    policy and the driver."""
     param_avals = self.traced.closed_jaxpr.in_avals
     grad_layouts = tuple(
       FlatLayout(
@@ -382,29 +321,23 @@ class Pipeline:
       )
       for spec, place in zip(self.stages.specs, self.placement, strict=True)
     )
-    self.programs = StagePrograms(self.stages, grad_layouts, recompute)
+    staleness = self.staleness
+    self.programs = StagePrograms(
+      self.stages, grad_layouts, staleness.recompute
+    )
     self.tied = TiedParams(self.stages, self.transport)
     self._params_treedef = jax.tree.structure(params)
     self._leaf_names = leaf_names(params)
-    if prediction is not None and predictor is None:
-      predictor = staleness.replay_predictor(optimizer)
     self.stage_optimizers = tuple(
-      self._stage_optimizer(
-        s,
-        grad_layouts[s],
-        predictor if prediction is not None else None,
-        learning_rate_schedule,
-        gap_aware_options if gap_aware is not None else None,
-        gap_aware_policy,
-      )
-      for s in range(n)
+      self._stage_optimizer(s, grad_layouts[s])
+      for s in range(self.stages.num_stages)
     )
     self.policy = VersionPolicy(
       self.stream,
-      recompute=recompute,
-      weight_stashing=weight_stashing,
-      prediction=prediction,
-      gap_aware=gap_aware,
+      recompute=staleness.recompute,
+      weight_stashing=staleness.weight_stashing,
+      prediction=staleness.prediction,
+      gap_aware=staleness.gap_aware,
       record=record_params,
     )
     self.driver = Driver(
@@ -421,9 +354,6 @@ class Pipeline:
     )
     if hooks is not None:
       self.driver.hooks = hooks
-    self._memory = None
-    if self.memory_limit is not None:
-      self._check_memory(self.memory_limit)
 
   # -- Memory ----------------------------------------------------------------
 
@@ -435,7 +365,7 @@ class Pipeline:
     working buffers), for this schedule and microbatch count. From
     abstract shapes: nothing compiles."""
     if self._memory is None:
-      self._memory = self._predict_memory()
+      self._memory = predict_pipeline_memory(self)
     return self._memory
 
   @property
@@ -445,100 +375,21 @@ class Pipeline:
     once per device."""
     return device_totals(self.memory, self.plan.stage_devices)
 
-  def _predict_memory(self) -> tuple[StageMemory, ...]:
-    n, m = self.stages.num_stages, self.num_microbatches
-    if self.stream is None:
-      calls = [self.calls(0, m)]
-    else:  # Enough calls to reach the stream's steady state, then a flush.
-      count = 2 + -(-(n + 2 * self.stream.step_every) // m)
-      calls = [self.calls(i * m, m) for i in range(count)]
-      calls.append(self.calls(count * m, None))
-    flight = in_flight_counts(calls, n)
-    versions = param_versions(self.policy, self.stream, n)
-    replicas = [sorted(self.tied.replica_positions(s)) for s in range(n)]
-    owners = [self.tied.replica_owner(s) for s in range(n)]
-    copies = tied_copies(self.policy, self.stream, owners)
-    avals = self.traced.closed_jaxpr.in_avals
-    first_batch = self.traced.num_param_leaves
-    out = []
-    for s, (spec, params) in enumerate(
-      zip(self.stages.specs, self._param_avals(), strict=True)
-    ):
-      batch = tuple(avals[first_batch + i] for i in spec.batch_leaves)
-      acts = tuple(v.aval for v in spec.inputs)
-      outputs, results, residuals = jax.eval_shape(
-        lambda p, b, a, s=s: self.stages.forward_saving(s, p, b, a),
-        params,
-        batch,
-        acts,
-      )
-      out.append(
-        predict_stage_memory(
-          params=params,
-          opt_state=jax.eval_shape(self.stage_optimizers[s].init, params),
-          kept=(batch, acts) if self.programs.recompute else residuals,
-          residuals=residuals,
-          outputs=(outputs, results),
-          intermediates=jax.eval_shape(
-            lambda p, b, a, s=s: self.stages.intermediates(s, p, b, a),
-            params,
-            batch,
-            acts,
-          ),
-          in_flight=flight[s],
-          versions=versions[s],
-          tied=copies[s] * nbytes([params[p] for p in replicas[s]]),
-          replicas=len(self.plan.stage_devices[s]),
-        )
-      )
-    return tuple(out)
-
-  def _check_memory(self, limit: float) -> None:
-    """Refuses a pipeline whose prediction exceeds ``limit`` on a device."""
-    totals = self.device_memory
-    over = [d for d in sorted(totals) if totals[d] > limit]
-    if not over:
-      return
-    d = max(over, key=totals.get)
-    stages = [s for s, ds in enumerate(self.plan.stage_devices) if d in ds]
-    worst = max(stages, key=lambda s: self.memory[s].total)
-    fixes = ["more stages (each holds fewer params and activations)"]
-    if not self.programs.recompute:
-      fixes.append(
-        "recompute=True (a microbatch in flight keeps only the stage's "
-        "inputs, not its residuals)"
-      )
-    if self.memory[worst].in_flight > 1:
-      fixes.append(
-        "smaller microbatches (more num_microbatches for the same batch)"
-      )
-    if self.schedule_name == "gpipe":
-      fixes.append("schedule='1f1b' (n - s microbatches in flight, not all)")
-    if self.memory[worst].versions > 1:
-      fixes.append("fewer stashed versions (2bw, or no weight stashing)")
-    raise MemoryLimitError(
-      f"the pipeline does not fit memory_limit={format_bytes(limit)}: "
-      f"device {d} is predicted to hold {format_bytes(totals[d])} "
-      f"(stage {', '.join(map(str, stages))}); stage {worst}: "
-      f"{self.memory[worst].describe()}. Use " + "; or ".join(fixes)
-    )
-
-  def _stage_optimizer(self, s, layout, predictor, lr_schedule, ga, policy):
+  def _stage_optimizer(self, s, layout):
     n = self.stages.num_stages
     leaves = self.stages.specs[s].param_leaves
     # Asynchronous: replicas of tied leaves another stage owns never step.
     replica = self.tied.replica_positions(s) if self.stream else set()
     positions = [p for p in range(len(leaves)) if p not in replica]
-    applies_ga = ga is not None and GAP_AWARE_POLICIES[policy](
-      partition_lib.steady_state_delay(n, s)
-    )
     return StageOptimizer(
       [self._leaf_names[leaves[p]] for p in positions],
       self.optimizer,
       positions=positions,
-      gap_aware=dict(ga) if applies_ga else None,
-      predictor=predictor,
-      learning_rate_schedule=lr_schedule,
+      gap_aware=self.staleness.gap_aware_at(
+        partition_lib.steady_state_delay(n, s)
+      ),
+      predictor=self.staleness.stage_predictor(self.optimizer),
+      learning_rate_schedule=self.staleness.learning_rate_schedule,
       horizon=self.stream.max_delay(s) if self.stream else 0,
       grad_layout=layout,
     )
@@ -656,7 +507,7 @@ class Pipeline:
     processes every process must call it; each gets the whole pytree."""
     self._check_drained(state, "gather_params")
     stage_params = trees_everywhere(
-      state.stage_params, self._param_avals(), self._held()
+      state.stage_params, self.stage_param_avals(), self._held()
     )
     leaves = [None] * self.traced.num_param_leaves
     for spec, values in zip(self.stages.specs, stage_params, strict=True):
@@ -705,7 +556,8 @@ class Pipeline:
     """Per stage, whether this process runs it."""
     return [self.transport.owns(s) for s in range(self.stages.num_stages)]
 
-  def _param_avals(self):
+  def stage_param_avals(self) -> list[tuple[Any, ...]]:
+    """Per stage, the abstract values (shape, dtype) of its param leaves."""
     avals = self.traced.closed_jaxpr.in_avals
     return [
       tuple(avals[i] for i in spec.param_leaves) for spec in self.stages.specs
@@ -728,7 +580,7 @@ class Pipeline:
     opt_avals = [
       jax.eval_shape(opt.init, avals)
       for opt, avals in zip(
-        self.stage_optimizers, self._param_avals(), strict=True
+        self.stage_optimizers, self.stage_param_avals(), strict=True
       )
     ]
     opt_states = trees_everywhere(state.opt_states, opt_avals, self._held())
@@ -894,82 +746,14 @@ class Pipeline:
     return new, metrics
 
 
-def _granularity(traced, partition, num_stages, num_devices):
-  """The trace cut at the automatic depth (see ``Pipeline``'s ``depth``)."""
-  if isinstance(partition, partition_lib.Plan):
-    for depth in range(1, traced.max_depth + 1):
-      cut = traced.at_depth(depth)
-      if cut.node_names == partition.node_names:
-        why = f"depth {depth}: the depth the given Plan's nodes were cut at"
-        return cut, partition_lib.Granularity(depth, cut.num_nodes, {}, why)
+def _microbatch_size(example_batch, num_microbatches: int) -> int:
+  """Rows per microbatch; the count must divide the batch."""
+  if num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+  size = batch_size(example_batch)
+  if size % num_microbatches:
     raise ValueError(
-      "the Plan was made for a different model: no depth of this model "
-      "has its nodes"
+      f"{num_microbatches} microbatches do not divide the batch of "
+      f"{size}: use a divisor of {size}"
     )
-  stages = num_stages if partition == "mixed" else min(num_stages, num_devices)
-  return partition_lib.choose_depth(traced, stages)
-
-
-def _check_stage_count(num_stages, num_devices, partition) -> None:
-  """One device per stage unless FTPipe's mixed pipe (or a given Plan,
-  which names its devices) puts several stages on a device."""
-  if num_stages < 1:
-    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-  if isinstance(partition, str) and partition != "mixed":
-    if num_stages > num_devices:
-      raise ValueError(
-        f"{num_stages} stages need {num_stages} devices, got "
-        f"{num_devices}: use at most {num_devices} stages, pass more "
-        f"devices, or partition='mixed' (several stages per device)"
-      )
-
-
-def _make_plan(
-  traced, params, micro, partition, num_stages, num_devices, **options
-):
-  """The Plan given (checked against the model and devices) or solved."""
-  if isinstance(partition, partition_lib.Plan):
-    plan = partition
-  else:
-    costs = partition_lib.profile_nodes(
-      traced,
-      params,
-      micro,
-      method=options["cost_model"],
-      recompute=options["recompute"],
-    )
-    memory = options["memory"] or {}
-    if partition == "mixed":  # Checked on the built pipeline instead.
-      memory = {}
-    elif partition != "contiguous":  # PipeDream's own stash model.
-      memory = {"memory_limit": memory.get("memory_limit")}
-    plan = partition_lib.plan_traced(
-      traced,
-      costs,
-      min(num_stages, num_devices),
-      method=partition,
-      bandwidth=options["bandwidth"],
-      **memory,
-    )
-  if plan.node_names != traced.node_names:
-    raise ValueError("the Plan was made for a different model (nodes differ)")
-  used = max(d for ds in plan.stage_devices for d in ds)
-  if used >= num_devices:
-    raise ValueError(
-      f"the plan uses device {used} but only {num_devices} are given"
-    )
-  check_device_groups(plan.stage_devices)
-  return plan
-
-
-def _check_state_output(traced, state_treedef):
-  """The loss must return ``(loss, new_state)`` shaped like the state."""
-  want = jax.tree.structure(
-    (0.0, jax.tree.unflatten(state_treedef, [0] * (state_treedef.num_leaves)))
-  )
-  if not traced.has_aux or traced.out_tree != want:
-    raise ValueError(
-      "with model_state=, loss_fn(params, model_state, batch) must return "
-      "(loss, new_model_state) with new_model_state structured like "
-      "model_state"
-    )
+  return size // num_microbatches

@@ -6,7 +6,7 @@ import ml_collections
 
 from jpipe import dynamic, parallel
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import GAP_AWARE_POLICIES, check_staleness_options
+from jpipe.runtime import GAP_AWARE_POLICIES, Staleness
 from jpipe.train.data_parallel_lib import uses_data_parallel
 from jpipe.train.errors import UsageError
 from jpipe.train.tasks import TASK_OF_MODEL
@@ -19,6 +19,30 @@ COST_MODELS = ("analytic", "xla", "measured")
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def staleness(config, learning_rate=None) -> Staleness:
+  """The config's staleness options as ``jpipe.Pipeline`` takes them (one
+  value; ``learning_rate`` is Gap-Aware's, None where only checked)."""
+  st = config.staleness
+  options = None
+  if st.gap_aware:
+    options = {
+      "optimizer": config.optimizer.name,
+      "learning_rate": learning_rate,
+      "weight_decay": config.optimizer.weight_decay,
+    }
+  return Staleness(
+    recompute=config.pipeline.recompute,
+    step_every=config.schedule.step_every
+    if config.schedule.name in ("async", "2bw")
+    else 1,
+    weight_stashing=bool(st.stashing),
+    prediction=st.prediction or None,
+    gap_aware=st.gap_aware or None,
+    gap_aware_options=options,
+    gap_aware_policy=st.gap_aware_policy,
+  )
 
 
 def memory_limit(text: str) -> float | str | None:
@@ -192,16 +216,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   )
   if not problems:  # What the Pipeline itself would refuse, before work.
     try:
-      check_staleness_options(
-        config.schedule.name,
-        recompute=config.pipeline.recompute,
-        step_every=config.schedule.step_every,
-        weight_stashing=st.stashing,
-        prediction=st.prediction or None,
-        gap_aware=st.gap_aware or None,
-        gap_aware_options={"optimizer": config.optimizer.name},
-        gap_aware_policy=st.gap_aware_policy,
-      )
+      staleness(config).check(config.schedule.name)
     except ValueError as e:
       problems.append(f"config.staleness / config.schedule: {e}")
   try:

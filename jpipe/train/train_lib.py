@@ -76,22 +76,7 @@ def _steps_per_call(config) -> int:
 def pipeline_options(config, task: Task, lr) -> dict:
   """``jpipe.Pipeline``'s keyword arguments beyond the model and batch,
   as the config says (but ``devices`` and ``optimizer``)."""
-  st = config.staleness
   kwargs = {}
-  if config.schedule.name in ("async", "2bw"):
-    kwargs["step_every"] = config.schedule.step_every
-  if st.stashing:
-    kwargs["weight_stashing"] = True
-  if st.prediction:
-    kwargs["prediction"] = st.prediction
-  if st.gap_aware:
-    kwargs["gap_aware"] = st.gap_aware
-    kwargs["gap_aware_policy"] = st.gap_aware_policy
-    kwargs["gap_aware_options"] = {
-      "optimizer": config.optimizer.name,
-      "learning_rate": lr,
-      "weight_decay": config.optimizer.weight_decay,
-    }
   if task.model_state is not None:
     kwargs["model_state"] = task.model_state
   return dict(
@@ -102,7 +87,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     depth=config.pipeline.depth or None,  # 0: automatic
     bandwidth=config.pipeline.bandwidth or None,
     cost_model=config.pipeline.cost_model,
-    recompute=config.pipeline.recompute,
+    staleness=config_check.staleness(config, lr),
     fuse_last_stage=config.pipeline.fuse_last_stage,
     transport=config.pipeline.transport,
     memory_limit=config_check.memory_limit(config.pipeline.memory_limit),

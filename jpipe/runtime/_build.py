@@ -1,0 +1,324 @@
+"""Building a pipeline, phase by phase: each phase a function of what the
+ones before it made, returning a frozen value.
+
+1. ``cut_model``: trace the loss on one microbatch, cut at a depth.
+2. ``partition_model``: the Plan (given or solved) and its Stages.
+3. ``place_stages``: devices, replica groups, the cross-process transport.
+4. ``schedule_calls``: the schedule (or stream) and its per-call actions.
+
+``Pipeline.__init__`` runs them in order and builds the programs, the
+optimizers and the driver from their results.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jpipe import partition as partition_lib
+from jpipe import schedule as schedule_lib
+from jpipe.distributed import text_from_process_zero
+from jpipe.runtime._calls import CallActions
+from jpipe.runtime._memory import partitioner_memory_model
+from jpipe.runtime._options import Staleness
+from jpipe.runtime._placement import (
+  StagePlacement,
+  check_device_groups,
+  device_name,
+)
+from jpipe.runtime._transport import Transport
+
+ASYNCHRONOUS = schedule_lib.STREAMS
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCut:
+  """The loss traced on one microbatch and cut into nodes.
+
+  Attributes:
+    traced: the ``partition.TracedModel`` at the chosen depth.
+    granularity: why that depth (None: the caller gave one).
+    micro: the first microbatch (the model state appended, if any).
+    num_batch_leaves: leaves of a microbatch (model state excluded).
+    num_state_leaves: leaves of the model state (0: none).
+    state_treedef: the model state's structure, or None.
+  """
+
+  traced: Any
+  granularity: Any
+  micro: Any
+  num_batch_leaves: int
+  num_state_leaves: int
+  state_treedef: Any
+
+
+def cut_model(
+  loss_fn,
+  params,
+  example_batch,
+  microbatch_size: int,
+  model_state,
+  *,
+  depth: int | None,
+  partition,
+  num_stages: int,
+  num_devices: int,
+) -> ModelCut:
+  micro = jax.tree.map(lambda x: x[:microbatch_size], example_batch)
+  num_batch_leaves = len(jax.tree.leaves(micro))
+  state_treedef = None
+  if model_state is not None:
+    state_treedef = jax.tree.structure(model_state)
+    loss_fn, micro = partition_lib.with_model_state(loss_fn, micro, model_state)
+  traced = partition_lib.trace(
+    loss_fn, params, micro, depth=depth or 1, has_aux=model_state is not None
+  )
+  granularity = None  # An explicit depth.
+  if depth is None:
+    traced, granularity = _granularity(
+      traced, partition, num_stages, num_devices
+    )
+  if model_state is not None:
+    _check_state_output(traced, state_treedef)
+  return ModelCut(
+    traced,
+    granularity,
+    micro,
+    num_batch_leaves,
+    0 if model_state is None else len(jax.tree.leaves(model_state)),
+    state_treedef,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+  """The plan and the stage functions cut from the traced model."""
+
+  plan: partition_lib.Plan
+  stages: partition_lib.Stages
+
+
+def partition_model(
+  cut: ModelCut,
+  params,
+  partition,
+  num_stages: int,
+  num_devices: int,
+  *,
+  bandwidth: float | None,
+  cost_model: str,
+  staleness: Staleness,
+  schedule: str,
+  num_microbatches: int,
+  optimizer,
+  memory_limit: float | None,
+  fuse_last_stage: bool,
+) -> Partitioned:
+  plan = _make_plan(
+    cut.traced,
+    params,
+    cut.micro,
+    partition,
+    num_stages,
+    num_devices,
+    bandwidth=bandwidth,
+    cost_model=cost_model,
+    recompute=staleness.recompute,
+    memory=partitioner_memory_model(
+      memory_limit,
+      optimizer,
+      params,
+      schedule,
+      num_microbatches,
+      min(num_stages, num_devices),
+      recompute=staleness.recompute,
+      stashes=staleness.stashes,
+      fused_last=fuse_last_stage,
+    ),
+  )
+  if jax.process_count() > 1 and not isinstance(partition, partition_lib.Plan):
+    # A measured cost model may solve differently in each process.
+    plan = partition_lib.Plan.from_json(text_from_process_zero(plan.to_json()))
+  # Model-state leaf j is batch input num_batch_leaves + j and result
+  # j + 1 (after the loss): carried from one microbatch to the next.
+  first = cut.num_batch_leaves
+  stages = partition_lib.Stages(
+    cut.traced,
+    plan.stage_of_node,
+    carried=[(first + j, j + 1) for j in range(cut.num_state_leaves)],
+  )
+  return Partitioned(plan, stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+  """Where each stage runs.
+
+  Attributes:
+    placement: per stage, its devices (a replica group on several).
+    stage_device: per stage, its first device.
+    transport: moves values between processes (one process: a no-op).
+    batch_leaves: per placement this process runs, the batch leaves its
+      stages read.
+    schedule_device: per stage, its device group's index in the schedule
+      (groups numbered in the order of their first devices).
+    device_names: per schedule device, "device 2" or "devices 0-1".
+  """
+
+  placement: tuple[StagePlacement, ...]
+  stage_device: tuple[Any, ...]
+  transport: Transport
+  batch_leaves: dict
+  schedule_device: tuple[int, ...]
+  device_names: tuple[str, ...]
+
+
+def place_stages(
+  plan,
+  stages,
+  devices,
+  microbatch_size: int,
+  num_batch_leaves: int,
+  transport: str,
+) -> Placed:
+  placement = tuple(
+    StagePlacement([devices[i] for i in ds], microbatch_size)
+    for ds in plan.stage_devices
+  )
+  mover = Transport(placement, transport)
+  mover.connect()
+  # Model-state leaves, numbered after the batch leaves, are not split.
+  batch_leaves = {}
+  for s, (spec, place) in enumerate(zip(stages.specs, placement, strict=True)):
+    if not mover.owns(s):
+      continue
+    wanted = batch_leaves.setdefault(place, [])
+    wanted.extend(
+      i for i in spec.batch_leaves if i < num_batch_leaves and i not in wanted
+    )
+  firsts = sorted({ds[0] for ds in plan.stage_devices})
+  groups = {ds[0]: ds for ds in plan.stage_devices}
+  return Placed(
+    placement,
+    tuple(p.device for p in placement),
+    mover,
+    batch_leaves,
+    tuple(firsts.index(ds[0]) for ds in plan.stage_devices),
+    tuple(device_name(groups[f]) for f in firsts),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+  """The schedule: a stream (``async``, ``2bw``) or None, the per-call
+  action lists, and the Stream or the synchronous Schedule of one call of
+  the example's microbatches."""
+
+  stream: schedule_lib.Stream | None
+  calls: CallActions
+  schedule: Any
+
+
+def schedule_calls(
+  name: str,
+  stages,
+  schedule_device,
+  num_microbatches: int,
+  *,
+  step_every: int,
+  fuse_last_stage: bool,
+) -> Scheduled:
+  n = stages.num_stages
+  stream = (
+    schedule_lib.Stream(name, n, step_every) if name in ASYNCHRONOUS else None
+  )
+  calls = CallActions(
+    name,
+    stream,
+    n,
+    schedule_device,
+    output_free=tuple(not spec.outputs for spec in stages.specs),
+    fuse=fuse_last_stage,
+  )
+  return Scheduled(stream, calls, stream or calls.synchronous(num_microbatches))
+
+
+def _granularity(traced, partition, num_stages, num_devices):
+  """The trace cut at the automatic depth (see ``Pipeline``'s ``depth``)."""
+  if isinstance(partition, partition_lib.Plan):
+    for depth in range(1, traced.max_depth + 1):
+      cut = traced.at_depth(depth)
+      if cut.node_names == partition.node_names:
+        why = f"depth {depth}: the depth the given Plan's nodes were cut at"
+        return cut, partition_lib.Granularity(depth, cut.num_nodes, {}, why)
+    raise ValueError(
+      "the Plan was made for a different model: no depth of this model "
+      "has its nodes"
+    )
+  stages = num_stages if partition == "mixed" else min(num_stages, num_devices)
+  return partition_lib.choose_depth(traced, stages)
+
+
+def check_stage_count(num_stages, num_devices, partition) -> None:
+  """One device per stage unless FTPipe's mixed pipe (or a given Plan,
+  which names its devices) puts several stages on a device."""
+  if num_stages < 1:
+    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+  if isinstance(partition, str) and partition != "mixed":
+    if num_stages > num_devices:
+      raise ValueError(
+        f"{num_stages} stages need {num_stages} devices, got "
+        f"{num_devices}: use at most {num_devices} stages, pass more "
+        f"devices, or partition='mixed' (several stages per device)"
+      )
+
+
+def _make_plan(
+  traced, params, micro, partition, num_stages, num_devices, **options
+):
+  """The Plan given (checked against the model and devices) or solved."""
+  if isinstance(partition, partition_lib.Plan):
+    plan = partition
+  else:
+    costs = partition_lib.profile_nodes(
+      traced,
+      params,
+      micro,
+      method=options["cost_model"],
+      recompute=options["recompute"],
+    )
+    memory = options["memory"] or {}
+    if partition == "mixed":  # Checked on the built pipeline instead.
+      memory = {}
+    elif partition != "contiguous":  # PipeDream's own stash model.
+      memory = {"memory_limit": memory.get("memory_limit")}
+    plan = partition_lib.plan_traced(
+      traced,
+      costs,
+      min(num_stages, num_devices),
+      method=partition,
+      bandwidth=options["bandwidth"],
+      **memory,
+    )
+  if plan.node_names != traced.node_names:
+    raise ValueError("the Plan was made for a different model (nodes differ)")
+  used = max(d for ds in plan.stage_devices for d in ds)
+  if used >= num_devices:
+    raise ValueError(
+      f"the plan uses device {used} but only {num_devices} are given"
+    )
+  check_device_groups(plan.stage_devices)
+  return plan
+
+
+def _check_state_output(traced, state_treedef):
+  """The loss must return ``(loss, new_state)`` shaped like the state."""
+  want = jax.tree.structure(
+    (0.0, jax.tree.unflatten(state_treedef, [0] * (state_treedef.num_leaves)))
+  )
+  if not traced.has_aux or traced.out_tree != want:
+    raise ValueError(
+      "with model_state=, loss_fn(params, model_state, batch) must return "
+      "(loss, new_model_state) with new_model_state structured like "
+      "model_state"
+    )

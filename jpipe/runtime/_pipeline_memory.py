@@ -1,0 +1,105 @@
+"""The memory prediction of a built pipeline, and its limit check.
+
+``_memory.py`` says what one stage holds; this module asks a built
+``Pipeline`` for the facts that decide it (its schedule's action lists,
+version policy, tied leaves, stage programs, optimizers) and adds them up.
+"""
+
+import jax
+
+from jpipe.runtime._memory import (
+  MemoryLimitError,
+  StageMemory,
+  format_bytes,
+  in_flight_counts,
+  nbytes,
+  param_versions,
+  predict_stage_memory,
+  tied_copies,
+)
+
+
+def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
+  """Per stage of a built ``Pipeline``, its predicted peak bytes (see
+  ``Pipeline.memory``): the in-flight counts from the call's real action
+  lists (a stream: enough calls to reach its steady state, then a
+  flush), versions and tied copies from the version policy, every array
+  from abstract evaluation."""
+  n, m = pipe.stages.num_stages, pipe.num_microbatches
+  if pipe.stream is None:
+    calls = [pipe.calls(0, m)]
+  else:  # Enough calls to reach the stream's steady state, then a flush.
+    count = 2 + -(-(n + 2 * pipe.stream.step_every) // m)
+    calls = [pipe.calls(i * m, m) for i in range(count)]
+    calls.append(pipe.calls(count * m, None))
+  flight = in_flight_counts(calls, n)
+  versions = param_versions(pipe.policy, pipe.stream, n)
+  replicas = [sorted(pipe.tied.replica_positions(s)) for s in range(n)]
+  owners = [pipe.tied.replica_owner(s) for s in range(n)]
+  copies = tied_copies(pipe.policy, pipe.stream, owners)
+  avals = pipe.traced.closed_jaxpr.in_avals
+  first_batch = pipe.traced.num_param_leaves
+  out = []
+  for s, (spec, params) in enumerate(
+    zip(pipe.stages.specs, pipe.stage_param_avals(), strict=True)
+  ):
+    batch = tuple(avals[first_batch + i] for i in spec.batch_leaves)
+    acts = tuple(v.aval for v in spec.inputs)
+    outputs, results, residuals = jax.eval_shape(
+      lambda p, b, a, s=s: pipe.stages.forward_saving(s, p, b, a),
+      params,
+      batch,
+      acts,
+    )
+    out.append(
+      predict_stage_memory(
+        params=params,
+        opt_state=jax.eval_shape(pipe.stage_optimizers[s].init, params),
+        kept=(batch, acts) if pipe.programs.recompute else residuals,
+        residuals=residuals,
+        outputs=(outputs, results),
+        intermediates=jax.eval_shape(
+          lambda p, b, a, s=s: pipe.stages.intermediates(s, p, b, a),
+          params,
+          batch,
+          acts,
+        ),
+        in_flight=flight[s],
+        versions=versions[s],
+        tied=copies[s] * nbytes([params[p] for p in replicas[s]]),
+        replicas=len(pipe.plan.stage_devices[s]),
+      )
+    )
+  return tuple(out)
+
+
+def check_memory_limit(pipe, limit: float) -> None:
+  """Refuses a pipeline whose prediction exceeds ``limit`` bytes on a
+  device, naming the device, the stage, its terms and the fixes."""
+  totals = pipe.device_memory
+  over = [d for d in sorted(totals) if totals[d] > limit]
+  if not over:
+    return
+  d = max(over, key=totals.get)
+  stages = [s for s, ds in enumerate(pipe.plan.stage_devices) if d in ds]
+  worst = max(stages, key=lambda s: pipe.memory[s].total)
+  fixes = ["more stages (each holds fewer params and activations)"]
+  if not pipe.programs.recompute:
+    fixes.append(
+      "recompute=True (a microbatch in flight keeps only the stage's "
+      "inputs, not its residuals)"
+    )
+  if pipe.memory[worst].in_flight > 1:
+    fixes.append(
+      "smaller microbatches (more num_microbatches for the same batch)"
+    )
+  if pipe.schedule_name == "gpipe":
+    fixes.append("schedule='1f1b' (n - s microbatches in flight, not all)")
+  if pipe.memory[worst].versions > 1:
+    fixes.append("fewer stashed versions (2bw, or no weight stashing)")
+  raise MemoryLimitError(
+    f"the pipeline does not fit memory_limit={format_bytes(limit)}: "
+    f"device {d} is predicted to hold {format_bytes(totals[d])} "
+    f"(stage {', '.join(map(str, stages))}); stage {worst}: "
+    f"{pipe.memory[worst].describe()}. Use " + "; or ".join(fixes)
+  )
