@@ -5,6 +5,7 @@ paired timing.
 
 import datetime
 import json
+import math
 import os
 import subprocess
 import time
@@ -107,6 +108,11 @@ class Budget:
   @property
   def spent(self) -> bool:
     return self.left <= 0
+
+  def timeout(self, minimum: float) -> float | None:
+    """Seconds a child process may run: what is left, at least
+    ``minimum``; None (no limit) without a budget."""
+    return None if math.isinf(self.left) else max(minimum, self.left)
 
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}

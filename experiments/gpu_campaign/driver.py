@@ -133,7 +133,7 @@ def main(args):
     ],
     capture_output=True,
     text=True,
-    timeout=max(30.0, budget.left),
+    timeout=budget.timeout(30.0),
   )
   if child.returncode == 0:
     platform = _common.metadata()["platform"]

@@ -111,7 +111,7 @@ def main(args):
         [sys.executable, "-m", "experiments.gpu_campaign.memory", request],
         capture_output=True,
         text=True,
-        timeout=max(10.0, budget.left),
+        timeout=budget.timeout(10.0),
       )
     except subprocess.TimeoutExpired:
       results.add(

@@ -46,6 +46,10 @@ ROWS = (
 )
 
 
+# --quick: one row per code path (p = 1, streams, recomputation).
+QUICK_ROWS = ((2, "gpipe", False), (1, "1f1b", True), (2, "async", False))
+
+
 def one_device_plan(loss_fn, params, batch, m, p):
   """A ``p``-stage plan (analytic costs) with every stage on device 0."""
   micro = jax.tree.map(lambda x: x[: x.shape[0] // m], batch)
@@ -110,7 +114,8 @@ def main(args):
   tx = optax.adamw(1e-4)
   references = {}
   start, stop = (int(x) if x else None for x in args.overhead_rows.split(":"))
-  for p, schedule, recompute in ROWS[start:stop]:
+  rows = QUICK_ROWS if args.quick else ROWS
+  for p, schedule, recompute in rows[start:stop]:
     if budget.spent:
       results.note("stopped_by_budget", True)
       break

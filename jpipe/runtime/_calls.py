@@ -105,16 +105,4 @@ class CallActions:
 
   def synchronous(self, m: int) -> schedule_lib.Schedule:
     """The synchronous schedule of m microbatches on the devices."""
-    if self.name == "interleaved":
-      return schedule_lib.interleaved(self.stage_device, m)
-    built = schedule_lib.build(self.name, self.num_stages, m)
-    if self.stage_device == built.stage_device:
-      return built
-    per_stage = [
-      [a for a in built.device_actions[built.stage_device[s]] if a.stage == s]
-      for s in range(self.num_stages)
-    ]
-    lists = schedule_lib.place(built.name, per_stage, self.stage_device)
-    return schedule_lib.make_schedule(
-      built.name, lists.device_actions, self.stage_device, m
-    )
+    return schedule_lib.lookup(self.name).on_devices(self.stage_device, m)

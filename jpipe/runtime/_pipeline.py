@@ -67,8 +67,6 @@ from jpipe.runtime._state_dict import (
 from jpipe.runtime._tied import TiedParams
 from jpipe.runtime._versions import VersionPolicy
 
-SYNCHRONOUS = ("seq", "gpipe", "1f1b", "interleaved")
-
 
 class PipelineState(NamedTuple):
   """Per-stage parameter leaves and optimizer states, on their devices.
@@ -101,7 +99,8 @@ class Pipeline:
       with "pipedream_hybrid", the devices the plan may use (its DP picks
       the stages and their replicas).
     devices: the devices to use; default ``jax.devices()``.
-    schedule: one of jpipe.schedule.SCHEDULES.
+    schedule: a name from ``jpipe.schedule.SCHEDULES`` or its
+      ``jpipe.schedule.ScheduleKind`` (``jpipe.schedule.REGISTRY``).
     num_microbatches: microbatches per ``step`` call of the example batch
       (it fixes the microbatch size; a call may pass a batch of another
       multiple of it).
@@ -203,7 +202,7 @@ class Pipeline:
     *,
     num_stages: int,
     devices: Sequence[Any] | None = None,
-    schedule: str = "gpipe",
+    schedule: "str | schedule_lib.ScheduleKind" = "gpipe",
     num_microbatches: int = 1,
     optimizer: optax.GradientTransformation,
     partition: Any = "contiguous",
@@ -239,10 +238,7 @@ class Pipeline:
       gap_aware_options=gap_aware_options,
       gap_aware_policy=gap_aware_policy,
     )
-    if schedule not in schedule_lib.SCHEDULES:
-      raise ValueError(
-        f"unknown schedule {schedule!r}: one of {schedule_lib.SCHEDULES}"
-      )
+    schedule = schedule_lib.lookup(schedule).name
     staleness.check(schedule, optimizer, params)
     self.staleness = staleness
     self.microbatch_size = _microbatch_size(example_batch, num_microbatches)

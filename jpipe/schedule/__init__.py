@@ -1,9 +1,7 @@
 """Pipeline schedules as data, and an event simulator for them."""
 
 from jpipe.schedule._builders import (
-  SCHEDULES,
   async_1f1b,
-  build,
   gpipe,
   interleaved,
   one_f_one_b,
@@ -16,6 +14,15 @@ from jpipe.schedule._export import (
   write_chrome_trace,
 )
 from jpipe.schedule._order import fusable_pairs, issue_order, place
+from jpipe.schedule._registry import (
+  REGISTRY,
+  SCHEDULES,
+  STREAMS,
+  SYNCHRONOUS,
+  ScheduleKind,
+  build,
+  lookup,
+)
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
@@ -27,18 +34,21 @@ from jpipe.schedule._schedule import (
   make_schedule,
 )
 from jpipe.schedule._simulate import Timeline, ready_time, simulate
-from jpipe.schedule._stream import STREAMS, Stream
+from jpipe.schedule._stream import Stream
 
 __all__ = [
   "BACKWARD",
   "FORWARD",
+  "REGISTRY",
   "SCHEDULES",
   "STEP",
   "STREAMS",
+  "SYNCHRONOUS",
   "Action",
   "ActionKind",
   "ActionLists",
   "Schedule",
+  "ScheduleKind",
   "Stream",
   "Timeline",
   "async_1f1b",
@@ -48,6 +58,7 @@ __all__ = [
   "gpipe",
   "interleaved",
   "issue_order",
+  "lookup",
   "make_schedule",
   "one_f_one_b",
   "place",

@@ -16,8 +16,6 @@ from jpipe.schedule._schedule import (
 )
 from jpipe.schedule._stream import Stream
 
-SCHEDULES = ("seq", "gpipe", "1f1b", "async", "2bw", "interleaved")
-
 
 def _check(num_stages, num_microbatches):
   if num_stages < 1 or num_microbatches < 1:
@@ -187,29 +185,3 @@ def interleaved(
     for s in range(num_stages):
       devices[stage_device[s]].append(Action(STEP, s, num_microbatches - 1))
   return make_schedule("interleaved", devices, stage_device, num_microbatches)
-
-
-def build(
-  name: str, num_stages: int, num_microbatches: int, **kwargs
-) -> Schedule:
-  """A schedule by name (one of SCHEDULES); kwargs go to the builder.
-
-  ``interleaved`` takes ``stage_device`` (default: stage s on device s).
-  """
-  builders = {
-    "seq": seq,
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "async": async_1f1b,
-    "2bw": two_bw,
-  }
-  if name == "interleaved":
-    stage_device = kwargs.pop("stage_device", list(range(num_stages)))
-    if len(stage_device) != num_stages:
-      raise ValueError(
-        f"stage_device has {len(stage_device)} entries for {num_stages} stages"
-      )
-    return interleaved(stage_device, num_microbatches, **kwargs)
-  if name not in builders:
-    raise ValueError(f"unknown schedule {name!r}: one of {SCHEDULES}")
-  return builders[name](num_stages, num_microbatches, **kwargs)

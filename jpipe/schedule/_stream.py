@@ -36,8 +36,6 @@ from jpipe.schedule._schedule import (
   make_schedule,
 )
 
-STREAMS = ("async", "2bw")
-
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
@@ -57,6 +55,8 @@ class Stream:
   step_every: int = 1
 
   def __post_init__(self):
+    from jpipe.schedule._registry import STREAMS  # It imports this module.
+
     if self.name not in STREAMS:
       raise ValueError(f"unknown stream {self.name!r}: one of {STREAMS}")
     if self.num_stages < 1:

@@ -8,6 +8,8 @@ flag that names a field not here is an error.
 
 import ml_collections
 
+from jpipe import schedule as schedule_lib
+
 
 def base_config() -> ml_collections.ConfigDict:
   """Model, optimizer, pipeline, schedule, staleness and loop fields."""
@@ -71,7 +73,8 @@ def base_config() -> ml_collections.ConfigDict:
   # before training, naming the stage and the fixes.
   c.pipeline.memory_limit = ""
 
-  # Schedule: seq, gpipe, 1f1b, interleaved (synchronous), async, 2bw.
+  # Schedule: a name from jpipe.schedule.SCHEDULES (synchronous: seq,
+  # gpipe, 1f1b, interleaved; streaming: async, 2bw).
   c.schedule = ml_collections.ConfigDict()
   c.schedule.name = "1f1b"
   # async: backwards per step; 2bw: microbatches per minibatch (>= stages).
@@ -190,7 +193,8 @@ def text_data(
 
 
 MITIGATIONS = {"ws": "stashing", "wp": "prediction", "ga": "gap_aware"}
-SYNCHRONOUS_VARIANTS = ("seq", "gpipe", "1f1b")
+# Variants naming a schedule outright (the rest set staleness options).
+SYNCHRONOUS_VARIANTS = schedule_lib.SYNCHRONOUS
 
 
 def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
@@ -202,7 +206,8 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       or a "+"-joined combination such as "ws+wp" (asynchronous with
       weight stashing, msnag weight prediction, Gap-Aware; without "ws"
       the backward recomputes, ``pipeline.recompute = True``); "2bw"
-      (PipeDream-2BW); or a synchronous schedule, "seq", "gpipe", "1f1b".
+      (PipeDream-2BW); or a synchronous schedule (``jpipe.schedule.
+      SYNCHRONOUS``: "seq", "gpipe", "1f1b", "interleaved").
   """
   parts = variant.split("+")
   if variant in SYNCHRONOUS_VARIANTS or variant == "2bw":

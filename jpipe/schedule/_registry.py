@@ -1,0 +1,133 @@
+"""Every schedule jpipe runs, in one table.
+
+A ``ScheduleKind`` says what a schedule is: its name, whether it streams
+across calls (``async``, ``2bw``: no flush at the end of a call) or
+flushes (the synchronous ones, equal to single-device accumulation), a
+line for help texts, and how to build one call's action lists on given
+devices. ``jpipe.Pipeline(schedule=...)``, the CLI's checks, the memory
+prediction and the docs read their names from here (``SCHEDULES``,
+``SYNCHRONOUS``, ``STREAMS``).
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from jpipe.schedule._builders import (
+  async_1f1b,
+  gpipe,
+  interleaved,
+  one_f_one_b,
+  seq,
+  two_bw,
+)
+from jpipe.schedule._order import place
+from jpipe.schedule._schedule import Schedule, make_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+  """One schedule.
+
+  Attributes:
+    name: what users write (``schedule="1f1b"``).
+    asynchronous: streams across calls (stale weights; no flush per call).
+    summary: one line for help texts.
+    builder: ``builder(num_stages, num_microbatches, **kwargs)`` -> one
+      call (a stream: one window and a flush) with stage s on device s.
+    places_itself: the builder takes the stages' devices
+      (``builder(stage_device, num_microbatches)``), as ``interleaved``
+      does: several stages per device, ordered together.
+  """
+
+  name: str
+  asynchronous: bool
+  summary: str
+  builder: Callable[..., Schedule]
+  places_itself: bool = False
+
+  def on_devices(
+    self, stage_device: Sequence[int], num_microbatches: int, **kwargs
+  ) -> Schedule:
+    """One call of ``num_microbatches`` with stage s on schedule device
+    ``stage_device[s]`` (devices numbered from 0)."""
+    stage_device = list(stage_device)
+    if self.places_itself:
+      return self.builder(stage_device, num_microbatches, **kwargs)
+    n = len(stage_device)
+    built = self.builder(n, num_microbatches, **kwargs)
+    if stage_device == list(built.stage_device):
+      return built
+    per_stage = [
+      [a for a in built.device_actions[built.stage_device[s]] if a.stage == s]
+      for s in range(n)
+    ]
+    lists = place(built.name, per_stage, stage_device)
+    return make_schedule(
+      built.name, lists.device_actions, stage_device, num_microbatches
+    )
+
+
+REGISTRY: dict[str, ScheduleKind] = {
+  k.name: k
+  for k in (
+    ScheduleKind(
+      "seq", False, "naive model parallelism: one microbatch in flight", seq
+    ),
+    ScheduleKind(
+      "gpipe", False, "GPipe: all forwards, then all backwards, a flush", gpipe
+    ),
+    ScheduleKind(
+      "1f1b",
+      False,
+      "1F1B with a flush: stage s holds n - s microbatches",
+      one_f_one_b,
+    ),
+    ScheduleKind(
+      "async",
+      True,
+      "PipeDream's asynchronous 1F1B without flushes (delay n - 1 - s)",
+      async_1f1b,
+    ),
+    ScheduleKind(
+      "2bw",
+      True,
+      "PipeDream-2BW: two weight versions, a step per minibatch",
+      two_bw,
+    ),
+    ScheduleKind(
+      "interleaved",
+      False,
+      "several stages per device (mixed pipe, virtual stages), 1F1B order",
+      interleaved,
+      places_itself=True,
+    ),
+  )
+}
+SCHEDULES = tuple(REGISTRY)
+SYNCHRONOUS = tuple(n for n, k in REGISTRY.items() if not k.asynchronous)
+STREAMS = tuple(n for n, k in REGISTRY.items() if k.asynchronous)
+
+
+def lookup(schedule: "str | ScheduleKind") -> ScheduleKind:
+  """The registered kind of a name (or of a kind: the registered one of
+  its name). Unknown: a one-line error naming the choices."""
+  name = schedule.name if isinstance(schedule, ScheduleKind) else schedule
+  if name not in REGISTRY:
+    raise ValueError(f"unknown schedule {name!r}: one of {SCHEDULES}")
+  return REGISTRY[name]
+
+
+def build(
+  name: str, num_stages: int, num_microbatches: int, **kwargs
+) -> Schedule:
+  """A schedule by name (one of SCHEDULES) with stage s on device s;
+  kwargs go to the builder (``interleaved`` takes ``stage_device``)."""
+  kind = lookup(name)
+  stage_device = kwargs.pop("stage_device", list(range(num_stages)))
+  if len(stage_device) != num_stages:
+    raise ValueError(
+      f"stage_device has {len(stage_device)} entries for {num_stages} stages"
+    )
+  if kind.places_itself:
+    return kind.on_devices(stage_device, num_microbatches, **kwargs)
+  return kind.builder(num_stages, num_microbatches, **kwargs)

@@ -1,0 +1,69 @@
+"""One table of schedules: ``jpipe.schedule.REGISTRY``."""
+
+import os
+import re
+
+import jax
+import optax
+import pytest
+
+import jpipe
+from jpipe import schedule as sc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_the_name_lists_are_views_of_the_registry():
+  assert sc.SCHEDULES == tuple(sc.REGISTRY)
+  assert set(sc.SYNCHRONOUS) | set(sc.STREAMS) == set(sc.SCHEDULES)
+  assert not set(sc.SYNCHRONOUS) & set(sc.STREAMS)
+  assert sc.STREAMS == ("async", "2bw")
+  for name, kind in sc.REGISTRY.items():
+    assert kind.name == name and kind.summary
+
+
+@pytest.mark.parametrize("name", ["seq", "gpipe", "1f1b", "interleaved"])
+def test_a_kind_on_its_own_devices_is_the_named_schedule(name):
+  one = sc.lookup(name).on_devices([0, 1, 2], 5)
+  assert one.device_actions == sc.build(name, 3, 5).device_actions
+
+
+def test_on_shared_devices_each_device_runs_its_stages_actions():
+  # Stages 0 and 2 on device 0 (a mixed pipe): the per-stage orders are
+  # 1F1B's, merged on the device.
+  placed = sc.lookup("1f1b").on_devices([0, 1, 0], 4)
+  alone = sc.build("1f1b", 3, 4)
+  for s, d in enumerate([0, 1, 0]):
+    mine = [a for a in placed.device_actions[d] if a.stage == s]
+    assert mine == [a for a in alone.device_actions[s] if a.stage == s]
+
+
+def test_lookup_refuses_an_unknown_name_naming_the_choices():
+  with pytest.raises(ValueError, match=r"unknown schedule 'zb'.*'1f1b'"):
+    sc.lookup("zb")
+  assert sc.lookup(sc.REGISTRY["gpipe"]) is sc.REGISTRY["gpipe"]
+
+
+def test_the_readme_names_every_schedule():
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  line = re.search(r"Schedules \(`jpipe.schedule`\):(.*?)each", readme, re.S)
+  assert tuple(re.findall(r"`([^`]+)`", line.group(1))) == sc.SCHEDULES
+
+
+def test_pipeline_takes_a_schedule_kind():
+  params = {"w": jax.numpy.ones((4, 4))}
+  batch = {"x": jax.numpy.ones((4, 4))}
+
+  def loss_fn(params, batch):
+    return (batch["x"] @ params["w"]).sum()
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=1,
+    schedule=sc.REGISTRY["1f1b"],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+  )
+  assert pipe.schedule_name == "1f1b"
