@@ -89,6 +89,14 @@ class Window:
   step_seconds: float  # The profiled call's wall-clock seconds.
 
 
+def _in_force(name: str) -> property:
+  """A read-only attribute of the pipeline in force (``Pipeline.<name>``)."""
+  return property(
+    lambda self: getattr(self.switch.pipeline, name),
+    doc=f"``Pipeline.{name}`` of the pipeline in force.",
+  )
+
+
 class DynamicPipeline:
   """A ``jpipe.Pipeline`` that re-partitions itself while training.
 
@@ -245,12 +253,16 @@ class DynamicPipeline:
 
   # -- a call ----------------------------------------------------------------
 
-  def __getattr__(self, name):
-    # Everything else (plan reports, gathers, norms) is the pipeline in
-    # force's.
-    if name.startswith("_") or "switch" not in self.__dict__:
-      raise AttributeError(name)
-    return getattr(self.switch.pipeline, name)
+  # What the training loop reads of the pipeline in force, by name (no
+  # catch-all pass-through: an attribute not listed here is not one).
+  transport = _in_force("transport")
+  granularity = _in_force("granularity")
+  memory = _in_force("memory")
+  memory_limit = _in_force("memory_limit")
+  reads_batch = _in_force("reads_batch")
+  param_norms = _in_force("param_norms")
+  nonfinite_params = _in_force("nonfinite_params")
+  gather_model_state = _in_force("gather_model_state")
 
   def step(
     self, state: PipelineState, batch, *, profile: bool = False

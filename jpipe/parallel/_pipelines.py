@@ -36,7 +36,7 @@ from jpipe import distributed
 from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
 from jpipe.parallel._hub import make_hub
-from jpipe.parallel._sync import SYNC_POLICIES, HetPipe, make_policy
+from jpipe.parallel._sync import SYNC_POLICIES, make_policy, policy_options
 from jpipe.runtime import Pipeline, PipelineState
 
 
@@ -162,11 +162,6 @@ class DataParallelPipelines:
     self.plan = plan
     self.num_stages = first.stages.num_stages
     self.sync = sync
-    policy_options = {
-      "preduce": {"ssp_bound": ssp_bound, "pairwise": pairwise},
-      "adpsgd": {"seed": gossip_seed},
-      "hetpipe": {"every": hetpipe_every},
-    }.get(sync, {})
     self.policy = make_policy(
       sync,
       pipelines,
@@ -174,7 +169,13 @@ class DataParallelPipelines:
       batches_per_epoch,
       hub=self.hub,
       local_ranks=self.ranks,
-      **policy_options,
+      **policy_options(
+        sync,
+        ssp_bound=ssp_bound,
+        pairwise=pairwise,
+        gossip_seed=gossip_seed,
+        hetpipe_every=hetpipe_every,
+      ),
     )
     self.policy.place(
       {
@@ -199,8 +200,7 @@ class DataParallelPipelines:
     return states
 
   def _start_servers(self, states):
-    if isinstance(self.policy, HetPipe):
-      self.policy.start(states[0].stage_params)
+    self.policy.start(states[0].stage_params)
 
   def consensus_params(self, states: Sequence[PipelineState]) -> Any:
     """The mean of all pipelines' params (host arrays, on every process):
@@ -397,13 +397,13 @@ class DataParallelPipelines:
 
   def _finish(self, pipe, p, state):
     """The policy's end-of-epoch sync of pipeline p (HetPipe's last push),
-    into its drained state."""
-    if not isinstance(self.policy, HetPipe):
-      return state
+    into its drained state (unchanged where the policy keeps the params)."""
     params = tuple(
       self.policy.finish(p, s, leaves)
       for s, leaves in enumerate(state.stage_params)
     )
+    if all(a is b for a, b in zip(params, state.stage_params, strict=True)):
+      return state
     return pipe.with_stage_params(state, params)
 
 

@@ -63,6 +63,8 @@ class SyncPolicy:
 
   name = ""
   averages = "params"  # What a group averages: "params" or "grads".
+  # DataParallelPipelines' argument -> this class's keyword argument.
+  pipelines_options: dict[str, str] = {}
 
   def __init__(
     self,
@@ -94,6 +96,10 @@ class SyncPolicy:
   def place(self, devices: dict[int, tuple]) -> None:
     """Every pipeline's stage devices, ``{rank: (device per stage)}``."""
     self.devices = dict(devices)
+
+  def start(self, stage_params) -> None:
+    """Before the first step, with this process's first pipeline's
+    initial params per stage: what the policy serves (nothing here)."""
 
   def possible_groups(self) -> list[tuple[int, ...]]:
     """The groups of two or more ranks this policy may form."""
@@ -180,6 +186,7 @@ class AllReduce(SyncPolicy):
 
 class PartialReduce(SyncPolicy):
   name = "preduce"
+  pipelines_options = {"ssp_bound": "ssp_bound", "pairwise": "pairwise"}
 
   def __init__(
     self,
@@ -261,6 +268,8 @@ class Gossip(SyncPolicy):
   passed that round (and wait for it forever). Every epoch draws its own
   shuffles from the shared seed."""
 
+  pipelines_options = {"gossip_seed": "seed"}
+
   name = "adpsgd"
 
   def __init__(
@@ -301,6 +310,7 @@ class Gossip(SyncPolicy):
 
 class HetPipe(SyncPolicy):
   name = "hetpipe"
+  pipelines_options = {"hetpipe_every": "every"}
 
   def __init__(
     self, num_pipelines, num_stages, batches_per_epoch, *, every=10, **shared
@@ -358,11 +368,24 @@ class HetPipe(SyncPolicy):
     return self._push_pull(rank, stage, params)
 
 
+def _policy_class(name):
+  classes = {c.name: c for c in (AllReduce, PartialReduce, Gossip, HetPipe)}
+  if name not in classes:
+    raise ValueError(f"unknown sync policy {name!r}: one of {SYNC_POLICIES}")
+  return classes[name]
+
+
 def make_policy(name, num_pipelines, num_stages, batches_per_epoch, **options):
   """A policy by name; ``options``: ``ssp_bound``, ``pairwise`` (preduce),
   ``seed`` (adpsgd), ``every`` (hetpipe); ``hub`` and ``local_ranks``
   (any, see ``SyncPolicy``)."""
-  classes = {c.name: c for c in (AllReduce, PartialReduce, Gossip, HetPipe)}
-  if name not in classes:
-    raise ValueError(f"unknown sync policy {name!r}: one of {SYNC_POLICIES}")
-  return classes[name](num_pipelines, num_stages, batches_per_epoch, **options)
+  return _policy_class(name)(
+    num_pipelines, num_stages, batches_per_epoch, **options
+  )
+
+
+def policy_options(name, **arguments) -> dict:
+  """The keyword arguments policy ``name`` takes, from
+  ``DataParallelPipelines``' arguments (each class names its own)."""
+  wanted = _policy_class(name).pipelines_options
+  return {kw: arguments[arg] for arg, kw in wanted.items()}
