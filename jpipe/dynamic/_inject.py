@@ -16,58 +16,24 @@ The factor of a device at a step comes from ``Slowdown``s ("DEVICE:FACTOR:
 FROM_STEP[:TO_STEP]", as ``config.dynamic.inject``). What was slept, per
 stage, is counted so the controller adds it to the stage's measured time
 (in one process the host thread sleeps, so the device itself looks idle).
+The slowdowns are ``jpipe.runtime``'s (``Slowdown``, ``DeviceSlowdowns``),
+the mechanism SD-Pipe's simulated heterogeneity uses too.
 """
 
-import dataclasses
 import threading
 import time
 
-from jpipe.runtime import DriverHooks
-
-
-@dataclasses.dataclass(frozen=True)
-class Slowdown:
-  """Device ``device`` runs ``factor`` times slower from step ``start``
-  (counting from 0) until before step ``end`` (None: to the end)."""
-
-  device: int
-  factor: float
-  start: int
-  end: int | None = None
-
-  def active(self, step: int) -> bool:
-    return self.start <= step and (self.end is None or step < self.end)
+from jpipe.runtime import (
+  DeviceSlowdowns,
+  DriverHooks,
+  Slowdown,
+  parse_slowdowns,
+)
 
 
 def parse_inject(text: str) -> tuple[Slowdown, ...]:
   """``"DEVICE:FACTOR:FROM_STEP[:TO_STEP],..."`` -> Slowdowns."""
-  out = []
-  for part in (p.strip() for p in text.split(",") if p.strip()):
-    fields = part.split(":")
-    try:
-      if len(fields) not in (3, 4):
-        raise ValueError
-      device, start = int(fields[0]), int(fields[2])
-      factor = float(fields[1])
-      end = int(fields[3]) if len(fields) == 4 else None
-    except ValueError:
-      raise ValueError(
-        f"inject entry {part!r} is not DEVICE:FACTOR:FROM_STEP[:TO_STEP] "
-        "(e.g. '1:3.0:100:300' slows device 1 three times from step 100 to "
-        "step 300)"
-      ) from None
-    if (
-      device < 0
-      or factor <= 0
-      or start < 0
-      or (end is not None and end <= start)
-    ):
-      raise ValueError(
-        f"inject entry {part!r}: needs DEVICE >= 0, FACTOR > 0 and "
-        "0 <= FROM_STEP < TO_STEP"
-      )
-    out.append(Slowdown(device, factor, start, end))
-  return tuple(out)
+  return parse_slowdowns(text, steps=True)
 
 
 class Interference(DriverHooks):
@@ -90,7 +56,7 @@ class Interference(DriverHooks):
       raise ValueError(
         f"simulated_seconds must be >= 0, got {simulated_seconds}"
       )
-    self.slowdowns = tuple(slowdowns)
+    self.slowdowns = tuple(slowdowns)  # (dynamic.collect swaps them.)
     self.simulated_seconds = simulated_seconds
     self.step = 0
     self.model_seconds = simulated_seconds or None
@@ -101,11 +67,7 @@ class Interference(DriverHooks):
 
   def factor(self, device: int, step: int) -> float:
     """The product of the device's slowdowns active at ``step``."""
-    out = 1.0
-    for s in self.slowdowns:
-      if s.device == device and s.active(step):
-        out *= s.factor
-    return out
+    return DeviceSlowdowns(self.slowdowns).factor(device, step)
 
   def before_compute(self, action):
     if not self.stage_shares or self.model_seconds is None:

@@ -39,9 +39,9 @@ from collections.abc import Callable, Sequence
 import jax.extend.core as jcore
 import numpy as np
 
-from jpipe.dynamic._inject import Slowdown
 from jpipe.dynamic._measure import stage_seconds_per_microbatch
 from jpipe.dynamic._replan import jpipe_split
+from jpipe.runtime import Slowdown
 
 NODE_FEATURES = (
   "flops",

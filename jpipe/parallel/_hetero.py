@@ -6,14 +6,22 @@ fixed per-device slowdowns: a device with factor f spends f times the
 simulated compute time ``base_seconds`` on each forward or backward
 (factor 1 where none is given). Whether a given action is delayed depends
 only on the seed, the device and the action's index on that device --
-never on thread timing -- so a run's delays repeat exactly.
+never on thread timing -- so a run's delays repeat exactly. The delays
+are ``jpipe.runtime``'s simulated slowdowns (``DeviceSlowdowns``), the
+mechanism DynPipe's injected interference uses too.
 """
 
 import dataclasses
+import functools
 
-import numpy as np
+from jpipe.runtime import (
+  RANDOM_DELAY_PROBABILITY,
+  DeviceSlowdowns,
+  Slowdown,
+  parse_slowdowns,
+)
 
-HETERO_PROBABILITY = 0.1
+HETERO_PROBABILITY = RANDOM_DELAY_PROBABILITY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,25 +60,24 @@ class Heterogeneity:
   def active(self) -> bool:
     return self.hetero > 0 or self.base_seconds > 0
 
+  @functools.cached_property
+  def devices(self) -> DeviceSlowdowns:
+    """The same delays as ``jpipe.runtime.DeviceSlowdowns``."""
+    return DeviceSlowdowns(
+      tuple(Slowdown(d, f) for d, f in sorted(self.slowdown.items())),
+      random_seconds=self.hetero,
+      probability=self.probability,
+      seed=self.seed,
+    )
+
   def delay(self, device: int, index: int) -> float:
     """Seconds before the ``index``-th forward or backward on ``device``."""
-    seconds = self.base_seconds * self.slowdown.get(device, 1.0)
-    if self.hetero > 0:
-      u = np.random.default_rng((self.seed, device, index)).random()
-      if u < self.probability:
-        seconds += self.hetero
-    return seconds
+    devices = self.devices
+    return self.base_seconds * devices.factor(device) + devices.random_delay(
+      device, index
+    )
 
 
 def parse_slowdown(text: str) -> dict[int, float]:
   """``"DEVICE:FACTOR,..."`` (e.g. ``"3:2.0,5:1.5"``) as a dict."""
-  out = {}
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    try:
-      device, factor = part.split(":")
-      out[int(device)] = float(factor)
-    except ValueError:
-      raise ValueError(
-        f"bad slowdown {part!r}: write DEVICE:FACTOR, e.g. '3:2.0'"
-      ) from None
-  return out
+  return {s.device: s.factor for s in parse_slowdowns(text, steps=False)}

@@ -8,15 +8,25 @@ from jpipe.runtime._options import (
   check_staleness_options,
 )
 from jpipe.runtime._pipeline import Pipeline, PipelineState
+from jpipe.runtime._slowdown import (
+  RANDOM_DELAY_PROBABILITY,
+  DeviceSlowdowns,
+  Slowdown,
+  parse_slowdowns,
+)
 
 __all__ = [
+  "RANDOM_DELAY_PROBABILITY",
+  "DeviceSlowdowns",
   "DriverHooks",
   "GAP_AWARE_POLICIES",
   "MemoryLimitError",
   "Pipeline",
   "PipelineState",
+  "Slowdown",
   "StageMemory",
   "Staleness",
   "check_staleness_options",
   "format_bytes",
+  "parse_slowdowns",
 ]
