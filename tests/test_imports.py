@@ -1,4 +1,5 @@
-"""Import boundaries: jpipe.staleness needs only jax and optax."""
+"""Import boundaries: jpipe.staleness needs only jax and optax; packages
+use each other's public names only."""
 
 import doctest
 import os
@@ -38,3 +39,29 @@ def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0
   assert result.failed == 0
+
+
+def test_packages_use_each_others_public_names_only():
+  # A module under jpipe/<a>/ may import jpipe.<b>._private only when
+  # a == b: the layers talk through each package's __init__.
+  import ast
+  import pathlib
+
+  root = pathlib.Path(ROOT) / "jpipe"
+  offenders = []
+  for path in root.rglob("*.py"):
+    package = path.relative_to(root).parts[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      else:
+        continue
+      for name in names:
+        parts = name.split(".")
+        if parts[0] != "jpipe" or len(parts) < 3:
+          continue
+        if parts[1] != package and parts[2].startswith("_"):
+          offenders.append(f"{path.relative_to(ROOT)}: {name}")
+  assert not offenders, offenders

@@ -33,6 +33,7 @@ import optax
 from absl import app, flags
 
 import jpipe
+from experiments.gpu_campaign._common import paired_times
 from jpipe import partition
 from jpipe.models import gpt
 
@@ -80,21 +81,6 @@ def _median_seconds(fn, repeats):
     fn()
     times.append(time.perf_counter() - start)
   return float(np.median(times))
-
-
-def _paired_times(fn, reference, repeats):
-  """``(fn seconds, reference seconds)`` lists, timed alternately
-  (ABAB...): a busy or throttled machine slows both members of a pair
-  alike, so per-pair ratios are steadier than a ratio of medians."""
-  for f in (fn, reference, fn, reference):  # compile, warm up
-    f()
-  times = {fn: [], reference: []}
-  for _ in range(repeats):
-    for f in (fn, reference):
-      start = time.perf_counter()
-      f()
-      times[f].append(time.perf_counter() - start)
-  return np.asarray(times[fn]), np.asarray(times[reference])
 
 
 def _reference(loss_fn, params, batch, m, tx):
@@ -177,7 +163,7 @@ def main(argv):
   for p in (2, 4):
     for recompute, fuse in variants:
       run, pipe = _pipeline(loss_fn, params, batch, m, p, tx, recompute, fuse)
-      pipe_times, ref_times = _paired_times(run, reference_run, FLAGS.repeats)
+      pipe_times, ref_times = paired_times(run, reference_run, FLAGS.repeats)
       seconds, reference = np.median(pipe_times), np.median(ref_times)
       host = _host_median(run, FLAGS.repeats)
       ratios = pipe_times / ref_times
