@@ -256,6 +256,7 @@ class DynamicPipeline:
   # What the training loop reads of the pipeline in force, by name (no
   # catch-all pass-through: an attribute not listed here is not one).
   transport = _in_force("transport")
+  device_names = _in_force("device_names")
   granularity = _in_force("granularity")
   memory = _in_force("memory")
   memory_limit = _in_force("memory_limit")

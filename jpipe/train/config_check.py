@@ -75,6 +75,21 @@ def check(config: ml_collections.ConfigDict) -> None:
     if not ok:
       problems.append(f"config.{key}: {message}")
 
+  _check_names(config, need)
+  _check_pipeline(config, need)
+  _check_loop(config, need)
+  _check_staleness(config, need, problems)
+  _check_runtime(config, need, problems)
+  _check_data_parallel(config, need, problems)
+  _check_dynamic(config, need, problems)
+  if problems:
+    if len(problems) == 1:  # One line: the key and its fix.
+      raise UsageError(f"invalid config: {problems[0]}")
+    raise UsageError("invalid config:\n  " + "\n  ".join(problems))
+
+
+def _check_names(config, need) -> None:
+  """Names the config chooses from a list, and the learning rate."""
   need(
     config.schedule.name in schedule_lib.SCHEDULES,
     "schedule.name",
@@ -100,6 +115,10 @@ def check(config: ml_collections.ConfigDict) -> None:
     "optimizer.learning_rate",
     "must be > 0",
   )
+
+
+def _check_pipeline(config, need) -> None:
+  """The pipeline's partition, costs, stages and microbatches."""
   need(
     config.pipeline.partition in PARTITIONS,
     "pipeline.partition",
@@ -130,6 +149,10 @@ def check(config: ml_collections.ConfigDict) -> None:
       f"{m} does not divide data.batch_size={config.data.batch_size}: use "
       f"a divisor of it",
     )
+
+
+def _check_loop(config, need) -> None:
+  """The learning-rate warm-up, the loop's counts and the init."""
   need(
     config.optimizer.warmup_steps >= 0,
     "optimizer.warmup_steps",
@@ -168,6 +191,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   )
   for key in ("log_every", "eval_every", "checkpoint_every"):
     need(config.train[key] >= 1, f"train.{key}", "must be >= 1")
+
+
+def _check_staleness(config, need, problems) -> None:
+  """The staleness options, and what the Pipeline itself would refuse."""
   st = config.staleness
   need(
     st.prediction in ("", "msnag", "aggmsnag"),
@@ -219,6 +246,10 @@ def check(config: ml_collections.ConfigDict) -> None:
       staleness(config).check(config.schedule.name)
     except ValueError as e:
       problems.append(f"config.staleness / config.schedule: {e}")
+
+
+def _check_runtime(config, need, problems) -> None:
+  """The memory limit, the transport and 2BW's minibatch."""
   try:
     memory_limit(config.pipeline.memory_limit)
   except ValueError as e:
@@ -235,12 +266,6 @@ def check(config: ml_collections.ConfigDict) -> None:
       f"2bw needs microbatches per minibatch >= pipeline.num_stages "
       f"({config.pipeline.num_stages}), got {config.schedule.step_every}",
     )
-  _check_data_parallel(config, need, problems)
-  _check_dynamic(config, need, problems)
-  if problems:
-    if len(problems) == 1:  # One line: the key and its fix.
-      raise UsageError(f"invalid config: {problems[0]}")
-    raise UsageError("invalid config:\n  " + "\n  ".join(problems))
 
 
 def check_devices(config, devices) -> None:
@@ -270,6 +295,7 @@ def check_devices(config, devices) -> None:
 
 
 def _check_dynamic(config, need, problems) -> None:
+  """DynPipe's options (``config.dynamic``)."""
   dyn = config.dynamic
   need(
     dyn.policy in dynamic.POLICIES,
@@ -300,6 +326,12 @@ def _check_dynamic(config, need, problems) -> None:
       "re-partitioning)",
     )
     return
+  _check_dynamic_run(config, need, inject)
+
+
+def _check_dynamic_run(config, need, inject) -> None:
+  """What an enabled re-partitioning run needs of the rest of the config."""
+  dyn = config.dynamic
   need(
     not uses_data_parallel(config),
     "dynamic.enabled",
