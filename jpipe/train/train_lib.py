@@ -28,6 +28,7 @@ from jpipe.train import (
   pretrained,
   stopping,
 )
+from jpipe.train import run as run_lib
 from jpipe.train.errors import TrainingDiverged, UsageError
 from jpipe.train.metric_log import MetricLog, read_metrics
 from jpipe.train.tasks import Task, build_task
@@ -39,7 +40,7 @@ def learning_rate(config):
   opt = config.optimizer
   if opt.schedule == "constant":
     return opt.learning_rate
-  steps = config.train.steps * _steps_per_call(config)
+  steps = config.train.steps * run_lib.steps_per_call(config)
   warmup = max(opt.warmup_steps, 1)
   # A run shorter than its warm-up (a quick try of a config) decays over
   # one step after it rather than failing.
@@ -61,16 +62,6 @@ def build_optimizer(config, lr):
       tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
     return tx
   return optax.adamw(lr, weight_decay=opt.weight_decay)
-
-
-def _steps_per_call(config) -> int:
-  """Optimizer steps one pipeline step takes."""
-  if config.schedule.name == "async":
-    m = config.pipeline.num_microbatches
-    return -(-m // config.schedule.step_every)
-  if config.schedule.name == "2bw":
-    return config.pipeline.num_microbatches // config.schedule.step_every
-  return 1
 
 
 def pipeline_options(config, task: Task, lr) -> dict:
@@ -113,19 +104,6 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     raise UsageError(f"config.pipeline.memory_limit: {e}") from e
 
 
-def fingerprint(config) -> dict:
-  """What a checkpoint must match to be resumed (not the partition)."""
-  return {
-    "model": config.model.name,
-    "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
-    "optimizer": config.optimizer.name,
-  } | (  # Each replica is saved: resume with as many.
-    {"pipelines": config.data_parallel.pipelines}
-    if config.data_parallel.pipelines > 1
-    else {}
-  )
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains as the config says, resuming from ``workdir`` if it has a
   checkpoint. Returns the closing summary (also printed).
@@ -143,7 +121,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   partition-independent state dict, so another process count resumes
   it).
   """
-  config_check.check(config)
+  run = run_lib.describe(config)
   config_check.check_devices(config, jax.devices())
   main = jax.process_index() == 0
   say = print if main else _quiet
@@ -152,7 +130,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     workdir, config.train.keep_checkpoints
   )
   saved_step = checkpoints.latest_step()
-  checkpoints.check_fingerprint(fingerprint(config))
+  checkpoints.check_fingerprint(run.fingerprint)
   steps = config.train.steps
   if saved_step is not None and saved_step >= steps:
     checkpoints.close()
@@ -167,10 +145,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   example = task.batch_at(0)
   lr = learning_rate(config)
   tx = _frozen(config, task.params, build_optimizer(config, lr), say)
-  if data_parallel_lib.uses_data_parallel(config):
+  if run.data_parallel:
     options = pipeline_options(config, task, lr) | {"optimizer": tx}
     dp = data_parallel_lib.build(
-      config, task, example, options, _steps_per_call(config)
+      config, task, example, options, run.steps_per_call
     )
     return data_parallel_lib.train(
       config,
@@ -179,10 +157,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       dp,
       checkpoints,
       saved_step,
-      fingerprint(config),
+      run.fingerprint,
       say,
     )
-  if config.dynamic.enabled:
+  if run.dynamic:
     pipe = dynamic_lib.build(
       config, task, example, tx, pipeline_options(config, task, lr)
     )
@@ -192,12 +170,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   start = 0
   if saved_step is not None:
     template = jax.tree.map(np.asarray, pipe.state_dict(state))
-    saved, meta = checkpoints.restore(template, fingerprint(config))
+    saved, meta = checkpoints.restore(template, run.fingerprint)
     try:
       state = pipe.load_state_dict(saved)
-      if config.dynamic.enabled:
+      if run.dynamic:
         pipe.start_at(int(meta["step"]))
-      if config.dynamic.enabled and "plan" in meta:  # The split in force.
+      if run.dynamic and "plan" in meta:  # The split in force.
         state = pipe.move_to(state, meta["plan"])
         say(f"Resuming on the split in force: {describe(meta['plan'])}")
     except ValueError as e:
@@ -227,8 +205,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     checkpoints.save(
       step,
       jax.tree.map(np.asarray, pipe.state_dict(state)),
-      {"step": step, "fingerprint": fingerprint(config)}
-      | ({"plan": list(pipe.boundaries)} if config.dynamic.enabled else {}),
+      {"step": step, "fingerprint": run.fingerprint}
+      | ({"plan": list(pipe.boundaries)} if run.dynamic else {}),
     )
 
   evaluation = timeline = None
@@ -284,7 +262,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       done = step + 1
       bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
       bar.update(1)
-      if config.dynamic.enabled:
+      if run.dynamic:
         dynamic_lib.report(metrics, done, log, write)
       if not np.isfinite(loss):
         raise TrainingDiverged(_nonfinite_message(config, pipe, state, done))
@@ -293,7 +271,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if done % config.train.log_every == 0 or done == steps:
         scalars = window.means()
         if callable(lr):
-          scalars["learning_rate"] = lr(done * _steps_per_call(config))
+          scalars["learning_rate"] = lr(done * run.steps_per_call)
         log.write(done, **{f"train/{k}": v for k, v in scalars.items()})
         write(_log_line(done, steps, scalars))
         divergence.check(
@@ -345,7 +323,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   summary = _summary(
     config, pipe, workdir, examples, seconds, evaluation, timeline
   )
-  if config.dynamic.enabled:
+  if run.dynamic:
     summary["repartitions"] = list(pipe.history)
     if pipe.windows:
       summary["dynamic_png"] = dynamic_lib.draw(pipe, workdir)

@@ -1,0 +1,82 @@
+"""A training run described once: the config checked and resolved into
+what the training loop asks of it again and again.
+
+``describe(config)`` validates the config (every invalid field in one
+message, before any work) and returns a frozen ``Run``: which loop mode
+runs it (one pipeline, several in data parallel, or one that
+re-partitions), what a checkpoint must match to be resumed (its
+fingerprint), and how many optimizer steps one pipeline step takes.
+"""
+
+import dataclasses
+
+from jpipe.train import config_check
+from jpipe.train.data_parallel_lib import uses_data_parallel
+
+MODES = ("pipeline", "data_parallel", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What the loop needs to know of a config, resolved once.
+
+  Attributes:
+    mode: "pipeline", "data_parallel" (SD-Pipe: ``data_parallel.*``) or
+      "dynamic" (DynPipe: ``dynamic.enabled``).
+    steps: pipeline steps (``train.steps``).
+    steps_per_call: optimizer steps one pipeline step takes (async: one
+      per ``step_every`` microbatches; 2bw: one per minibatch).
+    fingerprint: what a checkpoint must match to be resumed (model,
+      its arguments, the optimizer; the pipeline count where several):
+      not the partition, which may change.
+  """
+
+  mode: str
+  steps: int
+  steps_per_call: int
+  fingerprint: dict
+
+  @property
+  def dynamic(self) -> bool:
+    return self.mode == "dynamic"
+
+  @property
+  def data_parallel(self) -> bool:
+    return self.mode == "data_parallel"
+
+
+def describe(config) -> Run:
+  """The config checked (``config_check.check``) and resolved."""
+  config_check.check(config)
+  if uses_data_parallel(config):
+    mode = "data_parallel"
+  elif config.dynamic.enabled:
+    mode = "dynamic"
+  else:
+    mode = "pipeline"
+  return Run(
+    mode, config.train.steps, steps_per_call(config), fingerprint(config)
+  )
+
+
+def steps_per_call(config) -> int:
+  """Optimizer steps one pipeline step takes."""
+  if config.schedule.name == "async":
+    m = config.pipeline.num_microbatches
+    return -(-m // config.schedule.step_every)
+  if config.schedule.name == "2bw":
+    return config.pipeline.num_microbatches // config.schedule.step_every
+  return 1
+
+
+def fingerprint(config) -> dict:
+  """What a checkpoint must match to be resumed (not the partition)."""
+  return {
+    "model": config.model.name,
+    "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
+    "optimizer": config.optimizer.name,
+  } | (  # Each replica is saved: resume with as many.
+    {"pipelines": config.data_parallel.pipelines}
+    if config.data_parallel.pipelines > 1
+    else {}
+  )
