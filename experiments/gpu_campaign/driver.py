@@ -7,8 +7,8 @@ step time / actions in microseconds, and the host's share (time until
 whole is the driver setting the pace.
 (2) ``experiments.runtime.flat_grads`` on this device: a stage's backward
 with its gradients all packed into one buffer, none packed, and jpipe's
-default threshold (``jpipe.runtime._flat.own_buffer_bytes``), by leaf size;
-its tables are written beside this part's JSON.
+default threshold (``jpipe.runtime._flat.own_buffer_bytes``), by leaf size,
+kept in this part's JSON (``grad_buffers``).
 
 Usage: python -m experiments.gpu_campaign.driver [--quick] --out DIR
 """
@@ -20,6 +20,7 @@ import os
 import pstats
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -122,23 +123,26 @@ def main(args):
         }
       )
   widths = "128,512" if args.quick else "256,512,1024,2048,4096"
-  child = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.runtime.flat_grads",
-      f"--out_dir={args.out}",
-      f"--grad_widths={widths}",
-      f"--repeats={repeats}",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=budget.timeout(30.0),
-  )
-  if child.returncode == 0:
-    platform = _common.metadata()["platform"]
-    with open(os.path.join(args.out, f"flat_grads_{platform}.json")) as f:
-      results.note("grad_buffers", json.load(f))
-  else:
-    results.note("grad_buffers_error", child.stderr[-2000:])
+  # Its own files go to a scratch folder: this part's JSON (with the run's
+  # date, device and commit) carries the record.
+  with tempfile.TemporaryDirectory() as scratch:
+    child = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "experiments.runtime.flat_grads",
+        f"--out_dir={scratch}",
+        f"--grad_widths={widths}",
+        f"--repeats={repeats}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=budget.timeout(30.0),
+    )
+    if child.returncode == 0:
+      platform = _common.metadata()["platform"]
+      with open(os.path.join(scratch, f"flat_grads_{platform}.json")) as f:
+        results.note("grad_buffers", json.load(f))
+    else:
+      results.note("grad_buffers_error", child.stderr[-2000:])
   results.finish()

@@ -28,8 +28,6 @@ from jpipe.runtime._placement import (
 )
 from jpipe.runtime._transport import Transport
 
-ASYNCHRONOUS = schedule_lib.STREAMS
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelCut:
@@ -64,6 +62,8 @@ def cut_model(
   num_stages: int,
   num_devices: int,
 ) -> ModelCut:
+  """Traces ``loss_fn`` on the first microbatch and cuts it at ``depth``
+  (None: the automatic depth for the stage count)."""
   micro = jax.tree.map(lambda x: x[:microbatch_size], example_batch)
   num_batch_leaves = len(jax.tree.leaves(micro))
   state_treedef = None
@@ -114,6 +114,8 @@ def partition_model(
   memory_limit: float | None,
   fuse_last_stage: bool,
 ) -> Partitioned:
+  """The Plan given or solved (agreed across processes), and the stages
+  cut by it."""
   plan = _make_plan(
     cut.traced,
     params,
@@ -181,6 +183,7 @@ def place_stages(
   num_batch_leaves: int,
   transport: str,
 ) -> Placed:
+  """Each stage on its devices, and the transport between processes."""
   placement = tuple(
     StagePlacement([devices[i] for i in ds], microbatch_size)
     for ds in plan.stage_devices
@@ -228,9 +231,12 @@ def schedule_calls(
   step_every: int,
   fuse_last_stage: bool,
 ) -> Scheduled:
+  """The schedule of the pipeline's stages on their schedule devices."""
   n = stages.num_stages
   stream = (
-    schedule_lib.Stream(name, n, step_every) if name in ASYNCHRONOUS else None
+    schedule_lib.Stream(name, n, step_every)
+    if schedule_lib.lookup(name).asynchronous
+    else None
   )
   calls = CallActions(
     name,
