@@ -324,8 +324,10 @@ class Pipeline:
     self.tied = TiedParams(self.stages, self.transport)
     self._params_treedef = jax.tree.structure(params)
     self._leaf_names = leaf_names(params)
+    # One predictor for every stage, as before the options became a value.
+    predictor = staleness.stage_predictor(self.optimizer)
     self.stage_optimizers = tuple(
-      self._stage_optimizer(s, grad_layouts[s])
+      self._stage_optimizer(s, grad_layouts[s], predictor)
       for s in range(self.stages.num_stages)
     )
     self.policy = VersionPolicy(
@@ -371,7 +373,7 @@ class Pipeline:
     once per device."""
     return device_totals(self.memory, self.plan.stage_devices)
 
-  def _stage_optimizer(self, s, layout):
+  def _stage_optimizer(self, s, layout, predictor):
     n = self.stages.num_stages
     leaves = self.stages.specs[s].param_leaves
     # Asynchronous: replicas of tied leaves another stage owns never step.
@@ -384,7 +386,7 @@ class Pipeline:
       gap_aware=self.staleness.gap_aware_at(
         partition_lib.steady_state_delay(n, s)
       ),
-      predictor=self.staleness.stage_predictor(self.optimizer),
+      predictor=predictor,
       learning_rate_schedule=self.staleness.learning_rate_schedule,
       horizon=self.stream.max_delay(s) if self.stream else 0,
       grad_layout=layout,
