@@ -156,17 +156,26 @@ def _quiet_late_reads() -> None:
   """After a failed restore, the reads still under way finish into the
   closed event loop of the restore, and each would print a 6-line
   "RuntimeError: Event loop is closed" traceback under the one-line
-  error. Those (only those) are dropped from now on."""
-  previous = sys.unraisablehook
+  error: as an unraisable exception, or through ``sys.excepthook`` (a
+  read's callback on tensorstore's own thread). Those (only those) are
+  dropped from now on."""
 
-  def hook(unraisable):
-    value = unraisable.exc_value
-    if not (
+  def late(value) -> bool:
+    return (
       isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
-    ):
-      previous(unraisable)
+    )
 
-  sys.unraisablehook = hook
+  unraisable_hook, except_hook = sys.unraisablehook, sys.excepthook
+
+  def unraisable(unraisable):
+    if not late(unraisable.exc_value):
+      unraisable_hook(unraisable)
+
+  def excepthook(kind, value, traceback):
+    if not late(value):
+      except_hook(kind, value, traceback)
+
+  sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
 def checksums(state) -> dict[str, str]:

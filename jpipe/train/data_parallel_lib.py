@@ -1,8 +1,9 @@
-"""The training loop of several pipelines in data parallel (SD-Pipe).
+"""Several pipelines in data parallel (SD-Pipe) in the training loop.
 
-``train_and_evaluate`` hands over here when ``config.data_parallel`` asks
-for more than one pipeline (or for simulated delays). Training runs in
-epochs of ``data_parallel.epoch_batches`` batches per pipeline on average
+``train_and_evaluate`` trains a ``DataParallelMode`` when
+``config.data_parallel`` asks for more than one pipeline (or for
+simulated delays). A unit of the loop is an epoch of
+``data_parallel.epoch_batches`` batches per pipeline on average
 (``jpipe.parallel.DataParallelPipelines.run_epoch``: fast pipelines run
 more, the epoch ends without a barrier); after each, the consensus model
 (the replicas' mean) is evaluated, a line is printed and logged, and a
@@ -17,16 +18,13 @@ checkpoints and exits with 128 + the signal's number.
 """
 
 import math
-import time
 
 import jax
 import numpy as np
 
 from jpipe import parallel
-from jpipe.train import stopping
-from jpipe.train.errors import TrainingDiverged, UsageError
-from jpipe.train.metric_log import MetricLog
-from jpipe.train.watchdog import Watchdog
+from jpipe.train.errors import UsageError
+from jpipe.train.loop import Cadence, Mode, Outcome
 
 
 def uses_data_parallel(config) -> bool:
@@ -67,122 +65,95 @@ def epoch_batches(config) -> int:
   return config.data_parallel.epoch_batches or config.train.eval_every
 
 
-def train(config, workdir, task, dp, checkpoints, saved_step, fingerprint, say):
-  """Runs the epochs; returns the closing summary."""
-  per_epoch = epoch_batches(config)
-  epochs = math.ceil(config.train.steps / per_epoch)
-  states = dp.init(task.params, task.model_state)
-  start, drawn = 0, 0
-  if saved_step is not None:
-    template = jax.tree.map(np.asarray, dp.state_dict(states))
-    saved, meta = checkpoints.restore(template, fingerprint)
-    states = dp.load_state_dict(saved)
-    start, drawn = int(meta["epoch"]), int(meta["data_position"])
-    say(f"Resuming from epoch {start} ({checkpoints.directory}).")
-  p = dp.num_pipelines
-  say(
-    f"{p} pipelines x {dp.num_stages} stages, sync {dp.sync}; stage "
-    f"devices per pipeline {[ds for ds in dp.plan.stage_devices]} "
-    f"(+{dp.devices_per_pipeline} per pipeline); {epochs} epochs of "
-    f"{per_epoch} batches per pipeline"
-  )
-  say("Compiled averaging programs for", dp.compile_groups(states), "groups.")
-  main = jax.process_index() == 0
-  log = MetricLog(workdir, resume_step=start * per_epoch) if main else None
-  evaluation, seconds, examples = None, 0.0, 0
-  bs = config.data.batch_size
-  # Every process issues the same cross-process operations in one order
-  # (jpipe.distributed states the rule): the epoch's averaging, the
-  # consensus gather, the checkpoint's, the stop agreement.
-  with (
-    stopping.StopRequest() as stop,
-    Watchdog(config.train.hang_timeout) as watchdog,
-  ):
-    for epoch in range(start, epochs):
-      position = drawn
+class DataParallelMode(Mode):
+  """Several pipelines in data parallel (``dp``) in the loop: a unit is
+  an epoch of ``epoch_batches`` batches per pipeline on average, after
+  which the consensus model is evaluated and every replica saved."""
 
-      def batch_at(rank, i, position=position):
-        # Disjoint shards of the stream: pipeline p takes every P-th batch.
-        return task.batch_at(position + i * p + rank)
+  def __init__(self, dp, task, config):
+    self.dp, self.task, self.config = dp, task, config
+    self.unit_steps = epoch_batches(config)
+    self.drawn = 0  # Batches of the stream handed out so far.
 
-      t0 = time.perf_counter()
-      states, report = dp.run_epoch(states, batch_at)
-      took = time.perf_counter() - t0
-      seconds += took
-      watchdog.beat(f"after epoch {epoch + 1}", took if epoch > start else None)
-      examples += bs * sum(report.batches)
-      drawn += p * max(report.batches)
-      done = (epoch + 1) * per_epoch
-      losses = [np.mean(ls) for ls in report.losses if ls]
-      if not np.all(np.isfinite(losses)):
-        raise TrainingDiverged(
-          f"loss is non-finite in epoch {epoch + 1} (per pipeline: "
-          f"{[float(x) for x in losses]}). Lower "
-          "config.optimizer.learning_rate (now "
-          f"{config.optimizer.learning_rate:g}), or resume from an earlier "
-          "checkpoint"
-        )
-      # Every process takes part in the mean; process 0 evaluates it.
-      consensus = dp.consensus_params(states)
-      if main:
-        evaluation = task.evaluate(consensus, _model_state(dp, states))
-      scalars = {
-        "train/loss": float(np.mean(losses)),
-        "train/epoch_seconds": report.seconds,
-        "sync/mean_group_size": float(np.nanmean(report.mean_group_size)),
-        "sync/batches_min": min(report.batches),
-        "sync/batches_max": max(report.batches),
-      }
-      if main:
-        scalars |= {f"eval/{k}": v for k, v in evaluation.items()}
-        log.write(done, **scalars)
-        say(
-          f"epoch {epoch + 1}/{epochs} (step {done}): loss "
-          f"{scalars['train/loss']:.4f}, {report.seconds:.2f} s, batches "
-          f"per pipeline {report.batches}, mean group size "
-          f"{scalars['sync/mean_group_size']:.2f}; "
-          + ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items())
-        )
-      checkpoints.save(
-        done,
-        jax.tree.map(np.asarray, dp.state_dict(states)),
-        {
-          "step": done,
-          "epoch": epoch + 1,
-          "data_position": drawn,
-          "fingerprint": fingerprint,
-        },
-      )
-      watchdog.beat(f"after the checkpoint of epoch {epoch + 1}")
-      requested = stopping.agreed(stop.signal)
-      if requested and epoch + 1 < epochs:
-        code = stopping.exit_code(requested)
-        say(
-          f"{requested}: saved step {done} (epoch {epoch + 1}) to "
-          f"{checkpoints.directory}; exiting with status {code} (not "
-          "finished: run the same command to resume)."
-        )
-        _close(log, checkpoints, dp)
-        raise SystemExit(code)
-  _close(log, checkpoints, dp)
-  summary = {
-    "pipelines": p,
-    "sync": dp.sync,
-    "examples_per_second": examples / seconds if seconds else None,
-    "eval": evaluation,
-  }
-  say(f"Done: {summary}")
-  return summary
+  def cadence(self, config):
+    return Cadence(self.unit_steps, self.unit_steps, self.unit_steps)
 
+  def init(self, task):
+    return self.dp.init(task.params, task.model_state)
 
-def _close(log, checkpoints, dp):
-  if log is not None:
-    log.close()
-  checkpoints.close()
-  dp.close()
+  def restore(self, states, saved, meta, say):
+    self.drawn = int(meta["data_position"])
+    return self.dp.load_state_dict(saved)
 
+  def resumed_at(self, step):
+    return f"epoch {step // self.unit_steps}"
 
-def _model_state(dp, states):
-  """This process's first pipeline's model state (pipeline 0's on
-  process 0; BatchNorm statistics are not averaged)."""
-  return dp.pipelines[0].gather_model_state(states[0])
+  def where(self, done):
+    return f"step {done} (epoch {done // self.unit_steps})"
+
+  def progress(self, done, steps):
+    epochs = math.ceil(steps / self.unit_steps)
+    return f"epoch {done // self.unit_steps}/{epochs} (step {done})"
+
+  def announce(self, states, workdir, main, say):
+    dp = self.dp
+    epochs = math.ceil(self.config.train.steps / self.unit_steps)
+    say(
+      f"{dp.num_pipelines} pipelines x {dp.num_stages} stages, sync "
+      f"{dp.sync}; stage devices per pipeline "
+      f"{[ds for ds in dp.plan.stage_devices]} (+{dp.devices_per_pipeline} "
+      f"per pipeline); {epochs} epochs of {self.unit_steps} batches per "
+      "pipeline"
+    )
+    # A collective: every process compiles its groups' programs.
+    say("Compiled averaging programs for", dp.compile_groups(states), "groups.")
+
+  def advance(self, states, unit):
+    p, position = self.dp.num_pipelines, self.drawn
+
+    def batch_at(rank, i):
+      # Disjoint shards of the stream: pipeline p takes every P-th batch.
+      return self.task.batch_at(position + i * p + rank)
+
+    states, report = self.dp.run_epoch(states, batch_at)
+    self.drawn += p * max(report.batches)
+    self.losses = [float(np.mean(ls)) for ls in report.losses if ls]
+    group = float(np.nanmean(report.mean_group_size))
+    scalars = {
+      "train/epoch_seconds": report.seconds,
+      "sync/mean_group_size": group,
+      "sync/batches_min": min(report.batches),
+      "sync/batches_max": max(report.batches),
+    }
+    note = (
+      f"{report.seconds:.2f} s, batches per pipeline {report.batches}, "
+      f"mean group size {group:.2f}"
+    )
+    examples = self.config.data.batch_size * sum(report.batches)
+    loss = float(np.mean(self.losses))
+    return states, Outcome(loss, examples, scalars, note=note)
+
+  def evaluation_inputs(self, states):
+    # Every process takes part in the mean; process 0 evaluates it with
+    # its first pipeline's model state (BatchNorm statistics are not
+    # averaged).
+    consensus = self.dp.consensus_params(states)
+    model_state = None
+    if jax.process_index() == 0:
+      model_state = self.dp.pipelines[0].gather_model_state(states[0])
+    return consensus, model_state
+
+  def state_dict(self, states):
+    return self.dp.state_dict(states)
+
+  def checkpoint_meta(self, done):
+    return {"epoch": done // self.unit_steps, "data_position": self.drawn}
+
+  def nonfinite_cause(self, states, outcome):
+    return f"per pipeline {self.losses}"
+
+  def finish(self, workdir):
+    return {"pipelines": self.dp.num_pipelines, "sync": self.dp.sync}, []
+
+  def close(self):
+    self.dp.close()

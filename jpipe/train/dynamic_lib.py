@@ -1,11 +1,13 @@
 """Re-partitioning while training (DynPipe) in the training CLI.
 
 ``build`` makes the ``jpipe.dynamic.DynamicPipeline`` that
-``config.dynamic`` describes; the loop calls ``report`` after each step
-(a re-partition prints a line starting with ``re-partition`` and goes to
+``config.dynamic`` describes; ``DynamicMode`` trains it in the loop: each
+step reports what the pipeline measured and decided (a re-partition
+prints a line starting with ``re-partition`` and goes to
 ``metrics.jsonl`` under "repartition"; each measured window logs the
-stage slots' slowdowns) and ``draw`` at the end (step time per window,
-the re-partitions marked).
+stage slots' slowdowns), a checkpoint records the split in force (a
+resumed run continues on it), and the end draws ``dynamic.png`` (step
+time per window, the re-partitions marked).
 """
 
 import os
@@ -14,6 +16,8 @@ import jax
 
 from jpipe import dynamic
 from jpipe.train.errors import UsageError
+from jpipe.train.loop import Outcome
+from jpipe.train.pipeline_mode import PipelineMode
 
 
 def build(config, task, example_batch, tx, options):
@@ -48,19 +52,41 @@ def build(config, task, example_batch, tx, options):
     raise UsageError(f"config.dynamic: {e}") from e
 
 
-def report(metrics, step, log, write) -> None:
-  """Logs a measured window and prints and logs a re-partition."""
-  window = metrics.get("window")
-  if window is not None:
-    log.write(
-      step,
-      **{"dynamic/step_seconds": window.step_seconds},
-      **{f"dynamic/slowdown/{s}": x for s, x in enumerate(window.sigma)},
-    )
-  record = metrics.get("repartition")
-  if record is not None:
-    log.write_event(step, "repartition", record)
-    write(line(step, record))
+class DynamicMode(PipelineMode):
+  """A ``DynamicPipeline`` in the loop: one pipeline whose split moves."""
+
+  def restore(self, state, saved, meta, say):
+    state = self.pipe.load_state_dict(saved)
+    self.pipe.start_at(int(meta["step"]))
+    if "plan" in meta:  # The split in force.
+      state = self.pipe.move_to(state, meta["plan"])
+      say(f"Resuming on the split in force: {dynamic.describe(meta['plan'])}")
+    return state
+
+  def outcome(self, loss, done, metrics):
+    """A measured window's slowdowns as scalars; a re-partition as an
+    event and a line."""
+    scalars, events, lines = {}, {}, ()
+    window = metrics.get("window")
+    if window is not None:
+      scalars = {"dynamic/step_seconds": window.step_seconds} | {
+        f"dynamic/slowdown/{s}": x for s, x in enumerate(window.sigma)
+      }
+    record = metrics.get("repartition")
+    if record is not None:
+      events, lines = {"repartition": record}, (line(done, record),)
+    return Outcome(loss, self.config.data.batch_size, scalars, events, lines)
+
+  def checkpoint_meta(self, done):
+    return {"plan": list(self.pipe.boundaries)}
+
+  def finish(self, workdir):
+    summary, lines = super().finish(workdir)
+    summary["repartitions"] = list(self.pipe.history)
+    if self.pipe.windows:
+      summary["dynamic_png"] = draw(self.pipe, workdir)
+      lines.append(f"Re-partitioning: {summary['dynamic_png']}")
+    return summary, lines
 
 
 def line(step, record) -> str:

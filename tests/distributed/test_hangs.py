@@ -87,7 +87,7 @@ def test_watchdog_stops_a_run_whose_processes_wait_for_each_other(
     line for line in out.splitlines() if "error: the run hung" in line
   )
   # Process 0 waits for process 1's stop request; process 1 went on.
-  assert "process 0 waits in jpipe/train/train_lib.py" in error, error
+  assert "process 0 waits in jpipe/train/loop.py" in error, error
   assert "stopping.py" in error and "in exchange" in error, error
   assert "process 1 waits in jpipe/" in error, error
   assert "--config.train.hang_timeout" in error

@@ -1,0 +1,461 @@
+"""The training loop, one for every kind of run.
+
+``train`` owns what a run does the same way whatever trains it: resume
+from the workdir's last checkpoint, advance the training state unit by
+unit, log a window's mean loss and throughput, evaluate, checkpoint,
+stop on request (SIGTERM / SIGINT, agreed across processes), stop a
+non-finite or diverged run with a message naming the cause, a watchdog
+against hangs, a progress bar, the closing summary. What differs between
+kinds of run is a ``Mode``: one pipeline (``pipeline_mode.PipelineMode``),
+one that re-partitions while training (``dynamic_lib.DynamicMode``) or
+several pipelines in data parallel (``data_parallel_lib.
+DataParallelMode``). A mode advances the state by one unit (a step; an
+epoch of data-parallel batches) and says how its state is saved,
+restored, evaluated and explained.
+
+Across processes every process runs this loop with the same config and
+issues its cross-process operations in one order (``jpipe.distributed``
+states the rule): the unit's own (the step's transfers and its loss, or
+the epoch's averaging); the stop agreement (a host exchange, every few
+units: ``stopping.StopAgreement``); then, where a unit asks for them,
+the flush and the gathers of evaluation and of the checkpoint (device
+collectives, each behind a quiet point). No branch below on the process
+index decides whether one of them runs: process 0 alone evaluates what
+all gathered, prints and logs. The watchdog stops a run that hangs
+anyway.
+"""
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+
+from jpipe.train import checkpoint as checkpoint_lib
+from jpipe.train import stopping
+from jpipe.train.errors import TrainingDiverged
+from jpipe.train.metric_log import MetricLog
+from jpipe.train.watchdog import Watchdog
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+  """Every how many steps the loop logs, evaluates and checkpoints (a
+  unit that reaches a multiple does it; the last unit does all three)."""
+
+  log: int
+  evaluate: int
+  checkpoint: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What one unit of training did.
+
+  Attributes:
+    loss: its mean training loss.
+    examples: the examples it trained on.
+    scalars: mode-specific scalars logged at the unit's step (full names,
+      e.g. "sync/mean_group_size"), in one row with its training and
+      evaluation scalars where it has them.
+    events: ``{key: record}`` logged as events at the unit's step.
+    lines: printed after the unit (e.g. a re-partition).
+    note: what the mode adds to the unit's log line.
+  """
+
+  loss: float
+  examples: int
+  scalars: dict = dataclasses.field(default_factory=dict)
+  events: dict = dataclasses.field(default_factory=dict)
+  lines: tuple = ()
+  note: str = ""
+
+
+class Mode:
+  """One kind of run in the loop: the hooks ``train`` calls, in order.
+
+  ``unit_steps`` steps make one unit (``advance``); ``cadence`` says when
+  to log, evaluate and checkpoint. A hook a mode does not need keeps the
+  default here.
+  """
+
+  unit_steps: int = 1
+
+  def cadence(self, config) -> Cadence:
+    t = config.train
+    return Cadence(t.log_every, t.eval_every, t.checkpoint_every)
+
+  def init(self, task) -> Any:
+    """The initial training state."""
+    raise NotImplementedError
+
+  def restore(self, state, saved, meta, say) -> Any:
+    """The state of checkpoint ``saved`` (``state_dict``'s layout) with
+    its ``meta`` (``say``: what changes on the way). ``ValueError``: it
+    does not fit."""
+    raise NotImplementedError
+
+  def announce(self, state, workdir: str, main: bool, say) -> None:
+    """What the run is about to do (after any restore; every process)."""
+
+  def advance(self, state, unit: int) -> tuple[Any, Outcome]:
+    """Trains unit ``unit`` (0-based)."""
+    raise NotImplementedError
+
+  def flush(self, state) -> Any:
+    """The state with nothing in flight (before evaluation or a save)."""
+    return state
+
+  def evaluation_inputs(self, state) -> tuple[Any, Any]:
+    """(params, model state) to evaluate, on process 0 (every process
+    calls it: it may gather)."""
+    raise NotImplementedError
+
+  def state_dict(self, state) -> Any:
+    """The flushed state as a checkpoint holds it."""
+    raise NotImplementedError
+
+  def checkpoint_meta(self, done: int) -> dict:
+    """What a checkpoint after ``done`` steps records beyond its step."""
+    return {}
+
+  def resumed_at(self, step: int) -> str:
+    """Where a run resumed from checkpoint ``step``, for its message."""
+    return self.where(step)
+
+  def where(self, done: int) -> str:
+    """The run's position after ``done`` steps, for messages."""
+    return f"step {done}"
+
+  def progress(self, done: int, steps: int) -> str:
+    """The head of a log line after ``done`` of ``steps`` steps."""
+    return f"step {done}/{steps}"
+
+  def nonfinite_cause(self, state, outcome: Outcome) -> str:
+    """Where a non-finite loss comes from (every process calls it)."""
+    return "the loss is not a number"
+
+  def param_norms(self, state) -> list[float] | None:
+    """Each stage's parameter norm, to name the stage that grew most in
+    a divergence (None: not known; every process calls it)."""
+    return None
+
+  def finish(self, workdir: str) -> tuple[dict, list[str]]:
+    """Entries for the closing summary and lines to print (process 0)."""
+    return {}, []
+
+  def close(self) -> None:
+    """Frees what the mode holds (threads, device programs)."""
+
+
+def train(
+  mode: Mode,
+  task,
+  *,
+  config,
+  run,
+  workdir: str,
+  checkpoints,
+  lr,
+  fine_tune: bool,
+  say: Callable,
+) -> dict:
+  """Trains ``task`` in ``mode`` to ``run.steps`` steps, resuming from
+  ``checkpoints``' latest if there is one (``lr``: the learning rate,
+  logged where it is a schedule; ``fine_tune``: evaluate the initial
+  params first). Returns the closing summary (process 0's; the others'
+  holds their throughput only)."""
+  state = mode.init(task)
+  start = 0
+  if checkpoints.latest_step() is not None:
+    state, start = _restore(mode, state, checkpoints, run.fingerprint, say)
+  main = jax.process_index() == 0
+  mode.announce(state, workdir, main, say)
+  loop = _Loop(mode, task, config, run, checkpoints, lr, say, start)
+  loop.log = MetricLog(workdir, resume_step=start) if main else _NoLog()
+  if fine_tune and main:  # Where fine-tuning starts: the pretrained loss.
+    evaluation = task.evaluate(task.params, task.model_state)
+    loop.log.write(0, **{f"eval/{k}": v for k, v in evaluation.items()})
+    say(f"step 0: {format_evaluation(evaluation)}")
+  with (
+    stopping.StopRequest() as loop.stop,
+    Watchdog(config.train.hang_timeout) as loop.watchdog,
+  ):
+    loop.train_units(state)
+  loop.close()
+  return loop.summary(workdir)
+
+
+class _Loop:
+  """The state of a run of ``train`` between its units: the metric log,
+  the throughput so far, the log window, the divergence reference, the
+  last evaluation."""
+
+  def __init__(self, mode, task, config, run, checkpoints, lr, say, start):
+    self.mode, self.task, self.config, self.run = mode, task, config, run
+    self.checkpoints, self.lr, self.say = checkpoints, lr, say
+    self.main = jax.process_index() == 0
+    self.cadence = mode.cadence(config)
+    self.start = start
+    self.evaluation = None
+    # Throughput leaves out the run's first unit (it compiles every
+    # program).
+    self.seconds, self.examples = 0.0, 0
+    self.window = _Window(first_step=start + 1)
+    self.divergence = _DivergenceCheck(config.train.divergence_factor)
+    self.agree = stopping.StopAgreement()
+    self.log = self.stop = self.watchdog = None  # Set by ``train``.
+
+  def train_units(self, state) -> None:
+    """Every unit from the one after ``start``, to the end."""
+    per_unit, steps = self.mode.unit_steps, self.run.steps
+    # A bar on a terminal; in a log file (no terminal) plain lines instead.
+    interactive = self.main and sys.stderr.isatty()
+    self.bar = tqdm.tqdm(
+      total=steps,
+      initial=self.start,
+      unit="step",
+      dynamic_ncols=True,
+      mininterval=1.0,
+      disable=not interactive,
+    )
+    self.write = self.bar.write if interactive else self.say
+    first, units = self.start // per_unit, math.ceil(steps / per_unit)
+    for unit in range(first, units):
+      state, timed, row = self._train(state, unit, first)
+      state = self._evaluate_and_save(state, unit, units, timed, row)
+    self.bar.close()
+
+  def _train(self, state, unit, first):
+    """Trains ``unit``; checks its loss; logs where due. Returns (state,
+    its seconds or None where it compiled, its metrics row)."""
+    mode, done = self.mode, (unit + 1) * self.mode.unit_steps
+    t0 = time.perf_counter()
+    state, outcome = mode.advance(state, unit)
+    took = time.perf_counter() - t0
+    timed = took if unit > first else None
+    self.watchdog.beat(f"after {mode.where(done)}", timed)
+    if timed is not None:
+      self.seconds += took
+      self.examples += outcome.examples
+    self.window.add(outcome.loss, outcome.examples, timed)
+    self.bar.set_postfix(loss=f"{outcome.loss:.4f}", refresh=False)
+    self.bar.update(mode.unit_steps)
+    for key, record in outcome.events.items():
+      self.log.write_event(done, key, record)
+    for line in outcome.lines:
+      self.write(line)
+    if not np.isfinite(outcome.loss):
+      raise TrainingDiverged(
+        f"loss is non-finite at {mode.where(done)}: "
+        f"{mode.nonfinite_cause(state, outcome)}. Lower "
+        f"config.optimizer.learning_rate (now "
+        f"{self.config.optimizer.learning_rate:g}), or resume from an "
+        "earlier checkpoint"
+      )
+    if unit == first:  # The reference a diverged loss is measured by.
+      self.divergence.begin(outcome.loss, done, mode, state)
+    row = dict(outcome.scalars)  # The unit's metrics row.
+    if self._due(done, self.cadence.log) or done >= self.run.steps:
+      scalars = self.window.means()
+      if callable(self.lr):
+        scalars["learning_rate"] = self.lr(done * self.run.steps_per_call)
+      row |= {f"train/{k}": v for k, v in scalars.items()}
+      head = mode.progress(done, self.run.steps)
+      self.write(_log_line(head, scalars, outcome.note))
+      self.divergence.check(
+        scalars["loss"], done, self.window.first_step, self.config, mode, state
+      )
+      self.window = _Window(first_step=done + 1)
+    return state, timed, row
+
+  def _evaluate_and_save(self, state, unit, units, timed, row):
+    """Evaluates, checkpoints and stops where due after ``unit``."""
+    mode, done = self.mode, (unit + 1) * self.mode.unit_steps
+    last = unit == units - 1
+    evaluate = self._due(done, self.cadence.evaluate) or last
+    checkpoint = self._due(done, self.cadence.checkpoint) or last
+    requested = self.agree(done, self.stop.signal, timed)
+    since = time.perf_counter()  # (Evaluation and checkpoint times.)
+    if evaluate or checkpoint or requested:
+      # An asynchronous stream drains first (every in-flight microbatch
+      # applied), so a resumed run continues as an uninterrupted one.
+      state = mode.flush(state)
+    if evaluate:
+      params, model_state = mode.evaluation_inputs(state)
+      if self.main:
+        self.evaluation = self.task.evaluate(params, model_state)
+        row |= {f"eval/{k}": v for k, v in self.evaluation.items()}
+        self.write(f"step {done}: {format_evaluation(self.evaluation)}")
+      self.watchdog.beat(
+        f"after the evaluation at step {done}",
+        other_seconds=time.perf_counter() - since,
+      )
+    if row:
+      self.log.write(done, **row)
+    if checkpoint or requested:
+      self.checkpoints.save(
+        done,
+        jax.tree.map(np.asarray, mode.state_dict(state)),
+        {"step": done, "fingerprint": self.run.fingerprint}
+        | mode.checkpoint_meta(done),
+      )
+      self.watchdog.beat(
+        f"after the checkpoint of step {done}",
+        other_seconds=time.perf_counter() - since,
+      )
+    if requested and not last:
+      self._exit(requested, done)
+    return state
+
+  def _due(self, done: int, every: int) -> bool:
+    """Whether the unit that ended at ``done`` steps reached a multiple
+    of ``every``."""
+    return done // every > (done - self.mode.unit_steps) // every
+
+  def _exit(self, requested, done):
+    """Ends a run stopped by ``requested`` after its checkpoint."""
+    self.bar.close()
+    code = stopping.exit_code(requested)
+    self.say(
+      f"{requested}: saved {self.mode.where(done)} to "
+      f"{self.checkpoints.directory}; exiting with status {code} (not "
+      "finished: run the same command to resume)."
+    )
+    self.close()
+    raise SystemExit(code)
+
+  def close(self) -> None:
+    self.log.close()
+    self.checkpoints.close()
+    self.mode.close()
+
+  def summary(self, workdir) -> dict:
+    """The closing summary; process 0 prints it."""
+    seconds = self.seconds
+    per_second = self.examples / seconds if seconds else float("nan")
+    if not self.main:
+      return {"examples_per_second": per_second}
+    unit = "step" if self.mode.unit_steps == 1 else "epoch"
+    speed = (
+      f"throughput {per_second:.1f} examples/s (this run, its first "
+      f"{unit} -- compilation -- left out)"
+      if seconds
+      else f"no throughput (one {unit}: compilation only)"
+    )
+    more, lines = self.mode.finish(workdir)
+    evaluation = format_evaluation(self.evaluation)
+    head = f"Done: {self.run.steps} steps; {evaluation}; {speed}."
+    print("\n".join([head, *lines]))
+    return {"examples_per_second": per_second, "eval": self.evaluation} | more
+
+
+def format_evaluation(evaluation: dict | None) -> str:
+  if evaluation is None:
+    return "no evaluation"
+  return ", ".join(f"eval {k} {v:.4f}" for k, v in evaluation.items())
+
+
+def _restore(mode, state, checkpoints, fingerprint, say):
+  """(state, step) of the latest checkpoint."""
+  template = jax.tree.map(np.asarray, mode.state_dict(state))
+  saved, meta = checkpoints.restore(template, fingerprint)
+  try:
+    state = mode.restore(state, saved, meta, say)
+  except ValueError as e:
+    raise checkpoint_lib.CheckpointError(
+      f"checkpoint in {checkpoints.directory} does not fit this model: "
+      f"{e}; delete it or use another --workdir"
+    ) from e
+  step = int(meta["step"])
+  say(f"Resuming from {mode.resumed_at(step)} ({checkpoints.directory}).")
+  return state, step
+
+
+def _log_line(head: str, scalars: dict, note: str) -> str:
+  line = f"{head}: train loss {scalars['loss']:.4f}"
+  if "examples_per_second" in scalars:
+    line += f", {scalars['examples_per_second']:.0f} examples/s"
+  return line + (f", {note}" if note else "")
+
+
+class _Window:
+  """What happened since the last log line: per-unit losses, examples
+  and seconds (a compiling first unit has no seconds)."""
+
+  def __init__(self, first_step: int = 1):
+    self.first_step = first_step
+    self.losses, self.examples, self.seconds = [], 0, 0.0
+
+  def add(self, loss, examples, seconds):
+    self.losses.append(loss)
+    if seconds is not None:
+      self.examples += examples
+      self.seconds += seconds
+
+  def means(self) -> dict:
+    """``loss``: the window's mean; ``examples_per_second``: the window's
+    (left out when its only unit compiled)."""
+    out = {"loss": float(np.mean(self.losses))}
+    if self.seconds:
+      out["examples_per_second"] = self.examples / self.seconds
+    return out
+
+
+class _DivergenceCheck:
+  """Stops a run whose mean loss rose far above its start: ``factor``
+  times the loss of the run's first unit (0 turns the check off). Names
+  the stage whose params grew most since then, where the mode knows."""
+
+  def __init__(self, factor: float):
+    self.factor = factor
+    self.start = None
+
+  def begin(self, loss, step, mode, state):
+    if self.factor:
+      self.start = (loss, step, mode.param_norms(state))
+
+  def check(self, loss, step, first_step, config, mode, state):
+    if self.start is None:
+      return
+    start, at, norms = self.start
+    if start <= 0 or loss <= self.factor * start:
+      return
+    grew = ""
+    if norms is not None:
+      growth = [
+        now / max(before, 1e-30)
+        for now, before in zip(mode.param_norms(state), norms, strict=True)
+      ]
+      stage = int(np.argmax(growth))
+      grew = (
+        f"; stage {stage}'s params grew most since then "
+        f"({growth[stage]:.3g}x in norm)"
+      )
+    raise TrainingDiverged(
+      f"training diverged at step {step}: the mean loss of steps "
+      f"{first_step}-{step} is {loss:.4g}, over "
+      f"config.train.divergence_factor={self.factor:g} times its start "
+      f"({start:.4g} at step {at}){grew}. Lower "
+      f"config.optimizer.learning_rate (now "
+      f"{config.optimizer.learning_rate:g}) or set "
+      f"config.train.divergence_factor=0 to train on regardless"
+    )
+
+
+class _NoLog:
+  """The metric log of processes other than 0."""
+
+  def write(self, step, **scalars):
+    pass
+
+  def write_event(self, step, key, value):
+    pass
+
+  def close(self):
+    pass

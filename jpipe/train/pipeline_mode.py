@@ -1,0 +1,157 @@
+"""One pipeline in the training loop: a unit is one ``Pipeline.step``.
+
+``PipelineMode`` feeds the step its batch (only shapes where this
+process's stages read no batch leaf), drains an asynchronous stream
+before evaluation and checkpoints, explains a non-finite loss by the
+stages whose params hold NaN or inf, and, with
+``train.profile_last_step``, draws the measured timeline of the last
+step (``timeline.png`` and a Perfetto trace in the workdir).
+"""
+
+import os
+
+import jax
+
+from jpipe import schedule as schedule_lib
+from jpipe.runtime import format_bytes
+from jpipe.train.loop import Mode, Outcome
+
+
+class PipelineMode(Mode):
+  """``pipe`` (a ``jpipe.Pipeline``, or anything with its training
+  methods) trained step by step on ``task``'s batches."""
+
+  def __init__(self, pipe, task, config, say):
+    self.pipe, self.task, self.config = pipe, task, config
+    self.profile_last = config.train.profile_last_step
+    if self.profile_last and pipe.transport.multiprocess:
+      say(
+        "train.profile_last_step: no timeline across processes (each sees "
+        "only its own stages); profile a one-process run of this config"
+      )
+      self.profile_last = False
+    self.timeline = None  # (step, the last step's measured timeline)
+    # Across processes, one whose stages read no batch leaf reads no data.
+    self.shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.batch_at(0)
+    )
+
+  def init(self, task):
+    return self.pipe.init(task.params, task.model_state)
+
+  def restore(self, state, saved, meta, say):
+    return self.pipe.load_state_dict(saved)
+
+  def announce(self, state, workdir, main, say):
+    if main:
+      print_plan(self.pipe)
+      write_run_files(workdir, self.config, self.pipe)
+
+  def advance(self, state, unit):
+    pipe = self.pipe
+    batch = self.task.batch_at(unit) if pipe.reads_batch else self.shapes
+    # The last step is profiled: its programs are compiled by then.
+    profile = self.profile_last and unit == self.config.train.steps - 1
+    state, metrics = pipe.step(state, batch, profile=profile)
+    loss = float(metrics["loss"])  # Blocks: the step's losses are in.
+    if profile:
+      self.timeline = (unit + 1, metrics["timeline"])
+    return state, self.outcome(loss, unit + 1, metrics)
+
+  def outcome(self, loss, done, metrics) -> Outcome:
+    """The step's ``Outcome`` (``metrics``: the step's)."""
+    del done, metrics
+    return Outcome(loss, self.config.data.batch_size)
+
+  def flush(self, state):
+    state, _ = self.pipe.flush(state)
+    return state
+
+  def evaluation_inputs(self, state):
+    # Every process gathers (a collective); process 0 evaluates.
+    return self.pipe.gather_params(state), self.pipe.gather_model_state(state)
+
+  def state_dict(self, state):
+    return self.pipe.state_dict(state)
+
+  def nonfinite_cause(self, state, outcome):
+    bad = self.pipe.nonfinite_params(state)
+    if not bad:
+      return (
+        "every stage's params are finite: the forward made it (an input or "
+        "an activation overflowed)"
+      )
+    return "non-finite values in " + "; ".join(
+      f"stage {s}'s params (first: {path})" for s, path in bad.items()
+    )
+
+  def param_norms(self, state):
+    return self.pipe.param_norms(state)
+
+  def finish(self, workdir):
+    if self.timeline is None:
+      return {}, []
+    return draw_timeline(self.pipe, self.timeline, self.config, workdir)
+
+
+def print_plan(pipe) -> None:
+  """The stages, their devices, the schedule, the predicted memory."""
+  plan = pipe.plan
+  print(
+    f"{plan.num_stages} stages on devices "
+    f"{_device_groups(plan.stage_devices)}, schedule "
+    f"{pipe.schedule_name}, {pipe.num_microbatches} microbatches; "
+    f"predicted speed-up {plan.predicted_speedup:.2f}"
+  )
+  if pipe.granularity is not None:
+    print(f"Nodes: {pipe.granularity.reason}.")
+  limit = pipe.memory_limit
+  print(
+    "Predicted peak memory per stage: "
+    + ", ".join(format_bytes(m.total) for m in pipe.memory)
+    + (f" (limit {format_bytes(limit)})" if limit else "")
+    + "."
+  )
+
+
+def write_run_files(workdir, config, pipe) -> None:
+  """The resolved config and the plan, beside the checkpoints (as Flax
+  examples and big_vision users expect to find them)."""
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+  with open(os.path.join(workdir, "plan.json"), "w") as f:
+    f.write(pipe.plan.to_json() + "\n")
+
+
+def draw_timeline(pipe, profiled, config, workdir) -> tuple[dict, list[str]]:
+  """``timeline.png`` and ``timeline.json`` (Perfetto) of the profiled
+  step; the summary's ``stage_time_split`` and the lines naming them."""
+  step, timeline = profiled
+  busy = {}
+  for action, start in timeline.start.items():
+    busy[action.stage] = busy.get(action.stage, 0.0) + (
+      timeline.end[action] - start
+    )
+  total = sum(busy.values())
+  split = {s: busy[s] / total for s in sorted(busy)}
+  png = os.path.join(workdir, "timeline.png")
+  trace = os.path.join(workdir, "timeline.json")
+  names = pipe.device_names
+  title = (
+    f"step {step} of {config.train.steps} ({pipe.schedule_name}, "
+    f"{pipe.num_microbatches} microbatches; compiled, measured on the "
+    f"devices)"
+  )
+  schedule_lib.plot_timeline(timeline, png, title=title, device_names=names)
+  schedule_lib.write_chrome_trace(timeline, trace, names)
+  lines = [
+    f"Per-stage share of device time (step {step}): "
+    + ", ".join(f"stage {s} {100 * f:.0f}%" for s, f in split.items()),
+    f"Timeline: {png} (Perfetto trace: {trace})",
+  ]
+  return {"stage_time_split": split, "timeline_png": png}, lines
+
+
+def _device_groups(stage_devices) -> list:
+  """[0, 1, [2, 3]]: a stage's device, or its replica group."""
+  return [ds[0] if len(ds) == 1 else list(ds) for ds in stage_devices]

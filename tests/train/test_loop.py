@@ -1,0 +1,150 @@
+"""The training loop apart from any pipeline: a mode of its own (NumPy
+least squares, three steps a unit) run by ``jpipe.train.loop.train``."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from jpipe.train import base_config, loop, stopping
+from jpipe.train import checkpoint as checkpoint_lib
+from jpipe.train import run as run_lib
+from jpipe.train.errors import TrainingDiverged
+
+TRUE_W = np.array([1.0, -2.0, 0.5])
+
+
+@dataclasses.dataclass
+class _Task:
+  """y = x @ TRUE_W; batch i is drawn from seed i."""
+
+  params: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3))
+  model_state: None = None
+
+  def batch_at(self, i):
+    x = np.random.default_rng(i).normal(size=(16, 3))
+    return x, x @ TRUE_W
+
+  def evaluate(self, params, model_state):
+    x, y = self.batch_at(10_000)
+    return {"mse": float(np.mean((x @ params - y) ** 2))}
+
+
+class _LeastSquares(loop.Mode):
+  """Plain SGD on ``_Task``, ``unit_steps`` batches a unit."""
+
+  def __init__(self, task, unit_steps, lr, poison_at=None):
+    self.task, self.unit_steps, self.lr = task, unit_steps, lr
+    self.poison_at = poison_at  # A unit whose loss is NaN.
+    self.advanced = []
+
+  def init(self, task):
+    return {"w": task.params.copy()}
+
+  def restore(self, state, saved, meta, say):
+    return {"w": np.asarray(saved["w"])}
+
+  def advance(self, state, unit):
+    self.advanced.append(unit)
+    w, losses = state["w"], []
+    for i in range(unit * self.unit_steps, (unit + 1) * self.unit_steps):
+      x, y = self.task.batch_at(i)
+      err = x @ w - y
+      losses.append(np.mean(err**2))
+      w = w - self.lr * 2 * x.T @ err / len(y)
+    loss = np.nan if unit == self.poison_at else float(np.mean(losses))
+    return {"w": w}, loop.Outcome(loss, 16 * self.unit_steps, note="ls")
+
+  def evaluation_inputs(self, state):
+    return state["w"], None
+
+  def state_dict(self, state):
+    return state
+
+
+def _train(workdir, mode, steps, **train):
+  config = base_config.base_config()
+  config.train.steps = steps
+  for k, v in train.items():
+    setattr(config.train, k, v)
+  run = run_lib.Run("pipeline", steps, 1, {"model": "least squares"})
+  checkpoints = checkpoint_lib.Checkpoints(str(workdir), 3)
+  return loop.train(
+    mode,
+    mode.task,
+    config=config,
+    run=run,
+    workdir=str(workdir),
+    checkpoints=checkpoints,
+    lr=0.05,
+    fine_tune=False,
+    say=print,
+  )
+
+
+def _rows(workdir):
+  return [json.loads(x) for x in open(workdir / "metrics.jsonl")]
+
+
+def test_units_of_several_steps_log_evaluate_and_save_at_the_multiples_they_reach(
+  tmp_path, capsys
+):
+  """7 steps in units of 3: units end at 3, 6, 9; every 4 steps is
+  reached by the units ending at 6 (4) and 9 (8), and the last unit does
+  everything. The loss falls; the metrics hold one row per logged unit."""
+  mode = _LeastSquares(_Task(), 3, 0.1)
+  every = {"log_every": 4, "eval_every": 4, "checkpoint_every": 4}
+  summary = _train(tmp_path, mode, 7, **every)
+  assert mode.advanced == [0, 1, 2]
+  rows = _rows(tmp_path)
+  assert [r["step"] for r in rows] == [6, 9]
+  assert all("train/loss" in r and "eval/mse" in r for r in rows)
+  assert (
+    summary["eval"]["mse"] < 0.05 * _Task().evaluate(np.zeros(3), None)["mse"]
+  )
+  out = capsys.readouterr().out
+  assert "step 6/7: train loss" in out and ", ls" in out
+  ckpt = checkpoint_lib.Checkpoints(str(tmp_path), 3)
+  assert ckpt.latest_step() == 9
+  ckpt.close()
+
+
+def test_a_resumed_run_continues_where_the_checkpoint_left_off(tmp_path):
+  """Stopped after its second unit, the run resumes at its third; the
+  result equals an uninterrupted run's."""
+  whole = _LeastSquares(_Task(), 2, 0.1)
+  straight = _train(tmp_path / "a", whole, 8, checkpoint_every=4)
+  first = _LeastSquares(_Task(), 2, 0.1)
+  _train(tmp_path / "b", first, 4, checkpoint_every=4)
+  second = _LeastSquares(_Task(), 2, 0.1)
+  resumed = _train(tmp_path / "b", second, 8, checkpoint_every=4)
+  assert second.advanced == [2, 3]
+  assert resumed["eval"]["mse"] == pytest.approx(straight["eval"]["mse"])
+
+
+def test_a_non_finite_unit_stops_the_run_naming_where(tmp_path):
+  mode = _LeastSquares(_Task(), 3, 0.1, poison_at=1)
+  with pytest.raises(TrainingDiverged, match=r"non-finite at step 6: the loss"):
+    _train(tmp_path, mode, 9)
+
+
+def test_a_stop_request_saves_and_exits_unless_the_run_is_done(
+  tmp_path, monkeypatch, capsys
+):
+  """SIGTERM before the last unit: checkpoint and 143. At the last unit
+  the run is finished anyway: it ends normally."""
+  enter = stopping.StopRequest.__enter__
+
+  def signalled(self):
+    out = enter(self)
+    self.signal = "SIGTERM"
+    return out
+
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  with pytest.raises(SystemExit) as stop:
+    _train(tmp_path / "a", _LeastSquares(_Task(), 3, 0.1), 9)
+  assert stop.value.code == 143
+  assert "SIGTERM: saved step 3 to" in capsys.readouterr().out
+  summary = _train(tmp_path / "b", _LeastSquares(_Task(), 9, 0.1), 9)
+  assert summary["eval"] is not None
