@@ -1,19 +1,23 @@
-"""The driver: executes stages' action lists, one method per action kind.
+"""The driver: executes a call's actions, one method per kind of op.
 
-It dispatches every action of a call in one global order (``issue_order``)
-and never waits: JAX dispatches asynchronously, so the devices run
-concurrently while the host moves on. What a call leaves unfinished -- an
-asynchronous stream's in-flight microbatches -- is returned in an
-``InFlight`` and picked up by the next call.
+A call's global issue order (``issue_order``) is first lowered to this
+process's ops (``jpipe.schedule.lower``, cached per order): the compute
+actions of its own stages (F, B, S) and its end of every transfer
+between stages that it takes part in -- SEND where it runs the source
+stage, RECV where it runs the destination, MOVE where it runs both (a
+copy between its devices). Activations move before their reader's
+forward, input cotangents after the backward that computes them (also
+when that backward ran fused with its forward), model-state leaves after
+the forward that produces them, a tied leaf's value before a holder's
+forward and a holder's tied gradient after its step (``_transfers``).
+Every process lowers the same order, so the two ends of every transfer
+between two processes come in the same sequence (``_transport.py``).
 
-Across processes every process walks the same order: it computes the
-actions of the stages it runs and, for the others, only makes the moves
-its stages take part in (``_transport.py``): sending what they produced,
-receiving what they read. Activations move at their reader's forward,
-cotangents at the backward that computes them (also when that backward ran
-fused with its forward), model-state leaves when they are produced, tied
-values and gradients at the holder's forward and step. Counters (forwards,
-steps, pending microbatches) are kept for every stage in every process.
+The driver dispatches the ops and never waits: JAX dispatches
+asynchronously, so the devices run concurrently while the host moves
+on. What a call leaves unfinished -- an asynchronous stream's in-flight
+microbatches -- is returned in an ``InFlight`` and picked up by the next
+call.
 """
 
 import dataclasses
@@ -30,10 +34,13 @@ from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer
 from jpipe.runtime._tied import TiedParams
+from jpipe.runtime._transfer_ends import TransferEnds
 from jpipe.runtime._transport import Transport
 from jpipe.runtime._versions import VersionPolicy
 
 FORWARD, BACKWARD, STEP = schedule_lib.ActionKind
+SEND, RECV, MOVE = schedule_lib.MoveKind
+Transfer = schedule_lib.Transfer
 
 
 class DriverHooks:
@@ -56,6 +63,13 @@ class DriverHooks:
     return params
 
 
+def _copied(thaw, freeze=None):
+  """An ``InFlight`` field copied by ``thaw`` for a call to change, and
+  by ``freeze`` (default: ``thaw``) back into the frozen value. Fields
+  are required: the metadata is all this sets."""
+  return dataclasses.field(metadata={"thaw": thaw, "freeze": freeze or thaw})
+
+
 @dataclasses.dataclass(frozen=True)
 class InFlight:
   """An asynchronous stream between calls: what its microbatches left
@@ -76,21 +90,41 @@ class InFlight:
     grads: per stage, its packed gradient accumulator (or None).
     pending: per stage, microbatches whose backward ran, not yet applied.
     tied: ``(leaf, b) ->`` the tied leaf value the owner's F(b) used.
-    tied_grads: ``(leaf, step) ->`` replica holders' gradients for the
-      owner's step.
+    tied_grads: ``(leaf, b) ->`` replica holders' gradients for the
+      owner's step that applies microbatches up to b.
   """
 
-  fed: int
-  forwards: tuple[int, ...]
-  stream_steps: tuple[int, ...]
-  versions: tuple[dict, ...]
-  forward_params: dict
-  saved: dict
-  cots: dict
-  grads: tuple
-  pending: tuple[tuple[int, ...], ...]
-  tied: dict
-  tied_grads: dict
+  fed: int = _copied(int)
+  forwards: tuple[int, ...] = _copied(list, tuple)
+  stream_steps: tuple[int, ...] = _copied(list, tuple)
+  versions: tuple[dict, ...] = _copied(lambda vs: [dict(v) for v in vs], tuple)
+  forward_params: dict = _copied(dict)
+  saved: dict = _copied(dict)
+  cots: dict = _copied(dict)
+  grads: tuple = _copied(list, tuple)
+  pending: tuple[tuple[int, ...], ...] = _copied(
+    lambda ps: [list(p) for p in ps], lambda ps: tuple(map(tuple, ps))
+  )
+  tied: dict = _copied(dict)
+  tied_grads: dict = _copied(dict)
+
+  def thawed(self) -> dict:
+    """``{field: a mutable copy}`` for a call to work on."""
+    return {
+      f.name: f.metadata["thaw"](getattr(self, f.name))
+      for f in dataclasses.fields(self)
+    }
+
+  @classmethod
+  def frozen(cls, working: dict) -> "InFlight":
+    """The InFlight of ``thawed``'s fields as a call left them (other
+    keys of ``working`` are ignored)."""
+    return cls(
+      **{
+        f.name: f.metadata["freeze"](working[f.name])
+        for f in dataclasses.fields(cls)
+      }
+    )
 
   @classmethod
   def start(cls, stage_params: Sequence[Any]) -> "InFlight":
@@ -193,6 +227,7 @@ class Driver:
     self.num_batch_leaves = num_batch_leaves
     self.record_params = record_params
     self.hooks = DriverHooks()
+    self._lowered = {}  # order -> (this process's ops, makes a loss)
     self.producer = {
       v: s for s, spec in enumerate(stages.specs) for v in spec.outputs
     }
@@ -210,24 +245,62 @@ class Driver:
       )
       for spec in stages.specs
     )
-    # Model-state leaf i: its aval, and per process other than its
-    # producer's, the first stage there that reads it (it is sent there
-    # whenever the producer updates it).
     first_state = stages.traced.num_param_leaves + num_batch_leaves
-    producer_of_result = {
-      r: s for s, spec in enumerate(stages.specs) for r in spec.results
-    }
-    self.state_avals, self.state_readers = [], []
-    for i, aval in enumerate(avals[first_state:]):
-      self.state_avals.append(aval)
-      src = producer_of_result.get(i + 1)
-      readers = {}
-      for s, spec in enumerate(stages.specs):
-        if num_batch_leaves + i in spec.batch_leaves:
-          readers.setdefault(transport.stage_process[s], s)
-      if src is not None:
-        readers.pop(transport.stage_process[src], None)
-      self.state_readers.append(tuple(readers.values()))
+    self.state_avals = avals[first_state:]
+    self.state_readers = _state_readers(stages, transport, num_batch_leaves)
+
+  def lower(self, order: Sequence[schedule_lib.Action]) -> tuple:
+    """(this process's actions and moves of ``order``, whether the order
+    makes a loss: a forward of the last stage). Cached: a stream repeats
+    a few orders."""
+    key = tuple(order)
+    lowered = self._lowered.get(key)
+    if lowered is None:
+      ops = schedule_lib.lower(
+        order,
+        self._transfers,
+        self.transport.stage_process,
+        self.transport.process,
+      )
+      last = len(self.stages.specs) - 1
+      makes_loss = any(a.kind == FORWARD and a.stage == last for a in order)
+      lowered = self._lowered[key] = (ops, makes_loss)
+    return lowered
+
+  def _transfers(self, action):
+    """(before, after): the values ``action`` moves between stages."""
+    s, b = action.stage, action.microbatch
+    spec = self.stages.specs[s]
+    if action.kind == FORWARD:
+      tied = []
+      if self.stream is not None:  # The owner's value of the tied leaf.
+        tied = [
+          Transfer("tied", owner, s, leaf)
+          for _, leaf, owner, _ in self.tied.replicas.get(s, ())
+        ]
+      inputs = [Transfer("F", self.producer[v], s, v) for v in spec.inputs]
+      states = [
+        Transfer("state", s, reader, r - 1)
+        for r in spec.results
+        if r > 0
+        for reader in self.state_readers[r - 1]
+      ]
+      return tied + inputs, states
+    if action.kind == BACKWARD:
+      diff = self.stages.differentiable_inputs(s)
+      cots = [
+        Transfer("B", s, self.producer[v], v)
+        for v, differentiable in zip(spec.inputs, diff, strict=True)
+        if differentiable
+      ]
+      return (), cots
+    if self.stream is None:  # Synchronous: ``sum_replicas`` moves.
+      return (), ()
+    del b
+    return (), [
+      Transfer("tied_grad", s, owner, leaf)
+      for _, leaf, owner, _ in self.tied.replicas.get(s, ())
+    ]
 
   def run(
     self,
@@ -242,10 +315,10 @@ class Driver:
     loss_cotangent: float,
     profiler: ActionProfiler | None = None,
   ) -> CallResult:
-    """Runs the actions in ``order``.
+    """Runs this process's share of the actions in ``order``.
 
     Args:
-      order: the call's actions in issue order.
+      order: the call's actions in issue order (every process's).
       fused: ``(stage, b)`` pairs whose backward may run with the forward.
       stage_params, opt_states, model_state: the state before the call.
       in_flight: the stream's state (``InFlight.start`` for a call of a
@@ -262,35 +335,65 @@ class Driver:
     # Synchronous steps wait for every backward (tied gradients are
     # summed over all stages first).
     deferred_steps = []
-    for action in order:
-      if action.kind == FORWARD:
-        call.forward(action)
-      elif action.kind == BACKWARD:
-        call.backward(action)
-      elif self.stream is None:
-        deferred_steps.append(action)
-      else:
-        call.step(action)
-    if deferred_steps:
+    methods = {
+      FORWARD: call.forward,
+      BACKWARD: call.backward,
+      STEP: call.step if self.stream is not None else deferred_steps.append,
+      SEND: call.send,
+      RECV: call.receive,
+      MOVE: call.move,
+    }
+    ops, shares_loss = self.lower(order)
+    for op in ops:
+      methods[op.kind](op)
+    if self.stream is None:
       call.synchronous_steps(deferred_steps)
-    return call.result()
+    return call.result(self._mean_loss(call.losses) if shares_loss else None)
 
   def _mean_loss(self, losses):
-    """The mean of a call's losses (computed by the last stage), shared
-    with every process."""
-    if not losses:
-      return None
+    """The mean of a call's losses (computed by the last stage: the
+    list is empty where another process runs it), shared with every
+    process."""
     last = len(self.stages.specs) - 1
-    loss = jnp.mean(jnp.stack(losses)) if self.transport.owns(last) else None
+    loss = jnp.mean(jnp.stack(losses)) if losses else None
     if not self.transport.multiprocess:
       return loss
     dtype = self.stages.traced.jaxpr.outvars[0].aval.dtype
     return self.transport.share(loss, last, jax.ShapeDtypeStruct((), dtype))
 
 
-class _Call:
-  """One call's working state: the in-flight state, copied, plus what the
-  call produces. Its methods are the driver's action kinds."""
+def _state_readers(stages, transport, num_batch_leaves) -> list[tuple]:
+  """Per model-state leaf: per process other than its producer's, the
+  first stage there that reads it (it is sent there whenever the
+  producer updates it)."""
+  producer_of_result = {
+    r: s for s, spec in enumerate(stages.specs) for r in spec.results
+  }
+  num_leaves = len(stages.traced.closed_jaxpr.in_avals) - (
+    stages.traced.num_param_leaves + num_batch_leaves
+  )
+  out = []
+  for i in range(num_leaves):
+    src = producer_of_result.get(i + 1)
+    readers = {}
+    for s, spec in enumerate(stages.specs):
+      if num_batch_leaves + i in spec.batch_leaves:
+        readers.setdefault(transport.stage_process[s], s)
+    if src is not None:
+      readers.pop(transport.stage_process[src], None)
+    out.append(tuple(readers.values()))
+  return out
+
+
+class _Call(TransferEnds):
+  """One call's working state: the in-flight state's fields as mutable
+  copies (``InFlight.thawed``: fed, forwards, stream_steps, versions,
+  forward_params, saved, cots, grads, pending, tied, tied_grads), plus
+  what the call produces. Its public methods are the kinds of the
+  lowered ops: a compute action of one of this process's stages
+  (``forward``, ``backward``, ``step``), or this process's end of a
+  transfer (``send``, ``receive``, ``move``: ``TransferEnds``). Counters
+  are kept for this process's stages."""
 
   def __init__(self, driver, stage_params, opt_states, model_state, flight):
     # The run's inputs (set by Driver.run): this call's placed
@@ -301,20 +404,14 @@ class _Call:
     self.params = list(stage_params)
     self.opt_states = list(opt_states)
     self.model_state = list(model_state)
-    self.fed = flight.fed
-    self.forwards = list(flight.forwards)
-    self.stream_steps = list(flight.stream_steps)
-    self.versions = [dict(v) for v in flight.versions]
-    self.forward_params = dict(flight.forward_params)
-    self.saved = dict(flight.saved)
-    self.cots = dict(flight.cots)
-    self.grads = list(flight.grads)
-    self.pending = [list(p) for p in flight.pending]
-    self.tied = dict(flight.tied)
-    self.tied_grads = dict(flight.tied_grads)
+    vars(self).update(flight.thawed())
     self.values = {}  # (b, var) -> activation, until its last reader ran
     self.reads_left = {}
-    # (s, b) whose B ran with F -> its input cotangents for other processes.
+    self.inbox = {}  # (s, b, var) -> an input of F(s, b), on s's devices
+    # (what, s, b, value) -> what an action of stage s made for another
+    # stage: B's input cotangents, a step's tied gradients.
+    self.outbox = {}
+    # (s, b) whose B ran with F -> its input cotangents, until B(s, b).
     self.fused_done = {}
     self.acc_producer = [None] * len(self.params)  # action behind grads[s]
     # Whether opt_states[s] came from this call's steps (donatable).
@@ -324,26 +421,23 @@ class _Call:
     self.peak = [self._held(s) for s in range(len(self.params))]
     self.peak_bytes = [self._held_bytes(s) for s in range(len(self.params))]
 
-  # -- action kinds ------------------------------------------------------
+  # -- compute actions -----------------------------------------------------
 
   def forward(self, action):
     d, s, b = self.d, action.stage, action.microbatch
     spec, place = d.stages.specs[s], d.placement[s]
     self.forwards[s] += 1
-    if not d.transport.owns(s):
-      self._forward_elsewhere(action)
-      return
     d.hooks.before_compute(action)
     own = d.policy.forward_params(
       s, b, self.params[s], self.versions[s], self._predictor(s)
     )
-    theta = self._tie_forward(s, b, own)
+    theta = own if d.stream is None else d.tied.record(s, b, own, self.tied)
     if d.policy.keeps_forward_params:
       self.forward_params[(s, b)] = theta
       self.peak[s] = max(self.peak[s], self._held(s))
       self.peak_bytes[s] = max(self.peak_bytes[s], self._held_bytes(s))
     self._record("F", s, b, theta)
-    acts = tuple(self._read_value(b, v, s) for v in spec.inputs)
+    acts = tuple(self.inbox.pop((s, b, v)) for v in spec.inputs)
     if self.profiler and d.transport.multiprocess:
       self.profiler.record_inputs(action, acts)
     local = self._local_inputs(spec, self.batches[place][b], place)
@@ -357,10 +451,9 @@ class _Call:
         self.grads[s], theta, local, acts, self._result_cots(spec)
       )
       outputs = ()
-      self.fused_done[(s, b)] = act_cots  # Other processes' at B(s, b).
+      self.fused_done[(s, b)] = act_cots  # Moved at B(s, b).
       self.acc_producer[s] = action
       self._record("B", s, b, theta)
-      self._send_cotangents(s, b, act_cots, remote=False)
     elif d.programs.recompute:
       outputs, results = d.programs.forward(s)(theta, local, acts)
       self.saved[(s, b)] = (local, acts)
@@ -377,38 +470,26 @@ class _Call:
       if r == 0:
         self.losses.append(x)
       else:  # A new model-state leaf: the next forward reads it.
-        self._update_model_state(r - 1, x, s)
-
-  def _forward_elsewhere(self, action):
-    """F(s, b) of another process's stage: the moves this process's
-    stages take part in (activations they produced, tied values they
-    own, a model-state update they read)."""
-    d, s, b = self.d, action.stage, action.microbatch
-    spec = d.stages.specs[s]
-    # The moves in forward's order: tied values, activations, results.
-    self._tie_forward(s, b, None)
-    for v in spec.inputs:
-      if d.transport.owns(d.producer[v]):
-        self._read_value(b, v, s)
-    for r in spec.results:
-      if r == 0:
-        self.losses.append(None)
-      else:
-        self._update_model_state(r - 1, None, s)
+        self.model_state[r - 1] = x
 
   def backward(self, action):
     d, s, b = self.d, action.stage, action.microbatch
+    spec = d.stages.specs[s]
     self.pending[s].append(b)
-    if not d.transport.owns(s):
-      self._receive_cotangents(s, b)
-      return
     d.hooks.before_compute(action)
     if (s, b) in self.fused_done:  # Ran with its forward's program: an
       act_cots = self.fused_done.pop((s, b))  # instant at its end.
-      self._send_cotangents(s, b, act_cots, local=False)
       if self.profiler:
         self.profiler.record(action, ())
-      return
+    else:
+      act_cots = self._backward(action)
+    for v, c in zip(spec.inputs, act_cots, strict=True):
+      if c is not None:
+        self.outbox[("B", s, b, v)] = c
+
+  def _backward(self, action):
+    """Runs B(s, b)'s program: returns its input cotangents."""
+    d, s, b = self.d, action.stage, action.microbatch
     spec = d.stages.specs[s]
     out_cots = tuple(self.cots.pop((b, v), None) for v in spec.outputs)
     if self.profiler and d.transport.multiprocess:
@@ -430,29 +511,26 @@ class _Call:
     self.acc_producer[s] = action
     if self.profiler:
       self.profiler.record(action, (self.grads[s], act_cots))
-    self._send_cotangents(s, b, act_cots)
+    return act_cots
 
   def step(self, action):
     """An asynchronous step of stage s: the mean gradient of the
     backwards since its last step."""
-    d, s = self.d, action.stage
+    d, s, b = self.d, action.stage, action.microbatch
     group, self.pending[s] = self.pending[s], []
-    if not d.transport.owns(s):
-      if s in d.tied.stages:  # A holder's gradient may come here.
-        d.tied.exchange(s, self.stream_steps[s], None, self.tied_grads)
-      self.stream_steps[s] += 1
-      return
     opt = d.optimizers[s]
     stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
     # Each loss cotangent was 1 / step_every: a short window (at a flush)
     # is rescaled to its own mean.
     scale = d.stream.step_every / len(group)
     # The packed accumulator, unpacked inside the step -- or before it,
-    # to exchange tied leaves' gradients.
+    # for tied leaves' gradients (out to their owners, in from holders).
     g, packed = self.grads[s], True
     if s in d.tied.stages:
       leaves = d.programs.unpack(s)(g)
-      g = d.tied.exchange(s, self.stream_steps[s], leaves, self.tied_grads)
+      for leaf, x in d.tied.replica_grads(s, leaves).items():
+        self.outbox[("tied_grad", s, b, leaf)] = x
+      g = d.tied.add_owned(s, b, leaves, self.tied_grads)
       packed = False
     self._optimizer_step(s, g, packed, stale, scale)
     self.params[s] = d.hooks.after_step(s, self.params[s])
@@ -461,29 +539,30 @@ class _Call:
     self.grads[s] = None
     self.stream_steps[s] += 1
     self.versions[s][self.stream_steps[s]] = self.params[s]
-    for b in group:
-      self.forward_params.pop((s, b), None)
+    for m in group:
+      self.forward_params.pop((s, m), None)
     d.tied.release(s, group, self.tied)
     oldest = d.policy.oldest_needed(s, self.forwards[s], self.stream_steps[s])
     for v in [v for v in self.versions[s] if v < oldest]:
       del self.versions[s][v]
 
   def synchronous_steps(self, actions):
-    """Every stage's step after all backwards: tied leaves' gradients
-    summed over their replicas, every replica taking the same step."""
+    """The steps of this process's stages after all backwards: tied
+    leaves' gradients summed over their replicas (every process takes
+    part), every replica taking the same step."""
     d = self.d
-    tied = d.tied.sum_replicas(
-      {
-        s: d.programs.unpack(s)(self.grads[s])
-        for s in d.tied.stages
-        if d.transport.owns(s)
-      }
-    )
+    tied = {}
+    if d.tied.stages:
+      tied = d.tied.sum_replicas(
+        {
+          a.stage: d.programs.unpack(a.stage)(self.grads[a.stage])
+          for a in actions
+          if a.stage in d.tied.stages
+        }
+      )
     for action in actions:
       s = action.stage
       self.pending[s] = []
-      if not d.transport.owns(s):
-        continue
       if s in tied:
         self._optimizer_step(s, tied[s], False, None, 1.0)
       else:
@@ -494,32 +573,24 @@ class _Call:
       self.grads[s] = None
     self.forward_params.clear()
 
-  # -- helpers -----------------------------------------------------------
+  # -- helpers -------------------------------------------------------------
 
-  def result(self) -> CallResult:
-    if self.values:
-      raise RuntimeError(  # A schedule bug, not a user error.
-        f"activations never read: {sorted(self.values)[:4]}"
-      )
-    flight = InFlight(
-      fed=self.fed,
-      forwards=tuple(self.forwards),
-      stream_steps=tuple(self.stream_steps),
-      versions=tuple(self.versions),
-      forward_params=self.forward_params,
-      saved=self.saved,
-      cots=self.cots,
-      grads=tuple(self.grads),
-      pending=tuple(tuple(p) for p in self.pending),
-      tied=self.tied,
-      tied_grads=self.tied_grads,
-    )
+  def result(self, loss) -> CallResult:
+    """What the call produced (``loss``: its mean loss, shared)."""
+    left = {
+      "activations never read": self.values,
+      "inputs never used": self.inbox,
+      "values never moved": self.outbox,
+    }
+    for what, store in left.items():
+      if store:  # A schedule or lowering bug, not a user error.
+        raise RuntimeError(f"{what}: {sorted(map(str, store))[:4]}")
     return CallResult(
       self.params,
       self.opt_states,
       self.model_state,
-      flight,
-      self.d._mean_loss(self.losses),
+      InFlight.frozen(vars(self)),
+      loss,
       self.peak,
       self.peak_bytes,
       self.used,
@@ -537,11 +608,6 @@ class _Call:
       return opt.predict(theta, self.opt_states[s], delay, None)
 
     return predict
-
-  def _tie_forward(self, s, b, theta):
-    if self.d.stream is None:
-      return theta
-    return self.d.tied.tie_forward(s, b, theta, self.tied)
 
   def _held(self, s) -> int:
     """Distinct param versions stage s holds (live, stashed, predicted)."""
@@ -576,17 +642,6 @@ class _Call:
     mean; none for model-state outputs."""
     return tuple(self.loss_cotangent if r == 0 else None for r in spec.results)
 
-  def _read_value(self, b, v, s):
-    """Activation v of microbatch b on stage s's devices (forgotten after
-    its last reader); None where s runs in another process."""
-    p, x = self.d.producer[v], None
-    if self.d.transport.owns(p):
-      x = self.values[(b, v)]
-      self.reads_left[(b, v)] -= 1
-      if not self.reads_left[(b, v)]:
-        del self.values[(b, v)], self.reads_left[(b, v)]
-    return self.d.transport.move(x, p, s, v.aval)
-
   def _local_inputs(self, spec, batch_leaves, place):
     """A stage's batch inputs on its device(s): microbatch leaves (already
     there), then model-state leaves (placed here, whole)."""
@@ -596,44 +651,6 @@ class _Call:
     return tuple(
       batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
     )
-
-  def _send_cotangents(self, s, b, act_cots, *, local=True, remote=True):
-    """B(s, b)'s input cotangents, summed on each producer's device: to
-    producers in this process (``local``), in others (``remote``)."""
-    d = self.d
-    for v, c in zip(d.stages.specs[s].inputs, act_cots, strict=True):
-      p = d.producer[v]
-      here = d.transport.stage_process[p] == d.transport.process
-      if c is not None and (local if here else remote):
-        c = d.transport.move(c, s, p, v.aval)
-        if here:  # (Else sent: the producer's process adds it.)
-          self._add_cotangent(b, v, c)
-
-  def _receive_cotangents(self, s, b):
-    """B(s, b) of another process's stage: the input cotangents it sends
-    to this process's stages."""
-    d = self.d
-    spec, diff = d.stages.specs[s], d.stages.differentiable_inputs(s)
-    for v, differentiable in zip(spec.inputs, diff, strict=True):
-      p = d.producer[v]
-      if differentiable and d.transport.owns(p):
-        self._add_cotangent(b, v, d.transport.move(None, s, p, v.aval))
-
-  def _add_cotangent(self, b, v, c):
-    key = (b, v)
-    self.cots[key] = c if key not in self.cots else self.cots[key] + c
-
-  def _update_model_state(self, i, x, s):
-    """Model-state leaf i, new from F(s, ...) (x None where s runs in
-    another process): kept, and sent to the other processes that read
-    it."""
-    d = self.d
-    if d.transport.owns(s):
-      self.model_state[i] = x
-    for reader in d.state_readers[i]:
-      y = d.transport.move(x, s, reader, d.state_avals[i], replicated=True)
-      if d.transport.owns(reader):
-        self.model_state[i] = y
 
   def _optimizer_step(self, s, grads, packed, stale, scale):
     """Stage s's optimizer step from ``grads`` (the packed accumulator, or

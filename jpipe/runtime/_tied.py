@@ -8,10 +8,13 @@ Asynchronous ones give the leaf to the first stage that reads it (the
 owner). A later stage (a replica holder) uses, for microbatch b, the value
 the owner's forward of b used -- as if the version travelled with the
 activations -- and hands its gradient to the owner's step that applies b.
+Those two moves are the driver's transfers ("tied" and "tied_grad",
+lowered to sends and receives across processes); this class says what
+they carry.
 
-Every exchange goes through the ``Transport``: every process calls these
-methods for every stage (None for values of stages it does not run), so
-the holders' and owners' processes make the same moves in the same order.
+``sum_replicas`` moves through the ``Transport`` itself: every process
+calls it (None for values of stages it does not run), so the holders'
+processes make the same moves in the same order.
 """
 
 from jpipe.partition import Stages
@@ -52,26 +55,14 @@ class TiedParams:
     owners = [owner for _, _, owner, _ in self.replicas.get(s, ())]
     return min(owners, default=None)
 
-  def _move(self, x, src, dst, leaf):
-    return self.transport.move(x, src, dst, self.avals[leaf], replicated=True)
-
-  def tie_forward(self, s, b, theta, tied):
-    """Asynchronous, at F(s, b) (theta None where s runs elsewhere): the
-    owner records in ``tied`` the value its forward of b used; a replica
-    holder receives that value for b (kept in its own process's ``tied``
-    until its step applies b). Returns s's params with the values tied."""
-    if theta is not None:
-      for pos, leaf in self.owned.get(s, ()):
-        tied.setdefault((leaf, b), theta[pos])
-    processes = self.transport.stage_process
-    for _, leaf, owner, _ in self.replicas.get(s, ()):
-      if processes[owner] == processes[s]:
-        continue  # tied_values reads the owner's record directly
-      owns = self.transport.owns(owner)
-      x = self._move(tied.get((leaf, b)) if owns else None, owner, s, leaf)
-      if self.transport.owns(s):
-        tied[(leaf, b)] = x
-    return None if theta is None else self.tied_values(s, b, theta, tied)
+  def record(self, s, b, theta, tied):
+    """Asynchronous, at F(s, b): an owner records in ``tied`` the value
+    its forward of b used (a replica holder receives it: a "tied"
+    transfer, owner -> holder, before the holder's F(s, b)). Returns s's
+    params with the values tied."""
+    for pos, leaf in self.owned.get(s, ()):
+      tied.setdefault((leaf, b), theta[pos])
+    return self.tied_values(s, b, theta, tied)
 
   def tied_values(self, s, b, theta, tied):
     """Stage s's params for microbatch b, tied leaves as tied at F(s, b)."""
@@ -94,21 +85,20 @@ class TiedParams:
         if not self.transport.owns(owner):
           tied.pop((leaf, b), None)
 
-  def exchange(self, s, step_index, grads, tied_grads):
-    """Asynchronous, before stage s's step ``step_index`` (grads None
-    where s runs elsewhere): a replica holder hands its gradient of the
-    tied leaves to the owner (whose step of the same index applies the
-    same microbatches); the owner adds the ones handed so far."""
-    for pos, leaf, owner, _ in self.replicas.get(s, ()):
-      g = self._move(None if grads is None else grads[pos], s, owner, leaf)
-      if self.transport.owns(owner):
-        key = (leaf, step_index)
-        tied_grads[key] = g if key not in tied_grads else tied_grads[key] + g
-    if grads is None:
-      return None
+  def replica_grads(self, s, grads) -> dict[int, object]:
+    """Asynchronous, at stage s's step: ``{leaf: gradient}`` of the tied
+    leaves s holds a replica of, for their owners (a "tied_grad"
+    transfer each, holder -> owner: the owner's step that applies the
+    same microbatches adds them)."""
+    return {leaf: grads[pos] for pos, leaf, _, _ in self.replicas.get(s, ())}
+
+  def add_owned(self, s, b, grads, tied_grads):
+    """Asynchronous, at the step of owner s that applies microbatches up
+    to b: its gradient with the holders' gradients of its leaves added
+    (``tied_grads[(leaf, b)]``, as they arrived)."""
     grads = list(grads)
     for pos, leaf in self.owned.get(s, ()):
-      g = tied_grads.pop((leaf, step_index), None)
+      g = tied_grads.pop((leaf, b), None)
       if g is not None:
         grads[pos] = grads[pos] + g
     return tuple(grads)
@@ -122,11 +112,19 @@ class TiedParams:
       first = holders[0][0]
       total = None
       for s, pos in holders:
-        g = self._move(grads[s][pos] if s in grads else None, s, first, leaf)
+        g = self.transport.move(
+          grads[s][pos] if s in grads else None,
+          s,
+          first,
+          self.avals[leaf],
+          replicated=True,
+        )
         if g is not None:
           total = g if total is None else total + g
       for s, pos in holders:
-        y = self._move(total, first, s, leaf)
+        y = self.transport.move(
+          total, first, s, self.avals[leaf], replicated=True
+        )
         if s in grads:
           grads[s][pos] = y
     return {s: tuple(g) for s, g in grads.items()}

@@ -13,6 +13,7 @@ from jpipe.schedule._export import (
   plot_timeline,
   write_chrome_trace,
 )
+from jpipe.schedule._lower import Move, MoveKind, Transfer, lower
 from jpipe.schedule._order import fusable_pairs, issue_order, place
 from jpipe.schedule._registry import (
   REGISTRY,
@@ -45,12 +46,15 @@ __all__ = [
   "STREAMS",
   "SYNCHRONOUS",
   "Action",
+  "Move",
+  "MoveKind",
   "ActionKind",
   "ActionLists",
   "Schedule",
   "ScheduleKind",
   "Stream",
   "Timeline",
+  "Transfer",
   "async_1f1b",
   "build",
   "chrome_trace",
@@ -59,6 +63,7 @@ __all__ = [
   "interleaved",
   "issue_order",
   "lookup",
+  "lower",
   "make_schedule",
   "one_f_one_b",
   "place",

@@ -1,0 +1,85 @@
+"""A driver call's ends of the transfers between stages.
+
+``jpipe.schedule.lower`` turns a call's order into this process's
+compute actions and its ends of the transfers (``Transfer``: what moves,
+from which stage to which); ``TransferEnds`` makes them: it takes the
+value where the source's action left it and keeps it where the
+destination's action reads it. What a transfer carries, by its
+``what``:
+
+- "F": an activation, before its reader's forward: from the producer's
+  outputs (forgotten after its last reader) to the reader's inbox.
+- "B": an input cotangent, after the backward that made it: from that
+  backward's outbox, summed into the producer's cotangents.
+- "state": a model-state leaf, after the forward that made it: from and
+  to the process's model state.
+- "tied": a tied leaf's value, before a replica holder's forward: the
+  value the owner's forward of the microbatch used (``TiedParams``).
+- "tied_grad": a holder's gradient of a tied leaf, after its step: from
+  the step's outbox to the owner's step that applies the same
+  microbatches.
+"""
+
+
+class TransferEnds:
+  """The ops SEND, RECV and MOVE of a driver call (a base of the call,
+  which holds the stores named here: ``values`` / ``reads_left``,
+  ``inbox``, ``outbox``, ``cots``, ``model_state``, ``tied``,
+  ``tied_grads``, and the driver ``d``)."""
+
+  def send(self, op):
+    """Sends a value of this process's stage to another process."""
+    t = op.transfer
+    self.d.transport.move(self._take(op), t.src, t.dst, **self._aval(t))
+
+  def receive(self, op):
+    """Receives a value for this process's stage from another process."""
+    t = op.transfer
+    self._put(op, self.d.transport.move(None, t.src, t.dst, **self._aval(t)))
+
+  def move(self, op):
+    """Copies a value between two of this process's stages."""
+    t = op.transfer
+    x = self._take(op)
+    self._put(op, self.d.transport.move(x, t.src, t.dst, **self._aval(t)))
+
+  def _aval(self, t) -> dict:
+    """``Transport.move``'s shape and placement arguments for ``t``."""
+    if t.what in ("F", "B"):  # Split like the microbatch.
+      return {"aval": t.value.aval}
+    if t.what == "state":
+      return {"aval": self.d.state_avals[t.value], "replicated": True}
+    return {"aval": self.d.tied.avals[t.value], "replicated": True}
+
+  def _take(self, op):
+    """The value ``op`` carries, at its source."""
+    t, b = op.transfer, op.action.microbatch
+    if t.what == "F":  # Forgotten after its last reader took it.
+      key = (b, t.value)
+      x = self.values[key]
+      self.reads_left[key] -= 1
+      if not self.reads_left[key]:
+        del self.values[key], self.reads_left[key]
+      return x
+    if t.what == "state":
+      return self.model_state[t.value]
+    if t.what == "tied":
+      return self.tied[(t.value, b)]
+    return self.outbox.pop((t.what, t.src, b, t.value))
+
+  def _put(self, op, y):
+    """Keeps the value ``op`` carried, at its destination."""
+    t, b = op.transfer, op.action.microbatch
+    if t.what == "F":
+      self.inbox[(t.dst, b, t.value)] = y
+    elif t.what == "B":  # Summed over the stages that read the value.
+      key = (b, t.value)
+      self.cots[key] = y if key not in self.cots else self.cots[key] + y
+    elif t.what == "state":
+      self.model_state[t.value] = y
+    elif t.what == "tied":
+      self.tied[(t.value, b)] = y
+    else:  # "tied_grad": for the owner's step that applies b.
+      key = (t.value, b)
+      old = self.tied_grads.get(key)
+      self.tied_grads[key] = y if old is None else old + y
