@@ -12,14 +12,7 @@ prediction and the docs read their names from here (``SCHEDULES``,
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jpipe.schedule._builders import (
-  async_1f1b,
-  gpipe,
-  interleaved,
-  one_f_one_b,
-  seq,
-  two_bw,
-)
+from jpipe.schedule import _builders
 from jpipe.schedule._order import place
 from jpipe.schedule._schedule import Schedule, make_schedule
 
@@ -71,34 +64,40 @@ REGISTRY: dict[str, ScheduleKind] = {
   k.name: k
   for k in (
     ScheduleKind(
-      "seq", False, "naive model parallelism: one microbatch in flight", seq
+      "seq",
+      False,
+      "naive model parallelism: one microbatch in flight",
+      _builders.seq,
     ),
     ScheduleKind(
-      "gpipe", False, "GPipe: all forwards, then all backwards, a flush", gpipe
+      "gpipe",
+      False,
+      "GPipe: all forwards, then all backwards, a flush",
+      _builders.gpipe,
     ),
     ScheduleKind(
       "1f1b",
       False,
       "1F1B with a flush: stage s holds n - s microbatches",
-      one_f_one_b,
+      _builders.one_f_one_b,
     ),
     ScheduleKind(
       "async",
       True,
       "PipeDream's asynchronous 1F1B without flushes (delay n - 1 - s)",
-      async_1f1b,
+      _builders.async_1f1b,
     ),
     ScheduleKind(
       "2bw",
       True,
       "PipeDream-2BW: two weight versions, a step per minibatch",
-      two_bw,
+      _builders.two_bw,
     ),
     ScheduleKind(
       "interleaved",
       False,
       "several stages per device (mixed pipe, virtual stages), 1F1B order",
-      interleaved,
+      _builders.interleaved,
       places_itself=True,
     ),
   )
