@@ -29,12 +29,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import optax
 
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness
+from jpipe.runtime import _pipeline_state
 from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._build import (
   check_stage_count,
@@ -45,7 +45,6 @@ from jpipe.runtime._build import (
 )
 from jpipe.runtime._driver import Driver, DriverHooks, InFlight
 from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
-from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._memory import (
   StageMemory,
   device_totals,
@@ -59,11 +58,6 @@ from jpipe.runtime._pipeline_memory import (
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
-from jpipe.runtime._state_dict import (
-  merge_optimizer_states,
-  restore_structure,
-  select_optimizer_states,
-)
 from jpipe.runtime._tied import TiedParams
 from jpipe.runtime._versions import VersionPolicy
 
@@ -261,7 +255,7 @@ class Pipeline:
     )
     self.traced, self.granularity = cut.traced, cut.granularity
     self._num_batch_leaves = cut.num_batch_leaves
-    self._state_treedef = cut.state_treedef
+    self.state_treedef = cut.state_treedef
     parts = partition_model(
       cut,
       params,
@@ -322,8 +316,8 @@ class Pipeline:
       self.stages, grad_layouts, staleness.recompute
     )
     self.tied = TiedParams(self.stages, self.transport)
-    self._params_treedef = jax.tree.structure(params)
-    self._leaf_names = leaf_names(params)
+    self.params_treedef = jax.tree.structure(params)
+    self.leaf_names = leaf_names(params)
     # One predictor for every stage, as before the options became a value.
     predictor = staleness.stage_predictor(self.optimizer)
     self.stage_optimizers = tuple(
@@ -380,7 +374,7 @@ class Pipeline:
     replica = self.tied.replica_positions(s) if self.stream else set()
     positions = [p for p in range(len(leaves)) if p not in replica]
     return StageOptimizer(
-      [self._leaf_names[leaves[p]] for p in positions],
+      [self.leaf_names[leaves[p]] for p in positions],
       self.optimizer,
       positions=positions,
       gap_aware=self.staleness.gap_aware_at(
@@ -418,14 +412,14 @@ class Pipeline:
     ``model_state``: the initial model state (required when the pipeline
     was built with one).
     """
-    if (model_state is None) != (self._state_treedef is None):
+    if (model_state is None) != (self.state_treedef is None):
       raise ValueError(
         "pass model_state to init exactly when the Pipeline was built with "
         "model_state="
       )
     state_leaves = ()
     if model_state is not None:
-      if jax.tree.structure(model_state) != self._state_treedef:
+      if jax.tree.structure(model_state) != self.state_treedef:
         raise ValueError("model_state has another structure than at build")
       state_leaves = tuple(jax.tree.leaves(model_state))
     stage_params, opt_states = [], []
@@ -440,7 +434,7 @@ class Pipeline:
       opt_states.append(
         place.put_replicated(self.stage_optimizers[s].init(placed))
       )
-    return self._state(stage_params, opt_states, 0, state_leaves)
+    return self.drained_state(stage_params, opt_states, 0, state_leaves)
 
   def with_stage_params(
     self, state: PipelineState, stage_params: Sequence[Any]
@@ -448,7 +442,7 @@ class Pipeline:
     """The drained ``state`` with other params per stage (each stage's
     leaves, placed as ``state.stage_params`` are): an asynchronous stream
     starts anew from them. E.g. a replica's params after a sync."""
-    self._check_drained(state, "with_stage_params")
+    _pipeline_state.check_drained(state, "with_stage_params")
     flight = InFlight.start(stage_params) if self.stream else None
     return state._replace(stage_params=tuple(stage_params), in_flight=flight)
 
@@ -458,189 +452,53 @@ class Pipeline:
     leaves ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
     return jax.eval_shape(self.programs.grad_layouts[stage].pack, params)
 
-  def _state(self, stage_params, opt_states, step, model_state):
+  def drained_state(self, stage_params, opt_states, step, model_state):
     """A drained state: a new stream for asynchronous schedules."""
     flight = InFlight.start(stage_params) if self.stream else None
     return PipelineState(
       tuple(stage_params), tuple(opt_states), step, tuple(model_state), flight
     )
 
-  def _check_drained(self, state: PipelineState, what: str) -> None:
-    flight = state.in_flight
-    if flight is not None and flight.fed:
-      raise ValueError(
-        f"{what} needs a drained pipeline, but {flight.fed} microbatches "
-        "of the asynchronous stream have not all been applied: call "
-        "`state, _ = pipe.flush(state)` first"
-      )
-
   def gather_model_state(self, state: PipelineState) -> Any:
     """The model state pytree (host arrays), or None without one. Needs a
     drained pipeline (``flush``). Across processes every process must
     call it; each gets the whole state."""
-    self._check_drained(state, "gather_model_state")
-    if self._state_treedef is None:
-      return None
-    # Each leaf from the process of the stage that updates it (any
-    # process holds a leaf no stage updates: its initial value).
-    producer = {
-      r: s for s, spec in enumerate(self.stages.specs) for r in spec.results
-    }
-    held = [
-      self.transport.owns(producer[i + 1])
-      if i + 1 in producer
-      else self.transport.process == 0
-      for i in range(len(state.model_state))
-    ]
-    leaves = trees_everywhere(
-      [x if h else None for x, h in zip(state.model_state, held, strict=True)],
-      self.driver.state_avals,
-      held,
-    )
-    return jax.tree.unflatten(self._state_treedef, leaves)
+    return _pipeline_state.gather_model_state(self, state)
 
   def gather_params(self, state: PipelineState) -> Any:
     """The full params pytree (host arrays). Needs a drained pipeline
     (``flush``): mid-stream, every stage is at another step. Across
     processes every process must call it; each gets the whole pytree."""
-    self._check_drained(state, "gather_params")
-    stage_params = trees_everywhere(
-      state.stage_params, self.stage_param_avals(), self._held()
-    )
-    leaves = [None] * self.traced.num_param_leaves
-    for spec, values in zip(self.stages.specs, stage_params, strict=True):
-      for i, v in zip(spec.param_leaves, values, strict=True):
-        if leaves[i] is None:
-          leaves[i] = v
-    return jax.tree.unflatten(self._params_treedef, leaves)
+    return _pipeline_state.gather_params(self, state)
 
   def nonfinite_params(self, state: PipelineState) -> dict[int, str]:
     """``{stage: path of its first param leaf holding a NaN or an
     infinity}`` for every such stage (empty when all are finite). Works
-    mid-stream (each stage's current params). Across processes every
-    process must call it; each gets the answer for all stages."""
-
-    def first_nonfinite(leaves):
-      finite = [bool(jax.numpy.isfinite(x).all()) for x in leaves]
-      return finite.index(False) if False in finite else -1
-
-    firsts = self._per_stage_scalar(state, first_nonfinite, np.int32)
-    return {
-      s: self._leaf_names[self.stages.specs[s].param_leaves[int(i)]]
-      for s, i in enumerate(firsts)
-      if int(i) >= 0
-    }
+    mid-stream. Across processes every process must call it."""
+    return _pipeline_state.nonfinite_params(self, state)
 
   def param_norms(self, state: PipelineState) -> list[float]:
     """Each stage's parameter L2 norm (all its leaves together). Across
     processes every process must call it; each gets every stage's."""
-
-    def norm(leaves):
-      return np.sqrt(sum(float(jax.numpy.vdot(x, x).real) for x in leaves))
-
-    return [float(n) for n in self._per_stage_scalar(state, norm, np.float32)]
-
-  def _per_stage_scalar(self, state, fn, dtype) -> list:
-    """``fn(stage's param leaves)`` of every stage, computed by the process
-    that runs it and known to all (a collective across processes)."""
-    values = [
-      None if leaves is None else dtype(fn(leaves))
-      for leaves in state.stage_params
-    ]
-    template = jax.ShapeDtypeStruct((), dtype)
-    return trees_everywhere(values, [template] * len(values), self._held())
-
-  def _held(self):
-    """Per stage, whether this process runs it."""
-    return [self.transport.owns(s) for s in range(self.stages.num_stages)]
+    return _pipeline_state.param_norms(self, state)
 
   def stage_param_avals(self) -> list[tuple[Any, ...]]:
     """Per stage, the abstract values (shape, dtype) of its param leaves."""
-    avals = self.traced.closed_jaxpr.in_avals
-    return [
-      tuple(avals[i] for i in spec.param_leaves) for spec in self.stages.specs
-    ]
+    return _pipeline_state.stage_param_avals(self)
 
   def state_dict(self, state: PipelineState) -> dict[str, Any]:
-    """The whole training state, independent of the partition (host arrays).
-
-    Returns:
-      ``{"params": the full params pytree, "opt_state": the optimizer's
-      state as ``optimizer.init({path: leaf})`` lays it out for the whole
-      model (params-shaped parts are dicts keyed by global leaf path),
-      "gap_aware": {"sq_avg": {path: array}, "count", "max_learning_rate"}
-      for the leaves of Gap-Aware stages ({} without Gap-Aware),
-      "model_state": the model state pytree or None, "step": int}``. It
-      needs a drained pipeline (``flush``), so no stash or in-flight
-      microbatch needs saving.
-    """
-    self._check_drained(state, "state_dict")
-    opt_avals = [
-      jax.eval_shape(opt.init, avals)
-      for opt, avals in zip(
-        self.stage_optimizers, self.stage_param_avals(), strict=True
-      )
-    ]
-    opt_states = trees_everywhere(state.opt_states, opt_avals, self._held())
-    merged, gap = merge_optimizer_states(self.stage_optimizers, opt_states)
-    return {
-      "params": self.gather_params(state),
-      "opt_state": merged,
-      "gap_aware": gap,
-      "model_state": self.gather_model_state(state),
-      "step": int(state.step),
-    }
+    """The whole training state, independent of the partition (host
+    arrays): ``{"params", "opt_state" (laid out as ``optimizer.init``
+    does for the whole model, params-shaped parts keyed by global leaf
+    path), "gap_aware", "model_state", "step"}``
+    (``_pipeline_state.state_dict``). Needs a drained pipeline."""
+    return _pipeline_state.state_dict(self, state)
 
   def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
     """A PipelineState from ``state_dict``'s output (any partition).
-
     Gap-Aware statistics of leaves that were not on a Gap-Aware stage when
-    saved start fresh (zeros), as they do at initialisation.
-    """
-    missing = {"params", "opt_state", "step"} - set(tree)
-    if missing:
-      raise ValueError(f"state dict lacks {sorted(missing)}")
-    params = tree["params"]
-    if jax.tree.structure(params) != self._params_treedef:
-      raise ValueError(
-        "the saved params have a different structure than this pipeline's "
-        "model: it was saved from another model or configuration"
-      )
-    for name, saved, expected in zip(
-      self._leaf_names,
-      jax.tree.leaves(params),
-      jax.tree.leaves(self.traced.closed_jaxpr.in_avals)[
-        : self.traced.num_param_leaves
-      ],
-      strict=True,
-    ):
-      if tuple(np.shape(saved)) != tuple(expected.shape):
-        raise ValueError(
-          f"saved param {name} has shape {np.shape(saved)}, the model needs "
-          f"{tuple(expected.shape)}: the checkpoint is for another model"
-        )
-    model_state = tree.get("model_state")
-    if (model_state is None) != (self._state_treedef is None):
-      raise ValueError(
-        "the saved state and this pipeline disagree on having a model "
-        "state (e.g. BatchNorm statistics): it was saved for another model"
-      )
-    if model_state is not None:
-      model_state = restore_structure(model_state, self._state_treedef)
-    base = self.init(params, model_state)
-    stage_params = base.stage_params
-    opt_states = list(base.opt_states)  # None where another process runs it
-    owned = [s for s in range(len(opt_states)) if self.transport.owns(s)]
-    loaded = select_optimizer_states(
-      tree,
-      [self.stage_optimizers[s] for s in owned],
-      [opt_states[s] for s in owned],
-    )
-    for s, opt_state in zip(owned, loaded, strict=True):
-      opt_states[s] = self.placement[s].put_replicated(opt_state)
-    return self._state(
-      stage_params, opt_states, int(tree["step"]), base.model_state
-    )
+    saved start fresh (zeros), as they do at initialisation."""
+    return _pipeline_state.load_state_dict(self, tree)
 
   # -- Calls -----------------------------------------------------------------
 

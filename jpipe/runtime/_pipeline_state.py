@@ -1,0 +1,213 @@
+"""A pipeline's training state in and out: gathered, checked, saved.
+
+Functions of a built ``Pipeline`` and its ``PipelineState`` (the
+pipeline's methods of the same names call them): the full params and
+model state gathered from the stages (a collective across processes),
+per-stage health (non-finite leaves, norms), and the partition-
+independent state dict a checkpoint holds, with its inverse. Each reads
+the pipeline's public attributes: ``stages``, ``traced``, ``transport``,
+``placement``, ``stage_optimizers``, ``driver``, ``params_treedef``,
+``state_treedef``, ``leaf_names``.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jpipe.runtime._gather import trees_everywhere
+from jpipe.runtime._state_dict import (
+  merge_optimizer_states,
+  restore_structure,
+  select_optimizer_states,
+)
+
+
+def check_drained(state, what: str) -> None:
+  """``what`` needs a drained pipeline: refused mid-stream, naming the
+  fix."""
+  flight = state.in_flight
+  if flight is not None and flight.fed:
+    raise ValueError(
+      f"{what} needs a drained pipeline, but {flight.fed} microbatches "
+      "of the asynchronous stream have not all been applied: call "
+      "`state, _ = pipe.flush(state)` first"
+    )
+
+
+def gather_model_state(pipe, state) -> Any:
+  """The model state pytree (host arrays), or None without one. Needs a
+  drained pipeline (``flush``). Across processes every process must
+  call it; each gets the whole state."""
+  check_drained(state, "gather_model_state")
+  if pipe.state_treedef is None:
+    return None
+  # Each leaf from the process of the stage that updates it (any
+  # process holds a leaf no stage updates: its initial value).
+  producer = {
+    r: s for s, spec in enumerate(pipe.stages.specs) for r in spec.results
+  }
+  held = [
+    pipe.transport.owns(producer[i + 1])
+    if i + 1 in producer
+    else pipe.transport.process == 0
+    for i in range(len(state.model_state))
+  ]
+  leaves = trees_everywhere(
+    [x if h else None for x, h in zip(state.model_state, held, strict=True)],
+    pipe.driver.state_avals,
+    held,
+  )
+  return jax.tree.unflatten(pipe.state_treedef, leaves)
+
+
+def gather_params(pipe, state) -> Any:
+  """The full params pytree (host arrays). Needs a drained pipeline
+  (``flush``): mid-stream, every stage is at another step. Across
+  processes every process must call it; each gets the whole pytree."""
+  check_drained(state, "gather_params")
+  stage_params = trees_everywhere(
+    state.stage_params, stage_param_avals(pipe), _held(pipe)
+  )
+  leaves = [None] * pipe.traced.num_param_leaves
+  for spec, values in zip(pipe.stages.specs, stage_params, strict=True):
+    for i, v in zip(spec.param_leaves, values, strict=True):
+      if leaves[i] is None:
+        leaves[i] = v
+  return jax.tree.unflatten(pipe.params_treedef, leaves)
+
+
+def nonfinite_params(pipe, state) -> dict[int, str]:
+  """``{stage: path of its first param leaf holding a NaN or an
+  infinity}`` for every such stage (empty when all are finite). Works
+  mid-stream (each stage's current params). Across processes every
+  process must call it; each gets the answer for all stages."""
+
+  def first_nonfinite(leaves):
+    finite = [bool(jax.numpy.isfinite(x).all()) for x in leaves]
+    return finite.index(False) if False in finite else -1
+
+  firsts = _per_stage_scalar(pipe, state, first_nonfinite, np.int32)
+  return {
+    s: pipe.leaf_names[pipe.stages.specs[s].param_leaves[int(i)]]
+    for s, i in enumerate(firsts)
+    if int(i) >= 0
+  }
+
+
+def param_norms(pipe, state) -> list[float]:
+  """Each stage's parameter L2 norm (all its leaves together). Across
+  processes every process must call it; each gets every stage's."""
+
+  def norm(leaves):
+    return np.sqrt(sum(float(jax.numpy.vdot(x, x).real) for x in leaves))
+
+  return [float(n) for n in _per_stage_scalar(pipe, state, norm, np.float32)]
+
+
+def _per_stage_scalar(pipe, state, fn, dtype) -> list:
+  """``fn(stage's param leaves)`` of every stage, computed by the process
+  that runs it and known to all (a collective across processes)."""
+  values = [
+    None if leaves is None else dtype(fn(leaves))
+    for leaves in state.stage_params
+  ]
+  template = jax.ShapeDtypeStruct((), dtype)
+  return trees_everywhere(values, [template] * len(values), _held(pipe))
+
+
+def _held(pipe):
+  """Per stage, whether this process runs it."""
+  return [pipe.transport.owns(s) for s in range(pipe.stages.num_stages)]
+
+
+def stage_param_avals(pipe) -> list[tuple[Any, ...]]:
+  """Per stage, the abstract values (shape, dtype) of its param leaves."""
+  avals = pipe.traced.closed_jaxpr.in_avals
+  return [
+    tuple(avals[i] for i in spec.param_leaves) for spec in pipe.stages.specs
+  ]
+
+
+def state_dict(pipe, state) -> dict[str, Any]:
+  """The whole training state, independent of the partition (host arrays).
+
+  Returns:
+    ``{"params": the full params pytree, "opt_state": the optimizer's
+    state as ``optimizer.init({path: leaf})`` lays it out for the whole
+    model (params-shaped parts are dicts keyed by global leaf path),
+    "gap_aware": {"sq_avg": {path: array}, "count", "max_learning_rate"}
+    for the leaves of Gap-Aware stages ({} without Gap-Aware),
+    "model_state": the model state pytree or None, "step": int}``. It
+    needs a drained pipeline (``flush``), so no stash or in-flight
+    microbatch needs saving.
+  """
+  check_drained(state, "state_dict")
+  opt_avals = [
+    jax.eval_shape(opt.init, avals)
+    for opt, avals in zip(
+      pipe.stage_optimizers, stage_param_avals(pipe), strict=True
+    )
+  ]
+  opt_states = trees_everywhere(state.opt_states, opt_avals, _held(pipe))
+  merged, gap = merge_optimizer_states(pipe.stage_optimizers, opt_states)
+  return {
+    "params": gather_params(pipe, state),
+    "opt_state": merged,
+    "gap_aware": gap,
+    "model_state": gather_model_state(pipe, state),
+    "step": int(state.step),
+  }
+
+
+def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
+  """A PipelineState from ``state_dict``'s output (any partition).
+
+  Gap-Aware statistics of leaves that were not on a Gap-Aware stage when
+  saved start fresh (zeros), as they do at initialisation.
+  """
+  missing = {"params", "opt_state", "step"} - set(tree)
+  if missing:
+    raise ValueError(f"state dict lacks {sorted(missing)}")
+  params = tree["params"]
+  if jax.tree.structure(params) != pipe.params_treedef:
+    raise ValueError(
+      "the saved params have a different structure than this pipeline's "
+      "model: it was saved from another model or configuration"
+    )
+  for name, saved, expected in zip(
+    pipe.leaf_names,
+    jax.tree.leaves(params),
+    jax.tree.leaves(pipe.traced.closed_jaxpr.in_avals)[
+      : pipe.traced.num_param_leaves
+    ],
+    strict=True,
+  ):
+    if tuple(np.shape(saved)) != tuple(expected.shape):
+      raise ValueError(
+        f"saved param {name} has shape {np.shape(saved)}, the model needs "
+        f"{tuple(expected.shape)}: the checkpoint is for another model"
+      )
+  model_state = tree.get("model_state")
+  if (model_state is None) != (pipe.state_treedef is None):
+    raise ValueError(
+      "the saved state and this pipeline disagree on having a model "
+      "state (e.g. BatchNorm statistics): it was saved for another model"
+    )
+  if model_state is not None:
+    model_state = restore_structure(model_state, pipe.state_treedef)
+  base = pipe.init(params, model_state)
+  stage_params = base.stage_params
+  opt_states = list(base.opt_states)  # None where another process runs it
+  owned = [s for s in range(len(opt_states)) if pipe.transport.owns(s)]
+  loaded = select_optimizer_states(
+    tree,
+    [pipe.stage_optimizers[s] for s in owned],
+    [opt_states[s] for s in owned],
+  )
+  for s, opt_state in zip(owned, loaded, strict=True):
+    opt_states[s] = pipe.placement[s].put_replicated(opt_state)
+  return pipe.drained_state(
+    stage_params, opt_states, int(tree["step"]), base.model_state
+  )
