@@ -269,7 +269,7 @@ class Driver:
 
   def _transfers(self, action):
     """(before, after): the values ``action`` moves between stages."""
-    s, b = action.stage, action.microbatch
+    s = action.stage
     spec = self.stages.specs[s]
     if action.kind == FORWARD:
       tied = []
@@ -296,7 +296,6 @@ class Driver:
       return (), cots
     if self.stream is None:  # Synchronous: ``sum_replicas`` moves.
       return (), ()
-    del b
     return (), [
       Transfer("tied_grad", s, owner, leaf)
       for _, leaf, owner, _ in self.tied.replicas.get(s, ())

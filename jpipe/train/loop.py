@@ -174,11 +174,10 @@ def train(
   start = 0
   if checkpoints.latest_step() is not None:
     state, start = _restore(mode, state, checkpoints, run.fingerprint, say)
-  main = jax.process_index() == 0
-  mode.announce(state, workdir, main, say)
   loop = _Loop(mode, task, config, run, checkpoints, lr, say, start)
-  loop.log = MetricLog(workdir, resume_step=start) if main else _NoLog()
-  if fine_tune and main:  # Where fine-tuning starts: the pretrained loss.
+  mode.announce(state, workdir, loop.main, say)
+  loop.log = MetricLog(workdir, resume_step=start) if loop.main else _NoLog()
+  if fine_tune and loop.main:  # Where fine-tuning starts: pretrained.
     evaluation = task.evaluate(task.params, task.model_state)
     loop.log.write(0, **{f"eval/{k}": v for k, v in evaluation.items()})
     say(f"step 0: {format_evaluation(evaluation)}")

@@ -19,9 +19,11 @@ from jpipe.train.loop import Mode, Outcome
 
 class PipelineMode(Mode):
   """``pipe`` (a ``jpipe.Pipeline``, or anything with its training
-  methods) trained step by step on ``task``'s batches."""
+  methods) trained step by step on ``task``'s batches (``example``: one
+  of them, whose shapes stand in for the data where this process's
+  stages read none)."""
 
-  def __init__(self, pipe, task, config, say):
+  def __init__(self, pipe, task, config, say, example):
     self.pipe, self.task, self.config = pipe, task, config
     self.profile_last = config.train.profile_last_step
     if self.profile_last and pipe.transport.multiprocess:
@@ -33,7 +35,7 @@ class PipelineMode(Mode):
     self.timeline = None  # (step, the last step's measured timeline)
     # Across processes, one whose stages read no batch leaf reads no data.
     self.shapes = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.batch_at(0)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example
     )
 
   def init(self, task):

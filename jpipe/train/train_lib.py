@@ -164,9 +164,9 @@ def build_mode(run, config, task: Task, tx, lr, say) -> loop.Mode:
     return data_parallel_lib.DataParallelMode(dp, task, config)
   if run.dynamic:
     pipe = dynamic_lib.build(config, task, example, tx, options)
-    return dynamic_lib.DynamicMode(pipe, task, config, say)
+    return dynamic_lib.DynamicMode(pipe, task, config, say, example)
   pipe = build_pipeline(config, task, example, tx, lr)
-  return PipelineMode(pipe, task, config, say)
+  return PipelineMode(pipe, task, config, say, example)
 
 
 def _from_pretrained(config, task: Task, say) -> Task:
