@@ -106,61 +106,24 @@ class DataParallelPipelines:
     hetpipe_every: int = 10,
     **pipeline_options,
   ):
-    if sync not in SYNC_POLICIES:
-      raise ValueError(f"unknown sync {sync!r}: one of {SYNC_POLICIES}")
-    if not isinstance(pipelines, int) or pipelines < 1:
-      raise ValueError(f"pipelines must be an int >= 1, got {pipelines!r}")
     devices = list(jax.devices() if devices is None else devices)
-    per = len(devices) // pipelines
-    if per < 1:
-      raise ValueError(
-        f"{pipelines} pipelines need at least {pipelines} devices, got "
-        f"{len(devices)}: use fewer pipelines (or more devices, e.g. "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU)"
-      )
-    if "devices" in pipeline_options:
-      raise ValueError("pass devices once, to DataParallelPipelines")
+    per = _devices_per_pipeline(sync, pipelines, devices, pipeline_options)
     self.num_pipelines = pipelines
     self.devices_per_pipeline = per
     self.ranks = _local_ranks(devices, pipelines, per)
     self.hub = make_hub()
-    first_rank = self.ranks[0]
-
-    def devices_of(p):
-      return devices[p * per : (p + 1) * per]
-
     self.hetero = hetero or Heterogeneity()
     self.hooks = [ReplicaHooks(p, self.hetero) for p in self.ranks]
-    first = Pipeline(
+    self.pipelines = _replica_pipelines(
       loss_fn,
       params,
       example_batch,
-      devices=devices_of(first_rank),
-      hooks=self.hooks[0],
-      **pipeline_options,
+      [devices[p * per : (p + 1) * per] for p in self.ranks],
+      self.hooks,
+      pipeline_options,
     )
-    plan = first.plan
-    replicated = [ds for ds in plan.stage_devices if len(ds) > 1]
-    if replicated:
-      raise ValueError(
-        "a stage replicated inside a pipeline (a pipedream_hybrid plan) "
-        "cannot also be replicated across pipelines: partition with "
-        "'contiguous' or 'pipedream' and let the pipelines be the replicas"
-      )
-    options = dict(pipeline_options, partition=plan)
-    self.pipelines = [first] + [
-      Pipeline(
-        loss_fn,
-        params,
-        example_batch,
-        devices=devices_of(p),
-        hooks=hooks,
-        **options,
-      )
-      for p, hooks in zip(self.ranks[1:], self.hooks[1:], strict=True)
-    ]
-    self.plan = plan
-    self.num_stages = first.stages.num_stages
+    self.plan = plan = self.pipelines[0].plan
+    self.num_stages = self.pipelines[0].stages.num_stages
     self.sync = sync
     self.policy = make_policy(
       sync,
@@ -362,6 +325,11 @@ class DataParallelPipelines:
 
     states, _ = self._each(train)
     seconds = time.perf_counter() - start
+    return states, self._epoch_report(batches, losses, ended, seconds)
+
+  def _epoch_report(self, batches, losses, ended, seconds) -> EpochReport:
+    """The epoch's ``EpochReport``: this process's pipelines' figures
+    gathered from every process (pipelines in rank order)."""
     mine = {
       "batches": batches,
       "steps": [h.steps[-1] for h in self.hooks],
@@ -379,7 +347,7 @@ class DataParallelPipelines:
       )
       for s in range(self.num_stages)
     ]
-    report = EpochReport(
+    return EpochReport(
       **{
         k: [x for e in everyone for x in e[k]]
         for k in (
@@ -393,7 +361,6 @@ class DataParallelPipelines:
       seconds=max(e["seconds"] for e in everyone),
       mean_group_size=[t / c if c else float("nan") for t, c in sizes],
     )
-    return states, report
 
   def _finish(self, pipe, p, state):
     """The policy's end-of-epoch sync of pipeline p (HetPipe's last push),
@@ -473,3 +440,47 @@ def _mean_state_dict(dicts):
   )
   out["step"] = max(int(d["step"]) for d in dicts)
   return out
+
+
+def _devices_per_pipeline(sync, pipelines, devices, pipeline_options) -> int:
+  """Devices each pipeline gets; bad counts refused, naming the fix."""
+  if sync not in SYNC_POLICIES:
+    raise ValueError(f"unknown sync {sync!r}: one of {SYNC_POLICIES}")
+  if not isinstance(pipelines, int) or pipelines < 1:
+    raise ValueError(f"pipelines must be an int >= 1, got {pipelines!r}")
+  per = len(devices) // pipelines
+  if per < 1:
+    raise ValueError(
+      f"{pipelines} pipelines need at least {pipelines} devices, got "
+      f"{len(devices)}: use fewer pipelines (or more devices, e.g. "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU)"
+    )
+  if "devices" in pipeline_options:
+    raise ValueError("pass devices once, to DataParallelPipelines")
+  return per
+
+
+def _replica_pipelines(
+  loss_fn, params, example_batch, devices, hooks, pipeline_options
+) -> list[Pipeline]:
+  """This process's pipelines, on ``devices[i]`` with ``hooks[i]``: the
+  first partitions the model, the others run its plan."""
+  first = Pipeline(
+    loss_fn,
+    params,
+    example_batch,
+    devices=devices[0],
+    hooks=hooks[0],
+    **pipeline_options,
+  )
+  if any(len(ds) > 1 for ds in first.plan.stage_devices):
+    raise ValueError(
+      "a stage replicated inside a pipeline (a pipedream_hybrid plan) "
+      "cannot also be replicated across pipelines: partition with "
+      "'contiguous' or 'pipedream' and let the pipelines be the replicas"
+    )
+  options = dict(pipeline_options, partition=first.plan)
+  return [first] + [
+    Pipeline(loss_fn, params, example_batch, devices=ds, hooks=h, **options)
+    for ds, h in zip(devices[1:], hooks[1:], strict=True)
+  ]
