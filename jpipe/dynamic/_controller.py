@@ -15,8 +15,10 @@ count underrates) stay with their nodes when they move instead of
 reading as a slow device. What this cannot place (a stage's fixed
 dispatch cost, which a small stage carries relatively more of) reads as
 up to ~1.5x: hence sigmas between the thresholds count as 1. The
-planners use the calibrated node times. Then, by policy (classes in
-``_policies.py``; a decision is a ``Decision``):
+planners use the calibrated node times (``NodeTimes``,
+``_node_times.py``: the best split for given slowdowns, a split's
+predicted step time). Then, by policy (classes in ``_policies.py``; a
+decision is a ``Decision``):
 
 - "jpipe": sigmas between the thresholds count as 1 (as DynPipe's); when
   a slot becomes slowed or recovers, or its sigma moves by the trigger's
@@ -58,20 +60,10 @@ from jpipe import partition as partition_lib
 from jpipe.distributed import text_from_process_zero
 from jpipe.dynamic._inject import Interference
 from jpipe.dynamic._measure import stage_seconds_per_microbatch
+from jpipe.dynamic._node_times import NodeTimes
 from jpipe.dynamic._policies import Decision, make_policy
-from jpipe.dynamic._predictor import (
-  SlowdownPredictor,
-  node_features,
-  range_features,
-  sample_features,
-)
-from jpipe.dynamic._replan import (
-  boundaries_of,
-  jpipe_split,
-  minmax_split,
-  predicted_step_seconds,
-  stage_costs,
-)
+from jpipe.dynamic._predictor import SlowdownPredictor
+from jpipe.dynamic._replan import boundaries_of, stage_costs
 from jpipe.dynamic._switch import PlanSwitch
 from jpipe.dynamic._trigger import clamped_ratios
 from jpipe.runtime import Pipeline, PipelineState
@@ -169,35 +161,18 @@ class DynamicPipeline:
     self.switch = PlanSwitch(build, first)
     self.schedule_name = first.schedule_name
     self.num_microbatches = first.num_microbatches
-    micro = jax.tree.map(
-      lambda x: x[: x.shape[0] // first.num_microbatches], example_batch
-    )
-    costs = partition_lib.profile_nodes(
-      first.traced, params, micro, method=cost_model
-    )
-    if jax.process_count() > 1:  # A measured model differs per process.
-      f, b = json.loads(
-        text_from_process_zero(
-          json.dumps(
-            [costs.forward_seconds.tolist(), costs.backward_seconds.tolist()]
-          )
-        )
-      )
-      costs = dataclasses.replace(
-        costs, forward_seconds=np.asarray(f), backward_seconds=np.asarray(b)
-      )
+    costs = _node_costs(first, params, example_batch, cost_model)
     self.costs = costs
     # Per node, seconds per microbatch: the cost model's until the
     # reference window calibrates them.
-    self.forward = np.array(costs.forward_seconds, np.float64)
-    self.backward = np.array(costs.backward_seconds, np.float64)
-    self.total = float(np.sum(self.forward + self.backward))
-    if self.total <= 0:
-      raise ValueError("the cost model gives the model no cost to split by")
-    self._shares = (self.forward / self.total, self.backward / self.total)
+    self.nodes = NodeTimes(
+      costs,
+      first.traced,
+      first.schedule_name,
+      first.num_microbatches,
+      predictor,
+    )
     self.predictor = predictor
-    self._features = None
-    self.calibrated = False
     self.calls = 0
     self.windows: list[Window] = []
     self.history: list[dict] = []
@@ -227,8 +202,8 @@ class DynamicPipeline:
   def _place(self):
     """Tells the interference what each stage holds now."""
     b = self.boundaries
-    forward = stage_costs(self._shares[0], b)
-    backward = stage_costs(self._shares[1], b)
+    forward = stage_costs(self.nodes.shares[0], b)
+    backward = stage_costs(self.nodes.shares[1], b)
     self.interference.stage_shares = tuple(
       zip(forward.tolist(), backward.tolist(), strict=True)
     )
@@ -304,11 +279,13 @@ class DynamicPipeline:
       timeline, self.interference.take_slept(), self.plan.num_stages
     )
     n = self.plan.num_stages
-    if not self.calibrated and self._warmup_left <= 0:
-      self._calibrate(per_micro)
+    if not self.nodes.calibrated and self._warmup_left <= 0:
+      self.nodes.calibrate(self.boundaries, per_micro)
+      if self.interference.model_seconds is None:
+        self.interference.model_seconds = self.nodes.total
     self._warmup_left -= 1
-    if self.calibrated:
-      expected = stage_costs(self.forward + self.backward, self.boundaries)
+    if self.nodes.calibrated:
+      expected = self.nodes.stage_seconds(self.boundaries)
       sigma = per_micro / np.maximum(expected, 1e-12)
     else:
       sigma = np.ones(n)
@@ -316,43 +293,44 @@ class DynamicPipeline:
     self.windows.append(window)
     return window
 
-  def _calibrate(self, per_micro):
-    """The reference window: each stage's measured seconds per
-    microbatch, split among its nodes as the cost model proportions them
-    (a stage the model gives no cost: evenly)."""
-    b = self.boundaries
-    cost = self.forward + self.backward
-    for s, (lo, hi) in enumerate(zip(b[:-1], b[1:], strict=True)):
-      part = cost[lo:hi]
-      weights = (
-        part / part.sum() if part.sum() > 0 else np.full(hi - lo, 1 / (hi - lo))
-      )
-      seconds = per_micro[s] * weights
-      with np.errstate(invalid="ignore", divide="ignore"):
-        f_share = np.where(part > 0, self.forward[lo:hi] / part, 0.5)
-      self.forward[lo:hi] = seconds * f_share
-      self.backward[lo:hi] = seconds * (1 - f_share)
-    self.total = float(np.sum(self.forward + self.backward))
-    if self.interference.model_seconds is None:
-      self.interference.model_seconds = self.total
-    self.calibrated = True
-
   def _decide(self, window: Window) -> Decision | None:
     """The policy's decision after ``window`` (none while warming up)."""
     if self._warmup_left >= 0:
       return None
     return self.policy.decide(self, window)
 
+  # -- the planning model (``NodeTimes``), on the split in force --------------
+
+  @property
+  def forward(self) -> np.ndarray:
+    """Per node, forward seconds per microbatch (calibrated)."""
+    return self.nodes.forward
+
+  @property
+  def backward(self) -> np.ndarray:
+    """Per node, backward seconds per microbatch (calibrated)."""
+    return self.nodes.backward
+
+  @property
+  def features(self) -> np.ndarray:
+    """``NodeTimes.features``: every node range's stage features."""
+    return self.nodes.features
+
   def best_split(self, sigma) -> tuple[tuple[int, ...], np.ndarray]:
-    """jpipe's split for the slots' slowdowns ``sigma``: the exact
-    min-max split (range-dependent stage times under the forest), and
-    the slowdowns its slots should show."""
-    if self.predictor is None:
-      new, _ = jpipe_split(self.forward, self.backward, sigma)
-      return new, np.asarray(sigma, np.float64)
-    table = self._slowdown_table(sigma)
-    new, _ = minmax_split(self._range_seconds(table))
-    return new, _of_split(table, new)
+    """``NodeTimes.best_split`` for slowdowns seen on the split in force."""
+    return self.nodes.best_split(sigma, self.boundaries)
+
+  def slowdowns_of(self, observed):
+    """``NodeTimes.slowdowns_of`` for slowdowns seen on the split in force."""
+    return self.nodes.slowdowns_of(observed, self.boundaries)
+
+  def predict_measured(self, stage_seconds) -> float:
+    """``NodeTimes.predict_measured`` of the split in force."""
+    return self.nodes.predict_measured(stage_seconds, self.boundaries)
+
+  def predict(self, boundaries, sigma, forward=None, backward=None) -> float:
+    """``NodeTimes.predict``: seconds per call of a split under ``sigma``."""
+    return self.nodes.predict(boundaries, sigma, forward, backward)
 
   def switch_cost(self, boundaries) -> float:
     """Seconds a switch to ``boundaries`` costs: draining and moving
@@ -365,94 +343,6 @@ class DynamicPipeline:
     new_pipeline = self.build_seconds + self.compile_seconds
     seen = self.switch.seen(self._plan(boundaries))
     return move + (0.0 if seen else new_pipeline)
-
-  # -- slowdowns of other splits ---------------------------------------------
-
-  @property
-  def features(self) -> np.ndarray:
-    """Every node range's stage features (``range_features``, [N + 1,
-    N + 1, 10]; computed once, when first needed: the forest's input and
-    ``collect``'s)."""
-    if self._features is None:
-      traced = self.pipeline.traced
-      self._features = range_features(node_features(traced), traced.edges())
-    return self._features
-
-  def _slowdown_table(self, observed) -> np.ndarray:
-    """[S, N + 1, N + 1]: nodes lo:hi as stage s, their slowdown on slot
-    s's device: the forest's where the slot is slowed (all ranges in one
-    call), its observed factor where not (1, or a speed-up)."""
-    n = len(self.forward)
-    lo, hi = np.triu_indices(n + 1, 1)
-    current = self.boundaries
-    out = np.ones((len(observed), n + 1, n + 1))
-    for s, x in enumerate(observed):
-      out[s] = x
-      if x > 1.0:
-        cur = self.features[current[s], current[s + 1]]
-        rows = sample_features(x, cur, self.features[lo, hi])
-        out[s][lo, hi] = np.maximum(self.predictor.predict(rows), 1.0)
-    return out
-
-  def slowdowns_of(self, observed):
-    """split -> the slowdowns its stages will show: the forest's (one
-    call for every node range), or (measured rule) each slot's
-    ``observed`` one."""
-    if self.predictor is None:
-      return lambda split: np.asarray(observed, np.float64)
-    table = self._slowdown_table(observed)
-    return lambda split: _of_split(table, split)
-
-  def _range_seconds(self, table) -> np.ndarray:
-    """[S, N + 1, N + 1]: nodes lo:hi as stage s, their calibrated
-    seconds times their slowdown on slot s's device (``table``, from
-    ``_slowdown_table``)."""
-    prefix = np.concatenate([[0.0], np.cumsum(self.forward + self.backward)])
-    return (prefix[None, :] - prefix[:, None])[None] * table
-
-  def predict_measured(self, stage_seconds) -> float:
-    """Seconds per call of the split in force from its measured stage
-    seconds per microbatch (split into forward and backward as its
-    nodes' calibrated times are)."""
-    b = self.boundaries
-    f, bwd = stage_costs(self.forward, b), stage_costs(self.backward, b)
-    share = f / np.maximum(f + bwd, 1e-300)
-    stages = tuple(range(len(b)))
-    t = np.asarray(stage_seconds, np.float64)
-    return self.predict(stages, np.ones(len(b) - 1), t * share, t * (1 - share))
-
-  def predict(self, boundaries, sigma, forward=None, backward=None) -> float:
-    """Seconds per call of the split under ``sigma`` (jpipe's simulator
-    on the calibrated node times, or on ``forward`` / ``backward`` node
-    times). A streaming schedule has no fill or drain per call: its
-    steady state is a long 1F1B's time per microbatch."""
-    forward = self.forward if forward is None else forward
-    backward = self.backward if backward is None else backward
-    m = self.num_microbatches
-    if self.schedule_name in ("async", "2bw"):
-      long = 8 * len(boundaries)
-      t = (
-        m
-        / long
-        * predicted_step_seconds(
-          forward,
-          backward,
-          boundaries,
-          sigma,
-          schedule="1f1b",
-          microbatches=long,
-        )
-      )
-    else:
-      t = predicted_step_seconds(
-        forward,
-        backward,
-        boundaries,
-        sigma,
-        schedule=self.schedule_name,
-        microbatches=m,
-      )
-    return t
 
   def start_at(self, calls: int) -> None:
     """Counts calls from ``calls`` (a resumed run: injected slowdowns
@@ -508,10 +398,28 @@ class DynamicPipeline:
     return state, record
 
 
-def _of_split(table, split) -> np.ndarray:
-  """Per stage of ``split``, its entry of a [S, N + 1, N + 1] table."""
-  b = np.asarray(split)
-  return table[np.arange(len(b) - 1), b[:-1], b[1:]]
+def _node_costs(first, params, example_batch, cost_model):
+  """The cost model's node costs of ``first``'s trace on one microbatch
+  (across processes, process 0's: a measured model differs per
+  process)."""
+  micro = jax.tree.map(
+    lambda x: x[: x.shape[0] // first.num_microbatches], example_batch
+  )
+  costs = partition_lib.profile_nodes(
+    first.traced, params, micro, method=cost_model
+  )
+  if jax.process_count() > 1:  # A measured model differs per process.
+    f, b = json.loads(
+      text_from_process_zero(
+        json.dumps(
+          [costs.forward_seconds.tolist(), costs.backward_seconds.tolist()]
+        )
+      )
+    )
+    costs = dataclasses.replace(
+      costs, forward_seconds=np.asarray(f), backward_seconds=np.asarray(b)
+    )
+  return costs
 
 
 def _check_straight(plan):
