@@ -56,12 +56,11 @@ class NodeTimes:
     # Each node's share of the model's time by the cost model (what an
     # injected slowdown of a stage is proportioned by).
     self.shares = (self.forward / self.total, self.backward / self.total)
-    self.traced = traced
-    self.schedule_name = schedule_name
-    self.num_microbatches = num_microbatches
-    self.predictor = predictor
-    self.calibrated = False
-    self._features = None
+    self.traced, self.predictor = traced, predictor
+    # The schedule a predicted step time simulates.
+    self.schedule_name, self.num_microbatches = schedule_name, num_microbatches
+    self.calibrated = False  # Until the reference window.
+    self._features = None  # (Computed when first needed.)
 
   def calibrate(self, boundaries, per_micro) -> None:
     """The reference window: each stage's measured seconds per
