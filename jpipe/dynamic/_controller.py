@@ -66,7 +66,12 @@ from jpipe.dynamic._predictor import SlowdownPredictor
 from jpipe.dynamic._replan import boundaries_of, stage_costs
 from jpipe.dynamic._switch import PlanSwitch
 from jpipe.dynamic._trigger import clamped_ratios
-from jpipe.runtime import Pipeline, PipelineState
+from jpipe.runtime import (
+  Pipeline,
+  PipelineState,
+  partition_of,
+  with_partition,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,17 +146,15 @@ class DynamicPipeline:
     self.horizon_steps = horizon_steps or 2 * window
     self.high, self.low = high, low
     self.interference = interference or Interference()
-    first_partition = pipeline_options.pop("partition", "contiguous")
-    options = dict(pipeline_options)
+    first_partition = partition_of(pipeline_options)
 
     def build(plan):
       return Pipeline(
         loss_fn,
         params,
         example_batch,
-        partition=plan,
         hooks=self.interference,
-        **options,
+        **with_partition(pipeline_options, plan),
       )
 
     start = time.perf_counter()

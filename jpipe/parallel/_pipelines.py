@@ -37,7 +37,7 @@ from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
 from jpipe.parallel._hub import make_hub
 from jpipe.parallel._sync import SYNC_POLICIES, make_policy, policy_options
-from jpipe.runtime import Pipeline, PipelineState
+from jpipe.runtime import Pipeline, PipelineState, with_partition
 
 
 @dataclasses.dataclass
@@ -479,7 +479,7 @@ def _replica_pipelines(
       "cannot also be replicated across pipelines: partition with "
       "'contiguous' or 'pipedream' and let the pipelines be the replicas"
     )
-  options = dict(pipeline_options, partition=first.plan)
+  options = with_partition(pipeline_options, first.plan)
   return [first] + [
     Pipeline(loss_fn, params, example_batch, devices=ds, hooks=h, **options)
     for ds, h in zip(devices[1:], hooks[1:], strict=True)

@@ -7,6 +7,11 @@ from jpipe.runtime._options import (
   Staleness,
   check_staleness_options,
 )
+from jpipe.runtime._partitioning import (
+  Partitioning,
+  partition_of,
+  with_partition,
+)
 from jpipe.runtime._pipeline import Pipeline, PipelineState
 from jpipe.runtime._slowdown import (
   RANDOM_DELAY_PROBABILITY,
@@ -21,6 +26,7 @@ __all__ = [
   "DriverHooks",
   "GAP_AWARE_POLICIES",
   "MemoryLimitError",
+  "Partitioning",
   "Pipeline",
   "PipelineState",
   "Slowdown",
@@ -29,4 +35,6 @@ __all__ = [
   "check_staleness_options",
   "format_bytes",
   "parse_slowdowns",
+  "partition_of",
+  "with_partition",
 ]

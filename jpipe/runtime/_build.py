@@ -21,6 +21,7 @@ from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._calls import CallActions
 from jpipe.runtime._memory import partitioner_memory_model
 from jpipe.runtime._options import Staleness
+from jpipe.runtime._partitioning import Partitioning
 from jpipe.runtime._placement import (
   StagePlacement,
   check_device_groups,
@@ -56,14 +57,13 @@ def cut_model(
   example_batch,
   microbatch_size: int,
   model_state,
-  *,
-  depth: int | None,
-  partition,
-  num_stages: int,
+  partitioning: Partitioning,
   num_devices: int,
 ) -> ModelCut:
-  """Traces ``loss_fn`` on the first microbatch and cuts it at ``depth``
-  (None: the automatic depth for the stage count)."""
+  """Traces ``loss_fn`` on the first microbatch and cuts it at
+  ``partitioning.depth`` (None: the automatic depth for the stage
+  count)."""
+  depth = partitioning.depth
   micro = jax.tree.map(lambda x: x[:microbatch_size], example_batch)
   num_batch_leaves = len(jax.tree.leaves(micro))
   state_treedef = None
@@ -76,7 +76,7 @@ def cut_model(
   granularity = None  # An explicit depth.
   if depth is None:
     traced, granularity = _granularity(
-      traced, partition, num_stages, num_devices
+      traced, partitioning.partition, partitioning.num_stages, num_devices
     )
   if model_state is not None:
     _check_state_output(traced, state_treedef)
@@ -101,21 +101,18 @@ class Partitioned:
 def partition_model(
   cut: ModelCut,
   params,
-  partition,
-  num_stages: int,
+  partitioning: Partitioning,
   num_devices: int,
   *,
-  bandwidth: float | None,
-  cost_model: str,
   staleness: Staleness,
   schedule: str,
   num_microbatches: int,
   optimizer,
   memory_limit: float | None,
-  fuse_last_stage: bool,
 ) -> Partitioned:
   """The Plan given or solved (agreed across processes), and the stages
-  cut by it."""
+  cut by it (``memory_limit``: resolved to bytes, or None)."""
+  partition, num_stages = partitioning.partition, partitioning.num_stages
   plan = _make_plan(
     cut.traced,
     params,
@@ -123,8 +120,8 @@ def partition_model(
     partition,
     num_stages,
     num_devices,
-    bandwidth=bandwidth,
-    cost_model=cost_model,
+    bandwidth=partitioning.bandwidth,
+    cost_model=partitioning.cost_model,
     recompute=staleness.recompute,
     memory=partitioner_memory_model(
       memory_limit,
@@ -135,7 +132,7 @@ def partition_model(
       min(num_stages, num_devices),
       recompute=staleness.recompute,
       stashes=staleness.stashes,
-      fused_last=fuse_last_stage,
+      fused_last=partitioning.fuse_last_stage,
     ),
   )
   if jax.process_count() > 1 and not isinstance(partition, partition_lib.Plan):

@@ -51,6 +51,10 @@ from jpipe.runtime._memory import (
   resolve_memory_limit,
 )
 from jpipe.runtime._options import Staleness, staleness_from_keywords
+from jpipe.runtime._partitioning import (
+  Partitioning,
+  partitioning_from_keywords,
+)
 from jpipe.runtime._pipeline_memory import (
   check_memory_limit,
   predict_pipeline_memory,
@@ -89,7 +93,8 @@ class Pipeline:
     params: example params (their structure is kept).
     example_batch: a full mini-batch; its leading axis is split into
       ``num_microbatches`` microbatches.
-    num_stages: pipeline stages (ignored when ``partition`` is a Plan);
+    num_stages: pipeline stages, required unless ``partitioning`` is
+      given (ignored when ``partition`` is a Plan);
       with "pipedream_hybrid", the devices the plan may use (its DP picks
       the stages and their replicas).
     devices: the devices to use; default ``jax.devices()``.
@@ -186,6 +191,11 @@ class Pipeline:
     staleness: the staleness options above as one ``jpipe.runtime.
       Staleness`` value (``self.staleness`` either way); giving it and
       any of their keywords at once is refused.
+    partitioning: the split and placement options above (num_stages,
+      partition, depth, bandwidth, cost_model, fuse_last_stage,
+      transport, memory_limit) as one ``jpipe.runtime.Partitioning``
+      value (``self.partitioning`` either way); giving it and any of
+      their keywords at once is refused.
   """
 
   def __init__(
@@ -194,7 +204,7 @@ class Pipeline:
     params: Any,
     example_batch: Any,
     *,
-    num_stages: int,
+    num_stages: int | None = None,
     devices: Sequence[Any] | None = None,
     schedule: "str | schedule_lib.ScheduleKind" = "gpipe",
     num_microbatches: int = 1,
@@ -219,6 +229,7 @@ class Pipeline:
     memory_limit: float | str | None = None,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
+    partitioning: Partitioning | None = None,
   ):
     staleness = staleness_from_keywords(
       staleness,
@@ -232,14 +243,27 @@ class Pipeline:
       gap_aware_options=gap_aware_options,
       gap_aware_policy=gap_aware_policy,
     )
+    partitioning = partitioning_from_keywords(
+      partitioning,
+      num_stages,
+      partition=partition,
+      depth=depth,
+      bandwidth=bandwidth,
+      cost_model=cost_model,
+      fuse_last_stage=fuse_last_stage,
+      transport=transport,
+      memory_limit=memory_limit,
+    )
     schedule = schedule_lib.lookup(schedule).name
     staleness.check(schedule, optimizer, params)
-    self.staleness = staleness
+    self.staleness, self.partitioning = staleness, partitioning
     self.microbatch_size = _microbatch_size(example_batch, num_microbatches)
     self.num_microbatches = num_microbatches
     devices = list(jax.devices() if devices is None else devices)
-    check_stage_count(num_stages, len(devices), partition)
-    self.memory_limit = resolve_memory_limit(memory_limit, devices)
+    check_stage_count(
+      partitioning.num_stages, len(devices), partitioning.partition
+    )
+    self.memory_limit = resolve_memory_limit(partitioning.memory_limit, devices)
     self.optimizer = optimizer
 
     cut = cut_model(
@@ -248,10 +272,8 @@ class Pipeline:
       example_batch,
       self.microbatch_size,
       model_state,
-      depth=depth,
-      partition=partition,
-      num_stages=num_stages,
-      num_devices=len(devices),
+      partitioning,
+      len(devices),
     )
     self.traced, self.granularity = cut.traced, cut.granularity
     self._num_batch_leaves = cut.num_batch_leaves
@@ -259,17 +281,13 @@ class Pipeline:
     parts = partition_model(
       cut,
       params,
-      partition,
-      num_stages,
+      partitioning,
       len(devices),
-      bandwidth=bandwidth,
-      cost_model=cost_model,
       staleness=staleness,
       schedule=schedule,
       num_microbatches=num_microbatches,
       optimizer=optimizer,
       memory_limit=self.memory_limit,
-      fuse_last_stage=fuse_last_stage,
     )
     self.plan, self.stages = parts.plan, parts.stages
     placed = place_stages(
@@ -278,7 +296,7 @@ class Pipeline:
       devices,
       self.microbatch_size,
       cut.num_batch_leaves,
-      transport,
+      partitioning.transport,
     )
     self.placement, self.stage_device = placed.placement, placed.stage_device
     self.transport, self._batch_leaves = placed.transport, placed.batch_leaves
@@ -291,7 +309,7 @@ class Pipeline:
       placed.schedule_device,
       num_microbatches,
       step_every=staleness.step_every,
-      fuse_last_stage=fuse_last_stage,
+      fuse_last_stage=partitioning.fuse_last_stage,
     )
     self.stream, self.calls = scheduled.stream, scheduled.calls
     self.schedule = scheduled.schedule

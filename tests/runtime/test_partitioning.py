@@ -1,0 +1,98 @@
+"""The split and placement options as one value:
+``jpipe.runtime.Partitioning``."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe.runtime import Partitioning
+from tests.runtime.test_pipeline_async import NUM_MICRO, _mlp
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _pipe(**options):
+  loss_fn, params, batch = _mlp()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    devices=jax.devices()[:3],
+    schedule="1f1b",
+    num_microbatches=NUM_MICRO,
+    optimizer=optax.sgd(0.1),
+    **options,
+  )
+  return pipe, params, batch
+
+
+def test_a_partitioning_value_builds_and_trains_as_its_keywords_do():
+  keywords = dict(num_stages=3, depth=1, cost_model="analytic")
+  by_keywords, params, batch = _pipe(**keywords)
+  by_value, _, _ = _pipe(partitioning=Partitioning(**keywords))
+  assert by_value.partitioning == by_keywords.partitioning
+  assert by_value.plan.stage_of_node == by_keywords.plan.stage_of_node
+  results = []
+  for pipe in (by_keywords, by_value):
+    state, metrics = pipe.step(pipe.init(params), batch)
+    results.append((float(metrics["loss"]), pipe.gather_params(state)))
+  (loss_a, params_a), (loss_b, params_b) = results
+  assert loss_a == loss_b
+  jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
+
+
+def test_options_given_twice_or_missing_are_refused_by_name():
+  with pytest.raises(
+    ValueError, match=r"given twice: .*\['num_stages', 'depth'\]"
+  ):
+    _pipe(num_stages=3, depth=1, partitioning=Partitioning(3))
+  with pytest.raises(ValueError, match="num_stages is required"):
+    _pipe()
+  with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
+    Partitioning(0)
+  with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+    Partitioning(2, transport="tcp")
+
+
+def test_a_plan_as_partition_is_never_mistaken_for_the_default():
+  """A Plan given as a keyword beside a Partitioning value is refused
+  (comparing it with the default "contiguous" must not raise)."""
+  pipe, _, _ = _pipe(num_stages=3)
+  with pytest.raises(ValueError, match=r"given twice: .*\['partition'\]"):
+    _pipe(partition=pipe.plan, partitioning=Partitioning(3))
+
+
+def test_layers_above_keep_the_spelling_they_were_given():
+  """DynPipe and SD-Pipe rebuild pipelines on a solved Plan: with a
+  Partitioning value, inside it (no "given twice")."""
+  from jpipe.runtime import partition_of, with_partition
+
+  value = Partitioning(3, depth=1)
+  options = with_partition({"partitioning": value}, "mixed")
+  assert options == {
+    "partitioning": Partitioning(3, partition="mixed", depth=1)
+  }
+  assert partition_of(options) == "mixed"
+  assert with_partition({"num_stages": 3}, "mixed") == {
+    "num_stages": 3,
+    "partition": "mixed",
+  }
+  assert partition_of({}) == "contiguous"
+  loss_fn, params, batch = _mlp()
+  dp = jpipe.parallel.DataParallelPipelines(
+    loss_fn,
+    params,
+    batch,
+    pipelines=2,
+    devices=jax.devices()[:4],
+    schedule="1f1b",
+    num_microbatches=NUM_MICRO,
+    optimizer=optax.sgd(0.1),
+    partitioning=Partitioning(2),
+  )
+  first, second = dp.pipelines
+  assert first.partitioning.partition == "contiguous"  # It solves.
+  assert second.partitioning.partition == first.plan  # It follows.
+  dp.close()
