@@ -25,6 +25,21 @@ GAP_AWARE_POLICIES = {
 }
 
 
+def _check_values(prediction, gap_aware, gap_aware_policy, step_every):
+  """Each option alone: a known name, a positive count."""
+  if prediction not in PREDICTIONS:
+    raise ValueError(f"unknown prediction {prediction!r}: one of {PREDICTIONS}")
+  if gap_aware not in GAP_AWARE:
+    raise ValueError(f"unknown gap_aware {gap_aware!r}: one of {GAP_AWARE}")
+  if gap_aware_policy not in GAP_AWARE_POLICIES:
+    raise ValueError(
+      f"unknown gap_aware_policy {gap_aware_policy!r}: one of "
+      f"{tuple(GAP_AWARE_POLICIES)}"
+    )
+  if step_every < 1:
+    raise ValueError(f"step_every must be >= 1, got {step_every}")
+
+
 def check_staleness_options(
   schedule,
   *,
@@ -37,17 +52,7 @@ def check_staleness_options(
   gap_aware_policy,
 ):
   """Clear errors for option combinations the semantics do not define."""
-  if prediction not in PREDICTIONS:
-    raise ValueError(f"unknown prediction {prediction!r}: one of {PREDICTIONS}")
-  if gap_aware not in GAP_AWARE:
-    raise ValueError(f"unknown gap_aware {gap_aware!r}: one of {GAP_AWARE}")
-  if gap_aware_policy not in GAP_AWARE_POLICIES:
-    raise ValueError(
-      f"unknown gap_aware_policy {gap_aware_policy!r}: one of "
-      f"{tuple(GAP_AWARE_POLICIES)}"
-    )
-  if step_every < 1:
-    raise ValueError(f"step_every must be >= 1, got {step_every}")
+  _check_values(prediction, gap_aware, gap_aware_policy, step_every)
   mitigations = {
     "weight_stashing": weight_stashing,
     "prediction": prediction,
