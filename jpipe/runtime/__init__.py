@@ -12,7 +12,8 @@ from jpipe.runtime._partitioning import (
   partition_of,
   with_partition,
 )
-from jpipe.runtime._pipeline import Pipeline, PipelineState
+from jpipe.runtime._pipeline import Pipeline
+from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._slowdown import (
   RANDOM_DELAY_PROBABILITY,
   DeviceSlowdowns,

@@ -200,6 +200,7 @@ class Driver:
     num_batch_leaves: leaves of a batch (model-state leaves follow them
       among a stage's batch inputs).
     record_params: report the params every action used.
+    hooks: called around the actions (None: none).
   """
 
   def __init__(
@@ -215,6 +216,7 @@ class Driver:
     *,
     num_batch_leaves: int,
     record_params: bool = False,
+    hooks: DriverHooks | None = None,
   ):
     self.stages = stages
     self.programs = programs
@@ -226,7 +228,7 @@ class Driver:
     self.stream = stream
     self.num_batch_leaves = num_batch_leaves
     self.record_params = record_params
-    self.hooks = DriverHooks()
+    self.hooks = hooks or DriverHooks()
     self._lowered = {}  # order -> (this process's ops, makes a loss)
     self.producer = {
       v: s for s, spec in enumerate(stages.specs) for v in spec.outputs

@@ -105,24 +105,37 @@ def check_staleness_options(
 
 @dataclasses.dataclass(frozen=True)
 class Staleness:
-  """How a pipeline handles stale weights; see ``Pipeline`` for each field.
+  """How a pipeline handles stale weights: ``jpipe.Pipeline``'s
+  staleness options, each also its keyword argument of the same name.
 
   Attributes:
-    recompute: backwards recompute their forward (True) or differentiate
-      from saved residuals.
-    step_every: ``async``: backwards per step; ``2bw``: microbatches per
-      minibatch.
-    weight_stashing: ``async``: each backward at its forward's params.
-    prediction: ``async``: None, "msnag" or "aggmsnag".
-    predictor: the ``staleness.Predictor`` for ``prediction`` (None: the
-      optimizer's own replay, ``staleness.replay_predictor``).
-    learning_rate_schedule: with a closed-form predictor, the future
-      learning rates.
-    gap_aware: ``async``: None, "ga" or "ga_jfl".
+    recompute: backward recomputes the forward (True) or keeps residuals.
+      ``async`` without weight stashing needs it: saved residuals pin the
+      forward's params, which is weight stashing.
+    step_every: ``async``: a stage steps after every ``step_every``
+      backwards, on their mean gradient (a flush steps on a partial
+      window's mean); ``2bw``: microbatches per minibatch (>= num_stages).
+    weight_stashing: ``async``: the backward recomputes at the params its
+      forward used (PipeDream). Costs up to d + 1 param versions per stage.
+    prediction: ``async``: None, "msnag" (predict the params ``delay``
+      steps ahead with zero future gradients) or "aggmsnag" (the first
+      future step uses the gradient accumulated so far).
+    predictor: the ``staleness.Predictor`` to use; default
+      ``staleness.replay_predictor(optimizer)`` (any optax optimizer,
+      scheduler-aware by itself). Pass ``staleness.weight_predictor(...)``
+      for FTPipe's closed forms.
+    learning_rate_schedule: with a closed-form ``predictor``, the schedule
+      that makes prediction scheduler-aware (future learning rates).
+    gap_aware: ``async``: None, "ga" (FTPipe's Gap-Aware; the gap is
+      between the params the forward used and those the step updates) or
+      "ga_jfl" (the same gap, but the backward recomputes at the current
+      params: only the loss signal is stale; needs recompute).
     gap_aware_options: keyword arguments of ``staleness.gap_aware``
-      (``optimizer`` "sgd" | "adam" | "adamw" naming the pipeline's
-      optimizer, ``learning_rate``...).
-    gap_aware_policy: which stages apply Gap-Aware (``GAP_AWARE_POLICIES``).
+      (``optimizer`` "sgd" | "adam" | "adamw", ``learning_rate``,
+      ``weight_decay``, ``beta``...); required with ``gap_aware``.
+    gap_aware_policy: which stages apply it, by depth (FTPipe):
+      "all_except_last" (default), "almost_last_partition",
+      "all_except_last_two".
   """
 
   recompute: bool = True

@@ -17,20 +17,55 @@ from jpipe.runtime._transport import TRANSPORTS
 
 @dataclasses.dataclass(frozen=True)
 class Partitioning:
-  """The split and placement options; each field is ``jpipe.Pipeline``'s
-  keyword argument of the same name (see its Args).
+  """How a pipeline is split and placed: ``jpipe.Pipeline``'s split and
+  placement options, each also its keyword argument of the same name.
 
   Attributes:
-    num_stages: pipeline stages (with a Plan, ignored).
-    partition: a partition method's name or a ``jpipe.partition.Plan``.
-    depth: module-path depth of the traced nodes (None: automatic).
-    bandwidth: bytes/s between devices for the partitioner (None: plan on
-      compute alone).
-    cost_model: "analytic", "xla" or "measured".
-    fuse_last_stage: the last stage's forward and backward as one program
-      where the result is the same.
-    transport: "pull" or "collective", across processes.
-    memory_limit: bytes per device, "device", or None (no check).
+    num_stages: pipeline stages (ignored when ``partition`` is a Plan);
+      with "pipedream_hybrid", the devices the plan may use (its DP picks
+      the stages and their replicas).
+    partition: "contiguous", "mixed", "pipedream", "pipedream_hybrid"
+      (see ``jpipe.partition.plan_traced``), or a jpipe.partition.Plan. A Plan
+      may put a stage on several devices (``stage_devices[s]`` =
+      ``(0, 1)``): the stage then runs data parallel over them, each
+      microbatch split among the replicas (it must divide evenly), with
+      the same results as on one device. Stages share all their devices
+      or none.
+    depth: module-path depth of the traced nodes; None (the default)
+      chooses it: the shallowest depth whose split into the stages is as
+      balanced (within 5 %) as the deepest's (``Pipeline.granularity`` says
+      which and why; with a Plan, the depth its nodes were cut at).
+    bandwidth: bytes/s between devices, for the partitioner (None: plan on
+      compute alone; "pipedream" / "pipedream_hybrid" then assume 1e9 for
+      the all-reduce of replicated stages).
+    cost_model: how the partitioner costs nodes (see
+      ``jpipe.partition.profile_nodes``): "analytic" (FLOPs from the jaxpr;
+      default, no compilation), "xla" (XLA's cost analysis) or "measured"
+      (each node compiled and timed on the default device: slower to
+      start, right where FLOPs mislead, e.g. small or memory-bound ops).
+    fuse_last_stage: run the backward of a stage no other stage reads
+      from (the last, which computes the loss) together with its forward,
+      as one program, wherever the result is the same: B(s, k) needs
+      nothing but F(s, k), so it may run early unless a step of s comes
+      between them (async) or it would differentiate at other params.
+      One program instead of a forward and a backward-from-residuals lets
+      XLA fuse across them and keeps no residuals: GPipe's last stage no
+      longer holds every microbatch's activations. A measured timeline
+      shows such an F spanning both and its B as an instant. Only the
+      order of the gradient sum changes (float rounding).
+    transport: how values cross processes when the devices belong to
+      several (``jax.distributed``; each process runs its own stages):
+      "pull" (``jax.experimental.transfer``: never blocks a device) or
+      "collective" (a ppermute pair program: gloo / NCCL, but it ties the
+      two stages' streams together). See ``runtime/_transport.py``.
+    memory_limit: bytes each device may hold, or "device" (each device's
+      own capacity, where the platform reports it: GPUs and TPUs); None
+      (default) checks nothing. The partitioner ("contiguous",
+      "pipedream*") then only considers splits that fit, and the built
+      pipeline's prediction (``Pipeline.memory``: params and their stashed
+      versions, gradients, optimizer state, microbatches in flight for
+      the schedule) must fit, or construction fails naming the stage, the
+      predicted bytes and the fixes -- before anything compiles.
   """
 
   num_stages: int

@@ -1,9 +1,11 @@
-"""The pipeline facade: validate, build, then init / step / flush / gather.
+"""The pipeline facade: options in, then init / step / flush / gather.
 
 ``Pipeline`` traces the loss on one microbatch, partitions it (or takes a
 Plan), builds jitted stage functions, places each stage's parameters and
-optimizer state on its device(s) and runs a schedule's actions through the
-driver (``_driver.py``). JAX dispatches asynchronously, so devices work
+optimizer state on its device(s) (``_assemble.py``: the construction, one
+frozen value of parts) and runs a schedule's actions through the driver
+(``_step.py``, ``_driver.py``); the state in and out is
+``_pipeline_state.py``'s. JAX dispatches asynchronously, so devices work
 concurrently; the host blocks only when reading metrics.
 
 Synchronous schedules (seq, gpipe, 1f1b, interleaved) flush at the end of
@@ -24,65 +26,24 @@ forward and backward as one program wherever that gives the same result
 (``fuse_last_stage``): its backward needs nothing but its own forward.
 """
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
 
-from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
-from jpipe import staleness
-from jpipe.runtime import _pipeline_state
-from jpipe.runtime._batches import batch_size, place_microbatches
-from jpipe.runtime._build import (
-  check_stage_count,
-  cut_model,
-  partition_model,
-  place_stages,
-  schedule_calls,
-)
-from jpipe.runtime._driver import Driver, DriverHooks, InFlight
-from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
-from jpipe.runtime._memory import (
-  StageMemory,
-  device_totals,
-  resolve_memory_limit,
-)
-from jpipe.runtime._options import Staleness, staleness_from_keywords
-from jpipe.runtime._partitioning import (
-  Partitioning,
-  partitioning_from_keywords,
-)
+from jpipe.runtime import _pipeline_state, _step
+from jpipe.runtime._assemble import build_pipeline, options_from_keywords
+from jpipe.runtime._driver import DriverHooks, InFlight
+from jpipe.runtime._memory import StageMemory, device_totals
+from jpipe.runtime._options import Staleness
+from jpipe.runtime._partitioning import Partitioning
 from jpipe.runtime._pipeline_memory import (
   check_memory_limit,
   predict_pipeline_memory,
 )
-from jpipe.runtime._profiler import ActionProfiler
-from jpipe.runtime._programs import StagePrograms
-from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
-from jpipe.runtime._tied import TiedParams
-from jpipe.runtime._versions import VersionPolicy
-
-
-class PipelineState(NamedTuple):
-  """Per-stage parameter leaves and optimizer states, on their devices.
-
-  An optimizer state is keyed by the leaves' global paths (see
-  ``Pipeline.state_dict``); on a Gap-Aware stage it is Gap-Aware's state
-  around the optimizer's. ``in_flight``: an asynchronous pipeline's
-  stream (microbatches between their forward and their step); None for
-  synchronous ones. A state is consumed by ``step`` / ``flush`` (its
-  gradient buffers are donated): continue from the one they return.
-  """
-
-  stage_params: tuple[tuple[jax.Array, ...], ...]
-  opt_states: tuple[Any, ...]
-  step: int
-  # Leaves of the model state (BatchNorm statistics), when there is one.
-  model_state: tuple[jax.Array, ...] = ()
-  in_flight: InFlight | None = None
+from jpipe.runtime._pipeline_state import PipelineState
 
 
 class Pipeline:
@@ -93,63 +54,13 @@ class Pipeline:
     params: example params (their structure is kept).
     example_batch: a full mini-batch; its leading axis is split into
       ``num_microbatches`` microbatches.
-    num_stages: pipeline stages, required unless ``partitioning`` is
-      given (ignored when ``partition`` is a Plan);
-      with "pipedream_hybrid", the devices the plan may use (its DP picks
-      the stages and their replicas).
+    optimizer: an optax transformation, applied per stage.
     devices: the devices to use; default ``jax.devices()``.
     schedule: a name from ``jpipe.schedule.SCHEDULES`` or its
       ``jpipe.schedule.ScheduleKind`` (``jpipe.schedule.REGISTRY``).
     num_microbatches: microbatches per ``step`` call of the example batch
       (it fixes the microbatch size; a call may pass a batch of another
       multiple of it).
-    optimizer: an optax transformation, applied per stage.
-    partition: "contiguous", "mixed", "pipedream", "pipedream_hybrid"
-      (see ``jpipe.partition.plan_traced``), or a jpipe.partition.Plan. A Plan
-      may put a stage on several devices (``stage_devices[s]`` =
-      ``(0, 1)``): the stage then runs data parallel over them, each
-      microbatch split among the replicas (it must divide evenly), with
-      the same results as on one device. Stages share all their devices
-      or none.
-    depth: module-path depth of the traced nodes; None (the default)
-      chooses it: the shallowest depth whose split into the stages is as
-      balanced (within 5 %) as the deepest's (``self.granularity`` says
-      which and why; with a Plan, the depth its nodes were cut at).
-    bandwidth: bytes/s between devices, for the partitioner (None: plan on
-      compute alone; "pipedream" / "pipedream_hybrid" then assume 1e9 for
-      the all-reduce of replicated stages).
-    cost_model: how the partitioner costs nodes (see
-      ``jpipe.partition.profile_nodes``): "analytic" (FLOPs from the jaxpr;
-      default, no compilation), "xla" (XLA's cost analysis) or "measured"
-      (each node compiled and timed on the default device: slower to
-      start, right where FLOPs mislead, e.g. small or memory-bound ops).
-    recompute: backward recomputes the forward (True) or keeps residuals.
-      ``async`` without weight stashing needs it: saved residuals pin the
-      forward's params, which is weight stashing.
-    step_every: ``async``: a stage steps after every ``step_every``
-      backwards, on their mean gradient (a flush steps on a partial
-      window's mean); ``2bw``: microbatches per minibatch (>= num_stages).
-    weight_stashing: ``async``: the backward recomputes at the params its
-      forward used (PipeDream). Costs up to d + 1 param versions per stage.
-    prediction: ``async``: None, "msnag" (predict the params ``delay``
-      steps ahead with zero future gradients) or "aggmsnag" (the first
-      future step uses the gradient accumulated so far).
-    predictor: the ``staleness.Predictor`` to use; default
-      ``staleness.replay_predictor(optimizer)`` (any optax optimizer,
-      scheduler-aware by itself). Pass ``staleness.weight_predictor(...)``
-      for FTPipe's closed forms.
-    learning_rate_schedule: with a closed-form ``predictor``, the schedule
-      that makes prediction scheduler-aware (future learning rates).
-    gap_aware: ``async``: None, "ga" (FTPipe's Gap-Aware; the gap is
-      between the params the forward used and those the step updates) or
-      "ga_jfl" (the same gap, but the backward recomputes at the current
-      params: only the loss signal is stale; needs recompute).
-    gap_aware_options: keyword arguments of ``staleness.gap_aware``
-      (``optimizer`` "sgd" | "adam" | "adamw", ``learning_rate``,
-      ``weight_decay``, ``beta``...); required with ``gap_aware``.
-    gap_aware_policy: which stages apply it, by depth (FTPipe):
-      "all_except_last" (default), "almost_last_partition",
-      "all_except_last_two".
     model_state: non-trained model state (e.g. BatchNorm statistics). With
       it, ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``;
       each stage feeds its forwards the state its previous forward left
@@ -159,43 +70,26 @@ class Pipeline:
       the params every forward and backward used, keyed by ``(kind,
       stage, microbatch)`` (tests and debugging; holds every version
       alive).
-    fuse_last_stage: run the backward of a stage no other stage reads
-      from (the last, which computes the loss) together with its forward,
-      as one program, wherever the result is the same: B(s, k) needs
-      nothing but F(s, k), so it may run early unless a step of s comes
-      between them (async) or it would differentiate at other params.
-      One program instead of a forward and a backward-from-residuals lets
-      XLA fuse across them and keeps no residuals: GPipe's last stage no
-      longer holds every microbatch's activations. A measured timeline
-      shows such an F spanning both and its B as an instant. Only the
-      order of the gradient sum changes (float rounding).
-    transport: how values cross processes when the devices belong to
-      several (``jax.distributed``; each process runs its own stages):
-      "pull" (``jax.experimental.transfer``: never blocks a device) or
-      "collective" (a ppermute pair program: gloo / NCCL, but it ties the
-      two stages' streams together). See ``runtime/_transport.py``.
-    memory_limit: bytes each device may hold, or "device" (each device's
-      own capacity, where the platform reports it: GPUs and TPUs); None
-      (default) checks nothing. The partitioner ("contiguous",
-      "pipedream*") then only considers splits that fit, and the built
-      pipeline's prediction (``self.memory``: params and their stashed
-      versions, gradients, optimizer state, microbatches in flight for
-      the schedule) must fit, or construction fails naming the stage, the
-      predicted bytes and the fixes -- before anything compiles.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params
       after it): what a layer above adds, e.g. data-parallel replica
       sync and simulated delays (``jpipe.parallel``) or injected
       slowdowns (``jpipe.dynamic``). None: no hooks.
-    staleness: the staleness options above as one ``jpipe.runtime.
-      Staleness`` value (``self.staleness`` either way); giving it and
-      any of their keywords at once is refused.
-    partitioning: the split and placement options above (num_stages,
-      partition, depth, bandwidth, cost_model, fuse_last_stage,
-      transport, memory_limit) as one ``jpipe.runtime.Partitioning``
-      value (``self.partitioning`` either way); giving it and any of
-      their keywords at once is refused.
+    staleness: the staleness options (weight stashing, prediction,
+      Gap-Aware, ``step_every``, recompute) as one ``jpipe.runtime.
+      Staleness`` value (``self.staleness``); default: none of them, and
+      backwards recompute their forward.
+    partitioning: the split and placement options (the stage count, the
+      partition method or Plan, depth, bandwidth, cost model, the last
+      stage's fusion, the transport, the memory limit) as one
+      ``jpipe.runtime.Partitioning`` value (``self.partitioning``).
+    **options: the same options by name, as ``Staleness`` and
+      ``Partitioning`` name them (where each is documented): e.g.
+      ``num_stages=4, partition="pipedream", schedule="async",
+      weight_stashing=True``. ``num_stages`` is required unless
+      ``partitioning`` is given; giving a value and any of its options
+      by name at once is refused.
   """
 
   def __init__(
@@ -204,166 +98,39 @@ class Pipeline:
     params: Any,
     example_batch: Any,
     *,
-    num_stages: int | None = None,
+    optimizer: optax.GradientTransformation,
     devices: Sequence[Any] | None = None,
     schedule: "str | schedule_lib.ScheduleKind" = "gpipe",
     num_microbatches: int = 1,
-    optimizer: optax.GradientTransformation,
-    partition: Any = "contiguous",
-    depth: int | None = None,
-    bandwidth: float | None = None,
-    cost_model: str = "analytic",
-    recompute: bool = True,
-    step_every: int = 1,
-    weight_stashing: bool = False,
-    prediction: str | None = None,
-    predictor: staleness.Predictor | None = None,
-    learning_rate_schedule: Callable[[Any], Any] | None = None,
-    gap_aware: str | None = None,
-    gap_aware_options: Mapping[str, Any] | None = None,
-    gap_aware_policy: str = "all_except_last",
     model_state: Any = None,
     record_params: bool = False,
-    fuse_last_stage: bool = True,
-    transport: str = "pull",
-    memory_limit: float | str | None = None,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
     partitioning: Partitioning | None = None,
+    **options: Any,
   ):
-    staleness = staleness_from_keywords(
-      staleness,
-      recompute=recompute,
-      step_every=step_every,
-      weight_stashing=weight_stashing,
-      prediction=prediction,
-      predictor=predictor,
-      learning_rate_schedule=learning_rate_schedule,
-      gap_aware=gap_aware,
-      gap_aware_options=gap_aware_options,
-      gap_aware_policy=gap_aware_policy,
+    staleness, partitioning = options_from_keywords(
+      staleness, partitioning, options
     )
-    partitioning = partitioning_from_keywords(
-      partitioning,
-      num_stages,
-      partition=partition,
-      depth=depth,
-      bandwidth=bandwidth,
-      cost_model=cost_model,
-      fuse_last_stage=fuse_last_stage,
-      transport=transport,
-      memory_limit=memory_limit,
-    )
-    schedule = schedule_lib.lookup(schedule).name
-    staleness.check(schedule, optimizer, params)
-    self.staleness, self.partitioning = staleness, partitioning
-    self.microbatch_size = _microbatch_size(example_batch, num_microbatches)
-    self.num_microbatches = num_microbatches
-    devices = list(jax.devices() if devices is None else devices)
-    check_stage_count(
-      partitioning.num_stages, len(devices), partitioning.partition
-    )
-    self.memory_limit = resolve_memory_limit(partitioning.memory_limit, devices)
-    self.optimizer = optimizer
-
-    cut = cut_model(
+    parts = build_pipeline(
       loss_fn,
       params,
       example_batch,
-      self.microbatch_size,
-      model_state,
-      partitioning,
-      len(devices),
-    )
-    self.traced, self.granularity = cut.traced, cut.granularity
-    self._num_batch_leaves = cut.num_batch_leaves
-    self.state_treedef = cut.state_treedef
-    parts = partition_model(
-      cut,
-      params,
-      partitioning,
-      len(devices),
-      staleness=staleness,
+      optimizer=optimizer,
+      devices=devices,
       schedule=schedule,
       num_microbatches=num_microbatches,
-      optimizer=optimizer,
-      memory_limit=self.memory_limit,
+      staleness=staleness,
+      partitioning=partitioning,
+      model_state=model_state,
+      record_params=record_params,
+      hooks=hooks,
     )
-    self.plan, self.stages = parts.plan, parts.stages
-    placed = place_stages(
-      self.plan,
-      self.stages,
-      devices,
-      self.microbatch_size,
-      cut.num_batch_leaves,
-      partitioning.transport,
-    )
-    self.placement, self.stage_device = placed.placement, placed.stage_device
-    self.transport, self._batch_leaves = placed.transport, placed.batch_leaves
-    self._schedule_device = placed.schedule_device
-    self.device_names = placed.device_names
-    self.schedule_name = schedule
-    scheduled = schedule_calls(
-      schedule,
-      self.stages,
-      placed.schedule_device,
-      num_microbatches,
-      step_every=staleness.step_every,
-      fuse_last_stage=partitioning.fuse_last_stage,
-    )
-    self.stream, self.calls = scheduled.stream, scheduled.calls
-    self.schedule = scheduled.schedule
-    self._build_runtime(params, record_params, hooks)
+    # The parts as attributes of the same names (see PipelineParts).
+    vars(self).update(parts.fields())
     self._memory = None
     if self.memory_limit is not None:
       check_memory_limit(self, self.memory_limit)
-
-  def _build_runtime(self, params, record_params, hooks) -> None:
-    """Stage programs, tied params, per-stage optimizers, the version
-    policy and the driver."""
-    param_avals = self.traced.closed_jaxpr.in_avals
-    grad_layouts = tuple(
-      FlatLayout(
-        [param_avals[i] for i in spec.param_leaves],
-        own_buffer_bytes(place.devices[0].platform),
-      )
-      for spec, place in zip(self.stages.specs, self.placement, strict=True)
-    )
-    staleness = self.staleness
-    self.programs = StagePrograms(
-      self.stages, grad_layouts, staleness.recompute
-    )
-    self.tied = TiedParams(self.stages, self.transport)
-    self.params_treedef = jax.tree.structure(params)
-    self.leaf_names = leaf_names(params)
-    # One predictor for every stage, as before the options became a value.
-    predictor = staleness.stage_predictor(self.optimizer)
-    self.stage_optimizers = tuple(
-      self._stage_optimizer(s, grad_layouts[s], predictor)
-      for s in range(self.stages.num_stages)
-    )
-    self.policy = VersionPolicy(
-      self.stream,
-      recompute=staleness.recompute,
-      weight_stashing=staleness.weight_stashing,
-      prediction=staleness.prediction,
-      gap_aware=staleness.gap_aware,
-      record=record_params,
-    )
-    self.driver = Driver(
-      self.stages,
-      self.programs,
-      self.placement,
-      self.stage_optimizers,
-      self.policy,
-      self.tied,
-      self.transport,
-      self.stream,
-      num_batch_leaves=self._num_batch_leaves,
-      record_params=record_params,
-    )
-    if hooks is not None:
-      self.driver.hooks = hooks
 
   # -- Memory ----------------------------------------------------------------
 
@@ -385,32 +152,13 @@ class Pipeline:
     once per device."""
     return device_totals(self.memory, self.plan.stage_devices)
 
-  def _stage_optimizer(self, s, layout, predictor):
-    n = self.stages.num_stages
-    leaves = self.stages.specs[s].param_leaves
-    # Asynchronous: replicas of tied leaves another stage owns never step.
-    replica = self.tied.replica_positions(s) if self.stream else set()
-    positions = [p for p in range(len(leaves)) if p not in replica]
-    return StageOptimizer(
-      [self.leaf_names[leaves[p]] for p in positions],
-      self.optimizer,
-      positions=positions,
-      gap_aware=self.staleness.gap_aware_at(
-        partition_lib.steady_state_delay(n, s)
-      ),
-      predictor=predictor,
-      learning_rate_schedule=self.staleness.learning_rate_schedule,
-      horizon=self.stream.max_delay(s) if self.stream else 0,
-      grad_layout=layout,
-    )
-
   @property
   def reads_batch(self) -> bool:
     """Whether this process's stages read any batch leaf (inputs,
     labels). Across processes, one that reads none may pass ``step`` the
     batch's shapes (``jax.ShapeDtypeStruct`` leaves) instead of its data:
     only its size is used there."""
-    return any(self._batch_leaves.values())
+    return any(self.batch_leaves.values())
 
   # -- Action lists of a call ----------------------------------------------
 
@@ -430,29 +178,7 @@ class Pipeline:
     ``model_state``: the initial model state (required when the pipeline
     was built with one).
     """
-    if (model_state is None) != (self.state_treedef is None):
-      raise ValueError(
-        "pass model_state to init exactly when the Pipeline was built with "
-        "model_state="
-      )
-    state_leaves = ()
-    if model_state is not None:
-      if jax.tree.structure(model_state) != self.state_treedef:
-        raise ValueError("model_state has another structure than at build")
-      state_leaves = tuple(jax.tree.leaves(model_state))
-    stage_params, opt_states = [], []
-    for s, leaves in enumerate(self.stages.split_params(params)):
-      if not self.transport.owns(s):  # Another process runs it.
-        stage_params.append(None)
-        opt_states.append(None)
-        continue
-      place = self.placement[s]
-      placed = place.put_replicated(leaves)
-      stage_params.append(placed)
-      opt_states.append(
-        place.put_replicated(self.stage_optimizers[s].init(placed))
-      )
-    return self.drained_state(stage_params, opt_states, 0, state_leaves)
+    return _pipeline_state.init_state(self, params, model_state)
 
   def with_stage_params(
     self, state: PipelineState, stage_params: Sequence[Any]
@@ -546,19 +272,7 @@ class Pipeline:
       process's actions, on its own clock); with ``record_params``
       "used_params".
     """
-    size = batch_size(batch)
-    if size % self.microbatch_size:
-      raise ValueError(
-        f"a batch of {size} examples does not split into microbatches of "
-        f"{self.microbatch_size} (the example batch's size / "
-        f"num_microbatches): pass a multiple of {self.microbatch_size}"
-      )
-    m = size // self.microbatch_size
-    fed = state.in_flight.fed if state.in_flight else 0
-    batches = place_microbatches(
-      jax.tree.leaves(batch), self._batch_leaves, m, fed
-    )
-    return self._run(state, fed, m, batches, profile)
+    return _step.step(self, state, batch, profile)
 
   def flush(self, state: PipelineState, *, profile: bool = False):
     """Drains an asynchronous pipeline: every pending backward and step
@@ -569,65 +283,4 @@ class Pipeline:
     Returns:
       (state, metrics) as ``step``, without "loss" (no forward runs).
     """
-    if self.stream is None or not state.in_flight.fed:
-      return state, {}
-    return self._run(state, state.in_flight.fed, None, {}, profile)
-
-  def _run(self, state, fed, m, batches, profile):
-    """One driver call: m microbatches after ``fed`` (None: a flush)."""
-    call = self.calls(fed, m)
-    profiler = ActionProfiler(call.lists) if profile else None
-    flight = state.in_flight or InFlight.start(state.stage_params)
-    if self.stream is None:
-      cotangent = 1.0 / m
-    else:  # A window's mean (a short one is rescaled at its step).
-      cotangent = 1.0 / self.stream.step_every
-    out = self.driver.run(
-      call.order,
-      call.fused,
-      stage_params=state.stage_params,
-      opt_states=state.opt_states,
-      model_state=state.model_state,
-      in_flight=flight,
-      batches=batches,
-      loss_cotangent=cotangent,
-      profiler=profiler,
-    )
-    flight = out.in_flight
-    if self.stream is None or m is None:
-      if not flight.drained:
-        raise RuntimeError("the pipeline did not drain")  # A schedule bug.
-      flight = InFlight.start(out.stage_params) if self.stream else None
-    else:
-      flight = dataclasses.replace(flight, fed=fed + m)
-    metrics = {
-      "param_versions": tuple(out.param_versions),
-      "param_bytes": tuple(out.param_bytes),
-    }
-    if out.loss is not None:
-      metrics["loss"] = out.loss
-    if profiler:
-      metrics["timeline"] = profiler.timeline()
-    if out.used_params is not None:
-      metrics["used_params"] = out.used_params
-    new = PipelineState(
-      tuple(out.stage_params),
-      tuple(out.opt_states),
-      state.step + (m is not None),
-      tuple(out.model_state),
-      flight,
-    )
-    return new, metrics
-
-
-def _microbatch_size(example_batch, num_microbatches: int) -> int:
-  """Rows per microbatch; the count must divide the batch."""
-  if num_microbatches < 1:
-    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-  size = batch_size(example_batch)
-  if size % num_microbatches:
-    raise ValueError(
-      f"{num_microbatches} microbatches do not divide the batch of "
-      f"{size}: use a divisor of {size}"
-    )
-  return size // num_microbatches
+    return _step.flush(self, state, profile)

@@ -1,27 +1,77 @@
-"""A pipeline's training state in and out: gathered, checked, saved.
+"""A pipeline's training state: made, gathered, checked, saved.
 
-Functions of a built ``Pipeline`` and its ``PipelineState`` (the
-pipeline's methods of the same names call them): the full params and
-model state gathered from the stages (a collective across processes),
-per-stage health (non-finite leaves, norms), and the partition-
-independent state dict a checkpoint holds, with its inverse. Each reads
+``PipelineState`` (per-stage params and optimizer states, the stream in
+flight) and functions of a built ``Pipeline`` and its state (the
+pipeline's methods of the same names call them): the initial state
+placed on the stages, the full params and model state gathered from the
+stages (a collective across processes), per-stage health (non-finite
+leaves, norms), and the partition-independent state dict a checkpoint
+holds, with its inverse. Each reads
 the pipeline's public attributes: ``stages``, ``traced``, ``transport``,
 ``placement``, ``stage_optimizers``, ``driver``, ``params_treedef``,
 ``state_treedef``, ``leaf_names``.
 """
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from jpipe.runtime._driver import InFlight
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._state_dict import (
   merge_optimizer_states,
   restore_structure,
   select_optimizer_states,
 )
+
+
+class PipelineState(NamedTuple):
+  """Per-stage parameter leaves and optimizer states, on their devices.
+
+  An optimizer state is keyed by the leaves' global paths (see
+  ``Pipeline.state_dict``); on a Gap-Aware stage it is Gap-Aware's state
+  around the optimizer's. ``in_flight``: an asynchronous pipeline's
+  stream (microbatches between their forward and their step); None for
+  synchronous ones. A state is consumed by ``step`` / ``flush`` (its
+  gradient buffers are donated): continue from the one they return.
+  """
+
+  stage_params: tuple[tuple[jax.Array, ...], ...]
+  opt_states: tuple[Any, ...]
+  step: int
+  # Leaves of the model state (BatchNorm statistics), when there is one.
+  model_state: tuple[jax.Array, ...] = ()
+  in_flight: InFlight | None = None
+
+
+def init_state(pipe, params: Any, model_state: Any = None) -> PipelineState:
+  """``Pipeline.init``: ``params`` split per stage and placed, with their
+  optimizer states (and the model state's leaves)."""
+  if (model_state is None) != (pipe.state_treedef is None):
+    raise ValueError(
+      "pass model_state to init exactly when the Pipeline was built with "
+      "model_state="
+    )
+  state_leaves = ()
+  if model_state is not None:
+    if jax.tree.structure(model_state) != pipe.state_treedef:
+      raise ValueError("model_state has another structure than at build")
+    state_leaves = tuple(jax.tree.leaves(model_state))
+  stage_params, opt_states = [], []
+  for s, leaves in enumerate(pipe.stages.split_params(params)):
+    if not pipe.transport.owns(s):  # Another process runs it.
+      stage_params.append(None)
+      opt_states.append(None)
+      continue
+    place = pipe.placement[s]
+    placed = place.put_replicated(leaves)
+    stage_params.append(placed)
+    opt_states.append(
+      place.put_replicated(pipe.stage_optimizers[s].init(placed))
+    )
+  return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
 
 
 def check_drained(state, what: str) -> None:

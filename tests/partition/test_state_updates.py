@@ -59,7 +59,7 @@ def test_vmapped_batchnorm_statistics_match_one_device(num_stages, schedule):
     readers = [
       s
       for s, spec in enumerate(pipe.stages.specs)
-      if pipe._num_batch_leaves + j in spec.batch_leaves
+      if pipe.num_batch_leaves + j in spec.batch_leaves
     ]
     (writer,) = [
       s for s, spec in enumerate(pipe.stages.specs) if j + 1 in spec.results

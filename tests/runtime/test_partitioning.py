@@ -8,24 +8,13 @@ import pytest
 
 import jpipe
 from jpipe.runtime import Partitioning
-from tests.runtime.test_pipeline_async import NUM_MICRO, _mlp
+from tests.runtime.test_pipeline_async import NUM_MICRO, _mlp, mlp_pipeline
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _pipe(**options):
-  loss_fn, params, batch = _mlp()
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    devices=jax.devices()[:3],
-    schedule="1f1b",
-    num_microbatches=NUM_MICRO,
-    optimizer=optax.sgd(0.1),
-    **options,
-  )
-  return pipe, params, batch
+  return mlp_pipeline("1f1b", optax.sgd(0.1), 3, **options)
 
 
 def test_a_partitioning_value_builds_and_trains_as_its_keywords_do():
@@ -54,6 +43,20 @@ def test_options_given_twice_or_missing_are_refused_by_name():
     Partitioning(0)
   with pytest.raises(ValueError, match="unknown transport 'tcp'"):
     Partitioning(2, transport="tcp")
+
+
+def test_an_option_of_neither_value_is_refused_with_the_nearest_name():
+  """A misspelt option fails at once (a TypeError, as a misspelt keyword
+  of any function does) naming it and the option it nearly is; the
+  options of the two values are the keywords, nothing else."""
+  with pytest.raises(
+    TypeError, match=r"keyword argument 'num_stage' \(did you mean 'num_stages'"
+  ):
+    _pipe(num_stage=3)
+  with pytest.raises(TypeError, match="'wieght_stash'.*'weight_stashing'"):
+    _pipe(num_stages=3, wieght_stash=True)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'zzz'"):
+    _pipe(num_stages=3, zzz=1)
 
 
 def test_a_plan_as_partition_is_never_mistaken_for_the_default():

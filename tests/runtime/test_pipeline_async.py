@@ -40,6 +40,23 @@ def _mlp():
   return loss_fn, params, {"x": x, "y": y}
 
 
+def mlp_pipeline(schedule, optimizer, num_devices, **options):
+  """``_mlp``'s model as a Pipeline on the first ``num_devices`` devices
+  (``options``: the Pipeline's own); returns (pipe, params, batch)."""
+  loss_fn, params, batch = _mlp()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    devices=jax.devices()[:num_devices],
+    schedule=schedule,
+    num_microbatches=NUM_MICRO,
+    optimizer=optimizer,
+    **options,
+  )
+  return pipe, params, batch
+
+
 def _reference(pipe, params, streams, tx, opts):
   """Final stage params and, per stream, the params every action used.
 

@@ -99,7 +99,7 @@ def test_a_replica_group_splits_each_microbatch():
     optimizer=optax.sgd(0.1),
   )
   place = pipe.placement[0]
-  micro = place_microbatches(jax.tree.leaves(batch), pipe._batch_leaves, 2, 0)[
+  micro = place_microbatches(jax.tree.leaves(batch), pipe.batch_leaves, 2, 0)[
     place
   ]
   x = micro[0][jax.tree.leaves(batch).index(batch["x"])]

@@ -8,7 +8,7 @@ import pytest
 import jpipe
 from jpipe import partition
 from jpipe.runtime import Staleness
-from tests.runtime.test_pipeline_async import NUM_MICRO, NUM_STAGES, _mlp
+from tests.runtime.test_pipeline_async import NUM_STAGES, mlp_pipeline
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -16,19 +16,13 @@ GA = {"optimizer": "sgd", "learning_rate": 0.1}
 
 
 def _pipe(**options):
-  loss_fn, params, batch = _mlp()
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
+  return mlp_pipeline(
+    "async",
+    optax.sgd(0.1, momentum=0.9),
+    NUM_STAGES,
     num_stages=NUM_STAGES,
-    devices=jax.devices()[:NUM_STAGES],
-    schedule="async",
-    num_microbatches=NUM_MICRO,
-    optimizer=optax.sgd(0.1, momentum=0.9),
     **options,
   )
-  return pipe, params, batch
 
 
 def test_a_staleness_value_trains_as_its_keywords_do():

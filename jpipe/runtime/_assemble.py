@@ -1,0 +1,352 @@
+"""A pipeline built from option values, as one frozen value of its parts.
+
+``build_pipeline`` runs ``_build.py``'s phases in order (cut the traced
+model, partition it, place the stages, schedule the calls), then the
+runtime phase here (stage programs, tied params, one optimizer per stage,
+the version policy, the driver), and returns every part in one
+``PipelineParts``: ``jpipe.Pipeline`` is a facade over it. The
+``Pipeline`` keyword spelling of the staleness and partitioning options
+is mapped to their values in one place, ``options_from_keywords``.
+"""
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from jpipe import partition as partition_lib
+from jpipe import schedule as schedule_lib
+from jpipe.runtime._batches import batch_size
+from jpipe.runtime._build import (
+  check_stage_count,
+  cut_model,
+  partition_model,
+  place_stages,
+  schedule_calls,
+)
+from jpipe.runtime._driver import Driver, DriverHooks
+from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
+from jpipe.runtime._memory import resolve_memory_limit
+from jpipe.runtime._options import Staleness, staleness_from_keywords
+from jpipe.runtime._partitioning import (
+  Partitioning,
+  partitioning_from_keywords,
+)
+from jpipe.runtime._programs import StagePrograms
+from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
+from jpipe.runtime._tied import TiedParams
+from jpipe.runtime._versions import VersionPolicy
+
+STALENESS_KEYWORDS = tuple(f.name for f in dataclasses.fields(Staleness))
+PARTITIONING_KEYWORDS = tuple(f.name for f in dataclasses.fields(Partitioning))
+
+
+def options_from_keywords(
+  staleness: Staleness | None,
+  partitioning: Partitioning | None,
+  keywords: Mapping[str, Any],
+) -> tuple[Staleness, Partitioning]:
+  """The staleness and partitioning values of ``Pipeline(...)``: the
+  values given, or ones made from their keyword spelling (``keywords``:
+  the options given by name). A name of neither is refused, with the
+  nearest known one."""
+  known = STALENESS_KEYWORDS + PARTITIONING_KEYWORDS
+  for name in keywords:
+    if name not in known:
+      near = difflib.get_close_matches(name, known, n=1)
+      hint = f" (did you mean {near[0]!r}?)" if near else ""
+      raise TypeError(
+        f"Pipeline() got an unexpected keyword argument {name!r}{hint}; "
+        f"its options are the arguments of jpipe.runtime.Staleness "
+        f"{STALENESS_KEYWORDS} and jpipe.runtime.Partitioning "
+        f"{PARTITIONING_KEYWORDS}"
+      )
+  by_staleness = {k: v for k, v in keywords.items() if k in STALENESS_KEYWORDS}
+  by_partition = {
+    k: v for k, v in keywords.items() if k in PARTITIONING_KEYWORDS
+  }
+  num_stages = by_partition.pop("num_stages", None)
+  return (
+    staleness_from_keywords(staleness, **by_staleness),
+    partitioning_from_keywords(partitioning, num_stages, **by_partition),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """What runs the stages (the last construction phase).
+
+  Attributes:
+    programs: each stage's jitted forward, backward and fused programs.
+    tied: which stage owns each tied parameter, and their replicas.
+    params_treedef: the params' structure.
+    leaf_names: every param leaf's global path.
+    stage_optimizers: each stage's ``StageOptimizer``.
+    policy: which param version each forward and backward uses.
+    driver: runs a call's actions over the stages.
+  """
+
+  programs: StagePrograms
+  tied: TiedParams
+  params_treedef: Any
+  leaf_names: tuple[str, ...]
+  stage_optimizers: tuple[StageOptimizer, ...]
+  policy: VersionPolicy
+  driver: Driver
+
+
+def build_runtime(
+  params,
+  traced,
+  stages,
+  placed,
+  stream,
+  *,
+  optimizer,
+  staleness: Staleness,
+  num_batch_leaves: int,
+  record_params: bool,
+  hooks: DriverHooks | None,
+) -> Runtime:
+  """Stage programs, tied params, per-stage optimizers, the version
+  policy and the driver, for stages placed as ``placed`` says."""
+  grad_layouts = tuple(
+    FlatLayout(
+      [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
+      own_buffer_bytes(place.devices[0].platform),
+    )
+    for spec, place in zip(stages.specs, placed.placement, strict=True)
+  )
+  programs = StagePrograms(stages, grad_layouts, staleness.recompute)
+  tied = TiedParams(stages, placed.transport)
+  names = tuple(leaf_names(params))
+  stage_optimizers = _stage_optimizers(
+    stages, tied, stream, names, grad_layouts, optimizer, staleness
+  )
+  policy = VersionPolicy(
+    stream,
+    recompute=staleness.recompute,
+    weight_stashing=staleness.weight_stashing,
+    prediction=staleness.prediction,
+    gap_aware=staleness.gap_aware,
+    record=record_params,
+  )
+  driver = Driver(
+    stages,
+    programs,
+    placed.placement,
+    stage_optimizers,
+    policy,
+    tied,
+    placed.transport,
+    stream,
+    num_batch_leaves=num_batch_leaves,
+    record_params=record_params,
+    hooks=hooks,
+  )
+  return Runtime(
+    programs,
+    tied,
+    jax.tree.structure(params),
+    names,
+    stage_optimizers,
+    policy,
+    driver,
+  )
+
+
+def _stage_optimizers(
+  stages, tied, stream, names, grad_layouts, optimizer, staleness
+) -> tuple[StageOptimizer, ...]:
+  """Each stage's optimizer over the leaves it steps (``names``: every
+  param leaf's path; ``grad_layouts``: each stage's packed gradient)."""
+  predictor = staleness.stage_predictor(optimizer)  # One for every stage.
+  optimizers = []
+  for s, layout in enumerate(grad_layouts):
+    leaves = stages.specs[s].param_leaves
+    # Asynchronous: replicas of tied leaves another stage owns never step.
+    replica = tied.replica_positions(s) if stream else set()
+    positions = [p for p in range(len(leaves)) if p not in replica]
+    optimizers.append(
+      StageOptimizer(
+        [names[leaves[p]] for p in positions],
+        optimizer,
+        positions=positions,
+        gap_aware=staleness.gap_aware_at(
+          partition_lib.steady_state_delay(stages.num_stages, s)
+        ),
+        predictor=predictor,
+        learning_rate_schedule=staleness.learning_rate_schedule,
+        horizon=stream.max_delay(s) if stream else 0,
+        grad_layout=layout,
+      )
+    )
+  return tuple(optimizers)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineParts:
+  """Everything a built pipeline is made of: ``jpipe.Pipeline``'s
+  attributes of the same names.
+
+  Attributes:
+    staleness, partitioning: the option values it was built with.
+    optimizer: the optax transformation every stage runs.
+    schedule_name: the schedule's registered name.
+    num_microbatches, microbatch_size: of the example batch.
+    memory_limit: bytes per device (resolved), or None.
+    traced, granularity, state_treedef, num_batch_leaves: ``ModelCut``'s.
+    plan, stages: ``Partitioned``'s.
+    placement, stage_device, transport, batch_leaves, schedule_device,
+    device_names: ``Placed``'s.
+    stream, calls, schedule: ``Scheduled``'s.
+    programs, tied, params_treedef, leaf_names, stage_optimizers, policy,
+    driver: ``Runtime``'s.
+  """
+
+  staleness: Staleness
+  partitioning: Partitioning
+  optimizer: Any
+  schedule_name: str
+  num_microbatches: int
+  microbatch_size: int
+  memory_limit: float | None
+  traced: Any
+  granularity: Any
+  state_treedef: Any
+  num_batch_leaves: int
+  plan: Any
+  stages: Any
+  placement: Any
+  stage_device: Any
+  transport: Any
+  batch_leaves: dict
+  schedule_device: tuple[int, ...]
+  device_names: tuple[str, ...]
+  stream: Any
+  calls: Any
+  schedule: Any
+  programs: Any
+  tied: Any
+  params_treedef: Any
+  leaf_names: tuple[str, ...]
+  stage_optimizers: tuple[Any, ...]
+  policy: Any
+  driver: Any
+
+  def fields(self) -> dict[str, Any]:
+    """``{name: value}`` of every part."""
+    return _fields(self)
+
+
+def build_pipeline(
+  loss_fn,
+  params,
+  example_batch,
+  *,
+  optimizer,
+  devices,
+  schedule,
+  num_microbatches: int,
+  staleness: Staleness,
+  partitioning: Partitioning,
+  model_state=None,
+  record_params: bool = False,
+  hooks: DriverHooks | None = None,
+) -> PipelineParts:
+  """A pipeline's parts (see ``jpipe.Pipeline`` for the arguments): the
+  options checked first, then each construction phase in order."""
+  name = schedule_lib.lookup(schedule).name
+  staleness.check(name, optimizer, params)
+  micro = _microbatch_size(example_batch, num_microbatches)
+  devices = list(jax.devices() if devices is None else devices)
+  num_devices = len(devices)
+  check_stage_count(
+    partitioning.num_stages, num_devices, partitioning.partition
+  )
+  memory_limit = resolve_memory_limit(partitioning.memory_limit, devices)
+  cut = cut_model(
+    loss_fn,
+    params,
+    example_batch,
+    micro,
+    model_state,
+    partitioning,
+    num_devices,
+  )
+  parts = partition_model(
+    cut,
+    params,
+    partitioning,
+    num_devices,
+    staleness=staleness,
+    schedule=name,
+    num_microbatches=num_microbatches,
+    optimizer=optimizer,
+    memory_limit=memory_limit,
+  )
+  placed = place_stages(
+    parts.plan,
+    parts.stages,
+    devices,
+    micro,
+    cut.num_batch_leaves,
+    partitioning.transport,
+  )
+  scheduled = schedule_calls(
+    name,
+    parts.stages,
+    placed.schedule_device,
+    num_microbatches,
+    step_every=staleness.step_every,
+    fuse_last_stage=partitioning.fuse_last_stage,
+  )
+  runtime = build_runtime(
+    params,
+    cut.traced,
+    parts.stages,
+    placed,
+    scheduled.stream,
+    optimizer=optimizer,
+    staleness=staleness,
+    num_batch_leaves=cut.num_batch_leaves,
+    record_params=record_params,
+    hooks=hooks,
+  )
+  return PipelineParts(
+    staleness,
+    partitioning,
+    optimizer,
+    name,
+    num_microbatches,
+    micro,
+    memory_limit,
+    cut.traced,
+    cut.granularity,
+    cut.state_treedef,
+    cut.num_batch_leaves,
+    **_fields(parts),
+    **_fields(placed),
+    **_fields(scheduled),
+    **_fields(runtime),
+  )
+
+
+def _fields(value) -> dict[str, Any]:
+  """A dataclass's ``{field name: value}`` (not copied, unlike asdict)."""
+  return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+
+
+def _microbatch_size(example_batch, num_microbatches: int) -> int:
+  """Rows per microbatch; the count must divide the batch."""
+  if num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+  size = batch_size(example_batch)
+  if size % num_microbatches:
+    raise ValueError(
+      f"{num_microbatches} microbatches do not divide the batch of "
+      f"{size}: use a divisor of {size}"
+    )
+  return size // num_microbatches

@@ -1,0 +1,88 @@
+"""One ``step`` or ``flush`` call of a built pipeline.
+
+The call's microbatches are cut from the batch and placed, its action
+lists (``_calls.py``) run by the driver, and the stream's position and
+the step count carried into the returned ``PipelineState``.
+"""
+
+import dataclasses
+
+import jax
+
+from jpipe.runtime._batches import batch_size, place_microbatches
+from jpipe.runtime._driver import InFlight
+from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime._profiler import ActionProfiler
+
+
+def step(pipe, state: PipelineState, batch, profile: bool):
+  """``Pipeline.step``: ``batch`` cut into microbatches of the pipeline's
+  size and run; returns (state, metrics)."""
+  size = batch_size(batch)
+  if size % pipe.microbatch_size:
+    raise ValueError(
+      f"a batch of {size} examples does not split into microbatches of "
+      f"{pipe.microbatch_size} (the example batch's size / "
+      f"num_microbatches): pass a multiple of {pipe.microbatch_size}"
+    )
+  m = size // pipe.microbatch_size
+  fed = state.in_flight.fed if state.in_flight else 0
+  batches = place_microbatches(
+    jax.tree.leaves(batch), pipe.batch_leaves, m, fed
+  )
+  return _run(pipe, state, fed, m, batches, profile)
+
+
+def flush(pipe, state: PipelineState, profile: bool):
+  """``Pipeline.flush``: an asynchronous stream drained (a no-op when
+  nothing is in flight or the schedule is synchronous)."""
+  if pipe.stream is None or not state.in_flight.fed:
+    return state, {}
+  return _run(pipe, state, state.in_flight.fed, None, {}, profile)
+
+
+def _run(pipe, state, fed, m, batches, profile):
+  """One driver call: m microbatches after ``fed`` (None: a flush)."""
+  call = pipe.calls(fed, m)
+  profiler = ActionProfiler(call.lists) if profile else None
+  flight = state.in_flight or InFlight.start(state.stage_params)
+  if pipe.stream is None:
+    cotangent = 1.0 / m
+  else:  # A window's mean (a short one is rescaled at its step).
+    cotangent = 1.0 / pipe.stream.step_every
+  out = pipe.driver.run(
+    call.order,
+    call.fused,
+    stage_params=state.stage_params,
+    opt_states=state.opt_states,
+    model_state=state.model_state,
+    in_flight=flight,
+    batches=batches,
+    loss_cotangent=cotangent,
+    profiler=profiler,
+  )
+  flight = out.in_flight
+  if pipe.stream is None or m is None:
+    if not flight.drained:
+      raise RuntimeError("the pipeline did not drain")  # A schedule bug.
+    flight = InFlight.start(out.stage_params) if pipe.stream else None
+  else:
+    flight = dataclasses.replace(flight, fed=fed + m)
+  metrics = {
+    "param_versions": tuple(out.param_versions),
+    "param_bytes": tuple(out.param_bytes),
+  }
+  if out.loss is not None:
+    metrics["loss"] = out.loss
+  if profiler:
+    metrics["timeline"] = profiler.timeline()
+  if out.used_params is not None:
+    metrics["used_params"] = out.used_params
+  new = PipelineState(
+    tuple(out.stage_params),
+    tuple(out.opt_states),
+    state.step + (m is not None),
+    tuple(out.model_state),
+    flight,
+  )
+  return new, metrics
