@@ -17,10 +17,11 @@ from typing import Any
 import jax
 
 from jpipe import partition as partition_lib
-from jpipe import schedule as schedule_lib
-from jpipe.runtime._batches import batch_size
 from jpipe.runtime._build import (
-  check_stage_count,
+  ModelCut,
+  Placed,
+  Request,
+  check_request,
   cut_model,
   partition_model,
   place_stages,
@@ -28,7 +29,6 @@ from jpipe.runtime._build import (
 )
 from jpipe.runtime._driver import Driver, DriverHooks
 from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
-from jpipe.runtime._memory import resolve_memory_limit
 from jpipe.runtime._options import Staleness, staleness_from_keywords
 from jpipe.runtime._partitioning import (
   Partitioning,
@@ -99,19 +99,18 @@ class Runtime:
 
 def build_runtime(
   params,
-  traced,
+  cut: ModelCut,
   stages,
-  placed,
+  placed: Placed,
   stream,
+  request: Request,
   *,
-  optimizer,
-  staleness: Staleness,
-  num_batch_leaves: int,
   record_params: bool,
   hooks: DriverHooks | None,
 ) -> Runtime:
   """Stage programs, tied params, per-stage optimizers, the version
   policy and the driver, for stages placed as ``placed`` says."""
+  staleness, traced = request.staleness, cut.traced
   grad_layouts = tuple(
     FlatLayout(
       [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
@@ -123,7 +122,7 @@ def build_runtime(
   tied = TiedParams(stages, placed.transport)
   names = tuple(leaf_names(params))
   stage_optimizers = _stage_optimizers(
-    stages, tied, stream, names, grad_layouts, optimizer, staleness
+    stages, tied, stream, names, grad_layouts, request
   )
   policy = VersionPolicy(
     stream,
@@ -142,7 +141,7 @@ def build_runtime(
     tied,
     placed.transport,
     stream,
-    num_batch_leaves=num_batch_leaves,
+    num_batch_leaves=cut.num_batch_leaves,
     record_params=record_params,
     hooks=hooks,
   )
@@ -158,10 +157,11 @@ def build_runtime(
 
 
 def _stage_optimizers(
-  stages, tied, stream, names, grad_layouts, optimizer, staleness
+  stages, tied, stream, names, grad_layouts, request: Request
 ) -> tuple[StageOptimizer, ...]:
   """Each stage's optimizer over the leaves it steps (``names``: every
   param leaf's path; ``grad_layouts``: each stage's packed gradient)."""
+  optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
   optimizers = []
   for s, layout in enumerate(grad_layouts):
@@ -192,11 +192,8 @@ class PipelineParts:
   attributes of the same names.
 
   Attributes:
-    staleness, partitioning: the option values it was built with.
-    optimizer: the optax transformation every stage runs.
-    schedule_name: the schedule's registered name.
-    num_microbatches, microbatch_size: of the example batch.
-    memory_limit: bytes per device (resolved), or None.
+    optimizer, staleness, partitioning, schedule_name, num_microbatches,
+    microbatch_size, devices, memory_limit: ``Request``'s.
     traced, granularity, state_treedef, num_batch_leaves: ``ModelCut``'s.
     plan, stages: ``Partitioned``'s.
     placement, stage_device, transport, batch_leaves, schedule_device,
@@ -206,12 +203,13 @@ class PipelineParts:
     driver: ``Runtime``'s.
   """
 
+  optimizer: Any
   staleness: Staleness
   partitioning: Partitioning
-  optimizer: Any
   schedule_name: str
   num_microbatches: int
   microbatch_size: int
+  devices: tuple[Any, ...]
   memory_limit: float | None
   traced: Any
   granularity: Any
@@ -258,75 +256,36 @@ def build_pipeline(
 ) -> PipelineParts:
   """A pipeline's parts (see ``jpipe.Pipeline`` for the arguments): the
   options checked first, then each construction phase in order."""
-  name = schedule_lib.lookup(schedule).name
-  staleness.check(name, optimizer, params)
-  micro = _microbatch_size(example_batch, num_microbatches)
-  devices = list(jax.devices() if devices is None else devices)
-  num_devices = len(devices)
-  check_stage_count(
-    partitioning.num_stages, num_devices, partitioning.partition
-  )
-  memory_limit = resolve_memory_limit(partitioning.memory_limit, devices)
-  cut = cut_model(
-    loss_fn,
+  request = check_request(
     params,
     example_batch,
-    micro,
-    model_state,
-    partitioning,
-    num_devices,
-  )
-  parts = partition_model(
-    cut,
-    params,
-    partitioning,
-    num_devices,
-    staleness=staleness,
-    schedule=name,
-    num_microbatches=num_microbatches,
     optimizer=optimizer,
-    memory_limit=memory_limit,
+    devices=devices,
+    schedule=schedule,
+    num_microbatches=num_microbatches,
+    staleness=staleness,
+    partitioning=partitioning,
   )
-  placed = place_stages(
-    parts.plan,
-    parts.stages,
-    devices,
-    micro,
-    cut.num_batch_leaves,
-    partitioning.transport,
-  )
-  scheduled = schedule_calls(
-    name,
-    parts.stages,
-    placed.schedule_device,
-    num_microbatches,
-    step_every=staleness.step_every,
-    fuse_last_stage=partitioning.fuse_last_stage,
-  )
+  cut = cut_model(loss_fn, params, example_batch, model_state, request)
+  parts = partition_model(cut, params, request)
+  placed = place_stages(parts, cut, request)
+  scheduled = schedule_calls(parts.stages, placed, request)
   runtime = build_runtime(
     params,
-    cut.traced,
+    cut,
     parts.stages,
     placed,
     scheduled.stream,
-    optimizer=optimizer,
-    staleness=staleness,
-    num_batch_leaves=cut.num_batch_leaves,
+    request,
     record_params=record_params,
     hooks=hooks,
   )
   return PipelineParts(
-    staleness,
-    partitioning,
-    optimizer,
-    name,
-    num_microbatches,
-    micro,
-    memory_limit,
-    cut.traced,
-    cut.granularity,
-    cut.state_treedef,
-    cut.num_batch_leaves,
+    **_fields(request),
+    traced=cut.traced,
+    granularity=cut.granularity,
+    state_treedef=cut.state_treedef,
+    num_batch_leaves=cut.num_batch_leaves,
     **_fields(parts),
     **_fields(placed),
     **_fields(scheduled),
@@ -337,16 +296,3 @@ def build_pipeline(
 def _fields(value) -> dict[str, Any]:
   """A dataclass's ``{field name: value}`` (not copied, unlike asdict)."""
   return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-
-
-def _microbatch_size(example_batch, num_microbatches: int) -> int:
-  """Rows per microbatch; the count must divide the batch."""
-  if num_microbatches < 1:
-    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-  size = batch_size(example_batch)
-  if size % num_microbatches:
-    raise ValueError(
-      f"{num_microbatches} microbatches do not divide the batch of "
-      f"{size}: use a divisor of {size}"
-    )
-  return size // num_microbatches

@@ -1,13 +1,14 @@
 """Building a pipeline, phase by phase: each phase a function of what the
 ones before it made, returning a frozen value.
 
+0. ``check_request``: the options checked, the devices and sizes fixed.
 1. ``cut_model``: trace the loss on one microbatch, cut at a depth.
 2. ``partition_model``: the Plan (given or solved) and its Stages.
 3. ``place_stages``: devices, replica groups, the cross-process transport.
 4. ``schedule_calls``: the schedule (or stream) and its per-call actions.
 
-``Pipeline.__init__`` runs them in order and builds the programs, the
-optimizers and the driver from their results.
+``_assemble.build_pipeline`` runs them in order, then builds the
+programs, the optimizers and the driver from their results.
 """
 
 import dataclasses
@@ -18,8 +19,12 @@ import jax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.distributed import text_from_process_zero
+from jpipe.runtime._batches import batch_size
 from jpipe.runtime._calls import CallActions
-from jpipe.runtime._memory import partitioner_memory_model
+from jpipe.runtime._memory import (
+  partitioner_memory_model,
+  resolve_memory_limit,
+)
 from jpipe.runtime._options import Staleness
 from jpipe.runtime._partitioning import Partitioning
 from jpipe.runtime._placement import (
@@ -28,6 +33,62 @@ from jpipe.runtime._placement import (
   device_name,
 )
 from jpipe.runtime._transport import Transport
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What the pipeline is asked to be, checked: what every phase reads.
+
+  Attributes:
+    optimizer, staleness, partitioning: as given.
+    schedule_name: the schedule's registered name.
+    num_microbatches, microbatch_size: of the example batch.
+    devices: the devices to use.
+    memory_limit: bytes per device (``partitioning.memory_limit``
+      resolved), or None.
+  """
+
+  optimizer: Any
+  staleness: Staleness
+  partitioning: Partitioning
+  schedule_name: str
+  num_microbatches: int
+  microbatch_size: int
+  devices: tuple[Any, ...]
+  memory_limit: float | None
+
+
+def check_request(
+  params,
+  example_batch,
+  *,
+  optimizer,
+  devices,
+  schedule,
+  num_microbatches: int,
+  staleness: Staleness,
+  partitioning: Partitioning,
+) -> Request:
+  """The options checked against each other and the devices, before any
+  work (``devices`` None: all of them)."""
+  name = schedule_lib.lookup(schedule).name
+  staleness.check(name, optimizer, params)
+  micro = _microbatch_size(example_batch, num_microbatches)
+  devices = tuple(jax.devices() if devices is None else devices)
+  check_stage_count(
+    partitioning.num_stages, len(devices), partitioning.partition
+  )
+  limit = resolve_memory_limit(partitioning.memory_limit, devices)
+  return Request(
+    optimizer,
+    staleness,
+    partitioning,
+    name,
+    num_microbatches,
+    micro,
+    devices,
+    limit,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,19 +113,15 @@ class ModelCut:
 
 
 def cut_model(
-  loss_fn,
-  params,
-  example_batch,
-  microbatch_size: int,
-  model_state,
-  partitioning: Partitioning,
-  num_devices: int,
+  loss_fn, params, example_batch, model_state, request: Request
 ) -> ModelCut:
   """Traces ``loss_fn`` on the first microbatch and cuts it at
   ``partitioning.depth`` (None: the automatic depth for the stage
   count)."""
+  partitioning = request.partitioning
   depth = partitioning.depth
-  micro = jax.tree.map(lambda x: x[:microbatch_size], example_batch)
+  size = request.microbatch_size
+  micro = jax.tree.map(lambda x: x[:size], example_batch)
   num_batch_leaves = len(jax.tree.leaves(micro))
   state_treedef = None
   if model_state is not None:
@@ -76,7 +133,10 @@ def cut_model(
   granularity = None  # An explicit depth.
   if depth is None:
     traced, granularity = _granularity(
-      traced, partitioning.partition, partitioning.num_stages, num_devices
+      traced,
+      partitioning.partition,
+      partitioning.num_stages,
+      len(request.devices),
     )
   if model_state is not None:
     _check_state_output(traced, state_treedef)
@@ -98,21 +158,12 @@ class Partitioned:
   stages: partition_lib.Stages
 
 
-def partition_model(
-  cut: ModelCut,
-  params,
-  partitioning: Partitioning,
-  num_devices: int,
-  *,
-  staleness: Staleness,
-  schedule: str,
-  num_microbatches: int,
-  optimizer,
-  memory_limit: float | None,
-) -> Partitioned:
+def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   """The Plan given or solved (agreed across processes), and the stages
-  cut by it (``memory_limit``: resolved to bytes, or None)."""
+  cut by it."""
+  partitioning, staleness = request.partitioning, request.staleness
   partition, num_stages = partitioning.partition, partitioning.num_stages
+  num_devices = len(request.devices)
   plan = _make_plan(
     cut.traced,
     params,
@@ -124,11 +175,11 @@ def partition_model(
     cost_model=partitioning.cost_model,
     recompute=staleness.recompute,
     memory=partitioner_memory_model(
-      memory_limit,
-      optimizer,
+      request.memory_limit,
+      request.optimizer,
       params,
-      schedule,
-      num_microbatches,
+      request.schedule_name,
+      request.num_microbatches,
       min(num_stages, num_devices),
       recompute=staleness.recompute,
       stashes=staleness.stashes,
@@ -172,20 +223,18 @@ class Placed:
   device_names: tuple[str, ...]
 
 
-def place_stages(
-  plan,
-  stages,
-  devices,
-  microbatch_size: int,
-  num_batch_leaves: int,
-  transport: str,
-) -> Placed:
+def place_stages(parts: Partitioned, cut: ModelCut, request: Request) -> Placed:
   """Each stage on its devices, and the transport between processes."""
+  plan, stages, num_batch_leaves = (
+    parts.plan,
+    parts.stages,
+    cut.num_batch_leaves,
+  )
   placement = tuple(
-    StagePlacement([devices[i] for i in ds], microbatch_size)
+    StagePlacement([request.devices[i] for i in ds], request.microbatch_size)
     for ds in plan.stage_devices
   )
-  mover = Transport(placement, transport)
+  mover = Transport(placement, request.partitioning.transport)
   mover.connect()
   # Model-state leaves, numbered after the batch leaves, are not split.
   batch_leaves = {}
@@ -219,19 +268,11 @@ class Scheduled:
   schedule: Any
 
 
-def schedule_calls(
-  name: str,
-  stages,
-  schedule_device,
-  num_microbatches: int,
-  *,
-  step_every: int,
-  fuse_last_stage: bool,
-) -> Scheduled:
+def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
   """The schedule of the pipeline's stages on their schedule devices."""
-  n = stages.num_stages
+  n, name = stages.num_stages, request.schedule_name
   stream = (
-    schedule_lib.Stream(name, n, step_every)
+    schedule_lib.Stream(name, n, request.staleness.step_every)
     if schedule_lib.lookup(name).asynchronous
     else None
   )
@@ -239,11 +280,12 @@ def schedule_calls(
     name,
     stream,
     n,
-    schedule_device,
+    placed.schedule_device,
     output_free=tuple(not spec.outputs for spec in stages.specs),
-    fuse=fuse_last_stage,
+    fuse=request.partitioning.fuse_last_stage,
   )
-  return Scheduled(stream, calls, stream or calls.synchronous(num_microbatches))
+  first = stream or calls.synchronous(request.num_microbatches)
+  return Scheduled(stream, calls, first)
 
 
 def _granularity(traced, partition, num_stages, num_devices):
@@ -325,3 +367,16 @@ def _check_state_output(traced, state_treedef):
       "(loss, new_model_state) with new_model_state structured like "
       "model_state"
     )
+
+
+def _microbatch_size(example_batch, num_microbatches: int) -> int:
+  """Rows per microbatch; the count must divide the batch."""
+  if num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+  size = batch_size(example_batch)
+  if size % num_microbatches:
+    raise ValueError(
+      f"{num_microbatches} microbatches do not divide the batch of "
+      f"{size}: use a divisor of {size}"
+    )
+  return size // num_microbatches
