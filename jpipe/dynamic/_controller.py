@@ -51,7 +51,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -146,22 +145,10 @@ class DynamicPipeline:
     self.horizon_steps = horizon_steps or 2 * window
     self.high, self.low = high, low
     self.interference = interference or Interference()
-    first_partition = partition_of(pipeline_options)
-
-    def build(plan):
-      return Pipeline(
-        loss_fn,
-        params,
-        example_batch,
-        hooks=self.interference,
-        **with_partition(pipeline_options, plan),
-      )
-
-    start = time.perf_counter()
-    first = build(first_partition)
-    self.build_seconds = time.perf_counter() - start
-    _check_straight(first.plan)
-    self.switch = PlanSwitch(build, first)
+    self.switch = self._first_switch(
+      loss_fn, params, example_batch, pipeline_options
+    )
+    first = self.switch.pipeline
     self.schedule_name = first.schedule_name
     self.num_microbatches = first.num_microbatches
     costs = _node_costs(first, params, example_batch, cost_model)
@@ -187,6 +174,25 @@ class DynamicPipeline:
     self.compile_seconds = 0.0
     self._fresh = True
     self._place()
+
+  def _first_switch(self, loss_fn, params, example_batch, options):
+    """The first pipeline (its build timed: ``build_seconds``) in a
+    ``PlanSwitch`` that builds the others the same way."""
+
+    def build(plan):
+      return Pipeline(
+        loss_fn,
+        params,
+        example_batch,
+        hooks=self.interference,
+        **with_partition(options, plan),
+      )
+
+    start = time.perf_counter()
+    first = build(partition_of(options))
+    self.build_seconds = time.perf_counter() - start
+    _check_straight(first.plan)
+    return PlanSwitch(build, first)
 
   # -- the pipeline in force -------------------------------------------------
 
@@ -214,25 +220,15 @@ class DynamicPipeline:
       ds[0] for ds in self.plan.stage_devices
     )
 
-  def init(self, params, model_state=None) -> PipelineState:
-    return self.pipeline.init(params, model_state)
-
-  def flush(self, state):
-    return self.pipeline.flush(state)
-
-  def state_dict(self, state) -> dict[str, Any]:
-    return self.pipeline.state_dict(state)
-
-  def load_state_dict(self, tree) -> PipelineState:
-    return self.pipeline.load_state_dict(tree)
-
-  def gather_params(self, state):
-    return self.pipeline.gather_params(state)
-
   # -- a call ----------------------------------------------------------------
 
   # What the training loop reads of the pipeline in force, by name (no
   # catch-all pass-through: an attribute not listed here is not one).
+  init = _in_force("init")
+  flush = _in_force("flush")
+  state_dict = _in_force("state_dict")
+  load_state_dict = _in_force("load_state_dict")
+  gather_params = _in_force("gather_params")
   transport = _in_force("transport")
   device_names = _in_force("device_names")
   granularity = _in_force("granularity")
@@ -385,20 +381,26 @@ class DynamicPipeline:
     )
     self.policy.switched()
     self._place()
-    record = {
-      "step": self.calls,
-      "old": list(old),
-      "new": list(decision.boundaries),
-      "sigma": list(decision.sigma),
-      "expected_sigma": list(decision.expected_sigma),
-      "predicted_old_seconds": decision.old_seconds,
-      "predicted_new_seconds": decision.new_seconds,
-      "measured_seconds": window.step_seconds,
-      "switch_seconds": done.seconds,
-      "compiled": done.compiled,
-    }
+    record = _switch_record(self.calls, old, decision, window, done)
     self.history.append(record)
     return state, record
+
+
+def _switch_record(calls, old, decision: Decision, window, done) -> dict:
+  """What a re-partition logs: when, the splits, the slowdowns seen and
+  expected, the predicted and measured step times, what it cost."""
+  return {
+    "step": calls,
+    "old": list(old),
+    "new": list(decision.boundaries),
+    "sigma": list(decision.sigma),
+    "expected_sigma": list(decision.expected_sigma),
+    "predicted_old_seconds": decision.old_seconds,
+    "predicted_new_seconds": decision.new_seconds,
+    "measured_seconds": window.step_seconds,
+    "switch_seconds": done.seconds,
+    "compiled": done.compiled,
+  }
 
 
 def _node_costs(first, params, example_batch, cost_model):

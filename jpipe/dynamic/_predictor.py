@@ -361,55 +361,77 @@ def collect(
   first = dyn.boundaries
   stages = len(first) - 1
   splits = _splits_to_measure(dyn, first, factors, num_splits, seed)
-  features = dyn.features
+  windows = _Windows(dyn, state, batch_at, steps_per_window, stages)
   interference = dyn.interference
-  devices = list(interference.stage_devices)
-  saved = interference.slowdowns
-  step = 0
   reference = np.zeros((len(splits), stages))
   slowed = np.zeros((len(splits), factors.size, stages))
-
-  def window():
-    """Per stage, seconds per microbatch: the mean over the window's
-    steps, each profiled (one profiled step is a noisy sample)."""
-    nonlocal state, step
-    interference.take_slept()
-    seconds = np.zeros(stages)
-    for _ in range(steps_per_window):
-      state, metrics = dyn.pipeline.step(state, batch_at(step), profile=True)
-      step += 1
-      seconds += stage_seconds_per_microbatch(
-        metrics["timeline"], interference.take_slept(), stages
-      )
-    return seconds / steps_per_window
-
+  saved = interference.slowdowns
   try:
     for k, split in enumerate(splits):
-      state = dyn.move_to(state, split)
-      interference.slowdowns = ()
-      window()  # Compiles a new split's programs, refills the stream.
-      reference[k] = window()
-      if interference.model_seconds is None:
-        # Without simulated compute a slowed device sleeps its extra
-        # share of the model's measured time.
-        interference.model_seconds = float(reference[k].sum())
-      for j in range(factors.size):
-        interference.slowdowns = tuple(
-          Slowdown(devices[s], float(factors[(s + j) % factors.size]), 0)
-          for s in range(stages)
-        )
-        seconds = window()
-        for s in range(stages):
-          slowed[k, (s + j) % factors.size, s] = seconds[s]
+      windows.state = dyn.move_to(windows.state, split)
+      reference[k], slowed[k] = windows.measure_split(factors)
       if progress is not None:
         progress(f"split {k + 1}/{len(splits)} {list(split)} measured")
   finally:
     interference.slowdowns = saved
-  state = dyn.move_to(state, first)
-  stage_feats = np.stack([boundaries_of_features(features, b) for b in splits])
+  state = dyn.move_to(windows.state, first)
+  stage_feats = np.stack(
+    [boundaries_of_features(dyn.features, b) for b in splits]
+  )
   return state, Measurements(
     tuple(splits), factors, reference, slowed, stage_feats
   )
+
+
+class _Windows:
+  """Measurement windows on the split in force: each ``steps_per_window``
+  profiled training steps (they train: ``state`` moves on)."""
+
+  def __init__(self, dyn, state, batch_at, steps_per_window, stages):
+    self.dyn, self.state, self.batch_at = dyn, state, batch_at
+    self.steps_per_window, self.stages = steps_per_window, stages
+    self.step = 0
+    self.interference = dyn.interference
+
+  def measure(self) -> np.ndarray:
+    """Per stage, seconds per microbatch: the mean over the window's
+    steps, each profiled (one profiled step is a noisy sample)."""
+    self.interference.take_slept()
+    seconds = np.zeros(self.stages)
+    for _ in range(self.steps_per_window):
+      self.state, metrics = self.dyn.pipeline.step(
+        self.state, self.batch_at(self.step), profile=True
+      )
+      self.step += 1
+      seconds += stage_seconds_per_microbatch(
+        metrics["timeline"], self.interference.take_slept(), self.stages
+      )
+    return seconds / self.steps_per_window
+
+  def measure_split(self, factors) -> tuple[np.ndarray, np.ndarray]:
+    """On the split in force: a warm-up window, the unslowed reference
+    (per stage) and, per factor, each stage's time slowed by it
+    ([factor, stage]); the factors rotate over the devices, so each
+    stage sees each factor once."""
+    interference, stages = self.interference, self.stages
+    devices = list(interference.stage_devices)
+    interference.slowdowns = ()
+    self.measure()  # Compiles a new split's programs, refills the stream.
+    reference = self.measure()
+    if interference.model_seconds is None:
+      # Without simulated compute a slowed device sleeps its extra
+      # share of the model's measured time.
+      interference.model_seconds = float(reference.sum())
+    slowed = np.zeros((factors.size, stages))
+    for j in range(factors.size):
+      interference.slowdowns = tuple(
+        Slowdown(devices[s], float(factors[(s + j) % factors.size]), 0)
+        for s in range(stages)
+      )
+      seconds = self.measure()
+      for s in range(stages):
+        slowed[(s + j) % factors.size, s] = seconds[s]
+    return reference, slowed
 
 
 def _splits_to_measure(dyn, first, factors, num_splits, seed):

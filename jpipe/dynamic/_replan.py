@@ -81,6 +81,20 @@ def dynpipe_score(forward, backward, comm=None, microbatches: int = 99):
   n = f.shape[0]
   c = np.zeros(max(n - 1, 0)) if comm is None else np.asarray(comm, float)
   m = microbatches
+  start = _simulate_starts(_one_f_one_b_orders(n, m), f, b, c)
+  gaps = [
+    (start[(0, "F", k * n)] - start[(0, "F", (k - 1) * n)]) / n
+    for k in range(1, (m - 1) // n + 1)
+  ]
+  if not gaps:
+    raise ValueError(f"{m} microbatches are too few for {n} stages")
+  return float(np.mean(gaps))
+
+
+def _one_f_one_b_orders(n: int, m: int) -> list[list[tuple[str, int]]]:
+  """Per stage of ``n``, its 1F1B order of ``m`` microbatches:
+  ``S - s - 1`` warm-up forwards, then F and B alternating, then the
+  remaining backwards."""
   orders = []
   for s in range(n):
     warm = min(n - s - 1, m)
@@ -89,6 +103,14 @@ def dynpipe_score(forward, backward, comm=None, microbatches: int = 99):
       order += [("F", warm + i), ("B", i)]
     order += [("B", i) for i in range(m - warm, m)]
     orders.append(order)
+  return orders
+
+
+def _simulate_starts(orders, f, b, c) -> dict[tuple[int, str, int], float]:
+  """``{(stage, kind, microbatch): start time}`` of every operation of
+  ``orders``, each starting once its dependencies ended (see
+  ``dynpipe_score``)."""
+  n = len(orders)
   start, end = {}, {}
   done = [0] * n
   while any(done[s] < len(orders[s]) for s in range(n)):
@@ -121,13 +143,7 @@ def dynpipe_score(forward, backward, comm=None, microbatches: int = 99):
         break
     if not progressed:
       raise RuntimeError("the 1F1B simulation is stuck (a bug)")
-  gaps = [
-    (start[(0, "F", k * n)] - start[(0, "F", (k - 1) * n)]) / n
-    for k in range(1, (m - 1) // n + 1)
-  ]
-  if not gaps:
-    raise ValueError(f"{m} microbatches are too few for {n} stages")
-  return float(np.mean(gaps))
+  return start
 
 
 def dynpipe_split(

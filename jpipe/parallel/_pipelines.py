@@ -248,27 +248,7 @@ class DataParallelPipelines:
 
   def _each(self, fn):
     """``fn(i)`` for each local pipeline i, one thread each."""
-    results = [None] * len(self.pipelines)
-    errors = []
-
-    def work(i):
-      try:
-        results[i] = fn(i)
-      except BaseException as e:  # Re-raised below, in the caller.
-        errors.append(e)
-        self.policy.abort(self.ranks[i])
-
-    threads = [
-      threading.Thread(target=work, args=(i,), name=f"pipeline-{p}")
-      for i, p in enumerate(self.ranks)
-    ]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
-    if errors:
-      raise errors[0]
-    return [r[0] for r in results], [r[1] for r in results]
+    return _in_threads(fn, self.ranks, self.policy.abort)
 
   # -- free-running epochs ---------------------------------------------------
 
@@ -372,6 +352,34 @@ class DataParallelPipelines:
     if all(a is b for a, b in zip(params, state.stage_params, strict=True)):
       return state
     return pipe.with_stage_params(state, params)
+
+
+def _in_threads(fn, ranks, abort):
+  """``fn(i)`` for each i of ``ranks`` (pipeline ``ranks[i]``), one
+  thread each; returns the first and second items of each result. A
+  pipeline's error aborts it (``abort(rank)``: the others stop waiting
+  for it) and is re-raised here, in the caller."""
+  results = [None] * len(ranks)
+  errors = []
+
+  def work(i):
+    try:
+      results[i] = fn(i)
+    except BaseException as e:  # Re-raised below, in the caller.
+      errors.append(e)
+      abort(ranks[i])
+
+  threads = [
+    threading.Thread(target=work, args=(i,), name=f"pipeline-{p}")
+    for i, p in enumerate(ranks)
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  if errors:
+    raise errors[0]
+  return [r[0] for r in results], [r[1] for r in results]
 
 
 def _local_ranks(devices, pipelines, per) -> tuple[int, ...]:

@@ -40,6 +40,28 @@ def _check_values(prediction, gap_aware, gap_aware_policy, step_every):
     raise ValueError(f"step_every must be >= 1, got {step_every}")
 
 
+def _check_gap_aware(gap_aware, gap_aware_options, step_every, recompute):
+  """Gap-Aware's own needs: its optimizer named, one microbatch a step,
+  and (``ga_jfl``) recomputation."""
+  if not gap_aware_options or "optimizer" not in gap_aware_options:
+    raise ValueError(
+      "gap_aware needs gap_aware_options with at least 'optimizer' "
+      "('sgd', 'adam' or 'adamw') and the learning rate, e.g. "
+      "{'optimizer': 'sgd', 'learning_rate': 0.1}"
+    )
+  if step_every != 1:
+    raise ValueError(
+      f"gap_aware needs step_every=1 (FTPipe), got {step_every}: a step "
+      "then applies one microbatch whose forward params define the gap"
+    )
+  if gap_aware == "ga_jfl" and not recompute:
+    raise ValueError(
+      "gap_aware='ga_jfl' recomputes the backward at the current params; "
+      "without recomputation the saved residuals pin the forward's params: "
+      "use recompute=True or gap_aware='ga'"
+    )
+
+
 def check_staleness_options(
   schedule,
   *,
@@ -75,23 +97,7 @@ def check_staleness_options(
       "2bw needs step_every = microbatches per minibatch (>= num_stages)"
     )
   if gap_aware is not None:
-    if not gap_aware_options or "optimizer" not in gap_aware_options:
-      raise ValueError(
-        "gap_aware needs gap_aware_options with at least 'optimizer' "
-        "('sgd', 'adam' or 'adamw') and the learning rate, e.g. "
-        "{'optimizer': 'sgd', 'learning_rate': 0.1}"
-      )
-    if step_every != 1:
-      raise ValueError(
-        f"gap_aware needs step_every=1 (FTPipe), got {step_every}: a step "
-        "then applies one microbatch whose forward params define the gap"
-      )
-  if gap_aware == "ga_jfl" and not recompute:
-    raise ValueError(
-      "gap_aware='ga_jfl' recomputes the backward at the current params; "
-      "without recomputation the saved residuals pin the forward's params: "
-      "use recompute=True or gap_aware='ga'"
-    )
+    _check_gap_aware(gap_aware, gap_aware_options, step_every, recompute)
   if schedule == "async" and not weight_stashing and not recompute:
     raise ValueError(
       "an asynchronous pipeline without weight stashing needs "

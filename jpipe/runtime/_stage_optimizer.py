@@ -18,7 +18,6 @@ import optax
 
 from jpipe import staleness
 from jpipe.runtime._flat import FlatLayout
-from jpipe.staleness import _common
 
 
 def leaf_names(params: Any) -> tuple[str, ...]:
@@ -164,7 +163,7 @@ class StageOptimizer:
     state = self.base_state(opt_state)
     learning_rates = None
     if self._schedule is not None:
-      count = _common.step_count(state)
+      count = staleness.step_count(state)
       learning_rates = staleness.schedule_lookahead(
         self._schedule, count, self._horizon
       )

@@ -4,7 +4,11 @@ Depends on jax and optax only, so any training loop can import it:
 weight prediction (closed form and replay), Gap-Aware, and weight stashing.
 """
 
-from jpipe.staleness._common import OPTIMIZERS, check_state_matches
+from jpipe.staleness._common import (
+  OPTIMIZERS,
+  check_state_matches,
+  step_count,
+)
 from jpipe.staleness._gap_aware import GapAwareState, gap_aware
 from jpipe.staleness._replay_prediction import replay_predictor
 from jpipe.staleness._weight_prediction import (
@@ -39,5 +43,6 @@ __all__ = [
   "stash_nbytes",
   "stash_put",
   "stash_slots_for_delay",
+  "step_count",
   "weight_predictor",
 ]

@@ -15,7 +15,22 @@ def base_config() -> ml_collections.ConfigDict:
   """Model, optimizer, pipeline, schedule, staleness and loop fields."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds the params and the data order.
+  for add_fields in (
+    _model_fields,
+    _optimizer_fields,
+    _pipeline_fields,
+    _schedule_fields,
+    _staleness_fields,
+    _data_parallel_fields,
+    _dynamic_fields,
+    _train_fields,
+  ):
+    add_fields(c)
+  return c
 
+
+def _model_fields(c: ml_collections.ConfigDict) -> None:
+  """The model (its name and arguments) and where its params start."""
   # Model: jpipe.models.<name>.Model(**kwargs). The model sets the task:
   # mlp / resnet / vgg classify images, gpt models text, t5 un-corrupts it.
   c.model = ml_collections.ConfigDict()
@@ -30,6 +45,9 @@ def base_config() -> ml_collections.ConfigDict:
   # the random init instead (a new head of another size).
   c.init_keep = ""
 
+
+def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
+  """The optax optimizer, its learning-rate schedule and frozen params."""
   # Optimizer (optax): sgd (with momentum), adam or adamw.
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "sgd"
@@ -42,6 +60,9 @@ def base_config() -> ml_collections.ConfigDict:
   # trained (zero updates, e.g. "^embed/,^block_0/"); "" trains all.
   c.optimizer.freeze = ""
 
+
+def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
+  """How the model is split into stages and placed."""
   # Pipeline: how the model is split and placed.
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.num_stages = 4  # Stages (devices used: min(stages, devices)).
@@ -73,6 +94,9 @@ def base_config() -> ml_collections.ConfigDict:
   # before training, naming the stage and the fixes.
   c.pipeline.memory_limit = ""
 
+
+def _schedule_fields(c: ml_collections.ConfigDict) -> None:
+  """The schedule and its step window."""
   # Schedule: a name from jpipe.schedule.SCHEDULES (synchronous: seq,
   # gpipe, 1f1b, interleaved; streaming: async, 2bw).
   c.schedule = ml_collections.ConfigDict()
@@ -80,6 +104,9 @@ def base_config() -> ml_collections.ConfigDict:
   # async: backwards per step; 2bw: microbatches per minibatch (>= stages).
   c.schedule.step_every = 1
 
+
+def _staleness_fields(c: ml_collections.ConfigDict) -> None:
+  """Staleness mitigation of the asynchronous schedule."""
   # Staleness mitigation (schedule "async" only).
   c.staleness = ml_collections.ConfigDict()
   c.staleness.stashing = False  # Weight stashing.
@@ -87,6 +114,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.staleness.gap_aware = ""  # "", "ga" or "ga_jfl".
   c.staleness.gap_aware_policy = "all_except_last"  # FTPipe's stage policy.
 
+
+def _data_parallel_fields(c: ml_collections.ConfigDict) -> None:
+  """Several pipelines in data parallel (SD-Pipe)."""
   # Several pipelines in data parallel (SD-Pipe): P copies of the
   # partitioned pipeline on disjoint devices (each gets devices // P),
   # each on its own shard of the data at its own pace.
@@ -110,6 +140,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data_parallel.simulated_ms = 0.0
   c.data_parallel.slowdown = ""
 
+
+def _dynamic_fields(c: ml_collections.ConfigDict) -> None:
+  """Re-partitioning while training (DynPipe)."""
   # Re-partitioning while training when a device slows down (DynPipe).
   # One profiled step per window measures each stage's time; a stage slot
   # whose slowdown moved by the trigger's factor (>= high or <= low) makes
@@ -141,6 +174,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.dynamic.inject = ""
   c.dynamic.simulated_ms = 0.0
 
+
+def _train_fields(c: ml_collections.ConfigDict) -> None:
+  """The training loop: steps, logs, evaluations, checkpoints, checks."""
   # Training loop.
   c.train = ml_collections.ConfigDict()
   c.train.steps = 300  # Pipeline steps (each covers batch_size examples).
@@ -157,7 +193,6 @@ def base_config() -> ml_collections.ConfigDict:
   # the run exits with status 124. 0: max(300, 20x the median step, 3x
   # the longest evaluation or checkpoint so far).
   c.train.hang_timeout = 0.0
-  return c
 
 
 def image_data(name: str = "digits") -> ml_collections.ConfigDict:

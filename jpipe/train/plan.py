@@ -22,6 +22,7 @@ full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -73,47 +74,85 @@ def _parser():
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   try:
-    config = config_plan.load_config_file(args.config)
-    method = args.method or config.pipeline.partition
-    if method not in partition.METHODS:
-      raise ValueError(f"unknown method {method!r}: one of {partition.METHODS}")
-    stages = config.pipeline.num_stages if args.stages is None else args.stages
-    devices = stages if args.devices is None else args.devices
-    for name, value in (("--stages", stages), ("--devices", devices)):
-      if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    devices = min(stages, devices)  # What training plans on.
-    with config.unlocked():  # The planned stages, as training gets them.
-      config.pipeline.num_stages = stages
-    traced, costs = config_plan.trace_config(
-      config, args.cost_model, devices, method
-    )
-    bandwidth = config.pipeline.bandwidth
-    if args.bandwidth is not None:
-      bandwidth = args.bandwidth
-    memory = config_check.memory_limit(
-      config.pipeline.memory_limit if args.memory is None else args.memory
-    )
-    if memory == "device":
-      raise ValueError(
-        "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
-      )
-    start = time.perf_counter()
-    plan = partition.plan_traced(
-      traced,
-      costs,
-      devices,
-      method=method,
-      bandwidth=bandwidth or None,
-      memory_limit=memory,
-    )
-    solve_seconds = time.perf_counter() - start
+    solved = _solve(args)
   except ValueError as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
+  result = _result(solved)
+  if args.json:
+    print(json.dumps(result))
+  else:
+    _print(args, solved, result)
+  if args.png:
+    plan = solved.plan
+    memory = {
+      "params": plan.stage_param_bytes,
+      "activations": plan.stage_activation_bytes,
+      "stash": plan.stage_stash_bytes,
+    }
+    partition.plot_plan(
+      result["stage_costs"], result["stage_seconds"], args.png, memory
+    )
+  return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solved:
+  """A solved plan, what it was solved for and how long it took."""
+
+  plan: partition.Plan
+  costs: partition.NodeCosts
+  method: str
+  devices: int
+  seconds: float
+
+
+def _solve(args) -> _Solved:
+  """The plan the command line asks for (ValueError: a bad argument)."""
+  config = config_plan.load_config_file(args.config)
+  method = args.method or config.pipeline.partition
+  if method not in partition.METHODS:
+    raise ValueError(f"unknown method {method!r}: one of {partition.METHODS}")
+  stages = config.pipeline.num_stages if args.stages is None else args.stages
+  devices = stages if args.devices is None else args.devices
+  for name, value in (("--stages", stages), ("--devices", devices)):
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}")
+  devices = min(stages, devices)  # What training plans on.
+  with config.unlocked():  # The planned stages, as training gets them.
+    config.pipeline.num_stages = stages
+  traced, costs = config_plan.trace_config(
+    config, args.cost_model, devices, method
+  )
+  bandwidth = config.pipeline.bandwidth
+  if args.bandwidth is not None:
+    bandwidth = args.bandwidth
+  memory = config_check.memory_limit(
+    config.pipeline.memory_limit if args.memory is None else args.memory
+  )
+  if memory == "device":
+    raise ValueError(
+      "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
+    )
+  start = time.perf_counter()
+  plan = partition.plan_traced(
+    traced,
+    costs,
+    devices,
+    method=method,
+    bandwidth=bandwidth or None,
+    memory_limit=memory,
+  )
+  return _Solved(plan, costs, method, devices, time.perf_counter() - start)
+
+
+def _result(solved: _Solved) -> dict:
+  """The plan and its figures, as the JSON output holds them."""
+  plan, costs = solved.plan, solved.costs
   node_seconds = costs.forward_seconds + costs.backward_seconds
-  result = {
-    "method": method,
+  lower_bound = max(node_seconds.sum() / solved.devices, node_seconds.max())
+  return {
+    "method": solved.method,
     "stage_of": plan.stage_of,
     "stage_devices": [list(d) for d in plan.stage_devices],
     "stage_costs": [
@@ -124,34 +163,26 @@ def main(argv=None) -> int:
     ],
     "stage_seconds": list(plan.stage_seconds),
     "bottleneck": plan.bottleneck_seconds,
-    "lower_bound": float(max(node_seconds.sum() / devices, node_seconds.max())),
+    "lower_bound": float(lower_bound),
     "sequential": plan.sequential_seconds,
-    "solve_seconds": solve_seconds,
+    "solve_seconds": solved.seconds,
     "plan": json.loads(plan.to_json()),
   }
-  if args.json:
-    print(json.dumps(result))
-  else:
-    partition.print_plan_table(
-      f"{len(plan.node_names)} nodes of {args.config}, {method}, "
-      f"{plan.num_stages} stages on {devices} devices, solved in "
-      f"{1e3 * solve_seconds:.1f} ms",
-      result,
-      list(plan.stage_of_node),
-    )
-    for s in range(plan.num_stages):
-      names = [k for k, v in plan.stage_of.items() if v == s]
-      print(f"  stage {s}: {', '.join(names)}")
-  if args.png:
-    memory = {
-      "params": plan.stage_param_bytes,
-      "activations": plan.stage_activation_bytes,
-      "stash": plan.stage_stash_bytes,
-    }
-    partition.plot_plan(
-      result["stage_costs"], result["stage_seconds"], args.png, memory
-    )
-  return 0
+
+
+def _print(args, solved: _Solved, result: dict) -> None:
+  """The plan as a table, then each stage's nodes."""
+  plan = solved.plan
+  partition.print_plan_table(
+    f"{len(plan.node_names)} nodes of {args.config}, {solved.method}, "
+    f"{plan.num_stages} stages on {solved.devices} devices, solved in "
+    f"{1e3 * solved.seconds:.1f} ms",
+    result,
+    list(plan.stage_of_node),
+  )
+  for s in range(plan.num_stages):
+    names = [k for k, v in plan.stage_of.items() if v == s]
+    print(f"  stage {s}: {', '.join(names)}")
 
 
 if __name__ == "__main__":

@@ -54,17 +54,7 @@ def collect_and_fit(config, out, factors, splits, steps_per_window, trees):
   """Measures, fits, writes ``out`` and ``out.json`` (process 0);
   returns the predictor's ``info`` (other processes: {})."""
   config_check.check(config)
-  try:
-    factors = [float(f) for f in factors]
-  except ValueError:
-    raise errors.UsageError(
-      f"--factors: {factors} are not numbers (e.g. --factors=1.5,2,3)"
-    ) from None
-  if splits < 1 or steps_per_window < 1 or trees < 1:
-    raise errors.UsageError("--splits, --steps_per_window and --trees: >= 1")
-  directory = os.path.dirname(os.path.abspath(out))
-  if not os.access(directory, os.W_OK):
-    raise errors.UsageError(f"--out: cannot write in {directory}")
+  factors = _check_arguments(out, factors, splits, steps_per_window, trees)
   config = config.copy_and_resolve_references()
   with config.unlocked():
     # Measure on the config's pipeline with no slowdown of its own; the
@@ -106,15 +96,33 @@ def collect_and_fit(config, out, factors, splits, steps_per_window, trees):
   with open(out + ".json", "w") as f:
     f.write(measured.to_json())
   info = predictor.info
-  say(
+  nan = float("nan")
+  print(
     f"{info['samples']} samples from {len(measured.splits)} splits x "
     f"{len(measured.factors)} factors; held-out mean absolute error of "
-    f"the slowdown: forest {info.get('heldout_mae', float('nan')):.3f}, "
+    f"the slowdown: forest {info.get('heldout_mae', nan):.3f}, "
     "measured rule (the device's slowdown for any layers) "
-    f"{info.get('heldout_mae_measured_rule', float('nan')):.3f}"
+    f"{info.get('heldout_mae_measured_rule', nan):.3f}"
   )
-  say(f"Predictor: {out} (use --config.dynamic.predictor={out})")
-  return predictor.info
+  print(f"Predictor: {out} (use --config.dynamic.predictor={out})")
+  return info
+
+
+def _check_arguments(out, factors, splits, steps_per_window, trees):
+  """The factors as numbers, once the flags are known to be usable
+  (``errors.UsageError`` naming the flag otherwise)."""
+  try:
+    factors = [float(f) for f in factors]
+  except ValueError:
+    raise errors.UsageError(
+      f"--factors: {factors} are not numbers (e.g. --factors=1.5,2,3)"
+    ) from None
+  if splits < 1 or steps_per_window < 1 or trees < 1:
+    raise errors.UsageError("--splits, --steps_per_window and --trees: >= 1")
+  directory = os.path.dirname(os.path.abspath(out))
+  if not os.access(directory, os.W_OK):
+    raise errors.UsageError(f"--out: cannot write in {directory}")
+  return factors
 
 
 def main(argv):

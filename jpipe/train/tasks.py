@@ -111,11 +111,29 @@ def _classification(config, model) -> Task:
   batch_at, rngs_of = _dropout(config, images_at)
   example = batch_at(0)
   variables = model.init(jax.random.key(config.seed), example["x"][:1])
+  loss_fn, logits_fn = _classifier_fns(
+    model, "batch_stats" in variables, rngs_of
+  )
+  return Task(
+    "classification",
+    loss_fn,
+    variables["params"],
+    variables.get("batch_stats"),
+    batch_at,
+    _accuracy(logits_fn, test),
+  )
+
+
+def _classifier_fns(model, has_stats: bool, rngs_of):
+  """``(loss_fn, logits_fn)`` of an image classifier: the mean cross
+  entropy of a training batch (with BatchNorm statistics as model state
+  where the model has them) and evaluation logits
+  ``logits_fn(params, stats, x)``."""
 
   def xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
-  if "batch_stats" in variables:
+  if has_stats:
 
     def loss_fn(params, stats, batch):
       logits, updates = model.apply(
@@ -131,18 +149,21 @@ def _classification(config, model) -> Task:
         {"params": params, "batch_stats": stats}, x, train=False
       )
 
-    stats = variables["batch_stats"]
-  else:
+    return loss_fn, logits_fn
 
-    def loss_fn(params, batch):
-      logits = model.apply({"params": params}, batch["x"], rngs=rngs_of(batch))
-      return xent(logits, batch["y"]).mean()
+  def plain_loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["x"], rngs=rngs_of(batch))
+    return xent(logits, batch["y"]).mean()
 
-    def logits_fn(params, stats, x):
-      del stats
-      return model.apply({"params": params}, x, train=False)
+  def plain_logits_fn(params, stats, x):
+    del stats
+    return model.apply({"params": params}, x, train=False)
 
-    stats = None
+  return plain_loss_fn, plain_logits_fn
+
+
+def _accuracy(logits_fn, test):
+  """``evaluate(params, stats)``: the accuracy on the test images."""
 
   @jax.jit
   def correct(params, stats, x, y):
@@ -161,9 +182,7 @@ def _classification(config, model) -> Task:
       )
     return {"accuracy": hits / len(test.labels)}
 
-  return Task(
-    "classification", loss_fn, variables["params"], stats, batch_at, evaluate
-  )
+  return evaluate
 
 
 def _mean_token_loss(logits, targets, weights):
