@@ -174,6 +174,12 @@ def plan_traced(
     raise ValueError(
       f"stage_slowdown is for method 'contiguous', not {method!r}"
     )
+
+  def finish(stage_of_node, stage_devices, stage_seconds) -> Plan:
+    return _finish(
+      traced, costs, method, stage_of_node, stage_devices, stage_seconds
+    )
+
   if method in ("pipedream", "pipedream_hybrid"):
     if comm_model != "overlapped":
       raise ValueError(f"method {method!r} has only the 'overlapped' model")
@@ -188,14 +194,15 @@ def plan_traced(
       activation_compression_ratio=None if bandwidth is None else 1.0,
     )
     starts = np.concatenate([[0], np.cumsum(solution.replicas)]).astype(int)
-    return _finish(
-      traced,
-      costs,
-      method,
+    return finish(
       [solution.stage_of[n] for n in traced.node_names],
       [devices[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)],
       solution.stage_seconds,
     )
+  # What the contiguous and mixed solvers know of the transfers.
+  network = dict(
+    edges=traced.edges(), bandwidth=bandwidth, comm_model=comm_model
+  )
   if method == "mixed":
     if memory_limit is not None:
       raise ValueError(
@@ -203,17 +210,8 @@ def plan_traced(
         "'pipedream' with memory_limit (jpipe.Pipeline checks any plan's "
         "memory after building it)"
       )
-    mixed = solve_mixed(
-      compute,
-      num_devices,
-      edges=traced.edges(),
-      bandwidth=bandwidth,
-      comm_model=comm_model,
-    )
-    return _finish(
-      traced,
-      costs,
-      method,
+    mixed = solve_mixed(compute, num_devices, **network)
+    return finish(
       mixed.stage_of_node(),
       [(devices[d],) for d in mixed.stage_device],
       mixed.stage_seconds,
@@ -224,26 +222,19 @@ def plan_traced(
   solution = solve_contiguous(
     compute,
     num_devices,
-    edges=traced.edges(),
-    bandwidth=bandwidth,
+    **network,
     static_bytes=static,
     activation_bytes=values,
     working_bytes=values + param_bytes,
     memory_limit=memory_limit,
     in_flight=in_flight,
-    comm_model=comm_model,
     param_bytes=param_bytes,
     param_versions=param_versions,
     recompute=recompute,
     stage_slowdown=stage_slowdown,
   )
-  return _finish(
-    traced,
-    costs,
-    method,
-    solution.stage_of_node(),
-    [(d,) for d in devices],
-    solution.stage_seconds,
+  return finish(
+    solution.stage_of_node(), [(d,) for d in devices], solution.stage_seconds
   )
 
 

@@ -4,7 +4,8 @@
 model, partition it, place the stages, schedule the calls), then the
 runtime phase here (stage programs, tied params, one optimizer per stage,
 the version policy, the driver), and returns every part in one
-``PipelineParts``: ``jpipe.Pipeline`` is a facade over it. The
+``PipelineParts``: ``jpipe.Pipeline`` is a facade over it (it checks
+the request first, ``_build.check_request``). The
 ``Pipeline`` keyword spelling of the staleness and partitioning options
 is mapped to their values in one place, ``options_from_keywords``.
 """
@@ -19,9 +20,10 @@ import jax
 from jpipe import partition as partition_lib
 from jpipe.runtime._build import (
   ModelCut,
+  Partitioned,
   Placed,
   Request,
-  check_request,
+  Scheduled,
   cut_model,
   partition_model,
   place_stages,
@@ -188,84 +190,40 @@ def _stage_optimizers(
 
 @dataclasses.dataclass(frozen=True)
 class PipelineParts:
-  """Everything a built pipeline is made of: ``jpipe.Pipeline``'s
-  attributes of the same names.
+  """Everything a built pipeline is made of, by construction phase."""
 
-  Attributes:
-    optimizer, staleness, partitioning, schedule_name, num_microbatches,
-    microbatch_size, devices, memory_limit: ``Request``'s.
-    traced, granularity, state_treedef, num_batch_leaves: ``ModelCut``'s.
-    plan, stages: ``Partitioned``'s.
-    placement, stage_device, transport, batch_leaves, schedule_device,
-    device_names: ``Placed``'s.
-    stream, calls, schedule: ``Scheduled``'s.
-    programs, tied, params_treedef, leaf_names, stage_optimizers, policy,
-    driver: ``Runtime``'s.
-  """
-
-  optimizer: Any
-  staleness: Staleness
-  partitioning: Partitioning
-  schedule_name: str
-  num_microbatches: int
-  microbatch_size: int
-  devices: tuple[Any, ...]
-  memory_limit: float | None
-  traced: Any
-  granularity: Any
-  state_treedef: Any
-  num_batch_leaves: int
-  plan: Any
-  stages: Any
-  placement: Any
-  stage_device: Any
-  transport: Any
-  batch_leaves: dict
-  schedule_device: tuple[int, ...]
-  device_names: tuple[str, ...]
-  stream: Any
-  calls: Any
-  schedule: Any
-  programs: Any
-  tied: Any
-  params_treedef: Any
-  leaf_names: tuple[str, ...]
-  stage_optimizers: tuple[Any, ...]
-  policy: Any
-  driver: Any
+  request: Request
+  cut: ModelCut
+  partitioned: Partitioned
+  placed: Placed
+  scheduled: Scheduled
+  runtime: Runtime
 
   def fields(self) -> dict[str, Any]:
-    """``{name: value}`` of every part."""
-    return _fields(self)
+    """``{name: part}``: ``jpipe.Pipeline``'s attributes. Every field of
+    every phase's value but the cut's example microbatch and state leaf
+    count (``micro``, ``num_state_leaves``: construction only)."""
+    cut = {
+      k: v
+      for k, v in _fields(self.cut).items()
+      if k not in ("micro", "num_state_leaves")
+    }
+    phases = (self.partitioned, self.placed, self.scheduled, self.runtime)
+    return _fields(self.request) | cut | _merged(phases)
 
 
 def build_pipeline(
   loss_fn,
   params,
   example_batch,
+  request: Request,
   *,
-  optimizer,
-  devices,
-  schedule,
-  num_microbatches: int,
-  staleness: Staleness,
-  partitioning: Partitioning,
   model_state=None,
   record_params: bool = False,
   hooks: DriverHooks | None = None,
 ) -> PipelineParts:
-  """A pipeline's parts (see ``jpipe.Pipeline`` for the arguments): the
-  options checked first, then each construction phase in order."""
-  request = check_request(
-    params,
-    example_batch,
-    optimizer=optimizer,
-    devices=devices,
-    schedule=schedule,
-    num_microbatches=num_microbatches,
-    staleness=staleness,
-    partitioning=partitioning,
-  )
+  """A pipeline's parts (see ``jpipe.Pipeline`` for the arguments), each
+  construction phase in order, for a checked ``request``."""
   cut = cut_model(loss_fn, params, example_batch, model_state, request)
   parts = partition_model(cut, params, request)
   placed = place_stages(parts, cut, request)
@@ -280,19 +238,17 @@ def build_pipeline(
     record_params=record_params,
     hooks=hooks,
   )
-  return PipelineParts(
-    **_fields(request),
-    traced=cut.traced,
-    granularity=cut.granularity,
-    state_treedef=cut.state_treedef,
-    num_batch_leaves=cut.num_batch_leaves,
-    **_fields(parts),
-    **_fields(placed),
-    **_fields(scheduled),
-    **_fields(runtime),
-  )
+  return PipelineParts(request, cut, parts, placed, scheduled, runtime)
 
 
 def _fields(value) -> dict[str, Any]:
   """A dataclass's ``{field name: value}`` (not copied, unlike asdict)."""
   return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+
+
+def _merged(values) -> dict[str, Any]:
+  """The fields of several dataclasses (their names are distinct)."""
+  merged = {}
+  for value in values:
+    merged |= _fields(value)
+  return merged

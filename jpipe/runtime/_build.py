@@ -61,16 +61,16 @@ class Request:
 def check_request(
   params,
   example_batch,
-  *,
   optimizer,
   devices,
   schedule,
   num_microbatches: int,
-  staleness: Staleness,
-  partitioning: Partitioning,
+  options: tuple[Staleness, Partitioning],
 ) -> Request:
   """The options checked against each other and the devices, before any
-  work (``devices`` None: all of them)."""
+  work (``devices`` None: all of them; ``options``: the staleness and
+  partitioning values)."""
+  staleness, partitioning = options
   name = schedule_lib.lookup(schedule).name
   staleness.check(name, optimizer, params)
   micro = _microbatch_size(example_batch, num_microbatches)

@@ -159,16 +159,14 @@ class Staleness:
     (given the optimizer and params) for Gap-Aware told another optimizer
     than the one the pipeline runs: it would read its statistics by the
     wrong name, silently."""
-    check_staleness_options(
-      schedule,
-      recompute=self.recompute,
-      step_every=self.step_every,
-      weight_stashing=self.weight_stashing,
-      prediction=self.prediction,
-      gap_aware=self.gap_aware,
-      gap_aware_options=self.gap_aware_options,
-      gap_aware_policy=self.gap_aware_policy,
-    )
+    # Every option but the predictor's own (any predictor suits any
+    # combination the checks allow).
+    checked = {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name not in ("predictor", "learning_rate_schedule")
+    }
+    check_staleness_options(schedule, **checked)
     if self.gap_aware is not None and optimizer is not None:
       staleness_lib.check_state_matches(
         jax.eval_shape(optimizer.init, params),

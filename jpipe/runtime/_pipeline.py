@@ -35,6 +35,7 @@ import optax
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import _pipeline_state, _step
 from jpipe.runtime._assemble import build_pipeline, options_from_keywords
+from jpipe.runtime._build import check_request
 from jpipe.runtime._driver import DriverHooks, InFlight
 from jpipe.runtime._memory import StageMemory, device_totals
 from jpipe.runtime._options import Staleness
@@ -109,24 +110,26 @@ class Pipeline:
     partitioning: Partitioning | None = None,
     **options: Any,
   ):
-    staleness, partitioning = options_from_keywords(
-      staleness, partitioning, options
+    options = options_from_keywords(staleness, partitioning, options)
+    request = check_request(
+      params,
+      example_batch,
+      optimizer,
+      devices,
+      schedule,
+      num_microbatches,
+      options,
     )
     parts = build_pipeline(
       loss_fn,
       params,
       example_batch,
-      optimizer=optimizer,
-      devices=devices,
-      schedule=schedule,
-      num_microbatches=num_microbatches,
-      staleness=staleness,
-      partitioning=partitioning,
+      request,
       model_state=model_state,
       record_params=record_params,
       hooks=hooks,
     )
-    # The parts as attributes of the same names (see PipelineParts).
+    # The parts as attributes of the same names (PipelineParts.fields).
     vars(self).update(parts.fields())
     self._memory = None
     if self.memory_limit is not None:

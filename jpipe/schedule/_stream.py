@@ -27,14 +27,8 @@ import dataclasses
 import numpy as np
 
 from jpipe.partition import steady_state_delay
-from jpipe.schedule._schedule import (
-  BACKWARD,
-  FORWARD,
-  STEP,
-  Action,
-  Schedule,
-  make_schedule,
-)
+from jpipe.schedule import _schedule
+from jpipe.schedule._schedule import BACKWARD, FORWARD, STEP, Action
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +122,7 @@ class Stream:
       return max(b // self.step_every - 1, 0)
     return self.steps_before_forward(s, b)
 
-  def schedule(self, calls: tuple[int, ...]) -> Schedule:
+  def schedule(self, calls: tuple[int, ...]) -> _schedule.Schedule:
     """The actions of ``step`` calls feeding ``calls[i]`` microbatches
     each (stage s on device s), then a flush: a finite Schedule to
     simulate or inspect."""
@@ -152,7 +146,7 @@ class Stream:
         ],
         np.int64,
       )
-    return make_schedule(
+    return _schedule.make_schedule(
       self.name,
       stages,
       list(range(self.num_stages)),

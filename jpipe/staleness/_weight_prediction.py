@@ -116,8 +116,7 @@ def weight_predictor(
     >>> from jpipe import staleness
     >>> tx = optax.sgd(0.1, momentum=0.9)
     >>> params = jnp.ones(2)
-    >>> state = tx.init(params)
-    >>> _, state = tx.update(jnp.ones(2), state)
+    >>> _, state = tx.update(jnp.ones(2), tx.init(params))  # One step.
     >>> predict = staleness.weight_predictor("sgd", learning_rate=0.1,
     ...                                      momentum=0.9)
     >>> predict(params, state, 2)  # 1 - 0.1 * (0.9 + 0.81)

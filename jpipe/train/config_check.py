@@ -153,11 +153,18 @@ def _check_pipeline(config, need) -> None:
 
 def _check_loop(config, need) -> None:
   """The learning-rate warm-up, the loop's counts and the init."""
-  need(
-    config.optimizer.warmup_steps >= 0,
-    "optimizer.warmup_steps",
-    "must be >= 0",
-  )
+  # Counts and their least values.
+  counts = {"optimizer.warmup_steps": 0, "train.steps": 1}
+  for key in (
+    "keep_checkpoints",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+  ):
+    counts[f"train.{key}"] = 1
+  for path, least in counts.items():
+    section, key = path.split(".")
+    need(config[section][key] >= least, path, f"must be >= {least}")
   need(
     config.optimizer.warmup_steps == 0
     or config.optimizer.schedule == "warmup_cosine",
@@ -165,12 +172,6 @@ def _check_loop(config, need) -> None:
     f"{config.optimizer.warmup_steps} has no effect with "
     f"optimizer.schedule={config.optimizer.schedule!r}: set "
     f"--config.optimizer.schedule=warmup_cosine, or warmup_steps=0",
-  )
-  need(config.train.steps >= 1, "train.steps", "must be >= 1")
-  need(
-    config.train.keep_checkpoints >= 1,
-    "train.keep_checkpoints",
-    "must be >= 1",
   )
   need(
     bool(config.init_from) or not config.init_keep,
@@ -189,8 +190,6 @@ def _check_loop(config, need) -> None:
     "must be >= 0 seconds (0: automatic, max(300, 20x the median step, 3x "
     "the longest evaluation or checkpoint))",
   )
-  for key in ("log_every", "eval_every", "checkpoint_every"):
-    need(config.train[key] >= 1, f"train.{key}", "must be >= 1")
 
 
 def _check_staleness(config, need, problems) -> None:

@@ -19,6 +19,8 @@ from jpipe.train.errors import UsageError
 from jpipe.train.loop import Outcome
 from jpipe.train.pipeline_mode import PipelineMode
 
+_POLICY_FIELDS = ("policy", "window", "high", "low", "warmup_windows", "top_k")
+
 
 def build(config, task, example_batch, tx, options):
   """The DynamicPipeline of ``config.dynamic`` (``options``: the other
@@ -35,12 +37,8 @@ def build(config, task, example_batch, tx, options):
       task.loss_fn,
       task.params,
       example_batch,
-      policy=dyn.policy,
-      window=dyn.window,
-      high=dyn.high,
-      low=dyn.low,
-      warmup_windows=dyn.warmup_windows,
-      top_k=dyn.top_k,
+      # The policy's fields, named as config.dynamic names them.
+      **{name: dyn[name] for name in _POLICY_FIELDS},
       horizon_steps=dyn.horizon_steps or None,
       interference=interference,
       predictor=predictor,

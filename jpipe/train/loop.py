@@ -156,11 +156,11 @@ class Mode:
 def train(
   mode: Mode,
   task,
+  run,
+  checkpoints,
   *,
   config,
-  run,
   workdir: str,
-  checkpoints,
   lr,
   fine_tune: bool,
   say: Callable,

@@ -143,10 +143,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   return loop.train(
     mode,
     task,
+    run,
+    checkpoints,
     config=config,
-    run=run,
     workdir=workdir,
-    checkpoints=checkpoints,
     lr=lr,
     fine_tune=fine_tune,
     say=say,
