@@ -53,7 +53,8 @@ def test_packages_use_each_others_public_names_only():
     package = path.relative_to(root).parts[0]
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        names = [node.module]
+        # ``from jpipe.b import _private`` names the module too.
+        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
       elif isinstance(node, ast.Import):
         names = [a.name for a in node.names]
       else:

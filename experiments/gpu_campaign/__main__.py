@@ -123,7 +123,7 @@ def main(argv=None) -> int:
   for part in args.parts.split(","):
     summary["parts"].append(_run_part(args, part))
     with open(path, "w") as f:
-      json.dump(summary, f, indent=1)
+      json.dump(summary, f, separators=(",", ":"))
   for entry in summary["parts"]:
     print(f"{entry['part']:>14}: {entry['status']} in {entry['seconds']} s")
   return 0 if all(e["status"] == "ok" for e in summary["parts"]) else 1

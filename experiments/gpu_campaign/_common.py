@@ -89,7 +89,7 @@ class Results:
   def _write(self) -> None:
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
-      json.dump(self.record, f, indent=1)
+      json.dump(self.record, f, separators=(",", ":"))
     os.replace(tmp, self.path)
 
 

@@ -4,7 +4,7 @@ import os
 
 import ml_collections
 
-from jpipe import dynamic, parallel
+from jpipe import dynamic, parallel, partition
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import GAP_AWARE_POLICIES, Staleness
 from jpipe.train.data_parallel_lib import uses_data_parallel
@@ -13,7 +13,7 @@ from jpipe.train.tasks import TASK_OF_MODEL
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup_cosine")
-PARTITIONS = ("contiguous", "mixed", "pipedream", "pipedream_hybrid")
+PARTITIONS = partition.METHODS
 COST_MODELS = ("analytic", "xla", "measured")
 
 
