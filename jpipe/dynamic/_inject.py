@@ -74,7 +74,8 @@ class Interference(DriverHooks):
       return  # Before the controller placed the plan or measured.
     s = action.stage
     forward, backward = self.stage_shares[s]
-    share = forward if action.kind == "F" else backward
+    # A split backward's I and W (zero-bubble) sleep half of it each.
+    share = {"F": forward, "B": backward}.get(action.kind, backward / 2)
     factor = self.factor(self.stage_devices[s], self.step)
     extra = factor if self.simulated_seconds > 0 else factor - 1.0
     seconds = extra * share * self.model_seconds

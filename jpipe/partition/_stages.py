@@ -26,6 +26,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from jpipe.partition._backward_split import BackwardSplit, split_backward
+from jpipe.partition._eval import eval_eqn, read
 from jpipe.partition._state_updates import place_state_updates
 from jpipe.partition._trace import TracedModel
 
@@ -118,6 +120,7 @@ class Stages:
     ]
     self._jitted: dict[tuple[str, int], Any] = {}
     self._pullback_layout: dict[int, Any] = {}
+    self._weight_split: dict[int, BackwardSplit] = {}
     self.residual_policy = residual_policy
 
   def differentiable_inputs(self, s: int) -> tuple[bool, ...]:
@@ -144,9 +147,9 @@ class Stages:
     for v, x in zip(spec.inputs, acts, strict=True):
       env[v] = x
     for i in spec.eqns:
-      _eval_eqn(jaxpr.eqns[i], env)
+      eval_eqn(jaxpr.eqns[i], env)
     outputs = tuple(env[v] for v in spec.outputs)
-    results = tuple(_read(env, jaxpr.outvars[r]) for r in spec.results)
+    results = tuple(read(env, jaxpr.outvars[r]) for r in spec.results)
     return outputs, results
 
   def _vjp(self, s, params, batch, acts, policy=None):
@@ -249,6 +252,34 @@ class Stages:
     _, results, vjp_fn = self._vjp(s, params, batch, acts)
     param_grads, act_cots = self._pull(s, vjp_fn, (), result_cots)
     return results, param_grads, act_cots
+
+  def input_gradient(self, s: int, params, batch, acts, out_cots, result_cots):
+    """The first half of ``backward`` (a zero-bubble schedule's I):
+    ``(act_cots, kept)``, its input cotangents and what
+    ``weight_gradient`` needs to finish it (``_backward_split.py``)."""
+    args = (params, batch, acts, out_cots, result_cots)
+    return self._split(s, self.backward, args).input_part(*args)
+
+  def input_gradient_from_residuals(
+    self, s: int, params, residuals, out_cots, result_cots
+  ):
+    """``input_gradient`` of ``backward_from_residuals``."""
+    args = (params, residuals, out_cots, result_cots)
+    split = self._split(s, self.backward_from_residuals, args)
+    return split.input_part(*args)
+
+  def weight_gradient(self, s: int, kept) -> tuple:
+    """The second half (W): stage s's param gradients from the ``kept``
+    values of its last traced ``input_gradient``."""
+    if s not in self._weight_split:
+      raise ValueError(f"stage {s}: call input_gradient before its W")
+    return self._weight_split[s].weight_part(kept)
+
+  def _split(self, s, backward, args) -> BackwardSplit:
+    """Stage s's ``backward`` split at ``args``' shapes; kept for W."""
+    split = split_backward(lambda *a: backward(s, *a), *args)
+    self._weight_split[s] = split
+    return split
 
   def jitted(self, kind: str, s: int):
     """``jax.jit`` of ``forward``/``backward``/... for stage s, cached."""
@@ -472,26 +503,6 @@ def _unpack_residuals(layout, params, residuals):
       flat = residuals[num_big + group][offset : offset + size]
       leaves.append(flat.reshape(shape))
   return leaves
-
-
-def _read(env, v):
-  return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _eval_eqn(eqn, env):
-  """Evaluates one jaxpr equation into ``env`` (as jax.core.eval_jaxpr)."""
-  invals = [_read(env, v) for v in eqn.invars]
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-  if ctx is not None:
-    with ctx:
-      out = eqn.primitive.bind(*invals, **bind_params)
-  else:
-    out = eqn.primitive.bind(*invals, **bind_params)
-  outs = out if eqn.primitive.multiple_results else [out]
-  for v, x in zip(eqn.outvars, outs, strict=True):
-    if not isinstance(v, jcore.DropVar):
-      env[v] = x
 
 
 def _inexact(dtype) -> bool:

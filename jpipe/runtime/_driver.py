@@ -38,7 +38,7 @@ from jpipe.runtime._transfer_ends import TransferEnds
 from jpipe.runtime._transport import Transport
 from jpipe.runtime._versions import VersionPolicy
 
-FORWARD, BACKWARD, STEP = schedule_lib.ActionKind
+FORWARD, BACKWARD, STEP, INPUT, WEIGHT = schedule_lib.ActionKind
 SEND, RECV, MOVE = schedule_lib.MoveKind
 Transfer = schedule_lib.Transfer
 
@@ -288,7 +288,7 @@ class Driver:
         for reader in self.state_readers[r - 1]
       ]
       return tied + inputs, states
-    if action.kind == BACKWARD:
+    if action.kind in (BACKWARD, INPUT):  # Its input cotangents.
       diff = self.stages.differentiable_inputs(s)
       cots = [
         Transfer("B", s, self.producer[v], v)
@@ -296,7 +296,8 @@ class Driver:
         if differentiable
       ]
       return (), cots
-    if self.stream is None:  # Synchronous: ``sum_replicas`` moves.
+    if action.kind == WEIGHT or self.stream is None:
+      # A W stays on its stage; synchronous steps: ``sum_replicas`` moves.
       return (), ()
     return (), [
       Transfer("tied_grad", s, owner, leaf)
@@ -339,6 +340,8 @@ class Driver:
     methods = {
       FORWARD: call.forward,
       BACKWARD: call.backward,
+      INPUT: call.input_grad,
+      WEIGHT: call.weight_grad,
       STEP: call.step if self.stream is not None else deferred_steps.append,
       SEND: call.send,
       RECV: call.receive,
@@ -414,6 +417,8 @@ class _Call(TransferEnds):
     self.outbox = {}
     # (s, b) whose B ran with F -> its input cotangents, until B(s, b).
     self.fused_done = {}
+    # (s, b) whose I ran -> what its W needs, until W(s, b).
+    self.kept = {}
     self.acc_producer = [None] * len(self.params)  # action behind grads[s]
     # Whether opt_states[s] came from this call's steps (donatable).
     self.made_state = [False] * len(self.params)
@@ -490,6 +495,47 @@ class _Call(TransferEnds):
 
   def _backward(self, action):
     """Runs B(s, b)'s program: returns its input cotangents."""
+    d, s = self.d, action.stage
+    args = self._backward_args(action)
+    run = d.programs.backward(s, self.grads[s] is None)
+    self._before_donating(s)
+    self.grads[s], act_cots = run(self.grads[s], *args)
+    self.acc_producer[s] = action
+    if self.profiler:
+      self.profiler.record(action, (self.grads[s], act_cots))
+    return act_cots
+
+  def input_grad(self, action):
+    """I(s, b): the first half of a split backward; its input cotangents
+    move on, what W(s, b) needs stays."""
+    d, s, b = self.d, action.stage, action.microbatch
+    spec = d.stages.specs[s]
+    d.hooks.before_compute(action)
+    act_cots, self.kept[(s, b)] = d.programs.input_grad(s)(
+      *self._backward_args(action)
+    )
+    if self.profiler:
+      self.profiler.record(action, (act_cots, self.kept[(s, b)]))
+    for v, c in zip(spec.inputs, act_cots, strict=True):
+      if c is not None:
+        self.outbox[("B", s, b, v)] = c
+
+  def weight_grad(self, action):
+    """W(s, b): the second half, its gradient into the accumulator."""
+    d, s, b = self.d, action.stage, action.microbatch
+    self.pending[s].append(b)
+    d.hooks.before_compute(action)
+    run = d.programs.weight_grad(s, self.grads[s] is None)
+    self._before_donating(s)
+    self.grads[s] = run(self.grads[s], self.kept.pop((s, b)))
+    self.acc_producer[s] = action
+    if self.profiler:
+      self.profiler.record(action, self.grads[s])
+
+  def _backward_args(self, action) -> tuple:
+    """The arguments of B(s, b)'s (or I(s, b)'s) program but the
+    accumulator: the params it differentiates at (the version policy's),
+    the saved inputs or residuals, the cotangents from the next stage."""
     d, s, b = self.d, action.stage, action.microbatch
     spec = d.stages.specs[s]
     out_cots = tuple(self.cots.pop((b, v), None) for v in spec.outputs)
@@ -506,13 +552,7 @@ class _Call(TransferEnds):
       theta = forward_theta
       args = (theta, self.saved.pop((s, b)), out_cots, self._result_cots(spec))
     self._record("B", s, b, theta)
-    run = d.programs.backward(s, self.grads[s] is None)
-    self._before_donating(s)
-    self.grads[s], act_cots = run(self.grads[s], *args)
-    self.acc_producer[s] = action
-    if self.profiler:
-      self.profiler.record(action, (self.grads[s], act_cots))
-    return act_cots
+    return args
 
   def step(self, action):
     """An asynchronous step of stage s: the mean gradient of the
@@ -582,6 +622,7 @@ class _Call(TransferEnds):
       "activations never read": self.values,
       "inputs never used": self.inbox,
       "values never moved": self.outbox,
+      "weight gradients never run": self.kept,
     }
     for what, store in left.items():
       if store:  # A schedule or lowering bug, not a user error.

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import jax
 
-from jpipe.schedule import BACKWARD, FORWARD, STREAMS
+from jpipe.schedule import FORWARD, INPUT, INPUT_GRADIENT, STREAMS, WEIGHT
 
 
 class MemoryLimitError(ValueError):
@@ -55,6 +55,10 @@ class StageMemory:
     working: one program's own buffers at its peak, an upper bound (XLA
       fuses and frees some intermediates: its figure is often 2-3x less
       on small stages).
+    weight_kept_per_microbatch: what a split backward's W needs, kept
+      from its I (zero-bubble schedules; 0 otherwise).
+    awaiting_weight: microbatches between I and W when the stage holds
+      the most (with ``in_flight`` at that moment).
   """
 
   params: int
@@ -65,6 +69,8 @@ class StageMemory:
   kept_per_microbatch: int
   in_flight: int
   working: int
+  weight_kept_per_microbatch: int = 0
+  awaiting_weight: int = 0
 
   @property
   def total(self) -> int:
@@ -74,6 +80,7 @@ class StageMemory:
       + self.grads
       + self.opt_state
       + self.in_flight * self.kept_per_microbatch
+      + self.awaiting_weight * self.weight_kept_per_microbatch
       + self.working
     )
 
@@ -84,8 +91,14 @@ class StageMemory:
       f"version(s) + tied copies {format_bytes(self.tied_copies)} + grads "
       f"{format_bytes(self.grads)} + optimizer state "
       f"{format_bytes(self.opt_state)} + {self.in_flight} microbatch(es) in flight "
-      f"x {format_bytes(self.kept_per_microbatch)} + working "
-      f"{format_bytes(self.working)}"
+      f"x {format_bytes(self.kept_per_microbatch)} + "
+      + (
+        f"{self.awaiting_weight} awaiting W x "
+        f"{format_bytes(self.weight_kept_per_microbatch)} + "
+        if self.awaiting_weight
+        else ""
+      )
+      + f"working {format_bytes(self.working)}"
     )
 
 
@@ -113,9 +126,34 @@ def in_flight_counts(calls: Sequence, num_stages: int) -> tuple[int, ...]:
       if action.kind == FORWARD:
         open_[s] += 1
         peak[s] = max(peak[s], open_[s])
-      elif action.kind == BACKWARD:
+      elif action.kind in INPUT_GRADIENT:  # B, or I of a split one.
         open_[s] -= 1
   return tuple(peak)
+
+
+def split_backward_states(
+  calls: Sequence, num_stages: int
+) -> tuple[frozenset[tuple[int, int]], ...]:
+  """Per stage, every ``(between F and I, between I and W)`` pair of
+  microbatch counts it passes through over ``Call``s run in order (a
+  backward run whole, B, counts as its I; a fused one keeps nothing).
+  The peak memory is at one of them."""
+  open_, waiting = [0] * num_stages, [0] * num_stages
+  states = [{(0, 0)} for _ in range(num_stages)]
+  for call in calls:
+    for action in call.order:
+      s, b = action.stage, action.microbatch
+      if (s, b) in call.fused:
+        continue
+      if action.kind == FORWARD:
+        open_[s] += 1
+      elif action.kind in INPUT_GRADIENT:
+        open_[s] -= 1
+        waiting[s] += action.kind == INPUT
+      elif action.kind == WEIGHT:
+        waiting[s] -= 1
+      states[s].add((open_[s], waiting[s]))
+  return tuple(frozenset(x) for x in states)
 
 
 def tied_copies(policy, stream, owner_of_replicas) -> tuple[int, ...]:
@@ -179,6 +217,8 @@ def predict_stage_memory(
   versions: int,
   tied: int,
   replicas: int,
+  weight_kept=(),
+  awaiting_weight: int = 0,
 ) -> StageMemory:
   """One stage's ``StageMemory`` from abstract values.
 
@@ -196,6 +236,8 @@ def predict_stage_memory(
       their bytes).
     replicas: devices the stage runs on (each gets 1/replicas of a
       microbatch).
+    weight_kept: what a split backward's W keeps per microbatch (avals).
+    awaiting_weight: microbatches between I and W beside ``in_flight``.
   """
   per_replica = max(replicas, 1)
   grads = nbytes(params)  # The accumulator packs the same leaves.
@@ -210,6 +252,8 @@ def predict_stage_memory(
     kept_per_microbatch=-(-nbytes(kept) // per_replica),
     in_flight=in_flight,
     working=-(-max(forward, backward) // per_replica) + grads,
+    weight_kept_per_microbatch=-(-nbytes(weight_kept) // per_replica),
+    awaiting_weight=awaiting_weight,
   )
 
 

@@ -11,10 +11,10 @@ from jpipe.runtime._memory import (
   MemoryLimitError,
   StageMemory,
   format_bytes,
-  in_flight_counts,
   nbytes,
   param_versions,
   predict_stage_memory,
+  split_backward_states,
   tied_copies,
 )
 
@@ -32,7 +32,8 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
     count = 2 + -(-(n + 2 * pipe.stream.step_every) // m)
     calls = [pipe.calls(i * m, m) for i in range(count)]
     calls.append(pipe.calls(count * m, None))
-  flight = in_flight_counts(calls, n)
+  states = split_backward_states(calls, n)
+  splits = {a.stage for call in calls for a in call.order if a.kind == "I"}
   versions = param_versions(pipe.policy, pipe.stream, n)
   replicas = [sorted(pipe.tied.replica_positions(s)) for s in range(n)]
   owners = [pipe.tied.replica_owner(s) for s in range(n)]
@@ -51,11 +52,17 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
       batch,
       acts,
     )
+    kept = (batch, acts) if pipe.programs.recompute else residuals
+    weight_kept = ()
+    if s in splits:  # What its W keeps from its I, per microbatch.
+      weight_kept = _weight_kept(pipe, s, params, batch, acts, kept)
+    k, w = nbytes(kept), nbytes(weight_kept)
+    in_flight, awaiting = max(states[s], key=lambda p: p[0] * k + p[1] * w)
     out.append(
       predict_stage_memory(
         params=params,
         opt_state=jax.eval_shape(pipe.stage_optimizers[s].init, params),
-        kept=(batch, acts) if pipe.programs.recompute else residuals,
+        kept=kept,
         residuals=residuals,
         outputs=(outputs, results),
         intermediates=jax.eval_shape(
@@ -64,13 +71,30 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
           batch,
           acts,
         ),
-        in_flight=flight[s],
+        in_flight=in_flight,
         versions=versions[s],
         tied=copies[s] * nbytes([params[p] for p in replicas[s]]),
         replicas=len(pipe.plan.stage_devices[s]),
+        weight_kept=weight_kept,
+        awaiting_weight=awaiting,
       )
     )
   return tuple(out)
+
+
+def _weight_kept(pipe, s, params, batch, acts, kept):
+  """The avals of what stage s's I hands its W for one microbatch."""
+  spec = pipe.stages.specs[s]
+  out_cots = tuple(v.aval for v in spec.outputs)
+  loss = pipe.traced.jaxpr.outvars[0].aval
+  result_cots = tuple(loss if r == 0 else None for r in spec.results)
+  if pipe.programs.recompute:
+    args = (params, batch, acts, out_cots, result_cots)
+    run = pipe.stages.input_gradient
+  else:
+    args = (params, kept, out_cots, result_cots)
+    run = pipe.stages.input_gradient_from_residuals
+  return jax.eval_shape(lambda *a: run(s, *a), *args)[1]
 
 
 def check_memory_limit(pipe, limit: float) -> None:

@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from jpipe.schedule import Timeline, ready_time
+from jpipe.schedule import WEIGHT_GRADIENT, Timeline, ready_time
 
 
 class ActionProfiler:
@@ -106,7 +106,7 @@ class ActionProfiler:
       end[action] = max(self._ready_at[action], start[action])
       clock[d] = end[action]
       device_of[action] = d
-      if action.kind == "B":
+      if action.kind in WEIGHT_GRADIENT:
         pending_b[action.stage].append(action)
       elif action.kind == "S":
         pending_b[action.stage] = []

@@ -54,6 +54,30 @@ class StagePrograms:
     program."""
     return self._accumulating("forward_backward", s, first)
 
+  def input_grad(self, s: int):
+    """A zero-bubble schedule's I of stage s: ``backward``'s arguments but
+    the accumulator -> ``(act_cots, kept)``, its input cotangents and what
+    ``weight_grad`` needs."""
+    kind = (
+      "input_gradient" if self.recompute else "input_gradient_from_residuals"
+    )
+    return self.stages.jitted(kind, s)
+
+  def weight_grad(self, s: int, first: bool):
+    """W of stage s: ``(acc, kept) -> acc + grads`` (``first``: acc is
+    None). The kept values are not donated: they may be buffers other
+    stages read (a batch leaf)."""
+    key = ("weight_gradient", s, first)
+    if key not in self._cache:
+      layout = self.grad_layouts[s]
+
+      def fn(acc, kept):
+        grads = self.stages.weight_gradient(s, kept)
+        return _accumulate(acc, layout.pack(grads), first)
+
+      self._cache[key] = jax.jit(fn, donate_argnums=() if first else (0,))
+    return self._cache[key]
+
   def unpack(self, s: int):
     """A packed accumulator of stage s -> its tuple of gradient leaves."""
     key = ("unpack", s)
@@ -69,9 +93,7 @@ class StagePrograms:
 
       def fn(acc, *args):
         *head, grads, act_cots = run(s, *args)
-        flat = layout.pack(grads)
-        acc = flat if first else tuple(map(jnp.add, acc, flat))
-        return (*head, acc, act_cots)
+        return (*head, _accumulate(acc, layout.pack(grads), first), act_cots)
 
       self._cache[key] = jax.jit(fn, donate_argnums=() if first else (0,))
     return self._cache[key]
@@ -79,3 +101,9 @@ class StagePrograms:
   def compiled_kinds(self) -> set[str]:
     """The kinds of program compiled so far (for tests)."""
     return {k[0] for k in self._cache}
+
+
+def _accumulate(acc, flat, first: bool):
+  """``flat`` (packed gradients) added to the accumulator ``acc`` (None
+  when ``first``)."""
+  return flat if first else tuple(map(jnp.add, acc, flat))

@@ -27,7 +27,11 @@ from jpipe.schedule._registry import (
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
+  INPUT,
+  INPUT_GRADIENT,
   STEP,
+  WEIGHT,
+  WEIGHT_GRADIENT,
   Action,
   ActionKind,
   ActionLists,
@@ -36,15 +40,20 @@ from jpipe.schedule._schedule import (
 )
 from jpipe.schedule._simulate import Timeline, ready_time, simulate
 from jpipe.schedule._stream import Stream
+from jpipe.schedule._zero_bubble import zero_bubble_h1
 
 __all__ = [
   "BACKWARD",
   "FORWARD",
+  "INPUT",
+  "INPUT_GRADIENT",
   "REGISTRY",
   "SCHEDULES",
   "STEP",
   "STREAMS",
   "SYNCHRONOUS",
+  "WEIGHT",
+  "WEIGHT_GRADIENT",
   "Action",
   "Move",
   "MoveKind",
@@ -73,4 +82,5 @@ __all__ = [
   "simulate",
   "two_bw",
   "write_chrome_trace",
+  "zero_bubble_h1",
 ]

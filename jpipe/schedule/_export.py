@@ -5,7 +5,22 @@ from collections.abc import Sequence
 
 from jpipe.schedule._simulate import Timeline
 
-_COLOURS = {"F": "#4C78A8", "B": "#F58518", "S": "#54A24B"}
+# Forward blue, backward orange, its input-gradient half red and its
+# weight-gradient half yellow, step green.
+_COLOURS = {
+  "F": "#4C78A8",
+  "B": "#F58518",
+  "I": "#E45756",
+  "W": "#ECA82C",
+  "S": "#54A24B",
+}
+_LABELS = {
+  "F": "forward",
+  "B": "backward",
+  "I": "input gradient",
+  "W": "weight gradient",
+  "S": "step",
+}
 
 
 def _names(timeline: Timeline, device_names) -> list[str]:
@@ -72,7 +87,8 @@ def plot_timeline(
   device_names: Sequence[str] | None = None,
 ) -> None:
   """A Gantt chart PNG: one row per device (labelled as in
-  :func:`chrome_trace`), forwards blue, backwards orange, steps green,
+  :func:`chrome_trace`), forwards blue, backwards orange (input
+  gradients red, weight gradients yellow), steps green,
   idle time blank, with a legend; ``title`` says what it shows (a
   makespan and bubble line follows it)."""
   import matplotlib
@@ -114,9 +130,11 @@ def plot_timeline(
   ax.set_title(f"{title}\n{summary}" if title else summary, fontsize=9)
   from matplotlib.patches import Patch
 
+  kinds = {a.kind for a in timeline.start}
   legend = [
     Patch(facecolor=_COLOURS[k], label=label)
-    for k, label in (("F", "forward"), ("B", "backward"), ("S", "step"))
+    for k, label in _LABELS.items()
+    if k in kinds or k in "FS" or (k == "B" and not kinds & {"I", "W"})
   ]
   legend.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
   ax.legend(

@@ -12,7 +12,7 @@ prediction and the docs read their names from here (``SCHEDULES``,
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jpipe.schedule import _builders
+from jpipe.schedule import _builders, _zero_bubble
 from jpipe.schedule._order import place
 from jpipe.schedule._schedule import Schedule, make_schedule
 
@@ -99,6 +99,12 @@ REGISTRY: dict[str, ScheduleKind] = {
       "several stages per device (mixed pipe, virtual stages), 1F1B order",
       _builders.interleaved,
       places_itself=True,
+    ),
+    ScheduleKind(
+      "zbh1",
+      False,
+      "zero-bubble ZB-H1: backward split into I and W, W fills bubbles",
+      _zero_bubble.zero_bubble_h1,
     ),
   )
 }

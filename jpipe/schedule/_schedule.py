@@ -1,10 +1,14 @@
 """Pipeline schedules as data: per-device ordered actions.
 
 An action is a forward (F) or backward (B) of stage s on microbatch m, or an
-optimizer step (S) of stage s. A device runs its actions in order; an
-action also waits for its data: F(s, m) for F(s-1, m) (the activation),
-B(s, m) for B(s+1, m) (the gradient) and F(s, m), S(s) for the backwards it
-applies. Transfers are the edges between stages on different devices; the
+optimizer step (S) of stage s. A backward may also run as two actions
+(zero-bubble schedules): I, the input gradient (what stage s - 1 waits
+for), and W, the weight gradient (which nothing downstream waits for, so
+it can fill a bubble); I then W is B. A device runs its actions in order;
+an action also waits for its data: F(s, m) for F(s-1, m) (the
+activation), B(s, m) and I(s, m) for F(s, m) and the input gradient of
+stage s+1 (its B or I), W(s, m) for I(s, m), S(s) for the backwards (B or
+W) it applies. Transfers are the edges between stages on different devices; the
 driver issues them as ``device_put`` when the consumer's action is next and
 the event simulator charges them as link time.
 
@@ -21,18 +25,26 @@ import numpy as np
 
 
 class ActionKind(enum.StrEnum):
-  """What an action does: a forward, a backward or an optimizer step."""
+  """What an action does: a forward, a backward (or its two halves: the
+  input gradient and the weight gradient) or an optimizer step."""
 
   FORWARD = "F"
   BACKWARD = "B"
   STEP = "S"
+  INPUT = "I"
+  WEIGHT = "W"
 
   # A kind equals, and hashes as, its letter ("F"): actions built from
   # either are the same dictionary key.
   __hash__ = str.__hash__
 
 
-FORWARD, BACKWARD, STEP = ActionKind
+FORWARD, BACKWARD, STEP, INPUT, WEIGHT = ActionKind
+# The kinds that make a stage's input gradient (what stage s - 1's
+# backward waits for), and those that add to its weight gradient (what a
+# step applies).
+INPUT_GRADIENT = (BACKWARD, INPUT)
+WEIGHT_GRADIENT = (BACKWARD, WEIGHT)
 
 
 class Action(NamedTuple):
@@ -155,7 +167,7 @@ def _semantics(stage_actions, num_microbatches):
     for a in actions:
       if a.kind == FORWARD:
         version[s, a.microbatch] = steps
-      elif a.kind == BACKWARD:
+      elif a.kind in WEIGHT_GRADIENT:
         pending.append(a.microbatch)
       elif a.kind == STEP:
         for m in pending:
@@ -166,5 +178,7 @@ def _semantics(stage_actions, num_microbatches):
       raise ValueError(f"stage {s}: backwards {pending} are never applied")
     groups.append(tuple(stage_groups))
   if np.any(version < 0) or np.any(applied_at < 0):
-    raise ValueError("every microbatch needs F, B and a step on every stage")
+    raise ValueError(
+      "every microbatch needs F, B (or I and W) and a step on every stage"
+    )
   return tuple(groups), version, applied_at

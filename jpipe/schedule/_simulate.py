@@ -8,7 +8,10 @@ import numpy as np
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
+  INPUT,
   STEP,
+  WEIGHT,
+  WEIGHT_GRADIENT,
   Action,
   ActionLists,
 )
@@ -41,6 +44,8 @@ def simulate(
   *,
   comm_seconds: float = 0.0,
   step_seconds: float = 0.0,
+  input_seconds: Sequence[float] | float | None = None,
+  weight_seconds: Sequence[float] | float | None = None,
 ) -> Timeline:
   """Runs the schedule on ideal devices with per-stage costs.
 
@@ -55,6 +60,9 @@ def simulate(
     comm_seconds: transfer time of an activation or gradient between
       devices.
     step_seconds: duration of an optimizer step.
+    input_seconds, weight_seconds: per stage (or one for all), the two
+      halves of a backward run as I and W; default half the backward
+      each (W: the backward less I when only I is given).
 
   Returns:
     The timeline.
@@ -62,6 +70,11 @@ def simulate(
   n = schedule.num_stages
   fwd = np.broadcast_to(np.asarray(forward_seconds, np.float64), (n,))
   bwd = np.broadcast_to(np.asarray(backward_seconds, np.float64), (n,))
+  inp = bwd / 2 if input_seconds is None else input_seconds
+  inp = np.broadcast_to(np.asarray(inp, np.float64), (n,))
+  wgt = bwd - inp if weight_seconds is None else weight_seconds
+  wgt = np.broadcast_to(np.asarray(wgt, np.float64), (n,))
+  costs = {FORWARD: fwd, BACKWARD: bwd, INPUT: inp, WEIGHT: wgt}
   dev = schedule.stage_device
   start, end, device_of = {}, {}, {}
   position = [0] * schedule.num_devices
@@ -78,11 +91,11 @@ def simulate(
         if ready is None:
           break
         t0 = max(clock[d], ready)
-        cost = {FORWARD: fwd, BACKWARD: bwd}.get(action.kind)
+        cost = costs.get(action.kind)
         duration = step_seconds if cost is None else cost[action.stage]
         start[action], end[action], device_of[action] = t0, t0 + duration, d
         clock[d] = t0 + duration
-        if action.kind == BACKWARD:
+        if action.kind in WEIGHT_GRADIENT:
           pending_b[action.stage].append(action)
         elif action.kind == STEP:
           pending_b[action.stage] = []
@@ -129,11 +142,17 @@ def ready_time(action: Action, end, dev, comm, pending_b, n, listed):
 
   if action.kind == FORWARD:
     return 0.0 if s == 0 else arrival(Action(FORWARD, s - 1, m), s - 1)
-  if action.kind == BACKWARD:
+  if action.kind in (BACKWARD, INPUT):
     own = arrival(Action(FORWARD, s, m), s)
     if own is None or s == n - 1:
       return own
-    src = arrival(Action(BACKWARD, s + 1, m), s + 1)
+    # The next stage's input gradient: its I where it splits, else its B.
+    made_by = Action(INPUT, s + 1, m)
+    if made_by not in listed:
+      made_by = Action(BACKWARD, s + 1, m)
+    src = arrival(made_by, s + 1)
     return None if src is None else max(own, src)
+  if action.kind == WEIGHT:
+    return arrival(Action(INPUT, s, m), s)
   # A step waits for the backwards it applies (all issued before it).
   return max((end[b] for b in pending_b[s]), default=0.0)

@@ -36,7 +36,7 @@ def _assert_tree_close(a, b):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "seq"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "seq", "zbh1"])
 @pytest.mark.parametrize("case", ["mlp", "gpt_tied", "encoder_decoder"])
 def test_one_step_equals_single_device(case, schedule):
   loss_fn, params, batch, _ = flax_models.CASES[case]()
@@ -128,9 +128,11 @@ def test_bad_input():
     )
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
 @pytest.mark.parametrize("recompute", [True, False])
-def test_no_recompilation_across_microbatches_and_steps(recompute):
-  """Saved residuals cross jit as arrays only: one trace per function."""
+def test_no_recompilation_across_microbatches_and_steps(recompute, schedule):
+  """Saved residuals (and what a split backward's W keeps) cross jit as
+  arrays only: one trace per function."""
   loss_fn, params, batch, _ = flax_models.mlp_case()
   pipe = jpipe.Pipeline(
     loss_fn,
@@ -138,7 +140,7 @@ def test_no_recompilation_across_microbatches_and_steps(recompute):
     batch,
     num_stages=2,
     devices=jax.devices()[:2],
-    schedule="1f1b",
+    schedule=schedule,
     num_microbatches=4,
     optimizer=optax.sgd(0.1),
     recompute=recompute,
@@ -153,7 +155,7 @@ def test_no_recompilation_across_microbatches_and_steps(recompute):
   assert all(f._cache_size() == 1 for f in jitted)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
 def test_batchnorm_state_flows_like_one_device(schedule):
   """Each microbatch's forward reads the statistics the previous one left;
   gradients and the final statistics equal a single-device loop."""

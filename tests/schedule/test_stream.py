@@ -99,7 +99,7 @@ def test_issue_order_respects_devices_and_data():
 
 
 def test_action_kinds_are_their_letters():
-  for kind, letter in zip(sc.ActionKind, "FBS", strict=True):
+  for kind, letter in zip(sc.ActionKind, "FBSIW", strict=True):
     assert kind == letter and hash(kind) == hash(letter)
     assert sc.Action(kind, 0, 1) == sc.Action(letter, 0, 1)
     assert {sc.Action(letter, 0, 1): 1}[sc.Action(kind, 0, 1)] == 1
@@ -107,6 +107,8 @@ def test_action_kinds_are_their_letters():
     sc.FORWARD,
     sc.BACKWARD,
     sc.STEP,
+    sc.INPUT,
+    sc.WEIGHT,
   ]
 
 

@@ -1,0 +1,65 @@
+"""Zero-bubble schedules on the action IR: I and W, ZB-H1."""
+
+import pytest
+
+from jpipe import schedule as sc
+from jpipe.schedule import FORWARD, INPUT, STEP, WEIGHT, Action
+
+
+def _between(schedule, s, opens, closes):
+  """Stage s's most microbatches between an ``opens`` action and a
+  ``closes`` one, in its device's order."""
+  count = peak = 0
+  for a in schedule.device_actions[schedule.stage_device[s]]:
+    if a.stage != s:
+      continue
+    count += (a.kind == opens) - (a.kind == closes)
+    peak = max(peak, count)
+  return peak
+
+
+@pytest.mark.parametrize("n, m", [(1, 3), (2, 4), (3, 3), (4, 8), (8, 32)])
+def test_zbh1_bubble_is_the_papers_at_1f1b_peak_memory(n, m):
+  """Qi et al.'s figures with F = I = W = 1 (B = 2): 1F1B idles
+  (n - 1)(F + I + W), ZB-H1 (n - 1)(F + I - W), at m >= n; every stage
+  holds at most n microbatches between F and W (1F1B's stage 0 holds n)."""
+  zb, one = sc.zero_bubble_h1(n, m), sc.one_f_one_b(n, m)
+  work = 3.0 * m  # Per device.
+  zb_time = sc.simulate(zb, 1.0, 2.0, input_seconds=1.0).makespan
+  one_time = sc.simulate(one, 1.0, 2.0).makespan
+  assert one_time - work == 3 * (n - 1)
+  assert zb_time - work == 1 * (n - 1)
+  assert max(_between(one, s, FORWARD, "B") for s in range(n)) == n
+  for s in range(n):
+    assert _between(zb, s, FORWARD, WEIGHT) <= n
+    assert _between(zb, s, FORWARD, INPUT) == min(n - s, m)
+
+
+def test_zbh1_is_synchronous_and_applies_every_weight_gradient_once():
+  zb = sc.zero_bubble_h1(3, 5)
+  assert (zb.delay == 0).all()
+  assert zb.step_groups == tuple(((0, 1, 2, 3, 4),) for _ in range(3))
+  for s, acts in enumerate(zb.device_actions):
+    kinds = [a.kind for a in acts]
+    assert kinds.count(INPUT) == kinds.count(WEIGHT) == 5
+    assert acts[-1] == Action(STEP, s, 4)
+    for a in acts:  # W(s, b) after I(s, b) on its device.
+      if a.kind == WEIGHT:
+        assert acts.index(Action(INPUT, s, a.microbatch)) < acts.index(a)
+
+
+def test_the_simulator_waits_for_the_next_stages_input_gradient():
+  """I(s, b) starts once I(s + 1, b) has ended (not W(s + 1, b)); W
+  waits for its own I."""
+  zb = sc.zero_bubble_h1(2, 2)
+  t = sc.simulate(zb, 1.0, 3.0, input_seconds=1.0, weight_seconds=2.0)
+  for b in range(2):
+    assert t.start[Action(INPUT, 0, b)] >= t.end[Action(INPUT, 1, b)]
+    assert t.start[Action(WEIGHT, 1, b)] >= t.end[Action(INPUT, 1, b)]
+  assert t.end[Action(WEIGHT, 1, 0)] - t.start[Action(WEIGHT, 1, 0)] == 2.0
+
+
+def test_a_microbatch_without_its_weight_gradient_is_refused():
+  lists = [[Action(FORWARD, 0, 0), Action(INPUT, 0, 0), Action(STEP, 0, 0)]]
+  with pytest.raises(ValueError, match=r"F, B \(or I and W\)"):
+    sc.make_schedule("mine", lists, [0], 1)
