@@ -41,7 +41,8 @@ class Request:
 
   Attributes:
     optimizer, staleness, partitioning: as given.
-    schedule_name: the schedule's registered name.
+    schedule_kind: the schedule (``jpipe.schedule.ScheduleKind``).
+    schedule_name: its name.
     num_microbatches, microbatch_size: of the example batch.
     devices: the devices to use.
     memory_limit: bytes per device (``partitioning.memory_limit``
@@ -51,6 +52,7 @@ class Request:
   optimizer: Any
   staleness: Staleness
   partitioning: Partitioning
+  schedule_kind: schedule_lib.ScheduleKind
   schedule_name: str
   num_microbatches: int
   microbatch_size: int
@@ -71,8 +73,8 @@ def check_request(
   work (``devices`` None: all of them; ``options``: the staleness and
   partitioning values)."""
   staleness, partitioning = options
-  name = schedule_lib.lookup(schedule).name
-  staleness.check(name, optimizer, params)
+  kind = schedule_lib.lookup(schedule)
+  staleness.check(kind.name, optimizer, params)
   micro = _microbatch_size(example_batch, num_microbatches)
   devices = tuple(jax.devices() if devices is None else devices)
   check_stage_count(
@@ -83,7 +85,8 @@ def check_request(
     optimizer,
     staleness,
     partitioning,
-    name,
+    kind,
+    kind.name,
     num_microbatches,
     micro,
     devices,
@@ -178,7 +181,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
       request.memory_limit,
       request.optimizer,
       params,
-      request.schedule_name,
+      request.schedule_kind,
       request.num_microbatches,
       min(num_stages, num_devices),
       recompute=staleness.recompute,
@@ -270,14 +273,14 @@ class Scheduled:
 
 def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
   """The schedule of the pipeline's stages on their schedule devices."""
-  n, name = stages.num_stages, request.schedule_name
+  n, kind = stages.num_stages, request.schedule_kind
   stream = (
-    schedule_lib.Stream(name, n, request.staleness.step_every)
-    if schedule_lib.lookup(name).asynchronous
+    schedule_lib.Stream(kind.name, n, request.staleness.step_every)
+    if kind.asynchronous
     else None
   )
   calls = CallActions(
-    name,
+    kind,
     stream,
     n,
     placed.schedule_device,

@@ -55,7 +55,7 @@ class CallActions:
   """Builds (and caches) the ``Call`` of a pipeline's calls.
 
   Args:
-    name: the schedule's name.
+    kind: the schedule (``jpipe.schedule.ScheduleKind``).
     stream: the asynchronous stream, or None (synchronous).
     num_stages: pipeline stages.
     stage_device: each stage's schedule device (stages sharing a device
@@ -66,9 +66,10 @@ class CallActions:
   """
 
   def __init__(
-    self, name, stream, num_stages, stage_device, *, output_free, fuse
+    self, kind, stream, num_stages, stage_device, *, output_free, fuse
   ):
-    self.name = name
+    self.kind = kind
+    self.name = kind.name
     self.stream = stream
     self.num_stages = num_stages
     self.stage_device = tuple(stage_device)
@@ -105,4 +106,4 @@ class CallActions:
 
   def synchronous(self, m: int) -> schedule_lib.Schedule:
     """The synchronous schedule of m microbatches on the devices."""
-    return schedule_lib.lookup(self.name).on_devices(self.stage_device, m)
+    return self.kind.on_devices(self.stage_device, m)

@@ -31,7 +31,13 @@ from collections.abc import Sequence
 
 import jax
 
-from jpipe.schedule import FORWARD, INPUT, INPUT_GRADIENT, STREAMS, WEIGHT
+from jpipe.schedule import (
+  FORWARD,
+  INPUT,
+  INPUT_GRADIENT,
+  WEIGHT,
+  WEIGHT_GRADIENT,
+)
 
 
 class MemoryLimitError(ValueError):
@@ -306,29 +312,25 @@ def partitioner_memory_model(
   stashes,
   fused_last,
 ):
-  """The partitioner's memory options for a schedule (None: no limit).
+  """The partitioner's memory options for a schedule (a
+  ``jpipe.schedule.ScheduleKind``; None: no limit).
 
   A per-node model, coarser than ``Pipeline.memory`` (which the built
   pipeline is checked against): optimizer state as the optimizer's own
-  ratio to the params, PipeDream's in-flight and stash counts.
+  ratio to the params, the schedule's in-flight counts (PipeDream's for
+  a stream) and stash counts.
   """
   if limit is None:
     return None
   n, m = num_stages, num_microbatches
   param_bytes = max(nbytes(params), 1)
   factor = nbytes(jax.eval_shape(optimizer.init, params)) / param_bytes
-  stream = schedule in STREAMS
-  if schedule == "gpipe":
-    flight = [m] * n
-  elif schedule == "seq":
-    flight = [1] * n
-  elif stream:
+  stream = schedule.asynchronous
+  if stream:
     flight = [n - s for s in range(n)]
-  else:  # 1f1b, interleaved.
-    flight = [min(n - s, m) for s in range(n)]
-  if fused_last:
-    flight[-1] = 0
-  if schedule == "2bw":
+  else:
+    flight = _held_until_weight_gradient(schedule, n, m, fused_last)
+  if schedule.name == "2bw":
     versions = [2] * n
   elif stream and stashes:
     versions = [n - s for s in range(n)]
@@ -341,6 +343,30 @@ def partitioner_memory_model(
     "param_versions": versions,
     "recompute": recompute,
   }
+
+
+def _held_until_weight_gradient(kind, n, m, fused_last) -> list[int]:
+  """Per stage, the most microbatches between their forward and their
+  weight gradient (B or W) in ``kind``'s schedule of ``n`` stages (stage
+  s on device s) and ``m`` microbatches; a last stage whose backward runs
+  fused with its forward keeps none. A written schedule for other
+  devices: every microbatch, an upper bound."""
+  try:
+    built = kind.on_devices(list(range(n)), m)
+  except ValueError:
+    return [m] * n
+  flight = []
+  for s in range(n):
+    held = peak = 0
+    for a in built.device_actions[built.stage_device[s]]:
+      if a.stage == s:
+        held += (a.kind == FORWARD) - (a.kind in WEIGHT_GRADIENT)
+        peak = max(peak, held)
+    flight.append(peak)
+  last = built.device_actions[built.stage_device[n - 1]]
+  if fused_last and not any(a.kind == INPUT for a in last):
+    flight[-1] = 0
+  return flight
 
 
 def format_bytes(n: float) -> str:

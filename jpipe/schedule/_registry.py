@@ -30,6 +30,8 @@ class ScheduleKind:
     places_itself: the builder takes the stages' devices
       (``builder(stage_device, num_microbatches)``), as ``interleaved``
       does: several stages per device, ordered together.
+    written: a user's schedule (``custom_schedule``): the lists it runs,
+      for the stages, devices and microbatches they were written for.
   """
 
   name: str
@@ -37,6 +39,7 @@ class ScheduleKind:
   summary: str
   builder: Callable[..., Schedule]
   places_itself: bool = False
+  written: Schedule | None = None
 
   def on_devices(
     self, stage_device: Sequence[int], num_microbatches: int, **kwargs
@@ -114,12 +117,14 @@ STREAMS = tuple(n for n, k in REGISTRY.items() if k.asynchronous)
 
 
 def lookup(schedule: "str | ScheduleKind") -> ScheduleKind:
-  """The registered kind of a name (or of a kind: the registered one of
-  its name). Unknown: a one-line error naming the choices."""
-  name = schedule.name if isinstance(schedule, ScheduleKind) else schedule
-  if name not in REGISTRY:
-    raise ValueError(f"unknown schedule {name!r}: one of {SCHEDULES}")
-  return REGISTRY[name]
+  """The registered kind of a name; a kind as it is (a built-in one, or
+  a user's: ``custom_schedule``). Unknown: a one-line error naming the
+  choices."""
+  if isinstance(schedule, ScheduleKind):
+    return schedule
+  if schedule not in REGISTRY:
+    raise ValueError(f"unknown schedule {schedule!r}: one of {SCHEDULES}")
+  return REGISTRY[schedule]
 
 
 def build(

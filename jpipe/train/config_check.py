@@ -67,8 +67,40 @@ def memory_limit(text: str) -> float | str | None:
   return value
 
 
+def written_schedule(config) -> schedule_lib.ScheduleKind | None:
+  """The schedule ``config.schedule.file`` writes (None: none), checked
+  against the config's stages and microbatches (UsageError naming the
+  problem)."""
+  path = config.schedule.get("file", "")
+  if not path:
+    return None
+  try:
+    with open(path) as f:
+      text = f.read()
+    name = os.path.splitext(os.path.basename(path))[0]
+    kind = schedule_lib.custom_schedule(f"file:{name}", text)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"config.schedule.file: {path}: {e}") from None
+  want = (config.pipeline.num_stages, config.pipeline.num_microbatches)
+  have = (kind.written.num_stages, kind.written.num_microbatches)
+  if have != want:
+    raise UsageError(
+      f"config.schedule.file: {path} is written for {have[0]} stages and "
+      f"{have[1]} microbatches; the config has pipeline.num_stages="
+      f"{want[0]} and pipeline.num_microbatches={want[1]}"
+    )
+  if config.schedule.name != "1f1b":
+    raise UsageError(
+      f"config.schedule.name={config.schedule.name!r} and "
+      "config.schedule.file are both set: the file's schedule runs; "
+      "leave schedule.name at its default"
+    )
+  return kind
+
+
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises UsageError (a ValueError) listing every invalid field and how to fix it."""
+  written_schedule(config)  # Its own one-line error: the file's problem.
   problems = []
 
   def need(ok, key, message):

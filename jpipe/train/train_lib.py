@@ -70,7 +70,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     kwargs["model_state"] = task.model_state
   return dict(
     num_stages=config.pipeline.num_stages,
-    schedule=config.schedule.name,
+    schedule=config_check.written_schedule(config) or config.schedule.name,
     num_microbatches=config.pipeline.num_microbatches,
     partition=config.pipeline.partition,
     depth=config.pipeline.depth or None,  # 0: automatic

@@ -132,3 +132,42 @@ def test_memory_counts_what_w_keeps_as_xla_allocates_it(recompute):
     )
   # The last stage keeps the most W's waiting (n - 1 deferred).
   assert pipe.memory[-1].awaiting_weight >= 1
+
+
+WRITTEN = """
+0F0 0F1 0F2 0I0 0F3 0I1 0W0 0I2 0W1 0I3 0W2 0W3
+1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3
+"""
+
+
+def test_a_written_schedule_runs_as_written_and_equals_one_device():
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  tx = optax.adam(1e-2)
+  kind = jpipe.schedule.custom_schedule("mine", WRITTEN)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule=kind,
+    num_microbatches=4,
+    optimizer=tx,
+  )
+  state = pipe.init(params)
+  lists = pipe.call_actions(state, 4)
+  assert lists.format().splitlines() == [
+    "dev0: "
+    + " ".join(f"{t[1]}0.{t[2]}" for t in WRITTEN.split()[:12])
+    + " S0.3",
+    "dev1: "
+    + " ".join(f"{t[1]}1.{t[2]}" for t in WRITTEN.split()[12:])
+    + " S1.3",
+  ]
+  state, metrics = pipe.step(state, batch)
+  expected, loss = _reference_steps(loss_fn, params, batch, 4, tx)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  half = jax.tree.map(lambda x: x[: len(x) // 2], batch)
+  with pytest.raises(ValueError, match="written for 4 microbatches"):
+    pipe.step(state, half)

@@ -1,0 +1,55 @@
+"""A schedule written in a file, through the training CLI."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from jpipe.train import base_config, config_check
+from jpipe.train.errors import UsageError
+from tests.distributed.test_readme_commands import ROOT, _with, readme_command
+from tests.train.test_train import _cli_env
+
+STEPS = ["--config.train.steps=3", "--config.train.log_every=1"]
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def _run(command):
+  done = subprocess.run(
+    command, capture_output=True, text=True, env=_cli_env(), cwd=ROOT
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def test_the_readmes_written_schedule_trains_as_zbh1(tmp_path):
+  """The README's command runs the shipped file: the same lists as the
+  built-in zbh1, so the same losses step by step."""
+  command = readme_command("--config.schedule.file=")
+  written = _run(_with(command, tmp_path / "file", *STEPS))
+  assert "schedule file:zbh1_4x4" in written
+  base = [c for c in command if not c.startswith("--config.schedule.file")]
+  _run(_with(base, tmp_path / "named", "--config.schedule.name=zbh1", *STEPS))
+  assert _losses(tmp_path / "file") == _losses(tmp_path / "named")
+
+
+def test_a_file_for_other_microbatches_or_a_bad_one_is_refused(tmp_path):
+  config = base_config.base_config()
+  config.schedule.file = os.path.join(ROOT, "configs/schedules/zbh1_4x4.txt")
+  config.pipeline.num_microbatches = 8
+  with pytest.raises(UsageError, match="written for 4 stages and 4 micro"):
+    config_check.check(config)
+  bad = tmp_path / "bad.txt"
+  bad.write_text("0F0 0I0\n1F0 1I0 1W0\n")
+  config.schedule.file = str(bad)
+  with pytest.raises(UsageError, match=r"never runs W0\.0"):
+    config_check.check(config)
+  config.schedule.file = str(tmp_path / "missing.txt")
+  with pytest.raises(UsageError, match="No such file"):
+    config_check.check(config)
