@@ -1,4 +1,5 @@
-"""The schedules: seq, gpipe, 1f1b, async, 2bw and interleaved.
+"""The schedules: seq, gpipe, 1f1b, eager1f1b, async, 2bw, interleaved and
+looped_bfs (zero-bubble ones: ``_zero_bubble.py``).
 
 Each builder returns a :class:`Schedule` for ``num_stages`` stages (stage s
 on device s unless said otherwise) and ``num_microbatches`` microbatches.
@@ -71,6 +72,26 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
   )
 
 
+def eager_1f1b(num_stages: int, num_microbatches: int) -> Schedule:
+  """Eager 1F1B (as NVIDIA's JaxPP names it): 1F1B whose stage s runs
+  ``n - 1 - s`` more warm-up forwards, ``min(2(n - 1 - s) + 1, m)`` before
+  its first backward, so a forward's output is sent while the next stage
+  is still busy and transfers overlap compute; stage s then keeps up to
+  ``2(n - s) - 1`` microbatches (1F1B: ``n - s``). Same step, same result.
+  """
+  _check(num_stages, num_microbatches)
+  last = num_microbatches - 1
+  devices = _unflushed_1f1b(
+    num_stages,
+    num_microbatches,
+    lambda b: b == last,
+    warm=lambda s: 2 * (num_stages - 1 - s),
+  )
+  return make_schedule(
+    "eager1f1b", devices, list(range(num_stages)), num_microbatches
+  )
+
+
 def async_1f1b(
   num_stages: int, num_microbatches: int, *, step_every: int = 1
 ) -> Schedule:
@@ -86,18 +107,20 @@ def async_1f1b(
   return Stream("async", num_stages, step_every).schedule((num_microbatches,))
 
 
-def _unflushed_1f1b(num_stages, num_microbatches, steps_after):
-  """1F1B action lists (warm-up forwards, F/B pairs, drain) with a step
-  after backward b iff ``steps_after(b)``."""
+def _unflushed_1f1b(num_stages, num_microbatches, steps_after, warm=None):
+  """1F1B action lists (``warm(s)`` warm-up forwards, default ``n - 1 -
+  s``; F/B pairs; drain) with a step after backward b iff
+  ``steps_after(b)``."""
   devices = []
   for s in range(num_stages):
-    warm = min(num_stages - 1 - s, num_microbatches)
-    actions = [Action(FORWARD, s, m) for m in range(warm)]
-    for i in range(num_microbatches - warm):
-      actions += [Action(FORWARD, s, warm + i), Action(BACKWARD, s, i)]
+    ahead = num_stages - 1 - s if warm is None else warm(s)
+    warm_up = min(ahead, num_microbatches)
+    actions = [Action(FORWARD, s, m) for m in range(warm_up)]
+    for i in range(num_microbatches - warm_up):
+      actions += [Action(FORWARD, s, warm_up + i), Action(BACKWARD, s, i)]
     actions += [
       Action(BACKWARD, s, b)
-      for b in range(num_microbatches - warm, num_microbatches)
+      for b in range(num_microbatches - warm_up, num_microbatches)
     ]
     with_steps = []
     for a in actions:
@@ -120,6 +143,35 @@ def two_bw(
   """
   _check(num_stages, num_microbatches)
   return Stream("2bw", num_stages, minibatch).schedule((num_microbatches,))
+
+
+def looped_bfs(stage_device, num_microbatches: int) -> Schedule:
+  """Breadth-first over the stages of a device (Lamy-Poirier's
+  breadth-first pipeline, torch's ScheduleLoopedBFS): with several stages
+  per device, each device runs every microbatch's forward of its first
+  stage, then of its next, ..., then the backwards stage by stage in
+  reverse; one step per stage at the end. One stage per device: GPipe.
+  Every microbatch is in flight at once (GPipe's memory), and a device
+  finishes a stage's work before moving on, which suits stages whose
+  params must be fetched to the device (FSDP-style)."""
+  stage_device = [int(d) for d in stage_device]
+  num_stages = len(stage_device)
+  _check(num_stages, num_microbatches)
+  num_devices = max(stage_device) + 1
+  if set(stage_device) != set(range(num_devices)):
+    raise ValueError(f"devices {stage_device} must be 0..{num_devices - 1}")
+  devices: list[list[Action]] = [[] for _ in range(num_devices)]
+  for s in range(num_stages):
+    devices[stage_device[s]] += [
+      Action(FORWARD, s, m) for m in range(num_microbatches)
+    ]
+  for s in reversed(range(num_stages)):
+    devices[stage_device[s]] += [
+      Action(BACKWARD, s, m) for m in reversed(range(num_microbatches))
+    ]
+  for s in range(num_stages):
+    devices[stage_device[s]].append(Action(STEP, s, num_microbatches - 1))
+  return make_schedule("looped_bfs", devices, stage_device, num_microbatches)
 
 
 def interleaved(

@@ -85,6 +85,12 @@ REGISTRY: dict[str, ScheduleKind] = {
       _builders.one_f_one_b,
     ),
     ScheduleKind(
+      "eager1f1b",
+      False,
+      "1F1B with 2(n-1-s) warm-up forwards: sends overlap compute",
+      _builders.eager_1f1b,
+    ),
+    ScheduleKind(
       "async",
       True,
       "PipeDream's asynchronous 1F1B without flushes (delay n - 1 - s)",
@@ -101,6 +107,13 @@ REGISTRY: dict[str, ScheduleKind] = {
       False,
       "several stages per device (mixed pipe, virtual stages), 1F1B order",
       _builders.interleaved,
+      places_itself=True,
+    ),
+    ScheduleKind(
+      "looped_bfs",
+      False,
+      "breadth-first: a device's stages one after another, all microbatches",
+      _builders.looped_bfs,
       places_itself=True,
     ),
     ScheduleKind(

@@ -98,7 +98,8 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
 def _schedule_fields(c: ml_collections.ConfigDict) -> None:
   """The schedule and its step window."""
   # Schedule: a name from jpipe.schedule.SCHEDULES (synchronous: seq,
-  # gpipe, 1f1b, interleaved, zbh1 (zero-bubble); streaming: async, 2bw).
+  # gpipe, 1f1b, eager1f1b, interleaved, looped_bfs, zbh1 (zero-bubble);
+  # streaming: async, 2bw).
   c.schedule = ml_collections.ConfigDict()
   c.schedule.name = "1f1b"
   # async: backwards per step; 2bw: microbatches per minibatch (>= stages).
@@ -247,7 +248,7 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       weight stashing, msnag weight prediction, Gap-Aware; without "ws"
       the backward recomputes, ``pipeline.recompute = True``); "2bw"
       (PipeDream-2BW); or a synchronous schedule (``jpipe.schedule.
-      SYNCHRONOUS``: "seq", "gpipe", "1f1b", "interleaved", "zbh1").
+      SYNCHRONOUS``: "seq", "gpipe", "1f1b", "zbh1", ...).
   """
   parts = variant.split("+")
   if variant in SYNCHRONOUS_VARIANTS or variant == "2bw":

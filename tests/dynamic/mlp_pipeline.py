@@ -1,6 +1,6 @@
 """The tests' re-partitioning pipeline: the small MLP in 2 stages on 2
 CPU devices, asynchronous with weight stashing, every action sleeping
-its share of 20 ms of simulated compute (well above the real work, so a
+its share of 50 ms of simulated compute (well above the real work, so a
 busy machine cannot blur injected slowdowns)."""
 
 import jax
@@ -24,7 +24,7 @@ def build(policy, inject="", horizon_steps=50, predictor=None):
     window=WINDOW,
     horizon_steps=horizon_steps,
     interference=dynamic.Interference(
-      dynamic.parse_inject(inject), simulated_seconds=0.02
+      dynamic.parse_inject(inject), simulated_seconds=0.05
     ),
     predictor=predictor,
     num_stages=2,

@@ -46,6 +46,8 @@ CASES = {
     {**GA, "gap_aware": "ga_jfl", "weight_stashing": True},
   ),
   "2bw": ("2bw", {"step_every": 3, "recompute": False}),
+  "eager1f1b": ("eager1f1b", {}),
+  "looped_bfs": ("looped_bfs", {"recompute": False}),
   "zbh1-recompute": ("zbh1", {"recompute": True}),
   "zbh1": ("zbh1", {"recompute": False}),
 }

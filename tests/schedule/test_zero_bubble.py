@@ -63,3 +63,34 @@ def test_a_microbatch_without_its_weight_gradient_is_refused():
   lists = [[Action(FORWARD, 0, 0), Action(INPUT, 0, 0), Action(STEP, 0, 0)]]
   with pytest.raises(ValueError, match=r"F, B \(or I and W\)"):
     sc.make_schedule("mine", lists, [0], 1)
+
+
+def test_eager_1f1b_runs_more_forwards_first_and_hides_transfers():
+  """JaxPP's Eager1F1B: 2(n - 1 - s) + 1 forwards before stage s's first
+  backward (1F1B: n - s), so a transfer overlaps the next forward; with
+  slow links it finishes sooner, at 2(n - s) - 1 microbatches held."""
+  n, m = 4, 8
+  eager, one = sc.eager_1f1b(n, m), sc.one_f_one_b(n, m)
+  for s in range(n):
+    acts = eager.device_actions[s]
+    first_b = next(i for i, a in enumerate(acts) if a.kind == "B")
+    assert first_b == min(2 * (n - 1 - s) + 1, m)
+    assert _between(eager, s, FORWARD, "B") == min(2 * (n - s) - 1, m)
+  slow = {"comm_seconds": 0.5}
+  assert (
+    sc.simulate(eager, 1.0, 2.0, **slow).makespan
+    < sc.simulate(one, 1.0, 2.0, **slow).makespan
+  )
+  assert (eager.delay == 0).all()
+
+
+def test_looped_bfs_finishes_a_stage_before_the_next_on_its_device():
+  built = sc.looped_bfs([0, 1, 0, 1], 3)
+  kinds_and_stages = [(a.kind, a.stage) for a in built.device_actions[0]]
+  # Forwards of stage 0, then of stage 2; backwards of 2, then of 0.
+  assert kinds_and_stages[:12] == (
+    [("F", 0)] * 3 + [("F", 2)] * 3 + [("B", 2)] * 3 + [("B", 0)] * 3
+  )
+  assert (
+    sc.looped_bfs([0, 1], 4).device_actions == sc.gpipe(2, 4).device_actions
+  )
