@@ -37,7 +37,6 @@ class BackwardSplit:
     input_eqns: indices of the equations I runs, in program order.
     weight_eqns: indices of the equations W runs, in program order.
     kept: the values I hands W (variables of ``jaxpr``).
-    kept_avals: their shapes and dtypes.
     num_grads: the backward's parameter gradients (its first outputs).
     cot_tree: the structure of its input cotangents.
   """
@@ -47,9 +46,15 @@ class BackwardSplit:
   input_eqns: tuple[int, ...]
   weight_eqns: tuple[int, ...]
   kept: tuple
-  kept_avals: tuple
   num_grads: int
   cot_tree: Any
+
+  @property
+  def kept_avals(self) -> tuple:
+    """The shapes and dtypes of what I hands W."""
+    return tuple(
+      jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.kept
+    )
 
   def input_part(self, *args) -> tuple[tuple, tuple]:
     """``(input_cotangents, kept)`` for the backward's ``args``
@@ -101,7 +106,6 @@ def split_backward(backward: Callable, *args) -> BackwardSplit:
     tuple(sorted(input_eqns)),
     tuple(sorted(weight_eqns)),
     tuple(kept),
-    tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in kept),
     num_grads,
     jax.tree.structure(shape[1]),
   )

@@ -122,19 +122,10 @@ def nbytes(tree) -> int:
 def in_flight_counts(calls: Sequence, num_stages: int) -> tuple[int, ...]:
   """Per stage, the most microbatches between forward and backward at once
   over a sequence of ``Call``s (``_calls.py``) run in order. A forward
-  whose backward runs fused with it keeps nothing."""
-  open_, peak = [0] * num_stages, [0] * num_stages
-  for call in calls:
-    for action in call.order:
-      s, b = action.stage, action.microbatch
-      if (s, b) in call.fused:
-        continue
-      if action.kind == FORWARD:
-        open_[s] += 1
-        peak[s] = max(peak[s], open_[s])
-      elif action.kind in INPUT_GRADIENT:  # B, or I of a split one.
-        open_[s] -= 1
-  return tuple(peak)
+  whose backward runs fused with it keeps nothing; a split backward's
+  I ends it."""
+  states = split_backward_states(calls, num_stages)
+  return tuple(max(held for held, _ in stage) for stage in states)
 
 
 def split_backward_states(

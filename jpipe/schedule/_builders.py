@@ -26,6 +26,17 @@ def _check(num_stages, num_microbatches):
     )
 
 
+def _devices(stage_device, num_microbatches) -> tuple[list[int], int]:
+  """The stages' devices as ints, and how many: numbered 0..k-1, every
+  one used (a builder that places stages itself)."""
+  stage_device = [int(d) for d in stage_device]
+  _check(len(stage_device), num_microbatches)
+  num_devices = max(stage_device) + 1
+  if set(stage_device) != set(range(num_devices)):
+    raise ValueError(f"devices {stage_device} must be 0..{num_devices - 1}")
+  return stage_device, num_devices
+
+
 def seq(num_stages: int, num_microbatches: int) -> Schedule:
   """Naive model parallelism: one microbatch in flight, one step at the end.
 
@@ -154,12 +165,8 @@ def looped_bfs(stage_device, num_microbatches: int) -> Schedule:
   Every microbatch is in flight at once (GPipe's memory), and a device
   finishes a stage's work before moving on, which suits stages whose
   params must be fetched to the device (FSDP-style)."""
-  stage_device = [int(d) for d in stage_device]
+  stage_device, num_devices = _devices(stage_device, num_microbatches)
   num_stages = len(stage_device)
-  _check(num_stages, num_microbatches)
-  num_devices = max(stage_device) + 1
-  if set(stage_device) != set(range(num_devices)):
-    raise ValueError(f"devices {stage_device} must be 0..{num_devices - 1}")
   devices: list[list[Action]] = [[] for _ in range(num_devices)]
   for s in range(num_stages):
     devices[stage_device[s]] += [
@@ -186,12 +193,8 @@ def interleaved(
   flight (1F1B's activation bound). Synchronous: one step per stage at the
   end; otherwise a step after every backward (asynchronous).
   """
-  stage_device = [int(d) for d in stage_device]
+  stage_device, num_devices = _devices(stage_device, num_microbatches)
   num_stages = len(stage_device)
-  _check(num_stages, num_microbatches)
-  num_devices = max(stage_device) + 1
-  if set(stage_device) != set(range(num_devices)):
-    raise ValueError(f"devices {stage_device} must be 0..{num_devices - 1}")
   done_f = np.zeros(num_stages, np.int64)  # forwards done per stage
   done_b = np.zeros(num_stages, np.int64)
   finished: dict[tuple[str, int, int], float] = {}
