@@ -107,20 +107,31 @@ def _configs(n):
       "schedule": "async",
       "weight_stashing": True,
     },
+    # Zero-bubble: I's cotangents cross processes, W stays.
+    {"case": "gpt_tied", "stages": n, "calls": [2, 3], "schedule": "zbh1"},
+    {
+      "case": "mlp",
+      "stages": n,
+      "calls": [2, 3],
+      "schedule": "zbh1",
+      "transport": "collective",
+      "recompute": False,
+    },
   ]
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_processes_equal_one_process(tmp_path, nprocs, process_env):
-  """gpipe, 1f1b, streaming async (ws, wp, GA, adam), 2bw without
-  recomputation, tied embeddings (sync and async) and BatchNorm
-  statistics, over both transports (pull; collective for two), split
-  between the 2- and 3-process runs: n processes with one stage each give
-  the one-process results (params, optimizer state, model state, every
-  call's loss)."""
+  """gpipe, 1f1b, zero-bubble zbh1, streaming async (ws, wp, GA, adam),
+  2bw without recomputation, tied embeddings (sync and async) and
+  BatchNorm statistics, over both transports (pull; collective for
+  three), split between the 2- and 3-process runs: n processes with one
+  stage each give the one-process results (params, optimizer state, model
+  state, every call's loss)."""
   # (CI time) 2 processes: the synchronous ones, 2bw and async ws+wp;
-  # 3: the other streaming ones (GA, tied over collectives, BatchNorm).
-  keep = (3, 6, 7) if nprocs == 3 else (0, 1, 2, 4, 5)
+  # 3: the other streaming ones (GA, tied over collectives, BatchNorm);
+  # zbh1 on both (tied over 3, collective over 2).
+  keep = (3, 6, 7, 8) if nprocs == 3 else (0, 1, 2, 4, 5, 9)
   configs = [_configs(nprocs)[i] for i in keep]
   configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
