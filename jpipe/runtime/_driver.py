@@ -424,8 +424,10 @@ class _Call(TransferEnds):
     self.made_state = [False] * len(self.params)
     self.losses = []
     self.used = {} if driver.record_params else None
-    self.peak = [self._held(s) for s in range(len(self.params))]
-    self.peak_bytes = [self._held_bytes(s) for s in range(len(self.params))]
+    self.peak = [0] * len(self.params)  # Param versions held at most,
+    self.peak_bytes = [0] * len(self.params)  # and their bytes.
+    for s in range(len(self.params)):
+      self._note_held(s)
 
   # -- compute actions -----------------------------------------------------
 
@@ -435,18 +437,17 @@ class _Call(TransferEnds):
     self.forwards[s] += 1
     d.hooks.before_compute(action)
     own = d.policy.forward_params(
-      s, b, self.params[s], self.versions[s], self._predictor(s)
+      s, b, self.params[s], self.versions[s], _predictor(self, s)
     )
     theta = own if d.stream is None else d.tied.record(s, b, own, self.tied)
     if d.policy.keeps_forward_params:
       self.forward_params[(s, b)] = theta
-      self.peak[s] = max(self.peak[s], self._held(s))
-      self.peak_bytes[s] = max(self.peak_bytes[s], self._held_bytes(s))
+      self._note_held(s)
     self._record("F", s, b, theta)
     acts = tuple(self.inbox.pop((s, b, v)) for v in spec.inputs)
     if self.profiler and d.transport.multiprocess:
       self.profiler.record_inputs(action, acts)
-    local = self._local_inputs(spec, self.batches[place][b], place)
+    local = _local_inputs(self, spec, self.batches[place][b], place)
     if (s, b) in self.fused and d.policy.same_backward_params(
       own, self.params[s]
     ):
@@ -638,42 +639,16 @@ class _Call(TransferEnds):
       self.used,
     )
 
-  def _predictor(self, s):
-    """``(theta, delay) -> predicted params`` of stage s (aggmsnag uses
-    the gradient accumulated so far, unpacked inside the prediction)."""
-    opt = self.d.optimizers[s]
-
-    def predict(theta, delay):
-      acc = self.grads[s]
-      if self.d.policy.prediction == "aggmsnag" and acc is not None:
-        return opt.predict_packed(theta, self.opt_states[s], delay, acc)
-      return opt.predict(theta, self.opt_states[s], delay, None)
-
-    return predict
-
-  def _held(self, s) -> int:
-    """Distinct param versions stage s holds (live, stashed, predicted)."""
-    held = {id(t) for t in self.versions[s].values()}
-    held.add(id(self.params[s]))
-    held |= {id(t) for (s_, _), t in self.forward_params.items() if s_ == s}
-    return len(held)
-
-  def _held_bytes(self, s) -> int:
-    """Bytes of the distinct param arrays stage s holds."""
-    tuples = [*self.versions[s].values(), self.params[s]]
-    tuples += [t for (s_, _), t in self.forward_params.items() if s_ == s]
-    # Most entries are the same tuple (every forward of a synchronous
-    # schedule keeps the live params): go through each tuple once, or
-    # this runs per forward over every microbatch in flight (on an H100
-    # it was 45 % of the host's time per action at 32 microbatches).
-    distinct = {id(t): t for t in tuples if t is not None}
-    leaf_bytes = self.d.param_leaf_bytes[s]
-    arrays = {
-      id(x): n
-      for t in distinct.values()
-      for x, n in zip(t, leaf_bytes, strict=True)
-    }
-    return int(sum(arrays.values()))
+  def _note_held(self, s):
+    """Raises stage s's peaks of param versions and bytes held to now."""
+    count, nbytes = _params_held(
+      self.versions[s],
+      self.params[s],
+      [t for (s_, _), t in self.forward_params.items() if s_ == s],
+      self.d.param_leaf_bytes[s],
+    )
+    self.peak[s] = max(self.peak[s], count)
+    self.peak_bytes[s] = max(self.peak_bytes[s], nbytes)
 
   def _record(self, kind, s, b, theta):
     if self.used is not None:
@@ -683,16 +658,6 @@ class _Call(TransferEnds):
     """Cotangents of a stage's results: the loss's weight in its step's
     mean; none for model-state outputs."""
     return tuple(self.loss_cotangent if r == 0 else None for r in spec.results)
-
-  def _local_inputs(self, spec, batch_leaves, place):
-    """A stage's batch inputs on its device(s): microbatch leaves (already
-    there), then model-state leaves (placed here, whole)."""
-    nb = self.d.num_batch_leaves
-    state = [self.model_state[i - nb] for i in spec.batch_leaves if i >= nb]
-    state = iter(place.put_replicated(state) if state else ())
-    return tuple(
-      batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
-    )
 
   def _optimizer_step(self, s, grads, packed, stale, scale):
     """Stage s's optimizer step from ``grads`` (the packed accumulator, or
@@ -716,3 +681,48 @@ class _Call(TransferEnds):
     stamped the action that produced it first."""
     if self.profiler and self.acc_producer[s] is not None:
       self.profiler.wait_for(self.acc_producer[s])
+
+
+def _params_held(versions, live, forward_params, leaf_bytes) -> tuple:
+  """``(distinct param versions, bytes of their distinct arrays)`` a
+  stage holds: its ``versions`` by step, its ``live`` params and the
+  ones its in-flight forwards used (live, stashed, predicted)."""
+  tuples = [*versions.values(), live, *forward_params]
+  # Most entries are the same tuple (every forward of a synchronous
+  # schedule keeps the live params): go through each tuple once, or
+  # this runs per forward over every microbatch in flight (on an H100
+  # it was 45 % of the host's time per action at 32 microbatches).
+  distinct = {id(t): t for t in tuples}
+  arrays = {
+    id(x): n
+    for t in distinct.values()
+    if t is not None
+    for x, n in zip(t, leaf_bytes, strict=True)
+  }
+  return len(distinct), int(sum(arrays.values()))
+
+
+def _predictor(call, s):
+  """``(theta, delay) -> predicted params`` of stage s in ``call`` (a
+  ``_Call``; aggmsnag uses the gradient accumulated so far, unpacked
+  inside the prediction)."""
+  opt = call.d.optimizers[s]
+
+  def predict(theta, delay):
+    acc = call.grads[s]
+    if call.d.policy.prediction == "aggmsnag" and acc is not None:
+      return opt.predict_packed(theta, call.opt_states[s], delay, acc)
+    return opt.predict(theta, call.opt_states[s], delay, None)
+
+  return predict
+
+
+def _local_inputs(call, spec, batch_leaves, place):
+  """A stage's batch inputs on its device(s) in ``call``: microbatch
+  leaves (already there), then model-state leaves (placed here, whole)."""
+  nb = call.d.num_batch_leaves
+  state = [call.model_state[i - nb] for i in spec.batch_leaves if i >= nb]
+  state = iter(place.put_replicated(state) if state else ())
+  return tuple(
+    batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
+  )

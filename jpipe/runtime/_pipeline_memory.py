@@ -25,13 +25,8 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
   lists (a stream: enough calls to reach its steady state, then a
   flush), versions and tied copies from the version policy, every array
   from abstract evaluation."""
-  n, m = pipe.stages.num_stages, pipe.num_microbatches
-  if pipe.stream is None:
-    calls = [pipe.calls(0, m)]
-  else:  # Enough calls to reach the stream's steady state, then a flush.
-    count = 2 + -(-(n + 2 * pipe.stream.step_every) // m)
-    calls = [pipe.calls(i * m, m) for i in range(count)]
-    calls.append(pipe.calls(count * m, None))
+  n = pipe.stages.num_stages
+  calls = _calls_to_steady_state(pipe)
   states = split_backward_states(calls, n)
   splits = {a.stage for call in calls for a in call.order if a.kind == "I"}
   versions = param_versions(pipe.policy, pipe.stream, n)
@@ -80,6 +75,18 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
       )
     )
   return tuple(out)
+
+
+def _calls_to_steady_state(pipe) -> list:
+  """The calls whose action lists decide the peak: one of the example's
+  microbatches (synchronous), or enough to reach a stream's steady
+  state, then a flush."""
+  n, m = pipe.stages.num_stages, pipe.num_microbatches
+  if pipe.stream is None:
+    return [pipe.calls(0, m)]
+  count = 2 + -(-(n + 2 * pipe.stream.step_every) // m)
+  calls = [pipe.calls(i * m, m) for i in range(count)]
+  return [*calls, pipe.calls(count * m, None)]
 
 
 def _weight_kept(pipe, s, params, batch, acts, kept):
