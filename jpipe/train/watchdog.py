@@ -124,16 +124,15 @@ class Watchdog:
       f"process {me}: hung {self.doing}: {why} (timeout "
       f"{self.timeout():.0f} s); its main thread waits in {where}"
     )
-    if client is not None:
-      try:
-        client.key_value_set(f"{_KEY}where/{me}", where)
-        client.key_value_set(f"{_KEY}fired/{me}", "1")
-      except Exception:  # The coordinator may be gone: report alone.
-        client = None
+    client = _publish(client, f"fired/{me}", "1")  # The others fire too.
     self.out.write(f"{head}\nStacks of process {me}:\n")
     self.out.flush()
     faulthandler.dump_traceback(file=self.out, all_threads=True)
     self.out.flush()
+    # Published after the stacks are out: process 0 exits (and the
+    # coordinator with it, which ends the others) once it has every
+    # process's ``where``, so every process's stacks are printed by then.
+    client = _publish(client, f"where/{me}", where)
     if me == 0:
       wheres = _wheres(client) if client is not None else {0: where}
       lines = "; ".join(
@@ -204,6 +203,18 @@ def _process_index() -> int:
   import jax
 
   return jax.process_index()
+
+
+def _publish(client, key: str, value: str):
+  """``value`` under the watchdog's ``key``; the client, or None where
+  the coordinator is gone (this process then reports alone)."""
+  if client is None:
+    return None
+  try:
+    client.key_value_set(f"{_KEY}{key}", value)
+  except Exception:
+    return None
+  return client
 
 
 def _peer_fired(client) -> bool:
