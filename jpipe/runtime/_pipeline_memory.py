@@ -28,7 +28,8 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
   n = pipe.stages.num_stages
   calls = _calls_to_steady_state(pipe)
   states = split_backward_states(calls, n)
-  splits = {a.stage for call in calls for a in call.order if a.kind == "I"}
+  # Stages whose backward runs split (an I leaves a microbatch awaiting W).
+  splits = {s for s, seen in enumerate(states) if any(w for _, w in seen)}
   versions = param_versions(pipe.policy, pipe.stream, n)
   replicas = [sorted(pipe.tied.replica_positions(s)) for s in range(n)]
   owners = [pipe.tied.replica_owner(s) for s in range(n)]
