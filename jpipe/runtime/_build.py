@@ -78,7 +78,7 @@ def check_request(
   micro = _microbatch_size(example_batch, num_microbatches)
   devices = tuple(jax.devices() if devices is None else devices)
   check_stage_count(
-    partitioning.num_stages, len(devices), partitioning.partition
+    partitioning.num_stages, len(devices), partitioning.partition, kind
   )
   limit = resolve_memory_limit(partitioning.memory_limit, devices)
   return Request(
@@ -140,6 +140,7 @@ def cut_model(
       partitioning.partition,
       partitioning.num_stages,
       len(request.devices),
+      request.schedule_kind,
     )
   if model_state is not None:
     _check_state_output(traced, state_treedef)
@@ -167,6 +168,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   partitioning, staleness = request.partitioning, request.staleness
   partition, num_stages = partitioning.partition, partitioning.num_stages
   num_devices = len(request.devices)
+  placement = request.schedule_kind.placement
   plan = _make_plan(
     cut.traced,
     params,
@@ -177,7 +179,13 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     bandwidth=partitioning.bandwidth,
     cost_model=partitioning.cost_model,
     recompute=staleness.recompute,
-    memory=partitioner_memory_model(
+    # Where the schedule places the stages (zbv's V: several per device,
+    # which the partitioner's per-device memory model does not know), the
+    # memory is checked on the built pipeline instead.
+    slots=None if placement is None else placement(num_stages // 2),
+    memory=None
+    if placement is not None
+    else partitioner_memory_model(
       request.memory_limit,
       request.optimizer,
       params,
@@ -291,7 +299,7 @@ def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
   return Scheduled(stream, calls, first)
 
 
-def _granularity(traced, partition, num_stages, num_devices):
+def _granularity(traced, partition, num_stages, num_devices, kind):
   """The trace cut at the automatic depth (see ``Pipeline``'s ``depth``)."""
   if isinstance(partition, partition_lib.Plan):
     for depth in range(1, traced.max_depth + 1):
@@ -303,15 +311,31 @@ def _granularity(traced, partition, num_stages, num_devices):
       "the Plan was made for a different model: no depth of this model "
       "has its nodes"
     )
-  stages = num_stages if partition == "mixed" else min(num_stages, num_devices)
+  several = partition == "mixed" or kind.placement is not None
+  stages = num_stages if several else min(num_stages, num_devices)
   return partition_lib.choose_depth(traced, stages)
 
 
-def check_stage_count(num_stages, num_devices, partition) -> None:
-  """One device per stage unless FTPipe's mixed pipe (or a given Plan,
-  which names its devices) puts several stages on a device."""
+def check_stage_count(num_stages, num_devices, partition, kind) -> None:
+  """One device per stage unless FTPipe's mixed pipe, a schedule that
+  places its stages (``zbv``: two per device in a V) or a given Plan
+  (which names its devices) puts several stages on a device."""
   if num_stages < 1:
     raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+  if kind.placement is not None and isinstance(partition, str):
+    if partition != "contiguous" or num_stages % 2:
+      raise ValueError(
+        f"schedule {kind.name!r} places 2 stages per device in a V: use "
+        f"an even num_stages (got {num_stages}) and partition "
+        f"'contiguous' (got {partition!r})"
+      )
+    if num_stages // 2 > num_devices:
+      raise ValueError(
+        f"schedule {kind.name!r}: {num_stages} stages need "
+        f"{num_stages // 2} devices (2 per device), got {num_devices}: "
+        f"use at most {2 * num_devices} stages"
+      )
+    return
   if isinstance(partition, str) and partition != "mixed":
     if num_stages > num_devices:
       raise ValueError(
@@ -340,12 +364,14 @@ def _make_plan(
       memory = {}
     elif partition != "contiguous":  # PipeDream's own stash model.
       memory = {"memory_limit": memory.get("memory_limit")}
+    slots = options["slots"]  # A contiguous stage per slot, on its device.
     plan = partition_lib.plan_traced(
       traced,
       costs,
-      min(num_stages, num_devices),
+      min(num_stages, num_devices) if slots is None else len(slots),
       method=partition,
       bandwidth=options["bandwidth"],
+      devices=slots,
       **memory,
     )
   if plan.node_names != traced.node_names:

@@ -49,7 +49,12 @@ from jpipe.schedule._schedule import (
 )
 from jpipe.schedule._simulate import Timeline, ready_time, simulate
 from jpipe.schedule._stream import Stream
-from jpipe.schedule._zero_bubble import zero_bubble_h1
+from jpipe.schedule._zero_bubble import (
+  dual_pipe_v,
+  v_placement,
+  zero_bubble_h1,
+  zero_bubble_v,
+)
 
 __all__ = [
   "BACKWARD",
@@ -99,4 +104,7 @@ __all__ = [
   "two_bw",
   "write_chrome_trace",
   "zero_bubble_h1",
+  "zero_bubble_v",
+  "dual_pipe_v",
+  "v_placement",
 ]

@@ -32,6 +32,10 @@ class ScheduleKind:
       does: several stages per device, ordered together.
     written: a user's schedule (``custom_schedule``): the lists it runs,
       for the stages, devices and microbatches they were written for.
+    placement: ``placement(p)`` -> the device of every stage on p
+      devices, where the schedule fixes it (``zbv``, ``dualpipev``: 2p
+      stages in a V); the pipeline then cuts that many stages and places
+      them so. None: any placement.
   """
 
   name: str
@@ -40,6 +44,7 @@ class ScheduleKind:
   builder: Callable[..., Schedule]
   places_itself: bool = False
   written: Schedule | None = None
+  placement: Callable[[int], tuple[int, ...]] | None = None
 
   def on_devices(
     self, stage_device: Sequence[int], num_microbatches: int, **kwargs
@@ -122,6 +127,22 @@ REGISTRY: dict[str, ScheduleKind] = {
       "zero-bubble ZB-H1: backward split into I and W, W fills bubbles",
       _zero_bubble.zero_bubble_h1,
     ),
+    ScheduleKind(
+      "zbv",
+      False,
+      "zero-bubble ZB-V: 2 stages per device in a V, I and W split",
+      _zero_bubble.zero_bubble_v,
+      places_itself=True,
+      placement=_zero_bubble.v_placement,
+    ),
+    ScheduleKind(
+      "dualpipev",
+      False,
+      "DualPipeV: V placement, F of one stage paired with B of the other",
+      _zero_bubble.dual_pipe_v,
+      places_itself=True,
+      placement=_zero_bubble.v_placement,
+    ),
   )
 }
 SCHEDULES = tuple(REGISTRY)
@@ -143,10 +164,14 @@ def lookup(schedule: "str | ScheduleKind") -> ScheduleKind:
 def build(
   name: str, num_stages: int, num_microbatches: int, **kwargs
 ) -> Schedule:
-  """A schedule by name (one of SCHEDULES) with stage s on device s;
-  kwargs go to the builder (``interleaved`` takes ``stage_device``)."""
+  """A schedule by name (one of SCHEDULES) with stage s on device s (or
+  where the schedule places its stages: ``zbv``'s V); kwargs go to the
+  builder (``interleaved`` takes ``stage_device``)."""
   kind = lookup(name)
-  stage_device = kwargs.pop("stage_device", list(range(num_stages)))
+  default = list(range(num_stages))
+  if kind.placement is not None and num_stages % 2 == 0:
+    default = list(kind.placement(num_stages // 2))
+  stage_device = kwargs.pop("stage_device", default)
   if len(stage_device) != num_stages:
     raise ValueError(
       f"stage_device has {len(stage_device)} entries for {num_stages} stages"

@@ -8,6 +8,7 @@ would otherwise wait removes most of 1F1B's bubble.
 """
 
 from jpipe.schedule._schedule import (
+  BACKWARD,
   FORWARD,
   INPUT,
   STEP,
@@ -51,3 +52,194 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     actions.append(Action(STEP, s, m - 1))
     lists.append(actions)
   return make_schedule("zbh1", lists, list(range(n)), m)
+
+
+def v_placement(num_devices: int) -> tuple[int, ...]:
+  """The V: ``2 * num_devices`` stages, stage s on device ``min(s, 2p - 1
+  - s)`` -- down the devices and back, so device 0 holds the first and
+  the last stage and the loss is computed where the batch came in."""
+  if num_devices < 1:
+    raise ValueError(f"need >= 1 device, got {num_devices}")
+  return tuple(range(num_devices)) + tuple(reversed(range(num_devices)))
+
+
+def _v_devices(name, stage_device, num_microbatches, least_microbatches):
+  """Devices of a V schedule's stages, checked: p, and the stages going
+  down (``down[d]``) and coming back (``up[d]``) on device d."""
+  stage_device = tuple(int(d) for d in stage_device)
+  p = len(stage_device) // 2
+  if len(stage_device) % 2 or stage_device != v_placement(max(p, 1)):
+    raise ValueError(
+      f"{name} runs two stages per device in a V (stage s on device "
+      f"min(s, 2p - 1 - s)); got stages on devices {list(stage_device)}: "
+      "use an even stage count, 2 per device"
+    )
+  if num_microbatches < least_microbatches(p):
+    raise ValueError(
+      f"{name} on {p} devices needs >= {least_microbatches(p)} "
+      f"microbatches per step, got {num_microbatches}"
+    )
+  return p, list(range(p)), [2 * p - 1 - d for d in range(p)]
+
+
+class _Emitter:
+  """One device's list, written in order, with per-stage counters: the
+  next microbatch whose F, whose input gradient (B or I) and whose
+  deferred W each stage runs; none past the last microbatch."""
+
+  def __init__(self, num_microbatches):
+    self.m = num_microbatches
+    self.actions: list[Action] = []
+    self.next = {}  # (kind, stage) -> next microbatch
+    self.deferred: list[tuple[int, int]] = []  # (stage, mb) awaiting W
+
+  def _take(self, kind, stage):
+    b = self.next.get((kind, stage), 0)
+    if b >= self.m:
+      return None
+    self.next[(kind, stage)] = b + 1
+    return b
+
+  def count(self, kind, stage) -> int:
+    return self.next.get((kind, stage), 0)
+
+  def forward(self, stage):
+    b = self._take(FORWARD, stage)
+    if b is not None:
+      self.actions.append(Action(FORWARD, stage, b))
+
+  def backward(self, stage):
+    """A whole backward B (both halves at once)."""
+    b = self._take("grad", stage)
+    if b is not None:
+      self.actions.append(Action(BACKWARD, stage, b))
+
+  def input_gradient(self, stage, weight_now=False):
+    """I, its W queued (or run at once: ``weight_now``)."""
+    b = self._take("grad", stage)
+    if b is None:
+      return
+    self.actions.append(Action(INPUT, stage, b))
+    self.deferred.append((stage, b))
+    if weight_now:
+      self.weight()
+
+  def weight(self, stage=None):
+    """The oldest deferred W (of ``stage``, if given); none queued: no-op."""
+    for i, (s, b) in enumerate(self.deferred):
+      if stage is None or s == stage:
+        del self.deferred[i]
+        self.actions.append(Action(WEIGHT, s, b))
+        return
+
+  def finish(self, stages):
+    """Every backward and W not yet written, and the stages' steps."""
+    for s in stages:
+      while self.count("grad", s) < self.m:
+        self.input_gradient(s)
+    while self.deferred:
+      self.weight()
+    self.actions += [Action(STEP, s, self.m - 1) for s in sorted(stages)]
+    return self.actions
+
+
+def zero_bubble_v(stage_device, num_microbatches: int) -> Schedule:
+  """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory",
+  2024; torch's ScheduleZBVZeroBubble): 2p stages in a V on p devices,
+  each backward split into I and W.
+
+  Device d holds stage d (going down) and stage 2p - 1 - d (coming back).
+  It runs ``2(p - d) - 1`` forwards of its first stage; then ``d`` pairs
+  of forwards, second stage then first; then ``p - d`` rounds of F, I, W
+  of its second stage; then, while forwards remain, F, I, W of the first
+  stage and F, I, W of the second; the cool-down runs I's of both stages
+  and fills its gaps with the W's it deferred. With F = I = W the bubble
+  is near zero at 1F1B's activation memory (each device holds at most
+  2p microbatch-stages between F and W). Synchronous.
+  """
+  p, down, up = _v_devices("zbv", stage_device, num_microbatches, lambda p: 1)
+  lists = []
+  for d in range(p):
+    lo, hi = down[d], up[d]
+    e = _Emitter(num_microbatches)
+    for _ in range(2 * (p - d) - 1):
+      e.forward(lo)
+    for _ in range(d):
+      e.forward(hi)
+      e.forward(lo)
+    for _ in range(p - d):
+      e.forward(hi)
+      e.input_gradient(hi, weight_now=True)
+    while e.count(FORWARD, hi) < e.count(FORWARD, lo) or (
+      e.count(FORWARD, lo) < num_microbatches
+    ):
+      e.forward(lo)
+      e.input_gradient(lo, weight_now=True)
+      e.forward(hi)
+      e.input_gradient(hi, weight_now=True)
+    for _ in range(d):  # Cool-down: I's first, the W's they defer after.
+      e.input_gradient(lo)
+      e.input_gradient(hi)
+    for _ in range(p - d):
+      e.input_gradient(lo)
+      e.weight()
+    lists.append(e.finish((lo, hi)))
+  return make_schedule("zbv", lists, v_placement(p), num_microbatches)
+
+
+def dual_pipe_v(stage_device, num_microbatches: int) -> Schedule:
+  """DualPipeV (DeepSeek's DualPipe cut in half, "V" shape; Sea AI Lab's
+  write-up; torch's ScheduleDualPipeV): 2p stages in a V on p devices;
+  in steady state each device pairs the forward of one of its stages
+  with the backward of its other stage for another microbatch -- the
+  pairs DualPipe overlaps (F then B, adjacent in the list: one device
+  runs one program at a time here, so the pair is run back to back and
+  the gain is the ordering's); the warm-up and cool-down split
+  backwards into I and W to fill bubbles. Needs >= 2p microbatches.
+
+  Device d: ``2(p - d - 1)`` forwards of its first stage; ``d + 1``
+  forwards of both; ``p - d - 1`` rounds of I and a deferred W of its
+  second stage and its next forward; ``m - 2p + d + 1`` rounds of the
+  pairs (F first stage, B second stage) and (F second, B first);
+  ``p - d - 1`` rounds of B of the second stage and the pair (F second,
+  B first); ``d + 1`` backwards of both stages, from the middle on as
+  I's; then ``p - d - 1`` deferred W's each followed by an I of the first
+  stage; then the remaining W's. Synchronous.
+  """
+  p, down, up = _v_devices(
+    "dualpipev", stage_device, num_microbatches, lambda p: 2 * p
+  )
+  m = num_microbatches
+  lists = []
+  for d in range(p):
+    lo, hi = down[d], up[d]
+    e = _Emitter(m)
+    for _ in range(2 * (p - d - 1)):
+      e.forward(lo)
+    for _ in range(d + 1):
+      e.forward(lo)
+      e.forward(hi)
+    for _ in range(p - d - 1):
+      e.input_gradient(hi)
+      e.weight()
+      e.forward(hi)
+    for _ in range(m - 2 * p + d + 1):
+      e.forward(lo)
+      e.backward(hi)
+      e.forward(hi)
+      e.backward(lo)
+    for _ in range(p - d - 1):
+      e.backward(hi)
+      e.forward(hi)
+      e.backward(lo)
+    split = False
+    for i in range(d + 1):
+      split = split or (i == (d + 1) // 2 and d % 2 == 1)
+      (e.input_gradient if split else e.backward)(hi)
+      split = split or (i == (d + 1) // 2 and d % 2 == 0)
+      (e.input_gradient if split else e.backward)(lo)
+    for _ in range(p - d - 1):
+      e.weight()
+      e.input_gradient(lo)
+    lists.append(e.finish((lo, hi)))
+  return make_schedule("dualpipev", lists, v_placement(p), m)

@@ -127,6 +127,7 @@ def _check_names(config, need) -> None:
     "schedule.name",
     f"{config.schedule.name!r} is not one of {schedule_lib.SCHEDULES}",
   )
+  _check_v_placement(config, need)
   need(
     config.model.name in TASK_OF_MODEL,
     "model.name",
@@ -299,12 +300,47 @@ def _check_runtime(config, need, problems) -> None:
     )
 
 
+def _v_shaped(config) -> bool:
+  """Whether the schedule places two stages per device in a V."""
+  kind = schedule_lib.REGISTRY.get(config.schedule.name)
+  return kind is not None and kind.placement is not None
+
+
+def _check_v_placement(config, need) -> None:
+  """zbv and dualpipev: an even stage count, contiguous stages, and
+  DualPipeV's 2p microbatches."""
+  if not _v_shaped(config):
+    return
+  name, stages = config.schedule.name, config.pipeline.num_stages
+  need(
+    stages % 2 == 0,
+    "pipeline.num_stages",
+    f"{name} places 2 stages per device in a V: use an even count "
+    f"(got {stages}; on p devices, 2p)",
+  )
+  need(
+    config.pipeline.partition == "contiguous",
+    "pipeline.partition",
+    f"{name} places its stages itself: use 'contiguous', not "
+    f"{config.pipeline.partition!r}",
+  )
+  need(
+    name != "dualpipev" or config.pipeline.num_microbatches >= stages,
+    "pipeline.num_microbatches",
+    f"dualpipev needs >= num_stages ({stages}) microbatches, got "
+    f"{config.pipeline.num_microbatches}",
+  )
+
+
 def check_devices(config, devices) -> None:
   """Raises UsageError when the run's devices cannot hold the config's
-  stages (one device per stage, except FTPipe's mixed pipe)."""
+  stages (one device per stage, except FTPipe's mixed pipe and the V
+  schedules' two)."""
   if config.pipeline.partition == "mixed":
     return
   n, stages = len(devices), config.pipeline.num_stages
+  if _v_shaped(config):
+    stages = (stages + 1) // 2
   kind = devices[0].platform if devices else "no"
   p = config.data_parallel.pipelines if uses_data_parallel(config) else 1
   if stages * p <= n:
@@ -376,9 +412,10 @@ def _check_dynamic_run(config, need, inject) -> None:
     f"{config.pipeline.partition!r} is not: use 'contiguous' or 'pipedream'",
   )
   need(
-    config.schedule.name != "interleaved",
+    config.schedule.name != "interleaved" and not _v_shaped(config),
     "schedule.name",
-    "re-partitioning needs one stage per device, not 'interleaved'",
+    "re-partitioning needs one stage per device, not "
+    f"{config.schedule.name!r}",
   )
   need(
     not dyn.predictor or dyn.policy != "static",

@@ -15,7 +15,9 @@ per device, to the config's ``pipeline.memory_limit``: the partitioner's
 too), then prints the plan for ``--stages`` stages
 (default the config's ``pipeline.num_stages``) on a machine with
 ``--devices`` devices (default: as many as stages); training, like this,
-plans on min(stages, devices) devices. ``pipedream`` is straight and
+plans on min(stages, devices) devices (a config whose schedule is ``zbv``
+or ``dualpipev``: stages / 2 devices, two stages each, placed in a V).
+``pipedream`` is straight and
 ``pipedream_hybrid`` may replicate stages. ``--json`` adds ``plan`` (the
 full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
 (For a PipeDream profile: ``python -m jpipe.partition``.)
@@ -28,6 +30,7 @@ import sys
 import time
 
 from jpipe import partition
+from jpipe import schedule as schedule_lib
 from jpipe.train import config_check, config_plan
 
 
@@ -119,6 +122,10 @@ def _solve(args) -> _Solved:
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   devices = min(stages, devices)  # What training plans on.
+  slots = None  # A V schedule's stages: two per device, placed in a V.
+  placement = schedule_lib.lookup(config.schedule.name).placement
+  if placement is not None and method == "contiguous" and stages % 2 == 0:
+    slots, devices = placement(stages // 2), stages
   with config.unlocked():  # The planned stages, as training gets them.
     config.pipeline.num_stages = stages
   traced, costs = config_plan.trace_config(
@@ -142,6 +149,7 @@ def _solve(args) -> _Solved:
     method=method,
     bandwidth=bandwidth or None,
     memory_limit=memory,
+    devices=slots,
   )
   return _Solved(plan, costs, method, devices, time.perf_counter() - start)
 
@@ -175,7 +183,8 @@ def _print(args, solved: _Solved, result: dict) -> None:
   plan = solved.plan
   partition.print_plan_table(
     f"{len(plan.node_names)} nodes of {args.config}, {solved.method}, "
-    f"{plan.num_stages} stages on {solved.devices} devices, solved in "
+    f"{plan.num_stages} stages on "
+    f"{len({d for ds in plan.stage_devices for d in ds})} devices, solved in "
     f"{1e3 * solved.seconds:.1f} ms",
     result,
     list(plan.stage_of_node),

@@ -117,21 +117,31 @@ def _configs(n):
       "transport": "collective",
       "recompute": False,
     },
+    # V schedules: two stages per process, the last back on process 0.
+    {"case": "gpt_tied", "stages": 2 * n, "calls": [2, 3], "schedule": "zbv"},
+    {
+      "case": "mlp",
+      "stages": 2 * n,
+      "calls": [4, 5],
+      "schedule": "dualpipev",
+      "recompute": False,
+    },
   ]
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_processes_equal_one_process(tmp_path, nprocs, process_env):
-  """gpipe, 1f1b, zero-bubble zbh1, streaming async (ws, wp, GA, adam),
+  """gpipe, 1f1b, zero-bubble zbh1, zbv and dualpipev (two stages per
+  process), streaming async (ws, wp, GA, adam),
   2bw without recomputation, tied embeddings (sync and async) and
   BatchNorm statistics, over both transports (pull; collective for
   three), split between the 2- and 3-process runs: n processes with one
-  stage each give the one-process results (params, optimizer state, model
-  state, every call's loss)."""
+  stage each (two for the V schedules) give the one-process results
+  (params, optimizer state, model state, every call's loss)."""
   # (CI time) 2 processes: the synchronous ones, 2bw and async ws+wp;
   # 3: the other streaming ones (GA, tied over collectives, BatchNorm);
-  # zbh1 on both (tied over 3, collective over 2).
-  keep = (3, 6, 7, 8) if nprocs == 3 else (0, 1, 2, 4, 5, 9)
+  # zbh1 on both (tied over 3, collective over 2); zbv and dualpipev on 2.
+  keep = (3, 6, 7, 8) if nprocs == 3 else (0, 1, 2, 4, 5, 9, 10, 11)
   configs = [_configs(nprocs)[i] for i in keep]
   configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
@@ -140,6 +150,9 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   assert done.returncode == 0, done.stdout[-6000:]
   for p in range(nprocs):  # each process ran only its own stage
     assert f"[p{p}] config 0: process {p} ran stages [{p}]" in done.stdout
+  if nprocs == 2:  # zbv: the V's first and last stage on process 0
+    assert "[p0] config 6: process 0 ran stages [0, 3]" in done.stdout
+    assert "[p1] config 6: process 1 ran stages [1, 2]" in done.stdout
   if nprocs == 3:  # the middle stage's process passed only shapes
     assert "[p1] config 0: process 1 ran stages [1], read no data" in (
       done.stdout

@@ -171,3 +171,99 @@ def test_a_written_schedule_runs_as_written_and_equals_one_device():
   half = jax.tree.map(lambda x: x[: len(x) // 2], batch)
   with pytest.raises(ValueError, match="written for 4 microbatches"):
     pipe.step(state, half)
+
+
+V_CASES = {
+  "zbv-recompute-adam": ("zbv", True, optax.adam(1e-2)),
+  "zbv-sgd": ("zbv", False, optax.sgd(0.1, momentum=0.9)),
+  "dualpipev-recompute-sgd": ("dualpipev", True, optax.sgd(0.1, momentum=0.9)),
+  "dualpipev-adam": ("dualpipev", False, optax.adam(1e-2)),
+}
+
+
+@pytest.mark.parametrize("case", V_CASES)
+def test_v_schedules_equal_single_device(case):
+  """ZB-V and DualPipeV: 4 stages in a V on 2 devices (device 0 holds the
+  first and the last, which share the tied embedding), two steps equal
+  single-device accumulation."""
+  schedule, recompute, tx = V_CASES[case]
+  loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=4,
+    devices=jax.devices()[:2],
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=tx,
+    recompute=recompute,
+  )
+  assert pipe.plan.stage_devices == ((0,), (1,), (1,), (0,))
+  assert pipe.device_names == ("device 0", "device 1")
+  state = pipe.init(params)
+  for _ in range(2):
+    state, metrics = pipe.step(state, batch)
+  expected, loss = _reference_steps(loss_fn, params, batch, 4, tx, steps=2)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  lists = pipe.call_actions(state, 4)
+  assert lists.device_actions == jpipe.schedule.build(
+    schedule, 4, 4
+  ).device_actions
+  # Two stages per device: the device's prediction sums them.
+  assert len(pipe.device_memory) == 2
+
+
+def test_zbv_carries_batchnorm_state_like_one_device():
+  loss_fn, params, stats, batch = flax_models.resnet_state_case(3, 8)
+  m, tx = 4, optax.sgd(0.1)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=4,
+    devices=jax.devices()[:2],
+    schedule="zbv",
+    num_microbatches=m,
+    optimizer=tx,
+    model_state=stats,
+  )
+  state = pipe.init(params, stats)
+  state, _ = pipe.step(state, batch)
+  grads, ref_stats = None, stats
+  for k in range(m):
+    mb = jax.tree.map(lambda x, k=k: x[2 * k : 2 * k + 2], batch)
+    (_, ref_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, ref_stats, mb
+    )
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+  grads = jax.tree.map(lambda g: g / m, grads)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  _assert_tree_close(
+    pipe.gather_params(state), optax.apply_updates(params, updates)
+  )
+  _assert_tree_close(pipe.gather_model_state(state), ref_stats)
+
+
+@pytest.mark.parametrize(
+  "options, match",
+  [
+    ({"num_stages": 3}, "even num_stages"),
+    ({"num_stages": 4, "partition": "mixed"}, "partition 'contiguous'"),
+    ({"num_stages": 6}, r"6 stages need 3 devices \(2 per device\)"),
+  ],
+)
+def test_v_schedules_refuse_what_they_cannot_place(options, match):
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  with pytest.raises(ValueError, match=match):
+    jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      devices=jax.devices()[:2],
+      schedule="zbv",
+      num_microbatches=4,
+      optimizer=optax.sgd(0.1),
+      **options,
+    )

@@ -94,3 +94,83 @@ def test_looped_bfs_finishes_a_stage_before_the_next_on_its_device():
   assert (
     sc.looped_bfs([0, 1], 4).device_actions == sc.gpipe(2, 4).device_actions
   )
+
+
+def _device_peak(schedule):
+  """Per device, the most microbatch-stages between F and their weight
+  gradient (B or W)."""
+  peaks = []
+  for acts in schedule.device_actions:
+    held = peak = 0
+    for a in acts:
+      held += (a.kind == FORWARD) - (a.kind in ("B", WEIGHT))
+      peak = max(peak, held)
+    peaks.append(peak)
+  return peaks
+
+
+V_BUILDERS = {"zbv": sc.zero_bubble_v, "dualpipev": sc.dual_pipe_v}
+
+
+@pytest.mark.parametrize("name", V_BUILDERS)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_v_schedules_reach_the_fill_bound(name, p):
+  """With F = I = W = 1 per chunk, no schedule of 2p chunks on p devices
+  ends before the last device's first input arrives (p - 1 forwards)
+  plus its own work (6 per microbatch): ZB-V and DualPipeV end exactly
+  then, at any m >= 2p (ZB-H1 on the same model, p stages of twice the
+  cost, idles 2(p - 1); 1F1B 6(p - 1))."""
+  for m in (2 * p, 3 * p, 8 * p):
+    built = V_BUILDERS[name](sc.v_placement(p), m)
+    t = sc.simulate(built, 1.0, 2.0, input_seconds=1.0)
+    assert t.makespan == (p - 1) + 6 * m
+    zb = sc.simulate(sc.zero_bubble_h1(p, m), 2.0, 4.0, input_seconds=2.0)
+    assert zb.makespan - 6 * m == 2 * (p - 1)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_v_schedules_hold_1f1b_activation_memory(p):
+  """Each device holds at most 2p chunk-microbatches between F and W --
+  1F1B's first stage holds p of twice the size; DualPipeV one more."""
+  for m in (2 * p, 5 * p):
+    assert _device_peak(sc.zero_bubble_v(sc.v_placement(p), m)) == [2 * p] * p
+    assert max(_device_peak(sc.dual_pipe_v(sc.v_placement(p), m))) <= 2 * p + 1
+
+
+@pytest.mark.parametrize("name", V_BUILDERS)
+def test_v_schedules_pass_the_validator_and_are_synchronous(name):
+  for p in (1, 2, 3, 4, 5):
+    for m in range(2 * p, 4 * p + 2):
+      built = V_BUILDERS[name](sc.v_placement(p), m)
+      sc.check_schedule(built)
+      assert (built.delay == 0).all()
+      assert built.stage_device == sc.v_placement(p)
+  # ZB-V also runs fewer microbatches than chunks.
+  for m in range(1, 8):
+    sc.check_schedule(sc.zero_bubble_v(sc.v_placement(4), m))
+
+
+def test_dualpipev_pairs_forwards_with_backwards_of_the_other_stage():
+  """Its steady state: F of one chunk, then B of the device's other chunk
+  for an earlier microbatch -- the pairs DualPipe overlaps."""
+  p, m = 3, 12
+  built = sc.dual_pipe_v(sc.v_placement(p), m)
+  for d, acts in enumerate(built.device_actions):
+    pairs = [
+      (a, b)
+      for a, b in zip(acts, acts[1:], strict=False)
+      if a.kind == FORWARD and b.kind == "B"
+    ]
+    assert len(pairs) >= 2 * (m - 2 * p + d + 1)
+    assert all(a.stage != b.stage for a, b in pairs)
+    assert all(a.microbatch > b.microbatch for a, b in pairs)
+
+
+def test_v_schedules_refuse_other_placements_and_too_few_microbatches():
+  with pytest.raises(ValueError, match="two stages per device in a V"):
+    sc.zero_bubble_v([0, 1, 2, 3], 8)
+  with pytest.raises(ValueError, match="even stage count"):
+    sc.build("zbv", 3, 8)
+  with pytest.raises(ValueError, match=r"needs >= 6 microbatches"):
+    sc.dual_pipe_v(sc.v_placement(3), 5)
+  assert sc.build("dualpipev", 4, 4).stage_device == (0, 1, 1, 0)

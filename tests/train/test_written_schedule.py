@@ -1,4 +1,5 @@
-"""A schedule written in a file, through the training CLI."""
+"""Schedules through the training CLI: one written in a file, the V
+schedules."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import subprocess
 
 import pytest
 
+from configs import default as default_config
 from jpipe.train import base_config, config_check
 from jpipe.train.errors import UsageError
 from tests.distributed.test_readme_commands import ROOT, _with, readme_command
@@ -52,4 +54,32 @@ def test_a_file_for_other_microbatches_or_a_bad_one_is_refused(tmp_path):
     config_check.check(config)
   config.schedule.file = str(tmp_path / "missing.txt")
   with pytest.raises(UsageError, match="No such file"):
+    config_check.check(config)
+
+
+def test_the_readmes_zbv_command_trains_as_1f1b_on_the_same_stages(tmp_path):
+  """The README's ZB-V command: 4 stages in a V on 2 devices, the same
+  contiguous split as 1F1B's 4 stages on 4, so the same losses (to float
+  rounding: the gradient sums' order differs)."""
+  command = readme_command("--config.schedule.name=zbv")
+  out = _run(_with(command, tmp_path / "zbv", *STEPS))
+  assert "schedule zbv" in out
+  assert "4 stages on devices [0, 1, 1, 0]" in out
+  base = [c for c in command if not c.startswith("--config.schedule.name")]
+  _run(_with(base, tmp_path / "1f1b", *STEPS))
+  assert _losses(tmp_path / "zbv") == pytest.approx(
+    _losses(tmp_path / "1f1b"), rel=1e-5
+  )
+
+
+def test_v_schedules_refuse_an_odd_stage_count_before_any_work():
+  config = default_config.get_config()
+  config.schedule.name = "zbv"
+  config.pipeline.num_stages = 3
+  with pytest.raises(UsageError, match="2 stages per device in a V"):
+    config_check.check(config)
+  config.schedule.name = "dualpipev"
+  config.pipeline.num_stages = 8
+  config.pipeline.num_microbatches = 4
+  with pytest.raises(UsageError, match=r"dualpipev needs >= num_stages \(8\)"):
     config_check.check(config)
