@@ -69,7 +69,7 @@ class Interference(DriverHooks):
     """The product of the device's slowdowns active at ``step``."""
     return DeviceSlowdowns(self.slowdowns).factor(device, step)
 
-  def before_compute(self, action):
+  def before_compute(self, action, inputs=()):
     if not self.stage_shares or self.model_seconds is None:
       return  # Before the controller placed the plan or measured.
     s = action.stage

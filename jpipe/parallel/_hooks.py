@@ -34,7 +34,7 @@ class ReplicaHooks(DriverHooks):
     self.steps = [0] * len(stage_devices)  # per stage, steps taken
     self.computes = [0] * len(stage_devices)  # per stage, F and B run
 
-  def before_compute(self, action):
+  def before_compute(self, action, inputs=()):
     s = action.stage
     index, self.computes[s] = self.computes[s], self.computes[s] + 1
     if self.hetero.active:

@@ -50,8 +50,11 @@ class DriverHooks:
   driver calls them only for the stages its process runs.
   """
 
-  def before_compute(self, action: schedule_lib.Action) -> None:
-    """Before a forward or backward is dispatched."""
+  def before_compute(self, action: schedule_lib.Action, inputs=()) -> None:
+    """Before a forward or backward (or I, W) is dispatched, with the
+    values its program reads (``inputs``: a pytree of arrays, some still
+    arriving from other devices; empty for a backward that ran fused
+    with its forward)."""
 
   def reduce_gradient(self, stage: int, grads: Any) -> Any:
     """A stage's gradient (packed accumulator or leaves) before its step:
@@ -263,6 +266,7 @@ class Driver:
         self._transfers,
         self.transport.stage_process,
         self.transport.process,
+        made_by=_made_by if self.transport.sends_early else None,
       )
       last = len(self.stages.specs) - 1
       makes_loss = any(a.kind == FORWARD and a.stage == last for a in order)
@@ -348,6 +352,7 @@ class Driver:
       MOVE: call.move,
     }
     ops, shares_loss = self.lower(order)
+    self.transport.begin_call()
     for op in ops:
       methods[op.kind](op)
     if self.stream is None:
@@ -364,6 +369,15 @@ class Driver:
       return loss
     dtype = self.stages.traced.jaxpr.outvars[0].aval.dtype
     return self.transport.share(loss, last, jax.ShapeDtypeStruct((), dtype))
+
+
+def _made_by(action, transfer):
+  """The action that makes a ``before`` transfer's value: an
+  activation's, its producer's forward of the microbatch (a tied leaf's
+  value is the owner's, sent where its reader is)."""
+  if transfer.what == "F":
+    return schedule_lib.Action(FORWARD, transfer.src, action.microbatch)
+  return None
 
 
 def _state_readers(stages, transport, num_batch_leaves) -> list[tuple]:
@@ -435,7 +449,6 @@ class _Call(TransferEnds):
     d, s, b = self.d, action.stage, action.microbatch
     spec, place = d.stages.specs[s], d.placement[s]
     self.forwards[s] += 1
-    d.hooks.before_compute(action)
     own = d.policy.forward_params(
       s, b, self.params[s], self.versions[s], _predictor(self, s)
     )
@@ -448,6 +461,7 @@ class _Call(TransferEnds):
     if self.profiler and d.transport.multiprocess:
       self.profiler.record_inputs(action, acts)
     local = _local_inputs(self, spec, self.batches[place][b], place)
+    d.hooks.before_compute(action, (theta, local, acts))
     if (s, b) in self.fused and d.policy.same_backward_params(
       own, self.params[s]
     ):
@@ -483,8 +497,8 @@ class _Call(TransferEnds):
     d, s, b = self.d, action.stage, action.microbatch
     spec = d.stages.specs[s]
     self.pending[s].append(b)
-    d.hooks.before_compute(action)
     if (s, b) in self.fused_done:  # Ran with its forward's program: an
+      d.hooks.before_compute(action)
       act_cots = self.fused_done.pop((s, b))  # instant at its end.
       if self.profiler:
         self.profiler.record(action, ())
@@ -498,6 +512,7 @@ class _Call(TransferEnds):
     """Runs B(s, b)'s program: returns its input cotangents."""
     d, s = self.d, action.stage
     args = self._backward_args(action)
+    d.hooks.before_compute(action, args)
     run = d.programs.backward(s, self.grads[s] is None)
     self._before_donating(s)
     self.grads[s], act_cots = run(self.grads[s], *args)
@@ -511,10 +526,9 @@ class _Call(TransferEnds):
     move on, what W(s, b) needs stays."""
     d, s, b = self.d, action.stage, action.microbatch
     spec = d.stages.specs[s]
-    d.hooks.before_compute(action)
-    act_cots, self.kept[(s, b)] = d.programs.input_grad(s)(
-      *self._backward_args(action)
-    )
+    args = self._backward_args(action)
+    d.hooks.before_compute(action, args)
+    act_cots, self.kept[(s, b)] = d.programs.input_grad(s)(*args)
     if self.profiler:
       self.profiler.record(action, (act_cots, self.kept[(s, b)]))
     for v, c in zip(spec.inputs, act_cots, strict=True):
@@ -525,10 +539,11 @@ class _Call(TransferEnds):
     """W(s, b): the second half, its gradient into the accumulator."""
     d, s, b = self.d, action.stage, action.microbatch
     self.pending[s].append(b)
-    d.hooks.before_compute(action)
+    kept = self.kept.pop((s, b))
+    d.hooks.before_compute(action, kept)
     run = d.programs.weight_grad(s, self.grads[s] is None)
     self._before_donating(s)
-    self.grads[s] = run(self.grads[s], self.kept.pop((s, b)))
+    self.grads[s] = run(self.grads[s], kept)
     self.acc_producer[s] = action
     if self.profiler:
       self.profiler.record(action, self.grads[s])

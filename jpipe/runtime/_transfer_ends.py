@@ -30,12 +30,15 @@ class TransferEnds:
   def send(self, op):
     """Sends a value of this process's stage to another process."""
     t = op.transfer
-    self.d.transport.move(self._take(op), t.src, t.dst, **self._aval(t))
+    self.d.transport.move(
+      self._take(op), t.src, t.dst, seq=op.seq, **self._aval(t)
+    )
 
   def receive(self, op):
     """Receives a value for this process's stage from another process."""
     t = op.transfer
-    self._put(op, self.d.transport.move(None, t.src, t.dst, **self._aval(t)))
+    y = self.d.transport.move(None, t.src, t.dst, seq=op.seq, **self._aval(t))
+    self._put(op, y)
 
   def move(self, op):
     """Copies a value between two of this process's stages."""

@@ -75,6 +75,19 @@ class Transport:
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
     self._pulls = _PullLinks() if self.multiprocess and kind == "pull" else None
+    self.calls = 0  # Calls begun: with a move's seq, its key.
+
+  @property
+  def sends_early(self) -> bool:
+    """Whether a value may be sent as soon as it exists: the ends of a
+    transfer then meet by the call and the transfer's ``seq``
+    (``jpipe.schedule.lower``) instead of by order -- "pull" does; a
+    collective's two ends must run in the same order."""
+    return self._pulls is not None
+
+  def begin_call(self) -> None:
+    """Every process, at the start of each driver call."""
+    self.calls += 1
 
   def connect(self) -> None:
     """Opens every link this pipeline's moves use, all processes together
@@ -107,7 +120,9 @@ class Transport:
     """Whether this process runs stage s."""
     return self.stage_process[s] == self.process
 
-  def move(self, x, src: int, dst: int, aval, *, replicated: bool = False):
+  def move(
+    self, x, src: int, dst: int, aval, *, replicated: bool = False, seq=-1
+  ):
     """Value ``x`` (held by stage src) onto stage dst's devices.
 
     Every process calls it for every move, in the same order: the process
@@ -121,6 +136,8 @@ class Transport:
         abstract value): the receiver allocates by it.
       replicated: place whole on every device of dst (params, their
         gradients) instead of split like a microbatch (activations).
+      seq: the transfer's ``Move.seq`` (-1: none; the ends then meet by
+        order). With ``sends_early`` the ends meet by it.
     """
     place = self.placement[dst]
     put = place.put_replicated if replicated else place.put_values
@@ -130,7 +147,8 @@ class Transport:
     if not (here_src or here_dst):
       return None
     a, b = self.placement[src].device, place.device
-    y = self._pair(x if here_src else None, a, b, aval)
+    key = (self.calls, seq) if self.sends_early and seq >= 0 else None
+    y = self._pair(x if here_src else None, a, b, aval, key)
     return None if here_src else put(y) if len(place.devices) > 1 else y
 
   def share(self, x, src: int, aval):
@@ -148,12 +166,13 @@ class Transport:
         return y
     return x
 
-  def _pair(self, x, a, b, aval):
+  def _pair(self, x, a, b, aval, key=None):
     """Sends ``x`` (on device a; None on the receiver) to device b of
     another process; returns the value on the receiver, None on the
-    sender."""
+    sender. ``key``: (call, seq) the pull transport's ends meet by
+    (None: by order)."""
     if self._pulls is not None:
-      return self._pulls.transfer(x, a, b, aval)
+      return self._pulls.transfer(x, a, b, aval, key)
     shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
     key = (a, b, shape, dtype)
     if key not in self._pairs:
@@ -201,13 +220,24 @@ class _PullLinks:
     self.count = {}  # (sender, receiver) process -> transfers so far
     self.me = me
 
-  def transfer(self, x, a, b, aval):
+  def transfer(self, x, a, b, aval, key=None):
     src, dst = a.process_index, b.process_index
-    n = self.count.get((src, dst), 0)
-    self.count[(src, dst)] = n + 1
-    # One key per transfer, the same in both processes: the pair, then
-    # the count (2**40 transfers per pair).
-    uuid = ((src * 4096 + dst) << 40) + n
+    if key is None:
+      n = self.count.get((src, dst), 0)
+      self.count[(src, dst)] = n + 1
+      # One key per transfer, the same in both processes: the pair, then
+      # the count (2**40 transfers per pair; below 2**62 for < 1024
+      # processes).
+      uuid = ((src * 4096 + dst) << 40) + n
+    else:  # A call's transfer by its seq: the same wherever it is sent.
+      call, seq = key
+      if max(src, dst) >= 1024 or seq >= 2**20:
+        raise ValueError(
+          f"transfer {seq} of a call between processes {src} and {dst}: "
+          "keyed transfers support < 1024 processes and < 2**20 transfers "
+          "per call and pair"
+        )
+      uuid = (1 << 62) | (src << 52) | (dst << 42) | (call % 2**22) << 20 | seq
     if self.me == src:
       self.server.await_pull(uuid, [jax.device_put(x, a)])
       return None

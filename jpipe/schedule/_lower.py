@@ -52,11 +52,16 @@ class Transfer(NamedTuple):
 
 class Move(NamedTuple):
   """A process's end of ``transfer``, made at ``action`` (the action
-  whose input or result it carries)."""
+  whose input or result it carries).
+
+  ``seq``: for a SEND or RECV, the transfer's index among those between
+  its two processes in the order's walk (the same at both ends, wherever
+  an early send moved it); -1 for a MOVE."""
 
   kind: MoveKind
   action: Action
   transfer: Transfer
+  seq: int = -1
 
   def __str__(self) -> str:
     t = self.transfer
@@ -68,6 +73,8 @@ def lower(
   transfers: Callable[[Action], tuple[Sequence[Transfer], Sequence[Transfer]]],
   stage_process: Sequence[int],
   process: int,
+  *,
+  made_by: Callable[[Action, Transfer], Action | None] | None = None,
 ) -> tuple[Action | Move, ...]:
   """Process ``process``'s actions and moves, in issue order.
 
@@ -77,31 +84,56 @@ def lower(
       needs before it runs and those it makes after.
     stage_process: the process of each stage.
     process: the process whose list this is.
+    made_by: ``(action, transfer) -> the action that makes the value``
+      of a ``before`` transfer, or None. Given (a transport whose ends
+      match by ``seq``, not by order), this process sends such a value
+      right after the action that makes it, when that action is in the
+      order: it then travels while the sender goes on, instead of
+      waiting for the sender to reach its reader's place in the order.
 
   Returns:
     For each action of ``order``: the moves of its ``before`` transfers
-    this process takes part in, the action itself where its stage is this
-    process's, then the moves of its ``after`` transfers.
+    this process takes part in (a SEND moved early: after its maker),
+    the action itself where its stage is this process's, then the moves
+    of its ``after`` transfers.
   """
-  out = []
-  for action in order:
+  position = {a: i for i, a in enumerate(order)}
+  seqs: dict[tuple[int, int], int] = {}
+  placed: list[list[Action | Move]] = [[] for _ in order]
+  early: list[list[Move]] = [[] for _ in order]  # Sends after order[i].
+  for i, action in enumerate(order):
     before, after = transfers(action)
-    out += _ends(action, before, stage_process, process)
+    for move in _ends(action, before, stage_process, process, seqs):
+      maker = None
+      if made_by is not None and move.kind == MoveKind.SEND:
+        maker = position.get(made_by(action, move.transfer))
+      if maker is not None and maker < i:
+        early[maker].append(move)
+      else:
+        placed[i].append(move)
     if stage_process[action.stage] == process:
-      out.append(action)
-    out += _ends(action, after, stage_process, process)
+      placed[i].append(action)
+    placed[i] += _ends(action, after, stage_process, process, seqs)
+  out = []
+  for ops, sends in zip(placed, early, strict=True):
+    out += ops
+    out += sends
   return tuple(out)
 
 
-def _ends(action, transfers, stage_process, process) -> list[Move]:
+def _ends(action, transfers, stage_process, process, seqs) -> list[Move]:
   moves = []
   for t in transfers:
     src, dst = stage_process[t.src], stage_process[t.dst]
-    if src == process:
-      kind = MoveKind.MOVE if dst == process else MoveKind.SEND
-    elif dst == process:
-      kind = MoveKind.RECV
-    else:
+    if src == dst == process:
+      moves.append(Move(MoveKind.MOVE, action, t))
       continue
-    moves.append(Move(kind, action, t))
+    if process not in (src, dst):
+      if src != dst:  # Both ends count every transfer of their pair.
+        seqs[(src, dst)] = seqs.get((src, dst), 0) + 1
+      continue
+    seq = seqs.get((src, dst), 0)
+    seqs[(src, dst)] = seq + 1
+    kind = MoveKind.SEND if src == process else MoveKind.RECV
+    moves.append(Move(kind, action, t, seq))
   return moves

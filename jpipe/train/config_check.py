@@ -414,8 +414,7 @@ def _check_dynamic_run(config, need, inject) -> None:
   need(
     config.schedule.name != "interleaved" and not _v_shaped(config),
     "schedule.name",
-    "re-partitioning needs one stage per device, not "
-    f"{config.schedule.name!r}",
+    f"re-partitioning needs one stage per device, not {config.schedule.name!r}",
   )
   need(
     not dyn.predictor or dyn.policy != "static",

@@ -202,7 +202,7 @@ class _Counting(jpipe.runtime.DriverHooks):
   def __init__(self):
     self.computes, self.reduced, self.stepped = [], [], []
 
-  def before_compute(self, action):
+  def before_compute(self, action, inputs=()):
     self.computes.append((action.kind, action.stage))
 
   def reduce_gradient(self, stage, grads):

@@ -208,9 +208,9 @@ def test_v_schedules_equal_single_device(case):
   _assert_tree_close(pipe.gather_params(state), expected)
   assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
   lists = pipe.call_actions(state, 4)
-  assert lists.device_actions == jpipe.schedule.build(
-    schedule, 4, 4
-  ).device_actions
+  assert (
+    lists.device_actions == jpipe.schedule.build(schedule, 4, 4).device_actions
+  )
   # Two stages per device: the device's prediction sums them.
   assert len(pipe.device_memory) == 2
 

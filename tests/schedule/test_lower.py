@@ -103,3 +103,61 @@ def test_inputs_come_before_their_action_and_results_after():
   assert len(moves) == forwards + backwards + steps + tied
   assert str(moves[0]).startswith("MOVE_F0->1.")
   assert np.all([isinstance(op.kind, MoveKind) for op in moves])
+
+
+def _made_by(action, transfer):
+  if transfer.what == "F":
+    return schedule_lib.Action(FORWARD, transfer.src, action.microbatch)
+  return None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
+@pytest.mark.parametrize("stage_process", [(0, 1, 0, 1), (0, 0, 1, 2)])
+def test_early_sends_follow_their_maker_and_meet_their_receive_by_seq(
+  schedule, stage_process
+):
+  """With ``made_by``, an activation is sent right after the forward that
+  made it -- never later than without it -- and the ends of every
+  transfer between two processes carry the same seq: the receiver's
+  transfers numbered in its order are the sender's, whatever order the
+  sender sends them in."""
+  n = len(stage_process)
+  order = _order(schedule, n, 4)
+  transfers = _chain_transfers(n)
+  processes = sorted(set(stage_process))
+  lazy = {
+    q: schedule_lib.lower(order, transfers, stage_process, q) for q in processes
+  }
+  early = {
+    q: schedule_lib.lower(order, transfers, stage_process, q, made_by=_made_by)
+    for q in processes
+  }
+  moved = 0
+  for q in processes:
+    ops, before = early[q], lazy[q]
+    assert [op for op in ops if not isinstance(op, Move)] == [
+      op for op in before if not isinstance(op, Move)
+    ]
+    assert sorted(map(str, ops)) == sorted(map(str, before))
+    for i, op in enumerate(ops):
+      if op.kind != MoveKind.SEND or op.transfer.what != "F":
+        continue
+      after = ops.index(_made_by(op.action, op.transfer))
+      # After its maker, with no compute action between them.
+      assert after < i
+      assert all(isinstance(x, Move) for x in ops[after + 1 : i])
+      moved += before.index(op) > i
+  assert moved > 0  # Some sends did move earlier.
+  for a, b in itertools.permutations(processes, 2):
+    sends = {
+      op.seq: (op.action, op.transfer)
+      for op in early[a]
+      if op.kind == MoveKind.SEND and stage_process[op.transfer.dst] == b
+    }
+    receives = [
+      (op.seq, (op.action, op.transfer))
+      for op in early[b]
+      if op.kind == MoveKind.RECV and stage_process[op.transfer.src] == a
+    ]
+    assert [seq for seq, _ in receives] == list(range(len(receives)))
+    assert sends == dict(receives)
