@@ -283,7 +283,12 @@ def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
   """The schedule of the pipeline's stages on their schedule devices."""
   n, kind = stages.num_stages, request.schedule_kind
   stream = (
-    schedule_lib.Stream(kind.name, n, request.staleness.step_every)
+    schedule_lib.Stream(
+      kind.name,
+      n,
+      request.staleness.step_every,
+      split_flush=request.staleness.split_flush,
+    )
     if kind.asynchronous
     else None
   )

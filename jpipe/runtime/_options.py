@@ -72,9 +72,16 @@ def check_staleness_options(
   gap_aware,
   gap_aware_options,
   gap_aware_policy,
+  split_flush=False,
 ):
   """Clear errors for option combinations the semantics do not define."""
   _check_values(prediction, gap_aware, gap_aware_policy, step_every)
+  if split_flush and schedule not in ("async", "2bw"):
+    raise ValueError(
+      f"split_flush splits the flush of a streaming schedule ('async', "
+      f"'2bw'); {schedule!r} flushes every call: for its backward split "
+      "use schedule 'zbh1', 'zbv' or 'dualpipev'"
+    )
   mitigations = {
     "weight_stashing": weight_stashing,
     "prediction": prediction,
@@ -142,6 +149,11 @@ class Staleness:
     gap_aware_policy: which stages apply it, by depth (FTPipe):
       "all_except_last" (default), "almost_last_partition",
       "all_except_last_two".
+    split_flush: ``async``, ``2bw``: a flush's pending backwards run as
+      the input gradient I, then the weight gradient W (zero-bubble's
+      split): the stage before waits for I only. Same steps, same delays
+      (``jpipe.schedule.Stream``); the drain, the stream's only bubble,
+      is shorter by about ``n - 2`` W's. Compiles the I and W programs.
   """
 
   recompute: bool = True
@@ -153,6 +165,7 @@ class Staleness:
   gap_aware: str | None = None
   gap_aware_options: Mapping[str, Any] | None = None
   gap_aware_policy: str = "all_except_last"
+  split_flush: bool = False
 
   def check(self, schedule: str, optimizer=None, params=None) -> None:
     """Raises ValueError for options ``schedule`` does not define, and

@@ -28,7 +28,14 @@ import numpy as np
 
 from jpipe.partition import steady_state_delay
 from jpipe.schedule import _schedule
-from jpipe.schedule._schedule import BACKWARD, FORWARD, STEP, Action
+from jpipe.schedule._schedule import (
+  BACKWARD,
+  FORWARD,
+  INPUT,
+  STEP,
+  WEIGHT,
+  Action,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +49,19 @@ class Stream:
     num_stages: pipeline stages.
     step_every: backwards per step; for 2bw at least ``num_stages`` (the
       version W(t-1) must exist when minibatch t's first forward runs).
+    split_flush: a flush's pending backwards run as I then W (the
+      zero-bubble split): stage s - 1 waits for I only, and W runs while
+      it does. The drain is the stream's only bubble -- between its
+      warm-up and a flush every device alternates F and B, no idle time
+      for a deferred W to fill -- so only the drain splits; each W (and
+      the step after it) stays where its B was: every delay is the
+      same. With F = I = W the drain is ``(n - 2) W`` shorter.
   """
 
   name: str
   num_stages: int
   step_every: int = 1
+  split_flush: bool = False
 
   def __post_init__(self):
     from jpipe.schedule._registry import STREAMS  # It imports this module.
@@ -93,15 +108,18 @@ class Stream:
     pending backwards, then a step for a partial window."""
     out = []
     for i in range(max(fed - self.warmup(s), 0), fed):
-      out += self._backward(s, i)
+      out += self._backward(s, i, split=self.split_flush)
     if fed % self.step_every:
       out.append(Action(STEP, s, fed - 1))
     return tuple(out)
 
-  def _backward(self, s, i):
+  def _backward(self, s, i, split=False):
+    grads = [Action(BACKWARD, s, i)]
+    if split:
+      grads = [Action(INPUT, s, i), Action(WEIGHT, s, i)]
     if (i + 1) % self.step_every:
-      return [Action(BACKWARD, s, i)]
-    return [Action(BACKWARD, s, i), Action(STEP, s, i)]
+      return grads
+    return [*grads, Action(STEP, s, i)]
 
   def steps_before_forward(self, s: int, b: int) -> int:
     """Steps of the stream stage s has taken when F(s, b) runs."""

@@ -105,6 +105,9 @@ def _schedule_fields(c: ml_collections.ConfigDict) -> None:
   c.schedule.name = "1f1b"
   # async: backwards per step; 2bw: microbatches per minibatch (>= stages).
   c.schedule.step_every = 1
+  # async, 2bw: a flush's pending backwards run as I then W (zero-bubble's
+  # split; same steps and delays, a shorter drain).
+  c.schedule.split_flush = False
   # A schedule written per device instead of schedule.name: a text file,
   # one line per device of actions {stage}{F|B|I|W|S}{microbatch} such as
   # "0F0 0F1 0I0 0W0 ..." (jpipe.schedule.parse_actions); run as written

@@ -42,6 +42,7 @@ def staleness(config, learning_rate=None) -> Staleness:
     gap_aware=st.gap_aware or None,
     gap_aware_options=options,
     gap_aware_policy=st.gap_aware_policy,
+    split_flush=config.schedule.split_flush,
   )
 
 

@@ -121,7 +121,10 @@ def test_run_writes_tables_json_and_png(tmp_path):
 
   from experiments.staleness import run
 
-  flags.FLAGS(["run"], known_only=True)
+  # Marked parsed, not parsed: another module this worker imported may
+  # have made its own flags required (jpipe.train.slowdowns: --config,
+  # --out), which a parse would validate and refuse.
+  flags.FLAGS.mark_as_parsed()
   with flagsaver.flagsaver(
     optimizers=["sgd"],
     delays=["0", "2"],

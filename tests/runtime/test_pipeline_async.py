@@ -699,3 +699,37 @@ def test_async_carries_batchnorm_statistics():
     )
   ]
   assert all(moved) and np.isfinite(float(metrics["loss"]))
+
+
+SPLIT_FLUSH = {
+  "ws": dict(weight_stashing=True, recompute=False),
+  "wp+recompute": dict(prediction="msnag", recompute=True),
+  "ws+ga": dict(weight_stashing=True, gap_aware="ga", gap_aware_options=GA_SGD),
+  "2bw": dict(schedule="2bw", step_every=NUM_STAGES, recompute=False),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_FLUSH)
+def test_split_flush_runs_the_drain_as_i_and_w_with_the_same_semantics(case):
+  """split_flush: a flush's pending backwards run as I then W; every
+  action's params and the final params are still the reference's (same
+  steps, same delays), and only the drain changed."""
+  opts = SPLIT_FLUSH[case]
+  pipe, params, _ = _build(dict(opts, split_flush=True), SGD)
+  _check_against_reference(pipe, params, SGD, opts, CALLS)
+  plain, _, _ = _build(opts, SGD)
+  split, unsplit = pipe.stream, plain.stream
+  assert split.split_flush and not unsplit.split_flush
+  for s in range(NUM_STAGES):
+    drain = split.drain_actions(s, 7)
+    kinds = {a.kind for a in drain}
+    assert kinds <= {"I", "W", "S"} and (s == NUM_STAGES - 1) == (
+      not {"I", "W"} & kinds
+    )
+    assert split.stage_actions(s, 0, 7) == unsplit.stage_actions(s, 0, 7)
+  assert (split.schedule((7,)).delay == unsplit.schedule((7,)).delay).all()
+
+
+def test_split_flush_is_for_streams():
+  with pytest.raises(ValueError, match="split_flush splits the flush"):
+    _build({"schedule": "1f1b", "split_flush": True}, SGD)

@@ -174,3 +174,28 @@ def test_v_schedules_refuse_other_placements_and_too_few_microbatches():
   with pytest.raises(ValueError, match=r"needs >= 6 microbatches"):
     sc.dual_pipe_v(sc.v_placement(3), 5)
   assert sc.build("dualpipev", 4, 4).stage_device == (0, 1, 1, 0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_async_stream_idles_only_in_its_drain_which_split_flush_shortens(n):
+  """Between its warm-up and a flush every device of the async stream
+  alternates F and B without idling -- no bubble for a deferred W to
+  fill -- so split_flush splits only the drain: same delays, (n - 2) W
+  shorter with F = I = W = 1."""
+  calls = (16, 16)
+  plain = sc.Stream("async", n).schedule(calls)
+  split = sc.Stream("async", n, split_flush=True).schedule(calls)
+  t = sc.simulate(plain, 1.0, 2.0)
+  for acts in plain.device_actions:
+    work = [a for a in acts if a.kind in (FORWARD, "B")]
+    first_b = next(i for i, a in enumerate(work) if a.kind == "B")
+    last_f = max(i for i, a in enumerate(work) if a.kind == FORWARD)
+    for a, b in zip(
+      work[first_b:last_f], work[first_b + 1 : last_f + 1], strict=True
+    ):
+      assert t.start[b] == t.end[a]
+  assert (split.delay == plain.delay).all()
+  shorter = (
+    t.makespan - sc.simulate(split, 1.0, 2.0, input_seconds=1.0).makespan
+  )
+  assert shorter == max(n - 2, 0)

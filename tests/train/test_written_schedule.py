@@ -83,3 +83,14 @@ def test_v_schedules_refuse_an_odd_stage_count_before_any_work():
   config.pipeline.num_microbatches = 4
   with pytest.raises(UsageError, match=r"dualpipev needs >= num_stages \(8\)"):
     config_check.check(config)
+
+
+def test_split_flush_reaches_the_pipeline_and_only_for_streams():
+  config = default_config.get_config()
+  config.schedule.split_flush = True
+  with pytest.raises(UsageError, match="split_flush splits the flush"):
+    config_check.check(config)
+  config.schedule.name = "async"
+  config.pipeline.recompute = True
+  config_check.check(config)
+  assert config_check.staleness(config).split_flush
