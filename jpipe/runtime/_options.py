@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
 
 PREDICTIONS = (None, "msnag", "aggmsnag")
@@ -76,11 +77,11 @@ def check_staleness_options(
 ):
   """Clear errors for option combinations the semantics do not define."""
   _check_values(prediction, gap_aware, gap_aware_policy, step_every)
-  if split_flush and schedule not in ("async", "2bw"):
+  if split_flush and schedule not in schedule_lib.STREAMS:
     raise ValueError(
-      f"split_flush splits the flush of a streaming schedule ('async', "
-      f"'2bw'); {schedule!r} flushes every call: for its backward split "
-      "use schedule 'zbh1', 'zbv' or 'dualpipev'"
+      f"split_flush splits the flush of a streaming schedule "
+      f"{schedule_lib.STREAMS}; {schedule!r} flushes every call: for its "
+      "backward split use schedule 'zbh1', 'zbv' or 'dualpipev'"
     )
   mitigations = {
     "weight_stashing": weight_stashing,

@@ -155,18 +155,22 @@ def test_no_recompilation_across_microbatches_and_steps(recompute, schedule):
   assert all(f._cache_size() == 1 for f in jitted)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1"])
-def test_batchnorm_state_flows_like_one_device(schedule):
-  """Each microbatch's forward reads the statistics the previous one left;
-  gradients and the final statistics equal a single-device loop."""
+@pytest.mark.parametrize(
+  "schedule, stages, devices",
+  [("gpipe", 3, 3), ("1f1b", 3, 3), ("zbh1", 3, 3), ("zbv", 4, 2)],
+)
+def test_batchnorm_state_flows_like_one_device(schedule, stages, devices):
+  """Each microbatch's forward reads the statistics the previous one left
+  (zbv: over a V, two stages per device); gradients and the final
+  statistics equal a single-device loop."""
   loss_fn, params, stats, batch = flax_models.resnet_state_case(3, 8)
   m, tx = 4, optax.sgd(0.1)
   pipe = jpipe.Pipeline(
     loss_fn,
     params,
     batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
+    num_stages=stages,
+    devices=jax.devices()[:devices],
     schedule=schedule,
     num_microbatches=m,
     optimizer=tx,
