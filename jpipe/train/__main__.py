@@ -39,6 +39,15 @@ def main(argv):
     train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except errors.UsageError as e:  # Names its fix: no traceback needed.
     sys.stderr.write(f"error: {e}\n")
+    if isinstance(e, errors.CheckpointError):
+      # A failed restore leaves tensorstore reads under way; finishing
+      # into interpreter shutdown, they print "Event loop is closed"
+      # tracebacks past every hook. The run's own files are closed by
+      # now (the error came through train_and_evaluate's with-blocks):
+      # end the process here.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(2)
     sys.exit(2)
   except errors.TrainingDiverged as e:
     sys.stderr.write(f"error: {e}\n")
