@@ -54,8 +54,15 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   c.optimizer.learning_rate = 0.05  # Peak learning rate.
   c.optimizer.momentum = 0.9  # SGD only; 0 for plain SGD.
   c.optimizer.weight_decay = 0.0  # L2 for sgd/adam, decoupled for adamw.
-  c.optimizer.schedule = "constant"  # "constant" or "warmup_cosine".
-  c.optimizer.warmup_steps = 0  # Optimizer steps of linear warm-up.
+  # Learning-rate schedule: "constant"; "warmup_cosine" (linear warm-up,
+  # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear
+  # decay to 0 at the last step); "rsqrt" (T5: the peak for warmup_steps,
+  # then peak * sqrt(warmup_steps / step)); "multistep" (WRN, ResNet: the
+  # peak times decay_factor at each of decay_steps).
+  c.optimizer.schedule = "constant"
+  c.optimizer.warmup_steps = 0  # Optimizer steps of warm-up.
+  c.optimizer.decay_steps = ""  # multistep: optimizer steps, "3000,6000".
+  c.optimizer.decay_factor = 0.2  # multistep: the factor at each.
   # Comma-separated regular expressions of param paths that are not
   # trained (zero updates, e.g. "^embed/,^block_0/"); "" trains all.
   c.optimizer.freeze = ""

@@ -12,7 +12,13 @@ from jpipe.train.errors import UsageError
 from jpipe.train.tasks import TASK_OF_MODEL
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCHEDULES = ("constant", "warmup_cosine")
+LR_SCHEDULES = (
+  "constant",
+  "warmup_cosine",
+  "warmup_linear",
+  "rsqrt",
+  "multistep",
+)
 PARTITIONS = partition.METHODS
 COST_MODELS = ("analytic", "xla", "measured")
 
@@ -199,14 +205,29 @@ def _check_loop(config, need) -> None:
   for path, least in counts.items():
     section, key = path.split(".")
     need(config[section][key] >= least, path, f"must be >= {least}")
+  opt = config.optimizer
   need(
-    config.optimizer.warmup_steps == 0
-    or config.optimizer.schedule == "warmup_cosine",
+    opt.warmup_steps == 0 or opt.schedule not in ("constant", "multistep"),
     "optimizer.warmup_steps",
-    f"{config.optimizer.warmup_steps} has no effect with "
-    f"optimizer.schedule={config.optimizer.schedule!r}: set "
-    f"--config.optimizer.schedule=warmup_cosine, or warmup_steps=0",
+    f"{opt.warmup_steps} has no effect with optimizer.schedule="
+    f"{opt.schedule!r}: set --config.optimizer.schedule=warmup_cosine "
+    f"(or warmup_linear, rsqrt), or warmup_steps=0",
   )
+  decay = [s.strip() for s in opt.decay_steps.split(",") if s.strip()]
+  if opt.schedule != "multistep":
+    need(
+      not decay,
+      "optimizer.decay_steps",
+      f"applies to optimizer.schedule='multistep', not {opt.schedule!r}",
+    )
+  else:
+    steps = [int(s) for s in decay if s.isdigit()]
+    need(
+      len(steps) == len(decay) > 0 and steps == sorted(set(steps)),
+      "optimizer.decay_steps",
+      f"{opt.decay_steps!r}: multistep needs rising optimizer steps, "
+      'e.g. "3000,6000,8000"',
+    )
   need(
     bool(config.init_from) or not config.init_keep,
     "init_keep",

@@ -11,6 +11,7 @@ import os
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -34,16 +35,32 @@ from jpipe.train.tasks import Task, build_task
 
 
 def learning_rate(config):
-  """A constant or warm-up + cosine schedule (per optimizer step)."""
+  """The config's learning rate per optimizer step: a number (constant)
+  or an optax schedule (``config_check.LR_SCHEDULES``)."""
   opt = config.optimizer
   if opt.schedule == "constant":
     return opt.learning_rate
   steps = config.train.steps * run_lib.steps_per_call(config)
-  warmup = max(opt.warmup_steps, 1)
+  peak, warmup = opt.learning_rate, max(opt.warmup_steps, 1)
   # A run shorter than its warm-up (a quick try of a config) decays over
   # one step after it rather than failing.
-  return optax.warmup_cosine_decay_schedule(
-    0.0, opt.learning_rate, warmup, max(steps, warmup + 1)
+  steps = max(steps, warmup + 1)
+  if opt.schedule == "warmup_cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps)
+  if opt.schedule == "warmup_linear":  # BERT: up to the peak, down to 0.
+    return optax.join_schedules(
+      [
+        optax.linear_schedule(0.0, peak, warmup),
+        optax.linear_schedule(peak, 0.0, steps - warmup),
+      ],
+      [warmup],
+    )
+  if opt.schedule == "rsqrt":  # T5: the peak, then 1 / sqrt(step).
+    return lambda step: peak * jnp.sqrt(warmup / jnp.maximum(step, warmup))
+  # multistep (WRN, ResNet): times decay_factor at each boundary.
+  boundaries = [int(b) for b in opt.decay_steps.split(",")]
+  return optax.piecewise_constant_schedule(
+    peak, {b: opt.decay_factor for b in boundaries}
   )
 
 
