@@ -42,6 +42,8 @@ import time
 
 import numpy as np
 
+from experiments.distributed.throughput import one_core_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 WIDTH, ROWS = 32, 4  # The MLP's width; rows per microbatch.
@@ -249,21 +251,6 @@ def analyse(schedule, p, m, steps, stage_device):
   }
 
 
-def _env():
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-  }
-  env["JAX_PLATFORMS"] = "cpu"
-  env["JPIPE_CPU_DEVICES"] = "1"
-  env["XLA_FLAGS"] = (
-    "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-  )
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
 def run(args, schedule, p, m, out):
   """Launches p workers running m microbatches a step; their analysed
   steps."""
@@ -278,7 +265,12 @@ def run(args, schedule, p, m, out):
   launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", str(p), "--"]
   command = [*launch, *me, *flags, "--worker", schedule, out]
   done = subprocess.run(
-    command, env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT
+    command,
+    env=one_core_env(1),
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=ROOT,
   )
   if done.returncode:
     raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])

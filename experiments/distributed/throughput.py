@@ -247,7 +247,9 @@ def baseline(steps, out):
     )
 
 
-def _env(devices):
+def one_core_env(devices):
+  """The environment of a worker process: JAX on ``devices`` CPU devices
+  run by one XLA thread, no proxies, this repository importable."""
   env = {
     k: v
     for k, v in os.environ.items()
@@ -269,7 +271,7 @@ def _run(command, env):
 def _examples_per_second(command, out):
   """Runs ``command`` (a ``--whole`` or ``--worker`` run writing ``out``)
   with one device per process: its examples per second."""
-  _run(command, _env(1))
+  _run(command, one_core_env(1))
   with open(out) as f:
     got = json.load(f)
   return BATCH * got["steps"] / got["seconds"]
@@ -363,7 +365,7 @@ def main():
   me += [f"--schedules={args.schedules}", f"--microbatches={args.microbatches}"]
   steps = ["--steps", str(args.steps)]
   tmp = os.path.join(RESULTS, "_run.json")
-  _run([*me, *steps, "--baseline", tmp], _env(2))
+  _run([*me, *steps, "--baseline", tmp], one_core_env(2))
   with open(tmp) as f:
     base = json.load(f)
   plan_path = os.path.join(RESULTS, f"{args.name}_plan.json")

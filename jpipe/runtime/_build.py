@@ -168,7 +168,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   partitioning, staleness = request.partitioning, request.staleness
   partition, num_stages = partitioning.partition, partitioning.num_stages
   num_devices = len(request.devices)
-  placement = request.schedule_kind.placement
+  slots = request.schedule_kind.stage_devices(num_stages)
   plan = _make_plan(
     cut.traced,
     params,
@@ -182,9 +182,9 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     # Where the schedule places the stages (zbv's V: several per device,
     # which the partitioner's per-device memory model does not know), the
     # memory is checked on the built pipeline instead.
-    slots=None if placement is None else placement(num_stages // 2),
+    slots=slots,
     memory=None
-    if placement is not None
+    if slots is not None
     else partitioner_memory_model(
       request.memory_limit,
       request.optimizer,

@@ -46,6 +46,14 @@ class ScheduleKind:
   written: Schedule | None = None
   placement: Callable[[int], tuple[int, ...]] | None = None
 
+  def stage_devices(self, num_stages: int) -> tuple[int, ...] | None:
+    """The device of each of ``num_stages`` stages where the schedule
+    places them (``placement`` on num_stages / 2 devices), or None: it
+    does not, or cannot place that many (an odd count in a V)."""
+    if self.placement is None or num_stages % 2:
+      return None
+    return tuple(self.placement(num_stages // 2))
+
   def on_devices(
     self, stage_device: Sequence[int], num_microbatches: int, **kwargs
   ) -> Schedule:
@@ -168,10 +176,8 @@ def build(
   where the schedule places its stages: ``zbv``'s V); kwargs go to the
   builder (``interleaved`` takes ``stage_device``)."""
   kind = lookup(name)
-  default = list(range(num_stages))
-  if kind.placement is not None and num_stages % 2 == 0:
-    default = list(kind.placement(num_stages // 2))
-  stage_device = kwargs.pop("stage_device", default)
+  default = kind.stage_devices(num_stages) or range(num_stages)
+  stage_device = kwargs.pop("stage_device", list(default))
   if len(stage_device) != num_stages:
     raise ValueError(
       f"stage_device has {len(stage_device)} entries for {num_stages} stages"

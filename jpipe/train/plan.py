@@ -122,10 +122,12 @@ def _solve(args) -> _Solved:
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   devices = min(stages, devices)  # What training plans on.
-  slots = None  # A V schedule's stages: two per device, placed in a V.
-  placement = schedule_lib.lookup(config.schedule.name).placement
-  if placement is not None and method == "contiguous" and stages % 2 == 0:
-    slots, devices = placement(stages // 2), stages
+  # A V schedule's stages: two per device, placed in a V.
+  slots = schedule_lib.lookup(config.schedule.name).stage_devices(stages)
+  if slots is not None and method == "contiguous":
+    devices = stages
+  else:
+    slots = None
   with config.unlocked():  # The planned stages, as training gets them.
     config.pipeline.num_stages = stages
   traced, costs = config_plan.trace_config(
