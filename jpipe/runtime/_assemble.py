@@ -134,6 +134,13 @@ def build_runtime(
     gap_aware=staleness.gap_aware,
     record=record_params,
   )
+  if request.clip_global_norm and stream and placed.transport.multiprocess:
+    raise ValueError(
+      "clip_global_norm with a streaming schedule needs every stage in "
+      "one process (each step reads the other stages' latest gradient "
+      "norms, which no transfer carries between processes); use a "
+      "synchronous schedule or one process"
+    )
   driver = Driver(
     stages,
     programs,
@@ -146,6 +153,7 @@ def build_runtime(
     num_batch_leaves=cut.num_batch_leaves,
     record_params=record_params,
     hooks=hooks,
+    clip_global_norm=request.clip_global_norm,
   )
   return Runtime(
     programs,

@@ -47,6 +47,8 @@ class Request:
     devices: the devices to use.
     memory_limit: bytes per device (``partitioning.memory_limit``
       resolved), or None.
+    clip_global_norm: the largest global gradient norm a step applies
+      (over every stage's gradient together), or None.
   """
 
   optimizer: Any
@@ -58,6 +60,7 @@ class Request:
   microbatch_size: int
   devices: tuple[Any, ...]
   memory_limit: float | None
+  clip_global_norm: float | None = None
 
 
 def check_request(
@@ -68,11 +71,17 @@ def check_request(
   schedule,
   num_microbatches: int,
   options: tuple[Staleness, Partitioning],
+  clip_global_norm: float | None = None,
 ) -> Request:
   """The options checked against each other and the devices, before any
   work (``devices`` None: all of them; ``options``: the staleness and
   partitioning values)."""
   staleness, partitioning = options
+  if clip_global_norm is not None and not clip_global_norm > 0:
+    raise ValueError(
+      f"clip_global_norm must be > 0 (or None: no clipping), got "
+      f"{clip_global_norm}"
+    )
   kind = schedule_lib.lookup(schedule)
   staleness.check(kind.name, optimizer, params)
   micro = _microbatch_size(example_batch, num_microbatches)
@@ -91,6 +100,7 @@ def check_request(
     micro,
     devices,
     limit,
+    clip_global_norm,
   )
 
 

@@ -95,6 +95,9 @@ class InFlight:
     tied: ``(leaf, b) ->`` the tied leaf value the owner's F(b) used.
     tied_grads: ``(leaf, b) ->`` replica holders' gradients for the
       owner's step that applies microbatches up to b.
+    grad_sq_norms: per stage, the squared L2 norm of the gradient its
+      latest step applied (None before its first; kept with gradient
+      clipping only: the other stages' share of a step's global norm).
   """
 
   fed: int = _copied(int)
@@ -110,6 +113,7 @@ class InFlight:
   )
   tied: dict = _copied(dict)
   tied_grads: dict = _copied(dict)
+  grad_sq_norms: tuple = _copied(list, tuple)
 
   def thawed(self) -> dict:
     """``{field: a mutable copy}`` for a call to work on."""
@@ -145,6 +149,7 @@ class InFlight:
       pending=((),) * n,
       tied={},
       tied_grads={},
+      grad_sq_norms=(None,) * n,
     )
 
   @property
@@ -204,6 +209,8 @@ class Driver:
       among a stage's batch inputs).
     record_params: report the params every action used.
     hooks: called around the actions (None: none).
+    clip_global_norm: the global gradient norm steps clip to (None:
+      no clipping; ``Pipeline``'s argument).
   """
 
   def __init__(
@@ -220,7 +227,9 @@ class Driver:
     num_batch_leaves: int,
     record_params: bool = False,
     hooks: DriverHooks | None = None,
+    clip_global_norm: float | None = None,
   ):
+    self.clip_global_norm = clip_global_norm
     self.stages = stages
     self.programs = programs
     self.placement = tuple(placement)
@@ -359,6 +368,52 @@ class Driver:
       call.synchronous_steps(deferred_steps)
     return call.result(self._mean_loss(call.losses) if shares_loss else None)
 
+  def evaluate(
+    self,
+    order: Sequence[schedule_lib.Action],
+    *,
+    stage_params,
+    model_state,
+    batches: dict,
+  ):
+    """Runs the forwards in ``order`` (forward actions only) at
+    ``stage_params``: each stage's forward program alone, nothing saved
+    for a backward, the model state read but not updated. Returns the
+    mean loss of the microbatches, on every process (``run``'s
+    ``batches``)."""
+    key = ("evaluate", tuple(order))
+    ops = self._lowered.get(key)
+    if ops is None:
+      ops = self._lowered[key] = schedule_lib.lower(
+        order,
+        self._activations_only,
+        self.transport.stage_process,
+        self.transport.process,
+        made_by=_made_by if self.transport.sends_early else None,
+      )
+    flight = InFlight.start(stage_params)
+    call = _Call(self, stage_params, (), model_state, flight)
+    call.batches = batches
+    methods = {
+      FORWARD: call.evaluate_forward,
+      SEND: call.send,
+      RECV: call.receive,
+      MOVE: call.move,
+    }
+    self.transport.begin_call()
+    for op in ops:
+      methods[op.kind](op)
+    call.result(None)  # (Checks that every activation was read.)
+    return self._mean_loss(call.losses)
+
+  def _activations_only(self, action):
+    """An evaluating forward's transfers: its input activations."""
+    spec = self.stages.specs[action.stage]
+    inputs = [
+      Transfer("F", self.producer[v], action.stage, v) for v in spec.inputs
+    ]
+    return inputs, ()
+
   def _mean_loss(self, losses):
     """The mean of a call's losses (computed by the last stage: the
     list is empty where another process runs it), shared with every
@@ -493,6 +548,23 @@ class _Call(TransferEnds):
       else:  # A new model-state leaf: the next forward reads it.
         self.model_state[r - 1] = x
 
+  def evaluate_forward(self, action):
+    """F(s, b) for evaluation: the stage's forward program at its
+    current params; its loss kept, its model-state results dropped."""
+    d, s, b = self.d, action.stage, action.microbatch
+    spec, place = d.stages.specs[s], d.placement[s]
+    acts = tuple(self.inbox.pop((s, b, v)) for v in spec.inputs)
+    local = _local_inputs(self, spec, self.batches[place][b], place)
+    outputs, results = d.stages.jitted("forward", s)(
+      self.params[s], local, acts
+    )
+    for v, x in zip(spec.outputs, outputs, strict=True):
+      self.values[(b, v)] = x
+      self.reads_left[(b, v)] = d.readers.get(v, 0)
+    for r, x in zip(spec.results, results, strict=True):
+      if r == 0:
+        self.losses.append(x)
+
   def backward(self, action):
     d, s, b = self.d, action.stage, action.microbatch
     spec = d.stages.specs[s]
@@ -589,7 +661,20 @@ class _Call(TransferEnds):
         self.outbox[("tied_grad", s, b, leaf)] = x
       g = d.tied.add_owned(s, b, leaves, self.tied_grads)
       packed = False
-    self._optimizer_step(s, g, packed, stale, scale)
+    if d.clip_global_norm is not None:
+      g = d.hooks.reduce_gradient(s, g)
+      # This stage's share of the norm is this step's gradient (as
+      # applied: times ``scale``); the others' their latest step's.
+      own = self._grad_sq_norm(s, g) * (scale * scale)
+      self.grad_sq_norms[s] = own
+      device = d.placement[s].device
+      total = sum(
+        jax.device_put(x, device) for x in self.grad_sq_norms if x is not None
+      )
+      scale = scale * self._clip_factor(s, total)
+    self._optimizer_step(
+      s, g, packed, stale, scale, reduced=d.clip_global_norm is not None
+    )
     self.params[s] = d.hooks.after_step(s, self.params[s])
     if self.profiler:
       self.profiler.record(action, self.params[s])
@@ -617,13 +702,21 @@ class _Call(TransferEnds):
           if a.stage in d.tied.stages
         }
       )
+    grads = {
+      a.stage: tied[a.stage] if a.stage in tied else self.grads[a.stage]
+      for a in actions
+    }
+    scales = dict.fromkeys(grads, 1.0)
+    clip = d.clip_global_norm is not None
+    if clip:  # The gradients as applied, then their global norm.
+      grads = {s: d.hooks.reduce_gradient(s, g) for s, g in grads.items()}
+      scales = self._global_clip_factors(grads)
     for action in actions:
       s = action.stage
       self.pending[s] = []
-      if s in tied:
-        self._optimizer_step(s, tied[s], False, None, 1.0)
-      else:
-        self._optimizer_step(s, self.grads[s], True, None, 1.0)
+      self._optimizer_step(
+        s, grads[s], s not in tied, None, scales[s], reduced=clip
+      )
       self.params[s] = d.hooks.after_step(s, self.params[s])
       if self.profiler:
         self.profiler.record(action, self.params[s])
@@ -674,14 +767,48 @@ class _Call(TransferEnds):
     mean; none for model-state outputs."""
     return tuple(self.loss_cotangent if r == 0 else None for r in spec.results)
 
-  def _optimizer_step(self, s, grads, packed, stale, scale):
+  def _global_clip_factors(self, grads: dict) -> dict:
+    """``{stage: its gradient's factor}`` for this process's synchronous
+    steps: ``min(1, clip / global norm)``, the norm over every stage's
+    gradient (``grads``: this process's, reduced), summed per process and
+    then over processes (every process calls it, in step order)."""
+    d = self.d
+    if not grads:
+      partial = None
+    else:
+      first = min(grads)
+      device = d.placement[first].device
+      partial = sum(
+        jax.device_put(self._grad_sq_norm(s, g), device)
+        for s, g in sorted(grads.items())
+      )
+    total = d.transport.all_sum(partial)
+    return {s: self._clip_factor(s, total) for s in grads}
+
+  def _grad_sq_norm(self, s, grads):
+    """Squared L2 norm of stage s's gradient (the packed accumulator or
+    leaves), f32 on its device; a tied leaf counted by its owner only."""
+    d = self.d
+    replica = d.tied.replica_positions(s)
+    if replica:
+      grads = [g for p, g in enumerate(grads) if p not in replica]
+    return _sq_norm(tuple(grads))
+
+  def _clip_factor(self, s, total_sq):
+    """``min(1, clip / sqrt(total_sq))`` on stage s's devices."""
+    factor = _clip_factor(total_sq, self.d.clip_global_norm)
+    return self.d.placement[s].put_replicated(factor)
+
+  def _optimizer_step(self, s, grads, packed, stale, scale, reduced=False):
     """Stage s's optimizer step from ``grads`` (the packed accumulator, or
     leaves): new ``params[s]`` and ``opt_states[s]``. A packed
     accumulator's own (big-leaf) buffers are donated to the step, and so
     is an optimizer state this call produced (the caller's own state is
-    never consumed)."""
+    never consumed). ``reduced``: the hooks' ``reduce_gradient`` ran
+    already."""
     d, opt = self.d, self.d.optimizers[s]
-    grads = d.hooks.reduce_gradient(s, grads)
+    if not reduced:
+      grads = d.hooks.reduce_gradient(s, grads)
     args = (grads, self.opt_states[s], self.params[s], stale, scale)
     if packed:
       self._before_donating(s)
@@ -696,6 +823,20 @@ class _Call(TransferEnds):
     stamped the action that produced it first."""
     if self.profiler and self.acc_producer[s] is not None:
       self.profiler.wait_for(self.acc_producer[s])
+
+
+@jax.jit
+def _sq_norm(leaves):
+  """Sum of squares of every element of ``leaves``, in f32."""
+  return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+
+
+@jax.jit
+def _clip_factor(total_sq, clip):
+  """``optax.clip_by_global_norm``'s factor: 1 below ``clip``, else
+  clip / norm."""
+  norm = jnp.sqrt(total_sq)
+  return jnp.where(norm < clip, 1.0, clip / norm)
 
 
 def _params_held(versions, live, forward_params, leaf_bytes) -> tuple:

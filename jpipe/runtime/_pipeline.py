@@ -71,6 +71,14 @@ class Pipeline:
       the params every forward and backward used, keyed by ``(kind,
       stage, microbatch)`` (tests and debugging; holds every version
       alive).
+    clip_global_norm: clip the gradient to this global L2 norm, taken
+      over every stage's gradient together, before the optimizer: each
+      step equals ``optax.chain(optax.clip_by_global_norm(c), optimizer)``
+      on one device (synchronous schedules; the replicas of a tied leaf
+      count once). Streaming schedules (``async``, ``2bw``) have no
+      step all stages share: a stage's step clips with the norm of its
+      own gradient and the latest step's gradient of every other stage
+      (one process only). None: no clipping.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params
@@ -105,6 +113,7 @@ class Pipeline:
     num_microbatches: int = 1,
     model_state: Any = None,
     record_params: bool = False,
+    clip_global_norm: float | None = None,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
     partitioning: Partitioning | None = None,
@@ -119,6 +128,7 @@ class Pipeline:
       schedule,
       num_microbatches,
       options,
+      clip_global_norm,
     )
     parts = build_pipeline(
       loss_fn,
@@ -276,6 +286,26 @@ class Pipeline:
       "used_params".
     """
     return _step.step(self, state, batch, profile)
+
+  def evaluate(self, state: PipelineState, batch: Any) -> dict:
+    """The loss of ``batch`` at the state's params, forward through the
+    stages: each stage runs its forward program on its own devices and
+    passes its activations on, as in training, and nothing is gathered to
+    one device (a model too big for one device evaluates so). Nothing
+    is saved for a backward and the state is not changed (model state,
+    e.g. BatchNorm statistics, is read, not updated).
+
+    Mid-stream (asynchronous schedules between flushes) each stage's
+    params are its newest: the stages are then at different steps; flush
+    first to evaluate the params of one step. Across processes every
+    process calls it with the same batch size (as ``step``).
+
+    Returns:
+      ``{"loss": the mean of the microbatches' losses}`` (a scalar on
+      every process): ``loss_fn`` at these params, as ``step``'s
+      "loss" is at the params each forward used.
+    """
+    return _step.evaluate(self, state, batch)
 
   def flush(self, state: PipelineState, *, profile: bool = False):
     """Drains an asynchronous pipeline: every pending backward and step

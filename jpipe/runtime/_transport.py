@@ -166,6 +166,27 @@ class Transport:
         return y
     return x
 
+  def all_sum(self, x):
+    """The sum over processes of each one's f32 scalar ``x`` (on one of
+    its devices; None where it has none to add), on every process, in
+    the same order everywhere (equal everywhere). Every process calls
+    it, in the same order."""
+    if not self.multiprocess:
+      return x
+    aval = jax.ShapeDtypeStruct((), np.float32)
+    first_stage = {}
+    for s, q in enumerate(self.stage_process):
+      first_stage.setdefault(q, s)
+    here = _first_device(self.process)
+    total = None
+    for q, s in sorted(first_stage.items()):
+      mine = None
+      if q == self.process:
+        mine = np.float32(0) if x is None else x
+      y = jax.device_put(self.share(mine, s, aval), here)
+      total = y if total is None else total + y
+    return total
+
   def _pair(self, x, a, b, aval, key=None):
     """Sends ``x`` (on device a; None on the receiver) to device b of
     another process; returns the value on the receiver, None on the

@@ -31,8 +31,15 @@ def base_config() -> ml_collections.ConfigDict:
 
 def _model_fields(c: ml_collections.ConfigDict) -> None:
   """The model (its name and arguments) and where its params start."""
-  # Model: jpipe.models.<name>.Model(**kwargs). The model sets the task:
-  # mlp / resnet / vgg classify images, gpt models text, t5 un-corrupts it.
+  # The user's whole task: "package.module:build", a function of this
+  # config returning a jpipe.train.tasks.Task (model, loss, params, data,
+  # evaluation); "" = the model below on the task of the config's data.
+  c.task = ""
+  # Model: jpipe.models.<name>.Model(**kwargs), which sets the task (mlp /
+  # resnet / vgg classify images, gpt models text, t5 un-corrupts it), or
+  # the user's Flax module "package.module:Module" on the config's data's
+  # task (image fields: classification; text: language model; text with
+  # span corruption: seq2seq).
   c.model = ml_collections.ConfigDict()
   c.model.name = "mlp"
   c.model.kwargs = ml_collections.ConfigDict()
@@ -48,12 +55,25 @@ def _model_fields(c: ml_collections.ConfigDict) -> None:
 
 def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   """The optax optimizer, its learning-rate schedule and frozen params."""
-  # Optimizer (optax): sgd (with momentum), adam or adamw.
+  # Optimizer: optax.<name>: sgd (with momentum), adam, adamw (these three
+  # work with weight prediction and Gap-Aware), or any optax optimizer
+  # taking a learning_rate: adafactor, lamb, lion, rmsprop, lars, ...
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "sgd"
   c.optimizer.learning_rate = 0.05  # Peak learning rate.
   c.optimizer.momentum = 0.9  # SGD only; 0 for plain SGD.
-  c.optimizer.weight_decay = 0.0  # L2 for sgd/adam, decoupled for adamw.
+  # The optimizer's own argument where it has one (decoupled: adamw, lamb,
+  # lion...), else L2 added to the gradient (sgd, adam, adafactor...).
+  c.optimizer.weight_decay = 0.0
+  # More keyword arguments of optax.<name>, as Python literals:
+  # "b2=0.98,eps=1e-6"; adafactor: "multiply_by_parameter_scale=False".
+  c.optimizer.args = ""
+  # Clip the gradient to this global L2 norm over all stages before the
+  # optimizer (optax.clip_by_global_norm on one device); 0: no clipping.
+  # Streaming schedules (async, 2bw) have no step all stages share: each
+  # stage's step uses its own gradient's norm with the other stages'
+  # latest (one process only).
+  c.optimizer.clip_norm = 0.0
   # Learning-rate schedule: "constant"; "warmup_cosine" (linear warm-up,
   # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear
   # decay to 0 at the last step); "rsqrt" (T5: the peak for warmup_steps,
@@ -201,6 +221,9 @@ def _train_fields(c: ml_collections.ConfigDict) -> None:
   c.train.eval_every = 100  # Steps between evaluations (and at the end).
   c.train.checkpoint_every = 100  # Steps between checkpoints (and at end).
   c.train.keep_checkpoints = 2  # Checkpoints kept in the workdir.
+  # Cross-entropy targets (1 - e) on the label + e / classes on each class
+  # (the built-in tasks' training loss; evaluation is unsmoothed).
+  c.train.label_smoothing = 0.0
   c.train.profile_last_step = True  # Timeline PNG + trace of the last step.
   # Stop when a logged window's mean loss exceeds this many times the
   # loss of the run's first step (a diverged run); 0 turns the check off.

@@ -7,11 +7,10 @@ import ml_collections
 from jpipe import dynamic, parallel, partition
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import GAP_AWARE_POLICIES, Staleness
+from jpipe.train import optimizers, tasks, user_code
 from jpipe.train.data_parallel_lib import uses_data_parallel
 from jpipe.train.errors import UsageError
-from jpipe.train.tasks import TASK_OF_MODEL
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = (
   "constant",
   "warmup_cosine",
@@ -135,15 +134,17 @@ def _check_names(config, need) -> None:
     f"{config.schedule.name!r} is not one of {schedule_lib.SCHEDULES}",
   )
   _check_v_placement(config, need)
+  _check_user_code(config, need)
   need(
-    config.model.name in TASK_OF_MODEL,
-    "model.name",
-    f"{config.model.name!r} is not one of jpipe.models' {tuple(TASK_OF_MODEL)}",
+    0 <= config.train.label_smoothing < 1,
+    "train.label_smoothing",
+    "must be in [0, 1)",
   )
+  optimizers.check(config)
   need(
-    config.optimizer.name in OPTIMIZERS,
-    "optimizer.name",
-    f"{config.optimizer.name!r} is not one of {OPTIMIZERS}",
+    config.optimizer.clip_norm >= 0,
+    "optimizer.clip_norm",
+    "must be >= 0 (0: no clipping)",
   )
   need(
     config.optimizer.schedule in LR_SCHEDULES,
@@ -154,6 +155,26 @@ def _check_names(config, need) -> None:
     config.optimizer.learning_rate > 0,
     "optimizer.learning_rate",
     "must be > 0",
+  )
+
+
+def _check_user_code(config, need) -> None:
+  """The task or model the config names: jpipe's, or the user's by
+  import path (imported now, so a wrong path stops before any work)."""
+  if config.task:
+    user_code.load(
+      config.task, "task", want="a function config -> jpipe.train.tasks.Task"
+    )
+    return  # The task builds its own model.
+  if user_code.is_import_path(config.model.name):
+    tasks.flax_module(config.model.name)
+    tasks.task_of_data(config.data)
+    return
+  need(
+    config.model.name in tasks.TASK_OF_MODEL,
+    "model.name",
+    f"{config.model.name!r} is not one of jpipe.models' "
+    f"{tuple(tasks.TASK_OF_MODEL)} nor package.module:Module",
   )
 
 
@@ -272,6 +293,14 @@ def _check_staleness(config, need, problems) -> None:
     f"'2bw' only ({config.schedule.name!r} steps once per call): set it "
     f"to 1",
   )
+  need(
+    not (st.prediction or st.gap_aware)
+    or config.optimizer.name in optimizers.STALENESS_AWARE,
+    "optimizer.name",
+    f"weight prediction and Gap-Aware read the state of "
+    f"{optimizers.STALENESS_AWARE}, not {config.optimizer.name!r}: use one "
+    f"of them or weight stashing alone",
+  )
   uses = st.stashing or st.prediction or st.gap_aware
   need(
     not uses or config.schedule.name == "async",
@@ -357,7 +386,19 @@ def _check_v_placement(config, need) -> None:
 def check_devices(config, devices) -> None:
   """Raises UsageError when the run's devices cannot hold the config's
   stages (one device per stage, except FTPipe's mixed pipe and the V
-  schedules' two)."""
+  schedules' two), or gradient clipping on a stream spans processes."""
+  processes = {getattr(d, "process_index", 0) for d in devices}
+  if (
+    config.optimizer.clip_norm
+    and config.schedule.name in schedule_lib.STREAMS
+    and len(processes) > 1
+  ):
+    raise UsageError(
+      f"config.optimizer.clip_norm with schedule.name="
+      f"{config.schedule.name!r} needs one process (a streaming step "
+      "reads every stage's latest gradient norm): use a synchronous "
+      "schedule, or clip_norm=0"
+    )
   if config.pipeline.partition == "mixed":
     return
   n, stages = len(devices), config.pipeline.num_stages

@@ -71,12 +71,17 @@ def steps_per_call(config) -> int:
 
 def fingerprint(config) -> dict:
   """What a checkpoint must match to be resumed (not the partition)."""
-  return {
-    "model": config.model.name,
-    "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
-    "optimizer": config.optimizer.name,
-  } | (  # Each replica is saved: resume with as many.
-    {"pipelines": config.data_parallel.pipelines}
-    if config.data_parallel.pipelines > 1
-    else {}
+  task = {"task": config.task} if config.task else {}
+  return (
+    task
+    | {
+      "model": config.model.name,
+      "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
+      "optimizer": config.optimizer.name,
+    }
+    | (  # Each replica is saved: resume with as many.
+      {"pipelines": config.data_parallel.pipelines}
+      if config.data_parallel.pipelines > 1
+      else {}
+    )
   )

@@ -1,24 +1,38 @@
 """What a config trains: data + model + loss + evaluation, as a Task.
 
-The model decides the task: ``mlp``, ``resnet`` and ``vgg`` classify
-images, ``gpt`` predicts the next byte of a text, ``t5`` reconstructs
-T5-style corrupted spans of a text. Batches are pure functions of the
-step, so a resumed run sees the data an uninterrupted one would; so is
-dropout's randomness, which travels in the batch (see ``_dropout``).
+Three ways to name it:
+- a jpipe model (``config.model.name``: ``mlp``, ``resnet`` and ``vgg``
+  classify images, ``gpt`` predicts the next byte of a text, ``t5``
+  reconstructs T5-style corrupted spans of a text);
+- the user's Flax module on one of those tasks
+  (``config.model.name=package.module:Module``, built with
+  ``config.model.kwargs``; the task is the config's data's: image fields
+  classify, text fields model the language, span-corruption fields make
+  it seq2seq);
+- the user's whole task (``config.task=package.module:build``): a
+  function of the config returning a :class:`Task` -- the protocol below,
+  checked on return.
+
+Batches are pure functions of the step, so a resumed run sees the data an
+uninterrupted one would; so is dropout's randomness, which travels in the
+batch (see ``_dropout``).
 """
 
 import dataclasses
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 
+import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jpipe.data import sequences
-from jpipe.train import input_pipeline
+from jpipe.train import input_pipeline, user_code
 from jpipe.train.errors import UsageError
 
 TASK_OF_MODEL = {
@@ -32,18 +46,28 @@ TASK_OF_MODEL = {
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """A model with its loss, its data and its evaluation.
+  """A model with its loss, its data and its evaluation: what
+  ``python -m jpipe.train`` trains. A function named by
+  ``config.task=package.module:build`` takes the config and returns one.
 
   Attributes:
-    kind: "classification", "language_model" or "seq2seq".
-    loss_fn: ``(params, batch) -> loss``, or with BatchNorm
-      ``(params, model_state, batch) -> (loss, new_model_state)``.
-    params: the initial parameters.
-    model_state: BatchNorm statistics, or None.
-    batch_at: step -> the training batch of that step (host arrays).
-    evaluate: (params, model_state) -> {metric name: value} on the eval
-      split: "accuracy" for classification, "loss" (nats per token) and
-      "perplexity" for text.
+    kind: what it is, for people ("classification", "language_model",
+      "seq2seq" or the user's own word).
+    loss_fn: ``loss_fn(params, batch) -> loss`` (a scalar: the batch's
+      mean), or with model state (BatchNorm statistics) ``loss_fn(params,
+      model_state, batch) -> (loss, new_model_state)``. The pipeline
+      traces it on one microbatch and splits it into stages at the
+      modules it calls (Flax modules, or ``jax.named_scope`` blocks).
+    params: the initial parameters (a pytree of arrays).
+    model_state: the initial model state, or None.
+    batch_at: ``step -> batch``: the training batch of a step, a pytree
+      of host arrays with the batch on their leading axis (size
+      ``config.data.batch_size``, split into microbatches). A pure
+      function of the step: a resumed run reads what an uninterrupted
+      one would. Randomness such as dropout keys rides in the batch.
+    evaluate: ``(params, model_state) -> {metric name: float}`` on the
+      held-out data, called on process 0 after each ``eval_every``
+      steps: e.g. "accuracy", or "loss" and "perplexity".
   """
 
   kind: str
@@ -55,20 +79,28 @@ class Task:
 
 
 def build_task(config) -> Task:
-  """Loads the data and initialises the model the config names."""
-  kind = TASK_OF_MODEL.get(config.model.name)
-  if kind is None:
-    raise UsageError(
-      f"config.model.name: no model {config.model.name!r} in jpipe.models "
-      f"({', '.join(TASK_OF_MODEL)})"
-    )
-  module = importlib.import_module(f"jpipe.models.{config.model.name}")
+  """Loads the data and initialises the model the config names: the
+  user's task (``config.task``), or a model (jpipe's, or the user's by
+  import path) on the task of the config's data."""
+  if config.get("task"):
+    return _user_task(config)
+  name = config.model.name
+  if user_code.is_import_path(name):
+    model_class = flax_module(name)
+    kind, where = task_of_data(config.data), name
+  else:
+    kind = TASK_OF_MODEL.get(name)
+    if kind is None:
+      raise UsageError(
+        f"config.model.name: no model {name!r} in jpipe.models "
+        f"({', '.join(TASK_OF_MODEL)}); name your own as package.module:Module"
+      )
+    model_class = importlib.import_module(f"jpipe.models.{name}").Model
+    where = f"jpipe.models.{name}.Model"
   try:
-    model = module.Model(**config.model.kwargs.to_dict())
+    model = model_class(**config.model.kwargs.to_dict())
   except TypeError as e:  # An unknown or missing keyword.
-    raise UsageError(
-      f"config.model.kwargs of jpipe.models.{config.model.name}.Model: {e}"
-    ) from e
+    raise UsageError(f"config.model.kwargs of {where}: {e}") from e
   return {
     "classification": _classification,
     "language_model": _language_model,
@@ -76,8 +108,154 @@ def build_task(config) -> Task:
   }[kind](config, model)
 
 
-def _dropout(config, batch_at):
-  """(batch_at, rngs_of) for a model with ``kwargs.dropout`` > 0.
+def flax_module(path: str):
+  """The ``flax.linen.Module`` subclass ``config.model.name`` names by
+  import path."""
+  value = user_code.load(path, "model.name", want="a Flax module class")
+  if not (isinstance(value, type) and issubclass(value, nn.Module)):
+    raise UsageError(
+      f"config.model.name={path!r} is not a flax.linen.Module subclass; "
+      "for any other model write a task of your own (config.task)"
+    )
+  return value
+
+
+def task_of_data(data) -> str:
+  """The built-in task a config's data fields describe: images classify
+  (``base_config.image_data``), text models the language
+  (``text_data``), with span-corruption fields it is seq2seq."""
+  if "image_key" in data:
+    return "classification"
+  if "noise_density" in data:
+    return "seq2seq"
+  if "text_key" in data:
+    return "language_model"
+  raise UsageError(
+    "config.data has neither image nor text fields, so a model named by "
+    "import path has no task: start the config's data from "
+    "base_config.image_data() or text_data(), or set config.task"
+  )
+
+
+def _user_task(config) -> Task:
+  """The Task ``config.task``'s function returns, checked."""
+  build = user_code.load(
+    config.task, "task", want="a function config -> jpipe.train.tasks.Task"
+  )
+  return check_task(build(config), f"config.task={config.task!r}")
+
+
+def check_task(task, where: str) -> Task:
+  """``task`` if it keeps the Task protocol; else a UsageError naming
+  what is wrong (``where``: whose task it is). Abstract: the loss is
+  evaluated on shapes only, nothing runs."""
+
+  def fail(why):
+    raise UsageError(f"{where}: {why}")
+
+  if not isinstance(task, Task):
+    fail(
+      f"returned a {type(task).__name__}, not a jpipe.train.tasks.Task; "
+      "return Task(kind, loss_fn, params, model_state, batch_at, evaluate)"
+    )
+  for field in ("loss_fn", "batch_at", "evaluate"):
+    if not callable(getattr(task, field)):
+      fail(
+        f"Task.{field} is a {type(getattr(task, field)).__name__}, "
+        "not a function"
+      )
+  if not all(hasattr(x, "shape") for x in jax.tree.leaves(task.params)) or (
+    not jax.tree.leaves(task.params)
+  ):
+    fail(
+      "Task.params must be a non-empty pytree of arrays (e.g. "
+      "model.init(key, x)['params'])"
+    )
+  batch = task.batch_at(0)
+  sizes = {
+    np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)
+  }
+  if not sizes or None in sizes or len(sizes) > 1:
+    fail(
+      f"Task.batch_at(0) must give arrays sharing a leading batch axis; "
+      f"got leading sizes {sorted(sizes, key=str)}"
+    )
+  args = (task.params, batch)
+  if task.model_state is not None:
+    args = (task.params, task.model_state, batch)
+  try:
+    out = jax.eval_shape(task.loss_fn, *args)
+  except Exception as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    fail(f"Task.loss_fn{_signature(task)} raised {type(e).__name__}: {first}")
+  loss = out[0] if task.model_state is not None else out
+  if task.model_state is not None and not (
+    isinstance(out, tuple) and len(out) == 2
+  ):
+    fail(
+      "with model_state, Task.loss_fn(params, model_state, batch) must "
+      "return (loss, new_model_state)"
+    )
+  if getattr(loss, "shape", None) != ():
+    fail(
+      f"Task.loss_fn{_signature(task)} must return a scalar loss (the "
+      f"batch's mean); it returned {loss}"
+    )
+  return task
+
+
+def _signature(task) -> str:
+  if task.model_state is None:
+    return "(params, batch)"
+  return "(params, model_state, batch)"
+
+
+def mode_kwargs(model, train: bool) -> dict:
+  """The keyword a module's ``__call__`` takes for training or evaluation
+  (jpipe's and Flax's examples' ``train``, HuggingFace's
+  ``deterministic``, Keras-style ``training``); none if it takes none."""
+  try:
+    names = inspect.signature(type(model).__call__).parameters
+  except (TypeError, ValueError):
+    return {}
+  if "train" in names:
+    return {"train": train}
+  if "training" in names:
+    return {"training": train}
+  if "deterministic" in names:
+    return {"deterministic": not train}
+  return {}
+
+
+def logits_of(output):
+  """A module's output as logits: the array itself, HuggingFace's
+  ``ModelOutput.logits`` or a tuple's first element."""
+  logits = getattr(output, "logits", None)
+  if logits is not None:
+    return logits
+  if isinstance(output, (tuple, list)):
+    return output[0]
+  return output
+
+
+def _needs_dropout_key(model, variables, *inputs) -> bool:
+  """Whether the model asks for a "dropout" key when training (its
+  dropout rate > 0): applied abstractly in training mode without one."""
+  try:
+    jax.eval_shape(
+      lambda v: model.apply(
+        v, *inputs, mutable=True, **mode_kwargs(model, True)
+      ),
+      variables,
+    )
+  except flax.errors.InvalidRngError:
+    return True
+  return False
+
+
+def _dropout(config, batch_at, needed: bool):
+  """(batch_at, rngs_of) for a model that draws dropout masks
+  (``needed``: ``_needs_dropout_key``).
 
   Dropout keys ride in the batch as ``dropout_key`` uint32 [B, 2] (raw
   threefry key data, one row per example, drawn from (seed, step)): the
@@ -85,7 +263,7 @@ def _dropout(config, batch_at):
   from its first row, and a resumed run redraws the same masks -- the RNG
   state is the step. Without dropout, batches are unchanged.
   """
-  if not config.model.kwargs.to_dict().get("dropout"):
+  if not needed:
     return batch_at, lambda batch: {}
 
   def with_keys(step):
@@ -108,11 +286,15 @@ def _classification(config, model) -> Task:
   def images_at(step):
     return input_pipeline.image_batch_at(train, step, bs, config.seed)
 
-  batch_at, rngs_of = _dropout(config, images_at)
-  example = batch_at(0)
-  variables = model.init(jax.random.key(config.seed), example["x"][:1])
+  example = images_at(0)
+  variables = model.init(
+    jax.random.key(config.seed), example["x"][:1], **mode_kwargs(model, False)
+  )
+  batch_at, rngs_of = _dropout(
+    config, images_at, _needs_dropout_key(model, variables, example["x"][:1])
+  )
   loss_fn, logits_fn = _classifier_fns(
-    model, "batch_stats" in variables, rngs_of
+    model, "batch_stats" in variables, rngs_of, _smoothing(config)
   )
   return Task(
     "classification",
@@ -124,14 +306,15 @@ def _classification(config, model) -> Task:
   )
 
 
-def _classifier_fns(model, has_stats: bool, rngs_of):
+def _classifier_fns(model, has_stats: bool, rngs_of, smoothing=0.0):
   """``(loss_fn, logits_fn)`` of an image classifier: the mean cross
-  entropy of a training batch (with BatchNorm statistics as model state
-  where the model has them) and evaluation logits
-  ``logits_fn(params, stats, x)``."""
+  entropy of a training batch (labels smoothed by ``smoothing``; with
+  BatchNorm statistics as model state where the model has them) and
+  evaluation logits ``logits_fn(params, stats, x)``."""
+  train_kw, eval_kw = mode_kwargs(model, True), mode_kwargs(model, False)
 
   def xent(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return cross_entropy(logits_of(logits), labels, smoothing)
 
   if has_stats:
 
@@ -141,23 +324,26 @@ def _classifier_fns(model, has_stats: bool, rngs_of):
         batch["x"],
         mutable=["batch_stats"],
         rngs=rngs_of(batch),
+        **train_kw,
       )
       return xent(logits, batch["y"]).mean(), updates["batch_stats"]
 
     def logits_fn(params, stats, x):
-      return model.apply(
-        {"params": params, "batch_stats": stats}, x, train=False
+      return logits_of(
+        model.apply({"params": params, "batch_stats": stats}, x, **eval_kw)
       )
 
     return loss_fn, logits_fn
 
   def plain_loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"], rngs=rngs_of(batch))
+    logits = model.apply(
+      {"params": params}, batch["x"], rngs=rngs_of(batch), **train_kw
+    )
     return xent(logits, batch["y"]).mean()
 
   def plain_logits_fn(params, stats, x):
     del stats
-    return model.apply({"params": params}, x, train=False)
+    return logits_of(model.apply({"params": params}, x, **eval_kw))
 
   return plain_loss_fn, plain_logits_fn
 
@@ -185,9 +371,26 @@ def _accuracy(logits_fn, test):
   return evaluate
 
 
-def _mean_token_loss(logits, targets, weights):
+def cross_entropy(logits, labels, smoothing: float = 0.0):
+  """Per-example cross entropy (nats) of integer ``labels`` [...] against
+  ``logits`` [..., classes], the targets smoothed to ``(1 - smoothing)``
+  on the label plus ``smoothing / classes`` on every class (Szegedy et
+  al. 2016; ``optax.smooth_labels``)."""
+  if not smoothing:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  targets = optax.smooth_labels(
+    jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), smoothing
+  )
+  return optax.softmax_cross_entropy(logits, targets)
+
+
+def _smoothing(config) -> float:
+  return config.train.get("label_smoothing", 0.0)
+
+
+def _mean_token_loss(logits, targets, weights, smoothing=0.0):
   """Mean cross-entropy (nats) over positions with weight 1."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  losses = cross_entropy(logits, targets, smoothing)
   return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -214,19 +417,27 @@ def _language_model(config, model) -> Task:
       train, step, data.batch_size, length, config.seed
     )
 
-  batch_at, rngs_of = _dropout(config, windows_at)
-  example = batch_at(0)
-  params = model.init(jax.random.key(config.seed), example["x"][:1])["params"]
+  example = windows_at(0)
+  train_kw, eval_kw = mode_kwargs(model, True), mode_kwargs(model, False)
+  params = model.init(jax.random.key(config.seed), example["x"][:1], **eval_kw)[
+    "params"
+  ]
+  batch_at, rngs_of = _dropout(
+    config,
+    windows_at,
+    _needs_dropout_key(model, {"params": params}, example["x"][:1]),
+  )
+  smoothing = _smoothing(config)
 
   def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"], rngs=rngs_of(batch))
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]
-    ).mean()
+    logits = model.apply(
+      {"params": params}, batch["x"], rngs=rngs_of(batch), **train_kw
+    )
+    return cross_entropy(logits_of(logits), batch["y"], smoothing).mean()
 
   @jax.jit
   def loss_and_count(params, batch):
-    logits = model.apply({"params": params}, batch["x"], train=False)
+    logits = logits_of(model.apply({"params": params}, batch["x"], **eval_kw))
     weights = jnp.ones(batch["y"].shape, jnp.float32)
     return _mean_token_loss(logits, batch["y"], weights), weights.sum()
 
@@ -246,7 +457,7 @@ def _seq2seq(config, model) -> Task:
     data.sequence_length, data.noise_density, data.mean_span_length
   )
   need = sequences.BYTE_VOCAB + num_spans
-  if model.vocab_size < need:
+  if getattr(model, "vocab_size", need) < need:
     raise UsageError(
       f"config.model.kwargs.vocab_size={model.vocab_size} cannot hold the "
       f"{sequences.BYTE_VOCAB} byte tokens and {num_spans} span "
@@ -267,22 +478,30 @@ def _seq2seq(config, model) -> Task:
     )
 
   example = batch_at(0)
+  train_kw, eval_kw = mode_kwargs(model, True), mode_kwargs(model, False)
   params = model.init(
     jax.random.key(config.seed),
     example["inputs"][:1],
     example["targets"][:1],
+    **eval_kw,
   )["params"]
+  smoothing = _smoothing(config)
 
   def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["inputs"], batch["targets"])
+    logits = model.apply(
+      {"params": params}, batch["inputs"], batch["targets"], **train_kw
+    )
     weights = (batch["targets"] > 0).astype(jnp.float32)
-    return _mean_token_loss(logits, batch["targets"], weights)
+    return _mean_token_loss(
+      logits_of(logits), batch["targets"], weights, smoothing
+    )
 
   @jax.jit
   def loss_and_count(params, batch):
     logits = model.apply(
-      {"params": params}, batch["inputs"], batch["targets"], train=False
+      {"params": params}, batch["inputs"], batch["targets"], **eval_kw
     )
+    logits = logits_of(logits)
     weights = (batch["targets"] > 0).astype(jnp.float32)
     return _mean_token_loss(logits, batch["targets"], weights), weights.sum()
 

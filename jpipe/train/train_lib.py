@@ -22,6 +22,7 @@ from jpipe.train import (
   data_parallel_lib,
   dynamic_lib,
   loop,
+  optimizers,
   pretrained,
 )
 from jpipe.train import run as run_lib
@@ -65,18 +66,8 @@ def learning_rate(config):
 
 
 def build_optimizer(config, lr):
-  opt = config.optimizer
-  if opt.name == "sgd":
-    tx = optax.sgd(lr, momentum=opt.momentum or None)
-    if opt.weight_decay:
-      tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
-    return tx
-  if opt.name == "adam":
-    tx = optax.adam(lr)
-    if opt.weight_decay:
-      tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
-    return tx
-  return optax.adamw(lr, weight_decay=opt.weight_decay)
+  """The config's optax optimizer (``jpipe.train.optimizers``)."""
+  return optimizers.build(config, lr)
 
 
 def pipeline_options(config, task: Task, lr) -> dict:
@@ -97,6 +88,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     fuse_last_stage=config.pipeline.fuse_last_stage,
     transport=config.pipeline.transport,
     memory_limit=config_check.memory_limit(config.pipeline.memory_limit),
+    clip_global_norm=config.optimizer.clip_norm or None,
     **kwargs,
   )
 

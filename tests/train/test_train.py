@@ -136,7 +136,7 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("schedule.name", "zb", "config.schedule.name: 'zb' is not one of"),
     ("pipeline.num_microbatches", 5, "5 does not divide data.batch_size"),
     ("staleness.stashing", True, "apply to schedule.name='async' only"),
-    ("optimizer.name", "lion", "config.optimizer.name"),
+    ("optimizer.name", "lionn", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
     # async, no stashing, recompute False (the default): it would stash.
     ("schedule.name", "async", "config.pipeline.recompute: an async"),

@@ -1,0 +1,96 @@
+"""Your own model and task through ``python -m jpipe.train``: copy this file.
+
+``python -m jpipe.train`` trains a Task: a model's loss, its initial
+params, its training batches and its evaluation (the protocol:
+``jpipe.train.tasks.Task``). Name a function of the config that returns
+one, by import path, and every CLI feature applies to it: checkpoints and
+resume, TensorBoard logs, evaluation, every partition method, schedule
+and staleness mitigation, several pipelines in data parallel (SD-Pipe),
+re-partitioning (DynPipe), several processes. From the repository's root:
+
+  python -m jpipe.train --config configs/default.py --workdir /tmp/my_task \\
+      --config.task=examples.my_task:build_task
+
+A copy next to you is ``--config.task=my_task:build_task`` (the working
+directory and PYTHONPATH are on the import path). The config's fields are
+yours to read (here: the data's name, batch size and splits, the seed);
+a config file of your own may add fields (start it from
+``jpipe.train.base_config.base_config()``).
+
+Only the model, not the task, of your own? A Flax module on a built-in
+task (the config's data's: images classify, text is modelled) is named
+the same way, with ``config.model.kwargs`` as its arguments:
+
+  python -m jpipe.train --config configs/default.py --workdir /tmp/my_net \\
+      --config.model.name=examples.my_task:ConvNet
+
+The pipeline splits the loss into stages at the modules it calls (here
+the four ``Conv`` layers and the head): give it at least as many module
+calls as stages.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jpipe.train import input_pipeline
+from jpipe.train.tasks import Task
+
+
+class ConvNet(nn.Module):
+  """A small CNN: 3x3 convolutions of ``hidden`` channels, then a dense
+  head. Input float32 [B, H, W, C]; output logits [B, num_classes]."""
+
+  hidden: tuple[int, ...] = (32, 32, 32, 32)
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train  # No dropout or BatchNorm here; the CLI passes it anyway.
+    for width in self.hidden:
+      x = nn.relu(nn.Conv(width, (3, 3))(x))
+    return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+
+
+def build_task(config) -> Task:
+  """The task ``--config.task=examples.my_task:build_task`` trains: the
+  ConvNet on the config's image data (the embedded digits by default, or
+  any TFDS image dataset: ``--config.data.name=cifar10``)."""
+  train, test = input_pipeline.load_images(config)
+  model = ConvNet(num_classes=int(train.labels.max()) + 1)
+
+  def batch_at(step):  # A pure function of the step: resumes exactly.
+    rng = np.random.default_rng([config.seed, step])
+    take = rng.choice(len(train.labels), config.data.batch_size, False)
+    return {"x": train.images[take], "y": train.labels[take]}
+
+  def loss_fn(params, batch):  # The batch's mean loss, a scalar.
+    logits = model.apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  @jax.jit
+  def correct(params, x, y):
+    logits = model.apply({"params": params}, x, train=False)
+    return jnp.sum(jnp.argmax(logits, -1) == y)
+
+  def evaluate(params, model_state):  # On the held-out split.
+    del model_state  # None: this model keeps no BatchNorm statistics.
+    hits = sum(
+      int(correct(params, test.images[i : i + 512], test.labels[i : i + 512]))
+      for i in range(0, len(test.labels), 512)
+    )
+    return {"accuracy": hits / len(test.labels)}
+
+  params = model.init(jax.random.key(config.seed), batch_at(0)["x"][:1])
+  return Task(
+    kind="classification",
+    loss_fn=loss_fn,
+    params=params["params"],
+    model_state=None,
+    batch_at=batch_at,
+    evaluate=evaluate,
+  )

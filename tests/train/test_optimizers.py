@@ -1,0 +1,125 @@
+"""``config.optimizer``: any optax optimizer by name, with its arguments."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jpipe.train import base_config, config_check, optimizers, train_lib
+from jpipe.train.errors import UsageError
+
+
+def _config(name, args="", weight_decay=0.0, **more):
+  c = base_config.base_config()
+  c.data = base_config.image_data()
+  c.optimizer.name = name
+  c.optimizer.args = args
+  c.optimizer.weight_decay = weight_decay
+  for key, value in more.items():
+    node = c
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return c
+
+
+def _updates(tx, steps=3):
+  """``tx``'s params after ``steps`` steps on a fixed quadratic."""
+  params = {
+    "w": jnp.arange(12.0).reshape(3, 4) / 10,
+    "b": jnp.ones((4,)),
+  }
+  state = tx.init(params)
+  for k in range(steps):
+    grads = jax.tree.map(lambda p, k=k: jnp.sin(p * (k + 1)), params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def test_parse_args_reads_keyword_literals():
+  assert optimizers.parse_args("") == {}
+  assert optimizers.parse_args("b2=0.98, eps=1e-6,nesterov=True") == {
+    "b2": 0.98,
+    "eps": 1e-6,
+    "nesterov": True,
+  }
+  assert optimizers.parse_args("decay_rate=0.8,momentum=None") == {
+    "decay_rate": 0.8,
+    "momentum": None,
+  }
+  for bad in ("0.98", "b2=", "b2=np.ones(3)"):
+    with pytest.raises(UsageError, match="config.optimizer.args"):
+      optimizers.parse_args(bad)
+
+
+@pytest.mark.parametrize(
+  "name, args, weight_decay, expected",
+  [
+    (
+      "adafactor",
+      "multiply_by_parameter_scale=False",
+      0.0,
+      optax.adafactor(0.01, multiply_by_parameter_scale=False),
+    ),
+    ("lamb", "b2=0.98", 0.01, optax.lamb(0.01, b2=0.98, weight_decay=0.01)),
+    ("lion", "", 0.1, optax.lion(0.01, weight_decay=0.1)),
+    (  # No weight_decay argument of its own: L2 on the gradient.
+      "rmsprop",
+      "decay=0.95",
+      0.01,
+      optax.chain(
+        optax.add_decayed_weights(0.01), optax.rmsprop(0.01, decay=0.95)
+      ),
+    ),
+    (
+      "sgd",
+      "nesterov=True",
+      0.0,
+      optax.sgd(0.01, momentum=0.9, nesterov=True),
+    ),
+    ("adamw", "", 0.05, optax.adamw(0.01, weight_decay=0.05)),
+  ],
+)
+def test_an_optax_optimizer_by_name_is_that_optimizer(
+  name, args, weight_decay, expected
+):
+  config = _config(name, args, weight_decay, **{"optimizer.momentum": 0.9})
+  config_check.check(config)
+  built = train_lib.build_optimizer(config, 0.01)
+  for a, b in zip(
+    jax.tree.leaves(_updates(built)),
+    jax.tree.leaves(_updates(expected)),
+    strict=True,
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    ({"optimizer.name": "adamm"}, "not an optax optimizer"),
+    ({"optimizer.name": "chain"}, "not an optax optimizer"),
+    ({"optimizer.name": "lamb", "optimizer.args": "beta=1"}, "takes no 'beta'"),
+    (
+      {"optimizer.name": "adam", "optimizer.args": "learning_rate=1"},
+      "takes no 'learning_rate'",
+    ),
+    (
+      {
+        "optimizer.name": "adafactor",
+        "schedule.name": "async",
+        "staleness.prediction": "msnag",
+        "pipeline.recompute": True,
+      },
+      "weight prediction and Gap-Aware read the state of",
+    ),
+    ({"optimizer.clip_norm": -1.0}, "clip_norm"),
+  ],
+)
+def test_bad_optimizer_fields_are_named(fields, message):
+  config = _config("sgd", **fields)
+  with pytest.raises(UsageError, match=message):
+    config_check.check(config)

@@ -1,0 +1,323 @@
+"""The user's own model and task through ``python -m jpipe.train``.
+
+This file defines its own model and task (nothing of it lives in
+``jpipe/``), and the CLI imports them by path: as a new user's file
+``my_task.py`` would be, ``--config.task=my_task:build_task``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jpipe.train import config_check, train_lib
+from jpipe.train.errors import UsageError
+from jpipe.train.tasks import Task, check_task
+from tests.train.test_train import ROOT, _cli_env, _losses
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+HERE = "tests.train.test_user_task"
+
+
+class Blocks(nn.Module):
+  """A model no jpipe code knows: residual tanh blocks on flattened
+  8x8 digits, under names of its own, with dropout driven by
+  ``deterministic`` (HuggingFace's spelling)."""
+
+  width: int = 24
+  blocks: int = 4
+  classes: int = 10
+  rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool = True):
+    h = nn.Dense(self.width, name="stem")(x.reshape(x.shape[0], -1))
+    for i in range(self.blocks):
+      h = h + jnp.tanh(nn.Dense(self.width, name=f"block{i}")(h))
+      h = nn.Dropout(self.rate, deterministic=deterministic)(h)
+    return nn.Dense(self.classes, name="out")(h)
+
+
+def build_task(config) -> Task:
+  """The test's own task: the digits (as a user's data: plain arrays)
+  regressed to one-hot targets by squared error, evaluated by a metric of
+  its own."""
+  from jpipe.data import digits
+
+  images, labels = digits.load_digits("train", None)
+  test_images, test_labels = digits.load_digits("test", None)
+  model = Blocks()
+  size = config.data.batch_size
+
+  def batch_at(step):
+    take = np.random.default_rng([config.seed, step]).permutation(len(labels))[
+      :size
+    ]
+    return {"pixels": images[take], "target": np.eye(10)[labels[take]]}
+
+  def loss_fn(params, batch):
+    out = model.apply({"params": params}, batch["pixels"])
+    return jnp.mean(jnp.sum(jnp.square(out - batch["target"]), -1))
+
+  def evaluate(params, model_state):
+    del model_state
+    out = model.apply({"params": params}, test_images)
+    hits = np.mean(np.argmax(np.asarray(out), -1) == test_labels)
+    return {"hit_rate": float(hits)}
+
+  params = model.init(jax.random.key(config.seed), images[:1])["params"]
+  return Task("regression", loss_fn, params, None, batch_at, evaluate)
+
+
+def not_a_task(config):
+  return {"loss_fn": None}
+
+
+def bad_loss_task(config):
+  task = build_task(config)
+  return Task(
+    task.kind,
+    lambda params, batch: jnp.zeros(3),
+    task.params,
+    None,
+    task.batch_at,
+    task.evaluate,
+  )
+
+
+def _cli(workdir, *overrides):
+  return [
+    sys.executable,
+    "-m",
+    "jpipe.train",
+    "--config",
+    os.path.join(ROOT, "configs", "default.py"),
+    "--workdir",
+    str(workdir),
+    f"--config.task={HERE}:build_task",
+    "--config.pipeline.num_stages=3",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=3",
+    "--config.train.checkpoint_every=3",
+    "--config.train.profile_last_step=False",
+    "--config.optimizer.learning_rate=0.01",
+    "--config.optimizer.clip_norm=1.0",
+    *overrides,
+  ]
+
+
+def _config(**overrides):
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import default
+
+  config = default.get_config()
+  config.task = f"{HERE}:build_task"
+  config.pipeline.num_stages = 3
+  config.train.log_every = 1
+  config.train.eval_every = 3
+  config.train.checkpoint_every = 3
+  config.train.profile_last_step = False
+  config.optimizer.learning_rate = 0.01
+  config.optimizer.clip_norm = 1.0
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return config
+
+
+def test_cli_trains_the_users_task_by_import_path_and_resumes_it(tmp_path):
+  """Three steps, then the same command to six resumes from the
+  checkpoint and lands where six uninterrupted steps do; the task's own
+  metric is logged; the checkpoint is refused to another task."""
+  env = _cli_env()
+  resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+  outputs = []
+  for workdir, steps in ((resumed, 3), (resumed, 6), (straight, 6)):
+    done = subprocess.run(
+      _cli(workdir, f"--config.train.steps={steps}"),
+      capture_output=True,
+      text=True,
+      env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs.append(done.stdout)
+  assert "Resuming from step 3" in outputs[1]
+  a, b = _losses(resumed), _losses(straight)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+  for step in (4, 5, 6):
+    assert a[step] == pytest.approx(b[step], rel=1e-6)
+  rows = [json.loads(x) for x in open(resumed / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "eval/hit_rate" in r] == [3, 6]
+  # The fingerprint names the task: another task cannot resume it.
+  other = subprocess.run(
+    _cli(
+      resumed,
+      "--config.train.steps=9",
+      "--config.task=",
+      "--config.model.kwargs.hidden=(8,8)",
+    ),
+    capture_output=True,
+    text=True,
+    env=env,
+  )
+  assert other.returncode == 2, other.stderr[-2000:]
+  assert "Traceback" not in other.stderr
+
+
+def test_the_users_flax_module_on_a_built_in_task(tmp_path):
+  """``model.name=package.module:Module``: the digits' classification
+  task with the test's module (its ``deterministic`` flag set for
+  training and evaluation, dropout keys from the batch), async with
+  stashing."""
+  config = _config(
+    **{
+      "task": "",
+      "model.name": f"{HERE}:Blocks",
+      "model.kwargs": {"rate": 0.1, "width": 16},
+      "train.steps": 4,
+      "schedule.name": "async",
+      "staleness.stashing": True,
+      "optimizer.clip_norm": 1.0,
+    }
+  )
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
+  assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_sdpipe_and_dynpipe_run_the_users_task(tmp_path, capsys):
+  """Two pipelines in data parallel (SD-Pipe's partial reduce), then
+  DynPipe re-partitioning off a slowed device, on the test's task."""
+  sdpipe = _config(
+    **{
+      "train.steps": 2,
+      "data_parallel.pipelines": 2,
+      "data_parallel.sync": "preduce",
+      "data_parallel.epoch_batches": 1,
+      "pipeline.num_stages": 2,
+    }
+  )
+  summary = train_lib.train_and_evaluate(sdpipe, str(tmp_path / "sd"))
+  assert "hit_rate" in summary["eval"]
+  dynamic = _config(
+    **{
+      "train.steps": 8,
+      "dynamic.enabled": True,
+      "dynamic.window": 2,
+      "dynamic.simulated_ms": 20.0,
+      "dynamic.inject": "1:6.0:4",
+      "dynamic.horizon_steps": 500,
+      "train.eval_every": 8,
+      "train.checkpoint_every": 8,
+    }
+  )
+  summary = train_lib.train_and_evaluate(dynamic, str(tmp_path / "dyn"))
+  assert "re-partition at step 8" in capsys.readouterr().out
+  assert summary["repartitions"]
+
+
+def test_a_task_that_breaks_the_protocol_is_one_line_before_any_work():
+  config = _config()
+  for builder, message in [
+    ("not_a_task", "returned a dict, not a jpipe.train.tasks.Task"),
+    ("bad_loss_task", "must return a scalar loss"),
+  ]:
+    config.task = f"{HERE}:{builder}"
+    with pytest.raises(UsageError, match=message):
+      train_lib.build_task(config)
+  task = build_task(config)
+  with pytest.raises(UsageError, match="leading batch axis"):
+    check_task(
+      Task("x", task.loss_fn, task.params, None, lambda s: {}, task.evaluate),
+      "here",
+    )
+
+
+@pytest.mark.parametrize(
+  "key, value, message",
+  [
+    ("task", f"{HERE}:nope", "defines no 'nope'"),
+    ("task", "no_such_module_anywhere:build", "no module"),
+    ("task", HERE, "write package.module:name"),
+    ("task", f"{HERE}:HERE", "is a str, not a function"),
+    ("model.name", f"{HERE}:build_task", "not a flax.linen.Module"),
+    ("model.name", "nosuchmodel", "nor package.module:Module"),
+  ],
+)
+def test_bad_import_paths_name_the_fix(key, value, message):
+  config = _config(**{"task": "", key: value})
+  with pytest.raises(UsageError, match=message):
+    config_check.check(config)
+
+
+def test_cli_import_path_errors_are_one_line(tmp_path):
+  done = subprocess.run(
+    _cli(tmp_path, f"--config.task={HERE}:nope"),
+    capture_output=True,
+    text=True,
+    env=_cli_env(),
+  )
+  assert done.returncode == 2
+  assert "defines no 'nope'" in done.stderr
+  assert len(done.stderr.strip().splitlines()) <= 3, done.stderr
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_label_smoothing_is_optax_smoothing():
+  """The built-in tasks' smoothed cross entropy against the formula."""
+  from jpipe.train.tasks import cross_entropy
+
+  logits = jax.random.normal(jax.random.key(0), (5, 7))
+  labels = jnp.array([0, 3, 6, 2, 2])
+  eps = 0.1
+  target = (1 - eps) * np.eye(7)[labels] + eps / 7
+  logp = np.asarray(jax.nn.log_softmax(logits))
+  want = -np.sum(target * logp, -1)
+  np.testing.assert_allclose(cross_entropy(logits, labels, eps), want, 1e-6)
+  np.testing.assert_allclose(
+    cross_entropy(logits, labels, 0.0),
+    optax.softmax_cross_entropy_with_integer_labels(logits, labels),
+  )
+  # Smoothing never lowers the loss of a confident correct prediction.
+  sure = 10.0 * jax.nn.one_hot(labels, 7)
+  assert np.all(cross_entropy(sure, labels, eps) > cross_entropy(sure, labels))
+
+
+@pytest.mark.parametrize(
+  "marker, metric",
+  [
+    ("--config.task=examples.my_task:build_task", "accuracy"),
+    ("--config.model.name=examples.my_task:ConvNet", "accuracy"),
+  ],
+)
+def test_the_readmes_own_model_commands_run_as_written(
+  tmp_path, marker, metric
+):
+  """The README's "Your own model" commands (from the repository's root,
+  as a user runs them), a few steps."""
+  from tests.distributed.test_readme_commands import _with, readme_command
+
+  command = _with(
+    readme_command(marker),
+    tmp_path,
+    "--config.train.steps=4",
+    "--config.train.eval_every=2",
+    "--config.train.profile_last_step=False",
+  )
+  done = subprocess.run(
+    command, capture_output=True, text=True, env=_cli_env(), cwd=ROOT
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows if f"eval/{metric}" in r] == [2, 4]
