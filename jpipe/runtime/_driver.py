@@ -539,14 +539,7 @@ class _Call(TransferEnds):
     if self.profiler:  # A fused program ends with its accumulator.
       fused = self.grads[s] if (s, b) in self.fused_done else ()
       self.profiler.record(action, (outputs, results, fused))
-    for v, x in zip(spec.outputs, outputs, strict=True):
-      self.values[(b, v)] = x
-      self.reads_left[(b, v)] = d.readers.get(v, 0)
-    for r, x in zip(spec.results, results, strict=True):
-      if r == 0:
-        self.losses.append(x)
-      else:  # A new model-state leaf: the next forward reads it.
-        self.model_state[r - 1] = x
+    self._keep(spec, b, outputs, results, update_state=True)
 
   def evaluate_forward(self, action):
     """F(s, b) for evaluation: the stage's forward program at its
@@ -558,12 +551,20 @@ class _Call(TransferEnds):
     outputs, results = d.stages.jitted("forward", s)(
       self.params[s], local, acts
     )
+    self._keep(spec, b, outputs, results, update_state=False)
+
+  def _keep(self, spec, b, outputs, results, *, update_state):
+    """A forward's outputs of microbatch b, kept for their readers; its
+    loss; its new model-state leaves (``update_state``: the next forward
+    reads them; else dropped)."""
     for v, x in zip(spec.outputs, outputs, strict=True):
       self.values[(b, v)] = x
-      self.reads_left[(b, v)] = d.readers.get(v, 0)
+      self.reads_left[(b, v)] = self.d.readers.get(v, 0)
     for r, x in zip(spec.results, results, strict=True):
       if r == 0:
         self.losses.append(x)
+      elif update_state:
+        self.model_state[r - 1] = x
 
   def backward(self, action):
     d, s, b = self.d, action.stage, action.microbatch

@@ -126,22 +126,32 @@ def _configs(n):
       "schedule": "dualpipev",
       "recompute": False,
     },
+    # Gradient clipping: the global norm summed over the processes.
+    {
+      "case": "gpt_tied",
+      "stages": n,
+      "calls": [2, 3],
+      "schedule": "1f1b",
+      "clip_global_norm": 0.05,
+    },
   ]
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   """gpipe, 1f1b, zero-bubble zbh1, zbv and dualpipev (two stages per
-  process), streaming async (ws, wp, GA, adam),
-  2bw without recomputation, tied embeddings (sync and async) and
-  BatchNorm statistics, over both transports (pull; collective for
-  three), split between the 2- and 3-process runs: n processes with one
+  process), streaming async (ws, wp, GA, adam), 2bw without
+  recomputation, tied embeddings (sync and async), BatchNorm statistics
+  and global-norm clipping (the norm summed over processes), over both
+  transports (pull; collective for three), split between the 2- and
+  3-process runs: n processes with one
   stage each (two for the V schedules) give the one-process results
   (params, optimizer state, model state, every call's loss)."""
   # (CI time) 2 processes: the synchronous ones, 2bw and async ws+wp;
-  # 3: the other streaming ones (GA, tied over collectives, BatchNorm);
-  # zbh1 on both (tied over 3, collective over 2); zbv and dualpipev on 2.
-  keep = (3, 6, 7, 8) if nprocs == 3 else (0, 1, 2, 4, 5, 9, 10, 11)
+  # 3: the other streaming ones (GA, tied over collectives, BatchNorm)
+  # and clipping; zbh1 on both (tied over 3, collective over 2); zbv and
+  # dualpipev on 2.
+  keep = (3, 6, 7, 8, 12) if nprocs == 3 else (0, 1, 2, 4, 5, 9, 10, 11)
   configs = [_configs(nprocs)[i] for i in keep]
   configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
