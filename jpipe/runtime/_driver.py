@@ -263,16 +263,19 @@ class Driver:
     self.state_avals = avals[first_state:]
     self.state_readers = _state_readers(stages, transport, num_batch_leaves)
 
-  def lower(self, order: Sequence[schedule_lib.Action]) -> tuple:
+  def lower(
+    self, order: Sequence[schedule_lib.Action], evaluating: bool = False
+  ) -> tuple:
     """(this process's actions and moves of ``order``, whether the order
     makes a loss: a forward of the last stage). Cached: a stream repeats
-    a few orders."""
-    key = tuple(order)
+    a few orders. ``evaluating``: forwards that move their input
+    activations only (``evaluate``)."""
+    key = (tuple(order), evaluating)
     lowered = self._lowered.get(key)
     if lowered is None:
       ops = schedule_lib.lower(
         order,
-        self._transfers,
+        self._activations_only if evaluating else self._transfers,
         self.transport.stage_process,
         self.transport.process,
         made_by=_made_by if self.transport.sends_early else None,
@@ -381,16 +384,7 @@ class Driver:
     for a backward, the model state read but not updated. Returns the
     mean loss of the microbatches, on every process (``run``'s
     ``batches``)."""
-    key = ("evaluate", tuple(order))
-    ops = self._lowered.get(key)
-    if ops is None:
-      ops = self._lowered[key] = schedule_lib.lower(
-        order,
-        self._activations_only,
-        self.transport.stage_process,
-        self.transport.process,
-        made_by=_made_by if self.transport.sends_early else None,
-      )
+    ops, _ = self.lower(order, evaluating=True)
     flight = InFlight.start(stage_params)
     call = _Call(self, stage_params, (), model_state, flight)
     call.batches = batches
