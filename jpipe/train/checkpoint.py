@@ -11,6 +11,7 @@ complete, so a run killed mid-save leaves the previous checkpoint intact.
 
 import os
 import sys
+import threading
 import zlib
 from typing import Any
 
@@ -125,13 +126,15 @@ class Checkpoints:
     step = self.latest_step()
     meta = self.check_fingerprint(fingerprint)
     where, fix = self._where(step)
+    # Before the reads start: a failed read's siblings may print while
+    # the failure is still on its way to the except clause below.
+    _quiet_late_reads()
     try:
       state = self._manager.restore(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardRestore(template)),
       ).state
     except Exception as e:
-      _quiet_late_reads()
       raise CheckpointError(
         f"checkpoint {where} is corrupt or incompatible "
         f"({type(e).__name__}: {e}); {fix}"
@@ -155,10 +158,12 @@ class Checkpoints:
 def _quiet_late_reads() -> None:
   """After a failed restore, the reads still under way finish into the
   closed event loop of the restore, and each would print a 6-line
-  "RuntimeError: Event loop is closed" traceback under the one-line
-  error: as an unraisable exception, or through ``sys.excepthook`` (a
-  read's callback on tensorstore's own thread). Those (only those) are
-  dropped from now on."""
+  "RuntimeError: Event loop is closed" traceback around the one-line
+  error: as an unraisable exception, or through ``sys.excepthook`` /
+  ``threading.excepthook`` (a read's callback on another thread; CI
+  once saw one begin before the error reached the CLI, so this is
+  installed before a restore starts). Those (only those) are dropped
+  from then on; a restore that succeeds raises none."""
 
   def late(value) -> bool:
     return (
@@ -175,7 +180,14 @@ def _quiet_late_reads() -> None:
     if not late(value):
       except_hook(kind, value, traceback)
 
+  thread_hook = threading.excepthook
+
+  def thread_excepthook(args):
+    if not late(args.exc_value):
+      thread_hook(args)
+
   sys.unraisablehook, sys.excepthook = unraisable, excepthook
+  threading.excepthook = thread_excepthook
 
 
 def checksums(state) -> dict[str, str]:
