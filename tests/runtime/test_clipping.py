@@ -8,7 +8,7 @@ import pytest
 
 import jpipe
 from tests.partition import flax_models
-from tests.runtime.test_pipeline_sync import _reference_steps
+from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
 from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -17,13 +17,8 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
 def _mean_grad_norm(loss_fn, params, batch, m):
   """The global norm of the first step's gradient (the microbatches'
   mean), by plain JAX."""
-  size = jax.tree.leaves(batch)[0].shape[0]
   grads = [
-    jax.grad(loss_fn)(
-      params,
-      jax.tree.map(lambda x, k=k: x[k * size // m :][: size // m], batch),
-    )
-    for k in range(m)
+    jax.grad(loss_fn)(params, _microbatch(batch, k, m)) for k in range(m)
   ]
   mean = jax.tree.map(lambda *g: sum(g) / m, *grads)
   leaves = jax.tree.leaves(mean)

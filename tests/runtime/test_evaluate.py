@@ -9,18 +9,16 @@ import pytest
 
 import jpipe
 from tests.partition import flax_models
-from tests.runtime.test_pipeline_sync import _reference_steps
+from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _mean_loss(loss_fn, params, batch, m, *state):
   """The microbatches' mean loss on one device, by plain JAX."""
-  size = jax.tree.leaves(batch)[0].shape[0]
   losses = []
   for k in range(m):
-    mb = jax.tree.map(lambda x, k=k: x[k * size // m :][: size // m], batch)
-    out = loss_fn(params, *state, mb)
+    out = loss_fn(params, *state, _microbatch(batch, k, m))
     losses.append(out[0] if state else out)
   return float(np.mean(losses))
 

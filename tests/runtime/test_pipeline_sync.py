@@ -12,16 +12,19 @@ from tests.partition import flax_models
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
+def _microbatch(batch, k, m):
+  """Microbatch k of m of ``batch`` (its leading axis cut evenly)."""
+  size = jax.tree.leaves(batch)[0].shape[0]
+  return jax.tree.map(lambda x: x[k * size // m : (k + 1) * size // m], batch)
+
+
 def _reference_steps(loss_fn, params, batch, m, tx, steps=1):
   """Single device: mean of m microbatch gradients, then an optax step."""
-  size = jax.tree.leaves(batch)[0].shape[0]
   opt_state = tx.init(params)
   for _ in range(steps):
     grads, losses = None, []
     for k in range(m):
-      mb = jax.tree.map(
-        lambda x, k=k: x[k * size // m : (k + 1) * size // m], batch
-      )
+      mb = _microbatch(batch, k, m)
       loss, g = jax.value_and_grad(loss_fn)(params, mb)
       losses.append(loss)
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)

@@ -16,12 +16,7 @@ def _config(name, args="", weight_decay=0.0, **more):
   c.optimizer.name = name
   c.optimizer.args = args
   c.optimizer.weight_decay = weight_decay
-  for key, value in more.items():
-    node = c
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
+  c.update_from_flattened_dict(more)
   return c
 
 

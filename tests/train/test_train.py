@@ -38,12 +38,7 @@ def _config(**overrides):
   config.model.kwargs.hidden = (32, 32)
   config.pipeline.num_stages = 2
   config.data.batch_size = 32
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 

@@ -127,12 +127,7 @@ def _config(**overrides):
   config.train.profile_last_step = False
   config.optimizer.learning_rate = 0.01
   config.optimizer.clip_norm = 1.0
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 
