@@ -197,9 +197,12 @@ def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   assert dp.boundaries == measured.splits[0] and len(measured.splits) == 4
   # A slowed device's stage takes longer; by less than the factor (its
   # dispatch does not slow), by more than half of it (sleeps dominate).
-  ratio = measured.slowed / measured.reference[:, None, :]
-  assert np.all(ratio[:, 0] > 1.3) and np.all(ratio[:, 1] > 2.2)
-  assert np.all(ratio[:, 1] < 4.4)
+  # Bounds on the median over splits: one split's ratio divides by one
+  # reference window, which a busy 2-core machine (the suite's other
+  # workers) once made fast enough to put a 4x ratio at 4.8 (CI).
+  ratio = np.median(measured.slowed / measured.reference[:, None, :], axis=0)
+  assert np.all(ratio[0] > 1.3) and np.all(ratio[1] > 2.2)
+  assert np.all(ratio[1] < 4.4)
   again = predictor_lib.Measurements.from_json(measured.to_json())
   np.testing.assert_array_equal(again.slowed, measured.slowed)
   forest = dynamic.SlowdownPredictor.fit(measured, n_estimators=30)
