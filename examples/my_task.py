@@ -26,7 +26,12 @@ the same way, with ``config.model.kwargs`` as its arguments:
 
 The pipeline splits the loss into stages at the modules it calls (here
 the four ``Conv`` layers and the head): give it at least as many module
-calls as stages.
+calls as stages. The evaluation's function is cut the same way (each
+module runs on the stage that trains it) and runs forward through the
+stages: nothing is gathered to one device, so a model too big for one
+device evaluates too. It returns sums over a batch's examples, which add
+up over microbatches and batches; ``metrics`` turns the totals into
+numbers.
 """
 
 import flax.linen as nn
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jpipe.train import input_pipeline
+from jpipe.train import evaluation, input_pipeline
 from jpipe.train.tasks import Task
 
 
@@ -72,18 +77,21 @@ def build_task(config) -> Task:
       logits, batch["y"]
     ).mean()
 
-  @jax.jit
-  def correct(params, x, y):
-    logits = model.apply({"params": params}, x, train=False)
-    return jnp.sum(jnp.argmax(logits, -1) == y)
+  def sums(params, batch):  # Sums over one held-out batch's examples.
+    logits = model.apply({"params": params}, batch["x"], train=False)
+    hits = (jnp.argmax(logits, -1) == batch["y"]) * batch["weight"]
+    return {"correct": jnp.sum(hits), "count": jnp.sum(batch["weight"])}
 
-  def evaluate(params, model_state):  # On the held-out split.
-    del model_state  # None: this model keeps no BatchNorm statistics.
-    hits = sum(
-      int(correct(params, test.images[i : i + 512], test.labels[i : i + 512]))
-      for i in range(0, len(test.labels), 512)
-    )
-    return {"accuracy": hits / len(test.labels)}
+  # The held-out split in training-size batches (the last padded with
+  # examples of weight 0), run forward through the pipeline's stages.
+  held_out = evaluation.padded_batches(
+    {"x": test.images, "y": test.labels}, config.data.batch_size
+  )
+  accuracy = evaluation.Evaluation(
+    sums_fn=sums,
+    batches=lambda: held_out,
+    metrics=lambda totals: {"accuracy": totals["correct"] / totals["count"]},
+  )
 
   params = model.init(jax.random.key(config.seed), batch_at(0)["x"][:1])
   return Task(
@@ -92,5 +100,5 @@ def build_task(config) -> Task:
     params=params["params"],
     model_state=None,
     batch_at=batch_at,
-    evaluate=evaluate,
+    evaluation=accuracy,
   )

@@ -238,6 +238,9 @@ class DynamicPipeline:
   param_norms = _in_force("param_norms")
   nonfinite_params = _in_force("nonfinite_params")
   gather_model_state = _in_force("gather_model_state")
+  # (Its ``predict`` is the node times' prediction of a split's time:
+  # predictions of the model are ``self.pipeline.predict``.)
+  evaluate = _in_force("evaluate")
 
   def step(
     self, state: PipelineState, batch, *, profile: bool = False

@@ -1,6 +1,7 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
+from jpipe.partition._follow import follow_plan
 from jpipe.partition._granularity import (
   Granularity,
   choose_depth,
@@ -39,6 +40,7 @@ __all__ = [
   "Stages",
   "TracedModel",
   "choose_depth",
+  "follow_plan",
   "load_pipedream_profile",
   "min_max_split",
   "plan_from_boundaries",

@@ -76,6 +76,10 @@ class Stages:
   a CPU that made a GPT's saved-residual pipeline 1.2-1.4x slower than
   one fused value_and_grad (experiments/runtime/overhead.py).
 
+  ``num_stages``: the stage count where some stage may have no nodes (a
+  function cut by another's plan, ``follow_plan``); None: every stage
+  from 0 to the largest in ``stage_of_node`` has some.
+
   ``carried`` names model state: ``(batch leaf, result)`` pairs whose
   result is the batch leaf's value for the next microbatch. The equations
   that only compute such a new value run on the stage that reads the old
@@ -89,6 +93,7 @@ class Stages:
     stage_of_node: Sequence[int],
     residual_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
     carried: Sequence[tuple[int, int]] = (),
+    num_stages: int | None = None,
   ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
@@ -98,10 +103,15 @@ class Stages:
     stage_of_node = [int(s) for s in stage_of_node]
     if min(stage_of_node) < 0:
       raise ValueError("stage indices must be >= 0")
-    self.num_stages = max(stage_of_node) + 1
-    missing = set(range(self.num_stages)) - set(stage_of_node)
-    if missing:
-      raise ValueError(f"stages {sorted(missing)} have no nodes")
+    if num_stages is None:  # Every stage has nodes.
+      self.num_stages = max(stage_of_node) + 1
+      missing = set(range(self.num_stages)) - set(stage_of_node)
+      if missing:
+        raise ValueError(f"stages {sorted(missing)} have no nodes")
+    elif max(stage_of_node) >= num_stages:
+      raise ValueError(f"stage indices must be < num_stages={num_stages}")
+    else:  # A function cut by another's plan: a stage may run nothing.
+      self.num_stages = num_stages
     self.traced = traced
     self.stage_of_node = tuple(stage_of_node)
     self.eqn_stage = tuple(
@@ -436,7 +446,7 @@ def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
       results[last].append(r)
       read(v, last)
   loss_var = jaxpr.outvars[0]
-  if producer_stage.get(loss_var, last) != last:
+  if traced.returns_loss and producer_stage.get(loss_var, last) != last:
     raise ValueError(
       f"the loss is computed on stage {producer_stage[loss_var]}, not on "
       f"the last stage {last}: give the last stage the loss's nodes"

@@ -47,6 +47,8 @@ class TracedModel:
     depth: the module-path depth the nodes were cut at.
     eqn_scopes: every equation's module path below the root (so another
       depth regroups without tracing again: ``at_depth``).
+    returns_loss: whether the function's first output is a scalar loss
+      (False: any pytree of arrays, a function run forward only).
   """
 
   closed_jaxpr: jcore.ClosedJaxpr
@@ -59,6 +61,7 @@ class TracedModel:
   has_aux: bool
   depth: int = 1
   eqn_scopes: tuple[tuple[str, ...], ...] = ()
+  returns_loss: bool = True
 
   @property
   def num_nodes(self) -> int:
@@ -190,6 +193,7 @@ def trace(
   depth: int = 1,
   has_aux: bool = False,
   nnx_roots: Sequence[Any] = (),
+  returns_loss: bool = True,
 ) -> TracedModel:
   """Traces ``loss_fn(params, batch)`` and groups it into module nodes.
 
@@ -203,6 +207,9 @@ def trace(
     nnx_roots: Flax NNX modules that ``loss_fn`` calls directly (closed
       over). Modules that ``loss_fn`` builds with ``nnx.merge`` are found by
       themselves; linen needs nothing.
+    returns_loss: False for a function returning any pytree of arrays
+      (metrics, predictions): it is run forward only, never
+      differentiated.
 
   Returns:
     The traced model.
@@ -221,14 +228,8 @@ def trace(
   with nnx_module_scopes(*nnx_roots):
     closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves)
   out_tree = jax.tree.structure(out_shape)
-  loss_shape = out_shape[0] if has_aux else out_shape
-  if has_aux and not (isinstance(out_shape, tuple) and len(out_shape) == 2):
-    raise ValueError("has_aux=True needs loss_fn to return (loss, aux)")
-  if not hasattr(loss_shape, "shape") or loss_shape.shape != ():
-    raise ValueError(
-      f"loss_fn must return a scalar loss{' first' if has_aux else ''}; "
-      f"got {loss_shape} (pass has_aux=True for (loss, aux))"
-    )
+  if returns_loss:
+    _check_loss(out_shape, has_aux)
   scopes = _below_root([_scope(e) for e in closed.jaxpr.eqns])
   names, eqn_node = _group(scopes, depth)
   if not names:
@@ -244,7 +245,20 @@ def trace(
     has_aux=has_aux,
     depth=depth,
     eqn_scopes=tuple(scopes),
+    returns_loss=returns_loss,
   )
+
+
+def _check_loss(out_shape, has_aux: bool) -> None:
+  """A loss function's output: a scalar, or (a scalar, aux)."""
+  loss_shape = out_shape[0] if has_aux else out_shape
+  if has_aux and not (isinstance(out_shape, tuple) and len(out_shape) == 2):
+    raise ValueError("has_aux=True needs loss_fn to return (loss, aux)")
+  if not hasattr(loss_shape, "shape") or loss_shape.shape != ():
+    raise ValueError(
+      f"loss_fn must return a scalar loss{' first' if has_aux else ''}; "
+      f"got {loss_shape} (pass has_aux=True for (loss, aux))"
+    )
 
 
 def _components(name_stack) -> tuple[str, ...]:

@@ -263,19 +263,16 @@ class Driver:
     self.state_avals = avals[first_state:]
     self.state_readers = _state_readers(stages, transport, num_batch_leaves)
 
-  def lower(
-    self, order: Sequence[schedule_lib.Action], evaluating: bool = False
-  ) -> tuple:
+  def lower(self, order: Sequence[schedule_lib.Action]) -> tuple:
     """(this process's actions and moves of ``order``, whether the order
     makes a loss: a forward of the last stage). Cached: a stream repeats
-    a few orders. ``evaluating``: forwards that move their input
-    activations only (``evaluate``)."""
-    key = (tuple(order), evaluating)
+    a few orders."""
+    key = tuple(order)
     lowered = self._lowered.get(key)
     if lowered is None:
       ops = schedule_lib.lower(
         order,
-        self._activations_only if evaluating else self._transfers,
+        self._transfers,
         self.transport.stage_process,
         self.transport.process,
         made_by=_made_by if self.transport.sends_early else None,
@@ -370,43 +367,6 @@ class Driver:
     if self.stream is None:
       call.synchronous_steps(deferred_steps)
     return call.result(self._mean_loss(call.losses) if shares_loss else None)
-
-  def evaluate(
-    self,
-    order: Sequence[schedule_lib.Action],
-    *,
-    stage_params,
-    model_state,
-    batches: dict,
-  ):
-    """Runs the forwards in ``order`` (forward actions only) at
-    ``stage_params``: each stage's forward program alone, nothing saved
-    for a backward, the model state read but not updated. Returns the
-    mean loss of the microbatches, on every process (``run``'s
-    ``batches``)."""
-    ops, _ = self.lower(order, evaluating=True)
-    flight = InFlight.start(stage_params)
-    call = _Call(self, stage_params, (), model_state, flight)
-    call.batches = batches
-    methods = {
-      FORWARD: call.evaluate_forward,
-      SEND: call.send,
-      RECV: call.receive,
-      MOVE: call.move,
-    }
-    self.transport.begin_call()
-    for op in ops:
-      methods[op.kind](op)
-    call.result(None)  # (Checks that every activation was read.)
-    return self._mean_loss(call.losses)
-
-  def _activations_only(self, action):
-    """An evaluating forward's transfers: its input activations."""
-    spec = self.stages.specs[action.stage]
-    inputs = [
-      Transfer("F", self.producer[v], action.stage, v) for v in spec.inputs
-    ]
-    return inputs, ()
 
   def _mean_loss(self, losses):
     """The mean of a call's losses (computed by the last stage: the
@@ -533,31 +493,18 @@ class _Call(TransferEnds):
     if self.profiler:  # A fused program ends with its accumulator.
       fused = self.grads[s] if (s, b) in self.fused_done else ()
       self.profiler.record(action, (outputs, results, fused))
-    self._keep(spec, b, outputs, results, update_state=True)
+    self._keep(spec, b, outputs, results)
 
-  def evaluate_forward(self, action):
-    """F(s, b) for evaluation: the stage's forward program at its
-    current params; its loss kept, its model-state results dropped."""
-    d, s, b = self.d, action.stage, action.microbatch
-    spec, place = d.stages.specs[s], d.placement[s]
-    acts = tuple(self.inbox.pop((s, b, v)) for v in spec.inputs)
-    local = _local_inputs(self, spec, self.batches[place][b], place)
-    outputs, results = d.stages.jitted("forward", s)(
-      self.params[s], local, acts
-    )
-    self._keep(spec, b, outputs, results, update_state=False)
-
-  def _keep(self, spec, b, outputs, results, *, update_state):
+  def _keep(self, spec, b, outputs, results):
     """A forward's outputs of microbatch b, kept for their readers; its
-    loss; its new model-state leaves (``update_state``: the next forward
-    reads them; else dropped)."""
+    loss; its new model-state leaves (the next forward reads them)."""
     for v, x in zip(spec.outputs, outputs, strict=True):
       self.values[(b, v)] = x
       self.reads_left[(b, v)] = self.d.readers.get(v, 0)
     for r, x in zip(spec.results, results, strict=True):
       if r == 0:
         self.losses.append(x)
-      elif update_state:
+      else:
         self.model_state[r - 1] = x
 
   def backward(self, action):

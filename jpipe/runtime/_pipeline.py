@@ -33,7 +33,7 @@ import jax
 import optax
 
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import _pipeline_state, _step
+from jpipe.runtime import _forward_only, _pipeline_state, _step
 from jpipe.runtime._assemble import build_pipeline, options_from_keywords
 from jpipe.runtime._build import check_request
 from jpipe.runtime._driver import DriverHooks, InFlight
@@ -142,6 +142,8 @@ class Pipeline:
     # The parts as attributes of the same names (PipelineParts.fields).
     vars(self).update(parts.fields())
     self._memory = None
+    # (function, batch structure, per-example shapes) -> ForwardProgram.
+    self.forward_programs = {}
     if self.memory_limit is not None:
       check_memory_limit(self, self.memory_limit)
 
@@ -287,13 +289,28 @@ class Pipeline:
     """
     return _step.step(self, state, batch, profile)
 
-  def evaluate(self, state: PipelineState, batch: Any) -> dict:
-    """The loss of ``batch`` at the state's params, forward through the
-    stages: each stage runs its forward program on its own devices and
-    passes its activations on, as in training, and nothing is gathered to
-    one device (a model too big for one device evaluates so). Nothing
-    is saved for a backward and the state is not changed (model state,
-    e.g. BatchNorm statistics, is read, not updated).
+  def evaluate(
+    self,
+    state: PipelineState,
+    batch: Any,
+    metrics_fn: Callable[..., Any] | None = None,
+  ) -> Any:
+    """The loss, or ``metrics_fn``'s metrics, of ``batch`` at the state's
+    params, forward through the stages: each stage runs its forward on
+    its own devices and passes its activations on, as in training, and
+    nothing is gathered to one device (a model too big for one device
+    evaluates so). Nothing is saved for a backward and the state is not
+    changed (model state, e.g. BatchNorm statistics, is read, not
+    updated).
+
+    ``metrics_fn(params, batch)`` (with model state ``metrics_fn(params,
+    model_state, batch)``) returns a pytree of per-microbatch sums, e.g.
+    ``{"correct": ..., "count": ...}``. It is traced on one microbatch
+    and cut by the pipeline's plan: each of its module calls runs on the
+    stage that runs the same module in ``loss_fn`` (call the model as
+    ``loss_fn`` does, in inference mode if you like; equations outside
+    modules join the call before them). Traced once per function and
+    per-example shapes.
 
     Mid-stream (asynchronous schedules between flushes) each stage's
     params are its newest: the stages are then at different steps; flush
@@ -301,11 +318,23 @@ class Pipeline:
     process calls it with the same batch size (as ``step``).
 
     Returns:
-      ``{"loss": the mean of the microbatches' losses}`` (a scalar on
-      every process): ``loss_fn`` at these params, as ``step``'s
-      "loss" is at the params each forward used.
+      Without ``metrics_fn``: ``{"loss": the mean of the microbatches'
+      losses}`` (``loss_fn`` at these params, as ``step``'s "loss" is at
+      the params each forward used). With it: its pytree, each leaf
+      summed over the microbatches. Arrays, on every process.
     """
-    return _step.evaluate(self, state, batch)
+    return _forward_only.evaluate(self, state, batch, metrics_fn)
+
+  def predict(
+    self, state: PipelineState, batch: Any, predict_fn: Callable[..., Any]
+  ) -> Any:
+    """``predict_fn(params, batch)`` (with model state ``predict_fn(params,
+    model_state, batch)``) of ``batch`` at the state's params, forward
+    through the stages as ``evaluate`` runs ``metrics_fn``: e.g. logits
+    or class indices. Its outputs have the microbatch's examples on
+    their leading axis; returns them concatenated over the microbatches
+    (the batch's order), on every process."""
+    return _forward_only.predict(self, state, batch, predict_fn)
 
   def flush(self, state: PipelineState, *, profile: bool = False):
     """Drains an asynchronous pipeline: every pending backward and step

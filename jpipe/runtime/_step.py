@@ -6,11 +6,9 @@ the step count carried into the returned ``PipelineState``.
 """
 
 import dataclasses
-import functools
 
 import jax
 
-from jpipe import schedule as schedule_lib
 from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._driver import InFlight
 from jpipe.runtime._pipeline_state import PipelineState
@@ -33,46 +31,6 @@ def step(pipe, state: PipelineState, batch, profile: bool):
     jax.tree.leaves(batch), pipe.batch_leaves, m, fed
   )
   return _run(pipe, state, fed, m, batches, profile)
-
-
-def evaluate(pipe, state: PipelineState, batch) -> dict:
-  """``Pipeline.evaluate``: the batch's microbatches forward through the
-  stages at the state's params; ``{"loss": their mean loss}``."""
-  size = batch_size(batch)
-  if size % pipe.microbatch_size:
-    raise ValueError(
-      f"a batch of {size} examples does not split into microbatches of "
-      f"{pipe.microbatch_size}: pass a multiple of {pipe.microbatch_size}"
-    )
-  m = size // pipe.microbatch_size
-  batches = place_microbatches(jax.tree.leaves(batch), pipe.batch_leaves, m, 0)
-  loss = pipe.driver.evaluate(
-    _forward_order(pipe, m),
-    stage_params=state.stage_params,
-    model_state=state.model_state,
-    batches=batches,
-  )
-  return {"loss": loss}
-
-
-@functools.lru_cache(maxsize=64)
-def _forward_lists(num_stages: int, stage_device: tuple, m: int):
-  """Every stage's forwards of m microbatches (stage by stage on a device
-  holding several), in an issue order."""
-  F = schedule_lib.ActionKind.FORWARD
-  lists = schedule_lib.place(
-    "forward",
-    [
-      [schedule_lib.Action(F, s, b) for b in range(m)]
-      for s in range(num_stages)
-    ],
-    stage_device,
-  )
-  return schedule_lib.issue_order(lists)
-
-
-def _forward_order(pipe, m: int):
-  return _forward_lists(len(pipe.stages.specs), pipe.calls.stage_device, m)
 
 
 def flush(pipe, state: PipelineState, profile: bool):

@@ -116,6 +116,15 @@ class Mode:
     calls it: it may gather)."""
     raise NotImplementedError
 
+  def evaluate(self, state, task) -> dict | None:
+    """``task``'s metrics at the flushed state, on process 0 (None on the
+    others; every process calls it). Here: the params gathered
+    (``evaluation_inputs``), then ``task.evaluate`` on process 0."""
+    params, model_state = self.evaluation_inputs(state)
+    if jax.process_index() != 0:
+      return None
+    return task.evaluate(params, model_state)
+
   def state_dict(self, state) -> Any:
     """The flushed state as a checkpoint holds it."""
     raise NotImplementedError
@@ -167,9 +176,9 @@ def train(
 ) -> dict:
   """Trains ``task`` in ``mode`` to ``run.steps`` steps, resuming from
   ``checkpoints``' latest if there is one (``lr``: the learning rate,
-  logged where it is a schedule; ``fine_tune``: evaluate the initial
-  params first). Returns the closing summary (process 0's; the others'
-  holds their throughput only)."""
+  logged where it is a schedule; ``fine_tune``: a new run evaluates the
+  initial params first). Returns the closing summary (process 0's; the
+  others' holds their throughput only)."""
   state = mode.init(task)
   start = 0
   if checkpoints.latest_step() is not None:
@@ -177,10 +186,11 @@ def train(
   loop = _Loop(mode, task, config, run, checkpoints, lr, say, start)
   mode.announce(state, workdir, loop.main, say)
   loop.log = MetricLog(workdir, resume_step=start) if loop.main else _NoLog()
-  if fine_tune and loop.main:  # Where fine-tuning starts: pretrained.
-    evaluation = task.evaluate(task.params, task.model_state)
-    loop.log.write(0, **{f"eval/{k}": v for k, v in evaluation.items()})
-    say(f"step 0: {format_evaluation(evaluation)}")
+  if fine_tune and start == 0:  # Where fine-tuning starts: pretrained.
+    evaluation = mode.evaluate(state, task)
+    if loop.main:
+      loop.log.write(0, **{f"eval/{k}": v for k, v in evaluation.items()})
+      say(f"step 0: {format_evaluation(evaluation)}")
   with (
     stopping.StopRequest() as loop.stop,
     Watchdog(config.train.hang_timeout) as loop.watchdog,
@@ -286,9 +296,9 @@ class _Loop:
       # applied), so a resumed run continues as an uninterrupted one.
       state = mode.flush(state)
     if evaluate:
-      params, model_state = mode.evaluation_inputs(state)
+      evaluation = mode.evaluate(state, self.task)
       if self.main:
-        self.evaluation = self.task.evaluate(params, model_state)
+        self.evaluation = evaluation
         row |= {f"eval/{k}": v for k, v in self.evaluation.items()}
         self.write(f"step {done}: {format_evaluation(self.evaluation)}")
       self.watchdog.beat(

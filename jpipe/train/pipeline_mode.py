@@ -2,7 +2,8 @@
 
 ``PipelineMode`` feeds the step its batch (only shapes where this
 process's stages read no batch leaf), drains an asynchronous stream
-before evaluation and checkpoints, explains a non-finite loss by the
+before evaluation and checkpoints, evaluates forward through the stages
+(a Task's ``evaluation``: nothing gathered), explains a non-finite loss by the
 stages whose params hold NaN or inf, and, with
 ``train.profile_last_step``, draws the measured timeline of the last
 step (``timeline.png`` and a Perfetto trace in the workdir).
@@ -14,6 +15,7 @@ import jax
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
+from jpipe.train import evaluation as evaluation_lib
 from jpipe.train.loop import Mode, Outcome
 
 
@@ -72,6 +74,12 @@ class PipelineMode(Mode):
   def evaluation_inputs(self, state):
     # Every process gathers (a collective); process 0 evaluates.
     return self.pipe.gather_params(state), self.pipe.gather_model_state(state)
+
+  def evaluate(self, state, task):
+    if task.evaluation is None:  # The user's evaluate: on whole params.
+      return super().evaluate(state, task)
+    # Forward through the stages; every process gets the metrics.
+    return evaluation_lib.through_pipeline(self.pipe, state, task.evaluation)
 
   def state_dict(self, state):
     return self.pipe.state_dict(state)

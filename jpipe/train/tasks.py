@@ -21,7 +21,6 @@ batch (see ``_dropout``).
 import dataclasses
 import importlib
 import inspect
-import math
 from collections.abc import Callable
 
 import flax
@@ -32,8 +31,10 @@ import numpy as np
 import optax
 
 from jpipe.data import sequences
+from jpipe.train import evaluation as evaluation_lib
 from jpipe.train import input_pipeline, user_code
 from jpipe.train.errors import UsageError
+from jpipe.train.evaluation import Evaluation
 
 TASK_OF_MODEL = {
   "mlp": "classification",
@@ -66,8 +67,15 @@ class Task:
       function of the step: a resumed run reads what an uninterrupted
       one would. Randomness such as dropout keys rides in the batch.
     evaluate: ``(params, model_state) -> {metric name: float}`` on the
-      held-out data, called on process 0 after each ``eval_every``
-      steps: e.g. "accuracy", or "loss" and "perplexity".
+      held-out data at whole params, on one device: the data-parallel
+      mode's averaged params, and any mode's where ``evaluation`` is
+      None. Default: ``evaluation`` on one device.
+    evaluation: the held-out evaluation as per-batch sums
+      (``jpipe.train.evaluation.Evaluation``): the CLI runs it forward
+      through the pipeline's stages after each ``eval_every`` steps,
+      gathering nothing (what a model too big for one device needs).
+      None: the CLI gathers the params to process 0 and calls
+      ``evaluate`` there.
   """
 
   kind: str
@@ -75,7 +83,13 @@ class Task:
   params: object
   model_state: object
   batch_at: Callable[[int], dict]
-  evaluate: Callable[[object, object], dict]
+  evaluate: Callable[[object, object], dict] | None = None
+  evaluation: Evaluation | None = None
+
+  def __post_init__(self):
+    if self.evaluate is None and self.evaluation is not None:
+      # (A default derived from another field of the frozen value.)
+      object.__setattr__(self, "evaluate", self.evaluation.on_one_device)
 
 
 def build_task(config) -> Task:
@@ -156,7 +170,20 @@ def check_task(task, where: str) -> Task:
   if not isinstance(task, Task):
     fail(
       f"returned a {type(task).__name__}, not a jpipe.train.tasks.Task; "
-      "return Task(kind, loss_fn, params, model_state, batch_at, evaluate)"
+      "return Task(kind, loss_fn, params, model_state, batch_at, "
+      "evaluation=...)"
+    )
+  if task.evaluate is None:
+    fail(
+      "give Task.evaluation (held-out sums, run through the pipeline) or "
+      "Task.evaluate (params, model_state) -> metrics"
+    )
+  if task.evaluation is not None and not isinstance(
+    task.evaluation, Evaluation
+  ):
+    fail(
+      f"Task.evaluation is a {type(task.evaluation).__name__}, not a "
+      "jpipe.train.evaluation.Evaluation"
     )
   for field in ("loss_fn", "batch_at", "evaluate"):
     if not callable(getattr(task, field)):
@@ -201,7 +228,46 @@ def check_task(task, where: str) -> Task:
       f"Task.loss_fn{_signature(task)} must return a scalar loss (the "
       f"batch's mean); it returned {loss}"
     )
+  if task.evaluation is not None:
+    _check_evaluation(task, sizes.pop(), fail)
   return task
+
+
+def _check_evaluation(task, batch_size: int, fail) -> None:
+  """The evaluation's first batch: the training batch's size, and sums
+  that are scalars (on shapes)."""
+  evaluation = task.evaluation
+  first = next(iter(evaluation.batches()), None)
+  if first is None:
+    fail("Task.evaluation.batches() gave no batch")
+  sizes = {
+    np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(first)
+  }
+  if sizes != {batch_size}:
+    fail(
+      f"Task.evaluation's batches must have the training batch's size "
+      f"{batch_size} (they split into its microbatches; pad the last with "
+      f"jpipe.train.evaluation.padded_batches); the first has "
+      f"{sorted(sizes, key=str)}"
+    )
+  args = (task.params, first)
+  if task.model_state is not None:
+    args = (task.params, task.model_state, first)
+  try:
+    sums = jax.eval_shape(evaluation.sums_fn, *args)
+  except Exception as e:
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    fail(
+      f"Task.evaluation.sums_fn{_signature(task)} raised "
+      f"{type(e).__name__}: {first_line}"
+    )
+  if not isinstance(sums, dict) or any(
+    getattr(v, "shape", None) != () for v in sums.values()
+  ):
+    fail(
+      f"Task.evaluation.sums_fn{_signature(task)} must return {{name: a "
+      f"scalar sum over the batch}}; it returned {sums}"
+    )
 
 
 def _signature(task) -> str:
@@ -293,8 +359,9 @@ def _classification(config, model) -> Task:
   batch_at, rngs_of = _dropout(
     config, images_at, _needs_dropout_key(model, variables, example["x"][:1])
   )
+  has_stats = "batch_stats" in variables
   loss_fn, logits_fn = _classifier_fns(
-    model, "batch_stats" in variables, rngs_of, _smoothing(config)
+    model, has_stats, rngs_of, _smoothing(config)
   )
   return Task(
     "classification",
@@ -302,7 +369,7 @@ def _classification(config, model) -> Task:
     variables["params"],
     variables.get("batch_stats"),
     batch_at,
-    _accuracy(logits_fn, test),
+    evaluation=_accuracy(logits_fn, has_stats, test, bs),
   )
 
 
@@ -348,27 +415,26 @@ def _classifier_fns(model, has_stats: bool, rngs_of, smoothing=0.0):
   return plain_loss_fn, plain_logits_fn
 
 
-def _accuracy(logits_fn, test):
-  """``evaluate(params, stats)``: the accuracy on the test images."""
+def _accuracy(logits_fn, has_stats, test, batch_size):
+  """The accuracy on the test images, in batches of ``batch_size``."""
 
-  @jax.jit
-  def correct(params, stats, x, y):
-    return jnp.sum(jnp.argmax(logits_fn(params, stats, x), -1) == y)
+  def sums(params, stats, batch):
+    logits = logits_fn(params, stats, batch["x"])
+    hits = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+    weight = batch["weight"]
+    return {"correct": jnp.sum(hits * weight), "count": jnp.sum(weight)}
 
-  def evaluate(params, stats, batch_size=512):
-    hits = 0
-    for i in range(0, len(test.labels), batch_size):
-      hits += int(
-        correct(
-          params,
-          stats,
-          test.images[i : i + batch_size],
-          test.labels[i : i + batch_size],
-        )
-      )
-    return {"accuracy": hits / len(test.labels)}
+  def plain_sums(params, batch):
+    return sums(params, None, batch)
 
-  return evaluate
+  held_out = evaluation_lib.padded_batches(
+    {"x": test.images, "y": test.labels}, batch_size
+  )
+  return Evaluation(
+    sums if has_stats else plain_sums,
+    lambda: held_out,
+    evaluation_lib.accuracy,
+  )
 
 
 def cross_entropy(logits, labels, smoothing: float = 0.0):
@@ -394,17 +460,17 @@ def _mean_token_loss(logits, targets, weights, smoothing=0.0):
   return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _eval_loss(loss_of_batch, params, batch: dict, batch_size=32) -> dict:
-  """Token-weighted mean loss over ``batch`` in chunks; + perplexity."""
-  n = len(next(iter(batch.values())))
-  total, tokens = 0.0, 0.0
-  for i in range(0, n, batch_size):
-    chunk = {k: v[i : i + batch_size] for k, v in batch.items()}
-    loss, count = loss_of_batch(params, chunk)
-    total += float(loss) * float(count)
-    tokens += float(count)
-  loss = total / tokens
-  return {"loss": loss, "perplexity": math.exp(loss)}
+def _token_sums(logits, targets, weights) -> dict:
+  """``{"loss": summed cross entropy (nats), "tokens": summed weights}``
+  over the positions of weight 1."""
+  losses = cross_entropy(logits, targets)
+  return {"loss": jnp.sum(losses * weights), "tokens": jnp.sum(weights)}
+
+
+def _held_out_tokens(sums, held_out: dict, batch_size):
+  """Token loss and perplexity of ``sums`` over ``held_out`` windows."""
+  batches = evaluation_lib.padded_batches(held_out, batch_size)
+  return Evaluation(sums, lambda: batches, evaluation_lib.token_loss)
 
 
 def _language_model(config, model) -> Task:
@@ -435,19 +501,20 @@ def _language_model(config, model) -> Task:
     )
     return cross_entropy(logits_of(logits), batch["y"], smoothing).mean()
 
-  @jax.jit
-  def loss_and_count(params, batch):
+  def sums(params, batch):
     logits = logits_of(model.apply({"params": params}, batch["x"], **eval_kw))
-    weights = jnp.ones(batch["y"].shape, jnp.float32)
-    return _mean_token_loss(logits, batch["y"], weights), weights.sum()
+    weights = jnp.broadcast_to(batch["weight"][:, None], batch["y"].shape)
+    return _token_sums(logits, batch["y"], weights)
 
   held_out = sequences.lm_eval_windows(test, length, data.eval_sequences)
-
-  def evaluate(params, stats):
-    del stats
-    return _eval_loss(loss_and_count, params, held_out)
-
-  return Task("language_model", loss_fn, params, None, batch_at, evaluate)
+  return Task(
+    "language_model",
+    loss_fn,
+    params,
+    None,
+    batch_at,
+    evaluation=_held_out_tokens(sums, held_out, data.batch_size),
+  )
 
 
 def _seq2seq(config, model) -> Task:
@@ -496,21 +563,21 @@ def _seq2seq(config, model) -> Task:
       logits_of(logits), batch["targets"], weights, smoothing
     )
 
-  @jax.jit
-  def loss_and_count(params, batch):
+  def sums(params, batch):
     logits = model.apply(
       {"params": params}, batch["inputs"], batch["targets"], **eval_kw
     )
-    logits = logits_of(logits)
-    weights = (batch["targets"] > 0).astype(jnp.float32)
-    return _mean_token_loss(logits, batch["targets"], weights), weights.sum()
+    weights = (batch["targets"] > 0) * batch["weight"][:, None]
+    return _token_sums(logits_of(logits), batch["targets"], weights)
 
   held_out = sequences.seq2seq_eval_batch(
     test, data.sequence_length, data.eval_sequences, **spans
   )
-
-  def evaluate(params, stats):
-    del stats
-    return _eval_loss(loss_and_count, params, held_out)
-
-  return Task("seq2seq", loss_fn, params, None, batch_at, evaluate)
+  return Task(
+    "seq2seq",
+    loss_fn,
+    params,
+    None,
+    batch_at,
+    evaluation=_held_out_tokens(sums, held_out, data.batch_size),
+  )

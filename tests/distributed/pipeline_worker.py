@@ -4,8 +4,9 @@ reference): trains a few configurations, writes what they produced.
   python tests/distributed/pipeline_worker.py OUT.npz CONFIGS_JSON
 
 Each configuration (a dict): "case" (a tests/partition/flax_models case),
-"stages", "calls" (microbatch counts or "flush"), and Pipeline keyword
-arguments. Started by ``jpipe.launch`` it runs across processes (stage s
+"stages", "calls" (microbatch counts or "flush"), "forward_only" (after
+training, also evaluate the loss and a metrics function and predict,
+forward through the stages), and Pipeline keyword arguments. Started by ``jpipe.launch`` it runs across processes (stage s
 on global device s); without the launcher's environment it is the
 one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
 gathered params, the state dict's optimizer state and every call's loss.
@@ -53,6 +54,7 @@ def run(config, index, out):
     loss_fn, params, batch, _ = flax_models.CASES[case]()
   stages = config.pop("stages")
   calls = config.pop("calls")
+  forward_only = config.pop("forward_only", False)
   micro = config.pop("num_microbatches", 4)
   # Replica groups: stage s on devices s*r .. s*r + r - 1.
   replicas = config.pop("replicas", 1)
@@ -118,12 +120,45 @@ def run(config, index, out):
       }
     )
   leaves[f"{index}/losses"] = np.asarray(losses)
+  if forward_only:
+    leaves.update(_forward_only(pipe, state, case, batch, index))
   owned = [s for s in range(pipe.stages.num_stages) if pipe.transport.owns(s)]
   print(
     f"config {index}: process {jax.process_index()} ran stages {owned}"
     + ("" if pipe.reads_batch else ", read no data")
   )
   out.update(leaves)
+
+
+def _logits_fn(case):
+  """``(params, [model state,] batch) -> logits`` in inference mode."""
+  if case == "resnet_state":
+    model = flax_models.ResNet(num_blocks=3)
+    return lambda p, stats, b: model.apply(
+      {"params": p, "batch_stats": stats}, b["x"], train=False
+    )
+  if case == "gpt_tied":
+    model = flax_models.Gpt()
+    return lambda p, b: model.apply(p, b["tokens"][:, :-1])
+  model = flax_models.Mlp()
+  return lambda p, b: model.apply(p, b["x"])
+
+
+def _forward_only(pipe, state, case, batch, index):
+  """The loss, a metrics function (logit sums per class) and the
+  predicted logits of ``batch`` through the stages (every process
+  passes the data)."""
+  logits_fn = _logits_fn(case)
+
+  def metrics_fn(*args):
+    logits = logits_fn(*args)
+    return {"logit_sums": logits.reshape(-1, logits.shape[-1]).sum(0)}
+
+  out = {f"{index}/eval_loss": np.asarray(pipe.evaluate(state, batch)["loss"])}
+  metrics = pipe.evaluate(state, batch, metrics_fn)
+  out[f"{index}/logit_sums"] = np.asarray(metrics["logit_sums"])
+  out[f"{index}/logits"] = np.asarray(pipe.predict(state, batch, logits_fn))
+  return out
 
 
 def main():

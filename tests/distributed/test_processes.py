@@ -64,6 +64,7 @@ def _configs(n):
       "calls": [2, 3],
       "schedule": "1f1b",
       "transport": "collective",
+      "forward_only": True,
     },
     {
       "case": "mlp",
@@ -106,6 +107,7 @@ def _configs(n):
       "calls": [2, 3, 4],
       "schedule": "async",
       "weight_stashing": True,
+      "forward_only": True,
     },
     # Zero-bubble: I's cotangents cross processes, W stays.
     {"case": "gpt_tied", "stages": n, "calls": [2, 3], "schedule": "zbh1"},
@@ -133,6 +135,7 @@ def _configs(n):
       "calls": [2, 3],
       "schedule": "1f1b",
       "clip_global_norm": 0.05,
+      "forward_only": True,
     },
   ]
 
@@ -143,7 +146,9 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   process), streaming async (ws, wp, GA, adam), 2bw without
   recomputation, tied embeddings (sync and async), BatchNorm statistics
   and global-norm clipping (the norm summed over processes), over both
-  transports (pull; collective for three), split between the 2- and
+  transports (pull; collective for three), and evaluation and prediction
+  forward through the stages after training (the loss, a metrics
+  function, logits; mlp, BatchNorm, tied GPT), split between the 2- and
   3-process runs: n processes with one
   stage each (two for the V schedules) give the one-process results
   (params, optimizer state, model state, every call's loss)."""

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 
-def _train(workdir, steps, nprocs, env):
+def _train(workdir, steps, nprocs, env, *overrides):
   """The default config (2 stages, small) to ``steps``; nprocs None: one
   process without the launcher (8 fake CPU devices)."""
   command = [sys.executable, "-m", "jpipe.train"]
@@ -32,6 +32,7 @@ def _train(workdir, steps, nprocs, env):
     "--config.train.log_every=1",
     "--config.train.eval_every=1000",
     f"--config.train.steps={steps}",
+    *overrides,
   ]
   env = dict(env)
   if nprocs is None:
@@ -56,10 +57,10 @@ def _run_command(command, env):
   return done.stdout
 
 
-def _losses(workdir):
+def _losses(workdir, key="train/loss"):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+  return {r["step"]: r[key] for r in rows if key in r}
 
 
 def test_default_config_across_processes_resumes_in_one_and_back(
@@ -77,6 +78,28 @@ def test_default_config_across_processes_resumes_in_one_and_back(
   assert sorted(b) == list(range(1, 10))
   for step in range(1, 10):
     assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def test_the_users_task_across_processes_evaluates_through_the_stages(
+  tmp_path, process_env
+):
+  """examples/my_task.py (the README's) over 2 processes: its Evaluation
+  runs forward through the stages of both processes; losses and
+  accuracies are the one-process run's."""
+  env = process_env()
+  flags = (
+    "--config.task=examples.my_task:build_task",
+    "--config.train.eval_every=2",
+  )
+  one, two = tmp_path / "one", tmp_path / "two"
+  _train(one, 4, None, env, *flags)
+  out = _train(two, 4, 2, env, *flags)
+  assert "[p0] step 4: eval accuracy" in out, out[-3000:]
+  for key in ("train/loss", "eval/accuracy"):
+    a, b = _losses(one, key), _losses(two, key)
+    assert sorted(a) == sorted(b) and b, key
+    for step in a:
+      assert b[step] == pytest.approx(a[step], rel=1e-5), (key, step)
 
 
 def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(

@@ -1,0 +1,289 @@
+"""``Pipeline.evaluate(metrics_fn)`` and ``Pipeline.predict``: functions
+other than the loss, cut by the pipeline's plan and run forward through
+its stages; checked against the same function at the same params on one
+device (plain JAX)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from tests.partition import flax_models
+from tests.runtime.test_pipeline_sync import _reference_steps
+from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _logits_and_labels(case):
+  """``(params, batch) -> (logits, labels)`` of a flax_models case, in
+  the loss's own calls of its model."""
+  if case == "mlp":
+    model = flax_models.Mlp()
+    return lambda p, b: (model.apply(p, b["x"]), b["y"])
+  if case == "gpt_tied":
+    model = flax_models.Gpt()
+    return lambda p, b: (
+      model.apply(p, b["tokens"][:, :-1]),
+      b["tokens"][:, 1:],
+    )
+  model = flax_models.EncoderDecoder()
+  return lambda p, b: (model.apply(p, b["src"], b["tgt"]), b["y"])
+
+
+def _fns(case):
+  """(metrics_fn: per-batch sums, predict_fn: per-example arrays)."""
+  logits_and_labels = _logits_and_labels(case)
+
+  def metrics_fn(params, batch):
+    logits, labels = logits_and_labels(params, batch)
+    hits = jnp.argmax(logits, -1) == labels
+    xent = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return {
+      "correct": jnp.sum(hits),
+      "loss_sum": jnp.sum(xent),
+      "count": jnp.asarray(labels.size, jnp.float32),
+    }
+
+  def predict_fn(params, batch):
+    logits, _ = logits_and_labels(params, batch)
+    return {"logits": logits, "labels": jnp.argmax(logits, -1)}
+
+  return metrics_fn, predict_fn
+
+
+def _check(pipe, state, params, batch, metrics_fn, predict_fn):
+  """The pipeline's metrics (summed over microbatches) and predictions
+  (concatenated) equal the functions' on one device at ``params``."""
+  got = pipe.evaluate(state, batch, metrics_fn)
+  want = metrics_fn(params, batch)  # Sums: one batch = its microbatches.
+  assert got["correct"] == want["correct"]
+  assert float(got["count"]) == float(want["count"])
+  np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-5)
+  got = pipe.predict(state, batch, predict_fn)
+  want = predict_fn(params, batch)
+  np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+  np.testing.assert_array_equal(got["labels"], want["labels"])
+
+
+@pytest.mark.parametrize(
+  "case, schedule, stages, devices",
+  [
+    ("mlp", "1f1b", 3, 3),
+    ("gpt_tied", "gpipe", 4, 4),  # The tied head reads stage 0's leaf.
+    ("encoder_decoder", "1f1b", 3, 3),  # Encoder output to every stage.
+    ("gpt_tied", "zbv", 4, 2),  # Two stages a device, in a V.
+  ],
+)
+def test_metrics_and_predictions_through_the_stages(
+  case, schedule, stages, devices
+):
+  """Before and after two steps (the pipeline's params never gathered:
+  the reference trains on one device)."""
+  loss_fn, params, batch, _ = flax_models.CASES[case]()
+  metrics_fn, predict_fn = _fns(case)
+  tx = optax.adam(1e-2)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=stages,
+    devices=jax.devices()[:devices],
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=tx,
+  )
+  state = pipe.init(params)
+  _check(pipe, state, params, batch, metrics_fn, predict_fn)
+  for _ in range(2):
+    state, _ = pipe.step(state, batch)
+  expected, _ = _reference_steps(loss_fn, params, batch, 4, tx, steps=2)
+  _check(pipe, state, expected, batch, metrics_fn, predict_fn)
+  # Half the batch: two microbatches of the same size, one more trace.
+  half = jax.tree.map(lambda x: x[: len(x) // 2], batch)
+  _check(pipe, state, expected, half, metrics_fn, predict_fn)
+  assert len(pipe.forward_programs) == 2  # (Per function, not per size.)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_predictions_on_replica_groups(layout):
+  """Stages on replica groups (a microbatch split over a group's devices)
+  and a group holding two stages."""
+  loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
+  metrics_fn, predict_fn = _fns("gpt_tied")
+  pipe = _replicated(
+    LAYOUTS[layout],
+    loss_fn,
+    params,
+    batch,
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+    schedule="1f1b",
+  )
+  _check(pipe, pipe.init(params), params, batch, metrics_fn, predict_fn)
+
+
+def test_inference_mode_reads_batchnorm_statistics():
+  """A ResNet's accuracy with its running statistics (``train=False``):
+  the statistics are read on the stages that keep them, not updated."""
+  loss_fn, params, stats, batch = flax_models.resnet_state_case()
+  model = flax_models.ResNet()
+
+  def metrics_fn(params, stats, batch):
+    logits = model.apply(
+      {"params": params, "batch_stats": stats}, batch["x"], train=False
+    )
+    return {"correct": jnp.sum(jnp.argmax(logits, -1) == batch["y"])}
+
+  def predict_fn(params, stats, batch):
+    variables = {"params": params, "batch_stats": stats}
+    return model.apply(variables, batch["x"], train=False)
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+    model_state=stats,
+  )
+  state, _ = pipe.step(pipe.init(params, stats), batch)  # Stats move.
+  params, stats = pipe.gather_params(state), pipe.gather_model_state(state)
+  got = pipe.evaluate(state, batch, metrics_fn)
+  assert got["correct"] == metrics_fn(params, stats, batch)["correct"]
+  np.testing.assert_allclose(
+    pipe.predict(state, batch, predict_fn),
+    predict_fn(params, stats, batch),
+    atol=1e-5,
+  )
+  after = pipe.gather_model_state(state)
+  for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(after), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_function_that_stops_early_runs_nothing_on_the_later_stages():
+  """The encoder's output only: its results come from an early stage;
+  the stages after it have none of the function's equations."""
+  loss_fn, params, batch, _ = flax_models.methods_encoder_decoder_case()
+  model = flax_models.MethodsEncoderDecoder()
+
+  def encode(params, batch):
+    return model.apply({"params": params}, batch["source"], method="encode")
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+  )
+  # The loss calls encode from __call__ (nodes "Model.encode/embed"...),
+  # the function as the apply method ("embed"...): the same modules.
+  assert pipe.stages.stage_of_node[-1] == 2
+  got = pipe.predict(pipe.init(params), batch, encode)
+  np.testing.assert_allclose(got, encode(params, batch), atol=1e-5)
+  program = next(iter(pipe.forward_programs.values()))
+  assert program.stages.specs[0].eqns and program.stages.specs[1].eqns
+  assert not program.stages.specs[2].eqns  # (The decoder's.)
+
+
+def test_a_param_read_where_its_stage_does_not_hold_it_is_refused():
+  """Arithmetic on params outside any module joins the first node: it
+  cannot read the head's kernel, which the last stage holds."""
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  model = flax_models.Mlp()
+
+  def metrics_fn(params, batch):
+    norm = jnp.sum(params["params"]["head"]["kernel"] ** 2)
+    return {"norm_x_count": norm * model.apply(params, batch["x"]).shape[0]}
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+  )
+  with pytest.raises(ValueError, match=r"reads param .*head.*kernel.* stage 0"):
+    pipe.evaluate(pipe.init(params), batch, metrics_fn)
+
+
+def test_predict_fn_must_return_per_example_values():
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+  )
+  with pytest.raises(ValueError, match="per-example values"):
+    pipe.predict(pipe.init(params), batch, loss_fn)
+
+
+def test_a_module_the_loss_never_calls_stays_with_the_node_before_it():
+  """``follow_plan`` on traces: same names go to the same stage; an extra
+  call of a module to its last call's stage; an unknown module with the
+  node before it."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, extra=False):
+      a, b, c = nn.Dense(4, name="a"), nn.Dense(4, name="b"), nn.Dense(4)
+      x = c(b(a(x)))
+      if extra:  # A module only evaluation calls, then b again.
+        x = b(nn.Dense(4, name="probe")(x))
+      return x.sum()
+
+  net = Net()
+  x = jnp.ones((2, 4))
+  params = net.init(jax.random.key(0), x, extra=True)
+  ref = jpipe.partition.trace(lambda p, b: net.apply(p, b), params, x)
+  other = jpipe.partition.trace(
+    lambda p, b: net.apply(p, b, extra=True), params, x, returns_loss=False
+  )
+  assert ref.node_names == ("a", "b", "Dense_0")
+  assert other.node_names == ("a", "b", "Dense_0", "probe", "b#2")
+  got = jpipe.partition.follow_plan(other, ref, [0, 1, 2])
+  assert got == [0, 1, 2, 2, 1]
+
+
+def test_streaming_tied_replicas_read_the_owners_value():
+  """Asynchronous: a tied embedding's holder never steps its own copy;
+  evaluation and prediction use the owner's current value, as the
+  gathered params hold it (the loss too)."""
+  loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
+  metrics_fn, predict_fn = _fns("gpt_tied")
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    schedule="async",
+    num_microbatches=4,
+    optimizer=optax.sgd(0.5),
+    weight_stashing=True,
+  )
+  assert pipe.tied.replicas  # (The head holds a replica of the embedding.)
+  state = pipe.init(params)
+  for _ in range(3):
+    state, _ = pipe.step(state, batch)
+  state, _ = pipe.flush(state)
+  gathered = pipe.gather_params(state)
+  _check(pipe, state, gathered, batch, metrics_fn, predict_fn)
+  loss = float(pipe.evaluate(state, batch)["loss"])
+  # (The mean of equal microbatches' mean losses: the batch's.)
+  want = float(loss_fn(gathered, batch))
+  assert loss == pytest.approx(want, rel=1e-5)
