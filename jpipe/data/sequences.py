@@ -1,4 +1,5 @@
-"""Token sequences from a byte stream: LM windows and T5 span corruption.
+"""Token sequences from a token stream (bytes, or a tokenizer's ids): LM
+windows and T5 span corruption.
 
 Pure NumPy functions of (stream, seed, step), so a resumed run draws the
 same batches as an uninterrupted one.
@@ -16,7 +17,7 @@ def window_starts(
   """int64 [count]: uniform random starts of ``length``-long windows."""
   if stream_length < length:
     raise ValueError(
-      f"the text has {stream_length} bytes, fewer than one sequence of "
+      f"the text has {stream_length} tokens, fewer than one sequence of "
       f"{length}: lower data.sequence_length"
     )
   return rng.integers(0, stream_length - length + 1, size=count)
@@ -43,7 +44,7 @@ def lm_eval_windows(stream: np.ndarray, length: int, count: int) -> dict:
   span = len(stream) - (length + 1)
   if span < 0:
     raise ValueError(
-      f"the eval text has {len(stream)} bytes, fewer than one sequence "
+      f"the eval text has {len(stream)} tokens, fewer than one sequence "
       f"of {length + 1}: lower data.sequence_length"
     )
   starts = np.linspace(0, span, count).astype(np.int64)
@@ -118,17 +119,20 @@ def seq2seq_batch(
   rng: np.random.Generator,
   noise_density: float,
   mean_span_length: float,
+  offset: int = BYTE_OFFSET,
+  first_sentinel: int = BYTE_VOCAB,
 ) -> dict:
   """Span-corrupted windows: {"inputs": int32 [B, Li], "targets": int32
-  [B, Lt]}; tokens are bytes + ``BYTE_OFFSET``, sentinels from
-  ``BYTE_VOCAB``."""
+  [B, Lt]}; tokens are the stream's + ``offset`` (0 stays padding),
+  sentinels from ``first_sentinel`` (bytes: ``BYTE_OFFSET``,
+  ``BYTE_VOCAB``)."""
   pairs = [
     span_corrupt(
-      stream[s : s + length].astype(np.int32) + BYTE_OFFSET,
+      stream[s : s + length].astype(np.int32) + offset,
       rng,
       noise_density,
       mean_span_length,
-      BYTE_VOCAB,
+      first_sentinel,
     )
     for s in starts
   ]
@@ -146,12 +150,14 @@ def seq2seq_batch_at(
   seed: int,
   noise_density: float,
   mean_span_length: float,
+  **ids,
 ) -> dict:
-  """The span-corruption training batch of ``step`` (see seq2seq_batch)."""
+  """The span-corruption training batch of ``step`` (see seq2seq_batch;
+  ``ids``: its ``offset`` and ``first_sentinel``)."""
   rng = np.random.default_rng([seed, step])
   starts = window_starts(len(stream), length, batch_size, rng)
   return seq2seq_batch(
-    stream, starts, length, rng, noise_density, mean_span_length
+    stream, starts, length, rng, noise_density, mean_span_length, **ids
   )
 
 
@@ -161,12 +167,14 @@ def seq2seq_eval_batch(
   count: int,
   noise_density: float,
   mean_span_length: float,
+  **ids,
 ) -> dict:
-  """``count`` evenly spaced windows with fixed (seed 0) spans."""
+  """``count`` evenly spaced windows with fixed (seed 0) spans (``ids``:
+  as ``seq2seq_batch_at``)."""
   span = len(stream) - length
   if span < 0:
     raise ValueError(
-      f"the eval text has {len(stream)} bytes, fewer than one sequence "
+      f"the eval text has {len(stream)} tokens, fewer than one sequence "
       f"of {length}: lower data.sequence_length"
     )
   starts = np.linspace(0, span, count).astype(np.int64)
@@ -177,4 +185,5 @@ def seq2seq_eval_batch(
     np.random.default_rng(0),
     noise_density,
     mean_span_length,
+    **ids,
   )

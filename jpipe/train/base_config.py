@@ -251,13 +251,17 @@ def image_data(name: str = "digits") -> ml_collections.ConfigDict:
 def text_data(
   name: str = "stdlib_text", span_corruption: bool = False
 ) -> ml_collections.ConfigDict:
-  """Fields of a text dataset (bytes are the tokens)."""
+  """Fields of a text dataset (bytes are the tokens unless a tokenizer
+  file is named)."""
   d = ml_collections.ConfigDict()
   d.name = name  # "stdlib_text" (embedded) or a TFDS text dataset name.
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
   d.text_key = "text"  # Feature holding the text in a TFDS dataset.
+  # "" = bytes; a SentencePiece model (*.model) or HuggingFace
+  # tokenizer.json by path (the model's vocab_size must hold its ids).
+  d.tokenizer = ""
   d.batch_size = 32  # Sequences per step (split into microbatches).
-  d.sequence_length = 128  # Bytes per sequence (the model's input).
+  d.sequence_length = 128  # Tokens per sequence (the model's input).
   d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
   d.eval_split = "test"  # Split for the periodic evaluation.
   d.eval_sequences = 128  # Fixed, evenly spaced held-out sequences.

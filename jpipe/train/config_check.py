@@ -7,7 +7,7 @@ import ml_collections
 from jpipe import dynamic, parallel, partition
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import GAP_AWARE_POLICIES, Staleness
-from jpipe.train import optimizers, tasks, user_code
+from jpipe.train import input_pipeline, optimizers, tasks, user_code
 from jpipe.train.data_parallel_lib import uses_data_parallel
 from jpipe.train.errors import UsageError
 
@@ -135,6 +135,8 @@ def _check_names(config, need) -> None:
   )
   _check_v_placement(config, need)
   _check_user_code(config, need)
+  if config.data.get("tokenizer"):  # Read now: a bad file stops here.
+    input_pipeline.tokenizer(config)
   need(
     0 <= config.train.label_smoothing < 1,
     "train.label_smoothing",

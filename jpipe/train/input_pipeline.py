@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jpipe.data import digits, split_names, text
+from jpipe.data import digits, split_names, text, tokenizers
 from jpipe.train.errors import UsageError
 
 
@@ -56,6 +56,24 @@ def load_text(config) -> tuple[np.ndarray, np.ndarray]:
       )
     )
   return streams[0], streams[1]
+
+
+def tokenizer(config) -> tokenizers.Tokenizer:
+  """``config.data.tokenizer``'s tokenizer: bytes (""), a SentencePiece
+  model or a HuggingFace tokenizer.json by path; a UsageError naming
+  the key where it cannot be read."""
+  path = config.data.get("tokenizer", "")
+  try:
+    return tokenizers.load(path)
+  except ValueError as e:
+    raise UsageError(f"config.data.tokenizer: {e}") from e
+
+
+def load_tokens(config, tokens: tokenizers.Tokenizer):
+  """(train, eval) token streams of the config's text (``load_text``)
+  as ``tokens`` encodes them (bytes: uint8, unchanged)."""
+  train, test = load_text(config)
+  return tokens.stream(train), tokens.stream(test)
 
 
 EMBEDDED = ("digits", "stdlib_text")  # Built from files on this machine.

@@ -72,8 +72,10 @@ def steps_per_call(config) -> int:
 def fingerprint(config) -> dict:
   """What a checkpoint must match to be resumed (not the partition)."""
   task = {"task": config.task} if config.task else {}
+  tokenizer = config.data.get("tokenizer", "")
   return (
     task
+    | ({"tokenizer": tokenizer} if tokenizer else {})
     | {
       "model": config.model.name,
       "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),

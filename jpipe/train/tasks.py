@@ -474,7 +474,15 @@ def _held_out_tokens(sums, held_out: dict, batch_size):
 
 
 def _language_model(config, model) -> Task:
-  train, test = input_pipeline.load_text(config)
+  tokenizer = input_pipeline.tokenizer(config)
+  train, test = input_pipeline.load_tokens(config, tokenizer)
+  vocab = getattr(model, "vocab_size", tokenizer.vocab_size)
+  if vocab < tokenizer.vocab_size:
+    raise UsageError(
+      f"config.model.kwargs.vocab_size={vocab} cannot hold the "
+      f"{tokenizer.vocab_size} ids of tokenizer {tokenizer.name}: use >= "
+      f"{tokenizer.vocab_size}"
+    )
   data = config.data
   length = data.sequence_length
 
@@ -518,20 +526,27 @@ def _language_model(config, model) -> Task:
 
 
 def _seq2seq(config, model) -> Task:
-  train, test = input_pipeline.load_text(config)
+  tokenizer = input_pipeline.tokenizer(config)
+  train, test = input_pipeline.load_tokens(config, tokenizer)
   data = config.data
   _, num_spans, _, _ = sequences.span_lengths(
     data.sequence_length, data.noise_density, data.mean_span_length
   )
-  need = sequences.BYTE_VOCAB + num_spans
+  # Ids shifted so that 0 is padding only; sentinels after the vocabulary.
+  offset = tokenizer.seq2seq_offset
+  first_sentinel = tokenizer.vocab_size + offset
+  need = first_sentinel + num_spans
   if getattr(model, "vocab_size", need) < need:
     raise UsageError(
       f"config.model.kwargs.vocab_size={model.vocab_size} cannot hold the "
-      f"{sequences.BYTE_VOCAB} byte tokens and {num_spans} span "
+      f"{first_sentinel} token ids ({tokenizer.name}) and {num_spans} span "
       f"sentinels: use >= {need}"
     )
   spans = dict(
-    noise_density=data.noise_density, mean_span_length=data.mean_span_length
+    noise_density=data.noise_density,
+    mean_span_length=data.mean_span_length,
+    offset=offset,
+    first_sentinel=first_sentinel,
   )
 
   def batch_at(step):
