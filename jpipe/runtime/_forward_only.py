@@ -291,8 +291,12 @@ def run(program: ForwardProgram, state, batch) -> tuple[dict, int]:
   call.batches = place_microbatches(
     jax.tree.leaves(batch), program.batch_leaves, m, 0
   )
-  methods = {FORWARD: call.forward, SEND: call.send, RECV: call.receive}
-  methods[MOVE] = call.move
+  methods = {
+    FORWARD: call.forward,
+    SEND: call.send,
+    RECV: call.receive,
+    MOVE: call.move,
+  }
   ops = program.lower(m)
   program.transport.begin_call()
   for op in ops:

@@ -199,22 +199,13 @@ def check_task(task, where: str) -> Task:
       "model.init(key, x)['params'])"
     )
   batch = task.batch_at(0)
-  sizes = {
-    np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)
-  }
+  sizes = _leading_sizes(batch)
   if not sizes or None in sizes or len(sizes) > 1:
     fail(
       f"Task.batch_at(0) must give arrays sharing a leading batch axis; "
       f"got leading sizes {sorted(sizes, key=str)}"
     )
-  args = (task.params, batch)
-  if task.model_state is not None:
-    args = (task.params, task.model_state, batch)
-  try:
-    out = jax.eval_shape(task.loss_fn, *args)
-  except Exception as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    fail(f"Task.loss_fn{_signature(task)} raised {type(e).__name__}: {first}")
+  out = _shapes_of(task, "loss_fn", task.loss_fn, batch, fail)
   loss = out[0] if task.model_state is not None else out
   if task.model_state is not None and not (
     isinstance(out, tuple) and len(out) == 2
@@ -240,9 +231,7 @@ def _check_evaluation(task, batch_size: int, fail) -> None:
   first = next(iter(evaluation.batches()), None)
   if first is None:
     fail("Task.evaluation.batches() gave no batch")
-  sizes = {
-    np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(first)
-  }
+  sizes = _leading_sizes(first)
   if sizes != {batch_size}:
     fail(
       f"Task.evaluation's batches must have the training batch's size "
@@ -250,17 +239,7 @@ def _check_evaluation(task, batch_size: int, fail) -> None:
       f"jpipe.train.evaluation.padded_batches); the first has "
       f"{sorted(sizes, key=str)}"
     )
-  args = (task.params, first)
-  if task.model_state is not None:
-    args = (task.params, task.model_state, first)
-  try:
-    sums = jax.eval_shape(evaluation.sums_fn, *args)
-  except Exception as e:
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    fail(
-      f"Task.evaluation.sums_fn{_signature(task)} raised "
-      f"{type(e).__name__}: {first_line}"
-    )
+  sums = _shapes_of(task, "evaluation.sums_fn", evaluation.sums_fn, first, fail)
   if not isinstance(sums, dict) or any(
     getattr(v, "shape", None) != () for v in sums.values()
   ):
@@ -268,6 +247,26 @@ def _check_evaluation(task, batch_size: int, fail) -> None:
       f"Task.evaluation.sums_fn{_signature(task)} must return {{name: a "
       f"scalar sum over the batch}}; it returned {sums}"
     )
+
+
+def _leading_sizes(batch) -> set:
+  """The leading sizes of a batch's leaves (None for a scalar leaf)."""
+  return {
+    np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)
+  }
+
+
+def _shapes_of(task, name, fn, batch, fail):
+  """``fn(params, [model_state,] batch)`` on shapes; ``fail`` with the
+  first line of what it raised (``name``: ``fn``'s field in the Task)."""
+  args = (task.params, batch)
+  if task.model_state is not None:
+    args = (task.params, task.model_state, batch)
+  try:
+    return jax.eval_shape(fn, *args)
+  except Exception as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    fail(f"Task.{name}{_signature(task)} raised {type(e).__name__}: {first}")
 
 
 def _signature(task) -> str:

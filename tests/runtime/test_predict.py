@@ -55,6 +55,20 @@ def _fns(case):
   return metrics_fn, predict_fn
 
 
+def _pipeline(loss_fn, params, batch, stages, **options):
+  """A Pipeline of ``stages`` stages, one device each (sgd 0.1 and two
+  microbatches unless ``options`` say otherwise)."""
+  options = {"num_microbatches": 2, "optimizer": optax.sgd(0.1)} | options
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=stages,
+    devices=jax.devices()[: options.pop("devices", stages)],
+    **options,
+  )
+
+
 def _check(pipe, state, params, batch, metrics_fn, predict_fn):
   """The pipeline's metrics (summed over microbatches) and predictions
   (concatenated) equal the functions' on one device at ``params``."""
@@ -86,12 +100,12 @@ def test_metrics_and_predictions_through_the_stages(
   loss_fn, params, batch, _ = flax_models.CASES[case]()
   metrics_fn, predict_fn = _fns(case)
   tx = optax.adam(1e-2)
-  pipe = jpipe.Pipeline(
+  pipe = _pipeline(
     loss_fn,
     params,
     batch,
-    num_stages=stages,
-    devices=jax.devices()[:devices],
+    stages,
+    devices=devices,
     schedule=schedule,
     num_microbatches=4,
     optimizer=tx,
@@ -142,16 +156,7 @@ def test_inference_mode_reads_batchnorm_statistics():
     variables = {"params": params, "batch_stats": stats}
     return model.apply(variables, batch["x"], train=False)
 
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-    model_state=stats,
-  )
+  pipe = _pipeline(loss_fn, params, batch, 3, model_state=stats)
   state, _ = pipe.step(pipe.init(params, stats), batch)  # Stats move.
   params, stats = pipe.gather_params(state), pipe.gather_model_state(state)
   got = pipe.evaluate(state, batch, metrics_fn)
@@ -175,15 +180,7 @@ def test_a_function_that_stops_early_runs_nothing_on_the_later_stages():
   def encode(params, batch):
     return model.apply({"params": params}, batch["source"], method="encode")
 
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-  )
+  pipe = _pipeline(loss_fn, params, batch, 3)
   # The loss calls encode from __call__ (nodes "Model.encode/embed"...),
   # the function as the apply method ("embed"...): the same modules.
   assert pipe.stages.stage_of_node[-1] == 2
@@ -204,30 +201,14 @@ def test_a_param_read_where_its_stage_does_not_hold_it_is_refused():
     norm = jnp.sum(params["params"]["head"]["kernel"] ** 2)
     return {"norm_x_count": norm * model.apply(params, batch["x"]).shape[0]}
 
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-  )
+  pipe = _pipeline(loss_fn, params, batch, 2)
   with pytest.raises(ValueError, match=r"reads param .*head.*kernel.* stage 0"):
     pipe.evaluate(pipe.init(params), batch, metrics_fn)
 
 
 def test_predict_fn_must_return_per_example_values():
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-  )
+  pipe = _pipeline(loss_fn, params, batch, 2)
   with pytest.raises(ValueError, match="per-example values"):
     pipe.predict(pipe.init(params), batch, loss_fn)
 
@@ -265,12 +246,11 @@ def test_streaming_tied_replicas_read_the_owners_value():
   gathered params hold it (the loss too)."""
   loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
   metrics_fn, predict_fn = _fns("gpt_tied")
-  pipe = jpipe.Pipeline(
+  pipe = _pipeline(
     loss_fn,
     params,
     batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
+    3,
     schedule="async",
     num_microbatches=4,
     optimizer=optax.sgd(0.5),
