@@ -469,7 +469,7 @@ class _Call(TransferEnds):
     acts = tuple(self.inbox.pop((s, b, v)) for v in spec.inputs)
     if self.profiler and d.transport.multiprocess:
       self.profiler.record_inputs(action, acts)
-    local = _local_inputs(self, spec, self.batches[place][b], place)
+    local = local_inputs(self, spec, self.batches[place][b], place)
     d.hooks.before_compute(action, (theta, local, acts))
     if (s, b) in self.fused and d.policy.same_backward_params(
       own, self.params[s]
@@ -815,9 +815,11 @@ def _predictor(call, s):
   return predict
 
 
-def _local_inputs(call, spec, batch_leaves, place):
-  """A stage's batch inputs on its device(s) in ``call``: microbatch
-  leaves (already there), then model-state leaves (placed here, whole)."""
+def local_inputs(call, spec, batch_leaves, place):
+  """A stage's batch inputs on its device(s) in ``call`` (a driver's or a
+  forward-only run's: ``call.d.num_batch_leaves``, ``call.model_state``):
+  microbatch leaves (already there), then model-state leaves (placed
+  here, whole)."""
   nb = call.d.num_batch_leaves
   state = [call.model_state[i - nb] for i in spec.batch_leaves if i >= nb]
   state = iter(place.put_replicated(state) if state else ())

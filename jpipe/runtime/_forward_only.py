@@ -30,6 +30,7 @@ import numpy as np
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.runtime._batches import batch_size, place_microbatches
+from jpipe.runtime._driver import local_inputs
 from jpipe.runtime._transfer_ends import TransferEnds
 
 FORWARD = schedule_lib.ActionKind.FORWARD
@@ -389,13 +390,7 @@ class _ForwardCall(TransferEnds):
       if b == 0:
         self.replica[(s, leaf)] = place.put_replicated(self.tied[(leaf, 0)])
       params[k] = self.replica[(s, leaf)]
-    leaves = self.batches[place][b]
-    nb = d.num_batch_leaves
-    state = [self.model_state[i - nb] for i in spec.batch_leaves if i >= nb]
-    state = iter(place.put_replicated(state) if state else ())
-    local = tuple(
-      leaves[i] if i < nb else next(state) for i in spec.batch_leaves
-    )
+    local = local_inputs(self, spec, self.batches[place][b], place)
     outputs, results = d.stages.jitted("forward", s)(tuple(params), local, acts)
     for v, x in zip(spec.outputs, outputs, strict=True):
       self.values[(b, v)] = x
