@@ -92,6 +92,15 @@ def padded_batches(arrays: dict, batch_size: int) -> list[dict]:
   return out
 
 
+def held_out(
+  sums_fn: Callable, arrays: dict, batch_size: int, metrics: Callable
+) -> Evaluation:
+  """The Evaluation of ``sums_fn`` over ``arrays`` (equal leading sizes),
+  in ``padded_batches`` of ``batch_size``."""
+  batches = padded_batches(arrays, batch_size)
+  return Evaluation(sums_fn, lambda: batches, metrics)
+
+
 def accuracy(totals: dict) -> dict:
   """``{"accuracy"}`` of totals "correct" and "count"."""
   return {"accuracy": totals["correct"] / totals["count"]}

@@ -10,31 +10,28 @@ Three ways to name it:
   classify, text fields model the language, span-corruption fields make
   it seq2seq);
 - the user's whole task (``config.task=package.module:build``): a
-  function of the config returning a :class:`Task` -- the protocol below,
-  checked on return.
+  function of the config returning a :class:`Task` (the protocol:
+  ``jpipe.train.task``), checked on return.
 
 Batches are pure functions of the step, so a resumed run sees the data an
 uninterrupted one would; so is dropout's randomness, which travels in the
-batch (see ``_dropout``).
+batch (see ``model_calls.with_dropout``).
 """
 
-import dataclasses
 import importlib
-import inspect
-from collections.abc import Callable
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from jpipe.data import sequences
 from jpipe.train import evaluation as evaluation_lib
-from jpipe.train import input_pipeline, user_code
+from jpipe.train import input_pipeline, model_calls, user_code
 from jpipe.train.errors import UsageError
 from jpipe.train.evaluation import Evaluation
+from jpipe.train.task import Task, check_task
+
+__all__ = ["Task", "build_task", "check_task", "flax_module", "task_of_data"]
 
 TASK_OF_MODEL = {
   "mlp": "classification",
@@ -43,53 +40,6 @@ TASK_OF_MODEL = {
   "gpt": "language_model",
   "t5": "seq2seq",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-  """A model with its loss, its data and its evaluation: what
-  ``python -m jpipe.train`` trains. A function named by
-  ``config.task=package.module:build`` takes the config and returns one.
-
-  Attributes:
-    kind: what it is, for people ("classification", "language_model",
-      "seq2seq" or the user's own word).
-    loss_fn: ``loss_fn(params, batch) -> loss`` (a scalar: the batch's
-      mean), or with model state (BatchNorm statistics) ``loss_fn(params,
-      model_state, batch) -> (loss, new_model_state)``. The pipeline
-      traces it on one microbatch and splits it into stages at the
-      modules it calls (Flax modules, or ``jax.named_scope`` blocks).
-    params: the initial parameters (a pytree of arrays).
-    model_state: the initial model state, or None.
-    batch_at: ``step -> batch``: the training batch of a step, a pytree
-      of host arrays with the batch on their leading axis (size
-      ``config.data.batch_size``, split into microbatches). A pure
-      function of the step: a resumed run reads what an uninterrupted
-      one would. Randomness such as dropout keys rides in the batch.
-    evaluate: ``(params, model_state) -> {metric name: float}`` on the
-      held-out data at whole params, on one device: the data-parallel
-      mode's averaged params, and any mode's where ``evaluation`` is
-      None. Default: ``evaluation`` on one device.
-    evaluation: the held-out evaluation as per-batch sums
-      (``jpipe.train.evaluation.Evaluation``): the CLI runs it forward
-      through the pipeline's stages after each ``eval_every`` steps,
-      gathering nothing (what a model too big for one device needs).
-      None: the CLI gathers the params to process 0 and calls
-      ``evaluate`` there.
-  """
-
-  kind: str
-  loss_fn: Callable
-  params: object
-  model_state: object
-  batch_at: Callable[[int], dict]
-  evaluate: Callable[[object, object], dict] | None = None
-  evaluation: Evaluation | None = None
-
-  def __post_init__(self):
-    if self.evaluate is None and self.evaluation is not None:
-      # (A default derived from another field of the frozen value.)
-      object.__setattr__(self, "evaluate", self.evaluation.on_one_device)
 
 
 def build_task(config) -> Task:
@@ -159,191 +109,6 @@ def _user_task(config) -> Task:
   return check_task(build(config), f"config.task={config.task!r}")
 
 
-def check_task(task, where: str) -> Task:
-  """``task`` if it keeps the Task protocol; else a UsageError naming
-  what is wrong (``where``: whose task it is). Abstract: the loss is
-  evaluated on shapes only, nothing runs."""
-
-  def fail(why):
-    raise UsageError(f"{where}: {why}")
-
-  if not isinstance(task, Task):
-    fail(
-      f"returned a {type(task).__name__}, not a jpipe.train.tasks.Task; "
-      "return Task(kind, loss_fn, params, model_state, batch_at, "
-      "evaluation=...)"
-    )
-  if task.evaluate is None:
-    fail(
-      "give Task.evaluation (held-out sums, run through the pipeline) or "
-      "Task.evaluate (params, model_state) -> metrics"
-    )
-  if task.evaluation is not None and not isinstance(
-    task.evaluation, Evaluation
-  ):
-    fail(
-      f"Task.evaluation is a {type(task.evaluation).__name__}, not a "
-      "jpipe.train.evaluation.Evaluation"
-    )
-  for field in ("loss_fn", "batch_at", "evaluate"):
-    if not callable(getattr(task, field)):
-      fail(
-        f"Task.{field} is a {type(getattr(task, field)).__name__}, "
-        "not a function"
-      )
-  if not all(hasattr(x, "shape") for x in jax.tree.leaves(task.params)) or (
-    not jax.tree.leaves(task.params)
-  ):
-    fail(
-      "Task.params must be a non-empty pytree of arrays (e.g. "
-      "model.init(key, x)['params'])"
-    )
-  batch = task.batch_at(0)
-  sizes = _leading_sizes(batch)
-  if not sizes or None in sizes or len(sizes) > 1:
-    fail(
-      f"Task.batch_at(0) must give arrays sharing a leading batch axis; "
-      f"got leading sizes {sorted(sizes, key=str)}"
-    )
-  out = _shapes_of(task, "loss_fn", task.loss_fn, batch, fail)
-  loss = out[0] if task.model_state is not None else out
-  if task.model_state is not None and not (
-    isinstance(out, tuple) and len(out) == 2
-  ):
-    fail(
-      "with model_state, Task.loss_fn(params, model_state, batch) must "
-      "return (loss, new_model_state)"
-    )
-  if getattr(loss, "shape", None) != ():
-    fail(
-      f"Task.loss_fn{_signature(task)} must return a scalar loss (the "
-      f"batch's mean); it returned {loss}"
-    )
-  if task.evaluation is not None:
-    _check_evaluation(task, sizes.pop(), fail)
-  return task
-
-
-def _check_evaluation(task, batch_size: int, fail) -> None:
-  """The evaluation's first batch: the training batch's size, and sums
-  that are scalars (on shapes)."""
-  evaluation = task.evaluation
-  first = next(iter(evaluation.batches()), None)
-  if first is None:
-    fail("Task.evaluation.batches() gave no batch")
-  sizes = _leading_sizes(first)
-  if sizes != {batch_size}:
-    fail(
-      f"Task.evaluation's batches must have the training batch's size "
-      f"{batch_size} (they split into its microbatches; pad the last with "
-      f"jpipe.train.evaluation.padded_batches); the first has "
-      f"{sorted(sizes, key=str)}"
-    )
-  sums = _shapes_of(task, "evaluation.sums_fn", evaluation.sums_fn, first, fail)
-  if not isinstance(sums, dict) or any(
-    getattr(v, "shape", None) != () for v in sums.values()
-  ):
-    fail(
-      f"Task.evaluation.sums_fn{_signature(task)} must return {{name: a "
-      f"scalar sum over the batch}}; it returned {sums}"
-    )
-
-
-def _leading_sizes(batch) -> set:
-  """The leading sizes of a batch's leaves (None for a scalar leaf)."""
-  return {
-    np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)
-  }
-
-
-def _shapes_of(task, name, fn, batch, fail):
-  """``fn(params, [model_state,] batch)`` on shapes; ``fail`` with the
-  first line of what it raised (``name``: ``fn``'s field in the Task)."""
-  args = (task.params, batch)
-  if task.model_state is not None:
-    args = (task.params, task.model_state, batch)
-  try:
-    return jax.eval_shape(fn, *args)
-  except Exception as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    fail(f"Task.{name}{_signature(task)} raised {type(e).__name__}: {first}")
-
-
-def _signature(task) -> str:
-  if task.model_state is None:
-    return "(params, batch)"
-  return "(params, model_state, batch)"
-
-
-def mode_kwargs(model, train: bool) -> dict:
-  """The keyword a module's ``__call__`` takes for training or evaluation
-  (jpipe's and Flax's examples' ``train``, HuggingFace's
-  ``deterministic``, Keras-style ``training``); none if it takes none."""
-  try:
-    names = inspect.signature(type(model).__call__).parameters
-  except (TypeError, ValueError):
-    return {}
-  if "train" in names:
-    return {"train": train}
-  if "training" in names:
-    return {"training": train}
-  if "deterministic" in names:
-    return {"deterministic": not train}
-  return {}
-
-
-def logits_of(output):
-  """A module's output as logits: the array itself, HuggingFace's
-  ``ModelOutput.logits`` or a tuple's first element."""
-  logits = getattr(output, "logits", None)
-  if logits is not None:
-    return logits
-  if isinstance(output, (tuple, list)):
-    return output[0]
-  return output
-
-
-def _needs_dropout_key(model, variables, *inputs) -> bool:
-  """Whether the model asks for a "dropout" key when training (its
-  dropout rate > 0): applied abstractly in training mode without one."""
-  try:
-    jax.eval_shape(
-      lambda v: model.apply(
-        v, *inputs, mutable=True, **mode_kwargs(model, True)
-      ),
-      variables,
-    )
-  except flax.errors.InvalidRngError:
-    return True
-  return False
-
-
-def _dropout(config, batch_at, needed: bool):
-  """(batch_at, rngs_of) for a model that draws dropout masks
-  (``needed``: ``_needs_dropout_key``).
-
-  Dropout keys ride in the batch as ``dropout_key`` uint32 [B, 2] (raw
-  threefry key data, one row per example, drawn from (seed, step)): the
-  pipeline splits them with the batch, each microbatch seeds its masks
-  from its first row, and a resumed run redraws the same masks -- the RNG
-  state is the step. Without dropout, batches are unchanged.
-  """
-  if not needed:
-    return batch_at, lambda batch: {}
-
-  def with_keys(step):
-    batch = batch_at(step)
-    size = len(next(iter(batch.values())))
-    rng = np.random.default_rng([config.seed, step, 1])
-    keys = rng.integers(0, 2**32, size=(size, 2), dtype=np.uint32)
-    return {**batch, "dropout_key": keys}
-
-  def rngs_of(batch):
-    return {"dropout": jax.random.wrap_key_data(batch["dropout_key"][0])}
-
-  return with_keys, rngs_of
-
-
 def _classification(config, model) -> Task:
   train, test = input_pipeline.load_images(config)
   bs = config.data.batch_size
@@ -353,14 +118,18 @@ def _classification(config, model) -> Task:
 
   example = images_at(0)
   variables = model.init(
-    jax.random.key(config.seed), example["x"][:1], **mode_kwargs(model, False)
+    jax.random.key(config.seed),
+    example["x"][:1],
+    **model_calls.mode_kwargs(model, False),
   )
-  batch_at, rngs_of = _dropout(
-    config, images_at, _needs_dropout_key(model, variables, example["x"][:1])
+  batch_at, rngs_of = model_calls.with_dropout(
+    config,
+    images_at,
+    model_calls.needs_dropout_key(model, variables, example["x"][:1]),
   )
   has_stats = "batch_stats" in variables
   loss_fn, logits_fn = _classifier_fns(
-    model, has_stats, rngs_of, _smoothing(config)
+    model, has_stats, rngs_of, model_calls.label_smoothing(config)
   )
   return Task(
     "classification",
@@ -377,10 +146,15 @@ def _classifier_fns(model, has_stats: bool, rngs_of, smoothing=0.0):
   entropy of a training batch (labels smoothed by ``smoothing``; with
   BatchNorm statistics as model state where the model has them) and
   evaluation logits ``logits_fn(params, stats, x)``."""
-  train_kw, eval_kw = mode_kwargs(model, True), mode_kwargs(model, False)
+  train_kw, eval_kw = (
+    model_calls.mode_kwargs(model, True),
+    model_calls.mode_kwargs(model, False),
+  )
 
   def xent(logits, labels):
-    return cross_entropy(logits_of(logits), labels, smoothing)
+    return model_calls.cross_entropy(
+      model_calls.logits_of(logits), labels, smoothing
+    )
 
   if has_stats:
 
@@ -395,7 +169,7 @@ def _classifier_fns(model, has_stats: bool, rngs_of, smoothing=0.0):
       return xent(logits, batch["y"]).mean(), updates["batch_stats"]
 
     def logits_fn(params, stats, x):
-      return logits_of(
+      return model_calls.logits_of(
         model.apply({"params": params, "batch_stats": stats}, x, **eval_kw)
       )
 
@@ -409,7 +183,7 @@ def _classifier_fns(model, has_stats: bool, rngs_of, smoothing=0.0):
 
   def plain_logits_fn(params, stats, x):
     del stats
-    return logits_of(model.apply({"params": params}, x, **eval_kw))
+    return model_calls.logits_of(model.apply({"params": params}, x, **eval_kw))
 
   return plain_loss_fn, plain_logits_fn
 
@@ -436,42 +210,6 @@ def _accuracy(logits_fn, has_stats, test, batch_size):
   )
 
 
-def cross_entropy(logits, labels, smoothing: float = 0.0):
-  """Per-example cross entropy (nats) of integer ``labels`` [...] against
-  ``logits`` [..., classes], the targets smoothed to ``(1 - smoothing)``
-  on the label plus ``smoothing / classes`` on every class (Szegedy et
-  al. 2016; ``optax.smooth_labels``)."""
-  if not smoothing:
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  targets = optax.smooth_labels(
-    jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), smoothing
-  )
-  return optax.softmax_cross_entropy(logits, targets)
-
-
-def _smoothing(config) -> float:
-  return config.train.get("label_smoothing", 0.0)
-
-
-def _mean_token_loss(logits, targets, weights, smoothing=0.0):
-  """Mean cross-entropy (nats) over positions with weight 1."""
-  losses = cross_entropy(logits, targets, smoothing)
-  return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def _token_sums(logits, targets, weights) -> dict:
-  """``{"loss": summed cross entropy (nats), "tokens": summed weights}``
-  over the positions of weight 1."""
-  losses = cross_entropy(logits, targets)
-  return {"loss": jnp.sum(losses * weights), "tokens": jnp.sum(weights)}
-
-
-def _held_out_tokens(sums, held_out: dict, batch_size):
-  """Token loss and perplexity of ``sums`` over ``held_out`` windows."""
-  batches = evaluation_lib.padded_batches(held_out, batch_size)
-  return Evaluation(sums, lambda: batches, evaluation_lib.token_loss)
-
-
 def _language_model(config, model) -> Task:
   tokenizer = input_pipeline.tokenizer(config)
   train, test = input_pipeline.load_tokens(config, tokenizer)
@@ -491,27 +229,34 @@ def _language_model(config, model) -> Task:
     )
 
   example = windows_at(0)
-  train_kw, eval_kw = mode_kwargs(model, True), mode_kwargs(model, False)
+  train_kw, eval_kw = (
+    model_calls.mode_kwargs(model, True),
+    model_calls.mode_kwargs(model, False),
+  )
   params = model.init(jax.random.key(config.seed), example["x"][:1], **eval_kw)[
     "params"
   ]
-  batch_at, rngs_of = _dropout(
+  batch_at, rngs_of = model_calls.with_dropout(
     config,
     windows_at,
-    _needs_dropout_key(model, {"params": params}, example["x"][:1]),
+    model_calls.needs_dropout_key(model, {"params": params}, example["x"][:1]),
   )
-  smoothing = _smoothing(config)
+  smoothing = model_calls.label_smoothing(config)
 
   def loss_fn(params, batch):
     logits = model.apply(
       {"params": params}, batch["x"], rngs=rngs_of(batch), **train_kw
     )
-    return cross_entropy(logits_of(logits), batch["y"], smoothing).mean()
+    return model_calls.cross_entropy(
+      model_calls.logits_of(logits), batch["y"], smoothing
+    ).mean()
 
   def sums(params, batch):
-    logits = logits_of(model.apply({"params": params}, batch["x"], **eval_kw))
+    logits = model_calls.logits_of(
+      model.apply({"params": params}, batch["x"], **eval_kw)
+    )
     weights = jnp.broadcast_to(batch["weight"][:, None], batch["y"].shape)
-    return _token_sums(logits, batch["y"], weights)
+    return model_calls.token_sums(logits, batch["y"], weights)
 
   held_out = sequences.lm_eval_windows(test, length, data.eval_sequences)
   return Task(
@@ -520,7 +265,9 @@ def _language_model(config, model) -> Task:
     params,
     None,
     batch_at,
-    evaluation=_held_out_tokens(sums, held_out, data.batch_size),
+    evaluation=evaluation_lib.held_out(
+      sums, held_out, data.batch_size, evaluation_lib.token_loss
+    ),
   )
 
 
@@ -559,22 +306,25 @@ def _seq2seq(config, model) -> Task:
     )
 
   example = batch_at(0)
-  train_kw, eval_kw = mode_kwargs(model, True), mode_kwargs(model, False)
+  train_kw, eval_kw = (
+    model_calls.mode_kwargs(model, True),
+    model_calls.mode_kwargs(model, False),
+  )
   params = model.init(
     jax.random.key(config.seed),
     example["inputs"][:1],
     example["targets"][:1],
     **eval_kw,
   )["params"]
-  smoothing = _smoothing(config)
+  smoothing = model_calls.label_smoothing(config)
 
   def loss_fn(params, batch):
     logits = model.apply(
       {"params": params}, batch["inputs"], batch["targets"], **train_kw
     )
     weights = (batch["targets"] > 0).astype(jnp.float32)
-    return _mean_token_loss(
-      logits_of(logits), batch["targets"], weights, smoothing
+    return model_calls.mean_token_loss(
+      model_calls.logits_of(logits), batch["targets"], weights, smoothing
     )
 
   def sums(params, batch):
@@ -582,7 +332,9 @@ def _seq2seq(config, model) -> Task:
       {"params": params}, batch["inputs"], batch["targets"], **eval_kw
     )
     weights = (batch["targets"] > 0) * batch["weight"][:, None]
-    return _token_sums(logits_of(logits), batch["targets"], weights)
+    return model_calls.token_sums(
+      model_calls.logits_of(logits), batch["targets"], weights
+    )
 
   held_out = sequences.seq2seq_eval_batch(
     test, data.sequence_length, data.eval_sequences, **spans
@@ -593,5 +345,7 @@ def _seq2seq(config, model) -> Task:
     params,
     None,
     batch_at,
-    evaluation=_held_out_tokens(sums, held_out, data.batch_size),
+    evaluation=evaluation_lib.held_out(
+      sums, held_out, data.batch_size, evaluation_lib.token_loss
+    ),
   )

@@ -271,7 +271,7 @@ def test_cli_import_path_errors_are_one_line(tmp_path):
 
 def test_label_smoothing_is_optax_smoothing():
   """The built-in tasks' smoothed cross entropy against the formula."""
-  from jpipe.train.tasks import cross_entropy
+  from jpipe.train.model_calls import cross_entropy
 
   logits = jax.random.normal(jax.random.key(0), (5, 7))
   labels = jnp.array([0, 3, 6, 2, 2])
