@@ -14,6 +14,7 @@ class Block(nn.Module):
   mlp_ratio: int = 4
   dropout: float = 0.0
   dtype: Any = None
+  num_classes: int = 0  # > 0: a head of this many outputs, not the LM's.
 
   @nn.compact
   def __call__(self, x, train: bool):
@@ -37,10 +38,14 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-  """Tokens int [B, L] -> next-token logits [B, L, vocab].
+  """Tokens int [B, L] -> next-token logits [B, L, vocab], or with
+  ``num_classes`` > 0 per-position scores [B, L, num_classes] of a head
+  of its own (``head``: a Dense layer, as HuggingFace's
+  GPT2ForSequenceClassification, which reads the last token's, and
+  GPT2ForQuestionAnswering, num_classes = 2: span start and end).
 
   The token embedding is also the output projection (``embed.attend``),
-  so the first and the last pipeline stage share it.
+  so the first and the last pipeline stage share it (not with a head).
 
   ``dtype`` is the compute dtype (e.g. ``jnp.bfloat16``: mixed precision
   with float32 params, which stay float32 whatever it is); None computes
@@ -54,6 +59,7 @@ class Model(nn.Module):
   max_length: int = 256
   dropout: float = 0.0
   dtype: Any = None
+  num_classes: int = 0  # > 0: a head of this many outputs, not the LM's.
 
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = True) -> jax.Array:
@@ -74,5 +80,9 @@ class Model(nn.Module):
         dtype=self.dtype,
         name=f"block_{i}",
       )(x, train)
-    logits = embed.attend(nn.LayerNorm(dtype=self.dtype, name="ln_f")(x))
+    x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
+    if self.num_classes:
+      logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
+    else:
+      logits = embed.attend(x)
     return logits if self.dtype is None else logits.astype(jnp.float32)

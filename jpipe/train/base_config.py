@@ -238,6 +238,7 @@ def _train_fields(c: ml_collections.ConfigDict) -> None:
 def image_data(name: str = "digits") -> ml_collections.ConfigDict:
   """Fields of an image classification dataset."""
   d = ml_collections.ConfigDict()
+  d.format = "images"  # What the examples are (see jpipe.train.tasks).
   d.name = name  # "digits" (embedded) or a TFDS image dataset name.
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
   d.image_key = "image"  # Feature names of a TFDS dataset.
@@ -254,6 +255,7 @@ def text_data(
   """Fields of a text dataset (bytes are the tokens unless a tokenizer
   file is named)."""
   d = ml_collections.ConfigDict()
+  d.format = "text"  # What the examples are (see jpipe.train.tasks).
   d.name = name  # "stdlib_text" (embedded) or a TFDS text dataset name.
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
   d.text_key = "text"  # Feature holding the text in a TFDS dataset.
@@ -268,6 +270,60 @@ def text_data(
   if span_corruption:
     d.noise_density = 0.15  # T5: fraction of bytes masked out.
     d.mean_span_length = 3.0  # T5: mean length of a masked span.
+  return d
+
+
+def text_classification_data(
+  name: str = "glue/sst2", text_keys: str = "sentence"
+) -> ml_collections.ConfigDict:
+  """Fields of a TFDS sentence or sentence-pair classification dataset
+  (GLUE-style: ``glue/rte`` has text_keys "sentence1,sentence2")."""
+  d = _text_task_data("classification", name)
+  d.text_keys = text_keys  # Comma-separated Text features, in order.
+  d.label_key = "label"  # A ClassLabel feature (its names: T5's targets).
+  d.sequence_length = 128  # Tokens of the input (the segments packed).
+  d.target_length = 8  # Encoder-decoders: tokens of the label's name.
+  return d
+
+
+def qa_data(name: str = "squad") -> ml_collections.ConfigDict:
+  """Fields of a TFDS extractive QA dataset (SQuAD-style: an answers
+  feature of ``text`` and ``answer_start`` characters in the context)."""
+  d = _text_task_data("qa", name)
+  d.question_key = "question"
+  d.context_key = "context"
+  d.answers_key = "answers"
+  d.sequence_length = 384  # Tokens of question + context.
+  d.target_length = 32  # Encoder-decoders: tokens of the answer.
+  return d
+
+
+def translation_data(
+  name: str = "wmt16_translate/de-en", source_key: str = "en", target_key="de"
+) -> ml_collections.ConfigDict:
+  """Fields of a TFDS translation dataset (a Translation feature: one
+  Text per language)."""
+  d = _text_task_data("translation", name)
+  d.source_key = source_key
+  d.target_key = target_key
+  d.sequence_length = 128  # Source tokens (decoder-only: source + target).
+  d.target_length = 128  # Encoder-decoders: target tokens.
+  return d
+
+
+def _text_task_data(fmt: str, name: str) -> ml_collections.ConfigDict:
+  """Fields every TFDS text task's data has."""
+  d = ml_collections.ConfigDict()
+  d.format = fmt  # What the examples are (see jpipe.train.tasks).
+  d.name = name  # A TFDS dataset, prepared in data_dir.
+  d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
+  # "" = bytes; a SentencePiece model (*.model) or HuggingFace
+  # tokenizer.json by path (the model's vocab_size must hold its ids).
+  d.tokenizer = ""
+  d.batch_size = 32  # Examples per step (split into microbatches).
+  d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
+  d.eval_split = "validation"  # Split for the periodic evaluation.
+  d.eval_examples = 0  # The eval split's first examples; 0: all of it.
   return d
 
 

@@ -178,6 +178,8 @@ def _check_user_code(config, need) -> None:
     f"{config.model.name!r} is not one of jpipe.models' "
     f"{tuple(tasks.TASK_OF_MODEL)} nor package.module:Module",
   )
+  if config.data.get("format"):  # A name not in the list stops here.
+    tasks.task_of_data(config.data)
 
 
 def _check_pipeline(config, need) -> None:

@@ -7,6 +7,8 @@ data position of a resumed run is just its step.
 """
 
 import difflib
+import functools
+import importlib
 from typing import NamedTuple
 
 import numpy as np
@@ -115,6 +117,8 @@ def _tfds_builder(data):
   try:
     return tfds.builder(data.name, data_dir=data.data_dir or None)
   except tfds.core.registered.DatasetNotFoundError as e:
+    if _register_text_builders():  # GLUE, WMT, ... now known: retry.
+      return _tfds_builder(data)
     known = list(EMBEDDED) + tfds.list_builders(with_community_datasets=False)
     close = difflib.get_close_matches(data.name, known, n=3)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
@@ -125,6 +129,25 @@ def _tfds_builder(data):
     ) from e
 
 
+# TFDS families whose builders register only once imported (TFDS imports
+# them lazily): GLUE, SuperGLUE, WMT and their kin.
+_LAZY_FAMILIES = ("text", "translate", "question_answering")
+
+
+_registered = []  # Whether _register_text_builders ran: [True] or [].
+
+
+def _register_text_builders() -> bool:
+  """Imports the lazily imported TFDS families; True the first time
+  only, when a name not found before may now be found."""
+  if _registered:
+    return False
+  for family in _LAZY_FAMILIES:
+    importlib.import_module(f"tensorflow_datasets.{family}")
+  _registered.append(True)
+  return True
+
+
 def _tfds_source(data, split: str, embedded: str):
   """``tfds.data_source`` or a UsageError saying how to prepare the data."""
   fix = (
@@ -133,6 +156,7 @@ def _tfds_source(data, split: str, embedded: str):
     f"config.data.data_dir=DIR, or use config.data.name='{embedded}' "
     f"(embedded)"
   )
+  _tfds_builder(data)  # A name TFDS registers late is registered now.
   try:
     # download=False: a missing dataset would otherwise make TFDS try (and,
     # offline, slowly fail) to download it.
@@ -171,3 +195,52 @@ def image_batch_at(
   order = np.random.default_rng([seed, epoch]).permutation(len(data.labels))
   take = order[index * batch_size : (index + 1) * batch_size]
   return {"x": data.images[take], "y": data.labels[take]}
+
+
+def records(config, split: str):
+  """The examples of a TFDS ``split`` of ``config.data``: a random-access
+  sequence of dicts (a ``tfds`` data source; nothing is read until
+  indexed), or a UsageError saying how to prepare the dataset."""
+  return _tfds_source(config.data, split, embedded="stdlib_text")
+
+
+def class_names(config, key: str) -> list[str]:
+  """The class names of ``config.data``'s ``key`` feature (a TFDS
+  ClassLabel); a UsageError if it is not one."""
+  feature = _tfds_builder(config.data).info.features[key] if key else None
+  names = getattr(feature, "names", None)
+  if not names:
+    raise UsageError(
+      f"config.data.label_key={key!r}: {config.data.name!r}'s feature is "
+      f"{feature!r}, not a ClassLabel (integer classes with names); text "
+      "classification needs one"
+    )
+  return list(names)
+
+
+def record_batch_at(source, step: int, batch_size: int, seed: int) -> list:
+  """The ``step``-th training batch of ``source``'s records: epoch-wise
+  shuffles seeded by (seed, epoch), the last partial batch of an epoch
+  dropped (as ``image_batch_at``)."""
+  per_epoch = len(source) // batch_size
+  if per_epoch == 0:
+    raise UsageError(
+      f"data.batch_size={batch_size} is larger than the training set "
+      f"({len(source)} examples)"
+    )
+  epoch, index = divmod(step, per_epoch)
+  order = _epoch_order(len(source), seed, epoch)
+  return [source[int(i)] for i in order[index * batch_size :][:batch_size]]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(size: int, seed: int, epoch: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+def as_text(value) -> str:
+  """A TFDS Text feature's value as str (data sources give str or
+  UTF-8 bytes)."""
+  if isinstance(value, bytes):
+    return value.decode("utf-8")
+  return str(value)

@@ -111,3 +111,19 @@ def token_sums(logits, targets, weights) -> dict:
   over the positions of weight 1."""
   losses = cross_entropy(logits, targets)
   return {"loss": jnp.sum(losses * weights), "tokens": jnp.sum(weights)}
+
+
+def is_encoder_decoder(model) -> bool:
+  """Whether the module's ``__call__`` takes two inputs (inputs,
+  targets) as an encoder-decoder does (jpipe's t5), not one."""
+  try:
+    params = list(inspect.signature(type(model).__call__).parameters.values())
+  except (TypeError, ValueError):
+    return False
+  required = [
+    p
+    for p in params[1:]  # After self.
+    if p.default is inspect.Parameter.empty
+    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+  ]
+  return len(required) >= 2

@@ -9,6 +9,10 @@ Three ways to name it:
   ``config.model.kwargs``; the task is the config's data's: image fields
   classify, text fields model the language, span-corruption fields make
   it seq2seq);
+- any model on a text task of a TFDS dataset (``config.data.format``
+  ``classification``, ``qa`` or ``translation``: GLUE-, SQuAD- and
+  WMT-style data; ``jpipe.train.text_tasks`` poses each text-to-text for
+  an encoder-decoder, with a head for a one-input model);
 - the user's whole task (``config.task=package.module:build``): a
   function of the config returning a :class:`Task` (the protocol:
   ``jpipe.train.task``), checked on return.
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 
 from jpipe.data import sequences
 from jpipe.train import evaluation as evaluation_lib
-from jpipe.train import input_pipeline, model_calls, user_code
+from jpipe.train import input_pipeline, model_calls, text_tasks, user_code
 from jpipe.train.errors import UsageError
 from jpipe.train.evaluation import Evaluation
 from jpipe.train.task import Task, check_task
@@ -53,6 +57,8 @@ def build_task(config) -> Task:
     model_class = flax_module(name)
     kind, where = task_of_data(config.data), name
   else:
+    if config.data.get("format"):  # One not in the list stops here.
+      task_of_data(config.data)
     kind = TASK_OF_MODEL.get(name)
     if kind is None:
       raise UsageError(
@@ -65,6 +71,8 @@ def build_task(config) -> Task:
     model = model_class(**config.model.kwargs.to_dict())
   except TypeError as e:  # An unknown or missing keyword.
     raise UsageError(f"config.model.kwargs of {where}: {e}") from e
+  if config.data.get("format") in text_tasks.FORMATS:
+    return text_tasks.build(config, model)
   return {
     "classification": _classification,
     "language_model": _language_model,
@@ -87,7 +95,17 @@ def flax_module(path: str):
 def task_of_data(data) -> str:
   """The built-in task a config's data fields describe: images classify
   (``base_config.image_data``), text models the language
-  (``text_data``), with span-corruption fields it is seq2seq."""
+  (``text_data``), with span-corruption fields it is seq2seq; a text
+  task's format (``text_classification_data``, ``qa_data``,
+  ``translation_data``) is its own."""
+  fmt = data.get("format")
+  if fmt in text_tasks.FORMATS:
+    return f"text {fmt}"  # (Not "classification": that of images.)
+  if fmt not in (None, "images", "text"):
+    raise UsageError(
+      f"config.data.format={fmt!r} is not one of "
+      f"{('images', 'text') + text_tasks.FORMATS}"
+    )
   if "image_key" in data:
     return "classification"
   if "noise_density" in data:
