@@ -179,6 +179,24 @@ class DataParallelPipelines:
     # Every process runs as many pipelines: the mean of the means.
     return _mean_trees(_all_gather(mine))
 
+  def consensus_state(
+    self, states: Sequence[PipelineState]
+  ) -> tuple[Pipeline, PipelineState]:
+    """(this process's first pipeline, its drained state with every
+    stage's params the mean over all P pipelines'): the consensus model
+    on one pipeline's stages, to evaluate through them. Each stage's
+    mean is a collective over the stage's devices (``GroupMean``, as a
+    sync); nothing is gathered to a host. Model state (BatchNorm
+    statistics) stays the pipeline's own. Every process calls it."""
+    everyone = range(self.num_pipelines)
+    means = []
+    for s in range(self.num_stages):
+      devices = [self.policy.devices[r][s] for r in everyone]
+      trees = [state.stage_params[s] for state in states]
+      means.append(self.policy.mean(trees, devices)[0])
+    first = self.pipelines[0]
+    return first, first.with_stage_params(states[0], means)
+
   def state_dict(self, states: Sequence[PipelineState]) -> dict:
     """``{"pipelines": [every pipeline's state_dict, by rank]}`` (host
     arrays, on every process)."""

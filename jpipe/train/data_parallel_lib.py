@@ -6,13 +6,14 @@ simulated delays). A unit of the loop is an epoch of
 ``data_parallel.epoch_batches`` batches per pipeline on average
 (``jpipe.parallel.DataParallelPipelines.run_epoch``: fast pipelines run
 more, the epoch ends without a barrier); after each, the consensus model
-(the replicas' mean) is evaluated, a line is printed and logged, and a
-checkpoint of every replica is written. The run's "step" counts batches
+(the replicas' mean, averaged stage by stage on the devices) is evaluated
+forward through the first pipeline's stages, a line is printed and
+logged, and a checkpoint of every replica is written. The run's "step" counts batches
 per pipeline on average: ``train.steps`` of them in all.
 
 Across processes (``python -m jpipe.launch``) each process runs its share
-of the pipelines and reads only their batches; process 0 prints, logs
-and evaluates; checkpoints hold every replica (gathered) and resume with
+of the pipelines and reads only their batches; process 0 prints and
+logs; each evaluates through its first pipeline; checkpoints hold every replica (gathered) and resume with
 another process count. A SIGTERM or SIGINT ends the epoch under way,
 checkpoints and exits with 128 + the signal's number.
 """
@@ -23,6 +24,7 @@ import jax
 import numpy as np
 
 from jpipe import parallel
+from jpipe.train import evaluation as evaluation_lib
 from jpipe.train.errors import UsageError
 from jpipe.train.loop import Cadence, Mode, Outcome
 
@@ -132,6 +134,14 @@ class DataParallelMode(Mode):
     examples = self.config.data.batch_size * sum(report.batches)
     loss = float(np.mean(self.losses))
     return states, Outcome(loss, examples, scalars, note=note)
+
+  def evaluate(self, states, task):
+    if task.evaluation is None:  # The user's evaluate: on whole params.
+      return super().evaluate(states, task)
+    # The replicas' mean on the first pipeline's stages, evaluated
+    # forward through them; every process gets the metrics.
+    pipe, consensus = self.dp.consensus_state(states)
+    return evaluation_lib.through_pipeline(pipe, consensus, task.evaluation)
 
   def evaluation_inputs(self, states):
     # Every process takes part in the mean; process 0 evaluates it with

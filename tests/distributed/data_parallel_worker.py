@@ -88,6 +88,13 @@ def run(config, index, out):
   consensus = dp.consensus_params(states)
   for j, x in enumerate(jax.tree.leaves(consensus)):
     record[f"{index}/consensus/{j}"] = np.asarray(x)
+  # The same mean averaged on the stages' devices (across processes),
+  # evaluated through this process's first pipeline.
+  pipe, on_stages = dp.consensus_state(states)
+  held_out = _rows(batch, 0, 999, size)
+  loss = pipe.evaluate(on_stages, held_out)["loss"]
+  record[f"{index}/consensus_loss"] = float(loss)
+  record[f"{index}/consensus_loss_ref"] = float(loss_fn(consensus, held_out))
   if jax.process_count() > 1:
     # Each process gathered the losses of its own pipelines only.
     everyone = dp.hub.all_gather(

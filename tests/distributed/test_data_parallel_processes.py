@@ -66,6 +66,10 @@ def test_pipelines_one_per_process(tmp_path, process_env):
   for key in want:
     if key.startswith(("0/", "1/")):
       np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
+  for c in range(len(CONFIGS)):  # The consensus through the stages.
+    np.testing.assert_allclose(
+      have[f"{c}/consensus_loss"], have[f"{c}/consensus_loss_ref"], rtol=1e-5
+    )
   for c in (2, 3):
     params = sorted(k for k in have if k.startswith(f"{c}/params/0/"))
     assert params

@@ -34,7 +34,14 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
     ],
     cwd=ROOT,
     check=True,
-    env=dict(os.environ, JAX_PLATFORMS="cpu", JPIPE_COMMIT="test"),
+    # Quick compiles (as the fast_compiles fixture): the code paths are
+    # under test here, not the timings.
+    env=dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      JPIPE_COMMIT="test",
+      JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    ),
     timeout=900,
   )
   summary = json.loads((tmp_path / "campaign.json").read_text())

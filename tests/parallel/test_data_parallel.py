@@ -140,6 +140,18 @@ def test_epochs_end_and_replicas_sync(sync):
     assert len(set(report.batches)) == 1
   consensus = dp.consensus_params(states)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(consensus))
+  # The same mean averaged stage by stage on the devices, on the first
+  # pipeline's stages (nothing gathered): its loss there is the loss at
+  # the gathered mean on one device.
+  pipe, on_stages = dp.consensus_state(states)
+  stages = zip(on_stages.stage_params, states[0].stage_params, strict=True)
+  for mean, own in stages:
+    assert [x.devices() for x in mean] == [x.devices() for x in own]
+  np.testing.assert_allclose(
+    float(pipe.evaluate(on_stages, shards[0])["loss"]),
+    float(flax_models.mlp_case()[0](consensus, shards[0])),
+    rtol=1e-5,
+  )
   states, again = dp.run_epoch(states, lambda p, i: shards[p])  # Epoch 2.
   assert sum(again.steps) >= 48
 

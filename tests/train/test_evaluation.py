@@ -57,6 +57,39 @@ def test_the_cli_evaluates_without_gathering(tmp_path, monkeypatch):
   assert 0 < summary["eval"]["accuracy"] <= 1
 
 
+def test_sdpipe_evaluates_the_consensus_through_a_pipeline(
+  tmp_path, monkeypatch
+):
+  """SD-Pipe's CLI evaluation: the replicas' mean, averaged stage by
+  stage on the devices and run through the first pipeline's stages,
+  gathering nothing; equal to the gathered mean on one device."""
+  from jpipe.train import data_parallel_lib
+
+  mode = data_parallel_lib.DataParallelMode
+  seen = []
+  through_stages = mode.evaluate
+
+  def evaluate_and_compare(self, states, task):
+    got = through_stages(self, states, task)
+    want = task.evaluation.on_one_device(
+      self.dp.consensus_params(states),
+      self.dp.pipelines[0].gather_model_state(states[0]),
+    )
+    seen.append((got, want))
+    return got
+
+  def refuse(self, states):
+    raise AssertionError("the evaluation gathered the params")
+
+  monkeypatch.setattr(mode, "evaluate", evaluate_and_compare)
+  monkeypatch.setattr(mode, "evaluation_inputs", refuse)
+  config = _short(_get_config("sdpipe"))
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  assert seen
+  for got, want in seen:
+    assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-9)
+
+
 def test_padded_batches_weigh_out_the_padding():
   arrays = {"x": np.arange(10, dtype=np.float32), "y": np.arange(10)}
   batches = evaluation.padded_batches(arrays, 4)
