@@ -180,6 +180,8 @@ def _check_user_code(config, need) -> None:
   )
   if config.data.get("format"):  # A name not in the list stops here.
     tasks.task_of_data(config.data)
+  if config.model.name in tasks.TASK_OF_MODEL:
+    tasks.model_kwargs(config)  # An unknown model.size stops here.
 
 
 def _check_pipeline(config, need) -> None:

@@ -8,6 +8,8 @@
   ``PyTreeSave``, e.g. ``ocp.StandardCheckpointer().save(path, params)``);
 - a Flax msgpack file (``flax.serialization.to_bytes(params)``; also what
   a HuggingFace Flax model's ``flax_model.msgpack`` holds);
+- ``"hf:PATH"``: a HuggingFace safetensors checkpoint (PyTorch names),
+  by the model's name map (``jpipe.train.hf_checkpoint``);
 - ``"package.module:name"``: a Python callable returning params (or an
   object with ``.params``, such as a HuggingFace ``FlaxPreTrainedModel``),
   or such a value itself;
@@ -40,6 +42,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from jpipe.train import hf_checkpoint
 from jpipe.train.checkpoint import checksums
 from jpipe.train.errors import UsageError
 
@@ -113,7 +116,11 @@ def freeze(
 
 
 def load_params(
-  source: Any, template: Any, *, keep_init: str | Sequence[str] = ()
+  source: Any,
+  template: Any,
+  *,
+  keep_init: str | Sequence[str] = (),
+  hf_names: dict[str, tuple[str, bool]] | None = None,
 ) -> Any:
   """Pretrained params shaped like ``template``.
 
@@ -125,12 +132,23 @@ def load_params(
       structure, shapes and dtypes to fill.
     keep_init: path patterns whose leaves keep ``template``'s values (they
       may be missing from, or differ in shape in, the pretrained params).
+    hf_names: for a ``hf:PATH`` source, the model's name map
+      (``jpipe.models.<name>.hf_names(model)``).
 
   Raises:
     PretrainedError: unreadable source, or params that do not fit; the
       message names the first path that differs.
   """
-  loaded = _read(source)
+  if hf_checkpoint.is_hf(source):
+    if hf_names is None:
+      raise PretrainedError(
+        f"{source}: this model has no HuggingFace name map; models that "
+        "take HuggingFace checkpoints define hf_names (jpipe.models.t5_v1)"
+      )
+    # Keys "a/b/c" flatten to the same paths as the nested params.
+    loaded = hf_checkpoint.params(source[len(hf_checkpoint.PREFIX) :], hf_names)
+  else:
+    loaded = _read(source)
   want = flat_paths(template)
   got = flat_paths(loaded)
   if "params" in {p.split("/")[0] for p in got} and not any(
@@ -177,6 +195,14 @@ def load_params(
 def check_source(source: str) -> None:
   """A cheap check before any work: the path exists, or it has the
   ``module:name`` form."""
+  if hf_checkpoint.is_hf(source):
+    source = source[len(hf_checkpoint.PREFIX) :]
+    if not os.path.exists(os.path.expanduser(source)):
+      raise PretrainedError(
+        f"hf:{source}: no such file or directory (a HuggingFace model "
+        "directory with model.safetensors, or a .safetensors file)"
+      )
+    return
   if os.path.exists(os.path.expanduser(source)):
     return
   module_name, colon, name = source.partition(":")

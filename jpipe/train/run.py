@@ -73,9 +73,11 @@ def fingerprint(config) -> dict:
   """What a checkpoint must match to be resumed (not the partition)."""
   task = {"task": config.task} if config.task else {}
   tokenizer = config.data.get("tokenizer", "")
+  size = config.model.get("size", "")
   return (
     task
     | ({"tokenizer": tokenizer} if tokenizer else {})
+    | ({"model_size": size} if size else {})
     | {
       "model": config.model.name,
       "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),

@@ -43,6 +43,7 @@ TASK_OF_MODEL = {
   "vgg": "classification",
   "gpt": "language_model",
   "t5": "seq2seq",
+  "t5_v1": "seq2seq",  # T5 as published (v1.0 / v1.1), HF weights.
 }
 
 
@@ -68,7 +69,7 @@ def build_task(config) -> Task:
     model_class = importlib.import_module(f"jpipe.models.{name}").Model
     where = f"jpipe.models.{name}.Model"
   try:
-    model = model_class(**config.model.kwargs.to_dict())
+    model = model_class(**model_kwargs(config))
   except TypeError as e:  # An unknown or missing keyword.
     raise UsageError(f"config.model.kwargs of {where}: {e}") from e
   if config.data.get("format") in text_tasks.FORMATS:
@@ -78,6 +79,48 @@ def build_task(config) -> Task:
     "language_model": _language_model,
     "seq2seq": _seq2seq,
   }[kind](config, model)
+
+
+def model_kwargs(config) -> dict:
+  """The model's keyword arguments: its module's ``SIZES[config.model.
+  size]`` (a jpipe model's named sizes: ``t5_v1``'s "3b", "v1_1-xl"),
+  then ``config.model.kwargs`` over them."""
+  kwargs = config.model.kwargs.to_dict()
+  size = config.model.get("size", "")
+  if not size:
+    return kwargs
+  name = config.model.name
+  sizes = {}
+  if not user_code.is_import_path(name) and name in TASK_OF_MODEL:
+    sizes = getattr(
+      importlib.import_module(f"jpipe.models.{name}"), "SIZES", {}
+    )
+  if size not in sizes:
+    raise UsageError(
+      f"config.model.size={size!r}: model {name!r} has "
+      + (f"sizes {sorted(sizes)}" if sizes else "no named sizes")
+    )
+  return {**sizes[size], **kwargs}
+
+
+def hf_names(config) -> dict:
+  """The name map of the config's model to HuggingFace checkpoints
+  (``jpipe.models.<name>.hf_names``); a UsageError if it has none."""
+  name = config.model.name
+  module = None
+  if not user_code.is_import_path(name) and name in TASK_OF_MODEL:
+    module = importlib.import_module(f"jpipe.models.{name}")
+  if module is None or not hasattr(module, "hf_names"):
+    takers = [
+      m
+      for m in TASK_OF_MODEL
+      if hasattr(importlib.import_module(f"jpipe.models.{m}"), "hf_names")
+    ]
+    raise UsageError(
+      f"config.init_from={config.init_from!r}: model {name!r} cannot take "
+      f"HuggingFace checkpoints; these can: {takers}"
+    )
+  return module.hf_names(module.Model(**model_kwargs(config)))
 
 
 def flax_module(path: str):

@@ -21,9 +21,11 @@ from jpipe.train import (
   config_check,
   data_parallel_lib,
   dynamic_lib,
+  hf_checkpoint,
   loop,
   optimizers,
   pretrained,
+  tasks,
 )
 from jpipe.train import run as run_lib
 
@@ -188,7 +190,12 @@ def _from_pretrained(config, task: Task, say) -> Task:
       f"paths look like {next(iter(pretrained.flat_paths(task.params)))!r}"
     )
   params = pretrained.load_params(
-    config.init_from, task.params, keep_init=config.init_keep
+    config.init_from,
+    task.params,
+    keep_init=config.init_keep,
+    hf_names=(
+      tasks.hf_names(config) if hf_checkpoint.is_hf(config.init_from) else None
+    ),
   )
   n = len(jax.tree.leaves(params))
   kept = f", {len(keep)} kept from the random init" if keep else ""

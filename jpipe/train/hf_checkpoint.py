@@ -1,0 +1,153 @@
+"""HuggingFace checkpoints in ``safetensors`` (PyTorch names and layout)
+read into jpipe's models by their name maps.
+
+``config.init_from=hf:PATH``: PATH is a ``*.safetensors`` file or a
+directory holding ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` (what ``save_pretrained`` writes and the
+Hub serves). A model module that can take such weights has
+``hf_names(model) -> {our param path: (HuggingFace name, transposed)}``
+(e.g. ``jpipe.models.t5_v1``); each leaf is read from its file alone (a
+header lookup and one read: no library, no copy of the whole file).
+"""
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+
+from jpipe.train.errors import UsageError
+
+PREFIX = "hf:"
+
+_DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
+}
+
+
+def is_hf(source) -> bool:
+  return isinstance(source, str) and source.startswith(PREFIX)
+
+
+class Safetensors:
+  """The tensors of one checkpoint (one file or an index of shards), read
+  one at a time.
+
+  Args:
+    path: a ``.safetensors`` file, or a directory with
+      ``model.safetensors`` or ``model.safetensors.index.json``.
+  """
+
+  def __init__(self, path: str):
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+      index = os.path.join(path, "model.safetensors.index.json")
+      single = os.path.join(path, "model.safetensors")
+      if os.path.isfile(index):
+        with open(index) as f:
+          weight_map = json.load(f)["weight_map"]
+        files = {n: os.path.join(path, f) for n, f in weight_map.items()}
+      elif os.path.isfile(single):
+        files = None
+        path = single
+      else:
+        raise UsageError(
+          f"{PREFIX}{path}: no model.safetensors or "
+          "model.safetensors.index.json in the directory (a HuggingFace "
+          "model saved with safe_serialization, or downloaded from the Hub)"
+        )
+    elif os.path.isfile(path):
+      files = None
+    else:
+      raise UsageError(f"{PREFIX}{path}: no such file or directory")
+    self.path = path
+    self._entries = {}  # name -> (file, dtype, shape, start offset)
+    for file in sorted(set(files.values())) if files else [path]:
+      self._entries.update(_header(file))
+    if files:
+      missing = [n for n in files if n not in self._entries]
+      if missing:
+        raise UsageError(
+          f"{PREFIX}{path}: the index names {missing[0]!r}, which its shard "
+          "does not hold"
+        )
+
+  def names(self) -> list[str]:
+    return sorted(self._entries)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._entries[name][2]
+
+  def read(self, name: str) -> np.ndarray:
+    """The tensor ``name``, read from its file (only its bytes)."""
+    file, dtype, shape, start = self._entries[name]
+    count = int(np.prod(shape))
+    with open(file, "rb") as f:
+      f.seek(start)
+      data = np.fromfile(
+        f, dtype=np.dtype(dtype).newbyteorder("<"), count=count
+      )
+    return data.reshape(shape)
+
+
+def _header(file: str) -> dict:
+  """{name: (file, dtype, shape, absolute offset)} of a safetensors file
+  (an 8-byte little-endian header size, a JSON header, the data)."""
+  try:
+    with open(file, "rb") as f:
+      size = int.from_bytes(f.read(8), "little")
+      header = json.loads(f.read(size))
+  except (OSError, ValueError) as e:
+    raise UsageError(
+      f"{PREFIX}{file} is not a safetensors file ({type(e).__name__}: {e})"
+    ) from e
+  out = {}
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    if entry["dtype"] not in _DTYPES:
+      raise UsageError(
+        f"{PREFIX}{file}: tensor {name!r} has dtype {entry['dtype']}, "
+        f"which jpipe does not read ({sorted(_DTYPES)})"
+      )
+    begin, _ = entry["data_offsets"]
+    out[name] = (
+      file,
+      _DTYPES[entry["dtype"]],
+      tuple(entry["shape"]),
+      8 + size + begin,
+    )
+  return out
+
+
+def params(path: str, names: dict) -> dict:
+  """``{our path: array}`` of the checkpoint at ``path`` by the model's
+  name map (our path -> (a name, or names tried in order; transposed));
+  a UsageError naming the first name the checkpoint lacks. Names the map
+  does not use (e.g. HuggingFace's tied copies
+  ``encoder.embed_tokens.weight``) are ignored."""
+  tensors = Safetensors(path)
+  have = set(tensors.names())
+  out = {}
+  for ours, (candidates, transposed) in names.items():
+    if isinstance(candidates, str):
+      candidates = (candidates,)
+    found = [n for n in candidates if n in have]
+    if not found:
+      raise UsageError(
+        f"{PREFIX}{path} has no tensor {candidates[0]!r} (for {ours!r}); is "
+        "it a checkpoint of this architecture and version? It has e.g. "
+        f"{sorted(have)[:3]}"
+      )
+    value = tensors.read(found[0])
+    out[ours] = value.T if transposed else value
+  return out

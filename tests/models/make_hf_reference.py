@@ -1,0 +1,98 @@
+"""Writes the HuggingFace reference the model tests compare against:
+tiny random T5 v1.0 / v1.1 checkpoints (``save_pretrained``: safetensors,
+v1.1 in shards with an index) and their logits, relative position
+buckets, from HuggingFace's PyTorch implementation.
+
+The tests read these files, so they need neither torch nor transformers.
+Regenerate (after a change of the reference library) with
+
+  pip install "torch==2.13.0+cpu" "transformers==5.24.0"
+  python -m tests.models.make_hf_reference
+
+Written with torch 2.13.0+cpu and transformers 5.24.0.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+import transformers
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from tests.models.test_t5_v1 import TINY
+
+OUT = os.path.join(os.path.dirname(__file__), "hf_reference")
+
+
+def t5(version: str, seed: int):
+  config = transformers.T5Config(
+    vocab_size=TINY["vocab_size"],
+    d_model=TINY["d_model"],
+    d_kv=TINY["d_kv"],
+    d_ff=TINY["d_ff"],
+    num_layers=TINY["num_layers"],
+    num_decoder_layers=TINY["num_decoder_layers"],
+    num_heads=TINY["num_heads"],
+    relative_attention_num_buckets=TINY["relative_attention_num_buckets"],
+    relative_attention_max_distance=TINY["relative_attention_max_distance"],
+    dropout_rate=0.0,
+    feed_forward_proj="gated-gelu" if version == "1.1" else "relu",
+    tie_word_embeddings=version == "1.0",
+    decoder_start_token_id=0,
+    pad_token_id=0,
+  )
+  torch.manual_seed(seed)
+  model = transformers.T5ForConditionalGeneration(config).eval()
+  with torch.no_grad():  # Random norms too, so a swapped norm shows.
+    for name, p in model.named_parameters():
+      if "layer_norm" in name:
+        p.uniform_(0.5, 1.5)
+  return model
+
+
+def main():
+  shutil.rmtree(OUT, ignore_errors=True)
+  os.makedirs(OUT)
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(1, 300, size=(2, 30)).astype(np.int32)
+  inputs[1, 22:] = 0  # Padding, masked out.
+  targets = rng.integers(1, 300, size=(2, 11)).astype(np.int32)
+  for version, seed, shard in (("1.0", 0, "10GB"), ("1.1", 1, "20KB")):
+    model = t5(version, seed)
+    directory = os.path.join(OUT, f"t5-v{version}")
+    model.save_pretrained(directory, max_shard_size=shard)
+    with torch.no_grad():
+      logits = model(
+        input_ids=torch.tensor(inputs, dtype=torch.long),
+        attention_mask=torch.tensor(inputs > 0, dtype=torch.long),
+        labels=torch.tensor(targets, dtype=torch.long),
+      ).logits.numpy()
+    np.savez(
+      os.path.join(directory, "reference.npz"),
+      inputs=inputs,
+      targets=targets,
+      logits=logits,
+    )
+  offsets = np.arange(-300, 300)[None, :]
+  np.savez(
+    os.path.join(OUT, "t5_buckets.npz"),
+    offsets=offsets,
+    **{
+      f"bidirectional_{b}": T5Attention._relative_position_bucket(
+        torch.tensor(offsets), b, 32, 128
+      ).numpy()
+      for b in (True, False)
+    },
+  )
+  with open(os.path.join(OUT, "versions.json"), "w") as f:
+    json.dump(
+      {"torch": torch.__version__, "transformers": transformers.__version__},
+      f,
+    )
+  print("wrote", OUT)
+
+
+if __name__ == "__main__":
+  main()
