@@ -349,9 +349,9 @@ def test_text_tasks_config_trains_on_mock_data(variant, records, tmp_path):
   config.data.sequence_length = 48
   config.data.target_length = 8
   config.model.kwargs.width = 32
+  config.model.kwargs.num_layers = 1  # (The data and config under test.)
   if config.model.name == "gpt":
     config.model.kwargs.max_length = 48
-    config.model.kwargs.num_layers = 2
   config.optimizer.warmup_steps = 1
   config.pipeline.num_stages = 2  # (Quick to compile; 4 in the config.)
   config.train.steps = 2

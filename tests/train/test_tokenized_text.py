@@ -23,8 +23,18 @@ def files(tmp_path_factory):
   }
 
 
+def _smaller(config):
+  """The tokenizer is under test, not the pipeline: 2 stages, 2 layers,
+  a tenth of the corpus to encode."""
+  config.data.train_split = "train[:10%]"
+  config.pipeline.num_stages = 2
+  config.pipeline.num_microbatches = 2
+  config.model.kwargs.num_layers = 2
+  return config
+
+
 def _lm_config(path, vocab=tokenizer_files.VOCAB):
-  config = _short(_get_config("gpt_lm"))
+  config = _smaller(_short(_get_config("gpt_lm")))
   config.data.tokenizer = path
   config.data.sequence_length = 32
   config.model.kwargs.vocab_size = vocab
@@ -53,7 +63,7 @@ def test_span_corruption_on_huggingface_ids(files, tmp_path):
   """Sentinels come after the tokenizer's ids (shifted by one: its id 0
   is a token, 0 pads)."""
   path = files["huggingface"]
-  config = _short(_get_config("t5"))
+  config = _smaller(_short(_get_config("t5")))
   config.data.tokenizer = path
   _, spans, _, _ = sequences.span_lengths(
     config.data.sequence_length,
