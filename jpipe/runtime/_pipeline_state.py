@@ -66,12 +66,23 @@ def init_state(pipe, params: Any, model_state: Any = None) -> PipelineState:
       opt_states.append(None)
       continue
     place = pipe.placement[s]
-    placed = place.put_replicated(leaves)
+    # Leaf by leaf: a lazily read checkpoint (leaves that read themselves
+    # when converted, e.g. jpipe.train.hf_checkpoint's) is never whole on
+    # the host, one leaf at a time on its way to its stage.
+    placed = type(leaves)(place.put_replicated(_on_host(x)) for x in leaves)
     stage_params.append(placed)
     opt_states.append(
       place.put_replicated(pipe.stage_optimizers[s].init(placed))
     )
   return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
+
+
+def _on_host(leaf):
+  """An array ``jax.device_put`` takes: arrays as they are, anything
+  else (an object with ``__array__``) converted."""
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
+    return leaf
+  return np.asarray(leaf)
 
 
 def check_drained(state, what: str) -> None:

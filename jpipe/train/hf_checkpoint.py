@@ -87,6 +87,9 @@ class Safetensors:
   def shape(self, name: str) -> tuple[int, ...]:
     return self._entries[name][2]
 
+  def dtype(self, name: str) -> np.dtype:
+    return np.dtype(self._entries[name][1])
+
   def read(self, name: str) -> np.ndarray:
     """The tensor ``name``, read from its file (only its bytes)."""
     file, dtype, shape, start = self._entries[name]
@@ -129,8 +132,39 @@ def _header(file: str) -> dict:
   return out
 
 
+class LazyTensor:
+  """A checkpoint tensor read when converted to an array (``np.asarray``,
+  as ``Pipeline.init`` does leaf by leaf on the way to the leaf's stage):
+  a multi-GB checkpoint is never whole in host memory. Has the ``shape``
+  and ``dtype`` it will have (transposed, cast), so tracing and checks
+  need no read. ``reads`` counts its reads."""
+
+  def __init__(self, tensors, name: str, transposed: bool, dtype=None):
+    self._tensors, self.name, self.transposed = tensors, name, transposed
+    shape = tensors.shape(name)
+    self.shape = tuple(reversed(shape)) if transposed else shape
+    self.dtype = np.dtype(dtype or tensors.dtype(name))
+    self.ndim = len(self.shape)
+    self.size = int(np.prod(self.shape))
+    self.reads = 0
+
+  def astype(self, dtype) -> "LazyTensor":
+    """The same tensor, cast to ``dtype`` when read."""
+    return LazyTensor(self._tensors, self.name, self.transposed, dtype)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is always a new array.
+    self.reads += 1
+    value = self._tensors.read(self.name)
+    value = value.T if self.transposed else value
+    return np.asarray(value, dtype=dtype or self.dtype)
+
+  def __repr__(self):
+    return f"LazyTensor({self.name!r}, {self.shape}, {self.dtype})"
+
+
 def params(path: str, names: dict) -> dict:
-  """``{our path: array}`` of the checkpoint at ``path`` by the model's
+  """``{our path: LazyTensor}`` of the checkpoint at ``path`` by the model's
   name map (our path -> (a name, or names tried in order; transposed));
   a UsageError naming the first name the checkpoint lacks. Names the map
   does not use (e.g. HuggingFace's tied copies
@@ -148,6 +182,5 @@ def params(path: str, names: dict) -> dict:
         "it a checkpoint of this architecture and version? It has e.g. "
         f"{sorted(have)[:3]}"
       )
-    value = tensors.read(found[0])
-    out[ours] = value.T if transposed else value
+    out[ours] = LazyTensor(tensors, found[0], transposed)
   return out

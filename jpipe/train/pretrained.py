@@ -121,6 +121,7 @@ def load_params(
   *,
   keep_init: str | Sequence[str] = (),
   hf_names: dict[str, tuple[str, bool]] | None = None,
+  lazy: bool = False,
 ) -> Any:
   """Pretrained params shaped like ``template``.
 
@@ -134,6 +135,9 @@ def load_params(
       may be missing from, or differ in shape in, the pretrained params).
     hf_names: for a ``hf:PATH`` source, the model's name map
       (``jpipe.models.<name>.hf_names(model)``).
+    lazy: a ``hf:PATH`` source's leaves stay ``hf_checkpoint.LazyTensor``
+      (read when ``Pipeline.init`` places each on its stage: the host
+      never holds the whole model); else NumPy arrays.
 
   Raises:
     PretrainedError: unreadable source, or params that do not fit; the
@@ -181,14 +185,20 @@ def load_params(
       leaves.append(like)
       continue
     value = got[path]
-    if tuple(np.shape(value)) != tuple(like.shape):
+    if isinstance(value, hf_checkpoint.LazyTensor):  # Read when placed.
+      shape, cast = value.shape, value.astype
+    else:
+      shape = np.shape(value)
+      cast = np.asarray(value).astype
+    if tuple(shape) != tuple(like.shape):
       raise PretrainedError(
         f"pretrained params {where}: {path!r} has shape "
-        f"{tuple(np.shape(value))}, the model's {tuple(like.shape)}; check "
+        f"{tuple(shape)}, the model's {tuple(like.shape)}; check "
         "model.kwargs against the pretrained model, or keep the fresh init "
         "of this leaf with keep_init (config.init_keep)"
       )
-    leaves.append(np.asarray(value).astype(like.dtype))
+    value = cast(like.dtype)
+    leaves.append(value if lazy else np.asarray(value))
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
 

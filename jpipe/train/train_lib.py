@@ -196,6 +196,7 @@ def _from_pretrained(config, task: Task, say) -> Task:
     hf_names=(
       tasks.hf_names(config) if hf_checkpoint.is_hf(config.init_from) else None
     ),
+    lazy=True,  # Each leaf read as it is placed on its stage.
   )
   n = len(jax.tree.leaves(params))
   kept = f", {len(keep)} kept from the random init" if keep else ""
