@@ -44,6 +44,7 @@ TASK_OF_MODEL = {
   "gpt": "language_model",
   "t5": "seq2seq",
   "t5_v1": "seq2seq",  # T5 as published (v1.0 / v1.1), HF weights.
+  "gpt2": "language_model",  # GPT-2 as published, HF weights.
 }
 
 
@@ -83,7 +84,8 @@ def build_task(config) -> Task:
 
 def model_kwargs(config) -> dict:
   """The model's keyword arguments: its module's ``SIZES[config.model.
-  size]`` (a jpipe model's named sizes: ``t5_v1``'s "3b", "v1_1-xl"),
+  size]`` (a jpipe model's named sizes: ``t5_v1``'s "3b", "v1_1-xl",
+  ``gpt2``'s "xl"),
   then ``config.model.kwargs`` over them."""
   kwargs = config.model.kwargs.to_dict()
   size = config.model.get("size", "")

@@ -1,7 +1,7 @@
 """Writes the HuggingFace reference the model tests compare against:
 tiny random T5 v1.0 / v1.1 checkpoints (``save_pretrained``: safetensors,
-v1.1 in shards with an index) and their logits, relative position
-buckets, from HuggingFace's PyTorch implementation.
+v1.1 in shards with an index) and GPT-2's, their logits, and T5's
+relative position buckets, from HuggingFace's PyTorch implementation.
 
 The tests read these files, so they need neither torch nor transformers.
 Regenerate (after a change of the reference library) with
@@ -21,6 +21,7 @@ import torch
 import transformers
 from transformers.models.t5.modeling_t5 import T5Attention
 
+from tests.models.test_gpt2 import GPT2_TINY
 from tests.models.test_t5_v1 import TINY
 
 OUT = os.path.join(os.path.dirname(__file__), "hf_reference")
@@ -52,6 +53,26 @@ def t5(version: str, seed: int):
   return model
 
 
+def gpt2_model(seed: int):
+  config = transformers.GPT2Config(
+    vocab_size=GPT2_TINY["vocab_size"],
+    n_positions=GPT2_TINY["n_positions"],
+    n_embd=GPT2_TINY["d_model"],
+    n_layer=GPT2_TINY["num_layers"],
+    n_head=GPT2_TINY["num_heads"],
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+  )
+  torch.manual_seed(seed)
+  model = transformers.GPT2LMHeadModel(config).eval()
+  with torch.no_grad():  # Random norms and biases, so a swap shows.
+    for name, p in model.named_parameters():
+      if "ln_" in name or name.endswith("bias"):
+        p.uniform_(-0.5, 1.5)
+  return model
+
+
 def main():
   shutil.rmtree(OUT, ignore_errors=True)
   os.makedirs(OUT)
@@ -75,6 +96,17 @@ def main():
       targets=targets,
       logits=logits,
     )
+  gpt2 = gpt2_model(seed=2)
+  directory = os.path.join(OUT, "gpt2")
+  gpt2.save_pretrained(directory)
+  tokens = rng.integers(0, GPT2_TINY["vocab_size"], size=(2, 20))
+  with torch.no_grad():
+    logits = gpt2(input_ids=torch.tensor(tokens, dtype=torch.long)).logits
+  np.savez(
+    os.path.join(directory, "reference.npz"),
+    tokens=tokens.astype(np.int32),
+    logits=logits.numpy(),
+  )
   offsets = np.arange(-300, 300)[None, :]
   np.savez(
     os.path.join(OUT, "t5_buckets.npz"),

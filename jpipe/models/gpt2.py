@@ -1,0 +1,139 @@
+"""GPT-2 as published (Radford et al. 2019), small to XL.
+
+The architecture of HuggingFace's ``GPT2LMHeadModel``, so its checkpoints
+load by a name map (``hf_names``): learned token and position
+embeddings, pre-norm blocks (layer norm, causal attention scaled by
+1/sqrt(head width), layer norm, a 4x MLP with tanh-approximated GELU),
+a final layer norm and the head tied to the token embedding.
+
+Tokens int [B, L] -> next-token logits float32 [B, L, vocab]. For the
+pipeline the modules are the embeddings, every block, the final norm;
+the tied head makes the first and last stages share ``wte``.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# HuggingFace's configs of OpenAI's checkpoints (gpt2, -medium, -large,
+# -xl): 124M, 355M, 774M, 1.56B parameters.
+SIZES = {
+  "small": dict(d_model=768, num_layers=12, num_heads=12),
+  "medium": dict(d_model=1024, num_layers=24, num_heads=16),
+  "large": dict(d_model=1280, num_layers=36, num_heads=20),
+  "xl": dict(d_model=1600, num_layers=48, num_heads=25),
+}
+
+
+class Block(nn.Module):
+  """Pre-norm causal self-attention and MLP, each added back."""
+
+  num_heads: int
+  dropout: float
+  eps: float
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    d = x.shape[-1]
+    width = d // self.num_heads
+    drop = nn.Dropout(self.dropout, deterministic=not train)
+    norm = lambda name: nn.LayerNorm(  # noqa: E731
+      epsilon=self.eps, dtype=self.dtype, name=name
+    )
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
+    q, k, v = jnp.split(dense(3 * d, "c_attn")(norm("ln_1")(x)), 3, axis=-1)
+
+    def heads(y):
+      return y.reshape(*y.shape[:2], self.num_heads, width)
+
+    scores = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / jnp.sqrt(
+      jnp.asarray(width, jnp.float32)
+    ).astype(q.dtype)
+    length = x.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
+    scores = jnp.where(
+      causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min
+    )
+    weights = drop(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
+    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, heads(v))
+    x = x + drop(dense(d, "attn_c_proj")(attended.reshape(x.shape)))
+    h = jax.nn.gelu(dense(4 * d, "c_fc")(norm("ln_2")(x)), approximate=True)
+    return x + drop(dense(d, "mlp_c_proj")(h))
+
+
+class Model(nn.Module):
+  """GPT-2 (see the module docstring); sizes by name in ``SIZES``."""
+
+  vocab_size: int = 50257
+  n_positions: int = 1024
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  dropout: float = 0.1
+  layer_norm_eps: float = 1e-5
+  dtype: Any = None  # Compute dtype (params stay float32).
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = True):
+    wte = nn.Embed(
+      self.vocab_size,
+      self.d_model,
+      embedding_init=nn.initializers.normal(0.02),
+      dtype=self.dtype,
+      name="wte",
+    )
+    wpe = self.param(
+      "wpe", nn.initializers.normal(0.01), (self.n_positions, self.d_model)
+    )
+    positions = wpe[None, : tokens.shape[1]]
+    if self.dtype is not None:
+      positions = positions.astype(self.dtype)
+    x = nn.Dropout(self.dropout, deterministic=not train)(
+      wte(tokens) + positions
+    )
+    for i in range(self.num_layers):
+      x = Block(
+        self.num_heads,
+        self.dropout,
+        self.layer_norm_eps,
+        self.dtype,
+        name=f"block_{i}",
+      )(x, train)
+    x = nn.LayerNorm(
+      epsilon=self.layer_norm_eps, dtype=self.dtype, name="ln_f"
+    )(x)
+    return wte.attend(x).astype(jnp.float32)
+
+
+def hf_names(model: Model) -> dict[str, tuple[tuple[str, ...], bool]]:
+  """Our param path -> (HuggingFace names to try: ``GPT2LMHeadModel``'s
+  "transformer.*", then ``GPT2Model``'s as OpenAI's checkpoints on the
+  Hub have them; transposed: never -- GPT-2's Conv1D weights are already
+  [in, out])."""
+
+  def both(name):
+    return ((f"transformer.{name}", name), False)
+
+  names = {
+    "wte/embedding": both("wte.weight"),
+    "wpe": both("wpe.weight"),
+    "ln_f/scale": both("ln_f.weight"),
+    "ln_f/bias": both("ln_f.bias"),
+  }
+  parts = {
+    "ln_1": "ln_1",
+    "ln_2": "ln_2",
+    "c_attn": "attn.c_attn",
+    "attn_c_proj": "attn.c_proj",
+    "c_fc": "mlp.c_fc",
+    "mlp_c_proj": "mlp.c_proj",
+  }
+  for i in range(model.num_layers):
+    for ours, theirs in parts.items():
+      weight = "scale" if ours.startswith("ln") else "kernel"
+      names[f"block_{i}/{ours}/{weight}"] = both(f"h.{i}.{theirs}.weight")
+      names[f"block_{i}/{ours}/bias"] = both(f"h.{i}.{theirs}.bias")
+  return names
