@@ -207,7 +207,13 @@ def records(config, split: str):
 def class_names(config, key: str) -> list[str]:
   """The class names of ``config.data``'s ``key`` feature (a TFDS
   ClassLabel); a UsageError if it is not one."""
-  feature = _tfds_builder(config.data).info.features[key] if key else None
+  features = _tfds_builder(config.data).info.features
+  if key not in features:
+    raise UsageError(
+      f"config.data.label_key={key!r}: {config.data.name!r} has no such "
+      f"feature; it has {sorted(features)}"
+    )
+  feature = features[key]
   names = getattr(feature, "names", None)
   if not names:
     raise UsageError(

@@ -171,13 +171,17 @@ def _text(record, key):
     ) from None
 
 
-def _segments_and_labels(config, records):
-  """([[text, ...] per example], int labels [N], class names)."""
-  data = config.data
-  keys = [k.strip() for k in data.text_keys.split(",") if k.strip()]
+def _text_keys(config) -> list[str]:
+  keys = [k.strip() for k in config.data.text_keys.split(",") if k.strip()]
   if not keys:
     raise UsageError("config.data.text_keys: name at least one feature")
-  names = input_pipeline.class_names(config, data.label_key)
+  return keys
+
+
+def _segments_and_labels(config, records, keys, names):
+  """([[text, ...] per example], int labels [N]) of the ``keys``
+  features; labels checked against the class ``names``."""
+  data = config.data
   texts = [[_text(r, k) for k in keys] for r in records]
   labels = np.asarray([int(r[data.label_key]) for r in records], np.int64)
   bad = labels[(labels < 0) | (labels >= len(names))]
@@ -187,7 +191,7 @@ def _segments_and_labels(config, records):
       f"{names} (GLUE's test splits hide their labels as -1: train and "
       "evaluate on 'train' and 'validation')"
     )
-  return keys, texts, labels, names
+  return texts, labels
 
 
 def _answers(config, record, limit):
@@ -205,11 +209,14 @@ def _text_to_text(config, encoder) -> Posing:
   data = config.data
   task_name = data.name.split("/")[-1].split(":")[0]
   metric = "accuracy" if data.format == "classification" else "exact_match"
+  if data.format == "classification":  # Read once, not per batch.
+    keys = _text_keys(config)
+    names = input_pipeline.class_names(config, data.label_key)
 
   def arrays(records, training):
     del training
     if data.format == "classification":
-      keys, texts, labels, names = _segments_and_labels(config, records)
+      texts, labels = _segments_and_labels(config, records, keys, names)
       inputs = [text_examples.prompt(task_name, keys, t) for t in texts]
       targets = [names[label] for label in labels]
     elif data.format == "qa":
@@ -289,11 +296,13 @@ def pooled(logits, last):
 
 def _classify(config, encoder) -> Posing:
   data = config.data
-  num_classes = len(input_pipeline.class_names(config, data.label_key))
+  keys = _text_keys(config)
+  names = input_pipeline.class_names(config, data.label_key)
+  num_classes = len(names)
 
   def arrays(records, training):
     del training
-    _, texts, labels, _ = _segments_and_labels(config, records)
+    texts, labels = _segments_and_labels(config, records, keys, names)
     return text_examples.classification_arrays(
       encoder, texts, labels, data.sequence_length
     )
