@@ -43,14 +43,15 @@ def _model_fields(c: ml_collections.ConfigDict) -> None:
   c.model = ml_collections.ConfigDict()
   c.model.name = "mlp"
   # A named size of a jpipe model (t5_v1: "small" ... "3b", "11b",
-  # "v1_1-small" ... "v1_1-xxl"; gpt2: "small" ... "xl"); model.kwargs
-  # override its fields.
+  # "v1_1-small" ... "v1_1-xxl"; gpt2: "small" ... "xl"; bert: "base",
+  # "large"); model.kwargs override its fields.
   c.model.size = ""
   c.model.kwargs = ml_collections.ConfigDict()
   # Fine-tuning: start from pretrained params instead of a random init.
   # A jpipe workdir or checkpoint (its params), another orbax checkpoint
   # of params, a Flax msgpack file, "hf:PATH" (a HuggingFace safetensors
-  # checkpoint of t5_v1 or gpt2), or "package.module:callable" returning params
+  # checkpoint of t5_v1, gpt2 or bert), or "package.module:callable"
+  # returning params
   # (e.g. a HuggingFace Flax model's .params); "" = random init.
   c.init_from = ""
   # Comma-separated regular expressions of param paths ("head/") that keep

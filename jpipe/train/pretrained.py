@@ -147,7 +147,8 @@ def load_params(
     if hf_names is None:
       raise PretrainedError(
         f"{source}: this model has no HuggingFace name map; models that "
-        "take HuggingFace checkpoints define hf_names (jpipe.models.t5_v1, gpt2)"
+        "take HuggingFace checkpoints define hf_names (jpipe.models.t5_v1, "
+        "gpt2, bert)"
       )
     # Keys "a/b/c" flatten to the same paths as the nested params.
     loaded = hf_checkpoint.params(source[len(hf_checkpoint.PREFIX) :], hf_names)

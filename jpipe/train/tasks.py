@@ -45,6 +45,9 @@ TASK_OF_MODEL = {
   "t5": "seq2seq",
   "t5_v1": "seq2seq",  # T5 as published (v1.0 / v1.1), HF weights.
   "gpt2": "language_model",  # GPT-2 as published, HF weights.
+  # BERT as published, HF weights: its classification or span head on a
+  # text task's data (config.data.format classification or qa).
+  "bert": "text task",
 }
 
 
@@ -75,6 +78,12 @@ def build_task(config) -> Task:
     raise UsageError(f"config.model.kwargs of {where}: {e}") from e
   if config.data.get("format") in text_tasks.FORMATS:
     return text_tasks.build(config, model)
+  if kind == "text task":
+    raise UsageError(
+      f"config.model.name={name!r} trains on a text task's data: start "
+      "config.data from base_config.text_classification_data or qa_data "
+      "(with config.model.kwargs.head='classification' or 'qa')"
+    )
   return {
     "classification": _classification,
     "language_model": _language_model,
@@ -85,7 +94,7 @@ def build_task(config) -> Task:
 def model_kwargs(config) -> dict:
   """The model's keyword arguments: its module's ``SIZES[config.model.
   size]`` (a jpipe model's named sizes: ``t5_v1``'s "3b", "v1_1-xl",
-  ``gpt2``'s "xl"),
+  ``gpt2``'s "xl", ``bert``'s "large"),
   then ``config.model.kwargs`` over them."""
   kwargs = config.model.kwargs.to_dict()
   size = config.model.get("size", "")

@@ -1,7 +1,8 @@
 """Writes the HuggingFace reference the model tests compare against:
 tiny random T5 v1.0 / v1.1 checkpoints (``save_pretrained``: safetensors,
-v1.1 in shards with an index) and GPT-2's, their logits, and T5's
-relative position buckets, from HuggingFace's PyTorch implementation.
+v1.1 in shards with an index), GPT-2's and BERT's (its three heads),
+their logits, T5's relative position buckets and BERT's parameter
+counts at full size, from HuggingFace's PyTorch implementation.
 
 The tests read these files, so they need neither torch nor transformers.
 Regenerate (after a change of the reference library) with
@@ -21,6 +22,7 @@ import torch
 import transformers
 from transformers.models.t5.modeling_t5 import T5Attention
 
+from tests.models.test_bert import BERT_TINY
 from tests.models.test_gpt2 import GPT2_TINY
 from tests.models.test_t5_v1 import TINY
 
@@ -73,6 +75,32 @@ def gpt2_model(seed: int):
   return model
 
 
+def bert_model(head: str, seed: int):
+  config = transformers.BertConfig(
+    vocab_size=BERT_TINY["vocab_size"],
+    hidden_size=BERT_TINY["d_model"],
+    num_hidden_layers=BERT_TINY["num_layers"],
+    num_attention_heads=BERT_TINY["num_heads"],
+    intermediate_size=BERT_TINY["d_ff"],
+    max_position_embeddings=BERT_TINY["max_position"],
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    num_labels=3 if head == "classification" else 2,
+  )
+  cls = {
+    "pretraining": transformers.BertForPreTraining,
+    "classification": transformers.BertForSequenceClassification,
+    "qa": transformers.BertForQuestionAnswering,
+  }[head]
+  torch.manual_seed(seed)
+  model = cls(config).eval()
+  with torch.no_grad():  # Random norms and biases, so a swap shows.
+    for name, p in model.named_parameters():
+      if "LayerNorm" in name or name.endswith("bias"):
+        p.uniform_(-0.5, 1.5)
+  return model
+
+
 def main():
   shutil.rmtree(OUT, ignore_errors=True)
   os.makedirs(OUT)
@@ -107,6 +135,65 @@ def main():
     tokens=tokens.astype(np.int32),
     logits=logits.numpy(),
   )
+  tokens = rng.integers(1, BERT_TINY["vocab_size"], size=(2, 24))
+  tokens[1, 17:] = 0  # [PAD], masked out.
+  types = np.zeros_like(tokens)
+  types[:, 12:] = 1
+  for head, seed in (("pretraining", 5), ("classification", 6), ("qa", 7)):
+    model = bert_model(head, seed)
+    directory = os.path.join(OUT, f"bert-{head}")
+    model.save_pretrained(directory)
+    with torch.no_grad():
+      out = model(
+        input_ids=torch.tensor(tokens, dtype=torch.long),
+        attention_mask=torch.tensor(tokens > 0, dtype=torch.long),
+        token_type_ids=torch.tensor(types, dtype=torch.long),
+      )
+    if head == "pretraining":
+      logits = {
+        "mlm": out.prediction_logits.numpy(),
+        "nsp": out.seq_relationship_logits.numpy(),
+      }
+    elif head == "classification":
+      logits = {"scores": out.logits.numpy()}
+    else:
+      logits = {
+        "scores": np.stack(
+          [out.start_logits.numpy(), out.end_logits.numpy()], axis=-1
+        )
+      }
+    np.savez(
+      os.path.join(directory, "reference.npz"),
+      tokens=tokens.astype(np.int32),
+      types=types.astype(np.int32),
+      **logits,
+    )
+  counts = {}
+  for size, fields in (
+    (
+      "base",
+      dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+      ),
+    ),
+    (
+      "large",
+      dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+      ),
+    ),
+  ):
+    with torch.device("meta"):  # Shapes only.
+      full = transformers.BertForPreTraining(transformers.BertConfig(**fields))
+    counts[f"bert-{size}-pretraining"] = full.num_parameters()
+  with open(os.path.join(OUT, "bert_counts.json"), "w") as f:
+    json.dump(counts, f)
   offsets = np.arange(-300, 300)[None, :]
   np.savez(
     os.path.join(OUT, "t5_buckets.npz"),

@@ -435,3 +435,34 @@ def test_the_users_module_by_path_on_text_classification(tmp_path):
   with _mock("classification"):
     with pytest.raises(UsageError, match=r"scores \[batch, 2\]"):
       tasks.build_task(config)
+
+
+@pytest.mark.parametrize(
+  "fmt, head", [("classification", "classification"), ("qa", "qa")]
+)
+def test_bert_heads_on_text_tasks(fmt, head):
+  """BERT as published with its classification head (pooled [CLS]) or
+  span head, posed like any one-input model."""
+  config = _config(fmt, "gpt")
+  config.model.name = "bert"
+  config.model.kwargs = {
+    "vocab_size": 257,
+    "max_position": 48,
+    "d_model": 24,
+    "num_layers": 2,
+    "num_heads": 3,
+    "d_ff": 40,
+    "dropout": 0.0,
+    "head": head,
+    "num_classes": 2,
+  }
+  with _mock(fmt):
+    task = check_task(tasks.build_task(config), "test")
+  assert (
+    task.kind == f"{fmt} ({'classify' if head == 'classification' else 'span'})"
+  )
+  metrics = task.evaluation.on_one_device(task.params, None)
+  assert all(math.isfinite(v) for v in metrics.values())
+  config.data = base_config.text_data()
+  with pytest.raises(UsageError, match="trains on a text task's data"):
+    tasks.build_task(config)
