@@ -7,7 +7,7 @@ counts at full size, from HuggingFace's PyTorch implementation.
 The tests read these files, so they need neither torch nor transformers.
 Regenerate (after a change of the reference library) with
 
-  pip install "torch==2.13.0+cpu" "transformers==5.24.0"
+  pip install -e ".[reference]"   # torch (its CPU build) and transformers
   python -m tests.models.make_hf_reference
 
 Written with torch 2.13.0+cpu and transformers 5.24.0.
