@@ -70,7 +70,7 @@ def build_task(config) -> Task:
         f"config.model.name: no model {name!r} in jpipe.models "
         f"({', '.join(TASK_OF_MODEL)}); name your own as package.module:Module"
       )
-    model_class = importlib.import_module(f"jpipe.models.{name}").Model
+    model_class = _jpipe_model(name).Model
     where = f"jpipe.models.{name}.Model"
   try:
     model = model_class(**model_kwargs(config))
@@ -101,11 +101,7 @@ def model_kwargs(config) -> dict:
   if not size:
     return kwargs
   name = config.model.name
-  sizes = {}
-  if not user_code.is_import_path(name) and name in TASK_OF_MODEL:
-    sizes = getattr(
-      importlib.import_module(f"jpipe.models.{name}"), "SIZES", {}
-    )
+  sizes = getattr(_jpipe_model(name), "SIZES", {})
   if size not in sizes:
     raise UsageError(
       f"config.model.size={size!r}: model {name!r} has "
@@ -118,20 +114,22 @@ def hf_names(config) -> dict:
   """The name map of the config's model to HuggingFace checkpoints
   (``jpipe.models.<name>.hf_names``); a UsageError if it has none."""
   name = config.model.name
-  module = None
-  if not user_code.is_import_path(name) and name in TASK_OF_MODEL:
-    module = importlib.import_module(f"jpipe.models.{name}")
-  if module is None or not hasattr(module, "hf_names"):
-    takers = [
-      m
-      for m in TASK_OF_MODEL
-      if hasattr(importlib.import_module(f"jpipe.models.{m}"), "hf_names")
-    ]
+  module = _jpipe_model(name)
+  if not hasattr(module, "hf_names"):
+    takers = [m for m in TASK_OF_MODEL if hasattr(_jpipe_model(m), "hf_names")]
     raise UsageError(
       f"config.init_from={config.init_from!r}: model {name!r} cannot take "
       f"HuggingFace checkpoints; these can: {takers}"
     )
   return module.hf_names(module.Model(**model_kwargs(config)))
+
+
+def _jpipe_model(name: str):
+  """The module ``jpipe.models.<name>`` of a jpipe model's name; None for
+  any other name (the user's, by import path)."""
+  if name not in TASK_OF_MODEL:
+    return None
+  return importlib.import_module(f"jpipe.models.{name}")
 
 
 def flax_module(path: str):
