@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jpipe.models import bert
-from jpipe.train import pretrained
+from tests.models import hf_loading
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "hf_reference")
 # The reference models' fields in jpipe's names.
@@ -31,12 +31,7 @@ def test_logits_equal_huggingface(head):
   ref = np.load(os.path.join(directory, "reference.npz"))
   model = bert.Model(**BERT_TINY, dropout=0.0, head=head, num_classes=3)
   args = (ref["tokens"], ref["types"])
-  template = jax.eval_shape(
-    lambda *a: model.init(jax.random.key(0), *a, train=False), *args
-  )["params"]
-  names = bert.hf_names(model)
-  assert set(pretrained.flat_paths(template)) == set(names)
-  params = pretrained.load_params(f"hf:{directory}", template, hf_names=names)
+  params = hf_loading.load(model, bert.hf_names(model), directory, *args)
   out = model.apply({"params": params}, *args, train=False)
   if head == "pretraining":
     np.testing.assert_allclose(out[0], ref["mlm"], rtol=1e-5, atol=1e-5)
@@ -51,8 +46,5 @@ def test_sizes_have_huggingfaces_parameter_counts():
   tokens = jax.ShapeDtypeStruct((1, 8), np.int32)
   for size in ("base", "large"):
     model = bert.Model(**bert.SIZES[size])
-    shapes = jax.eval_shape(
-      lambda x, m=model: m.init(jax.random.key(0), x, train=False), tokens
-    )
-    total = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+    total = hf_loading.param_count(model, tokens)
     assert total == counts[f"bert-{size}-pretraining"], size

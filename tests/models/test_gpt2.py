@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jpipe.models import gpt2
-from jpipe.train import pretrained
+from tests.models import hf_loading
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "hf_reference", "gpt2")
 # The reference model's fields in jpipe's names.
@@ -20,12 +20,9 @@ GPT2_TINY = dict(
 def test_logits_equal_huggingface():
   ref = np.load(os.path.join(REFERENCE, "reference.npz"))
   model = gpt2.Model(**GPT2_TINY, dropout=0.0)
-  template = jax.eval_shape(
-    lambda x: model.init(jax.random.key(0), x, train=False), ref["tokens"]
-  )["params"]
-  names = gpt2.hf_names(model)
-  assert set(pretrained.flat_paths(template)) == set(names)
-  params = pretrained.load_params(f"hf:{REFERENCE}", template, hf_names=names)
+  params = hf_loading.load(
+    model, gpt2.hf_names(model), REFERENCE, ref["tokens"]
+  )
   logits = model.apply({"params": params}, ref["tokens"], train=False)
   np.testing.assert_allclose(logits, ref["logits"], rtol=1e-5, atol=1e-5)
 
@@ -34,11 +31,7 @@ def test_sizes_have_the_published_parameter_counts():
   """Abstract: HuggingFace's counts of gpt2 and gpt2-xl (tied head)."""
   tokens = jax.ShapeDtypeStruct((1, 8), np.int32)
   for size, count in {"small": 124_439_808, "xl": 1_557_611_200}.items():
-    model = gpt2.Model(**gpt2.SIZES[size])
-    shapes = jax.eval_shape(
-      lambda x, m=model: m.init(jax.random.key(0), x, train=False), tokens
-    )
-    total = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+    total = hf_loading.param_count(gpt2.Model(**gpt2.SIZES[size]), tokens)
     assert total == count, (size, total)
 
 
@@ -52,11 +45,8 @@ def test_the_pretrained_model_through_two_stages_keeps_its_loss():
 
   ref = np.load(os.path.join(REFERENCE, "reference.npz"))
   model = gpt2.Model(**GPT2_TINY, dropout=0.0)
-  template = jax.eval_shape(
-    lambda x: model.init(jax.random.key(0), x, train=False), ref["tokens"]
-  )["params"]
-  params = pretrained.load_params(
-    f"hf:{REFERENCE}", template, hf_names=gpt2.hf_names(model), lazy=True
+  params = hf_loading.load(
+    model, gpt2.hf_names(model), REFERENCE, ref["tokens"], lazy=True
   )
 
   def loss_fn(params, batch):

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from jpipe.models import t5_v1
-from jpipe.train import base_config, pretrained, train_lib
+from jpipe.train import base_config, train_lib
 from jpipe.train.errors import UsageError
+from tests.models import hf_loading
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "hf_reference")
 # The reference models' fields in jpipe's names (make_hf_reference.py
@@ -40,14 +41,9 @@ def test_logits_equal_huggingface(version):
   directory = os.path.join(REFERENCE, f"t5-v{version}")
   ref = np.load(os.path.join(directory, "reference.npz"))
   model = _ours(version)
-  template = jax.eval_shape(
-    lambda x, y: model.init(jax.random.key(0), x, y, train=False),
-    ref["inputs"],
-    ref["targets"],
-  )["params"]
-  names = t5_v1.hf_names(model)
-  assert set(pretrained.flat_paths(template)) == set(names)
-  params = pretrained.load_params(f"hf:{directory}", template, hf_names=names)
+  params = hf_loading.load(
+    model, t5_v1.hf_names(model), directory, ref["inputs"], ref["targets"]
+  )
   logits = model.apply(
     {"params": params}, ref["inputs"], ref["targets"], train=False
   )
@@ -74,10 +70,7 @@ def test_sizes_have_the_published_parameter_counts():
   }
   for size, count in expected.items():
     model = t5_v1.Model(**t5_v1.SIZES[size])
-    shapes = jax.eval_shape(
-      lambda x, m=model: m.init(jax.random.key(0), x, x, train=False), inputs
-    )
-    total = sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+    total = hf_loading.param_count(model, inputs, inputs)
     assert total == count, (size, total)
 
 
