@@ -20,6 +20,7 @@ from jpipe.partition._plan import (
   plan_from_boundaries,
   plan_from_pipedream,
   plan_traced,
+  stage_memory_bytes,
   steady_state_delay,
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
@@ -46,6 +47,7 @@ __all__ = [
   "plan_from_boundaries",
   "plan_from_pipedream",
   "plan_traced",
+  "stage_memory_bytes",
   "plot_plan",
   "print_plan_table",
   "profile_nodes",

@@ -22,6 +22,16 @@ result is never worse than it.
 FTPipe's greedy pops the *smallest* block first (a quirk of popitem on a
 descending dict, spec §7); jpipe places the largest first, as best fit
 intends.
+
+Memory (``memory_limit``): as FTPipe's best fit, a block goes to the least
+loaded device that still fits it, and a refinement move that overfills a
+device is not taken. A device holds the sum of its stages' bytes under
+``_contiguous``'s model: static bytes (params, gradients, optimizer
+state), stashed param versions, the activations of the microbatches in
+flight at the stage (1F1B over all S stages in program order: S - s, the
+bound without FTPipe's virtual-stage cap) and one microbatch's working
+memory. A candidate over the limit on any device is dropped; when none
+fits, the error names the device, its stages and the bytes.
 """
 
 import dataclasses
@@ -60,6 +70,8 @@ def solve_mixed(
   max_refine_rounds: int = 100,
   comm_model: str = "ftpipe",
   min_gain: float = 0.01,
+  memory: "StageMemory | None" = None,
+  memory_limit: float | None = None,
 ) -> MixedSolution:
   """Mixed-pipe partition of N ordered nodes onto ``num_devices`` devices.
 
@@ -69,12 +81,14 @@ def solve_mixed(
     edges: (src, dst) -> bytes, src < dst in the order.
     bandwidth: bytes/s between devices; None ignores communication.
     block_counts: the L values to try (each P <= L <= N); default
-      P, 2P, 3P, 4P capped at N.
+      P, 2P, 3P, 4P (and 6P, 8P, 12P, 16P with a memory limit) capped at N.
     max_refine_rounds: passes of border-node moves.
     comm_model: "ftpipe" (default, FTPipe's) or "overlapped" (PipeDream's).
     min_gain: a candidate with more stages replaces a better-ranked one only
       if it is faster by at least this fraction (stages cost transfers and
       bookkeeping the model does not see).
+    memory, memory_limit: each stage's bytes (``StageMemory``) and the
+      bytes a device may hold; both or neither.
 
   Returns:
     The best solution found; its objective is never above the exact
@@ -93,30 +107,47 @@ def solve_mixed(
     raise ValueError(f"unknown comm_model {comm_model!r}: one of {COMM_MODELS}")
   edges = dict(edges or {})
   if block_counts is None:
-    block_counts = sorted({min(k * num_devices, n) for k in (1, 2, 3, 4)})
+    # With a memory limit, finer blocks too: a block's bytes cannot be
+    # split by placing it, only by cutting it smaller.
+    factors = (1, 2, 3, 4) + ((6, 8, 12, 16) if memory is not None else ())
+    block_counts = sorted({min(k * num_devices, n) for k in factors})
   for count in block_counts:
     if not num_devices <= count <= n:
       raise ValueError(f"block count {count} must lie in [{num_devices}, {n}]")
+  if (memory is None) != (memory_limit is None):
+    raise ValueError("give memory and memory_limit together")
   evaluate = _Evaluator(cost, edges, bandwidth, num_devices, comm_model)
-  straight = solve_contiguous(
-    cost, num_devices, edges=edges, bandwidth=bandwidth, comm_model=comm_model
-  )
-  bounds = list(straight.boundaries)
-  best = (
-    evaluate.objective(bounds, list(range(num_devices))),
-    bounds,
-    list(range(num_devices)),
-  )
+  fits = _Fits(memory, memory_limit, num_devices)
+  candidates = []
+  try:
+    straight = solve_contiguous(
+      cost,
+      num_devices,
+      edges=edges,
+      bandwidth=bandwidth,
+      comm_model=comm_model,
+      **({} if memory is None else memory.contiguous(memory_limit)),
+    )
+    candidates.append((list(straight.boundaries), list(range(num_devices))))
+  except ValueError:  # No straight split fits; mixed ones may.
+    pass
   for count in block_counts:
     blocks = solve_contiguous(cost, count).boundaries
-    block_device = _best_fit(cost, blocks, num_devices)
+    block_device = _best_fit(cost, blocks, num_devices, fits)
     bounds, devices = _merge_runs(blocks, block_device)
-    bounds, devices = _refine(
-      evaluate, list(bounds), list(devices), max_refine_rounds
+    candidates.append(
+      _refine(evaluate, list(bounds), list(devices), max_refine_rounds, fits)
     )
+  best = None
+  for bounds, devices in candidates:
+    if not fits(bounds, devices):
+      continue
     value = evaluate.objective(bounds, devices)
-    if value < best[0] * (1.0 - min_gain):
+    # (The straight split comes first: more stages must win by min_gain.)
+    if best is None or value < best[0] * (1.0 - min_gain):
       best = (value, bounds, devices)
+  if best is None:
+    raise ValueError(fits.why_not(candidates))
   value, bounds, devices = best
   stage_times, device_compute = evaluate.stage_times(bounds, devices)
   return MixedSolution(
@@ -163,17 +194,137 @@ class _Evaluator:
     return float(times.max())
 
 
-def _best_fit(cost, blocks, num_devices):
-  """Largest block first onto the least loaded device."""
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+  """Per node bytes of ``_contiguous``'s memory model, [N] each:
+  ``static`` (params, gradients, optimizer state), ``params`` (one
+  version, for stashed copies), ``activations`` (kept per microbatch in
+  flight), ``working`` (one microbatch's programs); ``edges`` the bytes
+  between nodes (what a recomputing stage keeps: its inputs);
+  ``stashing``: a stage keeps as many param versions as microbatches in
+  flight."""
+
+  static: np.ndarray
+  params: np.ndarray
+  activations: np.ndarray
+  working: np.ndarray
+  edges: Mapping[tuple[int, int], float]
+  recompute: bool = False
+  stashing: bool = False
+
+  def stage_bytes(self, bounds, flight=None) -> np.ndarray:
+    """Bytes of each stage of ``bounds`` (S stages in program order) with
+    ``flight`` microbatches in flight at each (default 1F1B's S - s)."""
+    b = np.asarray(bounds)
+    return self.bytes_of(np.repeat(np.arange(len(b) - 1), np.diff(b)), flight)
+
+  def bytes_of(self, stage_of, flight=None, versions=None) -> np.ndarray:
+    """Bytes of each stage, nodes assigned by ``stage_of`` [N]; ``flight``
+    and ``versions`` (stashed param versions) per stage, default S - s
+    and 1 (S - s with ``stashing``)."""
+    of = np.asarray(stage_of)
+    count = int(of.max()) + 1
+    if flight is None:
+      flight = count - np.arange(count, dtype=np.float64)
+    flight = np.asarray(flight, np.float64)
+    if versions is None:
+      versions = flight if self.stashing else np.ones(count)
+    versions = np.asarray(versions, np.float64)
+
+    def per_stage(x):
+      return np.bincount(of, weights=x, minlength=count)
+
+    if self.recompute:  # The bytes entering each stage.
+      kept = np.zeros(count)
+      for (u, v), w in self.edges.items():
+        if of[u] != of[v]:
+          kept[of[v]] += w
+    else:
+      kept = per_stage(self.activations)
+    return (
+      per_stage(self.static)
+      + (versions - 1.0) * per_stage(self.params)
+      + flight * kept
+      + per_stage(self.working)
+    )
+
+  def contiguous(self, memory_limit) -> dict:
+    """``solve_contiguous``'s keyword arguments for the same model."""
+    return dict(
+      static_bytes=self.static,
+      activation_bytes=self.activations,
+      working_bytes=self.working,
+      param_bytes=self.params,
+      memory_limit=memory_limit,
+      recompute=self.recompute,
+    )
+
+
+class _Fits:
+  """Whether a (boundaries, stage devices) pair fits the memory limit."""
+
+  def __init__(self, memory, limit, num_devices):
+    self.memory, self.limit, self.num_devices = memory, limit, num_devices
+
+  def device_bytes(self, bounds, devices) -> np.ndarray:
+    load = np.zeros(self.num_devices)
+    np.add.at(load, np.asarray(devices), self.memory.stage_bytes(bounds))
+    return load
+
+  def __call__(self, bounds, devices) -> bool:
+    if self.memory is None:
+      return True
+    return bool(self.device_bytes(bounds, devices).max() <= self.limit)
+
+  def block_bytes(self, blocks) -> np.ndarray:
+    """Each block's bytes as a stage of its own, in flight as at its
+    place in a pipeline of one stage per device (block b of L: P -
+    floor(b P / L)); an estimate for placing blocks, the candidates are
+    checked on their real stages."""
+    count = len(blocks) - 1
+    if self.memory is None:
+      return np.zeros(count)
+    p = self.num_devices
+    flight = p - np.floor(np.arange(count) * p / count)
+    return self.memory.stage_bytes(blocks, flight)
+
+  def why_not(self, candidates) -> str:
+    """The error when no candidate fits: the closest one's fullest device."""
+    best = min(
+      candidates, key=lambda c: self.device_bytes(*c).max(), default=None
+    )
+    load = self.device_bytes(*best)
+    d = int(np.argmax(load))
+    stages = [s for s, dev in enumerate(best[1]) if dev == d]
+    per_stage = self.memory.stage_bytes(best[0])
+    return (
+      f"no mixed-pipe placement on {self.num_devices} devices fits "
+      f"memory_limit={self.limit:.4g} bytes: the closest puts "
+      f"{load[d]:.4g} bytes on device {d} (stages {stages}: "
+      + ", ".join(f"{per_stage[s]:.3g}" for s in stages)
+      + " bytes); use more devices, recomputation, a smaller microbatch "
+      "or an optimizer with less state (adafactor, sgd)"
+    )
+
+
+def _best_fit(cost, blocks, num_devices, fits=None):
+  """Largest block first onto the least loaded device that still has
+  memory for it (the least loaded of all when none has)."""
   sizes = [
     float(cost[a:b].sum()) for a, b in zip(blocks[:-1], blocks[1:], strict=True)
   ]
+  need = fits.block_bytes(blocks) if fits is not None else np.zeros(len(sizes))
+  limit = np.inf if fits is None or fits.limit is None else fits.limit
   load = np.zeros(num_devices)
+  held = np.zeros(num_devices)
   device = [0] * len(sizes)
   for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-    d = int(np.argmin(load))
+    room = held + need[i] <= limit
+    order = np.argsort(load, kind="stable")
+    d = int(next((d for d in order if room[d]), order[0]))
     device[i] = d
     load[d] += sizes[i]
+    held[d] += need[i]
   return device
 
 
@@ -189,8 +340,9 @@ def _merge_runs(blocks, block_device):
   return bounds, devices
 
 
-def _refine(evaluate, bounds, devices, max_rounds):
-  """Move single border nodes between neighbouring stages while it helps."""
+def _refine(evaluate, bounds, devices, max_rounds, fits=None):
+  """Move single border nodes between neighbouring stages while it helps
+  (and the devices keep within memory)."""
   current = evaluate.objective(bounds, devices)
   for _ in range(max_rounds):
     improved = False
@@ -201,7 +353,7 @@ def _refine(evaluate, bounds, devices, max_rounds):
         if not trial[i - 1] < trial[i] < trial[i + 1]:
           continue
         value = evaluate.objective(trial, devices)
-        if value < current - 1e-15:
+        if value < current - 1e-15 and (fits is None or fits(trial, devices)):
           bounds, current, improved = trial, value, True
     if not improved:
       break

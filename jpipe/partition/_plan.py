@@ -9,7 +9,7 @@ import numpy as np
 
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import ProfileGraph
-from jpipe.partition._mixed import solve_mixed
+from jpipe.partition._mixed import StageMemory, solve_mixed
 from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
@@ -130,7 +130,8 @@ def plan_traced(
     num_devices: devices of the pipeline.
     method: "contiguous" (one stage per device, exact min-max over the
       traced program order, memory-limited), "mixed" (FTPipe's mixed
-      pipe: several stages per device; the memory limit is not applied)
+      pipe: several stages per device, each device's stages within the
+      memory limit)
       or "pipedream" (PipeDream's DP over the graph's antichains, straight:
       one device per stage, as jpipe's runtime runs stages; transfers
       count when ``bandwidth`` is given; the memory limit uses PipeDream's
@@ -141,8 +142,7 @@ def plan_traced(
       at ``bandwidth``, 1e9 bytes/s when None). jpipe's runtime splits each
       microbatch among a stage's replicas, so their count must divide it.
     bandwidth: bytes/s between devices; None ignores communication.
-    memory_limit: bytes per device; None for no limit ("contiguous" and
-      "pipedream*"; "mixed" refuses one).
+    memory_limit: bytes per device; None for no limit.
     optimizer_state_factor: optimizer state per parameter byte (2 for
       Adam's two moments, 1 for momentum SGD); gradients add one more.
     in_flight, param_versions, recompute: "contiguous"'s memory model:
@@ -203,22 +203,33 @@ def plan_traced(
   network = dict(
     edges=traced.edges(), bandwidth=bandwidth, comm_model=comm_model
   )
+  param_bytes = traced.node_param_bytes()
+  values = traced.node_intermediate_bytes()
+  static = param_bytes * (2.0 + optimizer_state_factor)  # + grads + state
   if method == "mixed":
+    memory = None
     if memory_limit is not None:
-      raise ValueError(
-        "partition method 'mixed' has no memory model: use 'contiguous' or "
-        "'pipedream' with memory_limit (jpipe.Pipeline checks any plan's "
-        "memory after building it)"
+      memory = StageMemory(
+        static=static,
+        params=param_bytes,
+        activations=values,
+        working=values + param_bytes,
+        edges=network["edges"],
+        recompute=recompute,
+        stashing=param_versions is not None and max(param_versions) > 1,
       )
-    mixed = solve_mixed(compute, num_devices, **network)
+    mixed = solve_mixed(
+      compute,
+      num_devices,
+      **network,
+      memory=memory,
+      memory_limit=memory_limit,
+    )
     return finish(
       mixed.stage_of_node(),
       [(devices[d],) for d in mixed.stage_device],
       mixed.stage_seconds,
     )
-  param_bytes = traced.node_param_bytes()
-  values = traced.node_intermediate_bytes()
-  static = param_bytes * (2.0 + optimizer_state_factor)  # + grads + state
   solution = solve_contiguous(
     compute,
     num_devices,
@@ -235,6 +246,43 @@ def plan_traced(
   )
   return finish(
     solution.stage_of_node(), [(d,) for d in devices], solution.stage_seconds
+  )
+
+
+def stage_memory_bytes(
+  traced: TracedModel,
+  plan: Plan,
+  *,
+  optimizer_state_factor: float = 2.0,
+  in_flight: Sequence[int] | None = None,
+  param_versions: Sequence[int] | None = None,
+  recompute: bool = False,
+  memory_limit: float | None = None,
+) -> np.ndarray:
+  """Each stage's predicted bytes under the partitioner's model (the one
+  ``plan_traced`` keeps to; ``memory_limit`` is accepted and unused so a
+  ``plan_traced`` memory dict passes whole): params, gradients and
+  optimizer state, stashed versions, the kept activations of the
+  microbatches in flight (``in_flight`` per stage, default S - s; a
+  recomputing stage keeps its inputs) and one microbatch's working
+  memory. float64 [num_stages]."""
+  del memory_limit
+  n = plan.num_stages
+  params = traced.node_param_bytes()
+  values = traced.node_intermediate_bytes()
+  memory = StageMemory(
+    static=params * (2.0 + optimizer_state_factor),
+    params=params,
+    activations=values,
+    working=values + params,
+    edges=traced.edges(),
+    recompute=recompute,
+  )
+  ok = lambda x: x is not None and len(x) == n  # noqa: E731
+  return memory.bytes_of(
+    plan.stage_of_node,
+    in_flight if ok(in_flight) else None,
+    param_versions if ok(param_versions) else None,
   )
 
 

@@ -22,6 +22,7 @@ from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._batches import batch_size
 from jpipe.runtime._calls import CallActions
 from jpipe.runtime._memory import (
+  memory_options_for,
   partitioner_memory_model,
   resolve_memory_limit,
 )
@@ -374,11 +375,7 @@ def _make_plan(
       method=options["cost_model"],
       recompute=options["recompute"],
     )
-    memory = options["memory"] or {}
-    if partition == "mixed":  # Checked on the built pipeline instead.
-      memory = {}
-    elif partition != "contiguous":  # PipeDream's own stash model.
-      memory = {"memory_limit": memory.get("memory_limit")}
+    memory = memory_options_for(partition, options["memory"])
     slots = options["slots"]  # A contiguous stage per slot, on its device.
     plan = partition_lib.plan_traced(
       traced,

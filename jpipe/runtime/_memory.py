@@ -336,6 +336,19 @@ def partitioner_memory_model(
   }
 
 
+def memory_options_for(method: str, memory: dict | None) -> dict:
+  """The part of ``partitioner_memory_model``'s options a partition
+  ``method`` takes: "contiguous" all; "mixed" the limit, the optimizer's
+  state, recomputation and stashing (its own in-flight counts: S - s over
+  its S stages); PipeDream's methods the limit (their own stash model)."""
+  memory = memory or {}
+  if method == "contiguous" or not memory:
+    return dict(memory)
+  if method == "mixed":
+    return {k: v for k, v in memory.items() if k != "in_flight"}
+  return {"memory_limit": memory.get("memory_limit")}
+
+
 def _held_until_weight_gradient(kind, n, m, fused_last) -> list[int]:
   """Per stage, the most microbatches between their forward and their
   weight gradient (B or W) in ``kind``'s schedule of ``n`` stages (stage

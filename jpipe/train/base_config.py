@@ -80,7 +80,8 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   # stage's step uses its own gradient's norm with the other stages'
   # latest (one process only).
   c.optimizer.clip_norm = 0.0
-  # Learning-rate schedule: "constant"; "warmup_cosine" (linear warm-up,
+  # Learning-rate schedule: "constant"; "warmup_constant" (FTPipe's T5:
+  # linear warm-up, then the peak); "warmup_cosine" (linear warm-up,
   # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear
   # decay to 0 at the last step); "rsqrt" (T5: the peak for warmup_steps,
   # then peak * sqrt(warmup_steps / step)); "multistep" (WRN, ResNet: the
@@ -249,6 +250,10 @@ def image_data(name: str = "digits") -> ml_collections.ConfigDict:
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
   d.image_key = "image"  # Feature names of a TFDS dataset.
   d.label_key = "label"
+  # [H, W, C] the model sees; () = the dataset's. Training checks the
+  # images have it; planning (python -m jpipe.train.plan) needs it for a
+  # dataset whose images vary in size (ImageNet: (224, 224, 3)).
+  d.image_shape = ()
   d.batch_size = 64  # Examples per step (split into microbatches).
   d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
   d.eval_split = "test"  # Split for the periodic evaluation.

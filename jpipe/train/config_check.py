@@ -13,6 +13,7 @@ from jpipe.train.errors import UsageError
 
 LR_SCHEDULES = (
   "constant",
+  "warmup_constant",
   "warmup_cosine",
   "warmup_linear",
   "rsqrt",

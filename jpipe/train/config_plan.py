@@ -11,7 +11,9 @@ import os
 import ml_collections
 
 from jpipe import partition as partition_lib
-from jpipe.train import config_check
+from jpipe import schedule as schedule_lib
+from jpipe.runtime import _memory as runtime_memory
+from jpipe.train import config_check, train_lib
 from jpipe.train.tasks import build_task
 
 
@@ -33,7 +35,8 @@ def trace_config(
   cost_model: str | None = None,
   num_devices: int | None = None,
   method: str | None = None,
-) -> tuple[partition_lib.TracedModel, partition_lib.NodeCosts]:
+  abstract: bool = False,
+) -> tuple[partition_lib.TracedModel, partition_lib.NodeCosts, object]:
   """Traces and costs the config's model on one microbatch of its data,
   as ``python -m jpipe.train`` does before it partitions.
 
@@ -45,12 +48,23 @@ def trace_config(
       ``pipeline.num_stages``): with ``pipeline.depth`` 0 the nodes' depth
       is chosen for them, as ``jpipe.Pipeline`` does.
     method: the partition method (default the config's).
+    abstract: trace on the params' shapes and a stand-in batch of the
+      config's shapes (``build_task(config, abstract=True)``): nothing of
+      the model's size is allocated and the dataset is not read (cost
+      models "analytic" and "xla"; "measured" runs the nodes).
 
   Returns:
-    (traced model, node costs); pass them to ``jpipe.partition.plan_traced``.
+    (traced model, node costs, params: the task's, ShapeDtypeStructs when
+    ``abstract``); pass the first two to ``jpipe.partition.plan_traced``.
   """
   config_check.check(config)
-  task = build_task(config)
+  method_costs = cost_model or config.pipeline.cost_model
+  if abstract and method_costs == "measured":
+    raise ValueError(
+      "cost model 'measured' runs each node on real params: plan a model "
+      "you cannot hold with --cost-model analytic or xla"
+    )
+  task = build_task(config, abstract=abstract)
   batch = task.batch_at(0)
   m = config.pipeline.num_microbatches
   micro = {k: v[: len(v) // m] for k, v in batch.items()}
@@ -75,7 +89,29 @@ def trace_config(
     traced,
     task.params,
     inputs,
-    method=cost_model or config.pipeline.cost_model,
+    method=method_costs,
     recompute=config.pipeline.recompute,
   )
-  return traced, costs
+  return traced, costs, task.params
+
+
+def memory_options(config, params, method: str, stages: int, limit) -> dict:
+  """``jpipe.partition.plan_traced``'s memory options for the config, as
+  ``jpipe.Pipeline`` gives them when training: the limit, the config's
+  optimizer's state per param byte, its schedule's in-flight and stash
+  counts, recomputation; {} without a limit."""
+  if limit is None:
+    return {}
+  optimizer = train_lib.build_optimizer(config, train_lib.learning_rate(config))
+  model = runtime_memory.partitioner_memory_model(
+    limit,
+    optimizer,
+    params,
+    schedule_lib.lookup(config.schedule.name),
+    config.pipeline.num_microbatches,
+    stages,
+    recompute=config.pipeline.recompute,
+    stashes=config.staleness.stashing,
+    fused_last=config.pipeline.fuse_last_stage,
+  )
+  return runtime_memory.memory_options_for(method, model)

@@ -32,11 +32,35 @@ def load_images(config) -> tuple[ArrayData, ArrayData]:
   if data.name == "digits":
     train = digits.load_digits(data.train_split, data.data_dir or None)
     test = digits.load_digits(data.eval_split, data.data_dir or None)
-    return ArrayData(*train), ArrayData(*test)
-  return (
-    _tfds_arrays(data, data.train_split),
-    _tfds_arrays(data, data.eval_split),
-  )
+    splits = ArrayData(*train), ArrayData(*test)
+  else:
+    splits = (
+      _tfds_arrays(data, data.train_split),
+      _tfds_arrays(data, data.eval_split),
+    )
+  want = tuple(data.get("image_shape") or ())
+  have = splits[0].images.shape[1:]
+  if want and tuple(want) != have:
+    raise UsageError(
+      f"config.data.image_shape={want}, but {data.name}'s images are "
+      f"{have}: jpipe does not resize images; set image_shape to {have} "
+      "(or prepare the dataset at the size you want, e.g. a TFDS "
+      "imagenet_resized/64x64)"
+    )
+  return splits
+
+
+def feature_shape(config, key: str) -> tuple | None:
+  """The static shape TFDS's metadata gives ``config.data``'s feature
+  ``key`` (None in a dimension that varies; None if it has none); read
+  without the dataset's files."""
+  features = _tfds_builder(config.data).info.features
+  if key not in features:
+    raise UsageError(
+      f"config.data ({config.data.name}) has no feature {key!r}; it has "
+      f"{sorted(features)}"
+    )
+  return getattr(features[key], "shape", None)
 
 
 def load_text(config) -> tuple[np.ndarray, np.ndarray]:

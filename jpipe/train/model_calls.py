@@ -5,6 +5,7 @@ Shared by the built-in tasks (``jpipe.train.tasks``, ``text_tasks``);
 pure functions of the model and arrays.
 """
 
+import functools
 import inspect
 
 import flax
@@ -127,3 +128,13 @@ def is_encoder_decoder(model) -> bool:
     and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
   ]
   return len(required) >= 2
+
+
+def initialize(model, abstract: bool, seed: int, *inputs, **kwargs):
+  """``model.init(jax.random.key(seed), *inputs, **kwargs)``, or its
+  ``jax.eval_shape`` (``abstract``: ShapeDtypeStructs, nothing
+  allocated)."""
+  init = functools.partial(model.init, **kwargs)
+  if abstract:
+    return jax.eval_shape(init, jax.random.key(seed), *inputs)
+  return init(jax.random.key(seed), *inputs)

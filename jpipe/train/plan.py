@@ -108,6 +108,8 @@ class _Solved:
   method: str
   devices: int
   seconds: float
+  stage_bytes: tuple[float, ...]  # Predicted memory per stage.
+  memory_limit: float | None
 
 
 def _solve(args) -> _Solved:
@@ -130,8 +132,11 @@ def _solve(args) -> _Solved:
     slots = None
   with config.unlocked():  # The planned stages, as training gets them.
     config.pipeline.num_stages = stages
-  traced, costs = config_plan.trace_config(
-    config, args.cost_model, devices, method
+  cost_model = args.cost_model or config.pipeline.cost_model
+  # On shapes (nothing of the model's size allocated, the dataset not
+  # read) unless the costs are measured by running the nodes.
+  traced, costs, params = config_plan.trace_config(
+    config, cost_model, devices, method, abstract=cost_model != "measured"
   )
   bandwidth = config.pipeline.bandwidth
   if args.bandwidth is not None:
@@ -143,6 +148,13 @@ def _solve(args) -> _Solved:
     raise ValueError(
       "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
     )
+  options = {}
+  if slots is None:  # (A V's per-device memory: checked when built.)
+    options = config_plan.memory_options(
+      config, params, method, devices, memory
+    )
+  elif memory is not None:
+    options = {"memory_limit": memory}
   start = time.perf_counter()
   plan = partition.plan_traced(
     traced,
@@ -150,10 +162,16 @@ def _solve(args) -> _Solved:
     devices,
     method=method,
     bandwidth=bandwidth or None,
-    memory_limit=memory,
     devices=slots,
+    **options,
   )
-  return _Solved(plan, costs, method, devices, time.perf_counter() - start)
+  seconds = time.perf_counter() - start
+  if not options:  # The memory a plan needs even without a limit.
+    options = config_plan.memory_options(config, params, method, devices, 0.0)
+  stage_bytes = partition.stage_memory_bytes(traced, plan, **options)
+  return _Solved(
+    plan, costs, method, devices, seconds, tuple(stage_bytes), memory
+  )
 
 
 def _result(solved: _Solved) -> dict:
@@ -176,8 +194,23 @@ def _result(solved: _Solved) -> dict:
     "lower_bound": float(lower_bound),
     "sequential": plan.sequential_seconds,
     "solve_seconds": solved.seconds,
+    "stage_memory_bytes": list(solved.stage_bytes),
+    "device_memory_bytes": _device_bytes(solved),
+    "memory_limit": solved.memory_limit,
     "plan": json.loads(plan.to_json()),
   }
+
+
+def _device_bytes(solved: _Solved) -> dict[int, float]:
+  """Predicted bytes on each device: the sum of its stages' (a replica
+  holds its stage's)."""
+  held: dict[int, float] = {}
+  for devices, b in zip(
+    solved.plan.stage_devices, solved.stage_bytes, strict=True
+  ):
+    for d in devices:
+      held[d] = held.get(d, 0.0) + b
+  return dict(sorted(held.items()))
 
 
 def _print(args, solved: _Solved, result: dict) -> None:
@@ -191,9 +224,46 @@ def _print(args, solved: _Solved, result: dict) -> None:
     result,
     list(plan.stage_of_node),
   )
+  limit = solved.memory_limit
+  print(
+    "predicted memory per device (partitioner's model)"
+    + (f", limit {_gib(limit)}:" if limit else ":")
+  )
+  for d, held in result["device_memory_bytes"].items():
+    stages = [s for s, ds in enumerate(plan.stage_devices) if d in ds]
+    print(
+      f"  device {d}: {_gib(held)}"
+      + (f" ({100 * held / limit:.0f}%)" if limit else "")
+      + f", stages {_ranges(stages)}"
+    )
   for s in range(plan.num_stages):
     names = [k for k, v in plan.stage_of.items() if v == s]
-    print(f"  stage {s}: {', '.join(names)}")
+    print(f"  stage {s} ({_gib(solved.stage_bytes[s])}): {_ranges_of(names)}")
+
+
+def _gib(x: float) -> str:
+  return f"{x / 2**30:.2f} GiB"
+
+
+def _ranges(stages: list[int]) -> str:
+  """[0, 1, 2, 5] -> "0-2, 5"."""
+  runs, start = [], None
+  for i, s in enumerate(stages):
+    if start is None:
+      start = s
+    if i + 1 == len(stages) or stages[i + 1] != s + 1:
+      runs.append(str(start) if start == s else f"{start}-{s}")
+      start = None
+  return ", ".join(runs)
+
+
+def _ranges_of(names: list[str]) -> str:
+  """A stage's node names, the middle elided past 6."""
+  if len(names) <= 6:
+    return ", ".join(names)
+  return f"{', '.join(names[:3])}, ... ({len(names) - 6} more), " + ", ".join(
+    names[-3:]
+  )
 
 
 if __name__ == "__main__":

@@ -25,12 +25,17 @@ batch (see ``model_calls.with_dropout``).
 import importlib
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from jpipe.data import sequences
 from jpipe.train import evaluation as evaluation_lib
-from jpipe.train import input_pipeline, model_calls, text_tasks, user_code
+from jpipe.train import (
+  input_pipeline,
+  model_calls,
+  stand_in_data,
+  text_tasks,
+  user_code,
+)
 from jpipe.train.errors import UsageError
 from jpipe.train.evaluation import Evaluation
 from jpipe.train.task import Task, check_task
@@ -39,7 +44,9 @@ __all__ = ["Task", "build_task", "check_task", "flax_module", "task_of_data"]
 
 TASK_OF_MODEL = {
   "mlp": "classification",
-  "resnet": "classification",
+  "resnet": "classification",  # Wide ResNets (WRN-28-10: size "28-10").
+  # The ImageNet ResNets, 18 to 152 ("50": PipeDream's, SD-Pipe's).
+  "imagenet_resnet": "classification",
   "vgg": "classification",
   "gpt": "language_model",
   "t5": "seq2seq",
@@ -51,11 +58,24 @@ TASK_OF_MODEL = {
 }
 
 
-def build_task(config) -> Task:
+def build_task(config, abstract: bool = False) -> Task:
   """Loads the data and initialises the model the config names: the
   user's task (``config.task``), or a model (jpipe's, or the user's by
-  import path) on the task of the config's data."""
+  import path) on the task of the config's data.
+
+  ``abstract``: for planning a model too big to hold (``python -m
+  jpipe.train.plan``): the params and model state are
+  ``jax.ShapeDtypeStruct``s (``jax.eval_shape`` of the init: nothing of
+  the model's size is allocated) and the batches stand-ins of the
+  config's shapes (``stand_in_data``: the dataset is not read). The loss
+  is the training one; such a Task is traced, never run."""
   if config.get("task"):
+    if abstract:
+      raise UsageError(
+        f"config.task={config.task!r}: a task of your own is planned on "
+        "its real params and data (python -m jpipe.train.plan plans "
+        "jpipe's tasks abstractly)"
+      )
     return _user_task(config)
   name = config.model.name
   if user_code.is_import_path(name):
@@ -77,7 +97,7 @@ def build_task(config) -> Task:
   except TypeError as e:  # An unknown or missing keyword.
     raise UsageError(f"config.model.kwargs of {where}: {e}") from e
   if config.data.get("format") in text_tasks.FORMATS:
-    return text_tasks.build(config, model)
+    return text_tasks.build(config, model, abstract)
   if kind == "text task":
     raise UsageError(
       f"config.model.name={name!r} trains on a text task's data: start "
@@ -88,7 +108,7 @@ def build_task(config) -> Task:
     "classification": _classification,
     "language_model": _language_model,
     "seq2seq": _seq2seq,
-  }[kind](config, model)
+  }[kind](config, model, abstract)
 
 
 def model_kwargs(config) -> dict:
@@ -179,16 +199,19 @@ def _user_task(config) -> Task:
   return check_task(build(config), f"config.task={config.task!r}")
 
 
-def _classification(config, model) -> Task:
-  train, test = input_pipeline.load_images(config)
+def _classification(config, model, abstract=False) -> Task:
+  load = stand_in_data.images if abstract else input_pipeline.load_images
+  train, test = load(config)
   bs = config.data.batch_size
 
   def images_at(step):
     return input_pipeline.image_batch_at(train, step, bs, config.seed)
 
   example = images_at(0)
-  variables = model.init(
-    jax.random.key(config.seed),
+  variables = model_calls.initialize(
+    model,
+    abstract,
+    config.seed,
     example["x"][:1],
     **model_calls.mode_kwargs(model, False),
   )
@@ -280,9 +303,8 @@ def _accuracy(logits_fn, has_stats, test, batch_size):
   )
 
 
-def _language_model(config, model) -> Task:
-  tokenizer = input_pipeline.tokenizer(config)
-  train, test = input_pipeline.load_tokens(config, tokenizer)
+def _language_model(config, model, abstract=False) -> Task:
+  tokenizer, (train, test) = _tokens(config, abstract)
   vocab = getattr(model, "vocab_size", tokenizer.vocab_size)
   if vocab < tokenizer.vocab_size:
     raise UsageError(
@@ -303,9 +325,9 @@ def _language_model(config, model) -> Task:
     model_calls.mode_kwargs(model, True),
     model_calls.mode_kwargs(model, False),
   )
-  params = model.init(jax.random.key(config.seed), example["x"][:1], **eval_kw)[
-    "params"
-  ]
+  params = model_calls.initialize(
+    model, abstract, config.seed, example["x"][:1], **eval_kw
+  )["params"]
   batch_at, rngs_of = model_calls.with_dropout(
     config,
     windows_at,
@@ -341,9 +363,17 @@ def _language_model(config, model) -> Task:
   )
 
 
-def _seq2seq(config, model) -> Task:
+def _tokens(config, abstract: bool):
+  """(tokenizer, (train, eval) token streams) of the config's text, or
+  stand-ins of its shapes (``abstract``)."""
+  if abstract:
+    return stand_in_data.tokenizer(config), stand_in_data.token_streams(config)
   tokenizer = input_pipeline.tokenizer(config)
-  train, test = input_pipeline.load_tokens(config, tokenizer)
+  return tokenizer, input_pipeline.load_tokens(config, tokenizer)
+
+
+def _seq2seq(config, model, abstract=False) -> Task:
+  tokenizer, (train, test) = _tokens(config, abstract)
   data = config.data
   _, num_spans, _, _ = sequences.span_lengths(
     data.sequence_length, data.noise_density, data.mean_span_length
@@ -380,8 +410,10 @@ def _seq2seq(config, model) -> Task:
     model_calls.mode_kwargs(model, True),
     model_calls.mode_kwargs(model, False),
   )
-  params = model.init(
-    jax.random.key(config.seed),
+  params = model_calls.initialize(
+    model,
+    abstract,
+    config.seed,
     example["inputs"][:1],
     example["targets"][:1],
     **eval_kw,

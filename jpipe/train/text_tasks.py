@@ -34,7 +34,7 @@ import numpy as np
 
 from jpipe.data import text_examples
 from jpipe.train import evaluation as evaluation_lib
-from jpipe.train import input_pipeline, model_calls
+from jpipe.train import input_pipeline, model_calls, stand_in_data
 from jpipe.train.errors import UsageError
 from jpipe.train.task import Task
 
@@ -67,11 +67,14 @@ class Posing:
   check: Callable[[tuple], str | None]
 
 
-def build(config, model) -> Task:
-  """The Task of ``model`` on ``config.data`` (a format in FORMATS)."""
+def build(config, model, abstract: bool = False) -> Task:
+  """The Task of ``model`` on ``config.data`` (a format in FORMATS);
+  ``abstract``: as ``tasks.build_task``'s (abstract params, stand-in
+  records of the config's shapes)."""
   data = config.data
   input_pipeline.check_splits(data)
-  encoder = text_examples.Encoder(input_pipeline.tokenizer(config))
+  tokenizer = stand_in_data.tokenizer if abstract else input_pipeline.tokenizer
+  encoder = text_examples.Encoder(tokenizer(config))
   vocab = getattr(model, "vocab_size", None)
   if isinstance(vocab, int) and vocab < encoder.vocab_size:
     raise UsageError(
@@ -80,8 +83,11 @@ def build(config, model) -> Task:
       f"shifted by {encoder.offset}): use >= {encoder.vocab_size}"
     )
   posing = posing_of(config, encoder, model_calls.is_encoder_decoder(model))
-  train = input_pipeline.records(config, data.train_split)
-  test = input_pipeline.records(config, data.eval_split)
+  if abstract:
+    train = test = stand_in_data.records(config)
+  else:
+    train = input_pipeline.records(config, data.train_split)
+    test = input_pipeline.records(config, data.eval_split)
   count = min(len(test), data.eval_examples or len(test))
   if count == 0:
     raise UsageError(f"config.data.eval_split={data.eval_split!r} is empty")
@@ -97,8 +103,8 @@ def build(config, model) -> Task:
   first = jax.tree.map(lambda x: x[:1], example)
   train_kw = model_calls.mode_kwargs(model, True)
   eval_kw = model_calls.mode_kwargs(model, False)
-  params = model.init(
-    jax.random.key(config.seed), *posing.inputs(first), **eval_kw
+  params = model_calls.initialize(
+    model, abstract, config.seed, *posing.inputs(first), **eval_kw
   )["params"]
   out = jax.eval_shape(
     lambda p: model.apply({"params": p}, *posing.inputs(example), **eval_kw),

@@ -48,6 +48,8 @@ def learning_rate(config):
   # A run shorter than its warm-up (a quick try of a config) decays over
   # one step after it rather than failing.
   steps = max(steps, warmup + 1)
+  if opt.schedule == "warmup_constant":  # FTPipe's T5: up, then flat.
+    return optax.warmup_constant_schedule(0.0, peak, warmup)
   if opt.schedule == "warmup_cosine":
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps)
   if opt.schedule == "warmup_linear":  # BERT: up to the peak, down to 0.

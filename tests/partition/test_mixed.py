@@ -72,3 +72,72 @@ def test_bad_input():
     solve_mixed([1.0, 1.0], 3)
   with pytest.raises(ValueError, match="block count 5 must lie in"):
     solve_mixed([1.0] * 4, 2, block_counts=[5])
+
+
+def _memory_restated(of, static, params, acts, working, flight):
+  """Per-stage bytes of the partitioner's model, restated: static +
+  in-flight x kept activations + working (no stashing, no recompute)."""
+  n = max(of) + 1
+  out = np.zeros(n)
+  for s in range(n):
+    nodes = [i for i, x in enumerate(of) if x == s]
+    out[s] = (
+      sum(static[i] for i in nodes)
+      + flight[s] * sum(acts[i] for i in nodes)
+      + sum(working[i] for i in nodes)
+    )
+  return out
+
+
+def test_memory_limit_keeps_every_device_within_it():
+  """A chain whose compute-best placement overfills a device: under a
+  limit each device's summed stage bytes (restated independently) stay
+  within it; a generous limit changes nothing; an impossible one names
+  the device and its stages."""
+  from jpipe.partition._mixed import StageMemory
+
+  rng = np.random.default_rng(0)
+  n, devices = 24, 3
+  cost = rng.uniform(0.5, 2.0, n)
+  params = rng.uniform(0.0, 10.0, n)
+  params[:4] = 60.0  # Heavy params early, light compute.
+  cost[:4] = 0.1
+  acts = rng.uniform(0.0, 1.0, n)
+  memory = StageMemory(
+    static=3 * params,
+    params=params,
+    activations=acts,
+    working=acts + params,
+    edges={},
+  )
+  free = solve_mixed(cost, devices)
+  bounds = free.boundaries
+
+  def device_bytes(solution):
+    of = solution.stage_of_node()
+    per = _memory_restated(
+      of,
+      3 * params,
+      params,
+      acts,
+      acts + params,
+      [
+        len(solution.stage_device) - s
+        for s in range(len(solution.stage_device))
+      ],
+    )
+    held = np.zeros(devices)
+    for s, d in enumerate(solution.stage_device):
+      held[d] += per[s]
+    return held
+
+  need = device_bytes(free).max()
+  same = solve_mixed(cost, devices, memory=memory, memory_limit=10 * need)
+  assert same.boundaries == bounds
+  limit = 0.8 * need
+  held = device_bytes(
+    solve_mixed(cost, devices, memory=memory, memory_limit=limit)
+  )
+  assert held.max() <= limit
+  with pytest.raises(ValueError, match=r"on device \d+ \(stages \["):
+    solve_mixed(cost, devices, memory=memory, memory_limit=1.0)

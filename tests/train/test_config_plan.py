@@ -59,7 +59,7 @@ def test_cli_table_and_png(capsys, tmp_path):
     str(png),
   )
   assert code == 0
-  assert "contiguous, 4 stages on 4 devices" in out and "stage 3: " in out
+  assert "contiguous, 4 stages on 4 devices" in out and "stage 3 (" in out
   assert png.stat().st_size > 1000
 
 

@@ -28,6 +28,8 @@ def _formula(schedule, step, peak=0.4, warmup=10, total=100):
     if step < warmup:
       return peak * step / warmup
     return peak * max(total - step, 0) / (total - warmup)
+  if schedule == "warmup_constant":  # FTPipe's T5-3B
+    return peak * min(step / warmup, 1.0)
   if schedule == "rsqrt":  # T5
     return peak * math.sqrt(warmup / max(step, warmup))
   if schedule == "multistep":  # WRN: x0.2 at 30, 60, 80
@@ -35,7 +37,9 @@ def _formula(schedule, step, peak=0.4, warmup=10, total=100):
   raise AssertionError(schedule)
 
 
-@pytest.mark.parametrize("schedule", ["warmup_linear", "rsqrt", "multistep"])
+@pytest.mark.parametrize(
+  "schedule", ["warmup_linear", "warmup_constant", "rsqrt", "multistep"]
+)
 def test_each_schedule_is_its_formula(schedule):
   options = {}
   warmup = 10
