@@ -22,7 +22,8 @@ def main(args):
   size = dict(SIZES["quick" if args.quick else "full"])
   m = size.pop("m")
   repeats = 3 if args.quick else 10
-  p = min(jax.device_count(), 8)
+  # --quick: two stages run every code path (a test, not a table).
+  p = min(jax.device_count(), 2 if args.quick else 8)
   results = _common.Results(
     args.out, "multi_device", {**size, "microbatches": m, "stages": p}
   )
