@@ -12,7 +12,7 @@ from jpipe.partition._graph_txt import (
   ProfileGraph,
   load_pipedream_profile,
 )
-from jpipe.partition._mixed import MixedSolution, solve_mixed
+from jpipe.partition._mixed import MixedSolution, StageBytes, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._plan import (
   METHODS,
@@ -47,6 +47,7 @@ __all__ = [
   "plan_from_boundaries",
   "plan_from_pipedream",
   "plan_traced",
+  "StageBytes",
   "stage_memory_bytes",
   "plot_plan",
   "print_plan_table",

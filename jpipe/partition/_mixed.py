@@ -25,12 +25,12 @@ intends.
 
 Memory (``memory_limit``): as FTPipe's best fit, a block goes to the least
 loaded device that still fits it, and a refinement move that overfills a
-device is not taken. A device holds the sum of its stages' bytes under
-``_contiguous``'s model: static bytes (params, gradients, optimizer
-state), stashed param versions, the activations of the microbatches in
-flight at the stage (1F1B over all S stages in program order: S - s, the
-bound without FTPipe's virtual-stage cap) and one microbatch's working
-memory. A candidate over the limit on any device is dropped; when none
+device is not taken. A device holds, under ``_contiguous``'s model, the
+sum over its stages of the static bytes (params, gradients, optimizer
+state), stashed param versions and the activations of the microbatches
+in flight at the stage (1F1B over all S stages in program order: S - s,
+the bound without FTPipe's virtual-stage cap), plus the largest of its
+stages' working memory (one program runs at a time). A candidate over the limit on any device is dropped; when none
 fits, the error names the device, its stages and the bytes.
 """
 
@@ -195,6 +195,36 @@ class _Evaluator:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageBytes:
+  """Each stage's predicted bytes in two parts, [S] each: ``persistent``
+  (held all along: params, gradients, optimizer state, stashed versions,
+  the activations kept for the microbatches in flight) and ``working``
+  (one microbatch's programs while they run). A device running several
+  stages runs one program at a time: it holds the sum of their
+  persistent bytes and the largest working bytes."""
+
+  persistent: np.ndarray
+  working: np.ndarray
+
+  @property
+  def total(self) -> np.ndarray:
+    """Each stage's bytes as if it had its device to itself, [S]."""
+    return self.persistent + self.working
+
+  def per_device(self, stage_devices) -> dict[int, float]:
+    """Device -> bytes, stage s on the devices ``stage_devices[s]`` (an
+    int or a tuple: each replica holds its stage's)."""
+    held: dict[int, float] = {}
+    peak: dict[int, float] = {}
+    for s, devices in enumerate(stage_devices):
+      for d in np.atleast_1d(devices):
+        d = int(d)
+        held[d] = held.get(d, 0.0) + float(self.persistent[s])
+        peak[d] = max(peak.get(d, 0.0), float(self.working[s]))
+    return {d: held[d] + peak[d] for d in sorted(held)}
+
+
+@dataclasses.dataclass(frozen=True)
 class StageMemory:
   """Per node bytes of ``_contiguous``'s memory model, [N] each:
   ``static`` (params, gradients, optimizer state), ``params`` (one
@@ -212,13 +242,13 @@ class StageMemory:
   recompute: bool = False
   stashing: bool = False
 
-  def stage_bytes(self, bounds, flight=None) -> np.ndarray:
+  def stage_bytes(self, bounds, flight=None) -> StageBytes:
     """Bytes of each stage of ``bounds`` (S stages in program order) with
     ``flight`` microbatches in flight at each (default 1F1B's S - s)."""
     b = np.asarray(bounds)
     return self.bytes_of(np.repeat(np.arange(len(b) - 1), np.diff(b)), flight)
 
-  def bytes_of(self, stage_of, flight=None, versions=None) -> np.ndarray:
+  def bytes_of(self, stage_of, flight=None, versions=None) -> StageBytes:
     """Bytes of each stage, nodes assigned by ``stage_of`` [N]; ``flight``
     and ``versions`` (stashed param versions) per stage, default S - s
     and 1 (S - s with ``stashing``)."""
@@ -241,11 +271,11 @@ class StageMemory:
           kept[of[v]] += w
     else:
       kept = per_stage(self.activations)
-    return (
+    return StageBytes(
       per_stage(self.static)
       + (versions - 1.0) * per_stage(self.params)
-      + flight * kept
-      + per_stage(self.working)
+      + flight * kept,
+      per_stage(self.working),
     )
 
   def contiguous(self, memory_limit) -> dict:
@@ -267,23 +297,22 @@ class _Fits:
     self.memory, self.limit, self.num_devices = memory, limit, num_devices
 
   def device_bytes(self, bounds, devices) -> np.ndarray:
-    load = np.zeros(self.num_devices)
-    np.add.at(load, np.asarray(devices), self.memory.stage_bytes(bounds))
-    return load
+    held = self.memory.stage_bytes(bounds).per_device(devices)
+    return np.array([held.get(d, 0.0) for d in range(self.num_devices)])
 
   def __call__(self, bounds, devices) -> bool:
     if self.memory is None:
       return True
     return bool(self.device_bytes(bounds, devices).max() <= self.limit)
 
-  def block_bytes(self, blocks) -> np.ndarray:
+  def block_bytes(self, blocks) -> StageBytes:
     """Each block's bytes as a stage of its own, in flight as at its
     place in a pipeline of one stage per device (block b of L: P -
     floor(b P / L)); an estimate for placing blocks, the candidates are
     checked on their real stages."""
     count = len(blocks) - 1
     if self.memory is None:
-      return np.zeros(count)
+      return StageBytes(np.zeros(count), np.zeros(count))
     p = self.num_devices
     flight = p - np.floor(np.arange(count) * p / count)
     return self.memory.stage_bytes(blocks, flight)
@@ -296,7 +325,7 @@ class _Fits:
     load = self.device_bytes(*best)
     d = int(np.argmax(load))
     stages = [s for s, dev in enumerate(best[1]) if dev == d]
-    per_stage = self.memory.stage_bytes(best[0])
+    per_stage = self.memory.stage_bytes(best[0]).total
     return (
       f"no mixed-pipe placement on {self.num_devices} devices fits "
       f"memory_limit={self.limit:.4g} bytes: the closest puts "
@@ -313,18 +342,24 @@ def _best_fit(cost, blocks, num_devices, fits=None):
   sizes = [
     float(cost[a:b].sum()) for a, b in zip(blocks[:-1], blocks[1:], strict=True)
   ]
-  need = fits.block_bytes(blocks) if fits is not None else np.zeros(len(sizes))
+  zeros = np.zeros(len(sizes))
+  need = fits.block_bytes(blocks) if fits is not None else None
+  kept, work = (
+    (zeros, zeros) if need is None else (need.persistent, need.working)
+  )
   limit = np.inf if fits is None or fits.limit is None else fits.limit
   load = np.zeros(num_devices)
-  held = np.zeros(num_devices)
+  held = np.zeros(num_devices)  # Persistent bytes placed on each device.
+  peak = np.zeros(num_devices)  # Its largest working bytes.
   device = [0] * len(sizes)
   for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-    room = held + need[i] <= limit
+    room = held + kept[i] + np.maximum(peak, work[i]) <= limit
     order = np.argsort(load, kind="stable")
     d = int(next((d for d in order if room[d]), order[0]))
     device[i] = d
     load[d] += sizes[i]
-    held[d] += need[i]
+    held[d] += kept[i]
+    peak[d] = max(peak[d], work[i])
   return device
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import ProfileGraph
-from jpipe.partition._mixed import StageMemory, solve_mixed
+from jpipe.partition._mixed import StageBytes, StageMemory, solve_mixed
 from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
@@ -258,14 +258,15 @@ def stage_memory_bytes(
   param_versions: Sequence[int] | None = None,
   recompute: bool = False,
   memory_limit: float | None = None,
-) -> np.ndarray:
+) -> StageBytes:
   """Each stage's predicted bytes under the partitioner's model (the one
   ``plan_traced`` keeps to; ``memory_limit`` is accepted and unused so a
   ``plan_traced`` memory dict passes whole): params, gradients and
   optimizer state, stashed versions, the kept activations of the
   microbatches in flight (``in_flight`` per stage, default S - s; a
-  recomputing stage keeps its inputs) and one microbatch's working
-  memory. float64 [num_stages]."""
+  recomputing stage keeps its inputs) -- persistent -- and one
+  microbatch's working memory (``StageBytes``: ``.total`` per stage,
+  ``.per_device(plan.stage_devices)`` what each device holds)."""
   del memory_limit
   n = plan.num_stages
   params = traced.node_param_bytes()

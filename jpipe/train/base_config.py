@@ -267,7 +267,10 @@ def text_data(
   file is named)."""
   d = ml_collections.ConfigDict()
   d.format = "text"  # What the examples are (see jpipe.train.tasks).
-  d.name = name  # "stdlib_text" (embedded) or a TFDS text dataset name.
+  # "stdlib_text" (embedded), a TFDS text dataset's name, or "text_files"
+  # (train_split and eval_split are then paths or glob patterns of text
+  # files, e.g. WikiText-2's wiki.train.raw and wiki.valid.raw).
+  d.name = name
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
   d.text_key = "text"  # Feature holding the text in a TFDS dataset.
   # "" = bytes; a SentencePiece model (*.model) or HuggingFace

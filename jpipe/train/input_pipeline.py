@@ -8,6 +8,7 @@ data position of a resumed run is just its step.
 
 import difflib
 import functools
+import glob
 import importlib
 from typing import NamedTuple
 
@@ -63,10 +64,18 @@ def feature_shape(config, key: str) -> tuple | None:
   return getattr(features[key], "shape", None)
 
 
+TEXT_FILES = "text_files"  # config.data.name: splits are file patterns.
+
+
 def load_text(config) -> tuple[np.ndarray, np.ndarray]:
-  """(train, eval) byte streams, uint8 [N]: "stdlib_text" (embedded) or a
-  TFDS dataset whose ``config.data.text_key`` feature holds the text."""
+  """(train, eval) byte streams, uint8 [N]: "stdlib_text" (embedded),
+  "text_files" (the splits are paths or glob patterns of UTF-8 text
+  files, e.g. WikiText's wiki.train.raw; the files of a split are read
+  in sorted order) or a TFDS dataset whose ``config.data.text_key``
+  feature holds the text."""
   data = config.data
+  if data.name == TEXT_FILES:
+    return _text_files(data, "train_split"), _text_files(data, "eval_split")
   check_splits(data)
   if data.name == "stdlib_text":
     return (
@@ -82,6 +91,22 @@ def load_text(config) -> tuple[np.ndarray, np.ndarray]:
       )
     )
   return streams[0], streams[1]
+
+
+def _text_files(data, key: str) -> np.ndarray:
+  """The bytes of the files ``data[key]`` names (a path or glob pattern)."""
+  files = sorted(glob.glob(data[key]))
+  if not files:
+    raise UsageError(
+      f"config.data.{key}={data[key]!r}: no file matches (with "
+      f"config.data.name={TEXT_FILES!r} the splits are text files' paths "
+      "or glob patterns, e.g. /data/wikitext-2-raw/wiki.train.raw)"
+    )
+  chunks = []
+  for path in files:
+    with open(path, "rb") as f:
+      chunks.append(f.read())
+  return np.frombuffer(b"".join(chunks), np.uint8)
 
 
 def tokenizer(config) -> tokenizers.Tokenizer:

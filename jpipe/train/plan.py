@@ -108,7 +108,7 @@ class _Solved:
   method: str
   devices: int
   seconds: float
-  stage_bytes: tuple[float, ...]  # Predicted memory per stage.
+  stage_bytes: partition.StageBytes  # Predicted memory per stage.
   memory_limit: float | None
 
 
@@ -169,16 +169,16 @@ def _solve(args) -> _Solved:
   if not options:  # The memory a plan needs even without a limit.
     options = config_plan.memory_options(config, params, method, devices, 0.0)
   stage_bytes = partition.stage_memory_bytes(traced, plan, **options)
-  return _Solved(
-    plan, costs, method, devices, seconds, tuple(stage_bytes), memory
-  )
+  return _Solved(plan, costs, method, devices, seconds, stage_bytes, memory)
 
 
 def _result(solved: _Solved) -> dict:
   """The plan and its figures, as the JSON output holds them."""
   plan, costs = solved.plan, solved.costs
   node_seconds = costs.forward_seconds + costs.backward_seconds
-  lower_bound = max(node_seconds.sum() / solved.devices, node_seconds.max())
+  lower_bound = node_seconds.sum() / solved.devices
+  if solved.method != "pipedream_hybrid":  # (Replicas split a node.)
+    lower_bound = max(lower_bound, node_seconds.max())
   return {
     "method": solved.method,
     "stage_of": plan.stage_of,
@@ -194,23 +194,14 @@ def _result(solved: _Solved) -> dict:
     "lower_bound": float(lower_bound),
     "sequential": plan.sequential_seconds,
     "solve_seconds": solved.seconds,
-    "stage_memory_bytes": list(solved.stage_bytes),
-    "device_memory_bytes": _device_bytes(solved),
+    "stage_memory_bytes": solved.stage_bytes.total.tolist(),
+    "stage_working_bytes": solved.stage_bytes.working.tolist(),
+    "device_memory_bytes": solved.stage_bytes.per_device(
+      solved.plan.stage_devices
+    ),
     "memory_limit": solved.memory_limit,
     "plan": json.loads(plan.to_json()),
   }
-
-
-def _device_bytes(solved: _Solved) -> dict[int, float]:
-  """Predicted bytes on each device: the sum of its stages' (a replica
-  holds its stage's)."""
-  held: dict[int, float] = {}
-  for devices, b in zip(
-    solved.plan.stage_devices, solved.stage_bytes, strict=True
-  ):
-    for d in devices:
-      held[d] = held.get(d, 0.0) + b
-  return dict(sorted(held.items()))
 
 
 def _print(args, solved: _Solved, result: dict) -> None:
@@ -238,7 +229,7 @@ def _print(args, solved: _Solved, result: dict) -> None:
     )
   for s in range(plan.num_stages):
     names = [k for k, v in plan.stage_of.items() if v == s]
-    print(f"  stage {s} ({_gib(solved.stage_bytes[s])}): {_ranges_of(names)}")
+    print(f"  stage {s} ({_gib(solved.stage_bytes.total[s])}): {_ranges_of(names)}")
 
 
 def _gib(x: float) -> str:

@@ -1,0 +1,55 @@
+r"""PipeDream's ResNet-50 on ImageNet: its optimizer's choice on 16 GPUs.
+
+Seed 001 (PipeDream): ResNet-50 (25.6M parameters) on ImageNet, 4 x 4
+V100 (Cluster A, 10 Gbps): PipeDream's optimizer chooses plain data
+parallelism (1x over it: the activations are large, the weights small);
+SGD lr 0.1 at batch 256, momentum 0.9, weight decay 1e-4, x0.1 every 30
+epochs (spec: pipedream_dynpipe_sdpipe.md, A5). The same DP
+(``pipedream_hybrid``) plans the 16 devices here. Variants: ws
+(default), stale, 1f1b, 2bw, gpipe; "small" is configs/pipedream_resnet.py
+(a ResNet-16 on the embedded digits, small:VARIANT).
+
+Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_resnet50.py
+Train (16 GPUs; ImageNet by TFDS at 224 x 224):
+  python -m jpipe.train --config configs/seeds/pipedream_resnet50.py \
+      --workdir /tmp/resnet50 --config.data.data_dir=DATA
+"""
+
+from configs import pipedream_resnet
+from jpipe.train.base_config import apply_variant, base_config, image_data
+
+STEPS_PER_EPOCH = 1_281_167 // 256
+
+
+def _small(variant: str):
+  return pipedream_resnet.get_config(variant or "ws")
+
+
+def get_config(variant: str = "ws"):
+  if variant.split(":")[0] == "small":
+    return _small(variant.partition(":")[2])
+  c = base_config()
+  c.data = image_data("imagenet2012")
+  c.data.eval_split = "validation"
+  c.data.image_shape = (224, 224, 3)
+  c.data.batch_size = 256
+  c.model.name = "imagenet_resnet"
+  c.model.size = "50"
+  c.optimizer.name = "sgd"
+  c.optimizer.learning_rate = 0.1
+  c.optimizer.momentum = 0.9
+  c.optimizer.weight_decay = 1e-4
+  c.optimizer.schedule = "multistep"
+  c.optimizer.decay_steps = ",".join(
+    str(e * STEPS_PER_EPOCH) for e in (30, 60, 80)
+  )
+  c.optimizer.decay_factor = 0.1
+  c.pipeline.num_stages = 16
+  c.pipeline.num_microbatches = 16
+  c.pipeline.partition = "pipedream_hybrid"
+  c.pipeline.bandwidth = 1.25e9  # 10 Gbps between Cluster A's servers.
+  c.train.steps = 90 * STEPS_PER_EPOCH
+  c.train.eval_every = STEPS_PER_EPOCH
+  c.train.checkpoint_every = STEPS_PER_EPOCH
+  apply_variant(c, variant)
+  return c
