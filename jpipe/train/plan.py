@@ -229,7 +229,9 @@ def _print(args, solved: _Solved, result: dict) -> None:
     )
   for s in range(plan.num_stages):
     names = [k for k, v in plan.stage_of.items() if v == s]
-    print(f"  stage {s} ({_gib(solved.stage_bytes.total[s])}): {_ranges_of(names)}")
+    print(
+      f"  stage {s} ({_gib(solved.stage_bytes.total[s])}): {_ranges_of(names)}"
+    )
 
 
 def _gib(x: float) -> str:
