@@ -48,6 +48,7 @@ def get_config(variant: str = "ws"):
   c.pipeline.num_microbatches = 16
   c.pipeline.partition = "pipedream_hybrid"
   c.pipeline.bandwidth = 1.25e9  # 10 Gbps between Cluster A's servers.
+  c.pipeline.memory_limit = "16GiB"  # V100 16 GB.
   c.train.steps = 90 * STEPS_PER_EPOCH
   c.train.eval_every = STEPS_PER_EPOCH
   c.train.checkpoint_every = STEPS_PER_EPOCH
