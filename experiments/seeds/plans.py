@@ -47,6 +47,8 @@ SEED_FIGURES = {
   "ftpipe_wrn28x10.py": "FTPipe partitioner, 4 GPUs (PipeDream method): 2.51x",
   "pipedream_vgg16.py": "PipeDream 4x4 V100 (10 Gbps): 15-1, 5.28x over DP",
   "pipedream_resnet50.py": "PipeDream: data parallel chosen (1x over DP)",
+  "pipedream_gnmt16.py": "PipeDream 4x4 V100: straight (14 stages), 2.34x "
+  "over DP (2.92x to accuracy); 2x8 V100: 3.14x",
   "sdpipe_resnet50.py": "SD-Pipe: hand split [4,4,4,4] blocks, 4 x 4 pipelines",
   "dynpipe_vgg16.py": "DynPipe 8 GPUs: 179.3 img/s (PipeDream 147.1, GPipe "
   "32.9); GPU utilisation 39.3 % (PipeDream 13.7 %)",

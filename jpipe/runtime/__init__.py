@@ -1,7 +1,13 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
 from jpipe.runtime._driver import DriverHooks
-from jpipe.runtime._memory import MemoryLimitError, StageMemory, format_bytes
+from jpipe.runtime._memory import (
+  MemoryLimitError,
+  StageMemory,
+  format_bytes,
+  memory_options_for,
+  partitioner_memory_model,
+)
 from jpipe.runtime._options import (
   GAP_AWARE_POLICIES,
   Staleness,
@@ -35,6 +41,8 @@ __all__ = [
   "Staleness",
   "check_staleness_options",
   "format_bytes",
+  "memory_options_for",
+  "partitioner_memory_model",
   "parse_slowdowns",
   "partition_of",
   "with_partition",

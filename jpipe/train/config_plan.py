@@ -11,8 +11,8 @@ import os
 import ml_collections
 
 from jpipe import partition as partition_lib
+from jpipe import runtime
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import _memory as runtime_memory
 from jpipe.train import config_check, train_lib
 from jpipe.train.tasks import build_task
 
@@ -103,7 +103,7 @@ def memory_options(config, params, method: str, stages: int, limit) -> dict:
   if limit is None:
     return {}
   optimizer = train_lib.build_optimizer(config, train_lib.learning_rate(config))
-  model = runtime_memory.partitioner_memory_model(
+  model = runtime.partitioner_memory_model(
     limit,
     optimizer,
     params,
@@ -114,4 +114,4 @@ def memory_options(config, params, method: str, stages: int, limit) -> dict:
     stashes=config.staleness.stashing,
     fused_last=config.pipeline.fuse_last_stage,
   )
-  return runtime_memory.memory_options_for(method, model)
+  return runtime.memory_options_for(method, model)

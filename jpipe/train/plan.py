@@ -227,6 +227,16 @@ def _print(args, solved: _Solved, result: dict) -> None:
       + (f" ({100 * held / limit:.0f}%)" if limit else "")
       + f", stages {_ranges(stages)}"
     )
+  over = [
+    d for d, b in result["device_memory_bytes"].items() if limit and b > limit
+  ]
+  if over:  # PipeDream's DP keeps to its own (stash) memory model.
+    print(
+      f"  over the limit by this model: devices {_ranges(over)}; "
+      f"{solved.method!r} keeps to PipeDream's own memory model -- "
+      "--method contiguous keeps to this one (training checks the built "
+      "pipeline against it and stops before the first step)"
+    )
   for s in range(plan.num_stages):
     names = [k for k, v in plan.stage_of.items() if v == s]
     print(

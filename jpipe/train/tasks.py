@@ -51,6 +51,7 @@ TASK_OF_MODEL = {
   "gpt": "language_model",
   "t5": "seq2seq",
   "t5_v1": "seq2seq",  # T5 as published (v1.0 / v1.1), HF weights.
+  "gnmt": "seq2seq",  # GNMT-8 / 16: LSTMs with attention (PipeDream's).
   "gpt2": "language_model",  # GPT-2 as published, HF weights.
   # BERT as published, HF weights: its classification or span head on a
   # text task's data (config.data.format classification or qa).

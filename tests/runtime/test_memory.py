@@ -208,14 +208,8 @@ def test_memory_limit_bad_values():
 
   # The mixed pipe's memory model: each device within the limit.
   def held(plan):
-    out = [0.0, 0.0]
-    for (d,), b in zip(
-      plan.stage_devices,
-      jpipe.partition.stage_memory_bytes(traced, plan),
-      strict=True,
-    ):
-      out[d] += b
-    return max(out)
+    stage_bytes = jpipe.partition.stage_memory_bytes(traced, plan)
+    return max(stage_bytes.per_device(plan.stage_devices).values())
 
   roomy = jpipe.partition.plan_traced(traced, costs, 2, method="mixed")
   limit = 0.999 * held(roomy)

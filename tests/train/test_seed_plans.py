@@ -105,42 +105,6 @@ def test_abstract_task_is_shapes_of_the_real_one():
   assert loss.shape == ()
 
 
-@pytest.mark.slow
-def test_t5_3b_small_variant_trains_the_same_code_path(tmp_path):
-  """ftpipe_t5_3b.py:small as its docstring runs it (steps shortened): a
-  T5 v1.0 on the mixed pipe (more stages than its 2 devices), async
-  stale, Adafactor; the held-out perplexity falls."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jpipe.train",
-      "--config",
-      "configs/seeds/ftpipe_t5_3b.py:small",
-      "--workdir",
-      str(tmp_path / "t5_small"),
-      "--config.train.steps=30",
-      "--config.train.eval_every=10",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1"),
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  out = done.stdout + done.stderr
-  assert "schedule async" in out and "on devices [" in out
-  stages = out.split(" stages on devices")[0].rsplit("\n", 1)[-1]
-  assert int(stages.split()[-1]) > 2  # The mixed pipe: more than devices.
-  perplexity = [
-    float(line.rsplit(" ", 1)[-1])
-    for line in out.splitlines()
-    if line.startswith("step ") and "eval perplexity" in line
-  ]
-  assert len(perplexity) == 3 and perplexity[-1] < perplexity[0]
-
-
 # Full-size seed configs: (file, devices, memory limit in GiB or None).
 FULL_SIZE = [
   ("ftpipe_gpt2_xl.py", 8, 11),
@@ -150,6 +114,7 @@ FULL_SIZE = [
   ("pipedream_resnet50.py", 16, None),
   ("sdpipe_resnet50.py", 4, None),
   ("dynpipe_vgg16.py", 8, None),
+  ("pipedream_gnmt16.py", 16, 16),
 ]
 
 
@@ -165,7 +130,8 @@ def test_every_full_size_seed_config_plans(capsys, name, devices, limit):
   assert used == set(range(devices))
   held = result["device_memory_bytes"]
   assert held and min(held.values()) > 0
-  if limit is not None:
+  if limit is not None and result["method"] in ("mixed", "contiguous"):
+    # (PipeDream's methods keep to PipeDream's own memory model.)
     assert max(held.values()) <= limit * GIB == result["memory_limit"]
   assert result["bottleneck"] >= result["lower_bound"] * (1 - 1e-9)
 
@@ -189,18 +155,28 @@ def test_image_seed_small_variants_are_the_configs_ci_trains(seed, small):
 
 
 @pytest.mark.slow
-def test_gpt2_xl_small_variant_trains_the_same_code_path(tmp_path):
-  """ftpipe_gpt2_xl.py:small as its docstring runs it (steps shortened):
-  GPT-2 on the mixed pipe, async, AdamW; held-out perplexity falls."""
+@pytest.mark.parametrize(
+  "name, what",
+  [
+    ("ftpipe_t5_3b.py", "T5 v1.0 on the mixed pipe, async stale, Adafactor"),
+    ("ftpipe_gpt2_xl.py", "GPT-2 on the mixed pipe, async stale, AdamW"),
+    ("pipedream_gnmt16.py", "GNMT, PipeDream's straight split, async ws"),
+  ],
+)
+def test_text_seed_small_variants_train_the_same_code_path(
+  tmp_path, name, what
+):
+  """A text seed's :small as its docstring runs it (steps shortened) on
+  the embedded text: the held-out perplexity falls."""
   done = subprocess.run(
     [
       sys.executable,
       "-m",
       "jpipe.train",
       "--config",
-      "configs/seeds/ftpipe_gpt2_xl.py:small",
+      f"configs/seeds/{name}:small",
       "--workdir",
-      str(tmp_path / "gpt2_small"),
+      str(tmp_path / "small"),
       "--config.train.steps=30",
       "--config.train.eval_every=10",
     ],
@@ -210,10 +186,15 @@ def test_gpt2_xl_small_variant_trains_the_same_code_path(tmp_path):
     timeout=600,
     env=dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1"),
   )
-  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.returncode == 0, f"{what}: {done.stderr[-3000:]}"
+  out = done.stdout + done.stderr
+  stages = out.split(" stages on devices [")
+  assert "schedule async" in out and len(stages) == 2
+  if "mixed pipe" in what:  # More stages than its 2 devices.
+    assert int(stages[0].rsplit(None, 1)[-1]) > 2
   perplexity = [
     float(line.rsplit(" ", 1)[-1])
-    for line in (done.stdout + done.stderr).splitlines()
+    for line in out.splitlines()
     if line.startswith("step ") and "eval perplexity" in line
   ]
   assert len(perplexity) == 3 and perplexity[-1] < perplexity[0]
