@@ -49,6 +49,9 @@ SEED_FIGURES = {
   "pipedream_resnet50.py": "PipeDream: data parallel chosen (1x over DP)",
   "pipedream_gnmt16.py": "PipeDream 4x4 V100: straight (14 stages), 2.34x "
   "over DP (2.92x to accuracy); 2x8 V100: 3.14x",
+  "sdpipe_bert.py": "SD-Pipe: BERT-base, hand split [2,4,4,2] layers, "
+  "4 x 4 pipelines on 2 x 8 GPUs",
+  "dynpipe_bert.py": "DynPipe 8 GPUs: 180.9 seq/s (PipeDream 150.7, GPipe 76.1)",
   "sdpipe_resnet50.py": "SD-Pipe: hand split [4,4,4,4] blocks, 4 x 4 pipelines",
   "dynpipe_vgg16.py": "DynPipe 8 GPUs: 179.3 img/s (PipeDream 147.1, GPipe "
   "32.9); GPU utilisation 39.3 % (PipeDream 13.7 %)",

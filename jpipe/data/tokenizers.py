@@ -21,6 +21,7 @@ from jpipe.data.text import SEPARATOR
 
 # End-of-text tokens a HuggingFace vocabulary may have, by preference.
 _END_TOKENS = ("</s>", "<|endoftext|>", "[SEP]", "<eos>", "<|eos|>")
+_PAD_TOKENS = ("<pad>", "[PAD]")  # (BERT's WordPiece pads with [PAD] = 0.)
 
 
 class Tokenizer:
@@ -47,6 +48,12 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     """The ids of ``text`` (no special tokens added)."""
     raise NotImplementedError
+
+  def token_id(self, token: str) -> int | None:
+    """The id of a special token such as "[CLS]", or None if the
+    vocabulary has none."""
+    del token
+    return None
 
   def decode(self, ids) -> str:
     """The text of ``ids``."""
@@ -119,11 +126,15 @@ class HuggingFaceTokenizer(Tokenizer):
     found = [i for i in ids if i is not None]
     self.end_id = found[0] if found else 0
     padding = self._tok.padding
-    pad = self._tok.token_to_id("<pad>") if not padding else None
+    pads = [self._tok.token_to_id(t) for t in _PAD_TOKENS]
+    pad = next((i for i in pads if i is not None), None)
     self.pad_id = padding["pad_id"] if padding else pad
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def token_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
 
   def encode_many(self, texts: list[str]) -> list[list[int]]:
     batch = self._tok.encode_batch(texts, add_special_tokens=False)

@@ -261,7 +261,9 @@ def image_data(name: str = "digits") -> ml_collections.ConfigDict:
 
 
 def text_data(
-  name: str = "stdlib_text", span_corruption: bool = False
+  name: str = "stdlib_text",
+  span_corruption: bool = False,
+  masked_lm: bool = False,
 ) -> ml_collections.ConfigDict:
   """Fields of a text dataset (bytes are the tokens unless a tokenizer
   file is named)."""
@@ -284,6 +286,8 @@ def text_data(
   if span_corruption:
     d.noise_density = 0.15  # T5: fraction of bytes masked out.
     d.mean_span_length = 3.0  # T5: mean length of a masked span.
+  if masked_lm:  # BERT's pre-training: [CLS] A [SEP] B [SEP], NSP.
+    d.mask_rate = 0.15  # Tokens predicted (80% [MASK], 10% random).
   return d
 
 

@@ -32,6 +32,7 @@ from jpipe.train import evaluation as evaluation_lib
 from jpipe.train import (
   input_pipeline,
   model_calls,
+  pretraining,
   stand_in_data,
   text_tasks,
   user_code,
@@ -99,11 +100,15 @@ def build_task(config, abstract: bool = False) -> Task:
     raise UsageError(f"config.model.kwargs of {where}: {e}") from e
   if config.data.get("format") in text_tasks.FORMATS:
     return text_tasks.build(config, model, abstract)
+  if "mask_rate" in config.data:  # BERT's pre-training: masked LM + NSP.
+    tokenizer, (train, test) = _tokens(config, abstract)
+    return pretraining.build(config, model, tokenizer, train, test, abstract)
   if kind == "text task":
     raise UsageError(
       f"config.model.name={name!r} trains on a text task's data: start "
       "config.data from base_config.text_classification_data or qa_data "
-      "(with config.model.kwargs.head='classification' or 'qa')"
+      "(with config.model.kwargs.head='classification' or 'qa'), or "
+      "text_data(name, masked_lm=True) to pre-train it (head 'pretraining')"
     )
   return {
     "classification": _classification,
@@ -183,6 +188,8 @@ def task_of_data(data) -> str:
     return "classification"
   if "noise_density" in data:
     return "seq2seq"
+  if "mask_rate" in data:
+    return "masked_lm"
   if "text_key" in data:
     return "language_model"
   raise UsageError(

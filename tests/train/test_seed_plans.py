@@ -115,6 +115,8 @@ FULL_SIZE = [
   ("sdpipe_resnet50.py", 4, None),
   ("dynpipe_vgg16.py", 8, None),
   ("pipedream_gnmt16.py", 16, 16),
+  ("sdpipe_bert.py", 4, None),
+  ("dynpipe_bert.py", 8, None),
 ]
 
 
