@@ -1,13 +1,22 @@
-"""HuggingFace checkpoints in ``safetensors`` (PyTorch names and layout)
-read into jpipe's models by their name maps.
+"""HuggingFace checkpoints -- ``safetensors`` (PyTorch names and layout)
+or Flax ``msgpack`` -- read into jpipe's models by their name maps.
 
 ``config.init_from=hf:PATH``: PATH is a ``*.safetensors`` file or a
 directory holding ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (what ``save_pretrained`` writes and the
-Hub serves). A model module that can take such weights has
-``hf_names(model) -> {our param path: (HuggingFace name, transposed)}``
-(e.g. ``jpipe.models.t5_v1``); each leaf is read from its file alone (a
-header lookup and one read: no library, no copy of the whole file).
+Hub serves), or, failing those, ``flax_model.msgpack`` (or its sharded
+``flax_model.msgpack.index.json``; a ``*.msgpack`` file also works). A
+model module that can take such weights has ``hf_names(model) -> {our
+param path: (HuggingFace name, transposed)}`` (e.g.
+``jpipe.models.t5_v1``), in PyTorch's names and layout. A safetensors
+leaf is read from its file alone (a header lookup and one read: no
+library, no copy of the whole file). A msgpack file has no index to seek
+by: each file (shard) is read whole, and its leaves are renamed and laid
+out as PyTorch's by the rules HuggingFace's own converter
+(``convert_pytorch_state_dict_to_flax``) applies in reverse: a 2-D
+``kernel`` is the transposed ``weight`` (Linear, and GPT-2's Conv1D), a
+4-D one the (H, W, in, out) ``weight``, ``embedding`` and a layer norm's
+``scale`` are ``weight``; the nesting joined by "." is the PyTorch name.
 """
 
 import json
@@ -61,9 +70,10 @@ class Safetensors:
         path = single
       else:
         raise UsageError(
-          f"{PREFIX}{path}: no model.safetensors or "
-          "model.safetensors.index.json in the directory (a HuggingFace "
-          "model saved with safe_serialization, or downloaded from the Hub)"
+          f"{PREFIX}{path}: no model.safetensors, "
+          "model.safetensors.index.json or flax_model.msgpack in the "
+          "directory (a HuggingFace model saved with save_pretrained, or "
+          "downloaded from the Hub)"
         )
     elif os.path.isfile(path):
       files = None
@@ -100,6 +110,98 @@ class Safetensors:
         f, dtype=np.dtype(dtype).newbyteorder("<"), count=count
       )
     return data.reshape(shape)
+
+
+class FlaxMsgpack:
+  """The tensors of a HuggingFace Flax checkpoint (``flax_model.msgpack``
+  or its shards) under PyTorch's names and layout (module docstring).
+
+  Args:
+    path: a ``.msgpack`` file, or a directory with ``flax_model.msgpack``
+      or ``flax_model.msgpack.index.json``.
+  """
+
+  def __init__(self, path: str):
+    from flax import serialization  # Only for a Flax checkpoint.
+
+    path = os.path.expanduser(path)
+    files = [path]
+    if os.path.isdir(path):
+      index = os.path.join(path, "flax_model.msgpack.index.json")
+      if os.path.isfile(index):
+        with open(index) as f:
+          shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, name) for name in shards]
+      else:
+        files = [os.path.join(path, "flax_model.msgpack")]
+    self.path = path
+    self._arrays = {}
+    for file in files:
+      try:
+        with open(file, "rb") as f:
+          tree = serialization.msgpack_restore(f.read())
+      except (OSError, ValueError) as e:
+        raise UsageError(
+          f"{PREFIX}{file} is not a Flax msgpack checkpoint "
+          f"({type(e).__name__}: {e})"
+        ) from e
+      for keys, value in _flat(tree):
+        name, array = _as_pytorch(keys, np.asarray(value))
+        self._arrays[name] = array
+
+  def names(self) -> list[str]:
+    return sorted(self._arrays)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._arrays[name].shape
+
+  def dtype(self, name: str) -> np.dtype:
+    return self._arrays[name].dtype
+
+  def read(self, name: str) -> np.ndarray:
+    return self._arrays[name]
+
+
+def _flat(tree, prefix=()):
+  """(keys, leaf) of a nested dict, depth first."""
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flat(value, (*prefix, str(key)))
+    else:
+      yield (*prefix, str(key)), value
+
+
+def _as_pytorch(keys, value):
+  """A Flax leaf's PyTorch name and layout."""
+  *module, leaf = keys
+  if leaf == "kernel" and value.ndim == 2:
+    leaf, value = "weight", value.T
+  elif (
+    leaf == "kernel" and value.ndim == 4
+  ):  # (H, W, in, out) -> (out, in, H, W)
+    leaf, value = "weight", value.transpose(3, 2, 0, 1)
+  elif leaf in ("embedding", "scale"):
+    leaf = "weight"
+  return ".".join((*module, leaf)), value
+
+
+def open_checkpoint(path: str):
+  """``Safetensors`` of ``path``, or ``FlaxMsgpack`` where it is a
+  ``.msgpack`` file or a directory with a Flax checkpoint but no
+  safetensors."""
+  expanded = os.path.expanduser(path)
+  if expanded.endswith(".msgpack"):
+    return FlaxMsgpack(path)
+  if os.path.isdir(expanded) and not any(
+    os.path.isfile(os.path.join(expanded, n))
+    for n in ("model.safetensors", "model.safetensors.index.json")
+  ):
+    if any(
+      os.path.isfile(os.path.join(expanded, n))
+      for n in ("flax_model.msgpack", "flax_model.msgpack.index.json")
+    ):
+      return FlaxMsgpack(path)
+  return Safetensors(path)
 
 
 def _header(file: str) -> dict:
@@ -169,7 +271,7 @@ def params(path: str, names: dict) -> dict:
   a UsageError naming the first name the checkpoint lacks. Names the map
   does not use (e.g. HuggingFace's tied copies
   ``encoder.embed_tokens.weight``) are ignored."""
-  tensors = Safetensors(path)
+  tensors = open_checkpoint(path)
   have = set(tensors.names())
   out = {}
   for ours, (candidates, transposed) in names.items():
