@@ -190,13 +190,25 @@ def solve_contiguous(
 
   best, arg = run_dp(time_objective)
   if not np.isfinite(best[num_stages, n_nodes]):
-    mem_best, _ = run_dp(lambda s: np.where(valid, memory(s), np.inf))
+    mem_best, mem_arg = run_dp(lambda s: np.where(valid, memory(s), np.inf))
     need = mem_best[num_stages, n_nodes]
+    # The split that needs least: its fullest stage is the one to relieve.
+    cuts = [n_nodes]
+    for k in range(num_stages, 0, -1):
+      cuts.append(int(mem_arg[k, cuts[-1]]))
+    cuts = cuts[::-1]
+    held = [
+      float(memory(s)[a, b])
+      for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))
+    ]
+    worst = int(np.argmax(held))
     raise ValueError(
       f"no split into {num_stages} stages fits memory_limit="
       f"{memory_limit:.4g} bytes; the smallest limit that fits is "
-      f"{need:.4g} bytes (use more stages, recomputation, or a smaller "
-      "microbatch)"
+      f"{need:.4g} bytes, set by stage {worst} (nodes {cuts[worst]}-"
+      f"{cuts[worst + 1] - 1}, {held[worst]:.4g} bytes, in the split that "
+      "needs least): use more stages, recomputation, a smaller microbatch "
+      "or an optimizer with less state"
     )
   bounds = [n_nodes]
   for k in range(num_stages, 0, -1):

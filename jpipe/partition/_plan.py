@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 
 import jax.extend.core as jcore
@@ -230,7 +231,8 @@ def plan_traced(
       [(devices[d],) for d in mixed.stage_device],
       mixed.stage_seconds,
     )
-  solution = solve_contiguous(
+  solution = _solve_named(
+    traced,
     compute,
     num_devices,
     **network,
@@ -247,6 +249,21 @@ def plan_traced(
   return finish(
     solution.stage_of_node(), [(d,) for d in devices], solution.stage_seconds
   )
+
+
+def _solve_named(traced, *args, **kwargs):
+  """``solve_contiguous``; its error's node indices named ("nodes 0-5" ->
+  "nodes embedding .. block_1/mlp")."""
+  try:
+    return solve_contiguous(*args, **kwargs)
+  except ValueError as e:
+    names = traced.node_names
+
+    def name(match):
+      a, b = int(match.group(1)), int(match.group(2))
+      return f"nodes {names[a]} .. {names[b]}"
+
+    raise ValueError(re.sub(r"nodes (\d+)-(\d+)", name, str(e))) from None
 
 
 def stage_memory_bytes(

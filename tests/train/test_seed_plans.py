@@ -87,6 +87,24 @@ def test_a_plan_that_cannot_fit_names_the_device_and_the_fixes():
   assert "on device" in done.stderr and "use more devices" in done.stderr
 
 
+def test_a_contiguous_plan_that_cannot_fit_names_its_stage(capsys):
+  code = plan_cli.main(
+    [
+      "--config",
+      "configs/seeds/ftpipe_bert_large.py",
+      "--method",
+      "contiguous",
+      "--memory",
+      "3GiB",
+    ]
+  )
+  err = capsys.readouterr().err
+  assert code == 2
+  assert "no split into 8 stages fits memory_limit" in err
+  assert "set by stage 0 (nodes Model._embeddings .. layer_" in err
+  assert "use more stages, recomputation" in err
+
+
 def test_abstract_task_is_shapes_of_the_real_one():
   """build_task(abstract=True): the params are ShapeDtypeStructs of the
   real params' shapes, the batch has the real batch's shapes and the
