@@ -10,7 +10,8 @@ epochs (spec: pipedream_dynpipe_sdpipe.md, A5). The same DP
 (a ResNet-16 on the embedded digits, small:VARIANT).
 
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_resnet50.py
-Train (16 GPUs; ImageNet by TFDS at 224 x 224):
+Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,
+cropped and resized to 224 x 224):
   python -m jpipe.train --config configs/seeds/pipedream_resnet50.py \
       --workdir /tmp/resnet50 --config.data.data_dir=DATA
 """

@@ -13,8 +13,8 @@ configs/pipedream_vgg.py (a 6-conv VGG on the embedded digits,
 small:VARIANT).
 
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_vgg16.py
-Train (16 GPUs; ImageNet prepared by TFDS at 224 x 224, see
-jpipe.train.input_pipeline: images are not resized):
+Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,
+cropped and resized to 224 x 224):
   python -m jpipe.train --config configs/seeds/pipedream_vgg16.py \
       --workdir /tmp/vgg16 --config.data.data_dir=DATA
 """

@@ -13,7 +13,8 @@ the contiguous partitioner splits each pipeline (its plan is printed;
 embedded digits).
 
 Plan (one pipeline): python -m jpipe.train.plan --config configs/seeds/sdpipe_resnet50.py
-Train (2 hosts x 8 GPUs, one process per host; ImageNet by TFDS, 224 x 224):
+Train (2 hosts x 8 GPUs, one process per host; tfds build imagenet2012
+--data_dir DATA: read per batch, cropped and resized to 224 x 224):
   python -m jpipe.launch --nprocs 2 --devices-per-process 8 -- \
       python -m jpipe.train --config configs/seeds/sdpipe_resnet50.py \
       --workdir /tmp/sd_resnet50 --config.data.data_dir=DATA

@@ -250,10 +250,11 @@ def image_data(name: str = "digits") -> ml_collections.ConfigDict:
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
   d.image_key = "image"  # Feature names of a TFDS dataset.
   d.label_key = "label"
-  # [H, W, C] the model sees; () = the dataset's. Training checks the
-  # images have it; planning (python -m jpipe.train.plan) needs it for a
-  # dataset whose images vary in size (ImageNet: (224, 224, 3)).
+  # [H, W, C] the model sees; () = the dataset's. Set and different from
+  # a TFDS dataset's (ImageNet's vary): images are read per batch and
+  # resized (training: random crop + flip; evaluation: centre crop).
   d.image_shape = ()
+  d.eval_examples = 0  # Streamed images: the eval split's first N; 0: all.
   d.batch_size = 64  # Examples per step (split into microbatches).
   d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
   d.eval_split = "test"  # Split for the periodic evaluation.

@@ -34,6 +34,11 @@ def load_images(config) -> tuple[ArrayData, ArrayData]:
     train = digits.load_digits(data.train_split, data.data_dir or None)
     test = digits.load_digits(data.eval_split, data.data_dir or None)
     splits = ArrayData(*train), ArrayData(*test)
+  elif _streams_images(config):
+    return (
+      StreamedImages(data, data.train_split),
+      StreamedImages(data, data.eval_split),
+    )
   else:
     splits = (
       _tfds_arrays(data, data.train_split),
@@ -44,11 +49,113 @@ def load_images(config) -> tuple[ArrayData, ArrayData]:
   if want and tuple(want) != have:
     raise UsageError(
       f"config.data.image_shape={want}, but {data.name}'s images are "
-      f"{have}: jpipe does not resize images; set image_shape to {have} "
-      "(or prepare the dataset at the size you want, e.g. a TFDS "
-      "imagenet_resized/64x64)"
+      f"{have}: the embedded digits are not resized; set image_shape to "
+      f"{have} or () (a TFDS dataset's images are resized to it)"
     )
   return splits
+
+
+def _streams_images(config) -> bool:
+  """Whether a TFDS dataset's images are read per batch, resized: where
+  ``data.image_shape`` is set and differs from the dataset's (ImageNet's
+  images vary in size; nor would they fit in memory)."""
+  want = tuple(config.data.get("image_shape") or ())
+  return bool(want) and feature_shape(config, config.data.image_key) != want
+
+
+class StreamedImages:
+  """A TFDS split's images read when a batch asks for them, each record
+  decoded and brought to ``data.image_shape`` [H, W, C] as ResNet's
+  ImageNet recipe does (Szegedy et al.; torchvision's): training, a
+  random crop of 8-100 % of the area at aspect ratio 3/4-4/3, resized,
+  flipped left-right half the time, drawn from (seed, step, example);
+  evaluation, the shorter side resized to H / 0.875 and the centre H x W
+  cropped. Pixels in [0, 1]. ``len`` is the split's size."""
+
+  def __init__(self, data, split: str):
+    self._source = _tfds_source(data, split, embedded="digits")
+    self._image_key, self._label_key = data.image_key, data.label_key
+    self.shape = tuple(int(d) for d in data.image_shape)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def batch(self, take, rng=None) -> tuple[np.ndarray, np.ndarray]:
+    """(images float32 [n, H, W, C], labels int32 [n]) of records
+    ``take``; ``rng`` (a numpy Generator): training augmentation, None:
+    evaluation's centre crop."""
+    images, labels = [], []
+    for i in np.asarray(take):
+      record = self._source[int(i)]
+      images.append(self._prepare(np.asarray(record[self._image_key]), rng))
+      labels.append(int(record[self._label_key]))
+    return np.stack(images), np.asarray(labels, np.int32)
+
+  def _prepare(self, image, rng) -> np.ndarray:
+    from PIL import Image  # Only for streamed datasets.
+
+    height, width, channels = self.shape
+    if image.ndim == 2:
+      image = image[..., None]
+    if image.shape[-1] != channels:
+      raise UsageError(
+        f"config.data.image_shape={self.shape}: the dataset's images have "
+        f"{image.shape[-1]} channels"
+      )
+    h, w = image.shape[:2]
+    if rng is None:  # Resize the shorter side, crop the centre.
+      scale = max(height, width) / 0.875 / min(h, w)
+      size = (max(width, round(w * scale)), max(height, round(h * scale)))
+      top, left = (size[1] - height) // 2, (size[0] - width) // 2
+      box = (
+        left / scale,
+        top / scale,
+        (left + width) / scale,
+        (top + height) / scale,
+      )
+    else:
+      box = _random_crop(h, w, rng)
+    planes = []
+    for c in range(channels):  # (PIL resizes one plane of any dtype.)
+      plane = Image.fromarray(np.ascontiguousarray(image[..., c]))
+      plane = plane.resize((width, height), Image.BILINEAR, box=box)
+      planes.append(np.asarray(plane, np.float32))
+    out = np.stack(planes, -1)
+    if rng is not None and rng.random() < 0.5:
+      out = out[:, ::-1]
+    scale = 255.0 if image.dtype == np.uint8 else 1.0
+    return out / scale
+
+
+def _random_crop(h, w, rng) -> tuple[float, float, float, float]:
+  """(left, top, right, bottom) of an Inception-style random crop: 8-100 %
+  of the area, aspect ratio 3/4-4/3 (log-uniform), 10 tries, then the
+  centre square."""
+  area = h * w
+  for _ in range(10):
+    target = area * rng.uniform(0.08, 1.0)
+    ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    cw, ch = np.sqrt(target * ratio), np.sqrt(target / ratio)
+    if cw <= w and ch <= h:
+      left, top = rng.uniform(0, w - cw), rng.uniform(0, h - ch)
+      return (left, top, left + cw, top + ch)
+  side = min(h, w)
+  left, top = (w - side) / 2, (h - side) / 2
+  return (left, top, left + side, top + side)
+
+
+def streamed_eval_batches(
+  images: "StreamedImages", batch_size: int, count: int
+):
+  """The first ``count`` (0: all) evaluation images in batches of
+  ``batch_size`` with a "weight" leaf (0 on the last batch's padding),
+  read as each batch is asked for."""
+  n = min(len(images), count or len(images))
+  for start in range(0, n, batch_size):
+    rows = np.arange(start, start + batch_size)
+    real = rows < n
+    x, y = images.batch(np.where(real, rows, start))
+    yield {"x": x, "y": y, "weight": real.astype(np.float32)}
 
 
 def feature_shape(config, key: str) -> tuple | None:
@@ -234,15 +341,19 @@ def image_batch_at(
 ) -> dict:
   """The training batch of ``step``: epoch-wise shuffles seeded by
   (seed, epoch); the last partial batch of an epoch is dropped."""
-  per_epoch = len(data.labels) // batch_size
+  size = len(data) if isinstance(data, StreamedImages) else len(data.labels)
+  per_epoch = size // batch_size
   if per_epoch == 0:
     raise UsageError(
       f"data.batch_size={batch_size} is larger than the training set "
-      f"({len(data.labels)} examples)"
+      f"({size} examples)"
     )
   epoch, index = divmod(step, per_epoch)
-  order = np.random.default_rng([seed, epoch]).permutation(len(data.labels))
+  order = np.random.default_rng([seed, epoch]).permutation(size)
   take = order[index * batch_size : (index + 1) * batch_size]
+  if isinstance(data, StreamedImages):  # Augmented from (seed, step).
+    x, y = data.batch(take, np.random.default_rng([seed, step, 2]))
+    return {"x": x, "y": y}
   return {"x": data.images[take], "y": data.labels[take]}
 
 

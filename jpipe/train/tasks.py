@@ -238,7 +238,7 @@ def _classification(config, model, abstract=False) -> Task:
     variables["params"],
     variables.get("batch_stats"),
     batch_at,
-    evaluation=_accuracy(logits_fn, has_stats, test, bs),
+    evaluation=_accuracy(config, logits_fn, has_stats, test, bs),
   )
 
 
@@ -289,7 +289,7 @@ def _classifier_fns(model, has_stats: bool, rngs_of, smoothing=0.0):
   return plain_loss_fn, plain_logits_fn
 
 
-def _accuracy(logits_fn, has_stats, test, batch_size):
+def _accuracy(config, logits_fn, has_stats, test, batch_size):
   """The accuracy on the test images, in batches of ``batch_size``."""
 
   def sums(params, stats, batch):
@@ -301,13 +301,22 @@ def _accuracy(logits_fn, has_stats, test, batch_size):
   def plain_sums(params, batch):
     return sums(params, None, batch)
 
-  held_out = evaluation_lib.padded_batches(
-    {"x": test.images, "y": test.labels}, batch_size
-  )
+  if isinstance(test, input_pipeline.StreamedImages):  # Read per batch.
+    count = config.data.get("eval_examples", 0)
+
+    def batches():
+      return input_pipeline.streamed_eval_batches(test, batch_size, count)
+
+  else:
+    held_out = evaluation_lib.padded_batches(
+      {"x": test.images, "y": test.labels}, batch_size
+    )
+
+    def batches():
+      return held_out
+
   return Evaluation(
-    sums if has_stats else plain_sums,
-    lambda: held_out,
-    evaluation_lib.accuracy,
+    sums if has_stats else plain_sums, batches, evaluation_lib.accuracy
   )
 
 

@@ -240,3 +240,29 @@ def test_bert_large_small_variant_trains_on_squad_records(tmp_path):
     config.train.eval_every = 60
     end = train_lib.train_and_evaluate(config, str(tmp_path / "b"))
   assert end["eval"]["exact_match"] > start["eval"]["exact_match"]
+
+
+@pytest.mark.usefixtures("fast_compiles")
+def test_pipedream_resnet50_trains_on_streamed_imagenet_records(tmp_path):
+  """pipedream_resnet50.py's own path -- ImageNet's features (TFDS mock
+  records of varying size) streamed, resized and augmented per batch,
+  a bottleneck ResNet split by PipeDream's hybrid DP, async with
+  stashing, evaluated through the stages -- at a size for 2 CPU cores."""
+  config = config_plan.load_config_file("configs/seeds/pipedream_resnet50.py")
+  config.unlock()
+  config.data.image_shape = (32, 32, 3)
+  config.data.batch_size = 8
+  config.data.eval_examples = 8
+  config.model.kwargs.blocks = (1, 1)
+  config.model.kwargs.stem = "cifar"
+  config.pipeline.num_stages = 2
+  config.pipeline.num_microbatches = 2
+  config.pipeline.memory_limit = ""
+  config.optimizer.decay_steps = "100"
+  config.train.steps = 3
+  config.train.eval_every = 3
+  config.train.checkpoint_every = 3
+  config.train.profile_last_step = False
+  with tfds.testing.mock_data(num_examples=16):
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
