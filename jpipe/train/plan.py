@@ -166,9 +166,12 @@ def _solve(args) -> _Solved:
     **options,
   )
   seconds = time.perf_counter() - start
-  if not options:  # The memory a plan needs even without a limit.
-    options = config_plan.memory_options(config, params, method, devices, 0.0)
-  stage_bytes = partition.stage_memory_bytes(traced, plan, **options)
+  # Each stage's bytes under the whole model (the config's optimizer,
+  # schedule and recomputation), whatever the method kept to.
+  model = config_plan.memory_options(
+    config, params, "contiguous", devices, memory or 0.0
+  )
+  stage_bytes = partition.stage_memory_bytes(traced, plan, **model)
   return _Solved(plan, costs, method, devices, seconds, stage_bytes, memory)
 
 
@@ -234,8 +237,8 @@ def _print(args, solved: _Solved, result: dict) -> None:
     print(
       f"  over the limit by this model: devices {_ranges(over)}; "
       f"{solved.method!r} keeps to PipeDream's own memory model -- "
-      "--method contiguous keeps to this one (training checks the built "
-      "pipeline against it and stops before the first step)"
+      "--method contiguous or mixed keeps to this one (training checks "
+      "the built pipeline and stops before the first step)"
     )
   for s in range(plan.num_stages):
     names = [k for k, v in plan.stage_of.items() if v == s]

@@ -71,10 +71,9 @@ def records(config) -> list[dict]:
   data = config.data
   text = b"a"
   record = {}
-  for key in ("text_keys",):
-    for name in str(data.get(key, "")).split(","):
-      if name.strip():
-        record[name.strip()] = text
+  for name in str(data.get("text_keys", "")).split(","):
+    if name.strip():
+      record[name.strip()] = text
   for key in ("question_key", "context_key", "source_key", "target_key"):
     if data.get(key):
       record[data[key]] = text

@@ -46,6 +46,16 @@ def _short(config):
   return config
 
 
+# Configs that are image seeds' :small variants (configs/seeds/).
+SEED_SMALLS = (
+  "wrn_stale",
+  "pipedream_vgg",
+  "pipedream_resnet",
+  "sdpipe",
+  "dynpipe",
+)
+
+
 def test_the_configs_are_the_ones_the_issue_names():
   assert set(CONFIGS) >= {
     "default",
@@ -60,8 +70,14 @@ def test_the_configs_are_the_ones_the_issue_names():
 @pytest.mark.parametrize(
   "name, variant",
   # (gpt_finetune needs a pretrained run: test_finetune_experiment;
-  # text_tasks a TFDS dataset: test_text_tasks, on mock data.)
-  [(name, ()) for name in CONFIGS if name not in ("gpt_finetune", "text_tasks")]
+  # text_tasks a TFDS dataset: test_text_tasks, on mock data; the image
+  # seeds' :small variants -- these configs -- train 40 steps in
+  # tests/train/test_seed_plans.py.)
+  [
+    (name, ())
+    for name in CONFIGS
+    if name not in ("gpt_finetune", "text_tasks", *SEED_SMALLS)
+  ]
   + [
     ("wrn_stale", ("ws+wp+ga",)),
     ("pipedream_vgg", ("2bw",)),
