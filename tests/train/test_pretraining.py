@@ -1,9 +1,8 @@
 """BERT's pre-training task: its loss is HuggingFace's BertForPreTraining
-loss restated in NumPy; the seeds' BERT configs train through it."""
+loss restated in NumPy (the seeds' BERT configs train through it:
+tests/train/test_seed_plans.py)."""
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -57,37 +56,3 @@ def test_a_model_without_the_pretraining_outputs_is_refused():
   config.model.kwargs.vocab_size = 100
   with pytest.raises(UsageError, match="vocab_size=100 cannot hold the 260"):
     tasks.build_task(config)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["sdpipe_bert.py", "dynpipe_bert.py"])
-def test_bert_seed_small_variants_train(tmp_path, name):
-  """As the docstrings run them (steps shortened): SD-Pipe's 4 pipelines
-  with partial reduce, DynPipe's policy under a slowed device; the
-  held-out masked-LM loss falls."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jpipe.train",
-      "--config",
-      f"configs/seeds/{name}:small",
-      "--workdir",
-      str(tmp_path / "small"),
-      "--config.train.steps=40",
-      "--config.train.eval_every=20",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1"),
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  out = done.stdout + done.stderr
-  losses = [
-    float(line.split("eval mlm_loss ")[1].split(",")[0])
-    for line in out.splitlines()
-    if "eval mlm_loss " in line and line.startswith("step ")
-  ]
-  assert len(losses) >= 2 and losses[-1] < losses[0], out[-2000:]

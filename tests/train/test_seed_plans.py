@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 GIB = 2**30
 
 
-def _plan(*argv, check=True):
+def _plan(*argv):
   done = subprocess.run(
     [sys.executable, "-m", "jpipe.train.plan", *argv],
     cwd=ROOT,
@@ -31,8 +31,7 @@ def _plan(*argv, check=True):
     timeout=300,
     env=dict(os.environ, PYTHONPATH=ROOT),
   )
-  if check:
-    assert done.returncode == 0, done.stderr[-3000:]
+  assert done.returncode == 0, done.stderr[-3000:]
   return done
 
 
@@ -74,17 +73,14 @@ def test_t5_3b_mixed_pipe_plans_on_8_devices_of_11_gib():
   assert result["sequential"] / result["bottleneck"] > 7.0
 
 
-def test_a_plan_that_cannot_fit_names_the_device_and_the_fixes():
-  done = _plan(
-    "--config",
-    "configs/seeds/ftpipe_t5_3b.py",
-    "--memory",
-    "4GiB",
-    check=False,
+def test_a_plan_that_cannot_fit_names_the_device_and_the_fixes(capsys):
+  code = plan_cli.main(
+    ["--config", "configs/seeds/ftpipe_t5_3b.py", "--memory", "4GiB"]
   )
-  assert done.returncode == 2
-  assert "no mixed-pipe placement on 8 devices fits" in done.stderr
-  assert "on device" in done.stderr and "use more devices" in done.stderr
+  err = capsys.readouterr().err
+  assert code == 2
+  assert "no mixed-pipe placement on 8 devices fits" in err
+  assert "on device" in err and "use more devices" in err
 
 
 def test_a_contiguous_plan_that_cannot_fit_names_its_stage(capsys):
@@ -175,49 +171,46 @@ def test_image_seed_small_variants_are_the_configs_ci_trains(seed, small):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fast_compiles")
 @pytest.mark.parametrize(
-  "name, what",
+  "name, metric",
   [
-    ("ftpipe_t5_3b.py", "T5 v1.0 on the mixed pipe, async stale, Adafactor"),
-    ("ftpipe_gpt2_xl.py", "GPT-2 on the mixed pipe, async stale, AdamW"),
-    ("pipedream_gnmt16.py", "GNMT, PipeDream's straight split, async ws"),
+    # T5 v1.0 on the mixed pipe, async stale, Adafactor.
+    ("ftpipe_t5_3b.py", "perplexity"),
+    # GPT-2 on the mixed pipe, async stale, AdamW.
+    ("ftpipe_gpt2_xl.py", "perplexity"),
+    # GNMT, PipeDream's straight split, async with stashing.
+    ("pipedream_gnmt16.py", "perplexity"),
+    # BERT pre-training: SD-Pipe's 4 pipelines with partial reduce, and
+    # DynPipe's policy under a slowed device.
+    ("sdpipe_bert.py", "mlm_loss"),
+    ("dynpipe_bert.py", "mlm_loss"),
   ],
 )
-def test_text_seed_small_variants_train_the_same_code_path(
-  tmp_path, name, what
-):
-  """A text seed's :small as its docstring runs it (steps shortened) on
-  the embedded text: the held-out perplexity falls."""
-  done = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jpipe.train",
-      "--config",
-      f"configs/seeds/{name}:small",
-      "--workdir",
-      str(tmp_path / "small"),
-      "--config.train.steps=30",
-      "--config.train.eval_every=10",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1"),
-  )
-  assert done.returncode == 0, f"{what}: {done.stderr[-3000:]}"
-  out = done.stdout + done.stderr
-  stages = out.split(" stages on devices [")
-  assert "schedule async" in out and len(stages) == 2
-  if "mixed pipe" in what:  # More stages than its 2 devices.
-    assert int(stages[0].rsplit(None, 1)[-1]) > 2
-  perplexity = [
-    float(line.rsplit(" ", 1)[-1])
-    for line in out.splitlines()
-    if line.startswith("step ") and "eval perplexity" in line
+def test_text_seed_small_variants_train(tmp_path, name, metric):
+  """A text seed's :small on the embedded text (steps shortened to 20):
+  its held-out loss falls from step 10 to step 20."""
+  config = config_plan.load_config_file(f"configs/seeds/{name}:small")
+  config.unlock()
+  config.train.steps = 20
+  config.train.eval_every = 10
+  config.train.checkpoint_every = 20
+  config.train.profile_last_step = False
+  if config.data_parallel.pipelines > 1:
+    config.data_parallel.epoch_batches = 5  # (Evaluates once per epoch.)
+  if config.dynamic.enabled:  # Its slowdown inside the 20 steps.
+    config.dynamic.window = 5
+    config.dynamic.inject = "1:3.0:5:15"
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  values = [
+    row[f"eval/{metric}"]
+    for row in metric_log.read_metrics(str(tmp_path))
+    if f"eval/{metric}" in row
   ]
-  assert len(perplexity) == 3 and perplexity[-1] < perplexity[0]
+  assert len(values) >= 2 and values[-1] < values[0], values
+  if config.pipeline.partition == "mixed":  # More stages than devices.
+    plan = json.loads(open(tmp_path / "plan.json").read())
+    assert len(plan["stage_devices"]) > config.pipeline.num_stages
 
 
 @pytest.mark.usefixtures("fast_compiles")
@@ -281,27 +274,28 @@ def test_pipedream_resnet50_trains_on_streamed_imagenet_records(tmp_path):
   ],
 )
 def test_image_seed_small_variants_move_their_loss(tmp_path, seed):
-  """Each image seed's :small run (steps shortened to 40): its training
+  """Each image seed's :small run (steps shortened to 30): its training
   loss over the last 5 steps is below the first 5 steps' (the seeds'
   asynchronous runs swing in held-out accuracy over so few steps; VGG
   leaves its initial plateau late)."""
   config = config_plan.load_config_file(f"configs/seeds/{seed}")
   config.unlock()
-  config.train.steps = 40
+  config.train.steps = 30
   config.train.log_every = 1
-  config.train.eval_every = 40
-  config.train.checkpoint_every = 40
+  config.train.eval_every = 30
+  config.train.checkpoint_every = 30
   config.train.profile_last_step = False
   if config.data_parallel.pipelines > 1:  # Epochs of 10 batches.
     config.data_parallel.epoch_batches = 10
-  if config.dynamic.enabled:  # Its slowdown inside the 40 steps.
-    config.dynamic.inject = "1:3.0:10:30"
+  if config.dynamic.enabled:  # Its slowdown inside the 30 steps.
+    config.dynamic.inject = "1:3.0:10:20"
   train_lib.train_and_evaluate(config, str(tmp_path))
   loss = [
     row["train/loss"]
     for row in metric_log.read_metrics(str(tmp_path))
     if "train/loss" in row
   ]
-  # (SD-Pipe logs once per epoch of 10 batches: 4 rows.)
-  n = min(5, len(loss) // 2)
-  assert n >= 2 and np.mean(loss[-n:]) < 0.98 * np.mean(loss[:n]), loss
+  # (SD-Pipe logs once per epoch of 10 batches: 3 rows.)
+  n = max(1, min(5, len(loss) // 2))
+  assert len(loss) >= 2, loss
+  assert np.mean(loss[-n:]) < 0.98 * np.mean(loss[:n]), loss
