@@ -29,7 +29,7 @@ import json
 import sys
 import time
 
-from jpipe import partition
+from jpipe import partition, runtime
 from jpipe import schedule as schedule_lib
 from jpipe.train import config_check, config_plan
 
@@ -221,12 +221,12 @@ def _print(args, solved: _Solved, result: dict) -> None:
   limit = solved.memory_limit
   print(
     "predicted memory per device (partitioner's model)"
-    + (f", limit {_gib(limit)}:" if limit else ":")
+    + (f", limit {runtime.format_bytes(limit)}:" if limit else ":")
   )
   for d, held in result["device_memory_bytes"].items():
     stages = [s for s, ds in enumerate(plan.stage_devices) if d in ds]
     print(
-      f"  device {d}: {_gib(held)}"
+      f"  device {d}: {runtime.format_bytes(held)}"
       + (f" ({100 * held / limit:.0f}%)" if limit else "")
       + f", stages {_ranges(stages)}"
     )
@@ -243,12 +243,8 @@ def _print(args, solved: _Solved, result: dict) -> None:
   for s in range(plan.num_stages):
     names = [k for k, v in plan.stage_of.items() if v == s]
     print(
-      f"  stage {s} ({_gib(solved.stage_bytes.total[s])}): {_ranges_of(names)}"
+      f"  stage {s} ({runtime.format_bytes(solved.stage_bytes.total[s])}): {_ranges_of(names)}"
     )
-
-
-def _gib(x: float) -> str:
-  return f"{x / 2**30:.2f} GiB"
 
 
 def _ranges(stages: list[int]) -> str:
