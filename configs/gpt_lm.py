@@ -42,8 +42,9 @@ def get_config():
 
   c.pipeline.num_stages = 4  # Embedding + blocks + tied head over 4 devices.
   c.pipeline.num_microbatches = 4
-  # No stashing: the backward recomputes at the current params (saved
-  # residuals would pin the forward's, i.e. stash them).
+  # No stashing: the backward recomputes at the current params (without
+  # recomputation, FTPipe's nr: weight gradients from the forward's
+  # activations, input gradients at the current weights).
   c.pipeline.recompute = True
 
   c.schedule.name = "async"

@@ -8,12 +8,14 @@ the embedded 8x8 digits, 4 stages, momentum SGD with weight decay. The
 variant after the colon picks the mitigation. Fields:
 jpipe/train/base_config.py.
 
-Run (variants: stale, ws, wp, ga, ws+wp, ws+ga, wp+ga, ws+wp+ga, gpipe):
+Run (variants: stale, ws, wp, ga, ws+wp, ws+ga, wp+ga, ws+wp+ga, gpipe;
+FTPipe's options add nr, nag, nesterov: stale+nr is FTPipe's stale without
+recomputation, wp+nag+nesterov its msnag WRN runs, aggmsnag aside):
   python -m jpipe.train --config configs/wrn_stale.py:ws+wp --workdir /tmp/jpipe_wrn
 
 The pipeline streams: stage s of 4 sees delay 3 - s on every microbatch
 after the warm-up (the stream drains only at evaluations and checkpoints,
-every 100 steps). Variants without ws recompute in the backward.
+every 100 steps). Variants without ws or nr recompute in the backward.
 
 Expected: (re-measured 2026-11-23, one run each) test accuracy after 300
 steps stale 99.2%, ws 98.9%, wp 99.7%, ws+wp 91.7% (99.7% at step 200:

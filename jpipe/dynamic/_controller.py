@@ -115,7 +115,10 @@ class DynamicPipeline:
       device's measured slowdown applying to any layers.
     **pipeline_options: ``jpipe.Pipeline``'s other arguments (num_stages,
       devices, schedule, num_microbatches, optimizer, partition, ...); the
-      plan must be straight with one device per stage.
+      plan must be straight with one device per stage. Its pipelines price
+      every stage alike (``price_last_stage=False``), as its re-planning
+      does (per-node times, whatever stage a node lands on), so that with
+      no slowdown it plans what the first pipeline runs.
   """
 
   def __init__(
@@ -188,6 +191,19 @@ class DynamicPipeline:
         **with_partition(options, plan),
       )
 
+    if options.get("partitioning") is not None:
+      options = dict(options)
+      options["partitioning"] = dataclasses.replace(
+        options["partitioning"], price_last_stage=False
+      )
+    elif options.get("price_last_stage", False):
+      raise ValueError(
+        "DynamicPipeline re-plans with per-node times, every stage alike: "
+        "price_last_stage=True would start it from a plan it cannot "
+        "return to; leave it out"
+      )
+    else:
+      options = dict(options, price_last_stage=False)
     start = time.perf_counter()
     first = build(partition_of(options))
     self.build_seconds = time.perf_counter() - start

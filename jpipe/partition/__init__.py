@@ -1,5 +1,6 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
+from jpipe.partition._acyclic import AcyclicSolution, solve_acyclic
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
 from jpipe.partition._follow import follow_plan
 from jpipe.partition._granularity import (
@@ -30,6 +31,7 @@ from jpipe.partition._trace import TracedModel, trace, with_model_state
 
 __all__ = [
   "METHODS",
+  "AcyclicSolution",
   "PIPEDREAM_PROFILES",
   "ContiguousSolution",
   "Granularity",
@@ -52,6 +54,7 @@ __all__ = [
   "plot_plan",
   "print_plan_table",
   "profile_nodes",
+  "solve_acyclic",
   "solve_contiguous",
   "solve_mixed",
   "solve_pipedream",

@@ -2,10 +2,12 @@
 
   python -m jpipe.partition --pipedream-profile PATH|NAME
       (--devices N | --machines M1 [M2 ..]) [--stages K]
-      [--method pipedream|contiguous|mixed] [--straight]
+      [--method pipedream|contiguous|acyclic|mixed] [--straight]
       [--bandwidth B1 [B2 ..]] [--memory BYTES] [--use-memory-constraint]
       [--use-fewer-machines] [--activation-compression-ratio R]
-      [--compress-branches] [--json] [--png FILE]
+      [--compress-branches] [--objective stage_time|edge_cut]
+      [--constraint time|memory] [--epsilon E] [--multilevel]
+      [--json] [--png FILE]
 
 ``--devices`` is always the device count, ``--stages`` always the stage
 count. ``pipedream`` (the default) is PipeDream's optimizer: a DP over the
@@ -16,8 +18,10 @@ over several devices (``--straight``: none, one stage per device, so
 1e9 bytes/s); transfers between stages count only with
 ``--activation-compression-ratio``, as in PipeDream. ``contiguous`` is the
 exact min-max split of one topological order into K stages on K devices;
-``mixed`` is FTPipe's mixed pipe (N devices; it chooses the stages,
-possibly more than devices). For these two, ``--bandwidth`` defaults to
+``acyclic`` is FTPipe's default, K stages on K devices, each an acyclic
+subgraph of the DAG (``--objective``, ``--constraint``, ``--epsilon``,
+``--multilevel`` as FTPipe's partitioner has them); ``mixed`` is FTPipe's mixed pipe (N devices; it chooses the stages,
+possibly more than devices). For these three, ``--bandwidth`` defaults to
 compute only. A NAME is one of the PipeDream profiles shipped with jpipe
 (``vgg16``, ``resnet50``, ``gnmt``, ...: ``jpipe.partition.PIPEDREAM_PROFILES``).
 
@@ -31,13 +35,14 @@ import time
 
 import numpy as np
 
+from jpipe.partition._acyclic import CONSTRAINTS, OBJECTIVES, solve_acyclic
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import load_pipedream_profile
 from jpipe.partition._mixed import solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._report import plot_plan, print_plan_table
 
-METHODS = ("pipedream", "contiguous", "mixed")
+METHODS = ("pipedream", "contiguous", "acyclic", "mixed")
 
 
 def _parser():
@@ -61,7 +66,7 @@ def _parser():
     "--stages",
     type=int,
     default=None,
-    help="stages (contiguous, or pipedream --straight): one per device",
+    help="stages (contiguous, acyclic, or pipedream --straight): one per device",
   )
   parser.add_argument(
     "--method",
@@ -83,7 +88,7 @@ def _parser():
     "--memory",
     type=float,
     default=None,
-    help="bytes per device (contiguous; pipedream's -s with "
+    help="bytes per device (contiguous, acyclic; pipedream's -s with "
     "--use-memory-constraint, default 16e9)",
   )
   parser.add_argument(
@@ -106,6 +111,29 @@ def _parser():
     "--compress-branches",
     action="store_true",
     help="pipedream: merge single-in/single-out chains first",
+  )
+  parser.add_argument(
+    "--objective",
+    default="stage_time",
+    choices=OBJECTIVES,
+    help="acyclic: minimise the slowest stage or the bytes cut",
+  )
+  parser.add_argument(
+    "--constraint",
+    default="time",
+    choices=CONSTRAINTS,
+    help="acyclic: balance stage time or parameter bytes",
+  )
+  parser.add_argument(
+    "--epsilon",
+    type=float,
+    default=0.1,
+    help="acyclic: no stage above (1 + epsilon) x the mean (default 0.1)",
+  )
+  parser.add_argument(
+    "--multilevel",
+    action="store_true",
+    help="acyclic: refine a coarsened graph first",
   )
   parser.add_argument(
     "--json", action="store_true", help="print one JSON object"
@@ -239,7 +267,8 @@ def _pipedream(graph, machines, args):
 
 
 def _one_order(graph, order, compute, edges, n, args):
-  """(stage_of, stage seconds, bottleneck, devices) of contiguous/mixed."""
+  """(stage_of, stage seconds, bottleneck, devices) of contiguous,
+  acyclic or mixed."""
   bandwidth = args.bandwidth[0] if args.bandwidth else None
   if args.method == "contiguous":
     static = graph.parameter_bytes[order] * 4.0  # params, grads, 2 moments
@@ -254,6 +283,26 @@ def _one_order(graph, order, compute, edges, n, args):
     )
     bottleneck = solution.bottleneck_seconds
     devices = list(range(len(solution.stage_seconds)))
+  elif args.method == "acyclic":
+    solution = solve_acyclic(
+      compute,
+      n,
+      edges=edges,
+      bandwidth=bandwidth,
+      static_bytes=graph.parameter_bytes[order] * 4.0,
+      activation_bytes=graph.activation_bytes[order],
+      param_bytes=graph.parameter_bytes[order],
+      memory_limit=args.memory,
+      objective=args.objective,
+      constraint=args.constraint,
+      epsilon=args.epsilon,
+      multilevel=args.multilevel,
+    )
+    bottleneck = solution.bottleneck_seconds
+    devices = list(range(n))
+    pos = solution.stage_of_node
+    stage_of = {graph.names[node]: pos[k] for k, node in enumerate(order)}
+    return stage_of, list(solution.stage_seconds), bottleneck, devices
   else:
     solution = solve_mixed(compute, n, edges=edges, bandwidth=bandwidth)
     bottleneck = solution.objective_seconds

@@ -75,6 +75,7 @@ def solve_contiguous(
   recompute: bool = False,
   working_bytes: Sequence[float] | None = None,
   stage_slowdown: Sequence[float] | None = None,
+  last_stage_compute: Sequence[float] | None = None,
 ) -> ContiguousSolution:
   """Min-max bottleneck split of N ordered nodes into ``num_stages`` runs.
 
@@ -100,6 +101,9 @@ def solve_contiguous(
     stage_slowdown: per stage slot, a factor on its compute (its device
       runs that much slower, e.g. under interference), [num_stages];
       default 1 everywhere.
+    last_stage_compute: per node, its time when on the last stage, [N]
+      (FTPipe's async pipelines: the last stage runs forward and backward
+      together and never recomputes); default ``compute_seconds``.
 
   Returns:
     The optimal split.
@@ -151,10 +155,18 @@ def solve_contiguous(
   starts, ends = idx[:, None], idx[None, :]  # stage = nodes [start, end)
   valid = ends > starts
   compute = np.where(valid, prefix[ends] - prefix[starts], np.inf)
+  last_compute = compute
+  if last_stage_compute is not None:
+    last_cost = _per_node(last_stage_compute, n_nodes, "last_stage_compute")
+    last_prefix = np.concatenate([[0.0], np.cumsum(last_cost)])
+    last_compute = np.where(
+      valid, last_prefix[ends] - last_prefix[starts], np.inf
+    )
 
   def stage_time(s):
     """Every run's time as stage s, [N+1, N+1]."""
-    slowed = compute * slowdown[s]
+    own = last_compute if s == num_stages - 1 else compute
+    slowed = own * slowdown[s]
     if bandwidth is None:
       return slowed
     return stage_seconds(
@@ -221,7 +233,9 @@ def solve_contiguous(
       float(stage_time(s)[a, b]) for s, (a, b) in enumerate(pairs)
     ),
     compute_seconds=tuple(
-      float(compute[a, b] * slowdown[s]) for s, (a, b) in enumerate(pairs)
+      float((last_compute if s == num_stages - 1 else compute)[a, b])
+      * slowdown[s]
+      for s, (a, b) in enumerate(pairs)
     ),
     memory_bytes=tuple(
       float(memory(s)[a, b]) for s, (a, b) in enumerate(pairs)

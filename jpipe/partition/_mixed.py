@@ -159,6 +159,29 @@ def solve_mixed(
   )
 
 
+def mixed_stage_seconds(
+  compute_seconds: Sequence[float],
+  boundaries: Sequence[int],
+  stage_device: Sequence[int],
+  num_devices: int,
+  *,
+  edges: Mapping[tuple[int, int], float] | None = None,
+  bandwidth: float | None = None,
+  comm_model: str = "ftpipe",
+) -> np.ndarray:
+  """Each stage's time in the mixed-pipe model (``solve_mixed``'s): its
+  device's compute over all the device's stages, and the transfers
+  compute cannot hide, [S]."""
+  evaluate = _Evaluator(
+    np.asarray(compute_seconds, np.float64),
+    dict(edges or {}),
+    bandwidth,
+    num_devices,
+    comm_model,
+  )
+  return evaluate.stage_times(list(boundaries), list(stage_device))[0]
+
+
 class _Evaluator:
   """The mixed-pipe objective of a (boundaries, stage devices) pair."""
 

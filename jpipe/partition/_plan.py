@@ -3,19 +3,27 @@
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax.extend.core as jcore
 import numpy as np
 
+from jpipe.partition._acyclic import solve_acyclic
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import ProfileGraph
-from jpipe.partition._mixed import StageBytes, StageMemory, solve_mixed
+from jpipe.partition._mixed import (
+  StageBytes,
+  StageMemory,
+  mixed_stage_seconds,
+  solve_mixed,
+)
 from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
 
-METHODS = ("contiguous", "mixed", "pipedream", "pipedream_hybrid")
+METHODS = ("contiguous", "acyclic", "mixed", "pipedream", "pipedream_hybrid")
 
 
 def steady_state_delay(num_stages: int, stage: int) -> int:
@@ -122,6 +130,8 @@ def plan_traced(
   param_versions: Sequence[int] | None = None,
   recompute: bool = False,
   stage_slowdown: Sequence[float] | None = None,
+  acyclic_options: Mapping[str, Any] | None = None,
+  last_stage_costs: NodeCosts | None = None,
 ) -> Plan:
   """Partitions a traced model onto ``num_devices`` devices.
 
@@ -130,7 +140,11 @@ def plan_traced(
     costs: from :func:`jpipe.partition.profile_nodes`.
     num_devices: devices of the pipeline.
     method: "contiguous" (one stage per device, exact min-max over the
-      traced program order, memory-limited), "mixed" (FTPipe's mixed
+      traced program order, memory-limited), "acyclic" (FTPipe's default:
+      one stage per device, each an acyclic subgraph of the DAG rather
+      than a run of one order -- parallel branches may sit on different
+      stages; ``solve_acyclic``, never worse than "contiguous" under the
+      same model, memory-limited alike), "mixed" (FTPipe's mixed
       pipe: several stages per device, each device's stages within the
       memory limit)
       or "pipedream" (PipeDream's DP over the graph's antichains, straight:
@@ -161,12 +175,51 @@ def plan_traced(
     comm_model: how transfers add to a stage's time, "overlapped"
       (PipeDream: max of compute and transfers) or "ftpipe" (compute plus
       the transfer time compute cannot hide); see ``solve_contiguous``.
+    acyclic_options: "acyclic"'s keywords of ``solve_acyclic``
+      (``objective``, ``constraint``, ``epsilon``, ``multilevel``,
+      ``runs``, ``rounds``, ``seed``).
+    last_stage_costs: FTPipe's async meta-algorithm (``-a``): ``costs``
+      price recomputation, these the same nodes without it (the last
+      stage runs its forward and backward as one and never recomputes).
+      The nodes of the last stage are priced with these, the rest with
+      ``costs``: exactly for "contiguous" and "acyclic" (their solvers
+      price the last stage so); for the other methods the plan is solved again until the last
+      stage's nodes are those it was priced with (at most 10 solves;
+      otherwise the fastest plan seen, with a warning).
 
   Returns:
     The plan.
   """
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}: one of {METHODS}")
+  if acyclic_options and method != "acyclic":
+    raise ValueError(
+      f"acyclic_options are for method 'acyclic', not {method!r}"
+    )
+  if last_stage_costs is not None and method not in ("contiguous", "acyclic"):
+    return _price_last_stage_plain(
+      lambda c: plan_traced(
+        traced,
+        c,
+        num_devices,
+        method=method,
+        bandwidth=bandwidth,
+        memory_limit=memory_limit,
+        optimizer_state_factor=optimizer_state_factor,
+        devices=devices,
+        comm_model=comm_model,
+        in_flight=in_flight,
+        param_versions=param_versions,
+        recompute=recompute,
+        stage_slowdown=stage_slowdown,
+        acyclic_options=acyclic_options,
+      ),
+      costs,
+      last_stage_costs,
+      _mixed_repricer(traced, num_devices, devices, bandwidth, comm_model)
+      if method == "mixed"
+      else None,
+    )
   devices = tuple(range(num_devices)) if devices is None else tuple(devices)
   if len(devices) != num_devices:
     raise ValueError(f"devices needs {num_devices} entries, got {devices}")
@@ -200,6 +253,11 @@ def plan_traced(
       [devices[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)],
       solution.stage_seconds,
     )
+  last_compute = None
+  if last_stage_costs is not None:
+    last_compute = (
+      last_stage_costs.forward_seconds + last_stage_costs.backward_seconds
+    )
   # What the contiguous and mixed solvers know of the transfers.
   network = dict(
     edges=traced.edges(), bandwidth=bandwidth, comm_model=comm_model
@@ -231,6 +289,33 @@ def plan_traced(
       [(devices[d],) for d in mixed.stage_device],
       mixed.stage_seconds,
     )
+  if method == "acyclic":
+    if stage_slowdown is not None:
+      raise ValueError("stage_slowdown is for method 'contiguous'")
+    acyclic = _solve_named(
+      traced,
+      compute,
+      num_devices,
+      **network,
+      static_bytes=static,
+      activation_bytes=values,
+      working_bytes=values + param_bytes,
+      memory_limit=memory_limit,
+      in_flight=in_flight,
+      param_bytes=param_bytes,
+      param_versions=param_versions,
+      recompute=recompute,
+      solver=solve_acyclic,
+      last_stage_compute=last_compute,
+      **(acyclic_options or {}),
+    )
+    return _priced_last_stage(
+      finish(
+        acyclic.stage_of_node, [(d,) for d in devices], acyclic.stage_seconds
+      ),
+      costs,
+      last_stage_costs,
+    )
   solution = _solve_named(
     traced,
     compute,
@@ -245,17 +330,123 @@ def plan_traced(
     param_versions=param_versions,
     recompute=recompute,
     stage_slowdown=stage_slowdown,
+    last_stage_compute=last_compute,
   )
-  return finish(
-    solution.stage_of_node(), [(d,) for d in devices], solution.stage_seconds
+  return _priced_last_stage(
+    finish(
+      solution.stage_of_node(), [(d,) for d in devices], solution.stage_seconds
+    ),
+    costs,
+    last_stage_costs,
   )
 
 
-def _solve_named(traced, *args, **kwargs):
-  """``solve_contiguous``; its error's node indices named ("nodes 0-5" ->
-  "nodes embedding .. block_1/mlp")."""
+def _priced_last_stage(plan, costs, last_stage_costs) -> Plan:
+  """``plan`` with its forward / backward seconds as the solver priced
+  them: the last stage's nodes at ``last_stage_costs`` (when given)."""
+  if last_stage_costs is None:
+    return plan
+  n = plan.num_stages
+  of = np.asarray(plan.stage_of_node)
+  last = of == n - 1
+  fwd = np.where(last, last_stage_costs.forward_seconds, costs.forward_seconds)
+  bwd = np.where(
+    last, last_stage_costs.backward_seconds, costs.backward_seconds
+  )
+  return dataclasses.replace(
+    plan,
+    stage_forward_seconds=tuple(float(fwd[of == s].sum()) for s in range(n)),
+    stage_backward_seconds=tuple(float(bwd[of == s].sum()) for s in range(n)),
+  )
+
+
+def _mixed_repricer(traced, num_devices, devices, bandwidth, comm_model):
+  """``reprice(plan, compute) -> stage seconds`` in the mixed model."""
+  slots = tuple(range(num_devices)) if devices is None else tuple(devices)
+
+  def reprice(plan, compute):
+    of = np.asarray(plan.stage_of_node)
+    bounds = [0, *(np.flatnonzero(np.diff(of)) + 1).tolist(), len(of)]
+    return mixed_stage_seconds(
+      compute,
+      bounds,
+      [slots.index(ds[0]) for ds in plan.stage_devices],
+      num_devices,
+      edges=traced.edges(),
+      bandwidth=bandwidth,
+      comm_model=comm_model,
+    )
+
+  return reprice
+
+
+def _price_last_stage_plain(solve, costs, last_stage_costs, reprice) -> Plan:
+  """FTPipe's async meta-algorithm over ``solve(costs) -> Plan``: price
+  the last stage's nodes with ``last_stage_costs``, the rest with
+  ``costs``, until the last stage keeps the nodes it was priced with.
+  When the solves cycle instead, each plan seen is priced with its own
+  last stage by ``reprice(plan, compute) -> stage seconds`` (None: not
+  possible for the method; the fastest as solved is kept, with a
+  warning) and the fastest kept."""
+  if last_stage_costs.forward_seconds.shape != costs.forward_seconds.shape:
+    raise ValueError("last_stage_costs must cost the same nodes as costs")
+
+  def priced(plain):
+    return dataclasses.replace(
+      costs,
+      forward_seconds=np.where(
+        plain, last_stage_costs.forward_seconds, costs.forward_seconds
+      ),
+      backward_seconds=np.where(
+        plain, last_stage_costs.backward_seconds, costs.backward_seconds
+      ),
+    )
+
+  plain = np.zeros(costs.forward_seconds.shape, bool)
+  seen = []
+  for _ in range(10):
+    plan = solve(priced(plain))
+    of = np.asarray(plan.stage_of_node)
+    last = of == of.max()
+    if np.array_equal(last, plain):
+      return plan
+    seen.append(plan)
+    plain = last
+  if reprice is None:
+    warnings.warn(
+      "the async meta-algorithm's last stage did not settle in 10 solves: "
+      "keeping the fastest plan seen (its last stage priced as the solve "
+      "before it chose)",
+      stacklevel=3,
+    )
+    return min(seen, key=lambda p: p.bottleneck_seconds)
+  repriced = []
+  for plan in seen:
+    of = np.asarray(plan.stage_of_node)
+    own = priced(of == of.max())
+    seconds = reprice(plan, own.forward_seconds + own.backward_seconds)
+    n = plan.num_stages
+    repriced.append(
+      dataclasses.replace(
+        plan,
+        stage_forward_seconds=tuple(
+          float(own.forward_seconds[of == s].sum()) for s in range(n)
+        ),
+        stage_backward_seconds=tuple(
+          float(own.backward_seconds[of == s].sum()) for s in range(n)
+        ),
+        stage_seconds=tuple(float(t) for t in seconds),
+        bottleneck_seconds=float(max(seconds)),
+      )
+    )
+  return min(repriced, key=lambda p: p.bottleneck_seconds)
+
+
+def _solve_named(traced, *args, solver=solve_contiguous, **kwargs):
+  """``solver`` (``solve_contiguous``); its error's node indices named
+  ("nodes 0-5" -> "nodes embedding .. block_1/mlp")."""
   try:
-    return solve_contiguous(*args, **kwargs)
+    return solver(*args, **kwargs)
   except ValueError as e:
     names = traced.node_names
 

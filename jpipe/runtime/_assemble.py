@@ -133,6 +133,10 @@ def build_runtime(
     prediction=staleness.prediction,
     gap_aware=staleness.gap_aware,
     record=record_params,
+    nag_with_predictor=staleness.nag_with_predictor,
+    unpredicted=frozenset(
+      {stages.num_stages - 1} if staleness.last_stage_optimizer else ()
+    ),
   )
   if request.clip_global_norm and stream and placed.transport.multiprocess:
     raise ValueError(
@@ -154,6 +158,7 @@ def build_runtime(
     record_params=record_params,
     hooks=hooks,
     clip_global_norm=request.clip_global_norm,
+    partial_window=staleness.partial_window,
   )
   return Runtime(
     programs,
@@ -173,8 +178,13 @@ def _stage_optimizers(
   param leaf's path; ``grad_layouts``: each stage's packed gradient)."""
   optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
+  last = stages.num_stages - 1
   optimizers = []
   for s, layout in enumerate(grad_layouts):
+    own = s == last and staleness.last_stage_optimizer is not None
+    horizon = stream.max_delay(s) if stream else 0
+    if staleness.nag_with_predictor:
+      horizon = max(horizon, 1)
     leaves = stages.specs[s].param_leaves
     # Asynchronous: replicas of tied leaves another stage owns never step.
     replica = tied.replica_positions(s) if stream else set()
@@ -182,14 +192,14 @@ def _stage_optimizers(
     optimizers.append(
       StageOptimizer(
         [names[leaves[p]] for p in positions],
-        optimizer,
+        staleness.last_stage_optimizer if own else optimizer,
         positions=positions,
         gap_aware=staleness.gap_aware_at(
           partition_lib.steady_state_delay(stages.num_stages, s)
         ),
-        predictor=predictor,
+        predictor=None if own else predictor,
         learning_rate_schedule=staleness.learning_rate_schedule,
-        horizon=stream.max_delay(s) if stream else 0,
+        horizon=horizon,
         grad_layout=layout,
       )
     )

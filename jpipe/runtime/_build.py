@@ -190,6 +190,8 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     bandwidth=partitioning.bandwidth,
     cost_model=partitioning.cost_model,
     recompute=staleness.recompute,
+    price_last_stage=partitioning.fuse_last_stage
+    and partitioning.price_last_stage,
     # Where the schedule places the stages (zbv's V: several per device,
     # which the partitioner's per-device memory model does not know), the
     # memory is checked on the built pipeline instead.
@@ -214,9 +216,15 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   # Model-state leaf j is batch input num_batch_leaves + j and result
   # j + 1 (after the loss): carried from one microbatch to the next.
   first = cut.num_batch_leaves
+  policy = jax.checkpoint_policies.dots_saveable
+  if staleness.residuals_from_current_params(request.schedule_kind.name):
+    # FTPipe's no-recompute semantics: the backward reads the current
+    # params, so only saved values keep the forward's activations.
+    policy = jax.checkpoint_policies.everything_saveable
   stages = partition_lib.Stages(
     cut.traced,
     plan.stage_of_node,
+    residual_policy=policy,
     carried=[(first + j, j + 1) for j in range(cut.num_state_leaves)],
   )
   return Partitioned(plan, stages)
@@ -375,6 +383,13 @@ def _make_plan(
       method=options["cost_model"],
       recompute=options["recompute"],
     )
+    last_stage_costs = None
+    if options["recompute"] and options["price_last_stage"]:
+      # FTPipe's async meta-algorithm: the fused last stage never
+      # recomputes, so its nodes are priced without it.
+      last_stage_costs = partition_lib.profile_nodes(
+        traced, params, micro, method=options["cost_model"], recompute=False
+      )
     memory = memory_options_for(partition, options["memory"])
     slots = options["slots"]  # A contiguous stage per slot, on its device.
     plan = partition_lib.plan_traced(
@@ -384,6 +399,7 @@ def _make_plan(
       method=partition,
       bandwidth=options["bandwidth"],
       devices=slots,
+      last_stage_costs=last_stage_costs,
       **memory,
     )
   if plan.node_names != traced.node_names:

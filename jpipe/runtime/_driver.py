@@ -211,6 +211,8 @@ class Driver:
     hooks: called around the actions (None: none).
     clip_global_norm: the global gradient norm steps clip to (None:
       no clipping; ``Pipeline``'s argument).
+    partial_window: how a stream steps a window a flush cut short
+      ("mean" or "ftpipe", ``Staleness.partial_window``).
   """
 
   def __init__(
@@ -228,8 +230,10 @@ class Driver:
     record_params: bool = False,
     hooks: DriverHooks | None = None,
     clip_global_norm: float | None = None,
+    partial_window: str = "mean",
   ):
     self.clip_global_norm = clip_global_norm
+    self.partial_window = partial_window
     self.stages = stages
     self.programs = programs
     self.placement = tuple(placement)
@@ -572,14 +576,13 @@ class _Call(TransferEnds):
     if self.profiler and d.transport.multiprocess:
       self.profiler.record_inputs(action, out_cots)
     forward_theta = self.forward_params.get((s, b))
+    theta = d.policy.backward_params(self.params[s], forward_theta)
+    if d.stream is not None:
+      theta = d.tied.tied_values(s, b, theta, self.tied)
     if d.programs.recompute:
       local, acts = self.saved.pop((s, b))
-      theta = d.policy.backward_params(self.params[s], forward_theta)
-      if d.stream is not None:
-        theta = d.tied.tied_values(s, b, theta, self.tied)
       args = (theta, local, acts, out_cots, self._result_cots(spec))
-    else:  # The residuals' params: the forward's.
-      theta = forward_theta
+    else:  # The residuals, read with those params.
       args = (theta, self.saved.pop((s, b)), out_cots, self._result_cots(spec))
     self._record("B", s, b, theta)
     return args
@@ -592,8 +595,11 @@ class _Call(TransferEnds):
     opt = d.optimizers[s]
     stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
     # Each loss cotangent was 1 / step_every: a short window (at a flush)
-    # is rescaled to its own mean.
-    scale = d.stream.step_every / len(group)
+    # is rescaled to its own mean, or (FTPipe's) kept and its update
+    # scaled by r / step_every.
+    scale, update_scale = d.stream.step_every / len(group), 1.0
+    if d.partial_window == "ftpipe":
+      scale, update_scale = 1.0, len(group) / d.stream.step_every
     # The packed accumulator, unpacked inside the step -- or before it,
     # for tied leaves' gradients (out to their owners, in from holders).
     g, packed = self.grads[s], True
@@ -615,7 +621,13 @@ class _Call(TransferEnds):
       )
       scale = scale * self._clip_factor(s, total)
     self._optimizer_step(
-      s, g, packed, stale, scale, reduced=d.clip_global_norm is not None
+      s,
+      g,
+      packed,
+      stale,
+      scale,
+      reduced=d.clip_global_norm is not None,
+      update_scale=update_scale,
     )
     self.params[s] = d.hooks.after_step(s, self.params[s])
     if self.profiler:
@@ -741,7 +753,9 @@ class _Call(TransferEnds):
     factor = _clip_factor(total_sq, self.d.clip_global_norm)
     return self.d.placement[s].put_replicated(factor)
 
-  def _optimizer_step(self, s, grads, packed, stale, scale, reduced=False):
+  def _optimizer_step(
+    self, s, grads, packed, stale, scale, reduced=False, update_scale=1.0
+  ):
     """Stage s's optimizer step from ``grads`` (the packed accumulator, or
     leaves): new ``params[s]`` and ``opt_states[s]``. A packed
     accumulator's own (big-leaf) buffers are donated to the step, and so
@@ -752,6 +766,7 @@ class _Call(TransferEnds):
     if not reduced:
       grads = d.hooks.reduce_gradient(s, grads)
     args = (grads, self.opt_states[s], self.params[s], stale, scale)
+    args += (update_scale,)
     if packed:
       self._before_donating(s)
       new = opt.update_packed(*args, donate_state=self.made_state[s])

@@ -338,11 +338,11 @@ def partitioner_memory_model(
 
 def memory_options_for(method: str, memory: dict | None) -> dict:
   """The part of ``partitioner_memory_model``'s options a partition
-  ``method`` takes: "contiguous" all; "mixed" the limit, the optimizer's
+  ``method`` takes: "contiguous" and "acyclic" all; "mixed" the limit, the optimizer's
   state, recomputation and stashing (its own in-flight counts: S - s over
   its S stages); PipeDream's methods the limit (their own stash model)."""
   memory = memory or {}
-  if method == "contiguous" or not memory:
+  if method in ("contiguous", "acyclic") or not memory:
     return dict(memory)
   if method == "mixed":
     return {k: v for k, v in memory.items() if k != "in_flight"}

@@ -12,12 +12,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import optax
 
 from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
 
 PREDICTIONS = (None, "msnag", "aggmsnag")
 GAP_AWARE = (None, "ga", "ga_jfl")
+PARTIAL_WINDOWS = ("mean", "ftpipe")
 # FTPipe's stage policies for Gap-Aware, by stage depth (n - 1 - s).
 GAP_AWARE_POLICIES = {
   "all_except_last": lambda depth: depth != 0,
@@ -26,8 +28,14 @@ GAP_AWARE_POLICIES = {
 }
 
 
-def _check_values(prediction, gap_aware, gap_aware_policy, step_every):
+def _check_values(
+  prediction, gap_aware, gap_aware_policy, step_every, partial_window
+):
   """Each option alone: a known name, a positive count."""
+  if partial_window not in PARTIAL_WINDOWS:
+    raise ValueError(
+      f"unknown partial_window {partial_window!r}: one of {PARTIAL_WINDOWS}"
+    )
   if prediction not in PREDICTIONS:
     raise ValueError(f"unknown prediction {prediction!r}: one of {PREDICTIONS}")
   if gap_aware not in GAP_AWARE:
@@ -74,9 +82,29 @@ def check_staleness_options(
   gap_aware_options,
   gap_aware_policy,
   split_flush=False,
+  nag_with_predictor=False,
+  last_stage_optimizer=None,
+  partial_window="mean",
 ):
   """Clear errors for option combinations the semantics do not define."""
-  _check_values(prediction, gap_aware, gap_aware_policy, step_every)
+  _check_values(
+    prediction, gap_aware, gap_aware_policy, step_every, partial_window
+  )
+  if nag_with_predictor and prediction is None:
+    raise ValueError(
+      "nag_with_predictor predicts a delay-0 forward one step ahead: it "
+      "needs prediction='msnag' or 'aggmsnag'"
+    )
+  if last_stage_optimizer is not None and schedule != "async":
+    raise ValueError(
+      f"last_stage_optimizer (FTPipe's nesterov_set_for_last_partition) is "
+      f"for the asynchronous schedule 'async', not {schedule!r}"
+    )
+  if partial_window != "mean" and schedule not in ("async", "2bw"):
+    raise ValueError(
+      f"partial_window is how 'async' and '2bw' step a short step_every "
+      f"window at a flush; {schedule!r} steps once per call"
+    )
   if split_flush and schedule not in schedule_lib.STREAMS:
     raise ValueError(
       f"split_flush splits the flush of a streaming schedule "
@@ -87,6 +115,7 @@ def check_staleness_options(
     "weight_stashing": weight_stashing,
     "prediction": prediction,
     "gap_aware": gap_aware,
+    "last_stage_optimizer": last_stage_optimizer,
   }
   if schedule != "async":
     used = [k for k, v in mitigations.items() if v]
@@ -106,15 +135,6 @@ def check_staleness_options(
     )
   if gap_aware is not None:
     _check_gap_aware(gap_aware, gap_aware_options, step_every, recompute)
-  if schedule == "async" and not weight_stashing and not recompute:
-    raise ValueError(
-      "an asynchronous pipeline without weight stashing needs "
-      "recompute=True: without recomputation every backward "
-      "differentiates at its forward's params (its saved residuals pin "
-      "them), which IS weight stashing, so stale, prediction-only and "
-      "Gap-Aware-only runs would silently be stashing runs; pass "
-      "recompute=True, or weight_stashing=True to ask for stashing"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +143,12 @@ class Staleness:
   staleness options, each also its keyword argument of the same name.
 
   Attributes:
-    recompute: backward recomputes the forward (True) or keeps residuals.
-      ``async`` without weight stashing needs it: saved residuals pin the
-      forward's params, which is weight stashing.
+    recompute: backward recomputes the forward (True) or keeps residuals
+      (FTPipe's ``nr``). ``async`` without weight stashing and without
+      recomputation: the backward reads the forward's activations (every
+      intermediate saved) with the current params -- weight gradients
+      from forward-time activations, input gradients at the current
+      weights (PipeDream without stashing).
     step_every: ``async``: a stage steps after every ``step_every``
       backwards, on their mean gradient (a flush steps on a partial
       window's mean); ``2bw``: microbatches per minibatch (>= num_stages).
@@ -150,6 +173,19 @@ class Staleness:
     gap_aware_policy: which stages apply it, by depth (FTPipe):
       "all_except_last" (default), "almost_last_partition",
       "all_except_last_two".
+    nag_with_predictor: ``async`` with prediction: FTPipe's option -- a
+      forward of delay 0 (the last stage's, warm-up forwards) is
+      predicted one step ahead (a NAG look-ahead) instead of not at all.
+    last_stage_optimizer: ``async``: the last stage's own optimizer, and
+      no prediction there. FTPipe's ``nesterov_set_for_last_partition``
+      is ``optax.sgd(lr, momentum, nesterov=True)`` beside a momentum-SGD
+      ``optimizer``. Its state must be shaped like the optimizer's (one
+      checkpoint holds every stage's).
+    partial_window: how ``async`` / ``2bw`` step a ``step_every`` window
+      cut short by a flush (r of ``step_every`` microbatches): "mean"
+      (default: on the mean of its r gradients) or "ftpipe" (FTPipe's: on
+      their sum over ``step_every``, the update scaled by r /
+      ``step_every`` -- its learning rate times r / se).
     split_flush: ``async``, ``2bw``: a flush's pending backwards run as
       the input gradient I, then the weight gradient W (zero-bubble's
       split): the stage before waits for I only. Same steps, same delays
@@ -167,6 +203,9 @@ class Staleness:
   gap_aware_options: Mapping[str, Any] | None = None
   gap_aware_policy: str = "all_except_last"
   split_flush: bool = False
+  nag_with_predictor: bool = False
+  last_stage_optimizer: optax.GradientTransformation | None = None
+  partial_window: str = "mean"
 
   def check(self, schedule: str, optimizer=None, params=None) -> None:
     """Raises ValueError for options ``schedule`` does not define, and
@@ -181,6 +220,18 @@ class Staleness:
       if f.name not in ("predictor", "learning_rate_schedule")
     }
     check_staleness_options(schedule, **checked)
+    if self.last_stage_optimizer is not None and optimizer is not None:
+      want = jax.tree.structure(jax.eval_shape(optimizer.init, params))
+      got = jax.tree.structure(
+        jax.eval_shape(self.last_stage_optimizer.init, params)
+      )
+      if want != got:
+        raise ValueError(
+          "last_stage_optimizer's state is not shaped like the optimizer's "
+          "(one checkpoint holds every stage's state): use the same "
+          "optimizer family, e.g. optax.sgd(lr, momentum, nesterov=True) "
+          "beside optax.sgd(lr, momentum)"
+        )
     if self.gap_aware is not None and optimizer is not None:
       staleness_lib.check_state_matches(
         jax.eval_shape(optimizer.init, params),
@@ -190,9 +241,15 @@ class Staleness:
 
   @property
   def stashes(self) -> bool:
-    """Whether backwards differentiate at their forward's params: weight
-    stashing, or saved residuals (which pin them)."""
-    return self.weight_stashing or not self.recompute
+    """Whether backwards differentiate at their forward's params (weight
+    stashing keeps their versions)."""
+    return self.weight_stashing
+
+  def residuals_from_current_params(self, schedule: str) -> bool:
+    """Whether backwards read saved residuals with newer params than the
+    forward's (``async``, no recomputation, no stashing): then every
+    intermediate is saved, so all activations are the forward's."""
+    return schedule == "async" and not self.recompute and not self.stashes
 
   def stage_predictor(self, optimizer) -> staleness_lib.Predictor | None:
     """The predictor forwards use, or None without prediction."""

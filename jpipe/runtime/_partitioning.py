@@ -24,7 +24,8 @@ class Partitioning:
     num_stages: pipeline stages (ignored when ``partition`` is a Plan);
       with "pipedream_hybrid", the devices the plan may use (its DP picks
       the stages and their replicas).
-    partition: "contiguous", "mixed", "pipedream", "pipedream_hybrid"
+    partition: "contiguous", "acyclic", "mixed", "pipedream",
+      "pipedream_hybrid"
       (see ``jpipe.partition.plan_traced``), or a jpipe.partition.Plan. A Plan
       may put a stage on several devices (``stage_devices[s]`` =
       ``(0, 1)``): the stage then runs data parallel over them, each
@@ -43,6 +44,8 @@ class Partitioning:
       default, no compilation), "xla" (XLA's cost analysis) or "measured"
       (each node compiled and timed on the default device: slower to
       start, right where FLOPs mislead, e.g. small or memory-bound ops).
+      With recomputation, a fused last stage and ``price_last_stage`` the
+      nodes are costed both ways and the last stage priced without it.
     fuse_last_stage: run the backward of a stage no other stage reads
       from (the last, which computes the loss) together with its forward,
       as one program, wherever the result is the same: B(s, k) needs
@@ -53,6 +56,10 @@ class Partitioning:
       longer holds every microbatch's activations. A measured timeline
       shows such an F spanning both and its B as an instant. Only the
       order of the gradient sum changes (float rounding).
+    price_last_stage: FTPipe's async meta-algorithm (its partitioner's
+      ``-a``): with recomputation and a fused last stage (which never
+      recomputes), price the last stage's nodes without recomputation
+      (``plan_traced``'s ``last_stage_costs``). False: every stage alike.
     transport: how values cross processes when the devices belong to
       several (``jax.distributed``; each process runs its own stages):
       "pull" (``jax.experimental.transfer``: never blocks a device) or
@@ -74,6 +81,7 @@ class Partitioning:
   bandwidth: float | None = None
   cost_model: str = "analytic"
   fuse_last_stage: bool = True
+  price_last_stage: bool = True
   transport: str = "pull"
   memory_limit: float | str | None = None
 

@@ -112,6 +112,7 @@ class StageOptimizer:
     params,
     stale_params=None,
     scale=1.0,
+    update_scale=1.0,
     *,
     donate_state=False,
   ):
@@ -125,7 +126,9 @@ class StageOptimizer:
     n = self._grad_layout.num_own if self._grad_layout.packed else 0
     update = self._update_donating[bool(donate_state)]
     flat = tuple(flat)
-    return update(flat[:n], flat[n:], opt_state, params, stale_params, scale)
+    return update(
+      flat[:n], flat[n:], opt_state, params, stale_params, scale, update_scale
+    )
 
   def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:
     """The managed leaves of a stage tuple, keyed by path."""
@@ -144,10 +147,14 @@ class StageOptimizer:
     """The optimizer's own state (inside Gap-Aware's on a GA stage)."""
     return opt_state.inner_state if self.gap_aware else opt_state
 
-  def _update(self, grads, opt_state, params, stale_params, scale=1.0):
-    """New (params, opt_state) from ``scale * grads``; ``stale_params``
-    only on a GA stage. ``scale`` (traced) turns a window's gradient sum
-    into its mean where the window ended short (a flush)."""
+  def _update(
+    self, grads, opt_state, params, stale_params, scale=1.0, update_scale=1.0
+  ):
+    """New (params, opt_state) from ``scale * grads``, the update times
+    ``update_scale``; ``stale_params`` only on a GA stage. ``scale``
+    (traced) turns a window's gradient sum into its mean where the window
+    ended short (a flush); ``update_scale`` is FTPipe's learning rate
+    times r / step_every there instead."""
     g, p = self.as_dict(grads), self.as_dict(params)
     g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
     if self.gap_aware:
@@ -155,6 +162,9 @@ class StageOptimizer:
       updates, opt_state = self.tx.update(g, opt_state, p, stale_params=stale)
     else:
       updates, opt_state = self.tx.update(g, opt_state, p)
+    updates = jax.tree.map(
+      lambda u: u * jnp.asarray(update_scale, u.dtype), updates
+    )
     new = optax.apply_updates(p, updates)
     return self.as_tuple(new, params), opt_state
 

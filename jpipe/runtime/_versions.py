@@ -12,10 +12,13 @@ ga_jfl                 as above                     current params
 2bw                    W(t-1) (minibatch t)         the forward's params
 =====================  ===========================  =========================
 
-Without recomputation the backward differentiates at the forward's params
-(its saved residuals pin them); an asynchronous pipeline refuses that
-without weight stashing (``_options.py``), since it IS stashing. ``d`` is
-the delay: steps between the forward and the step applying its gradient.
+Without recomputation (FTPipe's ``nr``) the backward starts from the
+forward's saved residuals: every activation is the forward's, and the
+params it reads are the ones in the table -- without stashing the current
+ones, so a stale stage's weight gradient comes from the forward-time
+activations and its input gradient from the current weights (PipeDream
+without stashing; with stashing both are the forward's). ``d`` is the
+delay: steps between the forward and the step applying its gradient.
 """
 
 from typing import Any
@@ -29,9 +32,13 @@ class VersionPolicy:
   Args:
     stream: the asynchronous stream rule, or None (synchronous: every
       action uses the current params).
-    recompute: backwards recompute the forward (else saved residuals).
+    recompute: backwards recompute the forward (else saved residuals,
+      read with the params the table gives).
     weight_stashing, prediction, gap_aware: the mitigations.
     record: keep every forward's params (to report them).
+    nag_with_predictor: a forward of delay 0 is predicted one step ahead.
+    unpredicted: stages whose forwards are never predicted (a last stage
+      with its own optimizer, FTPipe's Nesterov last partition).
   """
 
   def __init__(
@@ -43,20 +50,21 @@ class VersionPolicy:
     prediction: str | None = None,
     gap_aware: str | None = None,
     record: bool = False,
+    nag_with_predictor: bool = False,
+    unpredicted: frozenset[int] = frozenset(),
   ):
     self.stream = stream
     self.recompute = recompute
     self.prediction = prediction
+    self.nag_with_predictor = nag_with_predictor
+    self.unpredicted = frozenset(unpredicted)
     stash = stream is not None and stream.backward_uses_stash
     self.backward_at_forward = stash or (
       weight_stashing and gap_aware != "ga_jfl"
     )
     # A backward, a Gap-Aware step or a report may need F's params later.
     self.keeps_forward_params = (
-      not recompute
-      or self.backward_at_forward
-      or gap_aware is not None
-      or record
+      self.backward_at_forward or gap_aware is not None or record
     )
 
   def forward_version(self, s: int, b: int) -> int | None:
@@ -68,23 +76,26 @@ class VersionPolicy:
   def forward_params(self, s, b, current, versions, predict) -> Any:
     """F(s, b)'s params: its version (current, or 2BW's pinned one),
     predicted ``delay`` steps ahead with ``predict(theta, delay)`` when
-    asked."""
+    asked (a delay of 0 as 1 with ``nag_with_predictor``)."""
     version = self.forward_version(s, b)
     theta = current if version is None else versions[version]
-    if self.prediction is None or self.stream is None:
+    if self.prediction is None or self.stream is None or s in self.unpredicted:
       return theta
     delay = self.stream.delay(s, b)
+    if delay == 0 and self.nag_with_predictor:
+      delay = 1
     return theta if delay == 0 else predict(theta, delay)
 
   def backward_params(self, current, forward_theta) -> Any:
-    """The params B(s, b) differentiates at."""
-    if not self.recompute or self.backward_at_forward:
+    """The params B(s, b) differentiates at (reads, without
+    recomputation)."""
+    if self.backward_at_forward:
       return forward_theta
     return current
 
   def same_backward_params(self, forward_theta, current) -> bool:
     """Whether B(s, b), run right after F(s, b), would use F's params."""
-    if not self.recompute or self.backward_at_forward:
+    if self.backward_at_forward:
       return True
     # It recomputes at the current params: the same unless F's were an
     # older or predicted version (identity: no step can intervene).

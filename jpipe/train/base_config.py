@@ -157,6 +157,14 @@ def _staleness_fields(c: ml_collections.ConfigDict) -> None:
   c.staleness.prediction = ""  # "", "msnag" or "aggmsnag".
   c.staleness.gap_aware = ""  # "", "ga" or "ga_jfl".
   c.staleness.gap_aware_policy = "all_except_last"  # FTPipe's stage policy.
+  # FTPipe's: a delay-0 forward predicted one step ahead (needs prediction).
+  c.staleness.nag_with_predictor = False
+  # FTPipe's nesterov_set_for_last_partition: the last stage steps with
+  # Nesterov momentum SGD and predicts nothing (optimizer.name "sgd").
+  c.staleness.nesterov_last_stage = False
+  # A step_every window a flush cuts short (r of se): "mean" (its mean) or
+  # "ftpipe" (the sum over se, the learning rate times r / se).
+  c.staleness.partial_window = "mean"
 
 
 def _data_parallel_fields(c: ml_collections.ConfigDict) -> None:
@@ -347,6 +355,9 @@ def _text_task_data(fmt: str, name: str) -> ml_collections.ConfigDict:
 
 
 MITIGATIONS = {"ws": "stashing", "wp": "prediction", "ga": "gap_aware"}
+# FTPipe's further options a variant may add: no recomputation, NAG with
+# the predictor, a Nesterov last stage.
+FTPIPE_OPTIONS = ("nr", "nag", "nesterov")
 # Variants naming a schedule outright (the rest set staleness options).
 SYNCHRONOUS_VARIANTS = schedule_lib.SYNCHRONOUS
 
@@ -358,8 +369,13 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
     c: a config from :func:`base_config` (changed in place).
     variant: "stale" (asynchronous 1F1B, no mitigation); "ws", "wp", "ga"
       or a "+"-joined combination such as "ws+wp" (asynchronous with
-      weight stashing, msnag weight prediction, Gap-Aware; without "ws"
-      the backward recomputes, ``pipeline.recompute = True``); "2bw"
+      weight stashing, msnag weight prediction, Gap-Aware; the backward
+      recomputes, ``pipeline.recompute = True``, unless "ws"), to which
+      FTPipe's options add: "nr" (no recomputation: without "ws", weight
+      gradients from the forward's activations, input gradients at the
+      current weights), "nag" (``staleness.nag_with_predictor``, with
+      "wp"), "nesterov" (``staleness.nesterov_last_stage``) -- e.g.
+      "stale+nr", FTPipe's WRN "wp+nag+nesterov"; "2bw"
       (PipeDream-2BW); or a synchronous schedule (``jpipe.schedule.
       SYNCHRONOUS``: "seq", "gpipe", "1f1b", "zbh1", ...).
   """
@@ -369,17 +385,20 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
     if variant == "2bw":
       c.schedule.step_every = c.pipeline.num_microbatches
     return
-  if variant != "stale" and not set(parts) <= set(MITIGATIONS):
+  known = set(MITIGATIONS) | set(FTPIPE_OPTIONS) | {"stale"}
+  if not set(parts) <= known or len(set(parts)) != len(parts):
     raise ValueError(
       f"unknown config variant {variant!r}: use 'stale', a '+'-joined "
-      f"combination of {sorted(MITIGATIONS)}, '2bw' or one of "
-      f"{SYNCHRONOUS_VARIANTS} (e.g. --config configs/wrn_stale.py:ws+wp)"
+      f"combination of {sorted(MITIGATIONS)} (and FTPipe's "
+      f"{list(FTPIPE_OPTIONS)}), '2bw' or one of {SYNCHRONOUS_VARIANTS} "
+      "(e.g. --config configs/wrn_stale.py:ws+wp)"
     )
   c.schedule.name = "async"
   c.staleness.stashing = "ws" in parts
   c.staleness.prediction = "msnag" if "wp" in parts else ""
   c.staleness.gap_aware = "ga" if "ga" in parts else ""
-  # Without stashing the backward must recompute at the params it names
-  # (current ones): saved residuals would pin the forward's, i.e. stash.
-  if not c.staleness.stashing:
-    c.pipeline.recompute = True
+  c.staleness.nag_with_predictor = "nag" in parts
+  c.staleness.nesterov_last_stage = "nesterov" in parts
+  # Recompute unless stashing (ws without nr: saved residuals, at the
+  # forward's params) or FTPipe's nr asked for.
+  c.pipeline.recompute = not (c.staleness.stashing or "nr" in parts)

@@ -49,6 +49,14 @@ def staleness(config, learning_rate=None) -> Staleness:
     gap_aware_options=options,
     gap_aware_policy=st.gap_aware_policy,
     split_flush=config.schedule.split_flush,
+    nag_with_predictor=bool(st.nag_with_predictor),
+    # (A placeholder rate where only checked.)
+    last_stage_optimizer=optimizers.build(
+      config, 0.0 if learning_rate is None else learning_rate, nesterov=True
+    )
+    if st.nesterov_last_stage
+    else None,
+    partial_window=st.partial_window,
   )
 
 
@@ -308,20 +316,19 @@ def _check_staleness(config, need, problems) -> None:
     f"{optimizers.STALENESS_AWARE}, not {config.optimizer.name!r}: use one "
     f"of them or weight stashing alone",
   )
+  need(
+    not st.nesterov_last_stage
+    or (config.optimizer.name == "sgd" and config.optimizer.momentum > 0),
+    "staleness.nesterov_last_stage",
+    "FTPipe's Nesterov last stage is momentum SGD's: set "
+    "--config.optimizer.name=sgd and a momentum > 0, or drop it",
+  )
   uses = st.stashing or st.prediction or st.gap_aware
   need(
     not uses or config.schedule.name == "async",
     "staleness",
     "weight stashing, prediction and gap-aware apply to "
     "schedule.name='async' only",
-  )
-  need(
-    config.schedule.name != "async" or st.stashing or config.pipeline.recompute,
-    "pipeline.recompute",
-    "an async schedule without staleness.stashing needs recompute=True: "
-    "without it the saved residuals pin each forward's params, which is "
-    "weight stashing (set --config.pipeline.recompute=True, or "
-    "--config.staleness.stashing=True)",
   )
   need(
     not st.gap_aware or config.schedule.step_every == 1,

@@ -36,7 +36,8 @@ def trace_config(
   num_devices: int | None = None,
   method: str | None = None,
   abstract: bool = False,
-) -> tuple[partition_lib.TracedModel, partition_lib.NodeCosts, object]:
+  with_last_stage_costs: bool = False,
+) -> tuple:
   """Traces and costs the config's model on one microbatch of its data,
   as ``python -m jpipe.train`` does before it partitions.
 
@@ -53,9 +54,14 @@ def trace_config(
       the model's size is allocated and the dataset is not read (cost
       models "analytic" and "xla"; "measured" runs the nodes).
 
+    with_last_stage_costs: also return the nodes' costs without
+      recomputation where training prices the last stage so
+      (``prices_last_stage``; else None).
+
   Returns:
     (traced model, node costs, params: the task's, ShapeDtypeStructs when
-    ``abstract``); pass the first two to ``jpipe.partition.plan_traced``.
+    ``abstract``) and, ``with_last_stage_costs``, the last stage's costs;
+    pass them to ``jpipe.partition.plan_traced`` (``last_stage_costs``).
   """
   config_check.check(config)
   method_costs = cost_model or config.pipeline.cost_model
@@ -92,7 +98,25 @@ def trace_config(
     method=method_costs,
     recompute=config.pipeline.recompute,
   )
+  if with_last_stage_costs:
+    last = None
+    if prices_last_stage(config):
+      last = partition_lib.profile_nodes(
+        traced, task.params, inputs, method=method_costs, recompute=False
+      )
+    return traced, costs, task.params, last
   return traced, costs, task.params
+
+
+def prices_last_stage(config) -> bool:
+  """Whether training prices the last stage without recomputation (the
+  Pipeline's ``price_last_stage``: recomputation and a fused last stage;
+  a re-partitioning run prices every stage alike)."""
+  return (
+    config.pipeline.recompute
+    and config.pipeline.fuse_last_stage
+    and not config.dynamic.enabled
+  )
 
 
 def memory_options(config, params, method: str, stages: int, limit) -> dict:

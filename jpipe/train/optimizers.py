@@ -71,17 +71,19 @@ def check(config) -> None:
       )
 
 
-def build(config, lr) -> optax.GradientTransformation:
+def build(config, lr, **override) -> optax.GradientTransformation:
   """The config's optimizer with learning rate ``lr`` (a number or an
   optax schedule). ``weight_decay`` is the optimizer's own argument
   where it has one (decoupled: adamw, lamb, lion, ...), else L2 added to
-  the gradient; ``momentum`` is SGD's (others take theirs in ``args``)."""
+  the gradient; ``momentum`` is SGD's (others take theirs in ``args``);
+  ``override``: arguments of the optax function over the config's (e.g.
+  ``nesterov=True``)."""
   opt = config.optimizer
   fn = optax_function(opt.name)
   kwargs = {"learning_rate": lr}
   if opt.name == "sgd":
     kwargs["momentum"] = opt.momentum or None
-  kwargs |= parse_args(opt.args)
+  kwargs |= parse_args(opt.args) | override
   decoupled = "weight_decay" in _parameters(fn)
   if decoupled and "weight_decay" not in kwargs:
     kwargs["weight_decay"] = opt.weight_decay

@@ -135,8 +135,13 @@ def _solve(args) -> _Solved:
   cost_model = args.cost_model or config.pipeline.cost_model
   # On shapes (nothing of the model's size allocated, the dataset not
   # read) unless the costs are measured by running the nodes.
-  traced, costs, params = config_plan.trace_config(
-    config, cost_model, devices, method, abstract=cost_model != "measured"
+  traced, costs, params, last_stage_costs = config_plan.trace_config(
+    config,
+    cost_model,
+    devices,
+    method,
+    abstract=cost_model != "measured",
+    with_last_stage_costs=True,
   )
   bandwidth = config.pipeline.bandwidth
   if args.bandwidth is not None:
@@ -163,6 +168,7 @@ def _solve(args) -> _Solved:
     method=method,
     bandwidth=bandwidth or None,
     devices=slots,
+    last_stage_costs=last_stage_costs,
     **options,
   )
   seconds = time.perf_counter() - start

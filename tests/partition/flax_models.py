@@ -374,3 +374,35 @@ def stack_in_submodule_case():
     ).mean()
 
   return loss_fn, params, {"x": x, "y": y}, False
+
+
+class TwoTowers(nn.Module):
+  """A wide and a narrow tower of Dense layers whose layers interleave in
+  program order (a0, b0, a1, b1, ...), joined by the head: a branchy DAG
+  whose balanced stages are not runs of that order."""
+
+  widths: tuple[int, int] = (64, 8)
+  depth: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    a = b = x
+    for i in range(self.depth):
+      a = jnp.tanh(nn.Dense(self.widths[0], name=f"a{i}")(a))
+      b = jnp.tanh(nn.Dense(self.widths[1], name=f"b{i}")(b))
+    return nn.Dense(10, name="head")(jnp.concatenate([a, b], -1))
+
+
+def two_towers_case():
+  model = TwoTowers()
+  x = jax.random.normal(jax.random.key(0), (8, 32))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  params = model.init(jax.random.key(2), x)
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"x": x, "y": y}, False

@@ -75,12 +75,20 @@ def _reference(pipe, params, streams, tx, opts):
   two_bw = opts.get("schedule") == "2bw"
   ws, prediction = opts.get("weight_stashing"), opts.get("prediction")
   ga, recompute = opts.get("gap_aware"), opts.get("recompute", True)
+  # FTPipe's options: a delay-0 forward predicted one step ahead; the last
+  # stage's own optimizer and no prediction there; a short window's sum
+  # over step_every, its update times r / step_every.
+  nag = opts.get("nag_with_predictor", False)
+  last_tx = opts.get("last_stage_optimizer")
+  ftpipe_window = opts.get("partial_window") == "ftpipe"
   txs = [
     staleness.gap_aware(tx, **opts["gap_aware_options"])
     if ga and n - 1 - s != 0
     else tx
     for s in range(n)
   ]
+  if last_tx is not None:
+    txs[n - 1] = last_tx
   # Tied params: the first stage reading a leaf owns it; later stages use,
   # for microbatch b, the value the owner's forward of b used, and hand
   # their gradient to the owner's step.
@@ -117,6 +125,10 @@ def _reference(pipe, params, streams, tx, opts):
         v = max(b // se - 1, 0) if two_bw else max(b - w, 0) // se
         theta = versions[s][v]
         delay = b // se - v  # steps until the one applying b
+        if nag and delay == 0:
+          delay = 1
+        if last_tx is not None and s == n - 1:
+          delay = 0  # Not predicted.
         if prediction and delay > 0:
           base = states[s][v]
           if ga and n - 1 - s != 0:
@@ -146,7 +158,8 @@ def _reference(pipe, params, streams, tx, opts):
         used[("B", s, b)] = theta
         out_cots = tuple(cots.get(v_) for v_ in spec.outputs)
         result_cots = tuple(
-          1.0 / window[b] if r == 0 else None for r in spec.results
+          (1.0 / se if ftpipe_window else 1.0 / window[b]) if r == 0 else None
+          for r in spec.results
         )
         g, act_cots = stages.backward(
           s, theta, local[s], inputs[s], out_cots, result_cots
@@ -165,10 +178,13 @@ def _reference(pipe, params, streams, tx, opts):
             if (s, pos) in pending:
               g[pos] = g[pos] + pending.pop((s, pos))
           p, st = versions[s][-1], states[s][-1]
-          if txs[s] is tx:
-            updates, st = tx.update(tuple(g), st, p)
-          else:
+          if ga and n - 1 - s != 0:
             updates, st = txs[s].update(tuple(g), st, p, stale_params=fwd[s])
+          else:
+            updates, st = txs[s].update(tuple(g), st, p)
+          if ftpipe_window:
+            r = window[b] / se
+            updates = jax.tree.map(lambda u, r=r: u * r, updates)
           versions[s].append(optax.apply_updates(p, updates))
           states[s].append(st)
           acc[s] = None
@@ -279,7 +295,8 @@ COMBINATIONS = [
   for wp in (None, "msnag")
   for ga in (None, "ga", "ga_jfl")
   for rc in (True, False)
-  # Without recomputation the residuals pin F's params: only stashing.
+  # (Without recomputation and without stashing the backward is not a
+  # recomputed one at any params: tests/runtime/test_no_recompute.py.)
   if rc or (ws and ga != "ga_jfl")
 ]
 
@@ -301,6 +318,54 @@ def test_async_streams_like_the_reference(opts):
     assert ("loss" in m) == (call != "flush")
     if call != "flush":
       assert np.isfinite(float(m["loss"]))
+
+
+FTPIPE_OPTIONS = {
+  "nag": dict(prediction="msnag", nag_with_predictor=True),
+  "nag-aggmsnag-ws": dict(
+    prediction="aggmsnag", nag_with_predictor=True, weight_stashing=True
+  ),
+  "nesterov-last": dict(
+    prediction="msnag",
+    nag_with_predictor=True,
+    last_stage_optimizer=optax.sgd(0.3, momentum=0.9, nesterov=True),
+  ),
+  "partial-ftpipe": dict(step_every=2, partial_window="ftpipe"),
+  "partial-mean": dict(step_every=2, partial_window="mean"),
+}
+
+
+@pytest.mark.parametrize("name", list(FTPIPE_OPTIONS))
+def test_ftpipe_options_stream_like_the_reference(name):
+  """FTPipe's nag_with_predictor, nesterov_set_for_last_partition and
+  partial step_every windows (lr x r / se), over calls and flushes that
+  cut windows short."""
+  opts = FTPIPE_OPTIONS[name]
+  pipe, params, _ = _build(opts, SGD)
+  _check_against_reference(pipe, params, SGD, opts, CALLS)
+
+
+def test_ftpipe_options_change_the_run():
+  """Each option is used: the run differs from the one without it."""
+
+  def final(opts):
+    pipe, params, _ = _build(opts, SGD)
+    state = pipe.init(params)
+    data = _mlp_data(sum(c for c in CALLS if c != "flush"))
+    state, _, _, _ = _run_calls(pipe, state, data, CALLS)
+    return np.concatenate(
+      [np.ravel(x) for x in jax.tree.leaves(state.stage_params)]
+    )
+
+  for name in ("nag", "nesterov-last", "partial-ftpipe"):
+    opts = FTPIPE_OPTIONS[name]
+    base = {
+      k: v
+      for k, v in opts.items()
+      if k
+      not in ("nag_with_predictor", "last_stage_optimizer", "partial_window")
+    }
+    assert np.abs(final(opts) - final(base)).max() > 1e-5, name
 
 
 def test_loss_is_the_mean_over_the_calls_microbatches():
@@ -618,18 +683,6 @@ def test_bad_async_input():
       step_every=2,
       **common,
     )
-  # Stale without recomputation would silently be weight stashing.
-  for mitigation in ({}, {"prediction": "msnag"}):
-    with pytest.raises(ValueError, match="IS weight stashing.*recompute=True"):
-      jpipe.Pipeline(
-        loss_fn,
-        params,
-        batch,
-        schedule="async",
-        recompute=False,
-        **mitigation,
-        **common,
-      )
   with pytest.raises(ValueError, match="2bw needs step_every.*>= num_stages"):
     jpipe.Pipeline(
       loss_fn,

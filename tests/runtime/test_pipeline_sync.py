@@ -84,6 +84,39 @@ def test_mixed_plan_several_stages_per_device_and_no_recompute():
   _assert_tree_close(pipe.gather_params(state), expected)
 
 
+def test_acyclic_plan_trains_as_one_device():
+  """FTPipe's acyclic partition: stages that are not runs of the program
+  order (the narrow tower's first layer on stage 1, the wide tower's
+  second on stage 0) train to the single-device result."""
+  loss_fn, params, batch, _ = flax_models.two_towers_case()
+  tx = optax.sgd(0.1, momentum=0.9)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="1f1b",
+    num_microbatches=2,
+    optimizer=tx,
+    partition="acyclic",
+    depth=2,
+  )
+  of = pipe.plan.stage_of
+  assert of["b0"] == 1 and of["a1"] == 0
+  state = pipe.init(params)
+  for _ in range(3):
+    state, metrics = pipe.step(state, batch)
+  expected, loss = _reference_steps(loss_fn, params, batch, 2, tx, steps=3)
+  for x, y in zip(
+    jax.tree.leaves(pipe.gather_params(state)),
+    jax.tree.leaves(expected),
+    strict=True,
+  ):
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+
+
 def test_tied_replicas_stay_equal():
   loss_fn, params, batch, _ = flax_models.gpt_case()
   pipe = jpipe.Pipeline(

@@ -55,7 +55,11 @@ def test_staleness_given_twice_is_refused():
   "schedule, value, message",
   [
     ("gpipe", Staleness(weight_stashing=True), "apply to the asynchronous"),
-    ("async", Staleness(recompute=False), "needs recompute=True"),
+    (
+      "async",
+      Staleness(recompute=False, gap_aware="ga_jfl", gap_aware_options=GA),
+      "ga_jfl.*recompute=True",
+    ),
     ("async", Staleness(gap_aware="ga"), "needs gap_aware_options"),
     ("async", Staleness(prediction="nag"), "unknown prediction"),
     ("2bw", Staleness(), "2bw needs step_every"),
@@ -75,10 +79,17 @@ def test_check_names_a_gap_aware_optimizer_that_is_not_the_pipelines():
 
 
 def test_derived_facts_follow_their_definitions():
-  # Stashing: asked for, or implied by saved residuals.
+  # Stashing: asked for. Without recomputation or stashing, an async
+  # backward reads its saved activations with the current params.
   assert Staleness(weight_stashing=True).stashes
-  assert Staleness(recompute=False).stashes
+  assert not Staleness(recompute=False).stashes
   assert not Staleness().stashes
+  assert Staleness(recompute=False).residuals_from_current_params("async")
+  assert not Staleness(recompute=False).residuals_from_current_params("1f1b")
+  assert not Staleness(
+    recompute=False, weight_stashing=True
+  ).residuals_from_current_params("async")
+  assert not Staleness().residuals_from_current_params("async")
   # Gap-Aware by FTPipe's stage policies, restated: depth = n - 1 - s.
   rules = {
     "all_except_last": lambda d: d != 0,

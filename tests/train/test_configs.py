@@ -80,6 +80,7 @@ def test_the_configs_are_the_ones_the_issue_names():
   ]
   + [
     ("wrn_stale", ("ws+wp+ga",)),
+    ("wrn_stale", ("wp+nag+nesterov+nr",)),
     ("pipedream_vgg", ("2bw",)),
     ("pipedream_resnet", ("1f1b",)),
   ],
@@ -105,11 +106,41 @@ def test_every_config_documents_its_run_command_and_result():
 
 
 def test_variants_without_stashing_recompute():
-  """A stale / wp / ga variant must not silently stash: its backward
-  recomputes at the current params; ws variants keep residuals."""
-  for variant, recompute in (("stale", True), ("wp+ga", True), ("ws", False)):
+  """A stale / wp / ga variant recomputes at the current params unless
+  it asks for FTPipe's nr; ws variants keep residuals."""
+  for variant, recompute in (
+    ("stale", True),
+    ("wp+ga", True),
+    ("ws", False),
+    ("stale+nr", False),
+    ("wp+nr", False),
+  ):
     config = _get_config("wrn_stale", variant)
     assert config.pipeline.recompute == recompute, variant
+    config_check.check(config)
+    value = config_check.staleness(config, 0.1)
+    assert value.residuals_from_current_params("async") == ("nr" in variant)
+
+
+def test_ftpipe_variant_options_reach_the_pipeline():
+  config = _get_config("wrn_stale", "wp+nag+nesterov")
+  config_check.check(config)
+  value = config_check.staleness(config, 0.1)
+  assert value.nag_with_predictor and value.prediction == "msnag"
+  # Nesterov momentum SGD on the last stage: v = 0.9 v + g, update
+  # -lr (g + 0.9 v), restated on one step from v = 0 (weight decay off).
+  config.optimizer.weight_decay = 0.0
+  value = config_check.staleness(config, 0.1)
+  tx = value.last_stage_optimizer
+  g = {"w": np.array([1.0, -2.0])}
+  updates, _ = tx.update(g, tx.init(g), g)
+  np.testing.assert_allclose(updates["w"], -0.1 * (g["w"] + 0.9 * g["w"]))
+  config = _get_config("wrn_stale", "wp+nag+nesterov")
+  config.optimizer.name = "adam"
+  with pytest.raises(ValueError, match="nesterov_last_stage"):
+    config_check.check(config)
+  config = _get_config("wrn_stale", "stale+nag")
+  with pytest.raises(ValueError, match="nag_with_predictor"):
     config_check.check(config)
 
 

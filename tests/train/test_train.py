@@ -133,8 +133,7 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("staleness.stashing", True, "apply to schedule.name='async' only"),
     ("optimizer.name", "lionn", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
-    # async, no stashing, recompute False (the default): it would stash.
-    ("schedule.name", "async", "config.pipeline.recompute: an async"),
+    ("staleness.partial_window", "sum", "unknown partial_window 'sum'"),
     ("staleness.gap_aware_policy", "bogus", "gap_aware_policy: 'bogus'"),
     ("optimizer.warmup_steps", 10, "warmup_steps: 10 has no effect"),
     ("schedule.step_every", 2, "step_every: 2 applies to"),
