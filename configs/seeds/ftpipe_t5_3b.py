@@ -59,7 +59,10 @@ def get_config(variant: str = ""):
   c.pipeline.partition = "mixed"  # More stages than devices.
   c.pipeline.cost_model = "analytic"
   c.schedule.name = "async"  # "stale": no prediction, no stashing.
-  c.pipeline.recompute = True  # Async without stashing recomputes.
+  # Delays as 1F1B over the mixed pipe's stages; FTPipe's
+  # virtual_stages_1f1b caps them: --config.schedule.supremum_staleness=auto.
+  c.schedule.supremum_staleness = ""
+  c.pipeline.recompute = True  # FTPipe's default (nr: False).
   if variant == "small":
     c.data = text_data("stdlib_text", span_corruption=True)
     c.data.batch_size = 16

@@ -16,6 +16,11 @@ forward, the backward and Gap-Aware see depends on the mitigation:
   with the forward-time ones (FTPipe's policy ``all_except_last``). With ws
   that is FTPipe's ``ga``; without, the backward ran at the current params,
   which is FTPipe's ``ga_jfl`` gap with a non-stashed backward.
+- nr (FTPipe's no-recompute mode, with "none" or "wp"): the backward keeps
+  the forward's activations (each unit's input and pre-activation) and
+  reads the current params: weight gradients from the forward-time
+  activations, input gradients at the current weights (PipeDream without
+  stashing; ``unit_backward``).
 
 Each step t is computed in order (forward through all stages, backward from
 the last), which reproduces the pipeline's values exactly because every
@@ -33,7 +38,7 @@ import optax
 
 from jpipe import staleness
 
-METHODS = ("none", "ws", "wp", "ga", "wp+ga", "ws+ga")
+METHODS = ("none", "ws", "wp", "ga", "wp+ga", "ws+ga", "nr", "wp+nr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,30 @@ def apply_unit(
   return x + jax.nn.relu(y)
 
 
+def unit_forward_saving(index, num_units, params, x):
+  """Unit ``index``'s output and what its no-recompute backward keeps:
+  (out, (x, y)) with y = x W + b, the pre-activation."""
+  y = x @ params["w"] + params["b"][None, :]
+  if index == 0:
+    return jax.nn.relu(y), (x, y)
+  if index == num_units - 1:
+    return y, (x, y)
+  return x + jax.nn.relu(y), (x, y)
+
+
+def unit_backward(index, num_units, params, saved, cot):
+  """(grads, input cotangent) of unit ``index`` from its saved forward
+  values (x, y) and the params it reads now: dW = x^T delta, db = sum
+  delta, dx = delta W^T (+ cot through the residual)."""
+  x, y = saved
+  delta = cot if index == num_units - 1 else cot * (y > 0)
+  grads = {"w": x.T @ delta, "b": delta.sum(0)}
+  dx = delta @ params["w"].T
+  if 0 < index < num_units - 1:
+    dx = dx + cot
+  return grads, dx
+
+
 def split_units(num_units: int, num_stages: int) -> list[range]:
   """Contiguous, nearly equal groups of units, earlier stages larger."""
   if not 1 <= num_stages <= num_units:
@@ -142,6 +171,7 @@ def make_train(
   delays = [num_stages - 1 - s for s in range(num_stages)]
   stash_backward = "ws" in method
   predict_forward = "wp" in method
+  no_recompute = "nr" in method
   use_gap_aware = "ga" in method
   tx = opt.with_gap_aware() if use_gap_aware else opt.base()
   predict = opt.predictor()
@@ -170,10 +200,17 @@ def make_train(
     params, states, stashes = carry
     t, x, y = inputs
     forward = [staleness.stash_get(stashes[s], t) for s in range(num_stages)]
-    stage_inputs = []
+    stage_inputs, kept = [], []
     for s in range(num_stages - 1):
       stage_inputs.append(x)
-      x = stage_fns[s](forward[s], x)
+      if no_recompute:
+        saved = []
+        for p, u in zip(forward[s], units_per_stage[s], strict=True):
+          x, unit_saved = unit_forward_saving(u, num_units, p, x)
+          saved.append(unit_saved)
+        kept.append(saved)
+      else:
+        x = stage_fns[s](forward[s], x)
     last = num_stages - 1
     loss, (g_last, cot) = jax.value_and_grad(
       lambda p, h: loss_fn(stage_fns[last](p, h), y), argnums=(0, 1)
@@ -181,6 +218,14 @@ def make_train(
     grads = [None] * num_stages
     grads[last] = g_last
     for s in reversed(range(num_stages - 1)):
+      if no_recompute:  # The forward's activations, the current params.
+        stage_grads = []
+        units = list(zip(params[s], units_per_stage[s], kept[s], strict=True))
+        for p, u, saved in reversed(units):
+          g, cot = unit_backward(u, num_units, p, saved, cot)
+          stage_grads.append(g)
+        grads[s] = stage_grads[::-1]
+        continue
       at = forward[s] if stash_backward else params[s]
       _, vjp = jax.vjp(stage_fns[s], at, stage_inputs[s])
       grads[s], cot = vjp(cot)

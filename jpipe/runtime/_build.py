@@ -307,6 +307,9 @@ def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
       n,
       request.staleness.step_every,
       split_flush=request.staleness.split_flush,
+      warmups=request.staleness.stream_warmups(
+        n, len(set(placed.schedule_device))
+      ),
     )
     if kind.asynchronous
     else None

@@ -85,6 +85,7 @@ def check_staleness_options(
   nag_with_predictor=False,
   last_stage_optimizer=None,
   partial_window="mean",
+  supremum_staleness=None,
 ):
   """Clear errors for option combinations the semantics do not define."""
   _check_values(
@@ -100,6 +101,19 @@ def check_staleness_options(
       f"last_stage_optimizer (FTPipe's nesterov_set_for_last_partition) is "
       f"for the asynchronous schedule 'async', not {schedule!r}"
     )
+  if supremum_staleness is not None:
+    if schedule != "async":
+      raise ValueError(
+        f"supremum_staleness caps the delays of the asynchronous schedule "
+        f"'async' (FTPipe's virtual_stages_1f1b), not {schedule!r}"
+      )
+    if supremum_staleness != "auto" and not (
+      isinstance(supremum_staleness, int) and supremum_staleness >= 1
+    ):
+      raise ValueError(
+        f"supremum_staleness must be 'auto' (the devices) or an int >= 1, "
+        f"got {supremum_staleness!r}"
+      )
   if partial_window != "mean" and schedule not in ("async", "2bw"):
     raise ValueError(
       f"partial_window is how 'async' and '2bw' step a short step_every "
@@ -186,6 +200,13 @@ class Staleness:
       (default: on the mean of its r gradients) or "ftpipe" (FTPipe's: on
       their sum over ``step_every``, the update scaled by r /
       ``step_every`` -- its learning rate times r / se).
+    supremum_staleness: ``async``: FTPipe's ``virtual_stages_1f1b`` for
+      a mixed pipe (more stages than devices): stage s's warm-up and
+      delay is its virtual depth ``max(0, min(n, S - 1) - 1 - s)``
+      (``jpipe.schedule.virtual_stage_warmups``) instead of ``n - 1 - s``;
+      a stage of depth 0 runs each backward right after its forward. S:
+      an int, or "auto" (the pipeline's devices, FTPipe's default). None:
+      1F1B's delays.
     split_flush: ``async``, ``2bw``: a flush's pending backwards run as
       the input gradient I, then the weight gradient W (zero-bubble's
       split): the stage before waits for I only. Same steps, same delays
@@ -206,6 +227,7 @@ class Staleness:
   nag_with_predictor: bool = False
   last_stage_optimizer: optax.GradientTransformation | None = None
   partial_window: str = "mean"
+  supremum_staleness: int | str | None = None
 
   def check(self, schedule: str, optimizer=None, params=None) -> None:
     """Raises ValueError for options ``schedule`` does not define, and
@@ -256,6 +278,16 @@ class Staleness:
     if self.prediction is None:
       return None
     return self.predictor or staleness_lib.replay_predictor(optimizer)
+
+  def stream_warmups(self, num_stages: int, num_devices: int):
+    """Per stage, the stream's warm-up forwards under
+    ``supremum_staleness`` (None: 1F1B's)."""
+    if self.supremum_staleness is None:
+      return None
+    cap = self.supremum_staleness
+    return schedule_lib.virtual_stage_warmups(
+      num_stages, num_devices if cap == "auto" else cap
+    )
 
   def gap_aware_at(self, delay: int) -> dict[str, Any] | None:
     """Gap-Aware's options for a stage whose steady-state delay is

@@ -48,7 +48,7 @@ from jpipe.schedule._schedule import (
   make_schedule,
 )
 from jpipe.schedule._simulate import Timeline, ready_time, simulate
-from jpipe.schedule._stream import Stream
+from jpipe.schedule._stream import Stream, virtual_stage_warmups
 from jpipe.schedule._zero_bubble import (
   dual_pipe_v,
   v_placement,
@@ -77,6 +77,7 @@ __all__ = [
   "ScheduleError",
   "ScheduleKind",
   "Stream",
+  "virtual_stage_warmups",
   "Timeline",
   "Transfer",
   "async_1f1b",

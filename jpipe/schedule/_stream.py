@@ -56,12 +56,17 @@ class Stream:
       for a deferred W to fill -- so only the drain splits; each W (and
       the step after it) stays where its B was: every delay is the
       same. With F = I = W the drain is ``(n - 2) W`` shorter.
+    warmups: per stage, its warm-up forwards (and so its delay), instead
+      of ``n - 1 - s``: each at most that, none below the next stage's (a
+      stage of 0 runs each forward's backward next: FTPipe's
+      ``virtual_stages_1f1b``, ``virtual_stage_warmups``). None: 1F1B's.
   """
 
   name: str
   num_stages: int
   step_every: int = 1
   split_flush: bool = False
+  warmups: tuple[int, ...] | None = None
 
   def __post_init__(self):
     from jpipe.schedule._registry import STREAMS  # It imports this module.
@@ -80,6 +85,28 @@ class Stream:
         "shorter minibatch would need a third weight version"
       )
 
+    if self.warmups is not None:
+      w, n = tuple(int(x) for x in self.warmups), self.num_stages
+      object.__setattr__(self, "warmups", w)
+      if len(w) != n:
+        raise ValueError(f"warmups needs {n} entries (one per stage), got {w}")
+      for s in range(n):
+        if not 0 <= w[s] <= n - 1 - s:
+          raise ValueError(
+            f"stage {s}'s warm-up {w[s]} must lie in [0, {n - 1 - s}] "
+            "(more than 1F1B's n - 1 - s would wait for nothing)"
+          )
+        if s + 1 < n and w[s] < w[s + 1]:
+          raise ValueError(
+            f"warmups {w} rise from stage {s} to {s + 1}: a stage may not "
+            "run further ahead than the one before it (it would wait on "
+            "backwards that never come)"
+          )
+      if self.name == "2bw" and w != tuple(n - 1 - s for s in range(n)):
+        raise ValueError(
+          "2bw keeps 1F1B's warm-ups (its versions rely on them)"
+        )
+
   @property
   def backward_uses_stash(self) -> bool:
     """Whether B(s, b) runs at F(s, b)'s version whatever the options."""
@@ -87,6 +114,8 @@ class Stream:
 
   def warmup(self, s: int) -> int:
     """Forwards stage s runs before its first backward."""
+    if self.warmups is not None:
+      return self.warmups[s]
     return steady_state_delay(self.num_stages, s)
 
   def stage_actions(
@@ -172,3 +201,23 @@ class Stream:
       forward_version=version,
       backward_uses_stash=self.backward_uses_stash,
     )
+
+
+def virtual_stage_warmups(num_stages: int, supremum: int) -> tuple[int, ...]:
+  """FTPipe's ``virtual_stages_1f1b``: each stage's virtual depth, its
+  warm-up forwards (and steady-state delay) in a mixed pipe of
+  ``num_stages`` stages whose staleness is capped by ``supremum`` (FTPipe's
+  ``supremum_staleness``; "auto" there: the number of devices).
+
+  With depth d = n - 1 - s, ``vd(n) = min(n, S - 1)`` and ``vd(d) =
+  max(0, vd(d + 1) - 1)``, i.e. ``max(0, min(n, S - 1) - 1 - s)``: 16
+  stages under S = 8 give 6, 5, 4, 3, 2, 1, 0, ..., 0. FTPipe's formula as
+  its code has it: the largest delay is S - 2, not S - 1 (pass S + 1 for a
+  cap of S - 1).
+  """
+  if num_stages < 1 or supremum < 1:
+    raise ValueError(
+      f"need >= 1 stage and supremum >= 1, got {num_stages}, {supremum}"
+    )
+  top = min(num_stages, supremum - 1)
+  return tuple(max(0, top - 1 - s) for s in range(num_stages))

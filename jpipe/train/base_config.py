@@ -142,6 +142,10 @@ def _schedule_fields(c: ml_collections.ConfigDict) -> None:
   # async, 2bw: a flush's pending backwards run as I then W (zero-bubble's
   # split; same steps and delays, a shorter drain).
   c.schedule.split_flush = False
+  # async: FTPipe's virtual_stages_1f1b cap on a mixed pipe's delays
+  # (stage s: max(0, min(n, S - 1) - 1 - s)): "" none, "auto" (S = the
+  # devices) or a number S.
+  c.schedule.supremum_staleness = ""
   # A schedule written per device instead of schedule.name: a text file,
   # one line per device of actions {stage}{F|B|I|W|S}{microbatch} such as
   # "0F0 0F1 0I0 0W0 ..." (jpipe.schedule.parse_actions); run as written

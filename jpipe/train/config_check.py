@@ -57,7 +57,23 @@ def staleness(config, learning_rate=None) -> Staleness:
     if st.nesterov_last_stage
     else None,
     partial_window=st.partial_window,
+    supremum_staleness=supremum_staleness(config.schedule.supremum_staleness),
   )
+
+
+def supremum_staleness(text: str) -> int | str | None:
+  """``config.schedule.supremum_staleness`` as ``jpipe.Pipeline`` takes
+  it: "" -> None, "auto", or a number -> int."""
+  text = str(text).strip()
+  if not text or text == "auto":
+    return text or None
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(
+      f"schedule.supremum_staleness {text!r}: use '' (no cap), 'auto' (the "
+      "devices) or a number of stages"
+    ) from None
 
 
 def memory_limit(text: str) -> float | str | None:

@@ -145,3 +145,56 @@ def test_run_writes_tables_json_and_png(tmp_path):
   table = (tmp_path / "staleness.md").read_text()
   assert "| sgd | wp+ga |" in table
   assert (tmp_path / "staleness.png").stat().st_size > 10_000
+
+
+def _reference_no_recompute(units, data, lr):
+  """FTPipe's nr, restated per unit in NumPy: stage 0 = units 0-1 (delay
+  1), stage 1 = unit 2 (delay 0), plain SGD. Stage 0's backward keeps its
+  forward's unit inputs and pre-activations (at the params after t - 1
+  updates) and reads the current weights: dW = x^T delta, dx = delta W^T
+  (+ the residual's cotangent)."""
+  th = [jax.tree.map(np.asarray, u) for u in units]
+  history0 = [th[:2]]
+  losses = []
+  for t in range(STEPS):
+    idx = np.asarray(data["order"][t])
+    x = np.asarray(data["train_x"])[idx]
+    y = np.asarray(data["train_y"])[idx]
+    f0, f1 = history0[max(t - 1, 0)]
+    y0 = x @ f0["w"] + f0["b"]
+    h0 = np.maximum(y0, 0)
+    y1 = h0 @ f1["w"] + f1["b"]
+    h1 = h0 + np.maximum(y1, 0)
+    logits = h1 @ th[2]["w"] + th[2]["b"]
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    losses.append(-np.mean(np.log(p[np.arange(len(y)), y])))
+    delta2 = (p - np.eye(p.shape[1])[y]) / len(y)
+    g2 = {"w": h1.T @ delta2, "b": delta2.sum(0)}
+    cot = delta2 @ th[2]["w"].T
+    delta1 = cot * (y1 > 0)
+    g1 = {"w": h0.T @ delta1, "b": delta1.sum(0)}
+    dx1 = delta1 @ th[1]["w"].T + cot  # The current W of unit 1.
+    delta0 = dx1 * (y0 > 0)
+    g0 = {"w": x.T @ delta0, "b": delta0.sum(0)}
+    th = [
+      {k: p_[k] - lr * g[k] for k in p_}
+      for p_, g in zip(th, (g0, g1, g2), strict=True)
+    ]
+    history0.append(th[:2])
+  return np.asarray(losses), th
+
+
+def test_no_recompute_reads_forward_activations_and_current_weights():
+  data, units = _setup()
+  lr = 0.5
+  opt = pipeline_sim.OptimizerSpec("sgd", learning_rate=lr, momentum=0.0)
+  groups = [range(0, 2), range(2, 3)]
+  train = pipeline_sim.make_train(groups, NUM_UNITS, opt, "nr", STEPS, STEPS)
+  out = jax.jit(train)([units[:2], units[2:]], data)
+  expected, _ = _reference_no_recompute(units, data, lr)
+  np.testing.assert_allclose(out["train_loss"], expected, rtol=1e-5)
+  # Not the recomputing run (the test can tell them apart).
+  none = pipeline_sim.make_train(groups, NUM_UNITS, opt, "none", STEPS, STEPS)
+  other = jax.jit(none)([units[:2], units[2:]], data)
+  assert np.abs(other["train_loss"] - expected).max() > 1e-4

@@ -78,6 +78,14 @@ def _reference(pipe, params, streams, tx, opts):
   # FTPipe's options: a delay-0 forward predicted one step ahead; the last
   # stage's own optimizer and no prediction there; a short window's sum
   # over step_every, its update times r / step_every.
+  # FTPipe's virtual_stages_1f1b: stage s's warm-up is its virtual depth
+  # (restated as FTPipe's recursion over the depth d = n - 1 - s).
+  warmups = [n - 1 - s for s in range(n)]
+  if opts.get("supremum_staleness") is not None:
+    vd = {n: min(n, opts["supremum_staleness"] - 1)}
+    for d in reversed(range(n)):
+      vd[d] = max(0, vd[d + 1] - 1)
+    warmups = [vd[n - 1 - s] for s in range(n)]
   nag = opts.get("nag_with_predictor", False)
   last_tx = opts.get("last_stage_optimizer")
   ftpipe_window = opts.get("partial_window") == "ftpipe"
@@ -121,7 +129,7 @@ def _reference(pipe, params, streams, tx, opts):
       local = stages.split_batch(mb)
       values, fwd, inputs = {}, {}, {}
       for s in range(n):
-        w = n - 1 - s
+        w = warmups[s]
         v = max(b // se - 1, 0) if two_bw else max(b - w, 0) // se
         theta = versions[s][v]
         delay = b // se - v  # steps until the one applying b
@@ -366,6 +374,61 @@ def test_ftpipe_options_change_the_run():
       not in ("nag_with_predictor", "last_stage_optimizer", "partial_window")
     }
     assert np.abs(final(opts) - final(base)).max() > 1e-5, name
+
+
+def _measured_delays(lists, num_stages, fed):
+  """Per stage, per microbatch: the steps of that stage between its
+  forward and the step applying its gradient, counted in the device
+  action lists the pipeline runs (step every backward)."""
+  delays = []
+  for s in range(num_stages):
+    own = [a for acts in lists.device_actions for a in acts if a.stage == s]
+    order = {(a.kind, a.microbatch): i for i, a in enumerate(own)}
+    row = []
+    for b in range(fed):
+      if ("S", b) not in order:  # Still in flight after the call.
+        break
+      start, end = order[("F", b)], order[("S", b)]
+      row.append(sum(a.kind == "S" for a in own[start:end]))
+    delays.append(row)
+  return delays
+
+
+@pytest.mark.parametrize("supremum", [2, 3, 4])
+def test_mixed_pipe_delays_follow_ftpipes_virtual_depth(supremum):
+  """6 stages on 3 devices (a mixed pipe), async under
+  supremum_staleness S: every microbatch's delay on stage s, counted in
+  the action lists the pipeline runs, is FTPipe's virtual depth
+  max(0, min(6, S - 1) - 1 - s) after the warm-up, not 5 - s; and the
+  trained params and every action's params are the reference's with
+  those delays."""
+  loss_fn, params, batch = _mlp()
+  traced = jpipe.partition.trace(loss_fn, params, batch)
+  costs = jpipe.partition.profile_nodes(
+    traced, params, batch, method="analytic"
+  )
+  plan = jpipe.partition.plan_from_boundaries(
+    traced, costs, range(7), devices=[0, 1, 2, 0, 1, 2]
+  )
+  opts = {"supremum_staleness": supremum}
+  pipe, params, _ = _build(
+    opts, SGD, partition=plan, num_stages=6, devices=jax.devices()[:3]
+  )
+  want = [max(0, min(6, supremum - 1) - 1 - s) for s in range(6)]
+  assert pipe.schedule.warmups == tuple(want)
+  delays = _measured_delays(pipe.calls(0, 12).lists, 6, 12)
+  for s in range(6):  # (The last w_s microbatches are still in flight.)
+    assert delays[s] == [min(b, want[s]) for b in range(12 - want[s])], s
+  _check_against_reference(pipe, params, SGD, opts, (2, 5, 3, "flush"))
+  # "auto": the pipeline's devices (3).
+  auto, _, _ = _build(
+    {"supremum_staleness": "auto"},
+    SGD,
+    partition=plan,
+    num_stages=6,
+    devices=jax.devices()[:3],
+  )
+  assert auto.schedule.warmups == (1, 0, 0, 0, 0, 0)
 
 
 def test_loss_is_the_mean_over_the_calls_microbatches():

@@ -142,6 +142,19 @@ def test_ftpipe_variant_options_reach_the_pipeline():
   config = _get_config("wrn_stale", "stale+nag")
   with pytest.raises(ValueError, match="nag_with_predictor"):
     config_check.check(config)
+  # FTPipe's virtual_stages_1f1b cap, by config.
+  config = _get_config("wrn_stale", "stale")
+  for text, value in (("", None), ("auto", "auto"), ("4", 4)):
+    config.schedule.supremum_staleness = text
+    config_check.check(config)
+    assert config_check.staleness(config).supremum_staleness == value
+  config.schedule.supremum_staleness = "some"
+  with pytest.raises(ValueError, match="supremum_staleness 'some'"):
+    config_check.check(config)
+  config = _get_config("wrn_stale", "gpipe")
+  config.schedule.supremum_staleness = "auto"
+  with pytest.raises(ValueError, match="supremum_staleness caps"):
+    config_check.check(config)
 
 
 def test_unknown_variant_is_a_clear_error():
