@@ -9,7 +9,9 @@ that way: two parallel branches can sit on different stages.
 FTPipe's method (autopipe ``-m acyclic``; spec "Automatic partitioner"):
 
 1. an initial split: a random Kahn order of the nodes cut into ``k``
-   chunks of equal weight;
+   chunks of equal weight (jpipe: cut by the exact contiguous DP of that
+   order -- never worse, and what finds PipeDream's antichain splits on
+   the ResNets, which local moves from the program order miss);
 2. refinement by moves that keep the stage graph acyclic -- a node may
    move to any stage between its producers' last and its consumers' first
    ("advanced moves"), Fiduccia-Mattheyses passes between two stages
@@ -158,15 +160,15 @@ def solve_acyclic(
   )
   # The exact contiguous split of this order: a start (and the error,
   # naming the stage to relieve, when nothing fits the memory limit).
-  contiguous = _contiguous.solve_contiguous(
-    cost,
-    num_stages,
-    edges=edges,
+  contiguous_options = dict(
     bandwidth=bandwidth,
     comm_model=comm_model,
     memory_limit=memory_limit,
     last_stage_compute=last_stage_compute,
     **memory,
+  )
+  contiguous = _contiguous.solve_contiguous(
+    cost, num_stages, edges=edges, **contiguous_options
   )
   per_node = _contiguous._per_node
   params = per_node(param_bytes, n, "param_bytes")
@@ -196,7 +198,11 @@ def solve_acyclic(
   model.scale = float(cost.sum()) or 1.0
   rng = np.random.default_rng(seed)
   starts = [np.asarray(contiguous.stage_of_node())]
-  starts += [_kahn_split(graph, num_stages, rng) for _ in range(runs)]
+  for _ in range(runs):
+    order = _random_kahn_order(graph, rng)
+    starts.append(
+      _split_order(order, cost, edges, num_stages, contiguous_options)
+    )
   best = None
   for start in starts:
     if multilevel:
@@ -252,9 +258,9 @@ class _Graph:
     )
 
 
-def _kahn_split(graph: _Graph, k: int, rng) -> np.ndarray:
-  """A random Kahn order cut into ``k`` chunks of equal compute (each
-  non-empty); the last node stays last (it computes the loss)."""
+def _random_kahn_order(graph: _Graph, rng) -> np.ndarray:
+  """A random topological order (Kahn's algorithm, a random ready node
+  each time); the last node stays last (it computes the loss)."""
   n = graph.n
   indeg = np.array([len(p) for p in graph.pred])
   ready = [i for i in range(n) if indeg[i] == 0 and i != n - 1]
@@ -269,14 +275,48 @@ def _kahn_split(graph: _Graph, k: int, rng) -> np.ndarray:
   order.append(n - 1)
   if len(order) != n:
     raise ValueError("the graph has a cycle (or the last node feeds another)")
-  cum = np.cumsum(graph.cost[order])
-  total = cum[-1]
-  cuts = np.searchsorted(cum, total * np.arange(1, k) / k, side="left") + 1
-  cuts = np.maximum.accumulate(np.maximum(cuts, np.arange(1, k)))
-  cuts = np.minimum(cuts, n - k + np.arange(1, k))  # Room for the rest.
-  stage = np.zeros(n, np.int64)
-  stage[np.asarray(order)] = np.searchsorted(cuts, np.arange(n), side="right")
-  return stage
+  return np.asarray(order)
+
+
+def _split_order(order, cost, edges, k, options) -> np.ndarray:
+  """Stage of every node: the order cut by the exact contiguous DP under
+  the same model (FTPipe cuts it into chunks of equal weight; the DP's
+  cut is never worse, and a random order plus the DP is what finds
+  PipeDream's antichain splits on the ResNets). Where no cut of this
+  order fits the memory limit: chunks of equal compute."""
+  n = len(order)
+  position = np.empty(n, np.int64)
+  position[order] = np.arange(n)
+  permuted = {
+    key: (np.asarray(value)[order] if key in _PER_NODE else value)
+    for key, value in options.items()
+    if value is not None
+  }
+  try:
+    solution = _contiguous.solve_contiguous(
+      np.asarray(cost)[order],
+      k,
+      edges={(position[u], position[v]): w for (u, v), w in edges.items()},
+      **permuted,
+    )
+    of_position = np.asarray(solution.stage_of_node())
+  except ValueError:
+    cum = np.cumsum(np.asarray(cost)[order])
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k) + 1
+    cuts = np.maximum.accumulate(np.maximum(cuts, np.arange(1, k)))
+    cuts = np.minimum(cuts, n - k + np.arange(1, k))  # Room for the rest.
+    of_position = np.searchsorted(cuts, np.arange(n), side="right")
+  return of_position[position]
+
+
+# solve_contiguous's per-node arguments (permuted with the order).
+_PER_NODE = (
+  "static_bytes",
+  "activation_bytes",
+  "working_bytes",
+  "param_bytes",
+  "last_stage_compute",
+)
 
 
 class _Model:

@@ -76,14 +76,12 @@ def one_process_losses(tmp_path_factory):
 
 # (processes, log_every, eval_every, checkpoint_every, repeat): the
 # README's 2 x 2 command at the cadences that hung (log_every 10) and
-# others, twice each; a process per stage once each.
+# others; a process per stage. (Each ran twice per suite while the hang
+# was open; once each since: suite time.)
 MATRIX = [
   ("run2", 1, 7, 5, 0),
-  ("run2", 1, 7, 5, 1),
   ("run2", 10, 10, 20, 0),
-  ("run2", 10, 10, 20, 1),
   ("run2", 25, 3, 50, 0),
-  ("run2", 25, 3, 50, 1),
   ("run4", 10, 20, 10, 0),
   ("run4", 25, 50, 7, 0),
 ]
@@ -126,11 +124,9 @@ def test_default_config_across_processes_as_in_the_readme(
   assert saved[-1] == STEPS
 
 
-@pytest.mark.parametrize("repeat", [0, 1])
-def test_sdpipe_across_processes_as_in_the_readme(tmp_path, repeat):
+def test_sdpipe_across_processes_as_in_the_readme(tmp_path):
   """4 processes x 2 devices, a pipeline each: two epochs, evaluated and
   checkpointed, to the end."""
-  del repeat
   command = readme_command("jpipe.launch", "configs/sdpipe.py")
   out = _run(_with(command, tmp_path, "--config.train.steps=24"), environment())
   assert "[p0] epoch 2/2 (step 24)" in out, out[-3000:]
@@ -140,11 +136,9 @@ def test_sdpipe_across_processes_as_in_the_readme(tmp_path, repeat):
   assert all(np.isfinite(r["train/loss"]) for r in rows)
 
 
-@pytest.mark.parametrize("repeat", [0, 1])
-def test_dynpipe_across_processes_as_in_the_readme(tmp_path, repeat):
+def test_dynpipe_across_processes_as_in_the_readme(tmp_path):
   """A process per stage with DynPipe's measuring windows (a gather of
   every stage's times and process 0's decision every 10 steps)."""
-  del repeat
   command = readme_command("jpipe.launch", "configs/dynpipe.py")
   out = _run(_with(command, tmp_path, "--config.train.steps=40"), environment())
   assert "[p0] Done: 40 steps" in out, out[-3000:]

@@ -251,6 +251,28 @@ def test_plan_traced_acyclic_splits_the_towers():
     partition.plan_traced(traced, costs, 2, acyclic_options={"runs": 1})
 
 
+@pytest.mark.parametrize(
+  "case", ["gpt_tied", "encoder_decoder", "resnet_bn", "two_towers"]
+)
+def test_traced_models_acyclic_never_worse_than_contiguous(case):
+  make = {**flax_models.CASES, "two_towers": flax_models.two_towers_case}
+  loss_fn, params, batch, has_aux = make[case]()
+  traced = partition.trace(loss_fn, params, batch, depth=2, has_aux=has_aux)
+  costs = partition.profile_nodes(traced, params, batch, method="analytic")
+  edges = traced.edges()
+  for k in (2, 3):
+    acyclic = partition.plan_traced(
+      traced, costs, k, method="acyclic", bandwidth=1e9
+    )
+    contiguous = partition.plan_traced(traced, costs, k, bandwidth=1e9)
+    of = acyclic.stage_of_node
+    assert all(of[u] <= of[v] for u, v in edges)  # Topological: acyclic.
+    assert acyclic.bottleneck_seconds <= contiguous.bottleneck_seconds * (
+      1 + 1e-9
+    )
+    partition.Stages(traced, of)  # The runtime's stages cut from it.
+
+
 def test_async_meta_algorithm_prices_the_last_stage_without_recompute():
   loss_fn, params, batch, _ = flax_models.mlp_case()
   traced = partition.trace(loss_fn, params, batch)

@@ -89,9 +89,15 @@ def _reference(pipe, params, streams, tx, opts):
   nag = opts.get("nag_with_predictor", False)
   last_tx = opts.get("last_stage_optimizer")
   ftpipe_window = opts.get("partial_window") == "ftpipe"
+  # FTPipe's Gap-Aware stage policies, by depth, restated.
+  applies_ga = {
+    "all_except_last": lambda depth: depth != 0,
+    "almost_last_partition": lambda depth: depth == 1,
+    "all_except_last_two": lambda depth: depth >= 2,
+  }[opts.get("gap_aware_policy", "all_except_last")]
   txs = [
     staleness.gap_aware(tx, **opts["gap_aware_options"])
-    if ga and n - 1 - s != 0
+    if ga and applies_ga(n - 1 - s)
     else tx
     for s in range(n)
   ]
@@ -139,7 +145,7 @@ def _reference(pipe, params, streams, tx, opts):
           delay = 0  # Not predicted.
         if prediction and delay > 0:
           base = states[s][v]
-          if ga and n - 1 - s != 0:
+          if ga and applies_ga(n - 1 - s):
             base = base.inner_state
           grad = None
           if prediction == "aggmsnag":
@@ -186,7 +192,7 @@ def _reference(pipe, params, streams, tx, opts):
             if (s, pos) in pending:
               g[pos] = g[pos] + pending.pop((s, pos))
           p, st = versions[s][-1], states[s][-1]
-          if ga and n - 1 - s != 0:
+          if ga and applies_ga(n - 1 - s):
             updates, st = txs[s].update(tuple(g), st, p, stale_params=fwd[s])
           else:
             updates, st = txs[s].update(tuple(g), st, p)
@@ -429,6 +435,22 @@ def test_mixed_pipe_delays_follow_ftpipes_virtual_depth(supremum):
     devices=jax.devices()[:3],
   )
   assert auto.schedule.warmups == (1, 0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+  "policy", ["almost_last_partition", "all_except_last_two"]
+)
+def test_gap_aware_policies_stream_like_the_reference(policy):
+  """FTPipe's other two Gap-Aware stage policies (all_except_last: the
+  combinations above): the stages they name apply it, the others not."""
+  opts = dict(
+    gap_aware="ga",
+    gap_aware_options=GA_SGD,
+    gap_aware_policy=policy,
+    weight_stashing=True,
+  )
+  pipe, params, _ = _build(opts, SGD)
+  _check_against_reference(pipe, params, SGD, opts, CALLS)
 
 
 def test_loss_is_the_mean_over_the_calls_microbatches():

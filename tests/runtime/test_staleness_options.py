@@ -6,7 +6,6 @@ import optax
 import pytest
 
 import jpipe
-from jpipe import partition
 from jpipe.runtime import Staleness
 from tests.runtime.test_pipeline_async import NUM_STAGES, mlp_pipeline
 
@@ -114,15 +113,17 @@ def test_derived_facts_follow_their_definitions():
   )
 
 
-def test_stage_optimizers_apply_gap_aware_where_the_policy_says():
+@pytest.mark.parametrize(
+  "policy, stages",
+  [  # Depths 2, 1, 0 on 3 stages.
+    ("all_except_last", [True, True, False]),
+    ("almost_last_partition", [False, True, False]),
+    ("all_except_last_two", [True, False, False]),
+  ],
+)
+def test_stage_optimizers_apply_gap_aware_where_the_policy_says(policy, stages):
   pipe, _, _ = _pipe(
-    gap_aware="ga",
-    gap_aware_options=GA,
-    gap_aware_policy="almost_last_partition",
+    gap_aware="ga", gap_aware_options=GA, gap_aware_policy=policy
   )
-  delays = [
-    partition.steady_state_delay(NUM_STAGES, s) for s in range(NUM_STAGES)
-  ]
-  assert [opt.gap_aware for opt in pipe.stage_optimizers] == [
-    d == 1 for d in delays
-  ]
+  assert NUM_STAGES == 3
+  assert [opt.gap_aware for opt in pipe.stage_optimizers] == stages
