@@ -344,19 +344,11 @@ class _Model:
     self.memory_limit = memory_limit
     self.recompute = recompute
     self.scale = 1.0
-    versions = np.asarray(
-      [1] * k if param_versions is None else param_versions, np.float64
-    )
-    if versions.shape != (k,) or np.any(versions < 1):
-      raise ValueError(f"param_versions needs {k} entries >= 1")
-    self.extra = versions - 1.0  # Stashed copies beside the live params.
-    flight = np.asarray(
-      [k - s for s in range(k)] if in_flight is None else in_flight,
-      np.float64,
-    )
-    if flight.shape != (k,):
-      raise ValueError(f"in_flight needs {k} entries")
-    self.flight = flight
+    # (solve_contiguous, called first, checked both lists.)
+    versions = [1] * k if param_versions is None else param_versions
+    self.extra = np.asarray(versions, np.float64) - 1.0  # Stashed copies.
+    flight = [k - s for s in range(k)] if in_flight is None else in_flight
+    self.flight = np.asarray(flight, np.float64)
 
 
 class _State:

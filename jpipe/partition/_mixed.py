@@ -72,6 +72,7 @@ def solve_mixed(
   min_gain: float = 0.01,
   memory: "StageMemory | None" = None,
   memory_limit: float | None = None,
+  last_stage_compute: Sequence[float] | None = None,
 ) -> MixedSolution:
   """Mixed-pipe partition of N ordered nodes onto ``num_devices`` devices.
 
@@ -89,6 +90,9 @@ def solve_mixed(
       bookkeeping the model does not see).
     memory, memory_limit: each stage's bytes (``StageMemory``) and the
       bytes a device may hold; both or neither.
+    last_stage_compute: per node, its time on the last stage, [N] (FTPipe's
+      async pipelines: it never recomputes); the objective prices the last
+      stage with it. Default ``compute_seconds``.
 
   Returns:
     The best solution found; its objective is never above the exact
@@ -116,13 +120,21 @@ def solve_mixed(
       raise ValueError(f"block count {count} must lie in [{num_devices}, {n}]")
   if (memory is None) != (memory_limit is None):
     raise ValueError("give memory and memory_limit together")
-  evaluate = _Evaluator(cost, edges, bandwidth, num_devices, comm_model)
+  last_cost = None
+  if last_stage_compute is not None:
+    last_cost = np.asarray(last_stage_compute, np.float64)
+    if last_cost.shape != cost.shape:
+      raise ValueError(f"last_stage_compute needs {n} entries")
+  evaluate = _Evaluator(
+    cost, edges, bandwidth, num_devices, comm_model, last_cost
+  )
   fits = _Fits(memory, memory_limit, num_devices)
   candidates = []
   try:
     straight = solve_contiguous(
       cost,
       num_devices,
+      last_stage_compute=last_stage_compute,
       edges=edges,
       bandwidth=bandwidth,
       comm_model=comm_model,
@@ -159,35 +171,20 @@ def solve_mixed(
   )
 
 
-def mixed_stage_seconds(
-  compute_seconds: Sequence[float],
-  boundaries: Sequence[int],
-  stage_device: Sequence[int],
-  num_devices: int,
-  *,
-  edges: Mapping[tuple[int, int], float] | None = None,
-  bandwidth: float | None = None,
-  comm_model: str = "ftpipe",
-) -> np.ndarray:
-  """Each stage's time in the mixed-pipe model (``solve_mixed``'s): its
-  device's compute over all the device's stages, and the transfers
-  compute cannot hide, [S]."""
-  evaluate = _Evaluator(
-    np.asarray(compute_seconds, np.float64),
-    dict(edges or {}),
-    bandwidth,
-    num_devices,
-    comm_model,
-  )
-  return evaluate.stage_times(list(boundaries), list(stage_device))[0]
-
-
 class _Evaluator:
   """The mixed-pipe objective of a (boundaries, stage devices) pair."""
 
-  def __init__(self, cost, edges, bandwidth, num_devices, comm_model):
+  def __init__(
+    self, cost, edges, bandwidth, num_devices, comm_model, last_cost=None
+  ):
     self.comm_model = comm_model
     self.prefix = np.concatenate([[0.0], np.cumsum(cost)])
+    # The last stage's nodes at their own price (None: the same).
+    self.last_prefix = (
+      None
+      if last_cost is None
+      else np.concatenate([[0.0], np.cumsum(last_cost)])
+    )
     self.edges = [(u, v, w) for (u, v), w in edges.items()]
     for u, v, _ in self.edges:
       if not 0 <= u < v < len(cost):
@@ -198,6 +195,8 @@ class _Evaluator:
   def stage_times(self, bounds, devices):
     num = len(devices)
     compute = np.diff(self.prefix[np.asarray(bounds)])
+    if self.last_prefix is not None:
+      compute[-1] = self.last_prefix[bounds[-1]] - self.last_prefix[bounds[-2]]
     device_compute = np.zeros(self.num_devices)
     np.add.at(device_compute, np.asarray(devices), compute)
     comm_in, comm_out = np.zeros(num), np.zeros(num)

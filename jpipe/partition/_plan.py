@@ -13,12 +13,7 @@ import numpy as np
 from jpipe.partition._acyclic import solve_acyclic
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._graph_txt import ProfileGraph
-from jpipe.partition._mixed import (
-  StageBytes,
-  StageMemory,
-  mixed_stage_seconds,
-  solve_mixed,
-)
+from jpipe.partition._mixed import StageBytes, StageMemory, solve_mixed
 from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
@@ -182,10 +177,10 @@ def plan_traced(
       price recomputation, these the same nodes without it (the last
       stage runs its forward and backward as one and never recomputes).
       The nodes of the last stage are priced with these, the rest with
-      ``costs``: exactly for "contiguous" and "acyclic" (their solvers
-      price the last stage so); for the other methods the plan is solved again until the last
-      stage's nodes are those it was priced with (at most 10 solves;
-      otherwise the fastest plan seen, with a warning).
+      ``costs``: exactly by "contiguous", "acyclic" and "mixed" (their
+      solvers price the last stage so); PipeDream's DP is solved again
+      until the last stage's nodes are those it was priced with (at most
+      10 solves; otherwise the fastest plan seen, with a warning).
 
   Returns:
     The plan.
@@ -196,7 +191,7 @@ def plan_traced(
     raise ValueError(
       f"acyclic_options are for method 'acyclic', not {method!r}"
     )
-  if last_stage_costs is not None and method not in ("contiguous", "acyclic"):
+  if last_stage_costs is not None and method.startswith("pipedream"):
     return _price_last_stage_plain(
       lambda c: plan_traced(
         traced,
@@ -216,9 +211,6 @@ def plan_traced(
       ),
       costs,
       last_stage_costs,
-      _mixed_repricer(traced, num_devices, devices, bandwidth, comm_model)
-      if method == "mixed"
-      else None,
     )
   devices = tuple(range(num_devices)) if devices is None else tuple(devices)
   if len(devices) != num_devices:
@@ -283,44 +275,15 @@ def plan_traced(
       **network,
       memory=memory,
       memory_limit=memory_limit,
+      last_stage_compute=last_compute,
     )
-    return finish(
+    plan = finish(
       mixed.stage_of_node(),
       [(devices[d],) for d in mixed.stage_device],
       mixed.stage_seconds,
     )
-  if method == "acyclic":
-    if stage_slowdown is not None:
-      raise ValueError("stage_slowdown is for method 'contiguous'")
-    acyclic = _solve_named(
-      traced,
-      compute,
-      num_devices,
-      **network,
-      static_bytes=static,
-      activation_bytes=values,
-      working_bytes=values + param_bytes,
-      memory_limit=memory_limit,
-      in_flight=in_flight,
-      param_bytes=param_bytes,
-      param_versions=param_versions,
-      recompute=recompute,
-      solver=solve_acyclic,
-      last_stage_compute=last_compute,
-      **(acyclic_options or {}),
-    )
-    return _priced_last_stage(
-      finish(
-        acyclic.stage_of_node, [(d,) for d in devices], acyclic.stage_seconds
-      ),
-      costs,
-      last_stage_costs,
-    )
-  solution = _solve_named(
-    traced,
-    compute,
-    num_devices,
-    **network,
+    return _priced_last_stage(plan, costs, last_stage_costs)
+  kept = dict(  # What the contiguous memory model counts, per node.
     static_bytes=static,
     activation_bytes=values,
     working_bytes=values + param_bytes,
@@ -329,16 +292,31 @@ def plan_traced(
     param_bytes=param_bytes,
     param_versions=param_versions,
     recompute=recompute,
-    stage_slowdown=stage_slowdown,
     last_stage_compute=last_compute,
   )
-  return _priced_last_stage(
-    finish(
-      solution.stage_of_node(), [(d,) for d in devices], solution.stage_seconds
-    ),
-    costs,
-    last_stage_costs,
-  )
+  if method == "acyclic":
+    solution = _solve_named(
+      traced,
+      compute,
+      num_devices,
+      **network,
+      **kept,
+      solver=solve_acyclic,
+      **(acyclic_options or {}),
+    )
+    stage_of = solution.stage_of_node
+  else:
+    solution = _solve_named(
+      traced,
+      compute,
+      num_devices,
+      **network,
+      **kept,
+      stage_slowdown=stage_slowdown,
+    )
+    stage_of = solution.stage_of_node()
+  plan = finish(stage_of, [(d,) for d in devices], solution.stage_seconds)
+  return _priced_last_stage(plan, costs, last_stage_costs)
 
 
 def _priced_last_stage(plan, costs, last_stage_costs) -> Plan:
@@ -346,6 +324,11 @@ def _priced_last_stage(plan, costs, last_stage_costs) -> Plan:
   them: the last stage's nodes at ``last_stage_costs`` (when given)."""
   if last_stage_costs is None:
     return plan
+  # One device runs each node once, without recomputation: the speed-up's
+  # reference (FTPipe's "vs seq no recomp").
+  sequential = float(
+    np.sum(last_stage_costs.forward_seconds + last_stage_costs.backward_seconds)
+  )
   n = plan.num_stages
   of = np.asarray(plan.stage_of_node)
   last = of == n - 1
@@ -357,89 +340,53 @@ def _priced_last_stage(plan, costs, last_stage_costs) -> Plan:
     plan,
     stage_forward_seconds=tuple(float(fwd[of == s].sum()) for s in range(n)),
     stage_backward_seconds=tuple(float(bwd[of == s].sum()) for s in range(n)),
+    sequential_seconds=sequential,
   )
 
 
-def _mixed_repricer(traced, num_devices, devices, bandwidth, comm_model):
-  """``reprice(plan, compute) -> stage seconds`` in the mixed model."""
-  slots = tuple(range(num_devices)) if devices is None else tuple(devices)
-
-  def reprice(plan, compute):
-    of = np.asarray(plan.stage_of_node)
-    bounds = [0, *(np.flatnonzero(np.diff(of)) + 1).tolist(), len(of)]
-    return mixed_stage_seconds(
-      compute,
-      bounds,
-      [slots.index(ds[0]) for ds in plan.stage_devices],
-      num_devices,
-      edges=traced.edges(),
-      bandwidth=bandwidth,
-      comm_model=comm_model,
-    )
-
-  return reprice
-
-
-def _price_last_stage_plain(solve, costs, last_stage_costs, reprice) -> Plan:
-  """FTPipe's async meta-algorithm over ``solve(costs) -> Plan``: price
-  the last stage's nodes with ``last_stage_costs``, the rest with
-  ``costs``, until the last stage keeps the nodes it was priced with.
-  When the solves cycle instead, each plan seen is priced with its own
-  last stage by ``reprice(plan, compute) -> stage seconds`` (None: not
-  possible for the method; the fastest as solved is kept, with a
-  warning) and the fastest kept."""
+def _price_last_stage_plain(solve, costs, last_stage_costs) -> Plan:
+  """FTPipe's async meta-algorithm over ``solve(costs) -> Plan`` (for
+  PipeDream's DP, which cannot price one stage apart): price the last
+  stage's nodes with ``last_stage_costs``, the rest with ``costs``, until
+  the last stage keeps the nodes it was priced with (at most 10 solves;
+  otherwise the fastest plan seen, with a warning)."""
   if last_stage_costs.forward_seconds.shape != costs.forward_seconds.shape:
     raise ValueError("last_stage_costs must cost the same nodes as costs")
-
-  def priced(plain):
-    return dataclasses.replace(
-      costs,
-      forward_seconds=np.where(
-        plain, last_stage_costs.forward_seconds, costs.forward_seconds
-      ),
-      backward_seconds=np.where(
-        plain, last_stage_costs.backward_seconds, costs.backward_seconds
-      ),
-    )
-
   plain = np.zeros(costs.forward_seconds.shape, bool)
   seen = []
   for _ in range(10):
-    plan = solve(priced(plain))
+    plan = solve(
+      dataclasses.replace(
+        costs,
+        forward_seconds=np.where(
+          plain, last_stage_costs.forward_seconds, costs.forward_seconds
+        ),
+        backward_seconds=np.where(
+          plain, last_stage_costs.backward_seconds, costs.backward_seconds
+        ),
+      )
+    )
     of = np.asarray(plan.stage_of_node)
     last = of == of.max()
     if np.array_equal(last, plain):
-      return plan
+      return _priced_last_stage(plan, costs, last_stage_costs)
     seen.append(plan)
     plain = last
-  if reprice is None:
-    warnings.warn(
-      "the async meta-algorithm's last stage did not settle in 10 solves: "
-      "keeping the fastest plan seen (its last stage priced as the solve "
-      "before it chose)",
-      stacklevel=3,
-    )
-    return min(seen, key=lambda p: p.bottleneck_seconds)
-  repriced = []
-  for plan in seen:
-    of = np.asarray(plan.stage_of_node)
-    own = priced(of == of.max())
-    seconds = reprice(plan, own.forward_seconds + own.backward_seconds)
-    n = plan.num_stages
-    repriced.append(
-      dataclasses.replace(
-        plan,
-        stage_forward_seconds=tuple(
-          float(own.forward_seconds[of == s].sum()) for s in range(n)
-        ),
-        stage_backward_seconds=tuple(
-          float(own.backward_seconds[of == s].sum()) for s in range(n)
-        ),
-        stage_seconds=tuple(float(t) for t in seconds),
-        bottleneck_seconds=float(max(seconds)),
+  warnings.warn(
+    "the async meta-algorithm's last stage did not settle in 10 solves: "
+    "keeping the fastest plan seen (its last stage priced as the solve "
+    "before it chose)",
+    stacklevel=3,
+  )
+  best = min(seen, key=lambda p: p.bottleneck_seconds)
+  return dataclasses.replace(
+    best,
+    sequential_seconds=float(
+      np.sum(
+        last_stage_costs.forward_seconds + last_stage_costs.backward_seconds
       )
-    )
-  return min(repriced, key=lambda p: p.bottleneck_seconds)
+    ),
+  )
 
 
 def _solve_named(traced, *args, solver=solve_contiguous, **kwargs):

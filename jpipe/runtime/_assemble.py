@@ -128,7 +128,6 @@ def build_runtime(
   )
   policy = VersionPolicy(
     stream,
-    recompute=staleness.recompute,
     weight_stashing=staleness.weight_stashing,
     prediction=staleness.prediction,
     gap_aware=staleness.gap_aware,

@@ -765,8 +765,14 @@ class _Call(TransferEnds):
     d, opt = self.d, self.d.optimizers[s]
     if not reduced:
       grads = d.hooks.reduce_gradient(s, grads)
-    args = (grads, self.opt_states[s], self.params[s], stale, scale)
-    args += (update_scale,)
+    args = (
+      grads,
+      self.opt_states[s],
+      self.params[s],
+      stale,
+      scale,
+      update_scale,
+    )
     if packed:
       self._before_donating(s)
       new = opt.update_packed(*args, donate_state=self.made_state[s])

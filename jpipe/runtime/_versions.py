@@ -32,8 +32,6 @@ class VersionPolicy:
   Args:
     stream: the asynchronous stream rule, or None (synchronous: every
       action uses the current params).
-    recompute: backwards recompute the forward (else saved residuals,
-      read with the params the table gives).
     weight_stashing, prediction, gap_aware: the mitigations.
     record: keep every forward's params (to report them).
     nag_with_predictor: a forward of delay 0 is predicted one step ahead.
@@ -45,7 +43,6 @@ class VersionPolicy:
     self,
     stream: Stream | None,
     *,
-    recompute: bool,
     weight_stashing: bool = False,
     prediction: str | None = None,
     gap_aware: str | None = None,
@@ -54,7 +51,6 @@ class VersionPolicy:
     unpredicted: frozenset[int] = frozenset(),
   ):
     self.stream = stream
-    self.recompute = recompute
     self.prediction = prediction
     self.nag_with_predictor = nag_with_predictor
     self.unpredicted = frozenset(unpredicted)

@@ -29,6 +29,8 @@ import json
 import sys
 import time
 
+import numpy as np
+
 from jpipe import partition, runtime
 from jpipe import schedule as schedule_lib
 from jpipe.train import config_check, config_plan
@@ -110,6 +112,8 @@ class _Solved:
   seconds: float
   stage_bytes: partition.StageBytes  # Predicted memory per stage.
   memory_limit: float | None
+  # The nodes' costs on the last stage (no recomputation), or None.
+  last_stage_costs: partition.NodeCosts | None = None
 
 
 def _solve(args) -> _Solved:
@@ -178,13 +182,27 @@ def _solve(args) -> _Solved:
     config, params, "contiguous", devices, memory or 0.0
   )
   stage_bytes = partition.stage_memory_bytes(traced, plan, **model)
-  return _Solved(plan, costs, method, devices, seconds, stage_bytes, memory)
+  return _Solved(
+    plan,
+    costs,
+    method,
+    devices,
+    seconds,
+    stage_bytes,
+    memory,
+    last_stage_costs,
+  )
 
 
 def _result(solved: _Solved) -> dict:
   """The plan and its figures, as the JSON output holds them."""
   plan, costs = solved.plan, solved.costs
   node_seconds = costs.forward_seconds + costs.backward_seconds
+  if solved.last_stage_costs is not None:  # A node may sit on the last.
+    last = solved.last_stage_costs
+    node_seconds = np.minimum(
+      node_seconds, last.forward_seconds + last.backward_seconds
+    )
   lower_bound = node_seconds.sum() / solved.devices
   if solved.method != "pipedream_hybrid":  # (Replicas split a node.)
     lower_bound = max(lower_bound, node_seconds.max())

@@ -312,9 +312,7 @@ def test_async_meta_algorithm_prices_the_last_stage_without_recompute():
   assert acyclic.stage_seconds[-1] == pytest.approx(p[of == k - 1].sum())
   assert acyclic.stage_seconds[0] == pytest.approx(r[of == 0].sum())
   assert acyclic.bottleneck_seconds <= best * (1 + 1e-9)
-  # Mixed re-solves until the last stage holds the nodes it was priced
-  # with (FTPipe's loop; here the solves cycle, and the plans seen are
-  # priced each with its own last stage).
+  # Mixed prices its last stage so too; a device's time is its stages'.
   mixed = partition.plan_traced(
     traced, recompute, 2, method="mixed", last_stage_costs=plain
   )
@@ -323,6 +321,20 @@ def test_async_meta_algorithm_prices_the_last_stage_without_recompute():
   fwd_bwd = np.add(mixed.stage_forward_seconds, mixed.stage_backward_seconds)
   assert fwd_bwd[-1] == pytest.approx(p[last].sum())
   assert fwd_bwd[0] == pytest.approx(r[of == 0].sum())
+  device = [ds[0] for ds in mixed.stage_devices]
+  on_last_device = np.isin(
+    of, [s for s in range(of.max() + 1) if device[s] == device[-1]]
+  )
+  priced = np.where(last, p, r)
+  assert mixed.stage_seconds[-1] == pytest.approx(priced[on_last_device].sum())
+  # PipeDream's DP re-solves until the last stage holds the nodes it was
+  # priced with (FTPipe's loop).
+  pd = partition.plan_traced(
+    traced, recompute, k, method="pipedream", last_stage_costs=plain
+  )
+  of = np.asarray(pd.stage_of_node)
+  fwd_bwd = np.add(pd.stage_forward_seconds, pd.stage_backward_seconds)
+  assert fwd_bwd[-1] == pytest.approx(p[of == of.max()].sum())
 
 
 def test_cli_acyclic_json():

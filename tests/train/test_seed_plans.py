@@ -70,7 +70,9 @@ def test_t5_3b_mixed_pipe_plans_on_8_devices_of_11_gib():
   # use it (encoder and decoder embeddings, the head).
   params = sum(result["plan"]["stage_param_bytes"])
   assert params == 4 * (2_851_598_336 + 2 * 32128 * 1024)
-  assert result["sequential"] / result["bottleneck"] > 7.0
+  # 8 devices, recomputing (a node costs 4 forwards, 3 on the last stage
+  # and on one device): at most 6x over one device without recomputation.
+  assert result["sequential"] / result["bottleneck"] > 5.9
 
 
 def test_a_plan_that_cannot_fit_names_the_device_and_the_fixes(capsys):
@@ -208,9 +210,14 @@ def test_text_seed_small_variants_train(tmp_path, name, metric):
     if f"eval/{metric}" in row
   ]
   assert len(values) >= 2 and values[-1] < values[0], values
-  if config.pipeline.partition == "mixed":  # More stages than devices.
+  if config.pipeline.partition == "mixed":
     plan = json.loads(open(tmp_path / "plan.json").read())
-    assert len(plan["stage_devices"]) > config.pipeline.num_stages
+    used = {d for ds in plan["stage_devices"] for d in ds}
+    assert used == set(range(config.pipeline.num_stages))
+    if name == "ftpipe_t5_3b.py":  # More stages than devices. (GPT-2's
+      # small plan, its last stage priced without recomputation, is as
+      # fast straight: the mixed solver keeps the straight split then.)
+      assert len(plan["stage_devices"]) > config.pipeline.num_stages
 
 
 @pytest.mark.usefixtures("fast_compiles")
