@@ -24,11 +24,7 @@ import json
 import os
 import time
 
-from experiments.partition.pipedream_profiles import (
-  _ms,
-  _pipedream,
-  plan_bottleneck,
-)
+from experiments.partition.pipedream_profiles import _ms, pipedream_straight
 from jpipe.partition import (
   load_pipedream_profile,
   solve_acyclic,
@@ -49,7 +45,7 @@ PROFILES = (
 
 def rows_for(name, stages, quick):
   graph = load_pipedream_profile(name)
-  order, compute, edges = graph.ordered()
+  _, compute, edges = graph.ordered()
   records, rows = [], []
   for n in stages:
     bound = max(compute.sum() / n, compute.max())
@@ -71,21 +67,9 @@ def rows_for(name, stages, quick):
           **({"runs": 1, "kicks": 1} if quick else {}),
         )
         acyclic[multilevel] = (sol, time.perf_counter() - start)
-      pd, pd_s = (None, None)
-      if not quick:
-        pd, pd_s = _pipedream(
-          graph,
-          name,
-          n,
-          straight=True,
-          bandwidth=bandwidth or 1e9,
-          activation_compression_ratio=None if bandwidth is None else 1.0,
-        )
-      pd_ms = pd_edge_ms = None
-      if pd is not None:
-        pd_ms = 1e3 * pd.bottleneck_seconds
-        of = [pd.stage_of[graph.names[node]] for node in order]
-        pd_edge_ms = 1e3 * plan_bottleneck(of, compute, edges, bandwidth)
+      _, pd_s, pd_ms, pd_edge_ms = (
+        (None,) * 4 if quick else pipedream_straight(graph, name, n, bandwidth)
+      )
       single, single_s = acyclic[False]
       multi, multi_s = acyclic[True]
       records.append(

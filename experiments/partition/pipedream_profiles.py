@@ -86,8 +86,29 @@ def _pipedream(graph, name, machines, **kwargs):
   return sol, time.perf_counter() - start
 
 
-def straight_rows(name, graph):
+def pipedream_straight(graph, name, n, bandwidth):
+  """PipeDream's straight DP on ``n`` stages (transfers counted at
+  ``bandwidth`` with ratio 1, compute only when None): (solution, solve
+  seconds, bottleneck ms in its own cut model, its plan's bottleneck ms
+  in jpipe's edge model); Nones where the antichain DAG is too large."""
+  pd, seconds = _pipedream(
+    graph,
+    name,
+    n,
+    straight=True,
+    bandwidth=bandwidth or 1e9,
+    activation_compression_ratio=None if bandwidth is None else 1.0,
+  )
+  if pd is None:
+    return None, None, None, None
   order, compute, edges = graph.ordered()
+  of = [pd.stage_of[graph.names[node]] for node in order]
+  edge_ms = 1e3 * plan_bottleneck(of, compute, edges, bandwidth)
+  return pd, seconds, 1e3 * pd.bottleneck_seconds, edge_ms
+
+
+def straight_rows(name, graph):
+  _, compute, edges = graph.ordered()
   records, rows = [], []
   for n in (2, 4, 8):
     bound = max(compute.sum() / n, compute.max())
@@ -96,19 +117,9 @@ def straight_rows(name, graph):
       sol = solve_contiguous(compute, n, edges=edges, bandwidth=bandwidth)
       seconds = time.perf_counter() - start
       equal = equal_split_bottleneck(compute, edges, n, bandwidth)
-      pd, pd_seconds = _pipedream(
-        graph,
-        name,
-        n,
-        straight=True,
-        bandwidth=bandwidth or 1e9,
-        activation_compression_ratio=None if bandwidth is None else 1.0,
+      pd, pd_seconds, pd_ms, pd_edge_ms = pipedream_straight(
+        graph, name, n, bandwidth
       )
-      pd_ms = pd_edge_ms = None
-      if pd is not None:
-        pd_ms = 1e3 * pd.bottleneck_seconds
-        of = [pd.stage_of[graph.names[node]] for node in order]
-        pd_edge_ms = 1e3 * plan_bottleneck(of, compute, edges, bandwidth)
       records.append(
         {
           "model": name,

@@ -90,9 +90,10 @@ class EncoderDecoder(nn.Module):
     return nn.Dense(5, name="head")(x)
 
 
-def mlp_case():
-  model = Mlp()
-  x = jax.random.normal(jax.random.key(0), (8, 12))
+def _classification_case(model, features):
+  """``model`` on 8 random examples of ``features`` and 10 classes, with a
+  softmax cross-entropy loss: (loss_fn, params, batch, False)."""
+  x = jax.random.normal(jax.random.key(0), (8, features))
   y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
   params = model.init(jax.random.key(2), x)
 
@@ -103,6 +104,10 @@ def mlp_case():
     ).mean()
 
   return loss_fn, params, {"x": x, "y": y}, False
+
+
+def mlp_case():
+  return _classification_case(Mlp(), 12)
 
 
 def resnet_state_case(num_blocks=6, batch_size=4):
@@ -394,15 +399,4 @@ class TwoTowers(nn.Module):
 
 
 def two_towers_case():
-  model = TwoTowers()
-  x = jax.random.normal(jax.random.key(0), (8, 32))
-  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
-  params = model.init(jax.random.key(2), x)
-
-  def loss_fn(params, batch):
-    logits = model.apply(params, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["y"]
-    ).mean()
-
-  return loss_fn, params, {"x": x, "y": y}, False
+  return _classification_case(TwoTowers(), 32)

@@ -80,7 +80,6 @@ def test_the_configs_are_the_ones_the_issue_names():
   ]
   + [
     ("wrn_stale", ("ws+wp+ga",)),
-    ("wrn_stale", ("wp+nag+nesterov+nr",)),
     ("pipedream_vgg", ("2bw",)),
     ("pipedream_resnet", ("1f1b",)),
   ],
