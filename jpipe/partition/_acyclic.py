@@ -194,8 +194,8 @@ def solve_acyclic(
     param_versions=param_versions,
     in_flight=in_flight,
     recompute=recompute,
+    scale=float(cost.sum()) or 1.0,
   )
-  model.scale = float(cost.sum()) or 1.0
   rng = np.random.default_rng(seed)
   starts = [np.asarray(contiguous.stage_of_node())]
   for _ in range(runs):
@@ -335,6 +335,7 @@ class _Model:
     param_versions,
     in_flight,
     recompute,
+    scale,
   ):
     self.k = k
     self.bandwidth = bandwidth
@@ -343,7 +344,7 @@ class _Model:
     self.limit = limit
     self.memory_limit = memory_limit
     self.recompute = recompute
-    self.scale = 1.0
+    self.scale = scale  # Seconds that ties are compared relative to.
     # (solve_contiguous, called first, checked both lists.)
     versions = [1] * k if param_versions is None else param_versions
     self.extra = np.asarray(versions, np.float64) - 1.0  # Stashed copies.
