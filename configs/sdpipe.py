@@ -21,6 +21,12 @@ Across processes, one pipeline each:
   python -m jpipe.launch --nprocs 4 --devices-per-process 2 -- \
       python -m jpipe.train --config configs/sdpipe.py --workdir /tmp/jpipe_sdpipe4
 
+Or a process per stage, as SD-Pipe runs it (each process one stage of all
+4 pipelines):
+  python -m jpipe.launch --nprocs 2 --devices-per-process 4 -- \
+      python -m jpipe.train --config configs/sdpipe.py \
+      --config.data_parallel.placement=stage --workdir /tmp/jpipe_sdpipe_stages
+
 Variants: --config.data_parallel.sync=allreduce|adpsgd|hetpipe,
 --config.data_parallel.hetero=0.1, --config.data_parallel.slowdown=0:3.0
 (device 0, pipeline 0's first stage, 3x slower).

@@ -13,10 +13,11 @@ arrays and the last to arrive runs the mean for them (across processes,
 the members in other processes run the same program at the same time).
 """
 
+import hashlib
 import threading
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 _AXIS = "replicas"
@@ -118,6 +119,79 @@ class GroupMean:
     return means
 
 
+class PeerMean:
+  """A group's mean by point-to-point pulls, for groups across processes
+  while transfers between processes are in flight (pipelines spanning
+  processes).
+
+  On CPU a cross-process collective holds its process's whole client
+  until every peer has joined: measured, work dispatched to another of
+  its devices waited 3.06 s behind a collective whose peer came 3 s
+  late. A pipeline spanning processes needs its peer's compute to reach
+  the collective, so such a collective can wait for itself (and gloo
+  gives up after 30 s). Here nothing waits inside a program: each
+  process offers its members' trees to the others (``PullLinks``), pulls
+  theirs, and computes each member's mean on the member's device,
+  summing in rank order, so every member gets the same bits.
+
+  Args:
+    links: this run's ``jpipe.runtime.PullLinks`` (one per process).
+  """
+
+  def __init__(self, links):
+    self.links = links
+    self._mean = jax.jit(
+      lambda trees: jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
+    )
+
+  def __call__(self, key, trees, ranks, came, devices):
+    """This process's members' copies of the group's mean.
+
+    Args:
+      key: the meeting's name, the same in every process (hashable by
+        ``repr``): with a member and a receiver, each transfer's key.
+      trees: this process's members' pytrees, in rank order.
+      ranks: their ranks.
+      came: every member's rank, sorted.
+      devices: ``{rank: device}`` of every member.
+    """
+    me = jax.process_index()
+    others = sorted({devices[r].process_index for r in came} - {me})
+    for r, tree in zip(ranks, trees, strict=True):
+      for q in others:
+        self.links.offer(_uuid(key, r, q), jax.tree.leaves(tree))
+    got = dict(zip(ranks, trees, strict=True))
+    treedef = jax.tree.structure(trees[0])
+    target = SingleDeviceSharding(devices[ranks[0]])
+    specs = [
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+      for x in jax.tree.leaves(trees[0])
+    ]
+    for r in came:
+      if r not in got:
+        leaves = self.links.take(
+          _uuid(key, r, me), devices[r].process_index, specs
+        )
+        got[r] = jax.tree.unflatten(treedef, leaves)
+    # The host waits for the pulled values: on CPU a program waiting for
+    # them would hold up every device of this process -- and with it,
+    # maybe, the work the peer's offer waits for.
+    jax.block_until_ready([got[r] for r in came if r not in ranks])
+    return [
+      self._mean(jax.device_put([got[c] for c in came], devices[r]))
+      for r in ranks
+    ]
+
+
+def _uuid(key, member: int, receiver: int) -> int:
+  """A transfer's key from its meeting, member and receiving process: the
+  same in every process (a hash; 62 bits)."""
+  digest = hashlib.blake2b(
+    repr((key, member, receiver)).encode(), digest_size=8
+  )
+  return int.from_bytes(digest.digest(), "big") >> 2
+
+
 def _stacked_shape(shape, members):
   """The members' arrays of ``shape`` side by side on axis 0."""
   if not shape:
@@ -138,21 +212,23 @@ def device_of(tree):
 class Roster:
   """Who comes to each averaging meeting, for every process.
 
-  ``gather(key, members, rank)``: ``rank`` is at meeting ``key`` (the
-  same key for every member) of ``members``; blocks until every member
-  is present or has left, and returns the ranks present (sorted), the
-  same answer for each. ``leave(rank)``: meetings stop waiting for
-  ``rank`` (its pipeline drains); ``rejoin_all`` undoes every leave (a
-  new epoch). Thread-safe; across processes process 0 serves it
-  (``_hub.py``).
+  ``gather(key, stage, members, rank)``: stage ``stage`` of ``rank`` is
+  at meeting ``key`` (the same key for every member) of ``members``;
+  blocks until every member is present or has left, and returns the
+  ranks present (sorted), the same answer for each. ``leave(rank,
+  stages)``: meetings of those stages stop waiting for ``rank`` (its
+  pipeline drains there: by stage, since a pipeline spanning processes
+  drains each process's stages when that process stops feeding it);
+  ``rejoin_all`` undoes every leave (a new epoch). Thread-safe; across
+  processes process 0 serves it (``_hub.py``).
   """
 
   def __init__(self):
     self._cond = threading.Condition()
     self._meetings = {}  # key -> {"present": set, "out": tuple, "told": set}
-    self._left = set()
+    self._left = set()  # (rank, stage)
 
-  def gather(self, key, members, rank) -> tuple[int, ...]:
+  def gather(self, key, stage, members, rank) -> tuple[int, ...]:
     with self._cond:
       meeting = self._meetings.setdefault(
         key, {"present": set(), "out": None, "told": set()}
@@ -160,7 +236,9 @@ class Roster:
       meeting["present"].add(rank)
       self._cond.notify_all()
       while meeting["out"] is None:
-        if all(r in meeting["present"] or r in self._left for r in members):
+        if all(
+          r in meeting["present"] or (r, stage) in self._left for r in members
+        ):
           meeting["out"] = tuple(sorted(meeting["present"]))
         else:
           self._cond.wait()
@@ -169,9 +247,9 @@ class Roster:
         del self._meetings[key]
       return meeting["out"]
 
-  def leave(self, rank) -> None:
+  def leave(self, rank, stages) -> None:
     with self._cond:
-      self._left.add(rank)
+      self._left.update((rank, s) for s in stages)
       self._cond.notify_all()
 
   def rejoin_all(self) -> None:
@@ -182,24 +260,24 @@ class Roster:
 class Rendezvous:
   """Where the threads of a group's pipelines meet to average.
 
-  ``meet(key, members, rank, tree, combine)``: ``key`` names the meeting
-  (the same for every member), ``members`` the ranks expected. The
+  ``meet(key, stage, members, rank, tree, combine, local)``: ``key``
+  names the meeting (the same for every member), ``members`` the ranks
+  expected, ``local`` the ranks whose ``stage`` this process runs. The
   ``Roster`` (shared by every process) says who comes: every member
   still present. This process's members among them meet here; the last
   to arrive runs ``combine(their trees in rank order, every rank that
   came)``, which returns their results in the same order, and each gets
-  its own. ``local_ranks``: the ranks this process runs (default: all).
+  its own.
   """
 
-  def __init__(self, roster: Roster | None = None, local_ranks=None):
+  def __init__(self, roster: Roster | None = None):
     self.roster = Roster() if roster is None else roster
-    self.local = None if local_ranks is None else frozenset(local_ranks)
     self._cond = threading.Condition()
     self._meetings = {}
 
-  def meet(self, key, members, rank, tree, combine):
-    came = tuple(self.roster.gather(key, tuple(members), rank))
-    here = [r for r in came if self.local is None or r in self.local]
+  def meet(self, key, stage, members, rank, tree, combine, local):
+    came = tuple(self.roster.gather(key, stage, tuple(members), rank))
+    here = [r for r in came if r in local]
     with self._cond:
       meeting = self._meetings.setdefault(key, {"trees": {}, "out": None})
       meeting["trees"][rank] = tree
@@ -220,8 +298,8 @@ class Rendezvous:
         del self._meetings[key]
       return mine
 
-  def leave(self, rank):
-    self.roster.leave(rank)
+  def leave(self, rank, stages):
+    self.roster.leave(rank, stages)
 
   def rejoin_all(self):
     self.roster.rejoin_all()

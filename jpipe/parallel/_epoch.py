@@ -75,3 +75,57 @@ class SharedEpochEnd:
   def new_epoch(self) -> None:
     with self._lock:
       self._epoch.new_epoch()
+
+
+class StopCalls:
+  """Where each pipeline's feeding stops, in ``step`` calls, the same in
+  every process that runs a part of it.
+
+  A pipeline whose stages sit in several processes is fed by each of
+  them, one ``step`` call at a time, and each must make the same calls
+  (a call's transfers have two ends). Before each call a process asks
+  ``grant(rank, call)``; the process of the last stage, once the epoch
+  has recorded its stop, calls ``stop(rank)``, which fixes the stop at
+  the most calls granted to any of the pipeline's processes so far: no
+  process has passed it, and each runs on to it (the others' grants end
+  there). In one process this is the stop at once, as before. With
+  ``together`` (all-reduce: every step is a collective of all
+  pipelines), one stop for every pipeline: the most calls granted to
+  any.
+
+  Args:
+    num_pipelines: P.
+    together: one stop for all pipelines.
+  """
+
+  def __init__(self, num_pipelines: int, together: bool = False):
+    self.p = num_pipelines
+    self.together = together
+    self._lock = threading.Lock()
+    self.new_epoch()
+
+  def grant(self, rank: int, call: int) -> bool:
+    """Whether pipeline ``rank`` runs its call ``call`` (0-based, this
+    epoch) in the asking process."""
+    with self._lock:
+      stop = self._stops.get(rank)
+      if stop is not None and call >= stop:
+        return False
+      self._granted[rank] = max(self._granted[rank], call + 1)
+      return True
+
+  def stop(self, rank: int) -> int:
+    """Fixes (once) and returns the calls pipeline ``rank`` makes this
+    epoch."""
+    with self._lock:
+      if rank not in self._stops:
+        ranks = range(self.p) if self.together else [rank]
+        stop = max(self._granted[r] for r in ranks)
+        for r in ranks:
+          self._stops.setdefault(r, stop)
+      return self._stops[rank]
+
+  def new_epoch(self) -> None:
+    with self._lock:
+      self._granted = [0] * self.p
+      self._stops: dict[int, int] = {}

@@ -28,22 +28,23 @@ def push_pull(server, params, base, num_pipelines: int):
 
 
 class ParameterServer:
-  """One stage's server: its weights on ``device`` (the host's, in
-  HetPipe), updated under a lock.
+  """One stage's server: its weights in host memory (HetPipe's server is
+  on a CPU), updated with NumPy under a lock. Never on a device: on the
+  CPU backend one computation waiting for another process's transfer
+  holds up every device of its process (measured: 3.08 s behind a pull
+  that came 3 s late), so a push computed on a device could wait for a
+  pipeline that is itself waiting for this push.
 
   Args:
-    params: the initial weights (a tuple of arrays).
+    params: the initial weights (a tuple of arrays, host or device).
     num_pipelines: P (each push is scaled by 1 / P).
-    device: where the server's weights live.
   """
 
-  def __init__(self, params, num_pipelines: int, device):
-    self.device = device
+  def __init__(self, params, num_pipelines: int):
     self.num_pipelines = num_pipelines
-    self.weights = jax.device_put(params, device)
+    self.weights = jax.tree.map(np.asarray, params)
     self.initial = self.weights
     self.lock = threading.Lock()
-    self._push = jax.jit(push_pull, static_argnums=3)
     self.pushes = 0
 
   def initial_on(self, device):
@@ -53,33 +54,27 @@ class ParameterServer:
   def push_pull(self, params, base, to_device):
     """Applies a pipeline's push; returns the server's weights on
     ``to_device`` (the pipeline's new weights and new base)."""
-    params = jax.device_put(params, self.device)
-    base = jax.device_put(base, self.device)
+    return jax.device_put(self._apply(params, base), to_device)
+
+  def _apply(self, params, base):
+    """The push of ``params`` since ``base`` (host or device arrays);
+    the server's new weights (host)."""
+    params = jax.tree.map(np.asarray, params)
+    base = jax.tree.map(np.asarray, base)
     with self.lock:
-      self.weights = self._push(self.weights, params, base, self.num_pipelines)
+      self.weights = push_pull(self.weights, params, base, self.num_pipelines)
       self.pushes += 1
-      weights = self.weights
-    return jax.device_put(weights, to_device)
+      return self.weights
 
   def initial_host(self) -> list:
     """The starting weights' leaves as host arrays (for another process)."""
-    return [np.asarray(x) for x in jax.tree.leaves(self.initial)]
+    return list(jax.tree.leaves(self.initial))
 
   def push_pull_host(self, params: list, base: list) -> list:
     """``push_pull`` with host arrays, leaves in order (from another
     process, through the hub); returns the server's leaves."""
     treedef = jax.tree.structure(self.weights)
-    new = self.push_pull(
-      jax.tree.unflatten(treedef, params),
-      jax.tree.unflatten(treedef, base),
-      self.device,
+    new = self._apply(
+      jax.tree.unflatten(treedef, params), jax.tree.unflatten(treedef, base)
     )
-    return [np.asarray(x) for x in jax.tree.leaves(new)]
-
-
-def server_device():
-  """The host's device for the servers (the CPU backend's first)."""
-  try:
-    return jax.devices("cpu")[0]
-  except RuntimeError:  # No CPU backend registered.
-    return jax.devices()[0]
+    return list(jax.tree.leaves(new))

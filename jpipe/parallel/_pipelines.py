@@ -15,12 +15,16 @@ progress at the pace of their own devices.
 
 Across processes (``jpipe.distributed.initialize`` first, e.g. under
 ``python -m jpipe.launch``) every process builds the same object over the
-global ``jax.devices()`` and runs the pipelines whose devices it holds
-(one or more per process, as many in each; a pipeline may not span
-processes). Process 0 serves the shared objects (``_hub.py``); the
-averaging collectives run over the group's devices in whichever
-processes hold them. Every process calls every method, in the same
-order; lists of states are this process's pipelines' (``ranks``).
+global ``jax.devices()``: every pipeline, as every process builds a
+multi-process ``jpipe.Pipeline``, and runs (feeds, in a thread each) the
+pipelines of which it holds a stage (``ranks``). A pipeline may lie in
+one process or span several, down to SD-Pipe's one process per stage:
+each of its processes runs its own stages, and they make the same
+``step`` calls (an epoch's end is fixed in calls, ``StopCalls``).
+Process 0 serves the shared objects (``_hub.py``); the averaging
+collectives run over the group's devices in whichever processes hold
+them. Every process calls every method, in the same order; lists of
+states are this process's pipelines' (``ranks``).
 """
 
 import dataclasses
@@ -32,12 +36,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpipe import distributed
 from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
 from jpipe.parallel._hub import make_hub
 from jpipe.parallel._sync import SYNC_POLICIES, make_policy, policy_options
-from jpipe.runtime import Pipeline, PipelineState, with_partition
+from jpipe.runtime import (
+  Pipeline,
+  PipelineState,
+  PullLinks,
+  trees_everywhere,
+  with_partition,
+)
 
 
 @dataclasses.dataclass
@@ -75,7 +84,12 @@ class DataParallelPipelines:
     sync: "allreduce", "preduce", "adpsgd" or "hetpipe" (see
       ``jpipe.parallel``).
     devices: all pipelines' devices (default ``jax.devices()``); each
-      pipeline gets ``len(devices) // pipelines`` consecutive ones.
+      pipeline gets ``len(devices) // pipelines`` of them (``placement``).
+    placement: "pipeline": pipeline p on consecutive devices (one process
+      per pipeline, or several, under the launcher); "stage": the s-th
+      block of ``pipelines`` devices holds every pipeline's s-th device,
+      so each process of ``pipelines`` devices runs one stage of every
+      pipeline (SD-Pipe's placement: a process per stage).
     batches_per_epoch: batches per pipeline in an epoch, on average: the
       epoch ends when the last stages' replicas have taken P times this
       many steps (``run_epoch``).
@@ -98,6 +112,7 @@ class DataParallelPipelines:
     pipelines: int,
     sync: str = "allreduce",
     devices: Sequence[Any] | None = None,
+    placement: str = "pipeline",
     batches_per_epoch: int = 100,
     hetero: Heterogeneity | None = None,
     ssp_bound: int = 10,
@@ -108,22 +123,47 @@ class DataParallelPipelines:
   ):
     devices = list(jax.devices() if devices is None else devices)
     per = _devices_per_pipeline(sync, pipelines, devices, pipeline_options)
+    devices = _placed(devices, pipelines, per, placement)
     self.num_pipelines = pipelines
     self.devices_per_pipeline = per
-    self.ranks = _local_ranks(devices, pipelines, per)
     self.hub = make_hub()
     self.hetero = hetero or Heterogeneity()
-    self.hooks = [ReplicaHooks(p, self.hetero) for p in self.ranks]
-    self.pipelines = _replica_pipelines(
+    hooks = [ReplicaHooks(p, self.hetero) for p in range(pipelines)]
+    # Every pipeline, in every process (module docstring).
+    self.all_pipelines = _replica_pipelines(
       loss_fn,
       params,
       example_batch,
-      [devices[p * per : (p + 1) * per] for p in self.ranks],
-      self.hooks,
+      [devices[p * per : (p + 1) * per] for p in range(pipelines)],
+      hooks,
       pipeline_options,
     )
-    self.plan = plan = self.pipelines[0].plan
-    self.num_stages = self.pipelines[0].stages.num_stages
+    self.plan = plan = self.all_pipelines[0].plan
+    self.num_stages = self.all_pipelines[0].stages.num_stages
+    stage_devices = {
+      p: tuple(devices[p * per + ds[0]] for ds in plan.stage_devices)
+      for p in range(pipelines)
+    }
+    me = jax.process_index()
+    # Per pipeline, the stages this process runs; the process of its
+    # last stage (which reports its figures).
+    self.stages_here = {
+      p: tuple(s for s, d in enumerate(ds) if d.process_index == me)
+      for p, ds in stage_devices.items()
+    }
+    self.reporter = [ds[-1].process_index for ds in stage_devices.values()]
+    self.ranks = tuple(p for p in range(pipelines) if self.stages_here[p])
+    if not self.ranks:
+      raise ValueError(
+        f"process {me} runs no stage of the {pipelines} pipelines "
+        f"(devices {[d.id for d in devices]}): give every process some of "
+        "the devices, or start fewer processes"
+      )
+    self.pipelines = [self.all_pipelines[p] for p in self.ranks]
+    self.hooks = [hooks[p] for p in self.ranks]
+    self._params_template = jax.tree.map(_aval, params)
+    self._idle: dict[int, PipelineState] = {}  # pipelines run elsewhere
+    self._consensus_calls = 0
     self.sync = sync
     self.policy = make_policy(
       sync,
@@ -131,7 +171,6 @@ class DataParallelPipelines:
       self.num_stages,
       batches_per_epoch,
       hub=self.hub,
-      local_ranks=self.ranks,
       **policy_options(
         sync,
         ssp_bound=ssp_bound,
@@ -140,15 +179,20 @@ class DataParallelPipelines:
         hetpipe_every=hetpipe_every,
       ),
     )
-    self.policy.place(
-      {
-        p: tuple(devices[p * per + ds[0]] for ds in plan.stage_devices)
-        for p in range(pipelines)
-      }
-    )
+    self.policy.place(stage_devices)
+    if any(
+      len({d.process_index for d in ds}) > 1 for ds in stage_devices.values()
+    ):
+      # Nothing dispatched may wait for another process: a collective
+      # across processes would wait for a peer whose compute it holds up
+      # (``PeerMean``), a program reading a transfer for a pipeline whose
+      # compute it holds up (``Transport.wait_for_arrivals``).
+      self.policy.exchange_by_pulls(PullLinks())
+      for pipe in self.all_pipelines:
+        pipe.transport.wait_for_arrivals()
     self.batches_per_epoch = batches_per_epoch
-    for p, hooks in zip(self.ranks, self.hooks, strict=True):
-      hooks.bind(self.policy, [p * per + ds[0] for ds in plan.stage_devices])
+    for p, h in enumerate(hooks):
+      h.bind(self.policy, [p * per + ds[0] for ds in plan.stage_devices])
 
   def close(self) -> None:
     """Stops serving the shared objects (process 0 across processes)."""
@@ -159,53 +203,118 @@ class DataParallelPipelines:
   def init(self, params: Any, model_state: Any = None) -> list[PipelineState]:
     """Every pipeline's state from the same params."""
     states = [pipe.init(params, model_state) for pipe in self.pipelines]
-    self._start_servers(states)
+    self._idle = {
+      p: pipe.init(params, model_state)  # Nothing placed: no stage here.
+      for p, pipe in enumerate(self.all_pipelines)
+      if p not in self.ranks
+    }
+    self.policy.start(self.all_pipelines[0].stages.split_params(params))
     return states
 
-  def _start_servers(self, states):
-    self.policy.start(states[0].stage_params)
+  def _everyone(self, states) -> list[PipelineState]:
+    """Every pipeline's state, by rank (an empty one where this process
+    runs none of its stages)."""
+    mine = dict(zip(self.ranks, states, strict=True))
+    return [mine.get(p, self._idle.get(p)) for p in range(self.num_pipelines)]
+
+  def _from_reporters(self, trees, template) -> list:
+    """Per pipeline, its tree as the process of its last stage has it,
+    on every process (``trees``: this process's, None where it has
+    none; ``template``: the shapes and dtypes)."""
+    if jax.process_count() == 1:
+      return list(trees)
+    me = jax.process_index()
+    got = trees_everywhere(
+      [
+        t if r == me else None
+        for t, r in zip(trees, self.reporter, strict=True)
+      ],
+      [template] * len(trees),
+      self.reporter,
+      to_every_process=True,
+    )
+    # (The broadcast makes 64-bit values 32-bit: this process's dtypes.)
+    return [
+      jax.tree.map(lambda x, a: np.asarray(x, a.dtype), t, template)
+      for t in got
+    ]
 
   def consensus_params(self, states: Sequence[PipelineState]) -> Any:
     """The mean of all pipelines' params (host arrays, on every process):
     the model to evaluate. Needs drained pipelines."""
-    mine = _mean_trees(
-      [
-        pipe.gather_params(s)
-        for pipe, s in zip(self.pipelines, states, strict=True)
-      ]
-    )
-    if jax.process_count() == 1:
-      return mine
-    # Every process runs as many pipelines: the mean of the means.
-    return _mean_trees(_all_gather(mine))
+    gathered = [
+      pipe.gather_params(s)
+      for pipe, s in zip(
+        self.all_pipelines, self._everyone(states), strict=True
+      )
+    ]
+    return _mean_trees(self._from_reporters(gathered, self._params_template))
 
   def consensus_state(
     self, states: Sequence[PipelineState]
-  ) -> tuple[Pipeline, PipelineState]:
-    """(this process's first pipeline, its drained state with every
-    stage's params the mean over all P pipelines'): the consensus model
-    on one pipeline's stages, to evaluate through them. Each stage's
-    mean is a collective over the stage's devices (``GroupMean``, as a
-    sync); nothing is gathered to a host. Model state (BatchNorm
-    statistics) stays the pipeline's own. Every process calls it."""
-    everyone = range(self.num_pipelines)
+  ) -> tuple[Pipeline, PipelineState | None]:
+    """(pipeline 0, its drained state with every stage's params the mean
+    over all P pipelines'; None in a process that runs none of its
+    stages): the consensus model on pipeline 0's stages, to evaluate
+    through them (``evaluate_consensus``). Each stage's mean is taken
+    on the stage's devices as the sync averages (a collective, or
+    ``PeerMean`` where pipelines span processes); nothing is gathered to
+    a host. Model state (BatchNorm statistics)
+    stays pipeline 0's own. Every process calls it."""
+    everyone = self._everyone(states)
+    self._consensus_calls += 1  # (Every process counts alike.)
     means = []
     for s in range(self.num_stages):
-      devices = [self.policy.devices[r][s] for r in everyone]
-      trees = [state.stage_params[s] for state in states]
-      means.append(self.policy.mean(trees, devices)[0])
-    first = self.pipelines[0]
-    return first, first.with_stage_params(states[0], means)
+      here = sorted(self.policy.local[s])
+      if not here:  # The stage's replicas all run elsewhere.
+        means.append(None)
+        continue
+      every = range(self.num_pipelines)
+      devices = {r: self.policy.devices[r][s] for r in every}
+      trees = [everyone[r].stage_params[s] for r in here]
+      if self.policy.peers is not None:  # (As the sync averages.)
+        key = ("consensus", self._consensus_calls, s)
+        out = self.policy.peers(key, trees, here, tuple(every), devices)
+      else:
+        out = self.policy.mean(trees, [devices[r] for r in every])
+      means.append(dict(zip(here, out, strict=True)).get(0))
+    first = self.all_pipelines[0]
+    if 0 not in self.ranks:
+      return first, None
+    return first, first.with_stage_params(everyone[0], means)
+
+  def first_model_state(self, states) -> Any:
+    """Pipeline 0's model state (host arrays; None without one), on its
+    processes (process 0 among them). Every process calls it."""
+    return self.all_pipelines[0].gather_model_state(self._everyone(states)[0])
+
+  def evaluate_consensus(self, states, evaluate: Callable) -> dict:
+    """``evaluate(pipeline, state)`` -> ``{name: float}`` at the
+    consensus (``consensus_state``), run by pipeline 0's processes;
+    every process gets the metrics. Every process calls it."""
+    pipe, state = self.consensus_state(states)
+    metrics = None
+    if state is not None:
+      metrics = {k: float(v) for k, v in evaluate(pipe, state).items()}
+    if jax.process_count() == 1:
+      return metrics
+    got = self.hub.all_gather("consensus metrics", metrics)
+    return got[self.reporter[0]]
 
   def state_dict(self, states: Sequence[PipelineState]) -> dict:
     """``{"pipelines": [every pipeline's state_dict, by rank]}`` (host
     arrays, on every process)."""
-    mine = [
-      pipe.state_dict(s) for pipe, s in zip(self.pipelines, states, strict=True)
+    dicts = [
+      pipe.state_dict(s)
+      for pipe, s in zip(
+        self.all_pipelines, self._everyone(states), strict=True
+      )
     ]
-    if jax.process_count() > 1:
-      mine = [d for process in _all_gather(mine) for d in process]
-    return {"pipelines": mine}
+    template = jax.tree.map(_aval, next(d for d in dicts if d is not None))
+    dicts = self._from_reporters(dicts, template)
+    for d in dicts:
+      d["step"] = int(d["step"])
+    return {"pipelines": dicts}
 
   def load_state_dict(self, tree: dict) -> list[PipelineState]:
     """This process's pipelines' states from ``state_dict``'s output.
@@ -219,28 +328,33 @@ class DataParallelPipelines:
       pipe.load_state_dict(saved[p])
       for p, pipe in zip(self.ranks, self.pipelines, strict=True)
     ]
-    self._start_servers(states)
+    self._idle = {
+      p: pipe.load_state_dict(saved[p])  # Nothing placed: no stage here.
+      for p, pipe in enumerate(self.all_pipelines)
+      if p not in self.ranks
+    }
+    first = self.all_pipelines[0]
+    self.policy.start(first.stages.split_params(saved[0]["params"]))
     return states
 
   def compile_groups(self, states) -> int:
     """Compiles, ahead of training, the averaging program of every group
     the policy may form (else each compiles when it first forms, inside
     the timed run). Returns how many were compiled."""
-    first = self.pipelines[0]
-    mine = set(self.ranks)
+    del states  # (The shapes are the plan's.)
+    first = self.all_pipelines[0]
     count = 0
-    for s in range(self.num_stages):
-      params = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype)
-        for x in states[0].stage_params[s]
-      ]
+    for s, avals in enumerate(first.stage_param_avals()):
+      params = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
       tree = params
       if self.policy.averages == "grads" and s not in first.tied.stages:
         tree = first.gradient_avals(s, params)
       for group in self.policy.possible_groups():
-        if mine.isdisjoint(group):
-          continue  # Other processes' pipelines only.
         devices = [self.policy.devices[r][s] for r in group]
+        if self.policy.local[s].isdisjoint(group):
+          continue  # Other processes' replicas only.
+        if self.policy.peers:
+          continue  # Averaged by pulls (``PeerMean``), not a collective.
         self.policy.mean.compile(devices, tree)
         count += 1
     return count
@@ -305,18 +419,29 @@ class DataParallelPipelines:
 
     def train(i):
       p, pipe, state, pending = self.ranks[i], self.pipelines[i], states[i], []
-      while batches[i] < limit and self.policy.stop_of(p) is None:
+      reports = self.reporter[p] == jax.process_index()
+      while batches[i] < limit:
+        if reports and self.policy.stop_of(p) is not None:
+          self.policy.stop_feeding(p)
+        if not self.policy.may_run(p, batches[i]):
+          print(
+            flush=True,
+          )
+          break
         state, metrics = pipe.step(state, batch_at(p, batches[i]))
         batches[i] += 1
         if "loss" in metrics:
           pending.append(metrics["loss"])
         if len(pending) > 2:  # Stay at most two calls ahead of the devices.
           losses[i].append(float(pending.pop(0)))
+      print(
+        flush=True,
+      )
       self.hooks[i].draining = True
-      self.policy.start_draining(p)
+      self.policy.start_draining(p, self.stages_here[p])
       state, _ = pipe.flush(state)
       state = self._finish(pipe, p, state)
-      jax.block_until_ready(state.stage_params)
+      jax.block_until_ready([x for x in state.stage_params if x is not None])
       losses[i].extend(float(x) for x in pending)
       ended[i] = time.perf_counter() - start
       return state, None
@@ -326,18 +451,29 @@ class DataParallelPipelines:
     return states, self._epoch_report(batches, losses, ended, seconds)
 
   def _epoch_report(self, batches, losses, ended, seconds) -> EpochReport:
-    """The epoch's ``EpochReport``: this process's pipelines' figures
-    gathered from every process (pipelines in rank order)."""
+    """The epoch's ``EpochReport``, on every process: each pipeline's
+    figures from the process of its last stage (where it steps last),
+    its injected delays summed over its processes."""
+    me = jax.process_index()
     mine = {
-      "batches": batches,
-      "steps": [h.steps[-1] for h in self.hooks],
-      "losses": losses,
-      "pipeline_seconds": ended,
-      "delayed_seconds": [h.delayed_seconds for h in self.hooks],
+      "reports": [
+        [p, batches[i], self.hooks[i].steps[-1], losses[i], ended[i]]
+        for i, p in enumerate(self.ranks)
+        if self.reporter[p] == me
+      ],
+      "delayed": [
+        [p, h.delayed_seconds]
+        for p, h in zip(self.ranks, self.hooks, strict=True)
+      ],
       "sizes": self.policy.group_size_sums(),
       "seconds": seconds,
     }
     everyone = self.hub.all_gather("epoch report", mine)
+    reports = {r[0]: r[1:] for e in everyone for r in e["reports"]}
+    delayed = [0.0] * self.num_pipelines
+    for e in everyone:
+      for p, d in e["delayed"]:
+        delayed[p] += d
     sizes = [
       (
         sum(e["sizes"][s][0] for e in everyone),
@@ -345,18 +481,14 @@ class DataParallelPipelines:
       )
       for s in range(self.num_stages)
     ]
+    ranks = range(self.num_pipelines)
     return EpochReport(
-      **{
-        k: [x for e in everyone for x in e[k]]
-        for k in (
-          "batches",
-          "steps",
-          "losses",
-          "pipeline_seconds",
-          "delayed_seconds",
-        )
-      },
+      batches=[reports[p][0] for p in ranks],
+      steps=[reports[p][1] for p in ranks],
+      losses=[reports[p][2] for p in ranks],
       seconds=max(e["seconds"] for e in everyone),
+      pipeline_seconds=[reports[p][3] for p in ranks],
+      delayed_seconds=delayed,
       mean_group_size=[t / c if c else float("nan") for t, c in sizes],
     )
 
@@ -364,7 +496,7 @@ class DataParallelPipelines:
     """The policy's end-of-epoch sync of pipeline p (HetPipe's last push),
     into its drained state (unchanged where the policy keeps the params)."""
     params = tuple(
-      self.policy.finish(p, s, leaves)
+      self.policy.finish(p, s, leaves) if s in self.stages_here[p] else leaves
       for s, leaves in enumerate(state.stage_params)
     )
     if all(a is b for a, b in zip(params, state.stage_params, strict=True)):
@@ -400,50 +532,6 @@ def _in_threads(fn, ranks, abort):
   return [r[0] for r in results], [r[1] for r in results]
 
 
-def _local_ranks(devices, pipelines, per) -> tuple[int, ...]:
-  """The pipelines whose devices this process holds (pipeline p on
-  ``devices[p*per:(p+1)*per]``); every process must hold as many, and no
-  pipeline may span processes."""
-  me, count = jax.process_index(), jax.process_count()
-  mine = []
-  for p in range(pipelines):
-    owners = {d.process_index for d in devices[p * per : (p + 1) * per]}
-    if len(owners) > 1:
-      raise ValueError(
-        f"pipeline {p} would span processes {sorted(owners)}: across "
-        "processes each pipeline runs in one process; give every process "
-        "a multiple of the devices per pipeline (e.g. one pipeline per "
-        "process: --devices-per-process = devices per pipeline)"
-      )
-    if owners == {me}:
-      mine.append(p)
-  if pipelines % count or len(mine) != pipelines // count:
-    raise ValueError(
-      f"{pipelines} pipelines over {count} processes: this process holds "
-      f"{len(mine)}; every process must run as many (pipelines a multiple "
-      "of the process count, as many devices in each process)"
-    )
-  return tuple(mine)
-
-
-def _all_gather(tree) -> list:
-  """Every process's ``tree`` of host arrays (the same structure in
-  each), by process index, with this process's dtypes (the gather goes
-  through JAX, which makes 64-bit values 32-bit)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  stacked = jax.tree.leaves(distributed.allgather(tree))
-  return [
-    jax.tree.unflatten(
-      treedef,
-      [
-        np.asarray(x[q], dtype=np.asarray(mine).dtype)
-        for x, mine in zip(stacked, leaves, strict=True)
-      ],
-    )
-    for q in range(jax.process_count())
-  ]
-
-
 def _mean_trees(trees):
   """The element-wise mean of pytrees of host arrays; integer and
   non-numeric leaves (an optimizer's step count) stay as the first's."""
@@ -457,6 +545,13 @@ def _mean_trees(trees):
     )
 
   return jax.tree.map(mean, *trees)
+
+
+def _aval(x) -> jax.ShapeDtypeStruct:
+  """A leaf's shape and dtype (a leaf without ``dtype``, e.g. a lazily
+  read checkpoint's, is converted to learn it)."""
+  dtype = getattr(x, "dtype", None)
+  return jax.ShapeDtypeStruct(np.shape(x), dtype or np.asarray(x).dtype)
 
 
 def _mean_state_dict(dicts):
@@ -484,6 +579,22 @@ def _devices_per_pipeline(sync, pipelines, devices, pipeline_options) -> int:
   if "devices" in pipeline_options:
     raise ValueError("pass devices once, to DataParallelPipelines")
   return per
+
+
+PLACEMENTS = ("pipeline", "stage")
+
+
+def _placed(devices, pipelines, per, placement) -> list:
+  """``devices`` ordered so that pipeline p takes ``[p*per:(p+1)*per]``:
+  as given ("pipeline"), or the s-th of every pipeline from the s-th
+  block of ``pipelines`` devices ("stage")."""
+  if placement not in PLACEMENTS:
+    raise ValueError(f"unknown placement {placement!r}: one of {PLACEMENTS}")
+  if placement == "pipeline":
+    return devices
+  return [
+    devices[s * pipelines + p] for p in range(pipelines) for s in range(per)
+  ]
 
 
 def _replica_pipelines(

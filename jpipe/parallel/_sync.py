@@ -31,15 +31,17 @@ import threading
 import jax
 import numpy as np
 
-from jpipe.parallel._averaging import GroupMean, Rendezvous, Roster, device_of
-from jpipe.parallel._epoch import SharedEpochEnd
+from jpipe.parallel._averaging import (
+  GroupMean,
+  PeerMean,
+  Rendezvous,
+  Roster,
+  device_of,
+)
+from jpipe.parallel._epoch import SharedEpochEnd, StopCalls
 from jpipe.parallel._gossip import GossipPairs
 from jpipe.parallel._hub import LocalHub
-from jpipe.parallel._param_server import (
-  ParameterServer,
-  hetpipe_syncs,
-  server_device,
-)
+from jpipe.parallel._param_server import ParameterServer, hetpipe_syncs
 from jpipe.parallel._preduce import (
   PAIRWISE_ABOVE,
   AdaptiveWait,
@@ -58,11 +60,11 @@ class SyncPolicy:
     num_pipelines, num_stages: P and S.
     batches_per_epoch: batches per pipeline in an epoch, on average.
     hub: where shared objects live (default: this process).
-    local_ranks: the pipelines this process runs (default: all).
   """
 
   name = ""
   averages = "params"  # What a group averages: "params" or "grads".
+  stops_together = False  # Every pipeline stops an epoch at one call.
   # DataParallelPipelines' argument -> this class's keyword argument.
   pipelines_options: dict[str, str] = {}
 
@@ -73,33 +75,50 @@ class SyncPolicy:
     batches_per_epoch: int,
     *,
     hub=None,
-    local_ranks=None,
   ):
     self.p = num_pipelines
     self.s = num_stages
     self.hub = LocalHub() if hub is None else hub
-    self.local_ranks = tuple(
-      range(num_pipelines) if local_ranks is None else local_ranks
-    )
     self.mean = GroupMean()
-    self.rendezvous = Rendezvous(
-      self.hub.share("roster", Roster), self.local_ranks
-    )
+    self.peers: PeerMean | None = None  # (``exchange_by_pulls``)
+    self._epochs = 0  # Epochs begun (every process counts alike).
+    self.rendezvous = Rendezvous(self.hub.share("roster", Roster))
     self._epoch = self.hub.share(
       "epoch", lambda: SharedEpochEnd(num_pipelines, batches_per_epoch)
     )
-    # rank -> per stage, its device (``place``).
+    self._stops = self.hub.share(
+      "stop calls", lambda: StopCalls(num_pipelines, self.stops_together)
+    )
+    # rank -> per stage, its device (``place``); per stage, the ranks
+    # whose replica of it this process runs.
     self.devices: dict[int, tuple] = {}
+    self.local: list[frozenset] = [frozenset(range(num_pipelines))] * num_stages
     self.group_sizes = [[] for _ in range(num_stages)]  # this process's
     self._sizes_lock = threading.Lock()
 
   def place(self, devices: dict[int, tuple]) -> None:
     """Every pipeline's stage devices, ``{rank: (device per stage)}``."""
     self.devices = dict(devices)
+    me = jax.process_index()
+    self.local = [
+      frozenset(
+        r for r, ds in self.devices.items() if ds[s].process_index == me
+      )
+      for s in range(self.s)
+    ]
+
+  def exchange_by_pulls(self, links) -> None:
+    """Averages every group by point-to-point pulls and a program per
+    member (``PeerMean`` over ``links``, a ``jpipe.runtime.PullLinks``)
+    instead of a collective, which across processes runs through gloo
+    even for the devices of one process: for pipelines that span
+    processes."""
+    self.peers = PeerMean(links)
 
   def start(self, stage_params) -> None:
-    """Before the first step, with this process's first pipeline's
-    initial params per stage: what the policy serves (nothing here)."""
+    """Before the first step, with the initial params per stage (every
+    pipeline starts from them; host or device arrays): what the policy
+    serves (nothing here)."""
 
   def possible_groups(self) -> list[tuple[int, ...]]:
     """The groups of two or more ranks this policy may form."""
@@ -123,9 +142,20 @@ class SyncPolicy:
     """The last-stage step at which ``rank``'s epoch ends (None: not yet)."""
     return self._epoch.stop_of(rank)
 
-  def start_draining(self, rank: int) -> None:
-    """``rank`` drains: nobody waits for it any more."""
-    self.rendezvous.leave(rank)
+  def may_run(self, rank: int, call: int) -> bool:
+    """Whether pipeline ``rank`` makes its call ``call`` of the epoch
+    (asked before each by every process that runs a part of it)."""
+    return self._stops.grant(rank, call)
+
+  def stop_feeding(self, rank: int) -> None:
+    """The process of ``rank``'s last stage saw its stop: fixes the calls
+    each of its processes makes (``StopCalls``)."""
+    self._stops.stop(rank)
+
+  def start_draining(self, rank: int, stages) -> None:
+    """``rank`` drains ``stages`` (this process's): nobody waits for
+    them any more."""
+    self.rendezvous.leave(rank, stages)
 
   def finish(self, rank, stage, params):
     """After ``rank``'s drain: the stage's params it keeps."""
@@ -133,20 +163,28 @@ class SyncPolicy:
 
   def abort(self, rank: int) -> None:
     """``rank`` failed: release everyone waiting for it."""
-    self.rendezvous.leave(rank)
+    self.rendezvous.leave(rank, range(self.s))
 
   def new_epoch(self) -> None:
     """Resets the shared objects (by their owner: across processes,
     process 0, while the others wait at a barrier)."""
+    self._epochs += 1
     if self.hub.owner:
       self.rendezvous.rejoin_all()
       self._epoch.new_epoch()
+      self._stops.new_epoch()
 
   def _average(self, key, stage, members, rank, tree):
     def combine(trees, came):
-      return self.mean(trees, [self.devices[r][stage] for r in came])
+      devices = {r: self.devices[r][stage] for r in came}
+      here = [r for r in came if r in self.local[stage]]
+      if self.peers is not None:
+        return self.peers((self._epochs, key), trees, here, came, devices)
+      return self.mean(trees, [devices[r] for r in came])
 
-    return self.rendezvous.meet(key, members, rank, tree, combine)
+    return self.rendezvous.meet(
+      key, stage, members, rank, tree, combine, self.local[stage]
+    )
 
   def _record_size(self, stage, size):
     with self._sizes_lock:
@@ -171,6 +209,7 @@ class SyncPolicy:
 class AllReduce(SyncPolicy):
   name = "allreduce"
   averages = "grads"
+  stops_together = True
 
   def possible_groups(self):
     return [tuple(range(self.p))] if self.p > 1 else []
@@ -180,7 +219,7 @@ class AllReduce(SyncPolicy):
     key = ("grad", stage, step)
     return self._average(key, stage, range(self.p), rank, grads)
 
-  def start_draining(self, rank):
+  def start_draining(self, rank, stages):
     pass  # Its pipelines stop at the same step and drain in step.
 
 
@@ -221,7 +260,8 @@ class PartialReduce(SyncPolicy):
       for s in range(num_stages)
     ]
     self.waits = {
-      r: [AdaptiveWait() for _ in range(num_stages)] for r in self.local_ranks
+      r: [AdaptiveWait() for _ in range(num_stages)]
+      for r in range(num_pipelines)
     }
 
   def possible_groups(self):
@@ -246,13 +286,13 @@ class PartialReduce(SyncPolicy):
   def stop_of(self, rank):
     return self.schedulers[-1].should_stop(rank)
 
-  def start_draining(self, rank):
-    for scheduler in self.schedulers:
-      scheduler.leave(rank)
-    super().start_draining(rank)
+  def start_draining(self, rank, stages):
+    for s in stages:
+      self.schedulers[s].leave(rank)
+    super().start_draining(rank, stages)
 
   def abort(self, rank):
-    self.start_draining(rank)
+    self.start_draining(rank, range(self.s))
 
   def new_epoch(self):
     super().new_epoch()
@@ -323,14 +363,11 @@ class HetPipe(SyncPolicy):
     self.bases = {}  # (rank, stage) -> its last pull (rank's thread only)
 
   def start(self, stage_params):
-    """Each stage's server from this process's first pipeline's initial
-    params (every pipeline starts from the same); across processes,
-    process 0's serve every pipeline."""
-    device = server_device()
+    """Each stage's server from the initial params (every pipeline
+    starts from them); across processes, process 0's serve every
+    pipeline."""
     self.servers = [
-      self.hub.share(
-        f"server/{s}", lambda p=p: ParameterServer(p, self.p, device)
-      )
+      self.hub.share(f"server/{s}", lambda p=p: ParameterServer(p, self.p))
       for s, p in enumerate(stage_params)
     ]
     self.bases = {}
@@ -377,8 +414,8 @@ def _policy_class(name):
 
 def make_policy(name, num_pipelines, num_stages, batches_per_epoch, **options):
   """A policy by name; ``options``: ``ssp_bound``, ``pairwise`` (preduce),
-  ``seed`` (adpsgd), ``every`` (hetpipe); ``hub`` and ``local_ranks``
-  (any, see ``SyncPolicy``)."""
+  ``seed`` (adpsgd), ``every`` (hetpipe); ``hub`` (any, see
+  ``SyncPolicy``)."""
   return _policy_class(name)(
     num_pipelines, num_stages, batches_per_epoch, **options
   )

@@ -1,6 +1,7 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
 from jpipe.runtime._driver import DriverHooks
+from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._memory import (
   MemoryLimitError,
   StageMemory,
@@ -26,6 +27,7 @@ from jpipe.runtime._slowdown import (
   Slowdown,
   parse_slowdowns,
 )
+from jpipe.runtime._transport import PullLinks
 
 __all__ = [
   "RANDOM_DELAY_PROBABILITY",
@@ -36,6 +38,7 @@ __all__ = [
   "Partitioning",
   "Pipeline",
   "PipelineState",
+  "PullLinks",
   "Slowdown",
   "StageMemory",
   "Staleness",
@@ -45,5 +48,6 @@ __all__ = [
   "partitioner_memory_model",
   "parse_slowdowns",
   "partition_of",
+  "trees_everywhere",
   "with_partition",
 ]

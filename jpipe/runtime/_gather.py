@@ -18,23 +18,36 @@ import numpy as np
 from jpipe import distributed
 
 
-def trees_everywhere(trees: Sequence[Any], templates, held: Sequence[bool]):
+def trees_everywhere(
+  trees: Sequence[Any],
+  templates,
+  holders: Sequence[int],
+  *,
+  to_every_process: bool = False,
+):
   """Pytrees that each live in one process, as host arrays on every
-  process. Every process calls it with the same templates.
+  process. Every process calls it with the same templates and holders.
 
   Args:
     trees: each pytree where this process holds it (else None).
     templates: each pytree's shapes and dtypes (anything with ``.shape``
       / ``.dtype`` leaves; used where another process holds it).
-    held: per pytree, whether this process holds it (exactly one process
-      does). A process that holds them all (one process, or a pipeline
-      of its own among several processes' pipelines, as in data parallel)
-      only fetches them: no other process takes part.
+    holders: per pytree, the process that holds it. Where one process
+      holds them all (one process, or a pipeline of its own among several
+      processes' pipelines, as in data parallel) it only fetches them and
+      no other process takes part: the others get None for each.
+    to_every_process: every process gets every tree even then.
   """
-  if jax.process_count() == 1 or all(held):
+  me = jax.process_index()
+  if jax.process_count() == 1 or (
+    len(set(holders)) == 1 and not to_every_process
+  ):
+    if holders[0] != me:
+      return [None] * len(trees)
     return [jax.device_get(t) for t in trees]
   out = []
-  for tree, template, here in zip(trees, templates, held, strict=True):
+  for tree, template, holder in zip(trees, templates, holders, strict=True):
+    here = holder == me
     if here:
       local = jax.device_get(tree)
     else:

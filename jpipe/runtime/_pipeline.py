@@ -221,13 +221,16 @@ class Pipeline:
   def gather_model_state(self, state: PipelineState) -> Any:
     """The model state pytree (host arrays), or None without one. Needs a
     drained pipeline (``flush``). Across processes every process must
-    call it; each gets the whole state."""
+    call it; each gets the whole state (None: a process that runs none
+    of this pipeline's stages, where another process runs them all)."""
     return _pipeline_state.gather_model_state(self, state)
 
   def gather_params(self, state: PipelineState) -> Any:
     """The full params pytree (host arrays). Needs a drained pipeline
     (``flush``): mid-stream, every stage is at another step. Across
-    processes every process must call it; each gets the whole pytree."""
+    processes every process must call it; each gets the whole pytree
+    (None: a process that runs none of this pipeline's stages, where
+    another process runs them all, as in data parallel)."""
     return _pipeline_state.gather_params(self, state)
 
   def nonfinite_params(self, state: PipelineState) -> dict[int, str]:
@@ -250,7 +253,8 @@ class Pipeline:
     arrays): ``{"params", "opt_state" (laid out as ``optimizer.init``
     does for the whole model, params-shaped parts keyed by global leaf
     path), "gap_aware", "model_state", "step"}``
-    (``_pipeline_state.state_dict``). Needs a drained pipeline."""
+    (``_pipeline_state.state_dict``). Needs a drained pipeline. Across
+    processes as ``gather_params`` (None where it gives None)."""
     return _pipeline_state.state_dict(self, state)
 
   def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:

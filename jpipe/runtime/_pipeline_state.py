@@ -109,17 +109,25 @@ def gather_model_state(pipe, state) -> Any:
   producer = {
     r: s for s, spec in enumerate(pipe.stages.specs) for r in spec.results
   }
-  held = [
-    pipe.transport.owns(producer[i + 1])
+  # (A leaf no stage updates: the pipeline's first process's.)
+  first = pipe.transport.processes[0]
+  holders = [
+    pipe.transport.stage_process[producer[i + 1]]
     if i + 1 in producer
-    else pipe.transport.process == 0
+    else first
     for i in range(len(state.model_state))
   ]
+  me = pipe.transport.process
   leaves = trees_everywhere(
-    [x if h else None for x, h in zip(state.model_state, held, strict=True)],
+    [
+      x if h == me else None
+      for x, h in zip(state.model_state, holders, strict=True)
+    ],
     pipe.driver.state_avals,
-    held,
+    holders,
   )
+  if leaves and leaves[0] is None:  # Outside this pipeline's processes.
+    return None
   return jax.tree.unflatten(pipe.state_treedef, leaves)
 
 
@@ -129,8 +137,10 @@ def gather_params(pipe, state) -> Any:
   processes every process must call it; each gets the whole pytree."""
   check_drained(state, "gather_params")
   stage_params = trees_everywhere(
-    state.stage_params, stage_param_avals(pipe), _held(pipe)
+    state.stage_params, stage_param_avals(pipe), _holders(pipe)
   )
+  if stage_params[0] is None:  # Outside this pipeline's processes.
+    return None
   leaves = [None] * pipe.traced.num_param_leaves
   for spec, values in zip(pipe.stages.specs, stage_params, strict=True):
     for i, v in zip(spec.param_leaves, values, strict=True):
@@ -175,12 +185,12 @@ def _per_stage_scalar(pipe, state, fn, dtype) -> list:
     for leaves in state.stage_params
   ]
   template = jax.ShapeDtypeStruct((), dtype)
-  return trees_everywhere(values, [template] * len(values), _held(pipe))
+  return trees_everywhere(values, [template] * len(values), _holders(pipe))
 
 
-def _held(pipe):
-  """Per stage, whether this process runs it."""
-  return [pipe.transport.owns(s) for s in range(pipe.stages.num_stages)]
+def _holders(pipe):
+  """Per stage, the process that runs it."""
+  return list(pipe.transport.stage_process)
 
 
 def stage_param_avals(pipe) -> list[tuple[Any, ...]]:
@@ -211,7 +221,9 @@ def state_dict(pipe, state) -> dict[str, Any]:
       pipe.stage_optimizers, stage_param_avals(pipe), strict=True
     )
   ]
-  opt_states = trees_everywhere(state.opt_states, opt_avals, _held(pipe))
+  opt_states = trees_everywhere(state.opt_states, opt_avals, _holders(pipe))
+  if opt_states[0] is None:  # Outside this pipeline's processes.
+    return None
   merged, gap = merge_optimizer_states(pipe.stage_optimizers, opt_states)
   return {
     "params": gather_params(pipe, state),

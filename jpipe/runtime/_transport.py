@@ -22,6 +22,7 @@ own neither end do nothing. Two ways to carry a value:
   may still win for large activations on GPUs.
 """
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,10 +72,16 @@ class Transport:
         )
       self.stage_process.append(owners.pop())
     self.stage_process = tuple(self.stage_process)
-    self.multiprocess = len(set(self.stage_process)) > 1
+    # The processes this pipeline runs in (a data-parallel run's other
+    # pipelines may run in others: they take no part in its transfers).
+    self.processes = tuple(sorted(set(self.stage_process)))
+    self.multiprocess = len(self.processes) > 1
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
-    self._pulls = _PullLinks() if self.multiprocess and kind == "pull" else None
+    self._pulls = PullLinks() if self.multiprocess and kind == "pull" else None
+    # Whether a received value is waited for, on the host, before the
+    # program that reads it is dispatched (``wait_for_arrivals``).
+    self.waits_for_arrivals = False
     self.calls = 0  # Calls begun: with a move's seq, its key.
 
   @property
@@ -98,8 +105,8 @@ class Transport:
       return
     distributed.barrier("connect")
     firsts = [p.device for p in self.placement]
-    # Every other process's first device receives the loss (``share``).
-    firsts += [_first_device(q) for q in range(jax.process_count())]
+    # The pipeline's processes' first devices receive the loss (``share``).
+    firsts += [self._device_of(q) for q in self.processes]
     links = sorted(
       {
         (a, b)
@@ -115,6 +122,19 @@ class Transport:
         self._pair(np.float32(0), a, b, scalar)
       elif self.process == b.process_index:
         jax.block_until_ready(self._pair(None, a, b, scalar))
+
+  def wait_for_arrivals(self) -> None:
+    """From now on ``move`` and ``share`` return a received value only
+    once it has arrived. For processes that run stages of several
+    pipelines (data parallel across processes): the CPU backend runs a
+    process's programs in order, so one that waits for a value from
+    another process holds up every later one, and two pipelines whose
+    programs were dispatched in opposite orders in two processes would
+    each wait for the other's (measured: work dispatched to another
+    device waited 3.08 s behind a program reading a pull that came 3 s
+    late). Waiting on the host instead keeps every dispatched program
+    runnable; each pipeline's own order still orders its waits."""
+    self.waits_for_arrivals = True
 
   def owns(self, s: int) -> bool:
     """Whether this process runs stage s."""
@@ -149,20 +169,27 @@ class Transport:
     a, b = self.placement[src].device, place.device
     key = (self.calls, seq) if self.sends_early and seq >= 0 else None
     y = self._pair(x if here_src else None, a, b, aval, key)
-    return None if here_src else put(y) if len(place.devices) > 1 else y
+    if here_src:
+      return None
+    if self.waits_for_arrivals:
+      jax.block_until_ready(y)
+    return put(y) if len(place.devices) > 1 else y
 
   def share(self, x, src: int, aval):
-    """Value ``x`` of stage src on every process (on a device of its own):
-    the process of src passes ``x`` and gets it back, the others pass
-    None. Every process calls it, in the same order."""
+    """Value ``x`` of stage src on every process of this pipeline (on a
+    device of its own): the process of src passes ``x`` and gets it
+    back, the others pass None. Every process calls it, in the same
+    order; a process outside the pipeline gets None."""
     owner = self.stage_process[src]
-    for q in sorted({d.process_index for d in jax.devices()} - {owner}):
+    for q in sorted(set(self.processes) - {owner}):
       if self.process not in (owner, q):
         continue
       a = self.placement[src].device
-      b = _first_device(q)
+      b = self._device_of(q)
       y = self._pair(x if self.process == owner else None, a, b, aval)
       if self.process == q:
+        if self.waits_for_arrivals:
+          jax.block_until_ready(y)
         return y
     return x
 
@@ -177,7 +204,7 @@ class Transport:
     first_stage = {}
     for s, q in enumerate(self.stage_process):
       first_stage.setdefault(q, s)
-    here = _first_device(self.process)
+    here = self._device_of(self.process)
     total = None
     for q, s in sorted(first_stage.items()):
       mine = None
@@ -186,6 +213,18 @@ class Transport:
       y = jax.device_put(self.share(mine, s, aval), here)
       total = y if total is None else total + y
     return total
+
+  def _device_of(self, process: int):
+    """Where values shared with ``process`` arrive: the first device of
+    this pipeline's stages there. Not the process's first device, which
+    may belong to another pipeline of a data-parallel run: a value
+    arriving behind that pipeline's averaging collective would tie the
+    two pipelines' progress together (and hung such runs)."""
+    return next(
+      p.device
+      for p, q in zip(self.placement, self.stage_process, strict=True)
+      if q == process
+    )
 
   def _pair(self, x, a, b, aval, key=None):
     """Sends ``x`` (on device a; None on the receiver) to device b of
@@ -222,9 +261,12 @@ class Transport:
     return self._blanks[key]
 
 
-class _PullLinks:
+class PullLinks:
   """This process's transfer server and its connections to the others'
-  (addresses exchanged once, by all processes together)."""
+  (addresses exchanged once, by all processes together: every process
+  makes one at the same point). ``offer`` / ``take`` move arrays by a
+  key both ends know; neither blocks, and no program waits for a peer
+  (the servers' own threads carry the bytes). Thread-safe."""
 
   def __init__(self):
     me = jax.process_index()
@@ -240,6 +282,25 @@ class _PullLinks:
     self.connections = {}
     self.count = {}  # (sender, receiver) process -> transfers so far
     self.me = me
+    self._lock = threading.Lock()
+
+  def offer(self, uuid: int, arrays) -> None:
+    """Holds ``arrays`` (on this process's devices) until the process
+    that ``take``s ``uuid`` pulls them (once)."""
+    self.server.await_pull(uuid, list(arrays))
+
+  def take(self, uuid: int, src: int, specs) -> list:
+    """The arrays process ``src`` offers as ``uuid``, placed as ``specs``
+    (``jax.ShapeDtypeStruct`` with a sharding) say: returned at once,
+    ready when the bytes have arrived."""
+    with self._lock:
+      if src not in self.connections:
+        self.connections[src] = self.server.connect(self.addresses[src])
+      connection = self.connections[src]
+    out = connection.pull(uuid, list(specs))
+    for y in out:
+      distributed.note_received(y)  # (A device collective waits for it.)
+    return out
 
   def transfer(self, x, a, b, aval, key=None):
     src, dst = a.process_index, b.process_index
@@ -260,21 +321,13 @@ class _PullLinks:
         )
       uuid = (1 << 62) | (src << 52) | (dst << 42) | (call % 2**22) << 20 | seq
     if self.me == src:
-      self.server.await_pull(uuid, [jax.device_put(x, a)])
+      self.offer(uuid, [jax.device_put(x, a)])
       return None
-    if src not in self.connections:
-      self.connections[src] = self.server.connect(self.addresses[src])
     spec = jax.ShapeDtypeStruct(
       tuple(aval.shape), aval.dtype, sharding=SingleDeviceSharding(b)
     )
-    (y,) = self.connections[src].pull(uuid, [spec])
-    distributed.note_received(y)  # (A device collective waits for it.)
+    (y,) = self.take(uuid, src, [spec])
     return y
-
-
-def _first_device(process: int):
-  """A process's first device (where values shared with it arrive)."""
-  return next(d for d in jax.devices() if d.process_index == process)
 
 
 def _shard_shape(shape):

@@ -188,6 +188,11 @@ def _data_parallel_fields(c: ml_collections.ConfigDict) -> None:
   c.data_parallel.ssp_bound = 10  # preduce: rounds between graph syncs.
   c.data_parallel.hetpipe_every = 10  # hetpipe: batches between pushes.
   c.data_parallel.gossip_seed = 0  # adpsgd: the shared shuffle seed.
+  # Which devices a pipeline gets: "pipeline" (consecutive ones: under
+  # jpipe.launch, a process per pipeline or several) or "stage" (the s-th
+  # block of `pipelines` devices holds every pipeline's stage s: with
+  # --devices-per-process = pipelines, SD-Pipe's process per stage).
+  c.data_parallel.placement = "pipeline"
   # Simulated heterogeneity (seeded by config.seed): SD-Pipe's hetero, the
   # seconds a forward or backward is delayed with probability 0.1; a
   # simulated compute time per forward/backward (ms); per-device slowdown

@@ -546,6 +546,11 @@ def _check_data_parallel(config, need, problems) -> None:
     "data_parallel.pipelines >= 2 (or sync='allreduce')",
   )
   need(
+    dp.placement in parallel.PLACEMENTS,
+    "data_parallel.placement",
+    f"{dp.placement!r} is not one of {parallel.PLACEMENTS}",
+  )
+  need(
     dp.sync != "adpsgd" or p % 2 == 0,
     "data_parallel.sync",
     f"adpsgd pairs pipelines: it needs an even data_parallel.pipelines, "

@@ -20,7 +20,6 @@ checkpoints and exits with 128 + the signal's number.
 
 import math
 
-import jax
 import numpy as np
 
 from jpipe import parallel
@@ -52,6 +51,7 @@ def build(config, task, example, options, steps_per_call):
       example,
       pipelines=dp.pipelines,
       sync=dp.sync,
+      placement=dp.placement,
       batches_per_epoch=epoch_batches(config) * steps_per_call,
       hetero=hetero,
       ssp_bound=dp.ssp_bound,
@@ -138,20 +138,20 @@ class DataParallelMode(Mode):
   def evaluate(self, states, task):
     if task.evaluation is None:  # The user's evaluate: on whole params.
       return super().evaluate(states, task)
-    # The replicas' mean on the first pipeline's stages, evaluated
-    # forward through them; every process gets the metrics.
-    pipe, consensus = self.dp.consensus_state(states)
-    return evaluation_lib.through_pipeline(pipe, consensus, task.evaluation)
+    # The replicas' mean on pipeline 0's stages, evaluated forward
+    # through them; every process gets the metrics.
+    return self.dp.evaluate_consensus(
+      states,
+      lambda pipe, consensus: evaluation_lib.through_pipeline(
+        pipe, consensus, task.evaluation
+      ),
+    )
 
   def evaluation_inputs(self, states):
     # Every process takes part in the mean; process 0 evaluates it with
-    # its first pipeline's model state (BatchNorm statistics are not
-    # averaged).
+    # pipeline 0's model state (BatchNorm statistics are not averaged).
     consensus = self.dp.consensus_params(states)
-    model_state = None
-    if jax.process_index() == 0:
-      model_state = self.dp.pipelines[0].gather_model_state(states[0])
-    return consensus, model_state
+    return consensus, self.dp.first_model_state(states)
 
   def state_dict(self, states):
     return self.dp.state_dict(states)

@@ -6,7 +6,8 @@ one-process reference): runs a few configurations, writes what they did.
 Each configuration (a dict): "sync", "pipelines", "stages", "schedule",
 "calls" (lockstep ``step`` calls, each pipeline on its own rows) or
 "epochs" (free-running ``run_epoch`` calls of "batches_per_epoch"),
-optional "hetero" (seconds). Under ``jpipe.launch`` the pipelines are
+optional "hetero" (seconds) and "by_stage" (the devices of a stage
+together: one process per stage). Under ``jpipe.launch`` the pipelines are
 split between the processes; without it, all run in this one on
 JPIPE_CPU_DEVICES devices. Process 0 writes every pipeline's gathered
 params and losses (lockstep) or the epoch reports and consensus params
@@ -50,6 +51,7 @@ def run(config, index, out):
     pipelines=config["pipelines"],
     sync=config["sync"],
     devices=jax.devices()[: config["pipelines"] * config["stages"]],
+    placement="stage" if config.get("by_stage") else "pipeline",
     batches_per_epoch=config.get("batches_per_epoch", 4),
     hetero=parallel.Heterogeneity(hetero=config.get("hetero", 0.0), seed=1),
     hetpipe_every=config.get("hetpipe_every", 2),
@@ -89,11 +91,12 @@ def run(config, index, out):
   for j, x in enumerate(jax.tree.leaves(consensus)):
     record[f"{index}/consensus/{j}"] = np.asarray(x)
   # The same mean averaged on the stages' devices (across processes),
-  # evaluated through this process's first pipeline.
-  pipe, on_stages = dp.consensus_state(states)
+  # evaluated through pipeline 0 (by its processes; every one gets it).
   held_out = _rows(batch, 0, 999, size)
-  loss = pipe.evaluate(on_stages, held_out)["loss"]
-  record[f"{index}/consensus_loss"] = float(loss)
+  metrics = dp.evaluate_consensus(
+    states, lambda pipe, state: pipe.evaluate(state, held_out)
+  )
+  record[f"{index}/consensus_loss"] = metrics["loss"]
   record[f"{index}/consensus_loss_ref"] = float(loss_fn(consensus, held_out))
   if jax.process_count() > 1:
     # Each process gathered the losses of its own pipelines only.

@@ -19,11 +19,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jpipe.runtime._transport import _PullLinks  # noqa: E402
+from jpipe.runtime import PullLinks  # noqa: E402
 
 
 def main():
-  links = _PullLinks()
+  links = PullLinks()
   me = jax.process_index()
   src = jax.local_devices(process_index=1)[-1]
   dst = jax.local_devices(process_index=0)[0]

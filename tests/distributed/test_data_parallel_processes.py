@@ -1,7 +1,8 @@
-"""Several pipelines in data parallel across processes (SD-Pipe's shape:
-one process per pipeline), started by ``python -m jpipe.launch``: the
-same results as one process where the run is deterministic, free-running
-epochs whose scheduler lives in process 0, and the training CLI across
+"""Several pipelines in data parallel across processes, started by
+``python -m jpipe.launch``: pipelines in one process and spanning
+processes (down to SD-Pipe's one process per stage), the same results
+as one process where the run is deterministic, free-running epochs
+whose scheduler lives in process 0, and the training CLI across
 processes resuming in one. Also DynPipe's re-partitioning with one
 process per stage (the runtime's other multi-process users).
 """
@@ -20,16 +21,25 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 CONFIGS = [
+  # 3 pipelines of 2 stages on 2 processes x 3 devices: pipeline 0 in
+  # process 0, pipeline 1 across both, pipeline 2 in process 1.
   # Lockstep calls: deterministic, so equal to the one-process run.
-  {"sync": "allreduce", "pipelines": 2, "stages": 2, "schedule": "1f1b",
-   "calls": 3},
-  {"sync": "adpsgd", "pipelines": 2, "stages": 2, "schedule": "async",
+  {"sync": "allreduce", "pipelines": 3, "stages": 2, "schedule": "1f1b",
    "calls": 3},
   # Free-running epochs: groups depend on timing.
-  {"sync": "preduce", "pipelines": 2, "stages": 2, "schedule": "async",
+  {"sync": "preduce", "pipelines": 3, "stages": 2, "schedule": "async",
    "epochs": 2, "hetero": 0.01},
-  {"sync": "hetpipe", "pipelines": 2, "stages": 2, "schedule": "async",
+  {"sync": "hetpipe", "pipelines": 3, "stages": 2, "schedule": "async",
    "epochs": 1},
+]  # fmt: skip
+
+# SD-Pipe's shape: one process per stage (2 processes x 2 devices, each
+# holding one stage of both pipelines).
+BY_STAGE = [
+  {"sync": "adpsgd", "pipelines": 2, "stages": 2, "schedule": "async",
+   "calls": 3, "by_stage": True},
+  {"sync": "preduce", "pipelines": 2, "stages": 2, "schedule": "async",
+   "epochs": 2, "hetero": 0.01, "by_stage": True},
 ]  # fmt: skip
 
 
@@ -41,51 +51,83 @@ def _run(command, env, timeout=240):
   return done
 
 
-def test_pipelines_one_per_process(tmp_path, process_env):
-  """2 processes x 2 devices, one 2-stage pipeline each: allreduce and
-  AD-PSGD in lockstep equal the one-process run on 4 devices (params of
-  every pipeline, losses, consensus; <= 1e-6); partial reduce and HetPipe
-  run free epochs through process 0's scheduler and servers, and the
-  consensus is the mean of the pipelines gathered from both processes."""
+def _one_and_two_processes(tmp_path, process_env, configs, per_process):
+  """The worker on ``configs`` in one process (2 x ``per_process``
+  devices) and under the launcher on 2 processes: (launcher's run,
+  one process's results, two processes' results)."""
   worker = os.path.join(HERE, "data_parallel_worker.py")
-  configs = json.dumps(CONFIGS)
+  configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
   _run(
     [sys.executable, worker, ref, configs],
-    process_env(JPIPE_CPU_DEVICES="4"),
+    process_env(JPIPE_CPU_DEVICES=str(2 * per_process)),
   )
   launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2"]
-  launch += ["--devices-per-process", "2", "--", sys.executable, worker]
-  done = _run(launch + [got, configs], process_env())
-  for p in range(2):  # Each process ran its own pipeline.
-    assert f"[p{p}] config 2 epoch 1: process {p} ran pipelines [{p}]" in (
-      done.stdout
-    )
-  want, have = np.load(ref), np.load(got)
+  launch += ["--devices-per-process", str(per_process), "--"]
+  done = _run(launch + [sys.executable, worker, got, configs], process_env())
+  return done, np.load(ref), np.load(got)
+
+
+def _check(configs, lockstep, want, have):
+  """Lockstep configurations equal the one-process run (params of every
+  pipeline, losses, consensus; <= 1e-6); every consensus evaluated
+  through pipeline 0's stages is the host mean's loss; free epochs'
+  consensus is the mean of the pipelines gathered from both processes,
+  and each epoch ends once the last stages took P pipelines x 4 steps
+  (async: a call of 4 microbatches is 4 steps)."""
   assert set(want) == set(have)
   for key in want:
-    if key.startswith(("0/", "1/")):
+    if key.split("/")[0] in {str(c) for c in lockstep}:
       np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
-  for c in range(len(CONFIGS)):  # The consensus through the stages.
+  for c, config in enumerate(configs):
     np.testing.assert_allclose(
       have[f"{c}/consensus_loss"], have[f"{c}/consensus_loss_ref"], rtol=1e-5
     )
-  for c in (2, 3):
+    if c in lockstep:
+      continue
     params = sorted(k for k in have if k.startswith(f"{c}/params/0/"))
     assert params
     for key in params:
       leaf = key.rsplit("/", 1)[1]
-      both = [have[f"{c}/params/{p}/{leaf}"] for p in range(2)]
-      assert np.all(np.isfinite(both[0]))
+      every = [
+        have[f"{c}/params/{p}/{leaf}"] for p in range(config["pipelines"])
+      ]
+      assert np.all(np.isfinite(every[0]))
       np.testing.assert_allclose(
-        have[f"{c}/consensus/{leaf}"], np.mean(both, axis=0), atol=1e-6
+        have[f"{c}/consensus/{leaf}"], np.mean(every, axis=0), atol=1e-6
       )
-  # Each epoch ends once the last stages took 2 pipelines x 4 steps
-  # (async: a call of 4 microbatches is 4 steps).
-  for e in range(2):
-    assert 4 * have[f"2/batches/{e}"].sum() >= 2 * 4
-    assert np.all((1 <= have[f"2/group/{e}"]) & (have[f"2/group/{e}"] <= 2))
-  assert np.all(have["3/group/0"] == 1)  # HetPipe: pushes, no groups.
+    for e in range(config["epochs"]):
+      batches, group = have[f"{c}/batches/{e}"], have[f"{c}/group/{e}"]
+      assert 4 * batches.sum() >= config["pipelines"] * 4
+      assert np.all((1 <= group) & (group <= config["pipelines"]))
+
+
+def test_pipelines_in_and_across_processes(tmp_path, process_env):
+  """3 pipelines on 2 processes x 3 devices: one in each process and one
+  spanning both (its stages fed by both, each making the same calls).
+  Allreduce in lockstep equals the one-process run on 6 devices; partial
+  reduce and HetPipe run free epochs through process 0's scheduler and
+  servers (``_check``)."""
+  done, want, have = _one_and_two_processes(tmp_path, process_env, CONFIGS, 3)
+  for p, ranks in ((0, [0, 1]), (1, [1, 2])):  # Pipeline 1 in both.
+    assert f"[p{p}] config 1 epoch 1: process {p} ran pipelines {ranks}" in (
+      done.stdout
+    )
+  _check(CONFIGS, (0,), want, have)
+  assert np.all(have["2/group/0"] == 1)  # HetPipe: pushes, no groups.
+
+
+def test_pipelines_one_process_per_stage(tmp_path, process_env):
+  """SD-Pipe's shape: 2 pipelines x 2 stages, process s holding stage s
+  of both; every pipeline spans both processes. AD-PSGD in lockstep
+  (asynchronous 1F1B) equals the one-process run; partial reduce with
+  delays runs free epochs (``_check``)."""
+  done, want, have = _one_and_two_processes(tmp_path, process_env, BY_STAGE, 2)
+  for p in range(2):
+    assert f"[p{p}] config 1 epoch 1: process {p} ran pipelines [0, 1]" in (
+      done.stdout
+    )
+  _check(BY_STAGE, (0,), want, have)
 
 
 def test_cli_across_processes_resumes_in_one(tmp_path, process_env):

@@ -126,13 +126,26 @@ def test_default_config_across_processes_as_in_the_readme(
 def test_sdpipe_across_processes_as_in_the_readme(tmp_path):
   """4 processes x 2 devices, a pipeline each: two epochs, evaluated and
   checkpointed, to the end."""
-  command = readme_command("jpipe.launch", "configs/sdpipe.py")
+  command = readme_command("jpipe.launch", "configs/sdpipe.py", "--nprocs 4")
   out = _run(_with(command, tmp_path, "--config.train.steps=24"), environment())
   assert "[p0] epoch 2/2 (step 24)" in out, out[-3000:]
   assert "[p0] Done:" in out
   rows = _rows(tmp_path)
   assert [r["step"] for r in rows if "eval/accuracy" in r] == [12, 24]
   assert all(np.isfinite(r["train/loss"]) for r in rows)
+
+
+def test_sdpipe_process_per_stage_as_in_the_readme(tmp_path):
+  """2 processes x 4 devices, process s running stage s of all 4
+  pipelines: an epoch, evaluated through pipeline 0's two processes and
+  checkpointed, to the end; every pipeline ran batches."""
+  command = readme_command("jpipe.launch", "placement=stage")
+  out = _run(_with(command, tmp_path, "--config.train.steps=12"), environment())
+  assert "[p0] epoch 1/1 (step 12)" in out, out[-3000:]
+  rows = _rows(tmp_path)
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [12]
+  assert all(np.isfinite(r["train/loss"]) for r in rows)
+  assert min(r["sync/batches_min"] for r in rows if "sync/batches_min" in r) > 0
 
 
 def test_dynpipe_across_processes_as_in_the_readme(tmp_path):

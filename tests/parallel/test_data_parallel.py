@@ -174,7 +174,7 @@ def test_gossip_survives_epochs_that_end_at_different_batches():
   def pipeline(rank, steps):
     for step in steps:
       out[(rank, step)] = policy.params(rank, 0, step, trees[rank], False)
-    policy.start_draining(rank)
+    policy.start_draining(rank, [0])
 
   def epoch(steps0, steps1):
     threads = [
@@ -258,25 +258,92 @@ def test_bad_combinations_are_refused():
     )
 
 
-def test_pipelines_are_split_between_processes(monkeypatch):
-  """Across processes each process runs the pipelines whose devices it
-  holds, as many in each; a pipeline spanning processes is refused."""
-  from types import SimpleNamespace
+def test_stop_calls_every_process_of_a_pipeline_makes_the_same_calls():
+  """``StopCalls`` (an epoch's end for pipelines spanning processes): its
+  processes ask before each call, at random paces, and the last stage's
+  process fixes the stop at a random moment. Every process of a pipeline
+  ends with the same calls, and none had been granted a call past the
+  stop (it would wait for a peer that never makes it); in one process
+  the stop is at once; ``together`` gives every pipeline one stop."""
+  from jpipe.parallel._epoch import StopCalls
 
-  from jpipe.parallel._pipelines import _local_ranks
+  rng = np.random.default_rng(0)
+  for trial in range(200):
+    together = trial % 2 == 1
+    pipelines, processes = 3, [1, 2, 3]  # pipeline p runs in p + 1
+    stops = StopCalls(pipelines, together)
+    calls = {(p, q): 0 for p in range(pipelines) for q in range(processes[p])}
+    done = set()
+    decided = {p: False for p in range(pipelines)}
+    while len(done) < len(calls):
+      p, q = list(calls)[rng.integers(len(calls))]
+      if (p, q) in done:
+        continue
+      if q == 0 and not decided[p] and rng.random() < 0.15:
+        stops.stop(p)  # (The last stage's process saw the epoch's end.)
+        decided[p] = True
+      if stops.grant(p, calls[(p, q)]):
+        calls[(p, q)] += 1
+      else:
+        done.add((p, q))
+    for p in range(pipelines):
+      made = {calls[(p, q)] for q in range(processes[p])}
+      assert made == {stops.stop(p)}
+    if together:
+      assert len({stops.stop(p) for p in range(pipelines)}) == 1
+  # One process: the stop is the calls granted so far.
+  stops = StopCalls(1)
+  assert stops.grant(0, 0) and stops.grant(0, 1)
+  assert stops.stop(0) == 2 and not stops.grant(0, 2)
+  stops.new_epoch()
+  assert stops.grant(0, 0)
 
-  def devices(per_process, processes):
-    return [
-      SimpleNamespace(process_index=q)
-      for q in range(processes)
-      for _ in range(per_process)
-    ]
 
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  for me, want in ((0, (0, 1)), (1, (2, 3))):
-    monkeypatch.setattr(jax, "process_index", lambda me=me: me)
-    assert _local_ranks(devices(4, 2), pipelines=4, per=2) == want
-  with pytest.raises(ValueError, match="pipeline 1 would span processes"):
-    _local_ranks(devices(3, 2), pipelines=3, per=2)
-  with pytest.raises(ValueError, match="every process must run as many"):
-    _local_ranks(devices(4, 2), pipelines=3, per=2)  # 2 + 1
+def test_peer_mean_is_the_mean_and_the_same_bits_on_every_member():
+  """``PeerMean`` (averaging where pipelines span processes): every
+  member's copy is the NumPy mean of the group's trees, on the member's
+  device, and the copies are bit-identical (summed in rank order
+  everywhere). Its transfer keys are the same in every process and
+  differ by meeting, member and receiver."""
+  from jpipe.parallel._averaging import _uuid
+
+  devices = {r: jax.devices()[r] for r in range(3)}
+  rng = np.random.default_rng(0)
+  hosts = [
+    (rng.normal(size=(5, 3)).astype(np.float32), np.float32(rng.normal()))
+    for _ in range(3)
+  ]
+  trees = [jax.device_put(h, devices[r]) for r, h in enumerate(hosts)]
+  out = parallel.PeerMean(links=None)(
+    ("k", 0), trees, [0, 1, 2], (0, 1, 2), devices
+  )
+  for r, tree in enumerate(out):
+    assert {d for x in tree for d in x.devices()} == {devices[r]}
+    for j, got in enumerate(tree):
+      want = np.mean([h[j] for h in hosts], axis=0)
+      np.testing.assert_allclose(got, want, rtol=1e-6)
+      assert np.array_equal(np.asarray(got), np.asarray(out[0][j]))
+  keys = {
+    _uuid(("k", e), m, q) for e in range(3) for m in range(4) for q in range(2)
+  }
+  assert len(keys) == 24 and all(0 <= k < 2**62 for k in keys)
+  assert _uuid(("k", 0), 1, 0) == _uuid(("k", 0), 1, 0)
+
+
+def test_stage_placement_puts_a_stage_of_every_pipeline_in_a_block():
+  """``placement="stage"``: with 4 pipelines of 2 devices, block s (4
+  devices: one process per stage under the launcher) holds every
+  pipeline's s-th device; "pipeline" keeps them consecutive."""
+  from jpipe.parallel._pipelines import _placed
+
+  devices = list(range(8))
+  by_stage = _placed(devices, 4, 2, "stage")
+  assert [by_stage[2 * p : 2 * p + 2] for p in range(4)] == [
+    [0, 4],
+    [1, 5],
+    [2, 6],
+    [3, 7],
+  ]
+  assert _placed(devices, 4, 2, "pipeline") == devices
+  with pytest.raises(ValueError, match="unknown placement 'rows'"):
+    _placed(devices, 4, 2, "rows")
