@@ -187,6 +187,14 @@ class DataParallelPipelines:
       # across processes would wait for a peer whose compute it holds up
       # (``PeerMean``), a program reading a transfer for a pipeline whose
       # compute it holds up (``Transport.wait_for_arrivals``).
+      if self.all_pipelines[0].transport.kind != "pull":
+        self.hub.close()
+        raise ValueError(
+          "pipelines spanning processes need the 'pull' transport: a "
+          "'collective' transfer waits inside a program for the other "
+          "process, which stalls that process's other pipelines; leave "
+          "transport at its default"
+        )
       self.policy.exchange_by_pulls(PullLinks())
       for pipe in self.all_pipelines:
         pipe.transport.wait_for_arrivals()
@@ -342,6 +350,8 @@ class DataParallelPipelines:
     the policy may form (else each compiles when it first forms, inside
     the timed run). Returns how many were compiled."""
     del states  # (The shapes are the plan's.)
+    if self.policy.peers is not None:
+      return 0  # Averaged by pulls (``PeerMean``): no collective.
     first = self.all_pipelines[0]
     count = 0
     for s, avals in enumerate(first.stage_param_avals()):
@@ -350,11 +360,9 @@ class DataParallelPipelines:
       if self.policy.averages == "grads" and s not in first.tied.stages:
         tree = first.gradient_avals(s, params)
       for group in self.policy.possible_groups():
-        devices = [self.policy.devices[r][s] for r in group]
         if self.policy.local[s].isdisjoint(group):
           continue  # Other processes' replicas only.
-        if self.policy.peers:
-          continue  # Averaged by pulls (``PeerMean``), not a collective.
+        devices = [self.policy.devices[r][s] for r in group]
         self.policy.mean.compile(devices, tree)
         count += 1
     return count
@@ -424,9 +432,6 @@ class DataParallelPipelines:
         if reports and self.policy.stop_of(p) is not None:
           self.policy.stop_feeding(p)
         if not self.policy.may_run(p, batches[i]):
-          print(
-            flush=True,
-          )
           break
         state, metrics = pipe.step(state, batch_at(p, batches[i]))
         batches[i] += 1
@@ -434,9 +439,6 @@ class DataParallelPipelines:
           pending.append(metrics["loss"])
         if len(pending) > 2:  # Stay at most two calls ahead of the devices.
           losses[i].append(float(pending.pop(0)))
-      print(
-        flush=True,
-      )
       self.hooks[i].draining = True
       self.policy.start_draining(p, self.stages_here[p])
       state, _ = pipe.flush(state)
@@ -551,7 +553,9 @@ def _aval(x) -> jax.ShapeDtypeStruct:
   """A leaf's shape and dtype (a leaf without ``dtype``, e.g. a lazily
   read checkpoint's, is converted to learn it)."""
   dtype = getattr(x, "dtype", None)
-  return jax.ShapeDtypeStruct(np.shape(x), dtype or np.asarray(x).dtype)
+  if dtype is None:  # (A NumPy dtype's truth is its field count: no ``or``.)
+    dtype = np.asarray(x).dtype
+  return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
 
 def _mean_state_dict(dicts):

@@ -105,7 +105,8 @@ class Transport:
       return
     distributed.barrier("connect")
     firsts = [p.device for p in self.placement]
-    # The pipeline's processes' first devices receive the loss (``share``).
+    # Each of the pipeline's processes receives the loss (``share``) on
+    # the pipeline's first device there.
     firsts += [self._device_of(q) for q in self.processes]
     links = sorted(
       {

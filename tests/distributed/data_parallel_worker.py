@@ -7,7 +7,8 @@ Each configuration (a dict): "sync", "pipelines", "stages", "schedule",
 "calls" (lockstep ``step`` calls, each pipeline on its own rows) or
 "epochs" (free-running ``run_epoch`` calls of "batches_per_epoch"),
 optional "hetero" (seconds) and "by_stage" (the devices of a stage
-together: one process per stage). Under ``jpipe.launch`` the pipelines are
+together: one process per stage); with "transport", only whether that
+transport is refused. Under ``jpipe.launch`` the pipelines are
 split between the processes; without it, all run in this one on
 JPIPE_CPU_DEVICES devices. Process 0 writes every pipeline's gathered
 params and losses (lockstep) or the epoch reports and consensus params
@@ -44,6 +45,24 @@ def _rows(batch, rank, i, size):
 def run(config, index, out):
   loss_fn, params, batch, _ = flax_models.CASES[config.get("case", "mlp")]()
   size = jax.tree.leaves(batch)[0].shape[0]
+  if config.get("transport"):  # Only whether it is refused (spanning).
+    try:
+      parallel.DataParallelPipelines(
+        loss_fn,
+        params,
+        batch,
+        pipelines=config["pipelines"],
+        devices=jax.devices()[: config["pipelines"] * config["stages"]],
+        num_stages=config["stages"],
+        optimizer=optax.sgd(0.1),
+        partition="contiguous",
+        transport=config["transport"],
+      ).close()
+      out[f"{index}/refused"] = np.asarray(0)
+    except ValueError as e:
+      assert "need the 'pull' transport" in str(e), e
+      out[f"{index}/refused"] = np.asarray(1)
+    return
   dp = parallel.DataParallelPipelines(
     loss_fn,
     params,

@@ -31,6 +31,9 @@ CONFIGS = [
    "epochs": 2, "hetero": 0.01},
   {"sync": "hetpipe", "pipelines": 3, "stages": 2, "schedule": "async",
    "epochs": 1},
+  # Refused: a collective transfer across processes would stall the
+  # process's other pipelines (one process: nothing spans, no refusal).
+  {"sync": "allreduce", "pipelines": 3, "stages": 2, "transport": "collective"},
 ]  # fmt: skip
 
 # SD-Pipe's shape: one process per stage (2 processes x 2 devices, each
@@ -107,14 +110,15 @@ def test_pipelines_in_and_across_processes(tmp_path, process_env):
   spanning both (its stages fed by both, each making the same calls).
   Allreduce in lockstep equals the one-process run on 6 devices; partial
   reduce and HetPipe run free epochs through process 0's scheduler and
-  servers (``_check``)."""
+  servers (``_check``); the 'collective' transport is refused there."""
   done, want, have = _one_and_two_processes(tmp_path, process_env, CONFIGS, 3)
   for p, ranks in ((0, [0, 1]), (1, [1, 2])):  # Pipeline 1 in both.
     assert f"[p{p}] config 1 epoch 1: process {p} ran pipelines {ranks}" in (
       done.stdout
     )
-  _check(CONFIGS, (0,), want, have)
+  _check(CONFIGS[:3], (0,), want, have)
   assert np.all(have["2/group/0"] == 1)  # HetPipe: pushes, no groups.
+  assert have["3/refused"] == 1 and want["3/refused"] == 0
 
 
 def test_pipelines_one_process_per_stage(tmp_path, process_env):
