@@ -47,34 +47,19 @@ class ParameterServer:
     self.lock = threading.Lock()
     self.pushes = 0
 
-  def initial_on(self, device):
-    """The starting weights (every pipeline's first base) on ``device``."""
-    return jax.device_put(self.initial, device)
-
-  def push_pull(self, params, base, to_device):
-    """Applies a pipeline's push; returns the server's weights on
-    ``to_device`` (the pipeline's new weights and new base)."""
-    return jax.device_put(self._apply(params, base), to_device)
-
-  def _apply(self, params, base):
-    """The push of ``params`` since ``base`` (host or device arrays);
-    the server's new weights (host)."""
-    params = jax.tree.map(np.asarray, params)
-    base = jax.tree.map(np.asarray, base)
-    with self.lock:
-      self.weights = push_pull(self.weights, params, base, self.num_pipelines)
-      self.pushes += 1
-      return self.weights
-
   def initial_host(self) -> list:
-    """The starting weights' leaves as host arrays (for another process)."""
+    """The starting weights' leaves (every pipeline's first base)."""
     return list(jax.tree.leaves(self.initial))
 
   def push_pull_host(self, params: list, base: list) -> list:
-    """``push_pull`` with host arrays, leaves in order (from another
-    process, through the hub); returns the server's leaves."""
+    """Applies a pipeline's push -- its leaves, in order, as host arrays,
+    and those of its last pull (``base``) -- and returns the server's
+    new leaves (the pipeline's new weights and new base). Called in this
+    process or, through the hub, from another."""
     treedef = jax.tree.structure(self.weights)
-    new = self._apply(
-      jax.tree.unflatten(treedef, params), jax.tree.unflatten(treedef, base)
-    )
-    return list(jax.tree.leaves(new))
+    params = jax.tree.unflatten(treedef, [np.asarray(x) for x in params])
+    base = jax.tree.unflatten(treedef, [np.asarray(x) for x in base])
+    with self.lock:
+      self.weights = push_pull(self.weights, params, base, self.num_pipelines)
+      self.pushes += 1
+      return list(jax.tree.leaves(self.weights))

@@ -376,21 +376,18 @@ class HetPipe(SyncPolicy):
     device = device_of(params)
     server = self.servers[stage]
     base = self.bases.get((rank, stage), None)
-    if isinstance(server, ParameterServer):  # In this process.
-      if base is None:  # First push: from the common start.
-        base = server.initial_on(device)
-      new = server.push_pull(params, base, device)
-    else:  # Process 0's, through the hub: host arrays travel.
-      if base is None:
-        base = server.initial_host()
-      leaves, treedef = jax.tree.flatten(params)
-      pulled = server.push_pull_host(
-        [np.asarray(x) for x in leaves],
-        [np.asarray(x) for x in jax.tree.leaves(base)],
-      )
-      new = jax.tree.unflatten(
-        treedef, [jax.device_put(x, device) for x in pulled]
-      )
+    if base is None:  # First push: from the common start.
+      base = server.initial_host()
+    # Host arrays travel (the server computes in host memory; across
+    # processes process 0's serves, through the hub).
+    leaves, treedef = jax.tree.flatten(params)
+    pulled = server.push_pull_host(
+      [np.asarray(x) for x in leaves],
+      [np.asarray(x) for x in jax.tree.leaves(base)],
+    )
+    new = jax.tree.unflatten(
+      treedef, [jax.device_put(x, device) for x in pulled]
+    )
     self.bases[(rank, stage)] = new
     self._record_size(stage, 1)
     return new
