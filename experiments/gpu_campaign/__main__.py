@@ -31,6 +31,7 @@ PARTS = {
   "stage_times": 90,
   "driver": 90,
   "multi_device": 120,
+  "profile": 120,
 }
 # --quick runs every row of every part (a test of the code paths, not a
 # measurement), each part stopped only after this many seconds.
