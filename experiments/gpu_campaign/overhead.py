@@ -60,9 +60,10 @@ def one_device_plan(loss_fn, params, batch, m, p):
 
 
 def one_device_pipeline(
-  loss_fn, params, batch, *, p, schedule, m, tx, recompute
+  loss_fn, params, batch, *, p, schedule, m, tx, recompute, **options
 ):
-  """A ``jpipe.Pipeline`` of ``p`` stages all on the first device."""
+  """A ``jpipe.Pipeline`` of ``p`` stages all on the first device
+  (``options``: more of the Pipeline's)."""
   return jpipe.Pipeline(
     loss_fn,
     params,
@@ -75,6 +76,7 @@ def one_device_pipeline(
     partition=one_device_plan(loss_fn, params, batch, m, p),
     recompute=recompute,
     weight_stashing=schedule == "async",
+    **options,
   )
 
 

@@ -6,7 +6,9 @@ dispatched back to back, in microseconds per call and per array -- what
 every action of the driver pays per param, gradient and optimizer-state
 leaf.
 (2) The overhead part's GPT on 2 stages of the one device, async (weight
-stashing) and 1f1b, and the jitted reference step: a ``jax.profiler``
+stashing) and 1f1b -- also with the stage programs as CUDA graphs
+(``gpu_command_buffers=True``, jpipe's default before 2026-11-26) -- and
+the jitted reference step: a ``jax.profiler``
 trace of steady-state steps parsed by
 ``experiments.runtime.trace_breakdown`` (host time per kind of driver op,
 dispatch against Python, the runtime's phases, each device's busy time).
@@ -34,7 +36,14 @@ from experiments.gpu_campaign.overhead import (
 from experiments.runtime import trace_breakdown
 
 LEAF_COUNTS = {"quick": (1, 16), "full": (1, 16, 64, 256, 1024)}
-SCHEDULES = ("async", "1f1b")
+# (label, schedule, gpu_command_buffers), most important first.
+RUNS = (
+  ("reference_async", None, None),
+  ("async", "async", False),
+  ("async_command_buffers", "async", True),
+  ("1f1b", "1f1b", False),
+  ("1f1b_command_buffers", "1f1b", True),
+)
 KEEP_TRACE_BYTES = 16 * 2**20
 
 
@@ -72,8 +81,7 @@ def main(args):
     results.add({"what": "dispatch", **dispatch_cost(n)})
   loss_fn, params, batch, _ = _common.language_model(**size, dtype=args.dtype)
   tx = optax.adamw(1e-4)
-  runs = [("reference_async", None), *[(s, s) for s in SCHEDULES]]
-  for label, schedule in runs:
+  for label, schedule, command_buffers in RUNS:
     if budget.spent:
       results.note("stopped_by_budget", True)
       break
@@ -91,6 +99,7 @@ def main(args):
         m=m,
         tx=tx,
         recompute=False,
+        gpu_command_buffers=command_buffers,
       )
       run = timed_runner(pipe, params, batch)
     for _ in range(3):  # compile, warm up
@@ -100,7 +109,15 @@ def main(args):
       summary = trace_breakdown.breakdown(path)
       if label == "async" and os.path.getsize(path) < KEEP_TRACE_BYTES:
         shutil.copy(path, os.path.join(args.out, "profile_trace_async.json.gz"))
-    results.add({"what": "trace", "run": label, "stages": 2, **summary})
+    results.add(
+      {
+        "what": "trace",
+        "run": label,
+        "stages": 2,
+        "gpu_command_buffers": command_buffers,
+        **summary,
+      }
+    )
     print(trace_breakdown.table({label: summary}), flush=True)
     del run
   results.finish()

@@ -85,6 +85,9 @@ class Stages:
   that only compute such a new value run on the stage that reads the old
   one, so microbatches update it in order (``_state_updates``);
   ``eqn_stage`` is every equation's stage after that move.
+
+  ``compiler_options``: XLA options every ``jitted`` program is compiled
+  with (``jax.jit``'s), e.g. the runtime's GPU options.
   """
 
   def __init__(
@@ -94,6 +97,7 @@ class Stages:
     residual_policy: Callable | None = jax.checkpoint_policies.dots_saveable,
     carried: Sequence[tuple[int, int]] = (),
     num_stages: int | None = None,
+    compiler_options: dict[str, Any] | None = None,
   ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
@@ -132,6 +136,7 @@ class Stages:
     self._pullback_layout: dict[int, Any] = {}
     self._weight_split: dict[int, BackwardSplit] = {}
     self.residual_policy = residual_policy
+    self.compiler_options = dict(compiler_options or {})
 
   def differentiable_inputs(self, s: int) -> tuple[bool, ...]:
     """Per input of stage s, whether its backward returns a cotangent for
@@ -296,7 +301,9 @@ class Stages:
     key = (kind, s)
     if key not in self._jitted:
       fn = getattr(self, kind)
-      self._jitted[key] = jax.jit(lambda *a: fn(s, *a))
+      self._jitted[key] = jax.jit(
+        lambda *a: fn(s, *a), compiler_options=self.compiler_options or None
+      )
     return self._jitted[key]
 
   # -- helpers for drivers and tests --------------------------------------

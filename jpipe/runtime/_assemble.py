@@ -120,7 +120,9 @@ def build_runtime(
     )
     for spec, place in zip(stages.specs, placed.placement, strict=True)
   )
-  programs = StagePrograms(stages, grad_layouts, staleness.recompute)
+  programs = StagePrograms(
+    stages, grad_layouts, staleness.recompute, stages.compiler_options
+  )
   tied = TiedParams(stages, placed.transport)
   names = tuple(leaf_names(params))
   stage_optimizers = _stage_optimizers(
@@ -200,6 +202,7 @@ def _stage_optimizers(
         learning_rate_schedule=staleness.learning_rate_schedule,
         horizon=horizon,
         grad_layout=layout,
+        compiler_options=stages.compiler_options,
       )
     )
   return tuple(optimizers)

@@ -33,6 +33,7 @@ from jpipe.runtime._placement import (
   check_device_groups,
   device_name,
 )
+from jpipe.runtime._programs import compiler_options
 from jpipe.runtime._transport import Transport
 
 
@@ -226,8 +227,17 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     plan.stage_of_node,
     residual_policy=policy,
     carried=[(first + j, j + 1) for j in range(cut.num_state_leaves)],
+    compiler_options=program_options(request),
   )
   return Partitioned(plan, stages)
+
+
+def program_options(request: Request) -> dict:
+  """XLA options of the pipeline's per-action programs on its devices
+  (``_programs.compiler_options``)."""
+  return compiler_options(
+    request.devices[0].platform, request.partitioning.gpu_command_buffers
+  )
 
 
 @dataclasses.dataclass(frozen=True)

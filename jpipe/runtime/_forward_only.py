@@ -199,7 +199,10 @@ def cut_function(pipe, fn: Callable, example_batch, what: str):
   )
   try:
     stages = partition_lib.Stages(
-      traced, stage_of_node, num_stages=len(pipe.stages.specs)
+      traced,
+      stage_of_node,
+      num_stages=len(pipe.stages.specs),
+      compiler_options=pipe.stages.compiler_options,
     )
   except ValueError as e:
     raise ValueError(

@@ -73,6 +73,14 @@ class Partitioning:
       versions, gradients, optimizer state, microbatches in flight for
       the schedule) must fit, or construction fails naming the stage, the
       predicted bytes and the fixes -- before anything compiles.
+    gpu_command_buffers: let XLA record a stage program's kernels as CUDA
+      graphs (its command buffers) on GPUs. Off by default: every call of
+      a stage program gets new argument buffers (the previous stage's
+      activations, a fresh accumulator), so XLA updates the recorded graph
+      on each call, and on an H100 that cost the host more than launching
+      the kernels one by one (``experiments/RESULTS.md``, "The GPU
+      campaign, second run"). Only the stage programs are compiled so;
+      no effect off GPUs.
   """
 
   num_stages: int
@@ -84,6 +92,7 @@ class Partitioning:
   price_last_stage: bool = True
   transport: str = "pull"
   memory_limit: float | str | None = None
+  gpu_command_buffers: bool = False
 
   def __post_init__(self):
     if self.num_stages < 1:

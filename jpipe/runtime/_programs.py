@@ -9,11 +9,32 @@ in place), so profiling must not hold it past its next use (the driver
 waits for the profiler before it donates, ``_driver.py``).
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from jpipe.partition import Stages
 from jpipe.runtime._flat import FlatLayout
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def compiler_options(platform: str, gpu_command_buffers: bool) -> dict:
+  """XLA options of the per-action programs (stage programs, optimizer
+  steps) on ``platform``: on GPUs, no command buffers (CUDA graphs)
+  unless asked for. Each call of a stage program gets new argument
+  buffers, so a recorded graph is updated on every call: on an H100 that
+  was most of the host's dispatch time (``command_buffer::update``,
+  ``Partitioning.gpu_command_buffers``)."""
+  if platform in GPU_PLATFORMS and not gpu_command_buffers:
+    return {"xla_gpu_enable_command_buffer": ""}
+  return {}
+
+
+def jit(fn, options: dict[str, Any], **kwargs):
+  """``jax.jit(fn, **kwargs)`` compiled with XLA ``options`` (if any)."""
+  return jax.jit(fn, compiler_options=options or None, **kwargs)
 
 
 class StagePrograms:
@@ -24,12 +45,19 @@ class StagePrograms:
     grad_layouts: each stage's ``FlatLayout`` of its param leaves.
     recompute: backwards recompute the forward (else they start from the
       residuals a saving forward returned).
+    options: XLA options of its programs (``compiler_options``); the
+      stages' own programs take ``stages.compiler_options``.
   """
 
   def __init__(
-    self, stages: Stages, grad_layouts: tuple[FlatLayout, ...], recompute
+    self,
+    stages: Stages,
+    grad_layouts: tuple[FlatLayout, ...],
+    recompute,
+    options: dict[str, Any] | None = None,
   ):
     self.stages = stages
+    self.options = dict(options or {})
     self.grad_layouts = grad_layouts
     self.recompute = recompute
     self._cache: dict[tuple, object] = {}
@@ -75,14 +103,16 @@ class StagePrograms:
         grads = self.stages.weight_gradient(s, kept)
         return _accumulate(acc, layout.pack(grads), first)
 
-      self._cache[key] = jax.jit(fn, donate_argnums=() if first else (0,))
+      self._cache[key] = jit(
+        fn, self.options, donate_argnums=() if first else (0,)
+      )
     return self._cache[key]
 
   def unpack(self, s: int):
     """A packed accumulator of stage s -> its tuple of gradient leaves."""
     key = ("unpack", s)
     if key not in self._cache:
-      self._cache[key] = jax.jit(self.grad_layouts[s].unpack)
+      self._cache[key] = jit(self.grad_layouts[s].unpack, self.options)
     return self._cache[key]
 
   def _accumulating(self, kind, s, first):
@@ -95,7 +125,9 @@ class StagePrograms:
         *head, grads, act_cots = run(s, *args)
         return (*head, _accumulate(acc, layout.pack(grads), first), act_cots)
 
-      self._cache[key] = jax.jit(fn, donate_argnums=() if first else (0,))
+      self._cache[key] = jit(
+        fn, self.options, donate_argnums=() if first else (0,)
+      )
     return self._cache[key]
 
   def compiled_kinds(self) -> set[str]:

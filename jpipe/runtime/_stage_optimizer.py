@@ -55,6 +55,7 @@ class StageOptimizer:
       ``update_packed`` / ``predict_packed`` take the gradient as that
       layout's flat buffers and unpack it inside their own program (one
       call fewer, and ~30 fewer arrays through the host, per step).
+    compiler_options: XLA options of its programs (``jax.jit``'s).
   """
 
   def __init__(
@@ -68,8 +69,10 @@ class StageOptimizer:
     learning_rate_schedule=None,
     horizon: int = 0,
     grad_layout: FlatLayout | None = None,
+    compiler_options: dict[str, Any] | None = None,
   ):
     self.names = tuple(names)
+    options = compiler_options or None
     if positions is None:
       positions = range(len(self.names))
     self.positions = tuple(positions)
@@ -79,9 +82,12 @@ class StageOptimizer:
     self._predictor = predictor
     self._schedule = learning_rate_schedule
     self._horizon = horizon
-    self.init = jax.jit(lambda leaves: self.tx.init(self.as_dict(leaves)))
-    self.update = jax.jit(self._update)
-    self.predict = jax.jit(self._predict)
+    self.init = jax.jit(
+      lambda leaves: self.tx.init(self.as_dict(leaves)),
+      compiler_options=options,
+    )
+    self.update = jax.jit(self._update, compiler_options=options)
+    self.predict = jax.jit(self._predict, compiler_options=options)
     self.predict_packed = None
     self._grad_layout = grad_layout
     if grad_layout is not None:
@@ -96,13 +102,14 @@ class StageOptimizer:
       # in donated ones), and with ``donate_state`` the optimizer state
       # too. The small leaves' flat buffer matches no output: kept.
       self._update_donating = (
-        jax.jit(update_split, donate_argnums=(0,)),
-        jax.jit(update_split, donate_argnums=(0, 2)),
+        jax.jit(update_split, donate_argnums=(0,), compiler_options=options),
+        jax.jit(update_split, donate_argnums=(0, 2), compiler_options=options),
       )
       self.predict_packed = jax.jit(
         lambda params, opt_state, delay, flat: self._predict(
           params, opt_state, delay, unpack(flat)
-        )
+        ),
+        compiler_options=options,
       )
 
   def update_packed(

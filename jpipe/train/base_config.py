@@ -110,6 +110,9 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   c.pipeline.recompute = False
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True
+  # On GPUs, let XLA record stage programs as CUDA graphs (off: a graph is
+  # updated on every call, which cost the host more than plain launches).
+  c.pipeline.gpu_command_buffers = False
   # Across processes (python -m jpipe.launch, SLURM): "pull" (never blocks
   # a device) or "collective" (ppermute: gloo / NCCL; ties the streams).
   c.pipeline.transport = "pull"
