@@ -234,10 +234,12 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
 
 def program_options(request: Request) -> dict:
   """XLA options of the pipeline's per-action programs on its devices
-  (``_programs.compiler_options``)."""
-  return compiler_options(
-    request.devices[0].platform, request.partitioning.gpu_command_buffers
-  )
+  (``_programs.compiler_options``; command buffers by default for the
+  synchronous schedules only, ``Partitioning.gpu_command_buffers``)."""
+  command_buffers = request.partitioning.gpu_command_buffers
+  if command_buffers is None:
+    command_buffers = not request.schedule_kind.asynchronous
+  return compiler_options(request.devices[0].platform, command_buffers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,14 +73,17 @@ class Partitioning:
       versions, gradients, optimizer state, microbatches in flight for
       the schedule) must fit, or construction fails naming the stage, the
       predicted bytes and the fixes -- before anything compiles.
-    gpu_command_buffers: let XLA record a stage program's kernels as CUDA
-      graphs (its command buffers) on GPUs. Off by default: every call of
-      a stage program gets new argument buffers (the previous stage's
-      activations, a fresh accumulator), so XLA updates the recorded graph
-      on each call, and on an H100 that cost the host more than launching
-      the kernels one by one (``experiments/RESULTS.md``, "The GPU
-      campaign, second run"). Only the stage programs are compiled so;
-      no effect off GPUs.
+    gpu_command_buffers: whether XLA records the stage programs' and
+      optimizer steps' kernels as CUDA graphs (its command buffers) on
+      GPUs. A recorded graph is re-pointed at every argument buffer that
+      moved since its last run, so graphs pay where most buffers keep
+      their place between calls -- a synchronous schedule's params, the
+      same all step -- and cost where they move every call: a stream
+      steps each stage after every microbatch, so each forward reads new
+      params. None (default): on for synchronous schedules, off for
+      streams, as measured on an H100 (``experiments/RESULTS.md``, "The
+      GPU campaign, second run": 1f1b 134 ms a step with graphs, 180
+      without; async 287 with, 234 without). No effect off GPUs.
   """
 
   num_stages: int
@@ -92,7 +95,7 @@ class Partitioning:
   price_last_stage: bool = True
   transport: str = "pull"
   memory_limit: float | str | None = None
-  gpu_command_buffers: bool = False
+  gpu_command_buffers: bool | None = None
 
   def __post_init__(self):
     if self.num_stages < 1:

@@ -22,11 +22,11 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 def compiler_options(platform: str, gpu_command_buffers: bool) -> dict:
   """XLA options of the per-action programs (stage programs, optimizer
-  steps) on ``platform``: on GPUs, no command buffers (CUDA graphs)
-  unless asked for. Each call of a stage program gets new argument
-  buffers, so a recorded graph is updated on every call: on an H100 that
-  was most of the host's dispatch time (``command_buffer::update``,
-  ``Partitioning.gpu_command_buffers``)."""
+  steps) on ``platform``: on GPUs without command buffers (CUDA graphs)
+  unless ``gpu_command_buffers``. A recorded graph is updated for every
+  argument buffer that moved since its last run; where they all move
+  each call, that update cost an H100's host more than launching the
+  kernels (``Partitioning.gpu_command_buffers``)."""
   if platform in GPU_PLATFORMS and not gpu_command_buffers:
     return {"xla_gpu_enable_command_buffer": ""}
   return {}

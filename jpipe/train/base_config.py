@@ -110,9 +110,10 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   c.pipeline.recompute = False
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True
-  # On GPUs, let XLA record stage programs as CUDA graphs (off: a graph is
-  # updated on every call, which cost the host more than plain launches).
-  c.pipeline.gpu_command_buffers = False
+  # On GPUs, whether XLA records the stage programs as CUDA graphs: "auto"
+  # (on for synchronous schedules, off for streams, whose params move
+  # every microbatch and so re-point the graphs each call), "on", "off".
+  c.pipeline.gpu_command_buffers = "auto"
   # Across processes (python -m jpipe.launch, SLURM): "pull" (never blocks
   # a device) or "collective" (ppermute: gloo / NCCL; ties the streams).
   c.pipeline.transport = "pull"

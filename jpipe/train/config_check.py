@@ -98,6 +98,21 @@ def memory_limit(text: str) -> float | str | None:
   return value
 
 
+COMMAND_BUFFERS = {"auto": None, "on": True, "off": False}
+
+
+def command_buffers(text: str) -> bool | None:
+  """``config.pipeline.gpu_command_buffers`` as ``jpipe.Pipeline`` takes
+  it: "auto" -> None (the schedule decides), "on" -> True, "off" ->
+  False."""
+  if text not in COMMAND_BUFFERS:
+    raise ValueError(
+      f"{text!r} is not one of {tuple(COMMAND_BUFFERS)} (auto: CUDA graphs "
+      "for synchronous schedules, not for streams)"
+    )
+  return COMMAND_BUFFERS[text]
+
+
 def written_schedule(config) -> schedule_lib.ScheduleKind | None:
   """The schedule ``config.schedule.file`` writes (None: none), checked
   against the config's stages and microbatches (UsageError naming the
@@ -362,11 +377,15 @@ def _check_staleness(config, need, problems) -> None:
 
 
 def _check_runtime(config, need, problems) -> None:
-  """The memory limit, the transport and 2BW's minibatch."""
+  """The memory limit, the transport, CUDA graphs and 2BW's minibatch."""
   try:
     memory_limit(config.pipeline.memory_limit)
   except ValueError as e:
     problems.append(f"config.pipeline.memory_limit: {e}")
+  try:
+    command_buffers(config.pipeline.gpu_command_buffers)
+  except ValueError as e:
+    problems.append(f"config.pipeline.gpu_command_buffers: {e}")
   need(
     config.pipeline.transport in ("pull", "collective"),
     "pipeline.transport",

@@ -90,7 +90,9 @@ def pipeline_options(config, task: Task, lr) -> dict:
     cost_model=config.pipeline.cost_model,
     staleness=config_check.staleness(config, lr),
     fuse_last_stage=config.pipeline.fuse_last_stage,
-    gpu_command_buffers=config.pipeline.gpu_command_buffers,
+    gpu_command_buffers=config_check.command_buffers(
+      config.pipeline.gpu_command_buffers
+    ),
     transport=config.pipeline.transport,
     memory_limit=config_check.memory_limit(config.pipeline.memory_limit),
     clip_global_norm=config.optimizer.clip_norm or None,

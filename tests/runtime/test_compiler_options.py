@@ -1,13 +1,16 @@
 """The per-action programs' XLA options: no CUDA graphs on GPUs unless
 asked for, nothing elsewhere, and the same results either way."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from jpipe.runtime import _build, _programs
+import jpipe
+from jpipe.runtime import Partitioning, _build, _programs
 from tests.runtime.test_pipeline_async import mlp_pipeline
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -35,6 +38,32 @@ def test_the_option_is_one_this_xla_knows():
   # renamed flag would break every GPU pipeline, so compile with it here.
   f = _programs.jit(lambda x: x * 2, _programs.compiler_options("cuda", False))
   np.testing.assert_array_equal(f(jnp.arange(3.0)), [0.0, 2.0, 4.0])
+
+
+@pytest.mark.parametrize(
+  "schedule, asked, graphs",
+  [
+    ("gpipe", None, True),
+    ("1f1b", None, True),
+    ("async", None, False),
+    ("2bw", None, False),
+    ("async", True, True),
+    ("1f1b", False, False),
+  ],
+)
+def test_auto_records_graphs_for_synchronous_schedules_only(
+  schedule, asked, graphs
+):
+  # On a GPU the options follow the schedule unless the user says.
+  class Device:
+    platform = "cuda"
+
+  request = SimpleNamespace(
+    devices=(Device(),),
+    partitioning=Partitioning(num_stages=2, gpu_command_buffers=asked),
+    schedule_kind=jpipe.schedule.REGISTRY[schedule],
+  )
+  assert _build.program_options(request) == ({} if graphs else GPU_OPTIONS)
 
 
 def _pipeline_with(monkeypatch, options):

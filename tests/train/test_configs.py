@@ -280,3 +280,14 @@ def test_dropout_keys_ride_in_the_batch_and_change_the_loss():
   other = dict(batch, dropout_key=task.batch_at(6)["dropout_key"])
   assert loss != float(task.loss_fn(task.params, other))
   assert loss == float(task.loss_fn(task.params, batch))
+
+
+def test_gpu_command_buffers_config_reaches_the_pipeline_keywords():
+  config = _get_config("wrn_stale", "stale")
+  for text, value in (("auto", None), ("on", True), ("off", False)):
+    config.pipeline.gpu_command_buffers = text
+    config_check.check(config)
+    assert config_check.command_buffers(text) is value
+  config.pipeline.gpu_command_buffers = "yes"
+  with pytest.raises(ValueError, match="gpu_command_buffers: 'yes'"):
+    config_check.check(config)
