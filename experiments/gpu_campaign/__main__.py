@@ -66,6 +66,11 @@ def _arguments(argv):
     default=":",
     help="START:STOP slice of the overhead part's rows (to resume a run)",
   )
+  parser.add_argument(
+    "--profile_runs",
+    default="",
+    help="comma-separated labels of the profile part's runs (default all)",
+  )
   parser.add_argument("--part", help=argparse.SUPPRESS)  # a child's part
   parser.add_argument("--budget", type=float, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -89,6 +94,7 @@ def _run_part(args, part: str) -> dict:
     f"--out={args.out}",
     f"--dtype={args.dtype}",
     f"--overhead_rows={args.overhead_rows}",
+    f"--profile_runs={args.profile_runs}",
   ] + (["--quick"] if args.quick else [])
   start = time.monotonic()
   print(f"== {part} (budget {budget:.0f} s)", flush=True)

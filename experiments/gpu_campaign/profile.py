@@ -81,7 +81,13 @@ def main(args):
     results.add({"what": "dispatch", **dispatch_cost(n)})
   loss_fn, params, batch, _ = _common.language_model(**size, dtype=args.dtype)
   tx = optax.adamw(1e-4)
+  chosen = set(filter(None, args.profile_runs.split(",")))
+  unknown = chosen - {label for label, _, _ in RUNS}
+  if unknown:
+    raise ValueError(f"unknown profile runs {sorted(unknown)}: see RUNS")
   for label, schedule, command_buffers in RUNS:
+    if chosen and label not in chosen:
+      continue
     if budget.spent:
       results.note("stopped_by_budget", True)
       break

@@ -616,10 +616,12 @@ class _Call(TransferEnds):
     scale, update_scale = d.stream.step_every / len(group), 1.0
     if d.partial_window == "ftpipe":
       scale, update_scale = 1.0, len(group) / d.stream.step_every
-    # The packed accumulator, unpacked inside the step -- or before it,
-    # for tied leaves' gradients (out to their owners, in from holders).
+    # The packed accumulator, unpacked inside the step; a tied stage's
+    # exchanges with its tied leaves' owners or holders go in the same
+    # program where nothing reads the gradient in between, else before.
     g, packed = self.grads[s], True
-    if s in d.tied.stages:
+    tied_in_step = s in d.tied.stages and self._plain_gradient
+    if s in d.tied.stages and not tied_in_step:
       leaves = d.programs.unpack(s)(g)
       for leaf, x in d.tied.replica_grads(s, leaves).items():
         self.outbox[("tied_grad", s, b, leaf)] = x
@@ -644,6 +646,7 @@ class _Call(TransferEnds):
       scale,
       reduced=d.clip_global_norm is not None,
       update_scale=update_scale,
+      tied_microbatch=b if tied_in_step else None,
     )
     self.params[s] = d.hooks.after_step(s, self.params[s])
     if self.profiler:
@@ -769,15 +772,35 @@ class _Call(TransferEnds):
     factor = _clip_factor(total_sq, self.d.clip_global_norm)
     return self.d.placement[s].put_replicated(factor)
 
+  @property
+  def _plain_gradient(self) -> bool:
+    """Whether a stream's step reads its gradient as accumulated: no
+    clipping and no hooks reducing it (data parallel)."""
+    d = self.d
+    return d.clip_global_norm is None and (
+      type(d.hooks).reduce_gradient is DriverHooks.reduce_gradient
+    )
+
   def _optimizer_step(
-    self, s, grads, packed, stale, scale, reduced=False, update_scale=1.0
+    self,
+    s,
+    grads,
+    packed,
+    stale,
+    scale,
+    reduced=False,
+    update_scale=1.0,
+    tied_microbatch=None,
   ):
     """Stage s's optimizer step from ``grads`` (the packed accumulator, or
     leaves): new ``params[s]`` and ``opt_states[s]``. A packed
     accumulator's own (big-leaf) buffers are donated to the step, and so
     is an optimizer state this call produced (the caller's own state is
     never consumed). ``reduced``: the hooks' ``reduce_gradient`` ran
-    already."""
+    already. ``tied_microbatch``: a stream's tied stage steps its packed
+    gradient with the holders' gradients of the leaves it owns added
+    (those applying microbatches up to it) and hands its replicas'
+    gradients to their owners, in the step's own program."""
     d, opt = self.d, self.d.optimizers[s]
     if not reduced:
       grads = d.hooks.reduce_gradient(s, grads)
@@ -789,7 +812,19 @@ class _Call(TransferEnds):
       scale,
       update_scale,
     )
-    if packed:
+    if packed and tied_microbatch is not None:
+      self._before_donating(s)
+      b, replicas = tied_microbatch, d.tied.replica_leaves(s)
+      *new, replica_grads = opt.update_packed_tied(
+        grads,
+        d.tied.owned_grads(s, b, self.tied_grads),
+        [pos for pos, _ in replicas],
+        *args[1:],
+        donate_state=self.made_state[s],
+      )
+      for (_, leaf), x in zip(replicas, replica_grads, strict=True):
+        self.outbox[("tied_grad", s, b, leaf)] = x
+    elif packed:
       self._before_donating(s)
       new = opt.update_packed(*args, donate_state=self.made_state[s])
     else:

@@ -90,6 +90,8 @@ class StageOptimizer:
     self.predict = jax.jit(self._predict, compiler_options=options)
     self.predict_packed = None
     self._grad_layout = grad_layout
+    self._options = options
+    self._tied_updates = {}  # (added, replicas, donate_state) -> program
     if grad_layout is not None:
       unpack = grad_layout.unpack
 
@@ -135,6 +137,62 @@ class StageOptimizer:
     flat = tuple(flat)
     return update(
       flat[:n], flat[n:], opt_state, params, stale_params, scale, update_scale
+    )
+
+  def update_packed_tied(
+    self,
+    flat,
+    added: dict[int, Any],
+    replicas: Sequence[int],
+    opt_state,
+    params,
+    stale_params=None,
+    scale=1.0,
+    update_scale=1.0,
+    *,
+    donate_state=False,
+  ):
+    """``update_packed`` for a stage holding tied leaves, as one program:
+    ``added`` (``{position: gradient}``, the holders' gradients of the
+    leaves this stage owns) is added to those leaves' gradients, and the
+    gradients at ``replicas`` (positions of leaves another stage owns,
+    which this stage does not step) are returned for their owners.
+    Returns ``(params, opt_state, replica gradients)``. Consumes ``flat``
+    and (``donate_state``) ``opt_state`` as ``update_packed`` does. No
+    unpacked gradient crosses the host: on an H100 the separate unpack,
+    eager adds and leaf-wise update cost ~3 ms of host time per step."""
+    if self._grad_layout is None:
+      raise ValueError(
+        "update_packed_tied needs the StageOptimizer's grad_layout"
+      )
+    positions, replicas = tuple(sorted(added)), tuple(replicas)
+    key = (positions, replicas, bool(donate_state))
+    if key not in self._tied_updates:
+      unpack = self._grad_layout.unpack
+
+      def update_tied(own, packed, added_grads, *args):
+        leaves = list(unpack((*own, *packed)))
+        for p, g in zip(positions, added_grads, strict=True):
+          leaves[p] = leaves[p] + g
+        out = tuple(leaves[p] for p in replicas)
+        return (*self._update(tuple(leaves), *args), out)
+
+      self._tied_updates[key] = jax.jit(
+        update_tied,
+        donate_argnums=(0, 3) if donate_state else (0,),
+        compiler_options=self._options,
+      )
+    n = self._grad_layout.num_own if self._grad_layout.packed else 0
+    flat = tuple(flat)
+    return self._tied_updates[key](
+      flat[:n],
+      flat[n:],
+      tuple(added[p] for p in positions),
+      opt_state,
+      params,
+      stale_params,
+      scale,
+      update_scale,
     )
 
   def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:

@@ -92,15 +92,27 @@ class TiedParams:
     same microbatches adds them)."""
     return {leaf: grads[pos] for pos, leaf, _, _ in self.replicas.get(s, ())}
 
-  def add_owned(self, s, b, grads, tied_grads):
+  def replica_leaves(self, s) -> list[tuple[int, int]]:
+    """``(position, leaf)`` of the tied leaves stage s holds a replica
+    of (their gradients go to their owners)."""
+    return [(pos, leaf) for pos, leaf, _, _ in self.replicas.get(s, ())]
+
+  def owned_grads(self, s, b, tied_grads) -> dict[int, object]:
     """Asynchronous, at the step of owner s that applies microbatches up
-    to b: its gradient with the holders' gradients of its leaves added
-    (``tied_grads[(leaf, b)]``, as they arrived)."""
-    grads = list(grads)
+    to b: ``{position: the holders' gradient}`` of its leaves, taken
+    from ``tied_grads[(leaf, b)]`` (those that arrived)."""
+    out = {}
     for pos, leaf in self.owned.get(s, ()):
       g = tied_grads.pop((leaf, b), None)
       if g is not None:
-        grads[pos] = grads[pos] + g
+        out[pos] = g
+    return out
+
+  def add_owned(self, s, b, grads, tied_grads):
+    """``owned_grads`` added to owner s's gradient leaves ``grads``."""
+    grads = list(grads)
+    for pos, g in self.owned_grads(s, b, tied_grads).items():
+      grads[pos] = grads[pos] + g
     return tuple(grads)
 
   def sum_replicas(self, grads: dict[int, tuple]) -> dict[int, tuple]:
