@@ -24,7 +24,12 @@ of the whole model right before it: a row's speed-up is the median of
 ``--repeats`` such ratios (its rate, the median rate). The whole model's
 step donates its params and optimizer state, as a user would write it.
 The stage imbalance is each stage's forward + backward time measured
-alone (``seq`` schedule, one core).
+alone (``seq`` schedule, one core). A row's fixed cost per microbatch,
+in microseconds, is what a step takes beyond the 2x limit, per
+microbatch: (step time - the paired whole model's step time / 2) / m,
+median over the pairs -- transfers, dispatch, stage imbalance and (for
+gpipe / 1f1b) the bubble; unlike the ratio, it compares across machines
+of different speed.
 
   python -m experiments.distributed.throughput [--steps 20] [--layers 8]
       [--width 1024] [--batch 1024] [--schedules async] [--microbatches 4]
@@ -295,12 +300,13 @@ def _table(result):
     + " stages: "
     + " | ".join(" ".join(ns) for ns in result["stage_nodes"]),
     f"{'schedule':9} {'micro':>5} {'2 procs ex/s':>12} {'vs whole':>9} "
-    f"{'same sched 1 core':>17} {'vs it':>6}",
+    f"{'fixed us/mb':>11} {'same sched 1 core':>17} {'vs it':>6}",
   ]
   for r in result["rows"]:
     lines.append(
       f"{r['schedule']:9} {r['microbatches']:>5} "
       f"{r['examples_per_second']:>12.0f} {r['speedup']:>8.2f}x "
+      f"{r['fixed_us_per_microbatch']:>11.0f} "
       f"{r['same_schedule_examples_per_second']:>17.0f} "
       f"{r['speedup_over_same_schedule']:>5.2f}x  (paired: "
       + ", ".join(f"{x:.2f}" for x in r["speedup_runs"])
@@ -387,6 +393,10 @@ def main():
         )
       rate = float(np.median(rates))
       ratios = [r / w for r, w in zip(rates, wholes, strict=True)]
+      fixed = [
+        1e6 * (BATCH / r - BATCH / (2 * w)) / m
+        for r, w in zip(rates, wholes, strict=True)
+      ]
       same = (
         BATCH * base["steps"] / base["same_schedule_seconds"][f"{schedule}/{m}"]
       )
@@ -399,6 +409,7 @@ def main():
           "whole_model_examples_per_second_runs": wholes,
           "speedup_runs": ratios,
           "speedup": float(np.median(ratios)),
+          "fixed_us_per_microbatch": float(np.median(fixed)),
           "same_schedule_examples_per_second": same,
           "speedup_over_same_schedule": rate / same,
         }

@@ -91,22 +91,9 @@ class StageOptimizer:
     self.predict_packed = None
     self._grad_layout = grad_layout
     self._options = options
-    self._tied_updates = {}  # (added, replicas, donate_state) -> program
+    self._packed_updates = {}  # (added, replicas, donate_state) -> program
     if grad_layout is not None:
       unpack = grad_layout.unpack
-
-      def update_split(own, packed, *args):
-        return self._update(unpack((*own, *packed)), *args)
-
-      # The gradient's own buffers are donated (the new params are written
-      # into them instead of fresh memory: on a CPU core an SGD step over
-      # 16 MiB took 9.7 ms with fresh buffers -- page faults -- and 1.4 ms
-      # in donated ones), and with ``donate_state`` the optimizer state
-      # too. The small leaves' flat buffer matches no output: kept.
-      self._update_donating = (
-        jax.jit(update_split, donate_argnums=(0,), compiler_options=options),
-        jax.jit(update_split, donate_argnums=(0, 2), compiler_options=options),
-      )
       self.predict_packed = jax.jit(
         lambda params, opt_state, delay, flat: self._predict(
           params, opt_state, delay, unpack(flat)
@@ -130,14 +117,18 @@ class StageOptimizer:
     big leaves; its packed small-leaf buffers are kept -- and, with
     ``donate_state``, ``opt_state``: what is consumed may not be used
     afterwards."""
-    if self._grad_layout is None:
-      raise ValueError("update_packed needs the StageOptimizer's grad_layout")
-    n = self._grad_layout.num_own if self._grad_layout.packed else 0
-    update = self._update_donating[bool(donate_state)]
-    flat = tuple(flat)
-    return update(
-      flat[:n], flat[n:], opt_state, params, stale_params, scale, update_scale
+    *new, _ = self._run_packed(
+      flat,
+      {},
+      (),
+      opt_state,
+      params,
+      stale_params,
+      scale,
+      update_scale,
+      donate_state,
     )
+    return tuple(new)
 
   def update_packed_tied(
     self,
@@ -161,30 +152,59 @@ class StageOptimizer:
     and (``donate_state``) ``opt_state`` as ``update_packed`` does. No
     unpacked gradient crosses the host: on an H100 the separate unpack,
     eager adds and leaf-wise update cost ~3 ms of host time per step."""
+    return self._run_packed(
+      flat,
+      added,
+      replicas,
+      opt_state,
+      params,
+      stale_params,
+      scale,
+      update_scale,
+      donate_state,
+    )
+
+  def _run_packed(
+    self,
+    flat,
+    added,
+    replicas,
+    opt_state,
+    params,
+    stale_params,
+    scale,
+    update_scale,
+    donate_state,
+  ):
+    """The packed step program for ``added``'s positions, ``replicas``
+    and ``donate_state`` (compiled once each), run."""
     if self._grad_layout is None:
-      raise ValueError(
-        "update_packed_tied needs the StageOptimizer's grad_layout"
-      )
+      raise ValueError("update_packed needs the StageOptimizer's grad_layout")
     positions, replicas = tuple(sorted(added)), tuple(replicas)
     key = (positions, replicas, bool(donate_state))
-    if key not in self._tied_updates:
+    if key not in self._packed_updates:
       unpack = self._grad_layout.unpack
 
-      def update_tied(own, packed, added_grads, *args):
+      def update(own, packed, added_grads, *args):
         leaves = list(unpack((*own, *packed)))
         for p, g in zip(positions, added_grads, strict=True):
           leaves[p] = leaves[p] + g
         out = tuple(leaves[p] for p in replicas)
         return (*self._update(tuple(leaves), *args), out)
 
-      self._tied_updates[key] = jax.jit(
-        update_tied,
+      # The gradient's own buffers are donated (the new params are written
+      # into them instead of fresh memory: on a CPU core an SGD step over
+      # 16 MiB took 9.7 ms with fresh buffers -- page faults -- and 1.4 ms
+      # in donated ones), and with ``donate_state`` the optimizer state
+      # too. The small leaves' flat buffer matches no output: kept.
+      self._packed_updates[key] = jax.jit(
+        update,
         donate_argnums=(0, 3) if donate_state else (0,),
         compiler_options=self._options,
       )
     n = self._grad_layout.num_own if self._grad_layout.packed else 0
     flat = tuple(flat)
-    return self._tied_updates[key](
+    return self._packed_updates[key](
       flat[:n],
       flat[n:],
       tuple(added[p] for p in positions),
