@@ -29,7 +29,11 @@ in microseconds, is what a step takes beyond the 2x limit, per
 microbatch: (step time - the paired whole model's step time / 2) / m,
 median over the pairs -- transfers, dispatch, stage imbalance and (for
 gpipe / 1f1b) the bubble; unlike the ratio, it compares across machines
-of different speed.
+of different speed. Each row also keeps, per process, a ``jax.profiler``
+breakdown of 2 more steps of its last run (host time per kind of driver
+op -- forwards, backwards, steps, sends, receives -- dispatch against
+Python; ``experiments.runtime.trace_breakdown``), printed after the
+table.
 
   python -m experiments.distributed.throughput [--steps 20] [--layers 8]
       [--width 1024] [--batch 1024] [--schedules async] [--microbatches 4]
@@ -42,6 +46,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -133,8 +138,11 @@ def _pipeline(loss_fn, params, batch, schedule, m, plan=None, **kwargs):
   )
 
 
-def _time_pipeline(pipe, params, batch, steps, barrier=None):
-  """Seconds for ``steps`` steps after 3 warm-up steps."""
+def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
+  """Seconds for ``steps`` steps after 3 warm-up steps; with ``trace_dir``,
+  ``(seconds, breakdown)``: 2 more steps traced with ``jax.profiler`` and
+  parsed (``experiments.runtime.trace_breakdown``: this process's host
+  time per kind of op, its sends and receives included)."""
   import jax
 
   state = pipe.init(params)
@@ -150,7 +158,19 @@ def _time_pipeline(pipe, params, batch, steps, barrier=None):
   seconds = time.perf_counter() - t0
   if barrier:
     barrier("end")
-  return seconds
+  if trace_dir is None:
+    return seconds
+  from experiments.runtime import trace_breakdown
+
+  def run():
+    nonlocal state
+    state, metrics = pipe.step(state, batch)
+    jax.block_until_ready((state.stage_params, metrics["loss"]))
+
+  path = trace_breakdown.capture(run, 2, trace_dir)
+  if barrier:
+    barrier("traced")
+  return seconds, trace_breakdown.breakdown(path)
 
 
 def worker(schedule, m, steps, out, plan):
@@ -164,9 +184,20 @@ def worker(schedule, m, steps, out, plan):
 
   loss_fn, params, batch = _model()
   pipe = _pipeline(loss_fn, params, batch, schedule, m, plan)
-  seconds = _time_pipeline(
-    pipe, params, batch, steps, multihost_utils.sync_global_devices
-  )
+  with tempfile.TemporaryDirectory() as trace_dir:
+    seconds, breakdown = _time_pipeline(
+      pipe,
+      params,
+      batch,
+      steps,
+      multihost_utils.sync_global_devices,
+      trace_dir=trace_dir,
+    )
+  # Each process's breakdown beside the result, process 0's result last
+  # (the parent reads it once every process has written its own).
+  with open(f"{out}.process{jax.process_index()}", "w") as f:
+    json.dump(breakdown, f)
+  multihost_utils.sync_global_devices("breakdowns written")
   if jax.process_index() == 0:
     with open(out, "w") as f:
       json.dump({"seconds": seconds, "steps": steps}, f)
@@ -391,6 +422,11 @@ def main():
         rates.append(
           _examples_per_second([*launch, *me, *steps, *worker_args], tmp)
         )
+        breakdowns = []  # The last run's, per process.
+        for p in range(2):
+          with open(f"{tmp}.process{p}") as f:
+            breakdowns.append(json.load(f))
+          os.remove(f"{tmp}.process{p}")
       rate = float(np.median(rates))
       ratios = [r / w for r, w in zip(rates, wholes, strict=True)]
       fixed = [
@@ -412,6 +448,7 @@ def main():
           "fixed_us_per_microbatch": float(np.median(fixed)),
           "same_schedule_examples_per_second": same,
           "speedup_over_same_schedule": rate / same,
+          "breakdown_per_process": breakdowns,
         }
       )
   os.remove(tmp)
@@ -430,6 +467,15 @@ def main():
     "rows": rows,
   }
   print(_table(result))
+  from experiments.runtime import trace_breakdown
+
+  for r in rows:
+    print(f"\nhost time per op, {r['schedule']} / {r['microbatches']}:")
+    print(
+      trace_breakdown.table(
+        {f"process {p}": b for p, b in enumerate(r["breakdown_per_process"])}
+      )
+    )
   with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
     json.dump(result, f, separators=(",", ":"))
 
