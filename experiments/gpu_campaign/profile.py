@@ -44,6 +44,9 @@ RUNS = (
   ("1f1b", "1f1b", False),
   ("1f1b_command_buffers", "1f1b", True),
 )
+# --quick: the reference and one pipeline (the code paths; off a GPU the
+# CUDA-graph variants compile alike, and 1f1b's trace parses as async's).
+QUICK_RUNS = ("reference_async", "async")
 KEEP_TRACE_BYTES = 16 * 2**20
 
 
@@ -82,6 +85,8 @@ def main(args):
   loss_fn, params, batch, _ = _common.language_model(**size, dtype=args.dtype)
   tx = optax.adamw(1e-4)
   chosen = set(filter(None, args.profile_runs.split(",")))
+  if quick and not chosen:
+    chosen = set(QUICK_RUNS)
   unknown = chosen - {label for label, _, _ in RUNS}
   if unknown:
     raise ValueError(f"unknown profile runs {sorted(unknown)}: see RUNS")

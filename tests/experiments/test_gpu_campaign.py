@@ -76,6 +76,12 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
   assert methods == ["analytic", "xla", "measured"]
   for row in _load(tmp_path, "stage_times")["rows"]:
     assert sum(row["predicted_share"]) == pytest.approx(1.0)
+  profile = _load(tmp_path, "profile")["rows"]
+  assert [r["leaves"] for r in profile if r["what"] == "dispatch"] == [1, 16]
+  traces = {r["run"]: r for r in profile if r["what"] == "trace"}
+  assert set(traces) == {"reference_async", "async"}
+  assert {"F", "B", "S"} <= set(traces["async"]["ops"])
+  assert (tmp_path / "profile_trace_async.json.gz").exists()
   driver = _load(tmp_path, "driver")
   assert driver["host_profile"]["top_own_time"]
   assert driver["grad_buffers"]["results"]
