@@ -16,6 +16,15 @@ forward, the backward and Gap-Aware see depends on the mitigation:
   with the forward-time ones (FTPipe's policy ``all_except_last``). With ws
   that is FTPipe's ``ga``; without, the backward ran at the current params,
   which is FTPipe's ``ga_jfl`` gap with a non-stashed backward.
+- pm: PipeMare's learning-rate rescheduling (T1): stage s's rate divided by
+  d_s ** (1 - min(k / K, 1)) at step k, K = a quarter of the run.
+- nag: the delay-aware Nesterov method (Ajanthan et al., ICML 2025), as its
+  authors' code runs it: Adam / AdamW become PyTorch's NAdam(W) and SGD
+  Nesterov SGD, with each stage's momentum raised with its delay
+  (``--adaptive_momentum``: 0.9 + d_s (0.99 - 0.9) / n). ``nag99``: the
+  authors' "ours", beta1 = 0.99 on every stage (Adam / AdamW only: SGD's
+  rate tuned for momentum 0.9 would be ten times larger at 0.99). Both
+  with weight stashing (``ws+nag``), as the authors run them.
 - nr (FTPipe's no-recompute mode, with "none" or "wp"): the backward keeps
   the forward's activations (each unit's input and pre-activation) and
   reads the current params: weight gradients from the forward-time
@@ -38,7 +47,24 @@ import optax
 
 from jpipe import staleness
 
-METHODS = ("none", "ws", "wp", "ga", "wp+ga", "ws+ga", "nr", "wp+nr")
+METHODS = (
+  "none",
+  "ws",
+  "wp",
+  "ga",
+  "wp+ga",
+  "ws+ga",
+  "nr",
+  "wp+nr",
+  "pm",
+  "ws+pm",
+  "ws+nag",
+  "ws+nag99",
+  "ws+nag+pm",
+)
+# PipeMare's annealing: a quarter of the run (AsyncPP anneals over 7 of 50
+# epochs; a short run needs the rate back sooner).
+PIPEMARE_FRACTION = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +97,25 @@ class OptimizerSpec:
       optimizer=self.name,
       beta=beta,
       learning_rate=self.learning_rate,
+      weight_decay=self.weight_decay,
+    )
+
+  def delay_aware_nesterov(
+    self, delay: int, num_stages: int, fixed: bool
+  ) -> optax.GradientTransformation:
+    """The stage optimizer of the delay-aware Nesterov method."""
+    if fixed and self.name == "sgd":
+      raise ValueError("nag99 is for adam / adamw (see the module doc)")
+    return staleness.delay_aware_nesterov(
+      self.learning_rate,
+      delay=delay,
+      num_stages=num_stages,
+      optimizer=self.name,
+      momentum=staleness.NESTEROV_MOMENTUM
+      if fixed
+      else (self.momentum if self.name == "sgd" else self.b1),
+      adaptive=not fixed,
+      b2=self.b2,
       weight_decay=self.weight_decay,
     )
 
@@ -151,6 +196,27 @@ def split_units(num_units: int, num_stages: int) -> list[range]:
   ]
 
 
+def applies(opt_name: str, method: str) -> bool:
+  """Whether ``method`` is defined for optimizer ``opt_name`` (nag99 is
+  not for SGD)."""
+  return not (opt_name == "sgd" and "nag99" in method.split("+"))
+
+
+def _stage_tx(opt, method, delay, num_stages, num_steps):
+  """Stage optimizer of a stage of delay ``delay`` under ``method``."""
+  parts = method.split("+")
+  if "nag" in parts or "nag99" in parts:
+    tx = opt.delay_aware_nesterov(delay, num_stages, fixed="nag99" in parts)
+  elif "ga" in parts:
+    tx = opt.with_gap_aware()
+  else:
+    tx = opt.base()
+  if "pm" in parts:
+    anneal = max(1, round(PIPEMARE_FRACTION * num_steps))
+    tx = optax.chain(tx, staleness.pipemare_learning_rate(delay, anneal))
+  return tx
+
+
 def make_train(
   units_per_stage: list[range],
   num_units: int,
@@ -172,8 +238,8 @@ def make_train(
   stash_backward = "ws" in method
   predict_forward = "wp" in method
   no_recompute = "nr" in method
-  use_gap_aware = "ga" in method
-  tx = opt.with_gap_aware() if use_gap_aware else opt.base()
+  use_gap_aware = "ga" in method.split("+")
+  txs = [_stage_tx(opt, method, d, num_stages, num_steps) for d in delays]
   predict = opt.predictor()
 
   def stage_fn(s):
@@ -232,7 +298,7 @@ def make_train(
     new_params, new_states, new_stashes = [], [], []
     for s in range(num_stages):
       extra = {"stale_params": forward[s]} if use_gap_aware else {}
-      updates, state = tx.update(grads[s], states[s], params[s], **extra)
+      updates, state = txs[s].update(grads[s], states[s], params[s], **extra)
       p = optax.apply_updates(params[s], updates)
       upcoming = p
       if predict_forward and delays[s] > 0:
@@ -247,7 +313,7 @@ def make_train(
   def train(stage_params, data):
     carry = (
       list(stage_params),
-      [tx.init(p) for p in stage_params],
+      [tx.init(p) for tx, p in zip(txs, stage_params, strict=True)],
       [
         staleness.stash_init(p, d + 1)
         for p, d in zip(stage_params, delays, strict=True)

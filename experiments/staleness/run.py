@@ -2,8 +2,9 @@ r"""Staleness study: does each mitigation recover what delay costs?
 
 Trains a 9-unit residual MLP on the embedded digits data as an asynchronous
 pipeline of d + 1 stages (maximum delay d; see pipeline_sim.py) for every
-mitigation in {none, ws, wp, ga, wp+ga, ws+ga} and optimizer in {SGD with
-momentum, Adam, AdamW}, over several seeds, and writes
+mitigation (FTPipe's none, ws, wp, ga, wp+ga, ws+ga, nr, wp+nr; PipeMare's
+pm; the delay-aware Nesterov method's nag, nag99; see pipeline_sim.py) and
+optimizer in {SGD with momentum, Adam, AdamW}, over several seeds, and writes
 
   <out_dir>/staleness.json   every run's curves and final numbers
   <out_dir>/staleness.md     the tables (test accuracy, final train loss)
@@ -121,6 +122,8 @@ def table(results, opt_names, delays, methods, key, fmt):
   lines = [head + " |", "|---|---|" + "---|" * len(delays)]
   for opt in opt_names:
     for method in methods:
+      if not pipeline_sim.applies(opt, method):
+        continue
       cells = []
       for d in delays:
         r = results[(opt, d, "none" if d == 0 else method)]
@@ -160,6 +163,8 @@ def plot(curves, opt_names, delays, methods, path, steps):
           smooth(curves[(opt, 0, "none")]), "k--", lw=1.2, label="d=0 (sync)"
         )
       for method in methods if d else []:
+        if (opt, d, method) not in curves:
+          continue
         ax.plot(smooth(curves[(opt, d, method)]), lw=1.0, label=method)
       ax.set_yscale("log")
       ax.set_ylim(top=10.0)  # Diverged runs leave the plot upwards.
@@ -213,6 +218,7 @@ def main(argv):
     for o in FLAGS.optimizers
     for d in delays
     for m in (["none"] if d == 0 else methods)
+    if pipeline_sim.applies(o, m)
   ]
   results, curves, records = {}, {}, []
   start = time.time()

@@ -180,20 +180,30 @@ def _stage_optimizers(
   optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
   last = stages.num_stages - 1
+  # Per-stage optimizers must share one state layout: that of stage
+  # delay 0's.
+  reference = staleness.stage_transform(optimizer, 0, stages.num_stages)
   optimizers = []
   for s, layout in enumerate(grad_layouts):
     own = s == last and staleness.last_stage_optimizer is not None
     horizon = stream.max_delay(s) if stream else 0
+    leaves = stages.specs[s].param_leaves
+    tx = staleness.stage_transform(
+      staleness.last_stage_optimizer if own else optimizer,
+      horizon,
+      stages.num_stages,
+    )
+    if tx is not optimizer:
+      _check_same_state(reference, tx, s, [names[i] for i in leaves])
     if staleness.nag_with_predictor:
       horizon = max(horizon, 1)
-    leaves = stages.specs[s].param_leaves
     # Asynchronous: replicas of tied leaves another stage owns never step.
     replica = tied.replica_positions(s) if stream else set()
     positions = [p for p in range(len(leaves)) if p not in replica]
     optimizers.append(
       StageOptimizer(
         [names[leaves[p]] for p in positions],
-        staleness.last_stage_optimizer if own else optimizer,
+        tx,
         positions=positions,
         gap_aware=staleness.gap_aware_at(
           partition_lib.steady_state_delay(stages.num_stages, s)
@@ -206,6 +216,22 @@ def _stage_optimizers(
       )
     )
   return tuple(optimizers)
+
+
+def _check_same_state(reference, tx, stage, leaf_names) -> None:
+  """Raises ValueError unless ``tx``'s state (stage ``stage``'s own
+  optimizer) is laid out like ``reference``'s (a delay-0 stage's): one
+  checkpoint holds every stage's, merged by leaf."""
+  probe = {name: jax.ShapeDtypeStruct((2,), "float32") for name in leaf_names}
+  want = jax.tree.structure(jax.eval_shape(reference.init, probe))
+  got = jax.tree.structure(jax.eval_shape(tx.init, probe))
+  if want != got:
+    raise ValueError(
+      f"stage {stage}'s optimizer keeps a state shaped unlike a delay-0 "
+      f"stage's ({got} vs {want}): one checkpoint holds every stage's "
+      "state, so stage_optimizer (and last_stage_optimizer) must build "
+      "one optimizer family for every delay"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

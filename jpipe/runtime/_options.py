@@ -71,6 +71,40 @@ def _check_gap_aware(gap_aware, gap_aware_options, step_every, recompute):
     )
 
 
+def _check_delay_corrections(
+  pipemare_anneal_steps, stage_optimizer, last_stage_optimizer, prediction
+):
+  """PipeMare's rescheduling and per-stage optimizers: a positive K, one
+  source of the last stage's optimizer, no prediction (it replays
+  ``optimizer``, not the stage's own)."""
+  if pipemare_anneal_steps is not None and not (
+    isinstance(pipemare_anneal_steps, int) and pipemare_anneal_steps >= 1
+  ):
+    raise ValueError(
+      f"pipemare_anneal_steps must be an int >= 1 (optimizer steps over "
+      f"which a stage's rate returns from 1/delay to 1), got "
+      f"{pipemare_anneal_steps!r}"
+    )
+  if stage_optimizer is not None and not callable(stage_optimizer):
+    raise ValueError(
+      "stage_optimizer must be a function (delay, num_stages) -> optax "
+      f"optimizer, got {type(stage_optimizer).__name__}"
+    )
+  if stage_optimizer is not None and last_stage_optimizer is not None:
+    raise ValueError(
+      "stage_optimizer already gives the last stage its optimizer: drop "
+      "last_stage_optimizer (or return it from stage_optimizer for "
+      "delay 0)"
+    )
+  corrected = pipemare_anneal_steps is not None or stage_optimizer is not None
+  if corrected and prediction is not None:
+    raise ValueError(
+      "prediction replays the pipeline's optimizer, not a stage's own "
+      "(stage_optimizer) or rescheduled one (pipemare_anneal_steps): use "
+      "one of them, or prediction alone"
+    )
+
+
 def check_staleness_options(
   schedule,
   *,
@@ -86,6 +120,8 @@ def check_staleness_options(
   last_stage_optimizer=None,
   partial_window="mean",
   supremum_staleness=None,
+  pipemare_anneal_steps=None,
+  stage_optimizer=None,
 ):
   """Clear errors for option combinations the semantics do not define."""
   _check_values(
@@ -125,11 +161,16 @@ def check_staleness_options(
       f"{schedule_lib.STREAMS}; {schedule!r} flushes every call: for its "
       "backward split use schedule 'zbh1', 'zbv' or 'dualpipev'"
     )
+  _check_delay_corrections(
+    pipemare_anneal_steps, stage_optimizer, last_stage_optimizer, prediction
+  )
   mitigations = {
     "weight_stashing": weight_stashing,
     "prediction": prediction,
     "gap_aware": gap_aware,
     "last_stage_optimizer": last_stage_optimizer,
+    "pipemare_anneal_steps": pipemare_anneal_steps,
+    "stage_optimizer": stage_optimizer,
   }
   if schedule != "async":
     used = [k for k, v in mitigations.items() if v]
@@ -212,6 +253,17 @@ class Staleness:
       split): the stage before waits for I only. Same steps, same delays
       (``jpipe.schedule.Stream``); the drain, the stream's only bubble,
       is shorter by about ``n - 2`` W's. Compiles the I and W programs.
+    pipemare_anneal_steps: ``async``: PipeMare's learning-rate
+      rescheduling (``staleness.pipemare_learning_rate``): a stage whose
+      gradients are d steps late scales its updates by
+      ``d ** -(1 - min(k / K, 1))`` at step k, K this many steps. None: off.
+    stage_optimizer: ``async``: ``(delay, num_stages) -> optax optimizer``,
+      each stage's own optimizer from its steady-state delay (in steps)
+      instead of ``optimizer`` -- e.g. the delay-aware Nesterov method
+      with adaptive momentum, ``lambda d, n:
+      staleness.delay_aware_nesterov(lr, delay=d, num_stages=n,
+      adaptive=True)``. Its state must be shaped like ``optimizer``'s for
+      every delay (one checkpoint holds every stage's).
   """
 
   recompute: bool = True
@@ -228,6 +280,10 @@ class Staleness:
   last_stage_optimizer: optax.GradientTransformation | None = None
   partial_window: str = "mean"
   supremum_staleness: int | str | None = None
+  pipemare_anneal_steps: int | None = None
+  stage_optimizer: Callable[[int, int], optax.GradientTransformation] | None = (
+    None
+  )
 
   def check(self, schedule: str, optimizer=None, params=None) -> None:
     """Raises ValueError for options ``schedule`` does not define, and
@@ -278,6 +334,30 @@ class Staleness:
     if self.prediction is None:
       return None
     return self.predictor or staleness_lib.replay_predictor(optimizer)
+
+  def stage_transform(
+    self,
+    optimizer: optax.GradientTransformation,
+    delay: int,
+    num_stages: int,
+  ) -> optax.GradientTransformation:
+    """The optimizer of a stage whose steady-state delay is ``delay``
+    steps: ``stage_optimizer``'s (else ``optimizer``), rescheduled by
+    PipeMare where ``pipemare_anneal_steps`` is set."""
+    tx = optimizer
+    if self.stage_optimizer is not None:
+      tx = self.stage_optimizer(delay, num_stages)
+      if not isinstance(tx, optax.GradientTransformation):
+        raise ValueError(
+          f"stage_optimizer({delay}, {num_stages}) returned "
+          f"{type(tx).__name__}, not an optax GradientTransformation"
+        )
+    if self.pipemare_anneal_steps is not None:
+      tx = optax.chain(
+        tx,
+        staleness_lib.pipemare_learning_rate(delay, self.pipemare_anneal_steps),
+      )
+    return tx
 
   def stream_warmups(self, num_stages: int, num_devices: int):
     """Per stage, the stream's warm-up forwards under

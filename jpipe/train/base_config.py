@@ -173,6 +173,16 @@ def _staleness_fields(c: ml_collections.ConfigDict) -> None:
   # A step_every window a flush cuts short (r of se): "mean" (its mean) or
   # "ftpipe" (the sum over se, the learning rate times r / se).
   c.staleness.partial_window = "mean"
+  # PipeMare's learning-rate rescheduling: a stage d steps late scales its
+  # rate by d ** -(1 - min(k / K, 1)); K in optimizer steps, 0 = off, -1 = a
+  # quarter of the run.
+  c.staleness.pipemare_anneal_steps = 0
+  # The delay-aware Nesterov method (Ajanthan et al., ICML 2025): each
+  # stage steps with NAdam(W) (adam, adamw) or Nesterov SGD (sgd): ""
+  # (off), "adaptive" (momentum raised with the stage's delay, from the
+  # optimizer's toward 0.99) or "fixed" (beta1 0.99 on every stage: the
+  # authors' runs; adam / adamw). Run it with stashing, as they do.
+  c.staleness.delay_nesterov = ""
 
 
 def _data_parallel_fields(c: ml_collections.ConfigDict) -> None:
@@ -371,6 +381,9 @@ MITIGATIONS = {"ws": "stashing", "wp": "prediction", "ga": "gap_aware"}
 # FTPipe's further options a variant may add: no recomputation, NAG with
 # the predictor, a Nesterov last stage.
 FTPIPE_OPTIONS = ("nr", "nag", "nesterov")
+# The newer delay corrections a variant may add: PipeMare's rescheduling
+# over a quarter of the run, the delay-aware Nesterov method (adaptive).
+DELAY_CORRECTIONS = ("pm", "dnag")
 # Variants naming a schedule outright (the rest set staleness options).
 SYNCHRONOUS_VARIANTS = schedule_lib.SYNCHRONOUS
 
@@ -388,7 +401,10 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       gradients from the forward's activations, input gradients at the
       current weights), "nag" (``staleness.nag_with_predictor``, with
       "wp"), "nesterov" (``staleness.nesterov_last_stage``) -- e.g.
-      "stale+nr", FTPipe's WRN "wp+nag+nesterov"; "2bw"
+      "stale+nr", FTPipe's WRN "wp+nag+nesterov" -- and the newer
+      corrections "pm" (PipeMare, ``staleness.pipemare_anneal_steps`` a
+      quarter of the run) and "dnag" (``staleness.delay_nesterov``
+      "adaptive"), e.g. "ws+dnag"; "2bw"
       (PipeDream-2BW); or a synchronous schedule (``jpipe.schedule.
       SYNCHRONOUS``: "seq", "gpipe", "1f1b", "zbh1", ...).
   """
@@ -398,12 +414,15 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
     if variant == "2bw":
       c.schedule.step_every = c.pipeline.num_microbatches
     return
-  known = set(MITIGATIONS) | set(FTPIPE_OPTIONS) | {"stale"}
+  known = (
+    set(MITIGATIONS) | set(FTPIPE_OPTIONS) | set(DELAY_CORRECTIONS) | {"stale"}
+  )
   if not set(parts) <= known or len(set(parts)) != len(parts):
     raise ValueError(
       f"unknown config variant {variant!r}: use 'stale', a '+'-joined "
       f"combination of {sorted(MITIGATIONS)} (and FTPipe's "
-      f"{list(FTPIPE_OPTIONS)}), '2bw' or one of {SYNCHRONOUS_VARIANTS} "
+      f"{list(FTPIPE_OPTIONS)}, the corrections {list(DELAY_CORRECTIONS)}), "
+      f"'2bw' or one of {SYNCHRONOUS_VARIANTS} "
       "(e.g. --config configs/wrn_stale.py:ws+wp)"
     )
   c.schedule.name = "async"
@@ -412,6 +431,8 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
   c.staleness.gap_aware = "ga" if "ga" in parts else ""
   c.staleness.nag_with_predictor = "nag" in parts
   c.staleness.nesterov_last_stage = "nesterov" in parts
+  c.staleness.pipemare_anneal_steps = -1 if "pm" in parts else 0
+  c.staleness.delay_nesterov = "adaptive" if "dnag" in parts else ""
   # Recompute unless stashing (ws without nr: saved residuals, at the
   # forward's params) or FTPipe's nr asked for.
   c.pipeline.recompute = not (c.staleness.stashing or "nr" in parts)

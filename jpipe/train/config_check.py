@@ -6,6 +6,7 @@ import ml_collections
 
 from jpipe import dynamic, parallel, partition
 from jpipe import schedule as schedule_lib
+from jpipe import staleness as staleness_lib
 from jpipe.runtime import GAP_AWARE_POLICIES, Staleness
 from jpipe.train import input_pipeline, optimizers, tasks, user_code
 from jpipe.train.data_parallel_lib import uses_data_parallel
@@ -58,7 +59,55 @@ def staleness(config, learning_rate=None) -> Staleness:
     else None,
     partial_window=st.partial_window,
     supremum_staleness=supremum_staleness(config.schedule.supremum_staleness),
+    pipemare_anneal_steps=pipemare_anneal_steps(config),
+    stage_optimizer=delay_nesterov(config, learning_rate),
   )
+
+
+def steps_per_call(config) -> int:
+  """Optimizer steps one pipeline step takes."""
+  if config.schedule.name == "async":
+    m = config.pipeline.num_microbatches
+    return -(-m // config.schedule.step_every)
+  if config.schedule.name == "2bw":
+    return config.pipeline.num_microbatches // config.schedule.step_every
+  return 1
+
+
+def pipemare_anneal_steps(config) -> int | None:
+  """``staleness.pipemare_anneal_steps`` as ``jpipe.Pipeline`` takes it:
+  0 -> None (off), -1 -> a quarter of the run's optimizer steps."""
+  k = config.staleness.pipemare_anneal_steps
+  if k == -1:
+    return max(1, config.train.steps * steps_per_call(config) // 4)
+  return k or None
+
+
+def delay_nesterov(config, learning_rate=None):
+  """``staleness.delay_nesterov`` as ``jpipe.Pipeline``'s
+  ``stage_optimizer``: ``(delay, num_stages) -> optimizer``, or None."""
+  mode = config.staleness.delay_nesterov
+  if not mode:
+    return None
+  opt = config.optimizer
+  args = optimizers.parse_args(opt.args)
+  base = opt.momentum if opt.name == "sgd" else args.get("b1", 0.9)
+  lr = 0.0 if learning_rate is None else learning_rate
+
+  def stage_optimizer(delay, num_stages):
+    return staleness_lib.delay_aware_nesterov(
+      lr,
+      delay=delay,
+      num_stages=num_stages,
+      optimizer=opt.name,
+      momentum=staleness_lib.NESTEROV_MOMENTUM if mode == "fixed" else base,
+      adaptive=mode == "adaptive",
+      b2=args.get("b2", 0.999),
+      eps=args.get("eps", 1e-8),
+      weight_decay=opt.weight_decay,
+    )
+
+  return stage_optimizer
 
 
 def supremum_staleness(text: str) -> int | str | None:
@@ -354,12 +403,50 @@ def _check_staleness(config, need, problems) -> None:
     "FTPipe's Nesterov last stage is momentum SGD's: set "
     "--config.optimizer.name=sgd and a momentum > 0, or drop it",
   )
-  uses = st.stashing or st.prediction or st.gap_aware
+  need(
+    st.delay_nesterov in ("", "adaptive", "fixed"),
+    "staleness.delay_nesterov",
+    f"{st.delay_nesterov!r} is not one of '', 'adaptive', 'fixed'",
+  )
+  need(
+    not st.delay_nesterov
+    or config.optimizer.name in optimizers.STALENESS_AWARE,
+    "staleness.delay_nesterov",
+    f"the delay-aware Nesterov method replaces sgd, adam or adamw with "
+    f"their Nesterov forms, not {config.optimizer.name!r}: set "
+    f"--config.optimizer.name to one of {optimizers.STALENESS_AWARE}",
+  )
+  need(
+    not (st.delay_nesterov == "fixed" and config.optimizer.name == "sgd"),
+    "staleness.delay_nesterov",
+    "'fixed' (beta1 0.99 on every stage) is the authors' NAdamW for adam "
+    "/ adamw; SGD's rate would act ten times larger: use 'adaptive'",
+  )
+  need(
+    isinstance(st.pipemare_anneal_steps, int)
+    and st.pipemare_anneal_steps >= -1,
+    "staleness.pipemare_anneal_steps",
+    f"{st.pipemare_anneal_steps!r}: optimizer steps (0 = off, -1 = a "
+    "quarter of the run)",
+  )
+  need(
+    not ((st.pipemare_anneal_steps or st.delay_nesterov) and st.prediction),
+    "staleness.prediction",
+    "prediction replays the configured optimizer, not a stage's own "
+    "(delay_nesterov) or rescheduled one (pipemare_anneal_steps): drop one",
+  )
+  uses = (
+    st.stashing
+    or st.prediction
+    or st.gap_aware
+    or st.pipemare_anneal_steps
+    or st.delay_nesterov
+  )
   need(
     not uses or config.schedule.name == "async",
     "staleness",
-    "weight stashing, prediction and gap-aware apply to "
-    "schedule.name='async' only",
+    "weight stashing, prediction, gap-aware and the delay corrections "
+    "apply to schedule.name='async' only",
   )
   need(
     not st.gap_aware or config.schedule.step_every == 1,

@@ -11,6 +11,9 @@ fingerprint), and how many optimizer steps one pipeline step takes.
 import dataclasses
 
 from jpipe.train import config_check
+
+# Where the config decides it; kept here for its callers.
+from jpipe.train.config_check import steps_per_call as steps_per_call
 from jpipe.train.data_parallel_lib import uses_data_parallel
 
 MODES = ("pipeline", "data_parallel", "dynamic")
@@ -57,16 +60,6 @@ def describe(config) -> Run:
   return Run(
     mode, config.train.steps, steps_per_call(config), fingerprint(config)
   )
-
-
-def steps_per_call(config) -> int:
-  """Optimizer steps one pipeline step takes."""
-  if config.schedule.name == "async":
-    m = config.pipeline.num_microbatches
-    return -(-m // config.schedule.step_every)
-  if config.schedule.name == "2bw":
-    return config.pipeline.num_microbatches // config.schedule.step_every
-  return 1
 
 
 def fingerprint(config) -> dict:

@@ -103,6 +103,18 @@ def _reference(pipe, params, streams, tx, opts):
   ]
   if last_tx is not None:
     txs[n - 1] = last_tx
+  # Delay corrections: each stage's optimizer from its delay (its warm-up
+  # forwards, step_every 1); PipeMare's rate rescheduling after it.
+  for s in range(n):
+    if opts.get("stage_optimizer") is not None:
+      txs[s] = opts["stage_optimizer"](warmups[s], n)
+    if opts.get("pipemare_anneal_steps") is not None:
+      txs[s] = optax.chain(
+        txs[s],
+        staleness.pipemare_learning_rate(
+          warmups[s], opts["pipemare_anneal_steps"]
+        ),
+      )
   # Tied params: the first stage reading a leaf owns it; later stages use,
   # for microbatch b, the value the owner's forward of b used, and hand
   # their gradient to the owner's step.
@@ -347,6 +359,54 @@ FTPIPE_OPTIONS = {
   "partial-ftpipe": dict(step_every=2, partial_window="ftpipe"),
   "partial-mean": dict(step_every=2, partial_window="mean"),
 }
+
+# The newer delay corrections (issue 34): PipeMare's rate rescheduling and
+# the delay-aware Nesterov method's per-stage momentum, with stashing as
+# their authors run them.
+DELAY_CORRECTIONS = {
+  "pipemare": dict(weight_stashing=True, pipemare_anneal_steps=4),
+  "pipemare-recompute": dict(pipemare_anneal_steps=3),
+  "nesterov-adaptive": dict(
+    weight_stashing=True,
+    stage_optimizer=lambda d, n: staleness.delay_aware_nesterov(
+      0.3, delay=d, num_stages=n, optimizer="sgd", momentum=0.5, adaptive=True
+    ),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(DELAY_CORRECTIONS))
+def test_delay_corrections_stream_like_the_reference(name):
+  """Each stage steps with its own delay's optimizer, over calls and
+  flushes; and the run differs from the uncorrected one."""
+  opts = DELAY_CORRECTIONS[name]
+  pipe, params, _ = _build(opts, SGD)
+  _check_against_reference(pipe, params, SGD, opts, CALLS)
+  base = {k: v for k, v in opts.items() if k == "weight_stashing"}
+
+  def final(o):
+    pipe, params, _ = _build(o, SGD)
+    state = pipe.init(params)
+    data = _mlp_data(sum(c for c in CALLS if c != "flush"))
+    state, _, _, _ = _run_calls(pipe, state, data, CALLS)
+    return np.concatenate(
+      [np.ravel(x) for x in jax.tree.leaves(state.stage_params)]
+    )
+
+  assert np.abs(final(opts) - final(base)).max() > 1e-5
+
+
+def test_delay_corrections_are_checked():
+  with pytest.raises(ValueError, match="prediction replays"):
+    _build(dict(prediction="msnag", pipemare_anneal_steps=5), SGD)
+  with pytest.raises(ValueError, match="int >= 1"):
+    _build(dict(pipemare_anneal_steps=0), SGD)
+  with pytest.raises(ValueError, match="apply to the asynchronous"):
+    _build(dict(schedule="1f1b", pipemare_anneal_steps=5), SGD)
+  with pytest.raises(ValueError, match="one optimizer family"):
+    _build(
+      dict(stage_optimizer=lambda d, n: optax.adam(1e-3) if d else SGD), SGD
+    )
 
 
 @pytest.mark.parametrize("name", list(FTPIPE_OPTIONS))

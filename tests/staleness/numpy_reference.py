@@ -139,3 +139,35 @@ class AdamGapAware:
     self.theta = self.theta - step
     self.s = self.beta * self.s + (1 - self.beta) * step**2
     return self.theta
+
+
+def nadamw_steps(theta, grads, lr, b1, b2, eps, wd, psi):
+  """PyTorch's NAdam (decoupled weight decay), as its documentation's
+  pseudocode writes it, over the given gradients: the params after each."""
+  theta = np.array(theta, np.float64)
+  m = np.zeros_like(theta)
+  v = np.zeros_like(theta)
+  mu_product = 1.0
+  out = []
+  for t, g in enumerate(grads, start=1):
+    g = np.asarray(g, np.float64)
+    theta = theta - lr * wd * theta
+    mu_t = b1 * (1 - 0.5 * 0.96 ** (t * psi))
+    mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
+    mu_product *= mu_t
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    m_hat = mu_next * m / (1 - mu_product * mu_next) + (1 - mu_t) * g / (
+      1 - mu_product
+    )
+    v_hat = v / (1 - b2**t)
+    theta = theta - lr * m_hat / (np.sqrt(v_hat) + eps)
+    out.append(theta.copy())
+  return out
+
+
+def pipemare_lr(base_lr, delay, step, anneal_steps):
+  """PipeMare T1 as AsyncPP's adjust_learning_rate writes it (step from 0)."""
+  if delay <= 1:
+    return base_lr
+  return base_lr / delay ** (1 - min((1 + step) / anneal_steps, 1))

@@ -80,6 +80,7 @@ def test_the_configs_are_the_ones_the_issue_names():
   ]
   + [
     ("wrn_stale", ("ws+wp+ga",)),
+    ("wrn_stale", ("ws+pm+dnag",)),
     ("pipedream_vgg", ("2bw",)),
     ("pipedream_resnet", ("1f1b",)),
   ],
@@ -153,6 +154,36 @@ def test_ftpipe_variant_options_reach_the_pipeline():
   config = _get_config("wrn_stale", "gpipe")
   config.schedule.supremum_staleness = "auto"
   with pytest.raises(ValueError, match="supremum_staleness caps"):
+    config_check.check(config)
+
+
+def test_delay_correction_variants_reach_the_pipeline():
+  config = _get_config("wrn_stale", "ws+pm+dnag")
+  config_check.check(config)
+  value = config_check.staleness(config, 0.1)
+  optimizer_steps = config.train.steps * config_check.steps_per_call(config)
+  assert value.pipemare_anneal_steps == optimizer_steps // 4
+  assert value.weight_stashing
+  # Stage of delay 2 of 4 with momentum SGD (0.9): Nesterov SGD with the
+  # authors' adaptive momentum 0.9 + 2 (0.99 - 0.9) / 4, restated on one
+  # step from v = 0: update -lr (g + mu g).
+  assert config.optimizer.name == "sgd" and config.optimizer.momentum == 0.9
+  config.optimizer.weight_decay = 0.0
+  tx = config_check.staleness(config, 0.1).stage_optimizer(2, 4)
+  g = {"w": np.array([1.0, -2.0])}
+  updates, _ = tx.update(g, tx.init(g), g)
+  mu = 0.9 + 2 * (0.99 - 0.9) / 4
+  np.testing.assert_allclose(updates["w"], -0.1 * (g["w"] + mu * g["w"]))
+  config = _get_config("wrn_stale", "ws+dnag")
+  config.staleness.delay_nesterov = "fixed"
+  with pytest.raises(ValueError, match="use 'adaptive'"):
+    config_check.check(config)
+  config = _get_config("wrn_stale", "wp+pm")
+  with pytest.raises(ValueError, match="prediction replays"):
+    config_check.check(config)
+  config = _get_config("wrn_stale", "gpipe")
+  config.staleness.pipemare_anneal_steps = 100
+  with pytest.raises(ValueError, match="delay corrections"):
     config_check.check(config)
 
 
