@@ -202,7 +202,7 @@ def applies(opt_name: str, method: str) -> bool:
   return not (opt_name == "sgd" and "nag99" in method.split("+"))
 
 
-def _stage_tx(opt, method, delay, num_stages, num_steps):
+def stage_optimizer(opt, method, delay, num_stages, num_steps):
   """Stage optimizer of a stage of delay ``delay`` under ``method``."""
   parts = method.split("+")
   if "nag" in parts or "nag99" in parts:
@@ -239,7 +239,7 @@ def make_train(
   predict_forward = "wp" in method
   no_recompute = "nr" in method
   use_gap_aware = "ga" in method.split("+")
-  txs = [_stage_tx(opt, method, d, num_stages, num_steps) for d in delays]
+  txs = [stage_optimizer(opt, method, d, num_stages, num_steps) for d in delays]
   predict = opt.predictor()
 
   def stage_fn(s):

@@ -165,7 +165,11 @@ def plot(curves, opt_names, delays, methods, path, steps):
       for method in methods if d else []:
         if (opt, d, method) not in curves:
           continue
-        ax.plot(smooth(curves[(opt, d, method)]), lw=1.0, label=method)
+        # One colour per method in every panel (SGD has no nag99).
+        color = f"C{methods.index(method) % 10}"
+        ax.plot(
+          smooth(curves[(opt, d, method)]), lw=1.0, label=method, color=color
+        )
       ax.set_yscale("log")
       ax.set_ylim(top=10.0)  # Diverged runs leave the plot upwards.
       ax.set_title(f"{opt}, max delay d={d}")
@@ -173,7 +177,8 @@ def plot(curves, opt_names, delays, methods, path, steps):
         ax.set_ylabel("train loss (mean of seeds)")
       if i == len(opt_names) - 1:
         ax.set_xlabel("step")
-  axes[0][0].legend(fontsize=7)
+  # The legend of the panel with the most methods (some skip a few).
+  max(axes.ravel(), key=lambda a: len(a.lines)).legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

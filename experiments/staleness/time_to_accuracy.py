@@ -30,11 +30,12 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from experiments.runtime import stage_costs  # noqa: E402
-from jpipe import staleness  # noqa: E402
+from experiments.staleness.predicted_time import (  # noqa: E402
+  isolated_costs,
+  seconds_per_step,
+)
 from jpipe.train import config_plan, tasks, train_lib  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
@@ -83,47 +84,6 @@ def _config(path, variant, steps):
     config.staleness.gap_aware = ""  # (Gap-Aware needs step_every 1.)
   config.train.steps = steps
   return config
-
-
-def isolated_costs(config, task, prediction_delay=0):
-  """Per-stage forward, backward and step seconds of the variant, each
-  action timed alone (``experiments/runtime/stage_costs.py``) on a
-  ``seq`` twin of its pipeline (same model, partition, recomputation);
-  with ``prediction_delay``, each forward is charged one prediction."""
-  twin = ml_collections.ConfigDict(config.to_dict())
-  twin.schedule.name = "seq"
-  twin.schedule.step_every = 1
-  twin.staleness.stashing = False
-  twin.staleness.prediction = ""
-  twin.staleness.gap_aware = ""
-  twin.pipeline.fuse_last_stage = False
-  lr = train_lib.learning_rate(twin)
-  tx = train_lib.build_optimizer(twin, lr)
-  pipe = train_lib.build_pipeline(twin, task, task.batch_at(0), tx, lr)
-  state = pipe.init(task.params, task.model_state)
-  predictor = staleness.replay_predictor(tx) if prediction_delay else None
-  return stage_costs.isolated_stage_costs(
-    pipe,
-    state,
-    [task.batch_at(i) for i in range(6)],
-    predictor=predictor,
-    delay=prediction_delay,
-  )
-
-
-def seconds_per_step(config, costs, calls):
-  """Predicted seconds per ``step`` call: the config's schedule simulated
-  over ``calls`` calls with per-stage costs (a stream: its warm-up paid
-  once per evaluation interval, where the loop flushes)."""
-  timeline = stage_costs.simulate_calls(
-    config.schedule.name,
-    len(costs["F"]),
-    config.pipeline.num_microbatches,
-    calls,
-    costs,
-    config.schedule.step_every,
-  )
-  return timeline.makespan / calls
 
 
 def run(model, variant):

@@ -306,6 +306,9 @@ class _Loop:
         other_seconds=time.perf_counter() - since,
       )
     if row:
+      # Training time so far in this run (evaluations, checkpoints and the
+      # first, compiling unit left out): time to a target, on a clock.
+      row["time/train_seconds"] = self.seconds
       self.log.write(done, **row)
     if checkpoint or requested:
       self.checkpoints.save(

@@ -83,12 +83,17 @@ def test_two_stage_pipeline_matches_reference(method, stash):
 def test_one_stage_is_plain_training():
   data, units = _setup()
   opt = pipeline_sim.OptimizerSpec("adam", learning_rate=1e-2)
-  for method in pipeline_sim.METHODS:  # all mitigations are no-ops at d=0
+  # Every mitigation is a no-op at d = 0: training is plain training with
+  # the stage's optimizer (the base one, or the Nesterov method's NAdam).
+  for method in pipeline_sim.METHODS:
     train = pipeline_sim.make_train(
       [range(NUM_UNITS)], NUM_UNITS, opt, method, STEPS, STEPS
     )
     out = jax.jit(train)([units], data)
-    tx, params, state = opt.base(), units, opt.base().init(units)
+    tx = pipeline_sim.stage_optimizer(opt, method, 0, 1, STEPS)
+    if "nag" not in method:
+      tx = opt.base()
+    params, state = units, tx.init(units)
     losses = []
     for t in range(STEPS):
       idx = data["order"][t]
