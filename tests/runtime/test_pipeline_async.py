@@ -383,17 +383,7 @@ def test_delay_corrections_stream_like_the_reference(name):
   pipe, params, _ = _build(opts, SGD)
   _check_against_reference(pipe, params, SGD, opts, CALLS)
   base = {k: v for k, v in opts.items() if k == "weight_stashing"}
-
-  def final(o):
-    pipe, params, _ = _build(o, SGD)
-    state = pipe.init(params)
-    data = _mlp_data(sum(c for c in CALLS if c != "flush"))
-    state, _, _, _ = _run_calls(pipe, state, data, CALLS)
-    return np.concatenate(
-      [np.ravel(x) for x in jax.tree.leaves(state.stage_params)]
-    )
-
-  assert np.abs(final(opts) - final(base)).max() > 1e-5
+  assert np.abs(_final_params(opts) - _final_params(base)).max() > 1e-5
 
 
 def test_delay_corrections_are_checked():
@@ -419,17 +409,19 @@ def test_ftpipe_options_stream_like_the_reference(name):
   _check_against_reference(pipe, params, SGD, opts, CALLS)
 
 
+def _final_params(opts):
+  """The stage params, flattened, after ``CALLS`` under ``opts`` (SGD)."""
+  pipe, params, _ = _build(opts, SGD)
+  state = pipe.init(params)
+  data = _mlp_data(sum(c for c in CALLS if c != "flush"))
+  state, _, _, _ = _run_calls(pipe, state, data, CALLS)
+  return np.concatenate(
+    [np.ravel(x) for x in jax.tree.leaves(state.stage_params)]
+  )
+
+
 def test_ftpipe_options_change_the_run():
   """Each option is used: the run differs from the one without it."""
-
-  def final(opts):
-    pipe, params, _ = _build(opts, SGD)
-    state = pipe.init(params)
-    data = _mlp_data(sum(c for c in CALLS if c != "flush"))
-    state, _, _, _ = _run_calls(pipe, state, data, CALLS)
-    return np.concatenate(
-      [np.ravel(x) for x in jax.tree.leaves(state.stage_params)]
-    )
 
   # (nag and nesterov-last share their base: msnag alone.)
   without = {"nag_with_predictor", "last_stage_optimizer", "partial_window"}
@@ -439,8 +431,8 @@ def test_ftpipe_options_change_the_run():
     base = {k: v for k, v in opts.items() if k not in without}
     key = repr(sorted(base.items()))
     if key not in bases:
-      bases[key] = final(base)
-    assert np.abs(final(opts) - bases[key]).max() > 1e-5, name
+      bases[key] = _final_params(base)
+    assert np.abs(_final_params(opts) - bases[key]).max() > 1e-5, name
 
 
 def _measured_delays(lists, num_stages, fed):

@@ -122,19 +122,23 @@ def test_variants_without_stashing_recompute():
     assert value.residuals_from_current_params("async") == ("nr" in variant)
 
 
+def _assert_nesterov_sgd_step(tx, lr, mu):
+  """``tx`` is Nesterov momentum SGD (rate ``lr``, momentum ``mu``):
+  v = mu v + g, update -lr (g + mu v), restated on one step from v = 0."""
+  g = {"w": np.array([1.0, -2.0])}
+  updates, _ = tx.update(g, tx.init(g), g)
+  np.testing.assert_allclose(updates["w"], -lr * (g["w"] + mu * g["w"]))
+
+
 def test_ftpipe_variant_options_reach_the_pipeline():
   config = _get_config("wrn_stale", "wp+nag+nesterov")
   config_check.check(config)
   value = config_check.staleness(config, 0.1)
   assert value.nag_with_predictor and value.prediction == "msnag"
-  # Nesterov momentum SGD on the last stage: v = 0.9 v + g, update
-  # -lr (g + 0.9 v), restated on one step from v = 0 (weight decay off).
+  # Nesterov momentum SGD on the last stage (weight decay off).
   config.optimizer.weight_decay = 0.0
   value = config_check.staleness(config, 0.1)
-  tx = value.last_stage_optimizer
-  g = {"w": np.array([1.0, -2.0])}
-  updates, _ = tx.update(g, tx.init(g), g)
-  np.testing.assert_allclose(updates["w"], -0.1 * (g["w"] + 0.9 * g["w"]))
+  _assert_nesterov_sgd_step(value.last_stage_optimizer, 0.1, 0.9)
   config = _get_config("wrn_stale", "wp+nag+nesterov")
   config.optimizer.name = "adam"
   with pytest.raises(ValueError, match="nesterov_last_stage"):
@@ -165,15 +169,11 @@ def test_delay_correction_variants_reach_the_pipeline():
   assert value.pipemare_anneal_steps == optimizer_steps // 4
   assert value.weight_stashing
   # Stage of delay 2 of 4 with momentum SGD (0.9): Nesterov SGD with the
-  # authors' adaptive momentum 0.9 + 2 (0.99 - 0.9) / 4, restated on one
-  # step from v = 0: update -lr (g + mu g).
+  # authors' adaptive momentum 0.9 + 2 (0.99 - 0.9) / 4.
   assert config.optimizer.name == "sgd" and config.optimizer.momentum == 0.9
   config.optimizer.weight_decay = 0.0
   tx = config_check.staleness(config, 0.1).stage_optimizer(2, 4)
-  g = {"w": np.array([1.0, -2.0])}
-  updates, _ = tx.update(g, tx.init(g), g)
-  mu = 0.9 + 2 * (0.99 - 0.9) / 4
-  np.testing.assert_allclose(updates["w"], -0.1 * (g["w"] + mu * g["w"]))
+  _assert_nesterov_sgd_step(tx, 0.1, 0.9 + 2 * (0.99 - 0.9) / 4)
   config = _get_config("wrn_stale", "ws+dnag")
   config.staleness.delay_nesterov = "fixed"
   with pytest.raises(ValueError, match="use 'adaptive'"):
