@@ -143,16 +143,23 @@ def main(argv):
   runs = [(p, v) for p in stages for v in variants]
   for p, v in tqdm.tqdm(runs, desc="gpt pipeline runs"):
     records.append(run(v, p, steps, layers))
-  text = (
-    f"GPT ({layers} blocks, width 128, bytes of the stdlib), {steps} "
-    f"pipeline steps of 4 microbatches, AdamW warm-up + cosine; "
-    f"{jax.devices()[0].platform}, jax {jax.__version__}.\n\n" + table(records)
-  )
+    # Written after every run: an hour's study stopped halfway keeps
+    # what it finished.
+    text = (
+      f"GPT ({layers} blocks, width 128, bytes of the stdlib), {steps} "
+      f"pipeline steps of 4 microbatches, AdamW warm-up + cosine; "
+      f"{jax.devices()[0].platform}, jax {jax.__version__}.\n\n"
+      + table(records)
+    )
+    _write(FLAGS.out_dir, text, records)
   print(text)
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.out_dir, "gpt_pipeline.md"), "w") as f:
+
+
+def _write(out_dir, text, records):
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "gpt_pipeline.md"), "w") as f:
     f.write(text + "\n")
-  with open(os.path.join(FLAGS.out_dir, "gpt_pipeline.json"), "w") as f:
+  with open(os.path.join(out_dir, "gpt_pipeline.json"), "w") as f:
     json.dump(
       {"date": time.strftime("%Y-%m-%d"), "runs": records},
       f,

@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from experiments.distributed import throughput
 
@@ -208,8 +209,6 @@ def table(records) -> str:
 
 def main(argv):
   del argv
-  import time
-
   records = []
   for variant in FLAGS.variants:
     r = measure(variant)
