@@ -35,21 +35,27 @@ CONFIG = os.path.join(
   "gpt_lm.py",
 )
 FLAGS = flags.FLAGS
-flags.DEFINE_list("stages", ["4", "8"], "Pipeline stages p.")
-flags.DEFINE_list(
-  "variants",
-  ["1f1b", "stale", "wp", "ws", "ws+pm", "ws+dnag", "ws+nag99"],
-  "1f1b, or async with: stale, wp, ws, and the corrections pm (PipeMare), "
-  "dnag (delay-aware Nesterov, adaptive momentum), nag99 (beta1 0.99).",
-)
-flags.DEFINE_integer("steps", 300, "Pipeline steps (4 microbatches each).")
-flags.DEFINE_integer("layers", 8, "Transformer blocks (p = 8 needs enough).")
-flags.DEFINE_bool("quick", False, "p = 2, 3 variants, 4 steps: a smoke run.")
-flags.DEFINE_string(
-  "out_dir",
-  os.path.join(os.path.dirname(__file__), "results"),
-  "Output folder.",
-)
+
+
+def define_flags() -> None:
+  """The command line's flags: defined when run as a script only, so
+  tests (and other experiments) import this module's functions without
+  clashing flag names."""
+  flags.DEFINE_list("stages", ["4", "8"], "Pipeline stages p.")
+  flags.DEFINE_list(
+    "variants",
+    ["1f1b", "stale", "wp", "ws", "ws+pm", "ws+dnag", "ws+nag99"],
+    "1f1b, or async with: stale, wp, ws, and the corrections pm (PipeMare), "
+    "dnag (delay-aware Nesterov, adaptive momentum), nag99 (beta1 0.99).",
+  )
+  flags.DEFINE_integer("steps", 300, "Pipeline steps (4 microbatches each).")
+  flags.DEFINE_integer("layers", 8, "Transformer blocks (p = 8 needs enough).")
+  flags.DEFINE_bool("quick", False, "p = 2, 3 variants, 4 steps: a smoke run.")
+  flags.DEFINE_string(
+    "out_dir",
+    os.path.join(os.path.dirname(__file__), "results"),
+    "Output folder.",
+  )
 
 
 def variant_config(variant: str, num_stages: int, steps: int, layers: int):
@@ -168,4 +174,5 @@ def _write(out_dir, text, records):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -44,16 +44,23 @@ ROOT = throughput.ROOT
 CONFIG = os.path.join(ROOT, "configs", "gpt_lm.py")
 OUT = os.path.join(os.path.dirname(__file__), "results")
 FLAGS = flags.FLAGS
-flags.DEFINE_list(
-  "variants",
-  ["gpipe", "1f1b", "ws+wp", "ws+dnag", "ws+nag99"],
-  "gpipe, 1f1b, or async with ws / wp / dnag / nag99 joined by '+'.",
-)
-flags.DEFINE_integer("steps", 200, "Pipeline steps per run (4 microbatches).")
-flags.DEFINE_integer("eval_every", 10, "Steps between evaluations.")
-flags.DEFINE_float("target", 12.0, "Held-out perplexity to reach.")
-flags.DEFINE_bool("predict", True, "Also the simulator's prediction.")
-flags.DEFINE_string("out_dir", OUT, "Output folder.")
+
+
+def define_flags() -> None:
+  """The command line's flags: defined when run as a script only, so
+  tests (and other experiments) import this module's functions without
+  clashing flag names."""
+  flags.DEFINE_list(
+    "variants",
+    ["gpipe", "1f1b", "ws+wp", "ws+dnag", "ws+nag99"],
+    "gpipe, 1f1b, or async with ws / wp / dnag / nag99 joined by '+'.",
+  )
+  flags.DEFINE_integer("steps", 200, "Pipeline steps per run (4 microbatches).")
+  flags.DEFINE_integer("eval_every", 10, "Steps between evaluations.")
+  flags.DEFINE_float("target", 12.0, "Held-out perplexity to reach.")
+  flags.DEFINE_bool("predict", True, "Also the simulator's prediction.")
+  flags.DEFINE_string("out_dir", OUT, "Output folder.")
+
 
 # Options of each variant on top of gpt_lm.py (asynchronous 1F1B, AdamW,
 # msnag prediction, recomputation): the training CLI's own overrides.
@@ -240,4 +247,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
