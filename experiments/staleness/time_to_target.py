@@ -29,16 +29,9 @@ import sys
 import tempfile
 import time
 
+from absl import app, flags
+
 from experiments.distributed import throughput
-
-# This process only predicts: one thread, two CPU devices (the stages).
-# (The device count first: XLA reads no flag after ONE_THREAD's bare
-# intra_op_parallelism_threads=1.)
-os.environ["XLA_FLAGS"] = (
-  "--xla_force_host_platform_device_count=2 " + throughput.ONE_THREAD
-)
-
-from absl import app, flags  # noqa: E402
 
 ROOT = throughput.ROOT
 CONFIG = os.path.join(ROOT, "configs", "gpt_lm.py")
@@ -247,5 +240,13 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # This process only predicts: one thread, two CPU devices (the stages).
+  # Set here, not at import: a test importing this module must not change
+  # the environment its later subprocesses inherit. (The device count
+  # first: XLA reads no flag after ONE_THREAD's bare
+  # intra_op_parallelism_threads=1.)
+  os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=2 " + throughput.ONE_THREAD
+  )
   define_flags()
   app.run(main)

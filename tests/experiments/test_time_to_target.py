@@ -45,3 +45,14 @@ def test_clock_at_the_first_evaluation_reaching_the_target():
   # 29 s over the 29 timed steps: 1 s a step, the first counted at it.
   assert time_to_target.time_to_target(rows, 12.0, 30) == (20, 20.0)
   assert time_to_target.time_to_target(rows, 5.0, 30) == (None, None)
+
+
+def test_importing_leaves_the_environment_alone():
+  # Subprocesses of later tests in this worker inherit os.environ: the
+  # script's own XLA flags (2 devices, one thread) are set in __main__.
+  import importlib
+  import os
+
+  before = dict(os.environ)
+  importlib.reload(time_to_target)
+  assert dict(os.environ) == before
