@@ -255,15 +255,16 @@ class Staleness:
       is shorter by about ``n - 2`` W's. Compiles the I and W programs.
     pipemare_anneal_steps: ``async``: PipeMare's learning-rate
       rescheduling (``staleness.pipemare_learning_rate``): a stage whose
-      gradients are d steps late scales its updates by
-      ``d ** -(1 - min(k / K, 1))`` at step k, K this many steps. None: off.
+      gradients are d steps late scales the update after k earlier steps
+      by ``d ** -(1 - min((k + 1) / K, 1))`` (1 for d <= 1), K this many
+      steps. None: off.
     stage_optimizer: ``async``: ``(delay, num_stages) -> optax optimizer``,
       each stage's own optimizer from its steady-state delay (in steps)
       instead of ``optimizer`` -- e.g. the delay-aware Nesterov method
       with adaptive momentum, ``lambda d, n:
       staleness.delay_aware_nesterov(lr, delay=d, num_stages=n,
-      adaptive=True)``. Its state must be shaped like ``optimizer``'s for
-      every delay (one checkpoint holds every stage's).
+      adaptive=True)``. It must build one state layout for every delay
+      (one checkpoint holds every stage's; checked against delay 0's).
   """
 
   recompute: bool = True
