@@ -15,6 +15,7 @@ from jpipe.runtime._options import (
   check_staleness_options,
 )
 from jpipe.runtime._partitioning import (
+  REPLICA_ROUTINGS,
   Partitioning,
   partition_of,
   with_partition,
@@ -31,6 +32,7 @@ from jpipe.runtime._transport import PullLinks
 
 __all__ = [
   "RANDOM_DELAY_PROBABILITY",
+  "REPLICA_ROUTINGS",
   "DeviceSlowdowns",
   "DriverHooks",
   "GAP_AWARE_POLICIES",

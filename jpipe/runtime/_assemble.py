@@ -124,6 +124,7 @@ def build_runtime(
     stages, grad_layouts, staleness.recompute, stages.compiler_options
   )
   tied = TiedParams(stages, placed.transport)
+  _check_round_robin(placed, tied, cut, request)
   names = tuple(leaf_names(params))
   stage_optimizers = _stage_optimizers(
     stages, tied, stream, names, grad_layouts, request
@@ -170,6 +171,35 @@ def build_runtime(
     policy,
     driver,
   )
+
+
+def _check_round_robin(placed, tied, cut, request) -> None:
+  """Round-robin replicas (1F1B-RR) where they are built for: a replica
+  runs a microbatch on its own copies of the params, and its group
+  steps on the replicas' summed gradients, in one process."""
+  if not any(p.round_robin for p in placed.placement):
+    return
+  staleness = request.staleness
+  refused = {
+    "a pipeline spanning processes (a group's replicas run in one "
+    "process)": placed.transport.multiprocess,
+    "tied params (their exchange between stages is per stage, not per "
+    "replica)": bool(tied.stages),
+    "model state such as batch statistics (one value per stage, not per "
+    "replica)": cut.num_state_leaves > 0,
+    "weight prediction (it predicts from the group's state, not a "
+    "replica's)": staleness.prediction is not None,
+    "Gap-Aware (its step reads a replica's stashed params)": (
+      staleness.gap_aware is not None
+    ),
+  }
+  for what, present in refused.items():
+    if present:
+      raise ValueError(
+        f"replica_routing='round_robin' does not run with {what}: use "
+        "replica_routing='split' (each microbatch split over the "
+        "replicas) or drop that option"
+      )
 
 
 def _stage_optimizers(

@@ -4,7 +4,8 @@ One transfer and one jitted split per device per call, not a slice and a
 ``device_put`` per forward: on one device that cut ~0.2 ms of host work
 from every forward action (experiments/runtime/overhead.py). A replica
 group receives ``[microbatch, example]`` split over its devices, each
-device only its examples (``StagePlacement.split_microbatches``).
+device only its examples (``StagePlacement.split_microbatches``); a
+round-robin group's replica j its microbatches b = j mod k, whole.
 """
 
 import functools
@@ -40,6 +41,16 @@ def place_microbatches(leaves, wanted_by_placement, m: int, first: int):
       out[place] = {first + k: {} for k in range(m)}
       continue
     chosen = [leaves[i] for i in wanted]
+    if place.round_robin:  # Microbatch b whole on replica b mod k.
+      out[place] = {}
+      for j, replica in enumerate(place.replicas):
+        parts = split_microbatches(tuple(replica.put_replicated(chosen)), m)
+        out[place].update(
+          (first + k, dict(zip(wanted, part, strict=True)))
+          for k, part in enumerate(parts)
+          if (first + k) % len(place.replicas) == j
+        )
+      continue
     if len(place.devices) > 1:
       parts = place.split_microbatches(chosen, m)
     else:

@@ -272,8 +272,11 @@ def place_stages(parts: Partitioned, cut: ModelCut, request: Request) -> Placed:
     parts.stages,
     cut.num_batch_leaves,
   )
+  round_robin = request.partitioning.replica_routing == "round_robin"
   placement = tuple(
-    StagePlacement([request.devices[i] for i in ds], request.microbatch_size)
+    StagePlacement(
+      [request.devices[i] for i in ds], request.microbatch_size, round_robin
+    )
     for ds in plan.stage_devices
   )
   mover = Transport(placement, request.partitioning.transport)
@@ -321,6 +324,11 @@ def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
       split_flush=request.staleness.split_flush,
       warmups=request.staleness.stream_warmups(
         n, len(set(placed.schedule_device))
+      ),
+      replicas=(
+        tuple(len(p.devices) for p in placed.placement)
+        if any(p.round_robin for p in placed.placement)
+        else None
       ),
     )
     if kind.asynchronous

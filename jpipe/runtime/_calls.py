@@ -79,10 +79,7 @@ class CallActions:
 
   def __call__(self, fed: int, m: int | None) -> Call:
     """The call feeding m microbatches after ``fed`` (m None: a flush)."""
-    start = fed
-    if self.stream is not None and fed >= self.num_stages - 1:
-      k = self.stream.step_every
-      start = fed - (fed - (self.num_stages - 1)) // k * k
+    start = fed if self.stream is None else self.stream.steady_start(fed)
     key = (m, start)
     if key not in self._cache:
       if self.stream is None:

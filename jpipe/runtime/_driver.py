@@ -237,6 +237,15 @@ class Driver:
     self.stages = stages
     self.programs = programs
     self.placement = tuple(placement)
+    # PipeDream's learning rate per stage with round-robin replicas
+    # (1F1B-RR, asynchronous): base rate x r_s / r_0, so every stage
+    # moves as far per microbatch; synchronous steps keep one rate.
+    counts = [len(p.devices) for p in self.placement]
+    round_robin = any(p.round_robin for p in self.placement)
+    self.replica_rate = tuple(
+      c / counts[0] if round_robin and stream is not None else 1.0
+      for c in counts
+    )
     self.optimizers = tuple(optimizers)
     self.policy = policy
     self.tied = tied
@@ -382,6 +391,9 @@ class Driver:
     list is empty where another process runs it), shared with every
     process."""
     last = len(self.stages.specs) - 1
+    place = self.placement[last]
+    if place.round_robin:  # Each replica's on its own device.
+      losses = [jax.device_put(x, place.device) for x in losses]
     loss = jnp.mean(jnp.stack(losses)) if losses else None
     if not self.transport.multiprocess:
       return loss
@@ -462,7 +474,8 @@ class _Call(TransferEnds):
     self.fused_done = {}
     # (s, b) whose I ran -> what its W needs, until W(s, b).
     self.kept = {}
-    self.acc_producer = [None] * len(self.params)  # action behind grads[s]
+    # (s, replica) -> the action behind that accumulator (``_set_acc``).
+    self.acc_producer = {}
     # Whether opt_states[s] came from this call's steps (donatable).
     self.made_state = [False] * len(self.params)
     self.losses = []
@@ -481,6 +494,8 @@ class _Call(TransferEnds):
     own = d.policy.forward_params(
       s, b, self.params[s], self.versions[s], _predictor(self, s)
     )
+    if place.round_robin:  # The replica's own copy of those params.
+      own = place.on_replica(own, b)
     theta = own if d.stream is None else d.tied.record(s, b, own, self.tied)
     if d.policy.keeps_forward_params:
       self.forward_params[(s, b)] = theta
@@ -495,14 +510,15 @@ class _Call(TransferEnds):
       own, self.params[s]
     ):
       # Its backward needs only this forward: run both as one program.
-      run = d.programs.forward_backward(s, self.grads[s] is None)
-      self._before_donating(s)
-      results, self.grads[s], act_cots = run(
-        self.grads[s], theta, local, acts, self._result_cots(spec)
+      acc = self._acc(s, b)
+      run = d.programs.forward_backward(s, acc is None)
+      self._before_donating(s, b)
+      results, acc, act_cots = run(
+        acc, theta, local, acts, self._result_cots(spec)
       )
+      self._set_acc(s, b, acc, action)
       outputs = ()
       self.fused_done[(s, b)] = act_cots  # Moved at B(s, b).
-      self.acc_producer[s] = action
       self._record("B", s, b, theta)
     elif d.programs.recompute:
       outputs, results = d.programs.forward(s)(theta, local, acts)
@@ -511,7 +527,7 @@ class _Call(TransferEnds):
       outputs, results, residuals = d.programs.forward(s)(theta, local, acts)
       self.saved[(s, b)] = residuals
     if self.profiler:  # A fused program ends with its accumulator.
-      fused = self.grads[s] if (s, b) in self.fused_done else ()
+      fused = self._acc(s, b) if (s, b) in self.fused_done else ()
       self.profiler.record(action, (outputs, results, fused))
     self._keep(spec, b, outputs, results)
 
@@ -544,15 +560,16 @@ class _Call(TransferEnds):
 
   def _backward(self, action):
     """Runs B(s, b)'s program: returns its input cotangents."""
-    d, s = self.d, action.stage
+    d, s, b = self.d, action.stage, action.microbatch
     args = self._backward_args(action)
     d.hooks.before_compute(action, args)
-    run = d.programs.backward(s, self.grads[s] is None)
-    self._before_donating(s)
-    self.grads[s], act_cots = run(self.grads[s], *args)
-    self.acc_producer[s] = action
+    acc = self._acc(s, b)
+    run = d.programs.backward(s, acc is None)
+    self._before_donating(s, b)
+    acc, act_cots = run(acc, *args)
+    self._set_acc(s, b, acc, action)
     if self.profiler:
-      self.profiler.record(action, (self.grads[s], act_cots))
+      self.profiler.record(action, (acc, act_cots))
     return act_cots
 
   def input_grad(self, action):
@@ -575,12 +592,13 @@ class _Call(TransferEnds):
     self.pending[s].append(b)
     kept = self.kept.pop((s, b))
     d.hooks.before_compute(action, kept)
-    run = d.programs.weight_grad(s, self.grads[s] is None)
-    self._before_donating(s)
-    self.grads[s] = run(self.grads[s], kept)
-    self.acc_producer[s] = action
+    acc = self._acc(s, b)
+    run = d.programs.weight_grad(s, acc is None)
+    self._before_donating(s, b)
+    acc = run(acc, kept)
+    self._set_acc(s, b, acc, action)
     if self.profiler:
-      self.profiler.record(action, self.grads[s])
+      self.profiler.record(action, acc)
 
   def _backward_args(self, action) -> tuple:
     """The arguments of B(s, b)'s (or I(s, b)'s) program but the
@@ -593,6 +611,8 @@ class _Call(TransferEnds):
       self.profiler.record_inputs(action, out_cots)
     forward_theta = self.forward_params.get((s, b))
     theta = d.policy.backward_params(self.params[s], forward_theta)
+    if d.placement[s].round_robin:
+      theta = d.placement[s].on_replica(theta, b)
     if d.stream is not None:
       theta = d.tied.tied_values(s, b, theta, self.tied)
     if d.programs.recompute:
@@ -611,15 +631,19 @@ class _Call(TransferEnds):
     opt = d.optimizers[s]
     stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
     # Each loss cotangent was 1 / step_every: a short window (at a flush)
-    # is rescaled to its own mean, or (FTPipe's) kept and its update
-    # scaled by r / step_every.
+    # is rescaled to its own mean, or (FTPipe's) kept as the sum over
+    # the stage's window and its update scaled by r / window.
+    window = d.stream.window(s)
     scale, update_scale = d.stream.step_every / len(group), 1.0
     if d.partial_window == "ftpipe":
-      scale, update_scale = 1.0, len(group) / d.stream.step_every
+      scale = d.stream.step_every / window
+      update_scale = len(group) / window
+    # PipeDream's rate per stage with round-robin replicas: r_s / r_0.
+    update_scale *= d.replica_rate[s]
     # The packed accumulator, unpacked inside the step; a tied stage's
     # exchanges with its tied leaves' owners or holders go in the same
     # program where nothing reads the gradient in between, else before.
-    g, packed = self.grads[s], True
+    g, packed = self._stage_gradient(s), True
     tied_in_step = s in d.tied.stages and self._plain_gradient
     if s in d.tied.stages and not tied_in_step:
       leaves = d.programs.unpack(s)(g)
@@ -676,7 +700,9 @@ class _Call(TransferEnds):
         }
       )
     grads = {
-      a.stage: tied[a.stage] if a.stage in tied else self.grads[a.stage]
+      a.stage: tied[a.stage]
+      if a.stage in tied
+      else self._stage_gradient(a.stage)
       for a in actions
     }
     scales = dict.fromkeys(grads, 1.0)
@@ -832,11 +858,45 @@ class _Call(TransferEnds):
     self.params[s], self.opt_states[s] = new
     self.made_state[s] = True
 
-  def _before_donating(self, s):
-    """The accumulator is about to be donated: a profiler must have
-    stamped the action that produced it first."""
-    if self.profiler and self.acc_producer[s] is not None:
-      self.profiler.wait_for(self.acc_producer[s])
+  def _before_donating(self, s, b=0):
+    """The accumulator B(s, b) adds to (the stage's; a round-robin
+    replica's) is about to be donated: a profiler must have stamped the
+    action that produced it first."""
+    producer = self.acc_producer.get((s, self._replica(s, b)))
+    if self.profiler and producer is not None:
+      self.profiler.wait_for(producer)
+
+  def _replica(self, s, b) -> int:
+    """The replica of stage s that runs microbatch b (0: not a
+    round-robin group)."""
+    place = self.d.placement[s]
+    return b % len(place.devices) if place.round_robin else 0
+
+  def _acc(self, s, b):
+    """The gradient accumulator B(s, b) adds to (None: none yet): the
+    stage's, or (round robin) its replica's, kept in ``grads[s]`` as
+    ``{replica: accumulator}``."""
+    acc = self.grads[s]
+    if acc is None or not self.d.placement[s].round_robin:
+      return acc
+    return acc.get(self._replica(s, b))
+
+  def _set_acc(self, s, b, acc, action):
+    """``acc`` as what B(s, b) added to, made by ``action``."""
+    j = self._replica(s, b)
+    self.acc_producer[(s, j)] = action
+    if self.d.placement[s].round_robin:  # A new dict: in-flight state
+      acc = {**(self.grads[s] or {}), j: acc}  # is shared with the last call.
+    self.grads[s] = acc
+
+  def _stage_gradient(self, s):
+    """What stage s accumulated since its step: its accumulator, or a
+    round-robin group's replicas' summed over the group."""
+    place = self.d.placement[s]
+    if not place.round_robin:
+      return self.grads[s]
+    accs = self.grads[s]
+    return place.sum_replicas([accs.get(j) for j in range(len(place.devices))])
 
 
 @jax.jit

@@ -331,7 +331,11 @@ def combined_result(program: ForwardProgram, results, r, m, combine):
     return combine([jnp.asarray(v.val)] * m)
   s = program.stage_of_result[r]
   transport = program.transport
-  x = combine(results[r]) if transport.owns(s) else None
+  values = results.get(r)
+  place = program.placement[s]
+  if values and place.round_robin:  # Each on its replica's device.
+    values = [jax.device_put(x, place.device) for x in values]
+  x = combine(values) if transport.owns(s) else None
   if transport.multiprocess:
     aval = jax.eval_shape(
       combine, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)] * m
@@ -393,6 +397,8 @@ class _ForwardCall(TransferEnds):
       if b == 0:
         self.replica[(s, leaf)] = place.put_replicated(self.tied[(leaf, 0)])
       params[k] = self.replica[(s, leaf)]
+    if place.round_robin:  # Microbatch b's replica, its own copy.
+      params = place.on_replica(params, b)
     local = local_inputs(self, spec, self.batches[place][b], place)
     outputs, results = d.stages.jitted("forward", s)(tuple(params), local, acts)
     for v, x in zip(spec.outputs, outputs, strict=True):

@@ -22,7 +22,8 @@ compilation) and from the call's real action lists, so the prediction
 knows the schedule: GPipe keeps every microbatch of a call in flight, 1F1B
 ``n - s``, and a last stage whose backward runs fused with its forward
 none. Stages sharing a device (a mixed pipe) add up; a replicated stage's
-replicas each hold the params and their share of every microbatch.
+replicas each hold the params and their share of every microbatch (round
+robin: whole microbatches, 1 / r of those in flight).
 """
 
 import dataclasses
@@ -216,6 +217,7 @@ def predict_stage_memory(
   replicas: int,
   weight_kept=(),
   awaiting_weight: int = 0,
+  round_robin: bool = False,
 ) -> StageMemory:
   """One stage's ``StageMemory`` from abstract values.
 
@@ -235,8 +237,15 @@ def predict_stage_memory(
       microbatch).
     weight_kept: what a split backward's W keeps per microbatch (avals).
     awaiting_weight: microbatches between I and W beside ``in_flight``.
+    round_robin: the replicas take whole microbatches in turn (1F1B-RR):
+      each holds every byte of its microbatches, and 1 / replicas of the
+      stage's in flight (rounded up: they are consecutive).
   """
   per_replica = max(replicas, 1)
+  if round_robin:
+    in_flight = -(-in_flight // per_replica)
+    awaiting_weight = -(-awaiting_weight // per_replica)
+    per_replica = 1
   grads = nbytes(params)  # The accumulator packs the same leaves.
   forward = nbytes(residuals) + nbytes(outputs)
   backward = nbytes(intermediates)

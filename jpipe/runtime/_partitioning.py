@@ -14,6 +14,9 @@ from typing import Any
 
 from jpipe.runtime._transport import TRANSPORTS
 
+# How a replicated stage shares its microbatches (``replica_routing``).
+REPLICA_ROUTINGS = ("split", "round_robin")
+
 
 @dataclasses.dataclass(frozen=True)
 class Partitioning:
@@ -84,6 +87,18 @@ class Partitioning:
       streams, as measured on an H100 (``experiments/RESULTS.md``, "The
       GPU campaign, second run": 1f1b 134 ms a step with graphs, 180
       without; async 287 with, 234 without). No effect off GPUs.
+    replica_routing: how a stage on several devices shares the work:
+      "split" (default: each microbatch split among the replicas, SPMD;
+      every delay and result as on one device) or "round_robin"
+      (PipeDream's 1F1B-RR: microbatch b whole on replica b mod r, the
+      replicas' gradients summed at each step; under ``async`` each
+      replica runs PipeDream's warm-up, (R - 1 - sum of the replicas of
+      the stages before) // r forwards, a stage steps once per round of
+      its r replicas on their mean gradient, at PipeDream's rate per
+      stage, the optimizer's times r_s / r_0). One process only; not
+      with tied params, model state (batch statistics), weight
+      prediction or Gap-Aware. (The partitioner plans replicas as split;
+      the built pipeline's memory check counts whole microbatches.)
   """
 
   num_stages: int
@@ -96,10 +111,16 @@ class Partitioning:
   transport: str = "pull"
   memory_limit: float | str | None = None
   gpu_command_buffers: bool | None = None
+  replica_routing: str = "split"
 
   def __post_init__(self):
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    if self.replica_routing not in REPLICA_ROUTINGS:
+      raise ValueError(
+        f"unknown replica_routing {self.replica_routing!r}: one of "
+        f"{REPLICA_ROUTINGS}"
+      )
     if self.transport not in TRANSPORTS:
       raise ValueError(
         f"unknown transport {self.transport!r}: one of {TRANSPORTS}"

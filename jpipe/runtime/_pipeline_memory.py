@@ -73,6 +73,7 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
         replicas=len(pipe.plan.stage_devices[s]),
         weight_kept=weight_kept,
         awaiting_weight=awaiting,
+        round_robin=pipe.placement[s].round_robin,
       )
     )
   return tuple(out)
@@ -82,10 +83,10 @@ def _calls_to_steady_state(pipe) -> list:
   """The calls whose action lists decide the peak: one of the example's
   microbatches (synchronous), or enough to reach a stream's steady
   state, then a flush."""
-  n, m = pipe.stages.num_stages, pipe.num_microbatches
+  m = pipe.num_microbatches
   if pipe.stream is None:
     return [pipe.calls(0, m)]
-  count = 2 + -(-(n + 2 * pipe.stream.step_every) // m)
+  count = 2 + -(-pipe.stream.settled() // m)
   calls = [pipe.calls(i * m, m) for i in range(count)]
   return [*calls, pipe.calls(count * m, None)]
 

@@ -9,16 +9,23 @@ microbatch size) are split along that axis, a slice per device. XLA then
 sums the param gradients over the group (an all-reduce inside the
 backward), so every replica takes the same step. The math is the
 unreplicated stage's -- same microbatches, same delays, same weight
-versions -- at 1/k of the compute per device. (PipeDream instead sends
-whole microbatches to a stage's replicas round-robin, 1F1B-RR; splitting
-each microbatch keeps the unreplicated pipeline's delays exactly, so the
-staleness mitigations need no change.)
+versions -- at 1/k of the compute per device.
+
+With ``round_robin`` (PipeDream's 1F1B-RR) the group deals whole
+microbatches instead: microbatch b runs, forward and backward, on replica
+``b mod k`` alone, at that device's copy of the replicated params
+(``on_replica``); each replica accumulates its own gradient and a step
+sums the replicas' (``sum_replicas``: an all-reduce over the group) and
+updates the replicated params. The stream's delays then follow
+PipeDream's per-replica warm-ups (``jpipe.schedule.Stream``'s
+``replicas``).
 """
 
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import (
   Mesh,
@@ -35,15 +42,34 @@ class StagePlacement:
     devices: the stage's devices (several: a replica group).
     microbatch_size: examples per microbatch; values whose leading axis
       has this size are split over a group's devices.
+    round_robin: a group deals whole microbatches to its replicas
+      (1F1B-RR) instead of splitting each.
 
   Two placements are equal when they name the same devices.
   """
 
-  def __init__(self, devices: Sequence[Any], microbatch_size: int):
+  def __init__(
+    self,
+    devices: Sequence[Any],
+    microbatch_size: int,
+    round_robin: bool = False,
+  ):
     self.devices = tuple(devices)
     self.microbatch_size = microbatch_size
+    self.round_robin = round_robin and len(self.devices) > 1
     if len(self.devices) == 1:
       self.replicated = self.split = SingleDeviceSharding(self.devices[0])
+    elif self.round_robin:
+      mesh = Mesh(np.array(self.devices), ("replica",))
+      self.replicated = NamedSharding(mesh, PartitionSpec())
+      self.split = None  # Nothing is split: a replica takes it whole.
+      self._rows = NamedSharding(mesh, PartitionSpec("replica"))
+      self.replicas = tuple(
+        StagePlacement([d], microbatch_size) for d in self.devices
+      )
+      self._sum_rows = jax.jit(
+        _sum_rows, static_argnums=1, out_shardings=self.replicated
+      )
     else:
       if microbatch_size % len(self.devices):
         raise ValueError(
@@ -75,6 +101,11 @@ class StagePlacement:
   def value_sharding(self, x) -> jax.sharding.Sharding:
     """A microbatch-carrying value's sharding: split along axis 0 when
     that axis is the microbatch, else replicated."""
+    if self.round_robin:  # A lowering bug, not a user error.
+      raise RuntimeError(
+        "a round-robin group places a microbatch's values on its replica "
+        "(StagePlacement.replica(b)), not over the group"
+      )
     shape = np.shape(x)
     if shape and shape[0] == self.microbatch_size:
       return self.split
@@ -91,6 +122,46 @@ class StagePlacement:
     """Places a pytree whole on every device (params, optimizer state)."""
     return jax.device_put(tree, self.replicated)
 
+  def replica(self, b: int) -> "StagePlacement":
+    """The one-device placement of the replica that runs microbatch b
+    (round robin: ``b mod k``)."""
+    return self.replicas[b % len(self.replicas)]
+
+  def on_replica(self, tree, b: int):
+    """The arrays of ``tree`` (replicated over the group, or already on
+    the replica's device) as replica ``b mod k``'s own copies: no copy,
+    each leaf's shard on that device."""
+    device = self.replica(b).device
+    return jax.tree.map(lambda x: _shard_on(x, device), tree)
+
+  def sum_replicas(self, trees):
+    """The sum of the replicas' pytrees (``trees[j]`` on replica j's
+    device, or None where replica j holds nothing: zeros), replicated
+    over the group: one all-reduce program."""
+    present = next(t for t in trees if t is not None)
+    leaves, treedef = jax.tree.flatten(present)
+    per_replica = []
+    for device, t in zip(self.devices, trees, strict=True):
+      if t is None:
+        t = [jnp.zeros(x.shape, x.dtype, device=device) for x in leaves]
+      per_replica.append(jax.tree.leaves(t))
+    rows, shapes = [], []
+    for i, x in enumerate(leaves):
+      shape = tuple(x.shape)
+      shards = [
+        parts[i] if parts[i].ndim else parts[i].reshape(1)
+        for parts in per_replica
+      ]
+      rows.append(
+        jax.make_array_from_single_device_arrays(
+          (len(self.devices) * shards[0].shape[0], *shards[0].shape[1:]),
+          self._rows,
+          shards,
+        )
+      )
+      shapes.append(shape)
+    return jax.tree.unflatten(treedef, self._sum_rows(rows, tuple(shapes)))
+
   def split_microbatches(self, leaves, m: int) -> tuple:
     """A replica group's m microbatches of the batch ``leaves`` (leading
     axis: the batch), each split over the group: one transfer per leaf,
@@ -100,6 +171,23 @@ class StagePlacement:
     """
     stacked = [x.reshape(m, -1, *x.shape[1:]) for x in leaves]
     return self._unstack(tuple(jax.device_put(stacked, self._stacked)), m)
+
+
+def _shard_on(x, device):
+  """``x``'s shard on ``device`` (``x`` itself if it lives there)."""
+  for shard in x.addressable_shards:
+    if shard.device == device:
+      return shard.data
+  raise ValueError(f"an array on {x.devices()} has no copy on {device}")
+
+
+def _sum_rows(rows, shapes):
+  """Each [k * n, ...] row block summed over its k replicas, as
+  ``shapes``."""
+  return [
+    x.reshape(-1, *(shape or (1,))).sum(0).reshape(shape)
+    for x, shape in zip(rows, shapes, strict=True)
+  ]
 
 
 def _unstack(stacked, m):

@@ -41,10 +41,16 @@ class TransferEnds:
     self._put(op, y)
 
   def move(self, op):
-    """Copies a value between two of this process's stages."""
+    """Copies a value between two of this process's stages (to the
+    replica that runs the microbatch, where dst is a round-robin
+    group)."""
     t = op.transfer
     x = self._take(op)
-    self._put(op, self.d.transport.move(x, t.src, t.dst, **self._aval(t)))
+    place = self.d.placement[t.dst]
+    place = place.replica(op.action.microbatch) if place.round_robin else None
+    self._put(
+      op, self.d.transport.move(x, t.src, t.dst, place=place, **self._aval(t))
+    )
 
   def _aval(self, t) -> dict:
     """``Transport.move``'s shape and placement arguments for ``t``."""

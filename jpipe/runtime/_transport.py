@@ -142,7 +142,15 @@ class Transport:
     return self.stage_process[s] == self.process
 
   def move(
-    self, x, src: int, dst: int, aval, *, replicated: bool = False, seq=-1
+    self,
+    x,
+    src: int,
+    dst: int,
+    aval,
+    *,
+    replicated: bool = False,
+    seq=-1,
+    place: StagePlacement | None = None,
   ):
     """Value ``x`` (held by stage src) onto stage dst's devices.
 
@@ -159,8 +167,10 @@ class Transport:
         gradients) instead of split like a microbatch (activations).
       seq: the transfer's ``Move.seq`` (-1: none; the ends then meet by
         order). With ``sends_early`` the ends meet by it.
+      place: where on dst it goes, if not dst's placement (the one
+        replica of a round-robin group that runs the microbatch).
     """
-    place = self.placement[dst]
+    place = place or self.placement[dst]
     put = place.put_replicated if replicated else place.put_values
     here_src, here_dst = self.owns(src), self.owns(dst)
     if self.stage_process[src] == self.stage_process[dst]:

@@ -20,6 +20,16 @@ Per stage s, with k = ``step_every`` (``2bw``: microbatches per minibatch):
   boundaries;
 - ``2bw`` pins F(s, b) (and its backward) to the version after
   ``max(t - 1, 0)`` steps, t = b // k: W(t+1) = W(t) - lr grad f(W(t-1)).
+
+PipeDream's round-robin replicas (1F1B-RR, ``replicas``): stage s with
+r_s replicas deals whole microbatches to them, microbatch b to replica
+``b mod r_s``; each replica runs ``w_s = (R - 1 - sum_{i<s} r_i) // r_s``
+warm-up forwards (R = sum r_i, PipeDream's NOAM per stage) and then 1F1B
+on its own microbatches, and the replicas step together (PipeDream's
+all-reduce on every backward) after each round of r_s backwards, one from
+each. In the stage's merged stream that is a warm-up of ``w_s r_s``
+forwards and a step window of r_s: replica j's k-th forward
+(b = j + k r_s) follows ``max(k - w_s, 0)`` steps, as in PipeDream.
 """
 
 import dataclasses
@@ -60,6 +70,10 @@ class Stream:
       of ``n - 1 - s``: each at most that, none below the next stage's (a
       stage of 0 runs each forward's backward next: FTPipe's
       ``virtual_stages_1f1b``, ``virtual_stage_warmups``). None: 1F1B's.
+    replicas: per stage, its round-robin replicas (PipeDream's 1F1B-RR,
+      module docstring; ``async`` with step_every 1 only). None: every
+      stage one (or its replicas split each microbatch, which the stream
+      does not see).
   """
 
   name: str
@@ -67,6 +81,7 @@ class Stream:
   step_every: int = 1
   split_flush: bool = False
   warmups: tuple[int, ...] | None = None
+  replicas: tuple[int, ...] | None = None
 
   def __post_init__(self):
     from jpipe.schedule._registry import STREAMS  # It imports this module.
@@ -106,6 +121,24 @@ class Stream:
         raise ValueError(
           "2bw keeps 1F1B's warm-ups (its versions rely on them)"
         )
+    if self.replicas is not None:
+      self._check_replicas()
+
+  def _check_replicas(self):
+    r = tuple(int(x) for x in self.replicas)
+    object.__setattr__(self, "replicas", r)
+    if len(r) != self.num_stages or min(r) < 1:
+      raise ValueError(
+        f"replicas needs {self.num_stages} counts >= 1 (one per stage), got {r}"
+      )
+    if self.name != "async" or self.step_every != 1 or self.warmups:
+      raise ValueError(
+        "round-robin replicas (PipeDream's 1F1B-RR) run the 'async' "
+        "stream with step_every 1 and PipeDream's own warm-ups: a "
+        "replicated stage already steps once per round of its replicas' "
+        f"microbatches (got {self.name!r}, step_every {self.step_every}, "
+        f"warmups {self.warmups})"
+      )
 
   @property
   def backward_uses_stash(self) -> bool:
@@ -113,10 +146,51 @@ class Stream:
     return self.name == "2bw"
 
   def warmup(self, s: int) -> int:
-    """Forwards stage s runs before its first backward."""
+    """Forwards stage s runs before its first backward (with replicas:
+    all of its replicas' warm-ups together)."""
     if self.warmups is not None:
       return self.warmups[s]
+    if self.replicas is not None:
+      r = self.replicas
+      per_replica = (sum(r) - 1 - sum(r[:s])) // r[s]
+      return per_replica * r[s]
     return steady_state_delay(self.num_stages, s)
+
+  def num_replicas(self, s: int) -> int:
+    """Stage s's round-robin replicas (1 without)."""
+    return 1 if self.replicas is None else self.replicas[s]
+
+  def replica(self, s: int, b: int) -> int:
+    """The replica of stage s that runs microbatch b (``b mod r_s``)."""
+    return b % self.num_replicas(s)
+
+  def window(self, s: int) -> int:
+    """Backwards per step of stage s: ``step_every``, or its replicas'
+    round."""
+    return self.step_every * self.num_replicas(s)
+
+  def settled(self) -> int:
+    """Microbatches fed after which every stage has run its warm-up and
+    two whole step windows (a bound on the steady state)."""
+    stages = range(self.num_stages)
+    return (
+      max(self.warmup(s) for s in stages)
+      + 1
+      + 2 * max(self.window(s) for s in stages)
+    )
+
+  def steady_start(self, fed: int) -> int:
+    """The smallest count of microbatches fed after which the stream's
+    next segments repeat those after ``fed`` (every stage past its
+    warm-up, the same position in every step window); ``fed`` itself
+    before that."""
+    warm = max(self.warmup(s) for s in range(self.num_stages))
+    if fed < warm:
+      return fed
+    period = int(
+      np.lcm.reduce([self.window(s) for s in range(self.num_stages)])
+    )
+    return fed - (fed - warm) // period * period
 
   def stage_actions(
     self, s: int, fed_before: int, fed: int
@@ -138,7 +212,7 @@ class Stream:
     out = []
     for i in range(max(fed - self.warmup(s), 0), fed):
       out += self._backward(s, i, split=self.split_flush)
-    if fed % self.step_every:
+    if fed % self.window(s):
       out.append(Action(STEP, s, fed - 1))
     return tuple(out)
 
@@ -146,21 +220,21 @@ class Stream:
     grads = [Action(BACKWARD, s, i)]
     if split:
       grads = [Action(INPUT, s, i), Action(WEIGHT, s, i)]
-    if (i + 1) % self.step_every:
+    if (i + 1) % self.window(s):
       return grads
     return [*grads, Action(STEP, s, i)]
 
   def steps_before_forward(self, s: int, b: int) -> int:
     """Steps of the stream stage s has taken when F(s, b) runs."""
-    return max(b - self.warmup(s), 0) // self.step_every
+    return max(b - self.warmup(s), 0) // self.window(s)
 
   def delay(self, s: int, b: int) -> int:
     """Steps between F(s, b) and the step applying b (no flush between)."""
-    return b // self.step_every - self.steps_before_forward(s, b)
+    return b // self.window(s) - self.steps_before_forward(s, b)
 
   def max_delay(self, s: int) -> int:
     """The largest delay stage s sees (steady state)."""
-    span = self.warmup(s) + 2 * self.step_every
+    span = self.warmup(s) + 2 * self.window(s)
     return max(self.delay(s, b) for b in range(span))
 
   def forward_version(self, s: int, b: int) -> int:

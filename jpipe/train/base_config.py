@@ -105,6 +105,12 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   # "pipedream_hybrid" (its DP with replicated, data-parallel stages; the
   # replicas of a stage must divide the microbatch).
   c.pipeline.partition = "contiguous"
+  # How a replicated stage (pipedream_hybrid) shares its microbatches:
+  # "split" (each split over the replicas; as one device) or
+  # "round_robin" (PipeDream's 1F1B-RR: microbatch b whole on replica
+  # b mod r; under async PipeDream's per-replica warm-up and its rate per
+  # stage, lr x r_s / r_0).
+  c.pipeline.replica_routing = "split"
   # Recompute forwards in the backward (an async pipeline without weight
   # stashing needs it: saved residuals pin the forward's params).
   c.pipeline.recompute = False
@@ -384,6 +390,8 @@ FTPIPE_OPTIONS = ("nr", "nag", "nesterov")
 # The newer delay corrections a variant may add: PipeMare's rescheduling
 # over a quarter of the run, the delay-aware Nesterov method (adaptive).
 DELAY_CORRECTIONS = ("pm", "dnag")
+# PipeDream's replica routing a variant may add: round robin (1F1B-RR).
+ROUTINGS = ("rr",)
 # Variants naming a schedule outright (the rest set staleness options).
 SYNCHRONOUS_VARIANTS = schedule_lib.SYNCHRONOUS
 
@@ -404,7 +412,9 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       "stale+nr", FTPipe's WRN "wp+nag+nesterov" -- and the newer
       corrections "pm" (PipeMare, ``staleness.pipemare_anneal_steps`` a
       quarter of the run) and "dnag" (``staleness.delay_nesterov``
-      "adaptive"), e.g. "ws+dnag"; "2bw"
+      "adaptive"), e.g. "ws+dnag", and "rr" (PipeDream's round-robin
+      replicas, ``pipeline.replica_routing``, for a replicated plan:
+      "ws+rr" is PipeDream's 1F1B-RR); "2bw"
       (PipeDream-2BW); or a synchronous schedule (``jpipe.schedule.
       SYNCHRONOUS``: "seq", "gpipe", "1f1b", "zbh1", ...).
   """
@@ -415,13 +425,18 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       c.schedule.step_every = c.pipeline.num_microbatches
     return
   known = (
-    set(MITIGATIONS) | set(FTPIPE_OPTIONS) | set(DELAY_CORRECTIONS) | {"stale"}
+    set(MITIGATIONS)
+    | set(FTPIPE_OPTIONS)
+    | set(DELAY_CORRECTIONS)
+    | set(ROUTINGS)
+    | {"stale"}
   )
   if not set(parts) <= known or len(set(parts)) != len(parts):
     raise ValueError(
       f"unknown config variant {variant!r}: use 'stale', a '+'-joined "
       f"combination of {sorted(MITIGATIONS)} (and FTPipe's "
-      f"{list(FTPIPE_OPTIONS)}, the corrections {list(DELAY_CORRECTIONS)}), "
+      f"{list(FTPIPE_OPTIONS)}, the corrections {list(DELAY_CORRECTIONS)}, "
+      f"the routing {list(ROUTINGS)}), "
       f"'2bw' or one of {SYNCHRONOUS_VARIANTS} "
       "(e.g. --config configs/wrn_stale.py:ws+wp)"
     )
@@ -433,6 +448,8 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
   c.staleness.nesterov_last_stage = "nesterov" in parts
   c.staleness.pipemare_anneal_steps = -1 if "pm" in parts else 0
   c.staleness.delay_nesterov = "adaptive" if "dnag" in parts else ""
+  if "rr" in parts:
+    c.pipeline.replica_routing = "round_robin"
   # Recompute unless stashing (ws without nr: saved residuals, at the
   # forward's params) or FTPipe's nr asked for.
   c.pipeline.recompute = not (c.staleness.stashing or "nr" in parts)

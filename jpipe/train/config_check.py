@@ -7,7 +7,7 @@ import ml_collections
 from jpipe import dynamic, parallel, partition
 from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
-from jpipe.runtime import GAP_AWARE_POLICIES, Staleness
+from jpipe.runtime import GAP_AWARE_POLICIES, REPLICA_ROUTINGS, Staleness
 from jpipe.train import input_pipeline, optimizers, tasks, user_code
 from jpipe.train.data_parallel_lib import uses_data_parallel
 from jpipe.train.errors import UsageError
@@ -478,6 +478,20 @@ def _check_runtime(config, need, problems) -> None:
     "pipeline.transport",
     f"{config.pipeline.transport!r} is not one of 'pull', 'collective'",
   )
+  routing = config.pipeline.replica_routing
+  need(
+    routing in REPLICA_ROUTINGS,
+    "pipeline.replica_routing",
+    f"{routing!r} is not one of {', '.join(map(repr, REPLICA_ROUTINGS))}",
+  )
+  if routing == "round_robin" and config.schedule.name in ("async", "2bw"):
+    need(
+      config.schedule.name == "async" and config.schedule.step_every == 1,
+      "pipeline.replica_routing",
+      "round_robin (PipeDream's 1F1B-RR) streams as 'async' with "
+      "schedule.step_every 1: a replicated stage steps once per round of "
+      "its replicas",
+    )
   if config.schedule.name == "2bw":
     need(
       config.schedule.step_every >= config.pipeline.num_stages,

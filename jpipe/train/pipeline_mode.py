@@ -115,6 +115,16 @@ def print_plan(pipe) -> None:
   )
   if pipe.granularity is not None:
     print(f"Nodes: {pipe.granularity.reason}.")
+  if any(p.round_robin for p in pipe.placement):
+    print(
+      "Replicated stages take whole microbatches in turn: round-robin "
+      "replicas (1F1B-RR)"
+      + (
+        ", PipeDream's warm-up per replica and rate r_s / r_0 per stage."
+        if pipe.stream is not None
+        else "."
+      )
+    )
   limit = pipe.memory_limit
   print(
     "Predicted peak memory per stage: "

@@ -94,6 +94,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
       config.pipeline.gpu_command_buffers
     ),
     transport=config.pipeline.transport,
+    replica_routing=config.pipeline.replica_routing,
     memory_limit=config_check.memory_limit(config.pipeline.memory_limit),
     clip_global_norm=config.optimizer.clip_norm or None,
     **kwargs,

@@ -108,3 +108,23 @@ def test_pipedream_hybrid_with_fast_links_is_data_parallel_and_trains(
     config.train.eval_every = 2
   train_lib.train_and_evaluate(config, str(tmp_path))
   assert "stages on devices [[0, 1, 2, 3]]" in capsys.readouterr().out
+
+
+def test_pipedream_hybrid_round_robin_variant_trains(capsys, tmp_path):
+  """At 3e10 bytes/s PipeDream's DP gives the small VGG its 3-1 split;
+  the "ws+rr" variant runs it as PipeDream does, 1F1B-RR (whole
+  microbatches dealt to the 3 replicas, tests/runtime/test_round_robin.py
+  for the semantics)."""
+  config = config_plan.load_config_file(
+    os.path.join(ROOT, "configs", "pipedream_vgg.py") + ":ws+rr"
+  )
+  assert config.pipeline.replica_routing == "round_robin"
+  config.pipeline.partition = "pipedream_hybrid"
+  config.pipeline.bandwidth = 3e10
+  config.train.steps = 4
+  config.train.eval_every = 4
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  out = capsys.readouterr().out
+  assert "stages on devices [[0, 1, 2], 3]" in out
+  assert "round-robin replicas (1F1B-RR)" in out
+  assert summary["eval"]["accuracy"] is not None
