@@ -211,8 +211,13 @@ def _stage_optimizers(
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
   last = stages.num_stages - 1
   # Per-stage optimizers must share one state layout: that of stage
-  # delay 0's.
+  # delay 0's. (A last stage's own optimizer alone: Staleness.check
+  # compared it with the optimizer already.)
   reference = staleness.stage_transform(optimizer, 0, stages.num_stages)
+  per_delay = (
+    staleness.stage_optimizer is not None
+    or staleness.pipemare_anneal_steps is not None
+  )
   optimizers = []
   for s, layout in enumerate(grad_layouts):
     own = s == last and staleness.last_stage_optimizer is not None
@@ -223,7 +228,7 @@ def _stage_optimizers(
       horizon,
       stages.num_stages,
     )
-    if tx is not optimizer:
+    if per_delay:
       _check_same_state(reference, tx, s, [names[i] for i in leaves])
     if staleness.nag_with_predictor:
       horizon = max(horizon, 1)
