@@ -115,7 +115,10 @@ class DynamicPipeline:
       device's measured slowdown applying to any layers.
     **pipeline_options: ``jpipe.Pipeline``'s other arguments (num_stages,
       devices, schedule, num_microbatches, optimizer, partition, ...); the
-      plan must be straight with one device per stage. Its pipelines price
+      plan must be straight, one stage per device or per replica group
+      (PipeDream's hybrid plans, each microbatch split over the group: a
+      slot's stage runs as many times faster as it has replicas, and a
+      slowed device slows its whole group). Its pipelines price
       every stage alike (``price_last_stage=False``), as its re-planning
       does (per-node times, whatever stage a node lands on), so that with
       no slowdown it plans what the first pipeline runs.
@@ -158,12 +161,15 @@ class DynamicPipeline:
     self.costs = costs
     # Per node, seconds per microbatch: the cost model's until the
     # reference window calibrates them.
+    # Each slot keeps its devices (a replica group) across switches.
+    self.groups = tuple(tuple(ds) for ds in first.plan.stage_devices)
     self.nodes = NodeTimes(
       costs,
       first.traced,
       first.schedule_name,
       first.num_microbatches,
       predictor,
+      replicas=[len(g) for g in self.groups],
     )
     self.predictor = predictor
     self.calls = 0
@@ -207,7 +213,7 @@ class DynamicPipeline:
     start = time.perf_counter()
     first = build(partition_of(options))
     self.build_seconds = time.perf_counter() - start
-    _check_straight(first.plan)
+    _check_slots(first)
     return PlanSwitch(build, first)
 
   # -- the pipeline in force -------------------------------------------------
@@ -235,6 +241,9 @@ class DynamicPipeline:
     self.interference.stage_devices = tuple(
       ds[0] for ds in self.plan.stage_devices
     )
+    self.interference.stage_groups = tuple(
+      tuple(ds) for ds in self.plan.stage_devices
+    )
 
   # -- a call ----------------------------------------------------------------
 
@@ -246,6 +255,8 @@ class DynamicPipeline:
   load_state_dict = _in_force("load_state_dict")
   gather_params = _in_force("gather_params")
   transport = _in_force("transport")
+  placement = _in_force("placement")
+  stream = _in_force("stream")
   device_names = _in_force("device_names")
   granularity = _in_force("granularity")
   memory = _in_force("memory")
@@ -338,6 +349,11 @@ class DynamicPipeline:
     """``NodeTimes.best_split`` for slowdowns seen on the split in force."""
     return self.nodes.best_split(sigma, self.boundaries)
 
+  def on_replicas(self, slowdown):
+    """``NodeTimes.on_replicas``: a slot slowdown as its stage's factor
+    on one device's node times."""
+    return self.nodes.on_replicas(slowdown)
+
   def slowdowns_of(self, observed):
     """``NodeTimes.slowdowns_of`` for slowdowns seen on the split in force."""
     return self.nodes.slowdowns_of(observed, self.boundaries)
@@ -379,12 +395,14 @@ class DynamicPipeline:
     return state
 
   def _plan(self, boundaries) -> partition_lib.Plan:
-    return partition_lib.plan_from_boundaries(
+    plan = partition_lib.plan_from_boundaries(
       self.pipeline.traced,
       self.costs,
       boundaries,
-      devices=[ds[0] for ds in self.plan.stage_devices],
+      devices=[g[0] for g in self.groups],
+      stage_slowdown=[1.0 / len(g) for g in self.groups],
     )
+    return dataclasses.replace(plan, stage_devices=self.groups)
 
   def _switch_to(self, state, decision: Decision, window):
     old = self.boundaries
@@ -446,14 +464,20 @@ def _node_costs(first, params, example_batch, cost_model):
   return costs
 
 
-def _check_straight(plan):
-  if any(len(ds) != 1 for ds in plan.stage_devices):
+def _check_slots(pipe):
+  """A straight plan, one stage per device or replica group (the groups
+  disjoint), replicas splitting each microbatch."""
+  plan = pipe.plan
+  devices = [d for ds in plan.stage_devices for d in ds]
+  if len(set(devices)) != len(devices):
     raise ValueError(
-      "re-partitioning needs one device per stage (no replicated stages)"
+      "re-partitioning needs one stage per device or replica group (no "
+      "mixed pipe: stages sharing devices)"
     )
-  if len({ds[0] for ds in plan.stage_devices}) != plan.num_stages:
+  if any(p.round_robin for p in pipe.placement):
     raise ValueError(
-      "re-partitioning needs one stage per device (no mixed pipe)"
+      "re-partitioning runs replicated stages that split each microbatch "
+      "(replica_routing='split'), not round-robin replicas"
     )
   boundaries_of(plan.stage_of_node)  # Raises unless straight.
 

@@ -46,9 +46,11 @@ class Interference(DriverHooks):
 
   The controller sets ``step`` before each call, ``stage_shares`` (per
   stage: its (forward, backward) share of the model's cost per
-  microbatch, summing to 1 over all stages) and ``stage_devices`` (per
-  stage, its device index) for the plan in force, and ``model_seconds``
-  once measured.
+  microbatch, summing to 1 over all stages), ``stage_devices`` (per
+  stage, its (first) device index) and ``stage_groups`` (per stage, all
+  its devices: a replica group splits each microbatch, so its stage
+  sleeps 1 / r of the time, at its slowest device's factor) for the plan
+  in force, and ``model_seconds`` once measured.
   """
 
   def __init__(self, slowdowns=(), simulated_seconds: float = 0.0):
@@ -62,6 +64,7 @@ class Interference(DriverHooks):
     self.model_seconds = simulated_seconds or None
     self.stage_shares: tuple[tuple[float, float], ...] = ()
     self.stage_devices: tuple[int, ...] = ()
+    self.stage_groups: tuple[tuple[int, ...], ...] = ()
     self._slept: dict[int, float] = {}
     self._lock = threading.Lock()
 
@@ -76,9 +79,13 @@ class Interference(DriverHooks):
     forward, backward = self.stage_shares[s]
     # A split backward's I and W (zero-bubble) sleep half of it each.
     share = {"F": forward, "B": backward}.get(action.kind, backward / 2)
-    factor = self.factor(self.stage_devices[s], self.step)
+    group = (
+      self.stage_groups[s] if self.stage_groups else (self.stage_devices[s],)
+    )
+    # SPMD over the group: its slowest device sets the pace.
+    factor = max(self.factor(d, self.step) for d in group)
     extra = factor if self.simulated_seconds > 0 else factor - 1.0
-    seconds = extra * share * self.model_seconds
+    seconds = extra * share * self.model_seconds / len(group)
     if seconds > 0:
       time.sleep(seconds)
       with self._lock:

@@ -38,6 +38,10 @@ class NodeTimes:
       microbatches per call (what ``predict`` simulates).
     predictor: a fitted ``SlowdownPredictor``, or None (a slot's measured
       slowdown applies to whatever it holds).
+    replicas: per stage slot, the devices its stage is replicated on
+      (PipeDream's hybrid plans; each microbatch split among them): the
+      slot runs its nodes that many times faster. Node times are one
+      device's; a slot's are divided by its replicas. Default: 1 each.
   """
 
   def __init__(
@@ -47,6 +51,7 @@ class NodeTimes:
     schedule_name: str,
     num_microbatches: int,
     predictor: SlowdownPredictor | None = None,
+    replicas=None,
   ):
     self.forward = np.array(costs.forward_seconds, np.float64)
     self.backward = np.array(costs.backward_seconds, np.float64)
@@ -59,6 +64,7 @@ class NodeTimes:
     self.traced, self.predictor = traced, predictor
     # The schedule a predicted step time simulates.
     self.schedule_name, self.num_microbatches = schedule_name, num_microbatches
+    self.replicas = None if replicas is None else np.asarray(replicas, float)
     self.calibrated = False  # Until the reference window.
     self._features = None  # (Computed when first needed.)
 
@@ -66,8 +72,10 @@ class NodeTimes:
     """The reference window: each stage's measured seconds per
     microbatch (``per_micro``, under split ``boundaries``), split among
     its nodes as the cost model proportions them (a stage the model
-    gives no cost: evenly)."""
+    gives no cost: evenly), as one device's (times the slot's
+    replicas)."""
     b = boundaries
+    per_micro = np.asarray(per_micro, np.float64) * self._speed(len(b) - 1)
     cost = self.forward + self.backward
     for s, (lo, hi) in enumerate(zip(b[:-1], b[1:], strict=True)):
       part = cost[lo:hi]
@@ -83,8 +91,24 @@ class NodeTimes:
     self.calibrated = True
 
   def stage_seconds(self, boundaries) -> np.ndarray:
-    """[S]: each stage's seconds per microbatch (forward + backward)."""
-    return stage_costs(self.forward + self.backward, boundaries)
+    """[S]: each stage's seconds per microbatch (forward + backward) on
+    its slot's replicas."""
+    return stage_costs(self.forward + self.backward, boundaries) / self._speed(
+      len(boundaries) - 1
+    )
+
+  def _speed(self, stages: int) -> np.ndarray:
+    """[S]: how many times faster than one device each slot runs."""
+    return np.ones(stages) if self.replicas is None else self.replicas
+
+  def on_replicas(self, slowdown):
+    """A slot slowdown (array, or a function of a split giving one) as
+    the factor its stage's one-device time takes: divided by the slot's
+    replicas."""
+    if callable(slowdown):
+      return lambda split: self.on_replicas(slowdown(split))
+    slowdown = np.asarray(slowdown, np.float64)
+    return slowdown / self._speed(len(slowdown))
 
   @property
   def features(self) -> np.ndarray:
@@ -101,10 +125,11 @@ class NodeTimes:
     split ``current``): the exact min-max split (range-dependent stage
     times under the forest), and the slowdowns its slots should show."""
     if self.predictor is None:
-      new, _ = jpipe_split(self.forward, self.backward, sigma)
+      new, _ = jpipe_split(self.forward, self.backward, self.on_replicas(sigma))
       return new, np.asarray(sigma, np.float64)
     table = self._slowdown_table(sigma, current)
-    new, _ = minmax_split(self._range_seconds(table))
+    speed = self._speed(len(sigma))[:, None, None]
+    new, _ = minmax_split(self._range_seconds(table) / speed)
     return new, _of_split(table, new)
 
   def slowdowns_of(self, observed, current):
@@ -147,13 +172,18 @@ class NodeTimes:
     share = f / np.maximum(f + bwd, 1e-300)
     stages = tuple(range(len(b)))
     t = np.asarray(stage_seconds, np.float64)
-    return self.predict(stages, np.ones(len(b) - 1), t * share, t * (1 - share))
+    # Measured on the replicas already: a slowdown of r cancels predict's
+    # division by them.
+    speed = self._speed(len(b) - 1)
+    return self.predict(stages, speed, t * share, t * (1 - share))
 
   def predict(self, boundaries, sigma, forward=None, backward=None) -> float:
     """Seconds per call of the split under ``sigma`` (jpipe's simulator
     on the calibrated node times, or on ``forward`` / ``backward`` node
-    times). A streaming schedule has no fill or drain per call: its
-    steady state is a long 1F1B's time per microbatch."""
+    times, each slot's divided by its replicas). A streaming schedule has
+    no fill or drain per call: its steady state is a long 1F1B's time per
+    microbatch."""
+    sigma = self.on_replicas(sigma)
     forward = self.forward if forward is None else forward
     backward = self.backward if backward is None else backward
     m = self.num_microbatches

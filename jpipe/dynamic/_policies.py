@@ -147,7 +147,7 @@ class DynpipePolicy(Policy):
       pipe.forward,
       pipe.backward,
       current,
-      factors if pipe.predictor is None else slowdowns,
+      pipe.on_replicas(factors if pipe.predictor is None else slowdowns),
       top_k=self.top_k,
     )
     if new == current:

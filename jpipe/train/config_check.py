@@ -619,10 +619,18 @@ def _check_dynamic_run(config, need, inject) -> None:
     "(and no data_parallel delays)",
   )
   need(
-    config.pipeline.partition in ("contiguous", "pipedream"),
+    config.pipeline.partition
+    in ("contiguous", "pipedream", "pipedream_hybrid"),
     "pipeline.partition",
-    f"re-partitioning keeps a straight pipeline, one stage per device; "
-    f"{config.pipeline.partition!r} is not: use 'contiguous' or 'pipedream'",
+    f"re-partitioning keeps a straight pipeline, one stage per device or "
+    f"replica group; {config.pipeline.partition!r} is not: use "
+    "'contiguous', 'pipedream' or 'pipedream_hybrid'",
+  )
+  need(
+    config.pipeline.replica_routing == "split",
+    "pipeline.replica_routing",
+    "re-partitioning runs replicated stages that split each microbatch: "
+    "set it to 'split'",
   )
   need(
     config.schedule.name != "interleaved" and not _v_shaped(config),

@@ -166,6 +166,10 @@ def test_bad_config_values_fail_before_work(tmp_path, key, value, message):
   [
     ({"data_parallel.pipelines": 2}, "re-partitioning runs one pipeline"),
     ({"pipeline.partition": "mixed"}, "'mixed' is not: use 'contiguous'"),
+    (
+      {"pipeline.replica_routing": "round_robin"},
+      "split each microbatch: set it to 'split'",
+    ),
     ({"dynamic.inject": "7:2:10"}, "device 7 holds no stage of 2"),
     ({"dynamic.high": 0.9}, "low < 1 < high"),
     ({"dynamic.predictor": "/no/rf.pkl"}, "python -m jpipe.train.slowdowns"),

@@ -1,0 +1,145 @@
+"""DynPipe on PipeDream's hybrid plans: a stage slot replicated on a
+device group (each microbatch split over it) runs its nodes as many
+times faster as it has replicas, a slowed device slows its whole group,
+and re-partitioning moves layers between the slots, each keeping its
+group."""
+
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe import dynamic
+from jpipe.dynamic._node_times import NodeTimes
+from jpipe.partition import NodeCosts
+from tests.dynamic.mlp_pipeline import WINDOW
+from tests.partition import flax_models
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _brute_force(node_seconds, replicas, sigma):
+  """The least bottleneck over every contiguous split, stage s taking
+  its nodes' seconds x sigma_s / replicas_s (restated)."""
+  n, stages = len(node_seconds), len(replicas)
+  best = np.inf
+  for cuts in itertools.combinations(range(1, n), stages - 1):
+    b = (0, *cuts, n)
+    worst = max(
+      sum(node_seconds[b[s] : b[s + 1]]) * sigma[s] / replicas[s]
+      for s in range(stages)
+    )
+    best = min(best, worst)
+  return best
+
+
+@pytest.mark.parametrize(
+  "replicas, sigma",
+  [((2, 1), (1.0, 1.0)), ((1, 3, 1), (1.0, 1.0, 1.0)), ((2, 1, 2), (4, 1, 1))],
+)
+def test_best_split_gives_a_replicated_slot_its_share(replicas, sigma):
+  rng = np.random.default_rng(len(replicas))
+  forward = rng.uniform(0.5, 2.0, 9)
+  backward = 2 * forward
+  costs = NodeCosts(forward, backward, forward, backward, "analytic")
+  # (No traced model: the forest's features are not needed here.)
+  nodes = NodeTimes(costs, None, "1f1b", 4, replicas=replicas)
+  split, expected = nodes.best_split(np.asarray(sigma, float), None)
+  b = np.asarray(split)
+  got = max(
+    (forward + backward)[b[s] : b[s + 1]].sum() * sigma[s] / replicas[s]
+    for s in range(len(replicas))
+  )
+  assert got == pytest.approx(_brute_force(forward + backward, replicas, sigma))
+  np.testing.assert_allclose(expected, sigma)
+  # A stage's expected seconds are its nodes' over its replicas.
+  np.testing.assert_allclose(
+    nodes.stage_seconds(split),
+    [
+      (forward + backward)[b[s] : b[s + 1]].sum() / replicas[s]
+      for s in range(len(replicas))
+    ],
+  )
+
+
+def _hybrid(inject):
+  """A DynamicPipeline of the small MLP in 2 slots: slot 0 on devices
+  0-1 (each microbatch split over them), slot 1 on device 2; every
+  action sleeps its share of 50 ms of simulated compute."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  devices = jax.devices()[:3]
+  options = dict(
+    num_stages=2,
+    devices=devices,
+    schedule="async",
+    weight_stashing=True,
+    num_microbatches=4,
+    optimizer=optax.sgd(0.05, momentum=0.9),
+    price_last_stage=False,
+  )
+  plain = jpipe.Pipeline(loss_fn, params, batch, **options)
+  plan = dataclasses.replace(plain.plan, stage_devices=((0, 1), (2,)))
+  dp = dynamic.DynamicPipeline(
+    loss_fn,
+    params,
+    batch,
+    policy="jpipe",
+    window=WINDOW,
+    # A long run ahead: the move pays for a new pipeline's compilation
+    # (its cost rule: test_controller.py).
+    horizon_steps=500,
+    interference=dynamic.Interference(
+      dynamic.parse_inject(inject), simulated_seconds=0.05
+    ),
+    **{**options, "partition": plan},
+  )
+  return dp, params, batch
+
+
+def test_a_slowed_replica_slows_its_group_and_layers_leave_it():
+  """Device 1 (a replica of slot 0) 4x slower from step 6: the group's
+  SPMD program runs at its pace, slot 0 reads ~4x, and layers move to
+  slot 1, each slot keeping its devices."""
+  dp, params, batch = _hybrid("1:4:6")
+  start = dp.boundaries
+  state = dp.init(params)
+  reported = []
+  for _ in range(12):
+    state, metrics = dp.step(state, batch)
+    if "repartition" in metrics:
+      reported.append(metrics["repartition"])
+  sigma = {w.step: w.sigma for w in dp.windows}
+  # Calibrated on the replicas: unslowed, both slots read ~1.
+  np.testing.assert_allclose(sigma[4], 1.0, atol=0.3)
+  assert sigma[10][0] == pytest.approx(4.0, rel=0.25)
+  (onset,) = reported
+  assert onset["step"] == 6 + 2 * WINDOW
+  assert onset["new"][1] < start[1]  # Slot 0 holds less.
+  assert dp.plan.stage_devices == ((0, 1), (2,))
+  assert float(dp.evaluate(state, batch)["loss"]) > 0
+
+
+def test_round_robin_replicas_are_refused():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  options = dict(
+    num_stages=2,
+    devices=jax.devices()[:3],
+    num_microbatches=4,
+    optimizer=optax.sgd(0.05),
+    price_last_stage=False,
+  )
+  plain = jpipe.Pipeline(loss_fn, params, batch, **options)
+  plan = dataclasses.replace(plain.plan, stage_devices=((0, 1), (2,)))
+  with pytest.raises(ValueError, match="not round-robin"):
+    dynamic.DynamicPipeline(
+      loss_fn,
+      params,
+      batch,
+      **options,
+      partition=plan,
+      replica_routing="round_robin",
+    )
