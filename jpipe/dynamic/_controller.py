@@ -159,10 +159,10 @@ class DynamicPipeline:
     self.num_microbatches = first.num_microbatches
     costs = _node_costs(first, params, example_batch, cost_model)
     self.costs = costs
-    # Per node, seconds per microbatch: the cost model's until the
-    # reference window calibrates them.
     # Each slot keeps its devices (a replica group) across switches.
     self.groups = tuple(tuple(ds) for ds in first.plan.stage_devices)
+    # Per node, seconds per microbatch: the cost model's until the
+    # reference window calibrates them.
     self.nodes = NodeTimes(
       costs,
       first.traced,

@@ -48,7 +48,7 @@ def place_microbatches(leaves, wanted_by_placement, m: int, first: int):
         out[place].update(
           (first + k, dict(zip(wanted, part, strict=True)))
           for k, part in enumerate(parts)
-          if (first + k) % len(place.replicas) == j
+          if place.replica_index(first + k) == j
         )
       continue
     if len(place.devices) > 1:

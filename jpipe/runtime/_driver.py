@@ -869,8 +869,7 @@ class _Call(TransferEnds):
   def _replica(self, s, b) -> int:
     """The replica of stage s that runs microbatch b (0: not a
     round-robin group)."""
-    place = self.d.placement[s]
-    return b % len(place.devices) if place.round_robin else 0
+    return self.d.placement[s].replica_index(b)
 
   def _acc(self, s, b):
     """The gradient accumulator B(s, b) adds to (None: none yet): the

@@ -122,10 +122,15 @@ class StagePlacement:
     """Places a pytree whole on every device (params, optimizer state)."""
     return jax.device_put(tree, self.replicated)
 
+  def replica_index(self, b: int) -> int:
+    """Which replica runs microbatch b: ``b mod k`` in a round-robin
+    group, else 0 (the group runs it together)."""
+    return b % len(self.devices) if self.round_robin else 0
+
   def replica(self, b: int) -> "StagePlacement":
     """The one-device placement of the replica that runs microbatch b
-    (round robin: ``b mod k``)."""
-    return self.replicas[b % len(self.replicas)]
+    (round robin)."""
+    return self.replicas[self.replica_index(b)]
 
   def on_replica(self, tree, b: int):
     """The arrays of ``tree`` (replicated over the group, or already on
