@@ -69,6 +69,7 @@ from jpipe.runtime import (
   Pipeline,
   PipelineState,
   partition_of,
+  rows_for_speeds,
   with_partition,
 )
 
@@ -172,6 +173,9 @@ class DynamicPipeline:
       replicas=[len(g) for g in self.groups],
     )
     self.predictor = predictor
+    # Weighted replica groups re-split by speed (not under "static").
+    self.balances = policy != "static"
+    self.rebalances: list[dict] = []
     self.calls = 0
     self.windows: list[Window] = []
     self.history: list[dict] = []
@@ -244,6 +248,9 @@ class DynamicPipeline:
     self.interference.stage_groups = tuple(
       tuple(ds) for ds in self.plan.stage_devices
     )
+    self.interference.stage_rows = tuple(
+      p.rows if p.weighted else None for p in self.pipeline.placement
+    )
 
   # -- a call ----------------------------------------------------------------
 
@@ -256,6 +263,7 @@ class DynamicPipeline:
   gather_params = _in_force("gather_params")
   transport = _in_force("transport")
   placement = _in_force("placement")
+  replica_rows = _in_force("replica_rows")
   stream = _in_force("stream")
   device_names = _in_force("device_names")
   granularity = _in_force("granularity")
@@ -279,6 +287,7 @@ class DynamicPipeline:
     measure = (self.calls + 1) % self.window == 0
     if measure:
       self.interference.take_slept()
+      self.interference.take_replica_slept()
     start = time.perf_counter()
     state, metrics = self.pipeline.step(
       state, batch, profile=measure or profile
@@ -290,8 +299,12 @@ class DynamicPipeline:
     if not measure:
       return state, metrics
     timeline = metrics["timeline"] if profile else metrics.pop("timeline")
+    replica_slept = self.interference.take_replica_slept()
     window = self._measure(timeline, time.perf_counter() - start)
     metrics["window"] = window
+    balanced = self._balance(timeline, replica_slept)
+    if balanced:
+      metrics["rebalance"] = balanced
     decision = self._decide(window) if jax.process_index() == 0 else None
     if jax.process_count() > 1:
       # Process 0 decides (its measured switch costs), everyone follows.
@@ -321,6 +334,44 @@ class DynamicPipeline:
     window = Window(self.calls, tuple(per_micro), tuple(sigma), seconds)
     self.windows.append(window)
     return window
+
+  def _balance(self, timeline, replica_slept) -> list[dict]:
+    """DynPipe's DP-stage load balancing (spec: DynPipe, B4): each
+    weighted replica group's examples re-split in proportion to its
+    replicas' measured speeds, where that cuts the group's predicted time
+    per microbatch by ``BALANCE_GAIN`` at least (a new split compiles new
+    programs: noise must not flip it back and forth). A replica keeps at
+    least one example, so its speed stays measured. Returns the changes
+    (also in ``rebalances``)."""
+    if not self.balances:
+      return []
+    changes = []
+    for s, place in enumerate(self.pipeline.placement):
+      if not place.weighted:
+        continue
+      speeds = replica_speeds(timeline, replica_slept, s, place.rows)
+      n, rows = place.microbatch_size, place.rows
+      new = rows_for_speeds(n, speeds)
+      if n >= len(new):
+        new = _at_least_one(new)
+      old_time = max(r / v for r, v in zip(rows, speeds, strict=True))
+      new_time = max(r / v for r, v in zip(new, speeds, strict=True))
+      if new == rows or new_time > (1 - BALANCE_GAIN) * old_time:
+        continue
+      self.pipeline.set_replica_rows(s, new)
+      record = {
+        "step": self.calls,
+        "stage": s,
+        "old": list(rows),
+        "new": list(new),
+        "examples_per_second": [float(v) for v in speeds],
+        "predicted_gain": float(old_time / new_time),
+      }
+      changes.append(record)
+    if changes:
+      self.rebalances.extend(changes)
+      self._place()
+    return changes
 
   def _decide(self, window: Window) -> Decision | None:
     """The policy's decision after ``window`` (none while warming up)."""
@@ -390,9 +441,18 @@ class DynamicPipeline:
     boundaries = tuple(int(b) for b in boundaries)
     if boundaries == self.boundaries:
       return state
+    rows = self.pipeline.replica_rows
     state = self.switch.switch(state, self._plan(boundaries))
+    self._keep_rows(rows)
     self._place()
     return state
+
+  def _keep_rows(self, rows) -> None:
+    """Each weighted slot's split as it was before a switch (the slots
+    keep their devices, so their speeds)."""
+    for s, r in rows.items():
+      if self.pipeline.replica_rows.get(s) != r:
+        self.pipeline.set_replica_rows(s, r)
 
   def _plan(self, boundaries) -> partition_lib.Plan:
     plan = partition_lib.plan_from_boundaries(
@@ -405,8 +465,9 @@ class DynamicPipeline:
     return dataclasses.replace(plan, stage_devices=self.groups)
 
   def _switch_to(self, state, decision: Decision, window):
-    old = self.boundaries
+    old, rows = self.boundaries, self.pipeline.replica_rows
     state = self.switch.switch(state, self._plan(decision.boundaries))
+    self._keep_rows(rows)
     done = self.switch.history[-1]
     self._move_seconds = done.seconds - done.build_seconds
     self._fresh = done.compiled
@@ -477,9 +538,51 @@ def _check_slots(pipe):
   if any(p.round_robin for p in pipe.placement):
     raise ValueError(
       "re-partitioning runs replicated stages that split each microbatch "
-      "(replica_routing='split'), not round-robin replicas"
+      "(replica_routing='split' or 'weighted'), not round-robin replicas"
     )
   boundaries_of(plan.stage_of_node)  # Raises unless straight.
+
+
+# A weighted group re-splits only for at least this predicted gain.
+BALANCE_GAIN = 0.05
+
+
+def replica_speeds(timeline, replica_slept, s, rows) -> list[float]:
+  """Examples per second of each replica of weighted stage s in one
+  profiled step: a replica's seconds per microbatch are what it slept for
+  its slice (``Interference``) plus the stage's measured compute per
+  microbatch times its share of the examples. (Replicas on one host's
+  fake CPU devices share its cores, so their compute cannot be timed
+  apart; with no injected interference every replica reads alike.)"""
+  busy, micro = 0.0, 0
+  for action, end in timeline.end.items():
+    if action.stage != s or action.kind == "S":
+      continue
+    busy += end - timeline.start[action]
+    micro += action.kind == "F"
+  micro = max(micro, 1)
+  n = sum(rows)
+  speeds = []
+  for j, r in enumerate(rows):
+    seconds = replica_slept.get((s, j), 0.0) / micro + busy / micro * r / n
+    speeds.append(r / max(seconds, 1e-9) if r else 0.0)
+  if not any(speeds):  # Nothing measured: keep every replica alike.
+    return [1.0] * len(rows)
+  # A replica that took no examples has no measured speed: the slowest
+  # measured one's, so it gets examples back to be measured.
+  slowest = min(v for v in speeds if v > 0)
+  return [v if v > 0 else slowest for v in speeds]
+
+
+def _at_least_one(rows) -> tuple[int, ...]:
+  """``rows`` with every replica given one example at least, taken from
+  the largest."""
+  rows = list(rows)
+  for j, r in enumerate(rows):
+    if r == 0:
+      rows[rows.index(max(rows))] -= 1
+      rows[j] = 1
+  return tuple(rows)
 
 
 def describe(boundaries: Sequence[int]) -> str:

@@ -50,7 +50,12 @@ class Interference(DriverHooks):
   stage, its (first) device index) and ``stage_groups`` (per stage, all
   its devices: a replica group splits each microbatch, so its stage
   sleeps 1 / r of the time, at its slowest device's factor) for the plan
-  in force, and ``model_seconds`` once measured.
+  in force, and ``model_seconds`` once measured. ``stage_rows`` (per
+  stage: examples of a microbatch per replica, or None) marks a weighted
+  group: its replicas run their slices in parallel, replica j sleeping
+  ``rows[j] / n`` of the stage's time at its own device's factor, the
+  stage as long as its slowest; each replica's own time is counted apart
+  (``take_replica_slept``), which is how the controller sees its speed.
   """
 
   def __init__(self, slowdowns=(), simulated_seconds: float = 0.0):
@@ -65,7 +70,9 @@ class Interference(DriverHooks):
     self.stage_shares: tuple[tuple[float, float], ...] = ()
     self.stage_devices: tuple[int, ...] = ()
     self.stage_groups: tuple[tuple[int, ...], ...] = ()
+    self.stage_rows: tuple = ()
     self._slept: dict[int, float] = {}
+    self._replica_slept: dict[tuple[int, int], float] = {}
     self._lock = threading.Lock()
 
   def factor(self, device: int, step: int) -> float:
@@ -82,14 +89,37 @@ class Interference(DriverHooks):
     group = (
       self.stage_groups[s] if self.stage_groups else (self.stage_devices[s],)
     )
-    # SPMD over the group: its slowest device sets the pace.
-    factor = max(self.factor(d, self.step) for d in group)
-    extra = factor if self.simulated_seconds > 0 else factor - 1.0
-    seconds = extra * share * self.model_seconds / len(group)
+    rows = self.stage_rows[s] if self.stage_rows else None
+    # Each device its share of the examples at its own factor. SPMD (no
+    # rows): equal shares, and the slowest device holds the others up.
+    weights = rows or (1,) * len(group)
+    own = [
+      self._extra(d) * share * self.model_seconds * r / sum(weights)
+      for d, r in zip(group, weights, strict=True)
+    ]
+    if rows is None:
+      own = [max(own)] * len(own)
+    seconds = max(own)
     if seconds > 0:
       time.sleep(seconds)
       with self._lock:
         self._slept[s] = self._slept.get(s, 0.0) + seconds
+        for j, t in enumerate(own):
+          key = (s, j)
+          self._replica_slept[key] = self._replica_slept.get(key, 0.0) + t
+
+  def _extra(self, device) -> float:
+    """What a device sleeps per second of its simulated share: its whole
+    simulated time, or only a slowdown's extra over real compute."""
+    factor = self.factor(device, self.step)
+    return factor if self.simulated_seconds > 0 else factor - 1.0
+
+  def take_replica_slept(self) -> dict[tuple[int, int], float]:
+    """Per (stage, replica), seconds its own slice slept since the last
+    call (and resets); a stage of one device is its replica 0."""
+    with self._lock:
+      out, self._replica_slept = self._replica_slept, {}
+    return out
 
   def take_slept(self) -> dict[int, float]:
     """Per stage, seconds slept since the last call (and resets)."""

@@ -22,6 +22,7 @@ from jpipe.runtime._partitioning import (
 )
 from jpipe.runtime._pipeline import Pipeline
 from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime._placement import even_rows, rows_for_speeds
 from jpipe.runtime._slowdown import (
   RANDOM_DELAY_PROBABILITY,
   DeviceSlowdowns,
@@ -45,11 +46,13 @@ __all__ = [
   "StageMemory",
   "Staleness",
   "check_staleness_options",
+  "even_rows",
   "format_bytes",
   "memory_options_for",
   "partitioner_memory_model",
   "parse_slowdowns",
   "partition_of",
+  "rows_for_speeds",
   "trees_everywhere",
   "with_partition",
 ]

@@ -109,6 +109,7 @@ def build_runtime(
   *,
   record_params: bool,
   hooks: DriverHooks | None,
+  stages_at=None,
 ) -> Runtime:
   """Stage programs, tied params, per-stage optimizers, the version
   policy and the driver, for stages placed as ``placed`` says."""
@@ -121,10 +122,17 @@ def build_runtime(
     for spec, place in zip(stages.specs, placed.placement, strict=True)
   )
   programs = StagePrograms(
-    stages, grad_layouts, staleness.recompute, stages.compiler_options
+    stages,
+    grad_layouts,
+    staleness.recompute,
+    stages.compiler_options,
+    placed.placement,
+    stages_at,
   )
   tied = TiedParams(stages, placed.transport)
-  _check_round_robin(placed, tied, cut, request)
+  _check_replica_routing(placed, tied, cut, request)
+  for weighted in programs.weighted.values():
+    weighted.prepare()  # A model that changes with the size fails here.
   names = tuple(leaf_names(params))
   stage_optimizers = _stage_optimizers(
     stages, tied, stream, names, grad_layouts, request
@@ -173,11 +181,13 @@ def build_runtime(
   )
 
 
-def _check_round_robin(placed, tied, cut, request) -> None:
-  """Round-robin replicas (1F1B-RR) where they are built for: a replica
-  runs a microbatch on its own copies of the params, and its group
-  steps on the replicas' summed gradients, in one process."""
-  if not any(p.round_robin for p in placed.placement):
+def _check_replica_routing(placed, tied, cut, request) -> None:
+  """Round-robin (1F1B-RR) and weighted replicas where they are built
+  for: a replica runs a microbatch (or its slice) on its own copies of
+  the params, and its group steps on the replicas' summed gradients, in
+  one process."""
+  routing = request.partitioning.replica_routing
+  if not any(p.round_robin or p.weighted for p in placed.placement):
     return
   staleness = request.staleness
   refused = {
@@ -196,9 +206,9 @@ def _check_round_robin(placed, tied, cut, request) -> None:
   for what, present in refused.items():
     if present:
       raise ValueError(
-        f"replica_routing='round_robin' does not run with {what}: use "
-        "replica_routing='split' (each microbatch split over the "
-        "replicas) or drop that option"
+        f"replica_routing={routing!r} does not run with {what}: use "
+        "replica_routing='split' (each microbatch split evenly over the "
+        "replicas, SPMD) or drop that option"
       )
 
 
@@ -318,6 +328,7 @@ def build_pipeline(
     request,
     record_params=record_params,
     hooks=hooks,
+    stages_at=parts.stages_at,
   )
   return PipelineParts(request, cut, parts, placed, scheduled, runtime)
 

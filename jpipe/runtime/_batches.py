@@ -51,7 +51,9 @@ def place_microbatches(leaves, wanted_by_placement, m: int, first: int):
           if place.replica_index(first + k) == j
         )
       continue
-    if len(place.devices) > 1:
+    if place.weighted:  # Whole on the first device, sliced at each run.
+      parts = split_microbatches(tuple(jax.device_put(chosen, place.device)), m)
+    elif len(place.devices) > 1:
       parts = place.split_microbatches(chosen, m)
     else:
       parts = split_microbatches(tuple(place.put_replicated(chosen)), m)

@@ -32,6 +32,7 @@ from jpipe.runtime._placement import (
   StagePlacement,
   check_device_groups,
   device_name,
+  even_rows,
 )
 from jpipe.runtime._programs import compiler_options
 from jpipe.runtime._transport import Transport
@@ -117,6 +118,9 @@ class ModelCut:
     num_batch_leaves: leaves of a microbatch (model state excluded).
     num_state_leaves: leaves of the model state (0: none).
     state_treedef: the model state's structure, or None.
+    retrace: ``retrace(n)`` -> the loss traced on the first n examples of
+      the microbatch, cut at the same depth (a weighted replica group's
+      slices).
   """
 
   traced: Any
@@ -125,6 +129,7 @@ class ModelCut:
   num_batch_leaves: int
   num_state_leaves: int
   state_treedef: Any
+  retrace: Any = None
 
 
 def cut_model(
@@ -156,6 +161,13 @@ def cut_model(
     )
   if model_state is not None:
     _check_state_output(traced, state_treedef)
+
+  def retrace(n):
+    rows = jax.tree.map(lambda x: x[:n], micro)
+    return partition_lib.trace(
+      loss_fn, params, rows, depth=traced.depth, has_aux=model_state is not None
+    )
+
   return ModelCut(
     traced,
     granularity,
@@ -163,6 +175,7 @@ def cut_model(
     num_batch_leaves,
     0 if model_state is None else len(jax.tree.leaves(model_state)),
     state_treedef,
+    retrace,
   )
 
 
@@ -172,6 +185,7 @@ class Partitioned:
 
   plan: partition_lib.Plan
   stages: partition_lib.Stages
+  stages_at: Any = None  # n -> the stages cut from ``ModelCut.retrace(n)``
 
 
 def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
@@ -222,14 +236,40 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     # FTPipe's no-recompute semantics: the backward reads the current
     # params, so only saved values keep the forward's activations.
     policy = jax.checkpoint_policies.everything_saveable
-  stages = partition_lib.Stages(
-    cut.traced,
-    plan.stage_of_node,
-    residual_policy=policy,
-    carried=[(first + j, j + 1) for j in range(cut.num_state_leaves)],
-    compiler_options=program_options(request),
+
+  def stages_of(traced):
+    return partition_lib.Stages(
+      traced,
+      plan.stage_of_node,
+      residual_policy=policy,
+      carried=[(first + j, j + 1) for j in range(cut.num_state_leaves)],
+      compiler_options=program_options(request),
+    )
+
+  def stages_at(n):
+    traced = cut.retrace(n)
+    _check_same_structure(cut.traced, traced, request.microbatch_size, n)
+    return stages_of(traced)
+
+  return Partitioned(plan, stages_of(cut.traced), stages_at)
+
+
+def _check_same_structure(traced, other, n, rows) -> None:
+  """The model traced on ``rows`` examples has the equations, in order,
+  of its trace on ``n``: the plan's nodes cut it the same way."""
+  same = (
+    other.num_nodes == traced.num_nodes
+    and [e.primitive for e in other.jaxpr.eqns]
+    == [e.primitive for e in traced.jaxpr.eqns]
+    and other.eqn_scopes == traced.eqn_scopes
   )
-  return Partitioned(plan, stages)
+  if not same:
+    raise ValueError(
+      f"the model traces differently on {rows} examples than on {n}: a "
+      "weighted replica group runs slices of each microbatch, which needs "
+      "a model whose operations do not depend on the batch size; use "
+      "replica_routing='split'"
+    )
 
 
 def program_options(request: Request) -> dict:
@@ -272,10 +312,17 @@ def place_stages(parts: Partitioned, cut: ModelCut, request: Request) -> Placed:
     parts.stages,
     cut.num_batch_leaves,
   )
-  round_robin = request.partitioning.replica_routing == "round_robin"
+  routing = request.partitioning.replica_routing
   placement = tuple(
     StagePlacement(
-      [request.devices[i] for i in ds], request.microbatch_size, round_robin
+      [request.devices[i] for i in ds],
+      request.microbatch_size,
+      round_robin=routing == "round_robin",
+      rows=(
+        even_rows(request.microbatch_size, len(ds))
+        if routing == "weighted"
+        else None
+      ),
     )
     for ds in plan.stage_devices
   )

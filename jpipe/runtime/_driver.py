@@ -890,8 +890,10 @@ class _Call(TransferEnds):
 
   def _stage_gradient(self, s):
     """What stage s accumulated since its step: its accumulator, or a
-    round-robin group's replicas' summed over the group."""
+    round-robin or weighted group's replicas' summed over the group."""
     place = self.d.placement[s]
+    if place.weighted:  # A tuple per replica (None: took no examples).
+      return place.sum_replicas(list(self.grads[s]))
     if not place.round_robin:
       return self.grads[s]
     accs = self.grads[s]

@@ -399,6 +399,8 @@ class _ForwardCall(TransferEnds):
       params[k] = self.replica[(s, leaf)]
     if place.round_robin:  # Microbatch b's replica, its own copy.
       params = place.on_replica(params, b)
+    elif place.weighted:  # Whole on the first replica: forward only,
+      params = place.on_device(params, 0)  # nothing to balance per step.
     local = local_inputs(self, spec, self.batches[place][b], place)
     outputs, results = d.stages.jitted("forward", s)(tuple(params), local, acts)
     for v, x in zip(spec.outputs, outputs, strict=True):

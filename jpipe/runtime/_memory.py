@@ -234,7 +234,8 @@ def predict_stage_memory(
     tied: bytes of the extra copies of tied leaves (``tied_copies`` x
       their bytes).
     replicas: devices the stage runs on (each gets 1/replicas of a
-      microbatch).
+      microbatch); a weighted group's microbatch size over its largest
+      slice (a float).
     weight_kept: what a split backward's W keeps per microbatch (avals).
     awaiting_weight: microbatches between I and W beside ``in_flight``.
     round_robin: the replicas take whole microbatches in turn (1F1B-RR):
@@ -255,12 +256,19 @@ def predict_stage_memory(
     tied_copies=tied,
     grads=grads,
     opt_state=nbytes(opt_state),
-    kept_per_microbatch=-(-nbytes(kept) // per_replica),
+    kept_per_microbatch=_share(nbytes(kept), per_replica),
     in_flight=in_flight,
-    working=-(-max(forward, backward) // per_replica) + grads,
-    weight_kept_per_microbatch=-(-nbytes(weight_kept) // per_replica),
+    working=_share(max(forward, backward), per_replica) + grads,
+    weight_kept_per_microbatch=_share(nbytes(weight_kept), per_replica),
     awaiting_weight=awaiting_weight,
   )
+
+
+def _share(nbytes_: int, ways) -> int:
+  """Bytes on a device holding 1 / ``ways`` of a microbatch, rounded up."""
+  if isinstance(ways, int):
+    return -(-nbytes_ // ways)
+  return math.ceil(nbytes_ / ways)
 
 
 def device_totals(

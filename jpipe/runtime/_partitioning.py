@@ -15,7 +15,7 @@ from typing import Any
 from jpipe.runtime._transport import TRANSPORTS
 
 # How a replicated stage shares its microbatches (``replica_routing``).
-REPLICA_ROUTINGS = ("split", "round_robin")
+REPLICA_ROUTINGS = ("split", "round_robin", "weighted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,15 @@ class Partitioning:
       stage, the optimizer's times r_s / r_0). One process only; not
       with tied params, model state (batch statistics), weight
       prediction or Gap-Aware. (The partitioner plans replicas as split;
-      the built pipeline's memory check counts whole microbatches.)
+      the built pipeline's memory check counts whole microbatches.) Or
+      "weighted" (DynPipe's DP-stage load balancing): each microbatch
+      split unevenly, replica j taking ``rows[j]`` of its examples (even
+      at first; ``Pipeline.set_replica_rows``, or ``DynamicPipeline``
+      from each replica's measured speed), each replica running its slice
+      as its own program, the replicas' gradients summed at each step:
+      any microbatch size. The loss must be a mean over the microbatch's
+      examples; one process; not with tied params, model state, weight
+      prediction, Gap-Aware or split backwards (zero-bubble schedules).
   """
 
   num_stages: int

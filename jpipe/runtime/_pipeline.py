@@ -175,6 +175,35 @@ class Pipeline:
     only its size is used there."""
     return any(self.batch_leaves.values())
 
+  # -- Weighted replica groups ---------------------------------------------
+
+  @property
+  def replica_rows(self) -> dict[int, tuple[int, ...]]:
+    """``{stage: examples of a microbatch per replica}`` of its weighted
+    replica groups (``replica_routing="weighted"``)."""
+    return {s: p.rows for s, p in enumerate(self.placement) if p.weighted}
+
+  def set_replica_rows(self, stage: int, rows) -> None:
+    """Replica j of weighted group ``stage`` takes ``rows[j]`` examples of
+    each microbatch from the next forward on (a microbatch in flight
+    finishes with the split it started with). Each new slice size traces
+    the model on that many examples once (and compiles the stage's
+    programs for it at its first run)."""
+    place = self.placement[stage]
+    if not place.weighted:
+      raise ValueError(
+        f"stage {stage} is not a weighted replica group (its routing is "
+        "set by replica_routing='weighted' on a plan with replicas)"
+      )
+    old = place.rows
+    place.set_rows(rows)
+    try:  # Traced now: a model that changes with the size fails here.
+      self.programs.weighted[stage].prepare()
+    except ValueError:
+      place.set_rows(old)
+      raise
+    self._memory = None  # The busiest replica's share changed.
+
   # -- Action lists of a call ----------------------------------------------
 
   def call_actions(

@@ -70,7 +70,7 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
         in_flight=in_flight,
         versions=versions[s],
         tied=copies[s] * nbytes([params[p] for p in replicas[s]]),
-        replicas=len(pipe.plan.stage_devices[s]),
+        replicas=_replicas(pipe.placement[s]),
         weight_kept=weight_kept,
         awaiting_weight=awaiting,
         round_robin=pipe.placement[s].round_robin,
@@ -136,3 +136,12 @@ def check_memory_limit(pipe, limit: float) -> None:
     f"(stage {', '.join(map(str, stages))}); stage {worst}: "
     f"{pipe.memory[worst].describe()}. Use " + "; or ".join(fixes)
   )
+
+
+def _replicas(place) -> float:
+  """How many ways a microbatch's bytes divide on a stage's busiest
+  device: its devices (split evenly), or a weighted group's microbatch
+  over its largest slice."""
+  if place.weighted:
+    return place.microbatch_size / max(place.rows)
+  return len(place.devices)

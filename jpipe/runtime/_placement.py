@@ -19,6 +19,14 @@ sums the replicas' (``sum_replicas``: an all-reduce over the group) and
 updates the replicated params. The stream's delays then follow
 PipeDream's per-replica warm-ups (``jpipe.schedule.Stream``'s
 ``replicas``).
+
+With ``rows`` (DynPipe's DP-stage load balancing) the group splits each
+microbatch unevenly: replica j takes ``rows[j]`` of its examples (a slow
+device fewer), each replica runs its slice as its own program at its own
+copy of the params (``on_device``), and a step sums the replicas'
+gradients like round robin. The values between stages live whole on the
+group's first device (``device``), which slices them out to the replicas
+and gathers their results (``jpipe.runtime._weighted``).
 """
 
 from collections.abc import Sequence
@@ -44,6 +52,9 @@ class StagePlacement:
       has this size are split over a group's devices.
     round_robin: a group deals whole microbatches to its replicas
       (1F1B-RR) instead of splitting each.
+    rows: a group splits each microbatch unevenly, ``rows[j]`` examples
+      to replica j (non-negative, summing to ``microbatch_size``; a
+      weighted split, ``set_rows`` changes it); None: evenly, SPMD.
 
   Two placements are equal when they name the same devices.
   """
@@ -53,16 +64,27 @@ class StagePlacement:
     devices: Sequence[Any],
     microbatch_size: int,
     round_robin: bool = False,
+    rows: Sequence[int] | None = None,
   ):
     self.devices = tuple(devices)
     self.microbatch_size = microbatch_size
     self.round_robin = round_robin and len(self.devices) > 1
+    self.weighted = rows is not None and len(self.devices) > 1
+    if round_robin and self.weighted:
+      raise ValueError("a replica group is round robin or weighted, not both")
+    self.rows = None
     if len(self.devices) == 1:
       self.replicated = self.split = SingleDeviceSharding(self.devices[0])
-    elif self.round_robin:
+    elif self.round_robin or self.weighted:
       mesh = Mesh(np.array(self.devices), ("replica",))
       self.replicated = NamedSharding(mesh, PartitionSpec())
-      self.split = None  # Nothing is split: a replica takes it whole.
+      # Round robin: nothing is split, a replica takes it whole. Weighted:
+      # a microbatch's values wait whole on the first device.
+      self.split = (
+        SingleDeviceSharding(self.devices[0]) if self.weighted else None
+      )
+      if self.weighted:
+        self.set_rows(rows)
       self._rows = NamedSharding(mesh, PartitionSpec("replica"))
       self.replicas = tuple(
         StagePlacement([d], microbatch_size) for d in self.devices
@@ -92,6 +114,24 @@ class StagePlacement:
     """The first (or only) device."""
     return self.devices[0]
 
+  def set_rows(self, rows: Sequence[int]) -> None:
+    """A weighted group's examples per replica from now on (a microbatch
+    in flight keeps the split its forward ran with)."""
+    rows = tuple(int(r) for r in rows)
+    n, k = self.microbatch_size, len(self.devices)
+    if len(rows) != k or min(rows) < 0 or sum(rows) != n:
+      raise ValueError(
+        f"replica rows {rows} do not split a microbatch of {n} examples "
+        f"over {k} replicas: give {k} non-negative counts summing to {n}"
+      )
+    self.rows = rows
+
+  def on_device(self, tree, j: int):
+    """``tree`` (replicated over the group) as replica j's own copy: no
+    copy, each leaf's shard on that device."""
+    device = self.devices[j]
+    return jax.tree.map(lambda x: _shard_on(x, device), tree)
+
   def __eq__(self, other):
     return isinstance(other, StagePlacement) and self.devices == other.devices
 
@@ -101,6 +141,8 @@ class StagePlacement:
   def value_sharding(self, x) -> jax.sharding.Sharding:
     """A microbatch-carrying value's sharding: split along axis 0 when
     that axis is the microbatch, else replicated."""
+    if self.weighted:  # Whole on the first device, sliced at each run.
+      return self.split
     if self.round_robin:  # A lowering bug, not a user error.
       raise RuntimeError(
         "a round-robin group places a microbatch's values on its replica "
@@ -136,8 +178,7 @@ class StagePlacement:
     """The arrays of ``tree`` (replicated over the group, or already on
     the replica's device) as replica ``b mod k``'s own copies: no copy,
     each leaf's shard on that device."""
-    device = self.replica(b).device
-    return jax.tree.map(lambda x: _shard_on(x, device), tree)
+    return self.on_device(tree, self.replica_index(b))
 
   def sum_replicas(self, trees):
     """The sum of the replicas' pytrees (``trees[j]`` on replica j's
@@ -176,6 +217,34 @@ class StagePlacement:
     """
     stacked = [x.reshape(m, -1, *x.shape[1:]) for x in leaves]
     return self._unstack(tuple(jax.device_put(stacked, self._stacked)), m)
+
+
+def even_rows(n: int, k: int) -> tuple[int, ...]:
+  """n examples over k replicas as evenly as they go (the first replicas
+  one more)."""
+  return tuple(n // k + (j < n % k) for j in range(k))
+
+
+def rows_for_speeds(n: int, speeds) -> tuple[int, ...]:
+  """DynPipe's split of a microbatch of n examples over replicas of
+  relative ``speeds`` (examples per second, or any proportional
+  measure): replica j gets ``round(speeds[j] / sum * n)``, the remainder
+  (or excess) spread one by one over the first replicas (DynPipe's
+  ``communication_tyf_1.py``). DynPipe takes its profiles' slow-down
+  ratios there, which would give a slow replica more examples (the spec
+  calls it probably inverted); jpipe takes speeds, so a slow one gets
+  fewer."""
+  speeds = [float(v) for v in speeds]
+  if not speeds or min(speeds) < 0 or sum(speeds) <= 0:
+    raise ValueError(f"replica speeds must be >= 0, not all 0: {speeds}")
+  total = sum(speeds)
+  rows = [round(v / total * n) for v in speeds]
+  j, step = 0, 1 if sum(rows) < n else -1
+  while sum(rows) != n:
+    if step > 0 or rows[j % len(rows)] > 0:
+      rows[j % len(rows)] += step
+    j += 1
+  return tuple(rows)
 
 
 def _shard_on(x, device):

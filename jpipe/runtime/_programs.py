@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jpipe.partition import Stages
 from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime._weighted import WeightedStage
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -47,6 +48,10 @@ class StagePrograms:
       residuals a saving forward returned).
     options: XLA options of its programs (``compiler_options``); the
       stages' own programs take ``stages.compiler_options``.
+    placement: each stage's ``StagePlacement``; a weighted replica group's
+      programs run each replica's slice (``_weighted.WeightedStage``).
+    stages_at: ``stages_at(n)`` -> the stages cut from the model traced
+      on n examples (a slice's programs are compiled from them).
   """
 
   def __init__(
@@ -55,37 +60,77 @@ class StagePrograms:
     grad_layouts: tuple[FlatLayout, ...],
     recompute,
     options: dict[str, Any] | None = None,
+    placement=(),
+    stages_at=None,
   ):
     self.stages = stages
     self.options = dict(options or {})
     self.grad_layouts = grad_layouts
     self.recompute = recompute
     self._cache: dict[tuple, object] = {}
+    self._stages_at = stages_at
+    self._at_rows: dict[int, StagePrograms] = {}
+    self.weighted = {
+      s: WeightedStage(s, place, stages.specs[s], self)
+      for s, place in enumerate(placement)
+      if place.weighted
+    }
 
   def forward(self, s: int):
     """``(params, batch, acts) -> (outputs, results)`` of stage s (with
     ``recompute``), or ``-> (outputs, results, residuals)``."""
     kind = "forward" if self.recompute else "forward_saving"
+    if s in self.weighted:
+      return getattr(self.weighted[s], kind)
     return self.stages.jitted(kind, s)
 
   def backward(self, s: int, first: bool):
     """``(acc, params, batch, acts, out_cots, result_cots)`` (with
     recompute) or ``(acc, params, residuals, out_cots, result_cots)`` ->
     ``(acc + grads, act_cots)``; ``first``: no accumulator yet (acc is
-    None)."""
-    kind = "backward" if self.recompute else "backward_from_residuals"
-    return self._accumulating(kind, s, first)
+    None; a weighted group's accumulator is a tuple per replica)."""
+    if s in self.weighted:
+      kind = "backward" if self.recompute else "backward_from_residuals"
+      return getattr(self.weighted[s], kind)
+    return self.plain_backward(s, first)
 
   def forward_backward(self, s: int, first: bool):
     """``(acc, params, batch, acts, result_cots) -> (results, acc + grads,
     act_cots)`` of an output-free stage: its forward and backward as one
     program."""
+    if s in self.weighted:
+      return self.weighted[s].forward_backward
+    return self.plain_forward_backward(s, first)
+
+  def at_rows(self, n: int) -> "StagePrograms":
+    """The one-device programs of a microbatch slice of n examples (the
+    model traced again on n examples, cut by the same plan), cached."""
+    if n not in self._at_rows:
+      self._at_rows[n] = StagePrograms(
+        self._stages_at(n), self.grad_layouts, self.recompute, self.options
+      )
+    return self._at_rows[n]
+
+  def plain_backward(self, s: int, first: bool):
+    """``backward``'s one-device program (a weighted group's replicas
+    each run it on their slice)."""
+    kind = "backward" if self.recompute else "backward_from_residuals"
+    return self._accumulating(kind, s, first)
+
+  def plain_forward_backward(self, s: int, first: bool):
+    """``forward_backward``'s one-device program."""
     return self._accumulating("forward_backward", s, first)
 
   def input_grad(self, s: int):
     """A zero-bubble schedule's I of stage s: ``backward``'s arguments but
     the accumulator -> ``(act_cots, kept)``, its input cotangents and what
     ``weight_grad`` needs."""
+    if s in self.weighted:
+      raise ValueError(
+        f"stage {s} is a weighted replica group: its backward does not "
+        "split into I and W (zero-bubble schedules); use another schedule "
+        "or replica_routing='split'"
+      )
     kind = (
       "input_gradient" if self.recompute else "input_gradient_from_residuals"
     )

@@ -109,7 +109,9 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   # "split" (each split over the replicas; as one device) or
   # "round_robin" (PipeDream's 1F1B-RR: microbatch b whole on replica
   # b mod r; under async PipeDream's per-replica warm-up and its rate per
-  # stage, lr x r_s / r_0).
+  # stage, lr x r_s / r_0) or "weighted" (DynPipe's DP-stage load
+  # balancing: each microbatch split unevenly, any size; with
+  # dynamic.enabled re-split by the replicas' measured speeds).
   c.pipeline.replica_routing = "split"
   # Recompute forwards in the backward (an async pipeline without weight
   # stashing needs it: saved residuals pin the forward's params).
@@ -390,8 +392,9 @@ FTPIPE_OPTIONS = ("nr", "nag", "nesterov")
 # The newer delay corrections a variant may add: PipeMare's rescheduling
 # over a quarter of the run, the delay-aware Nesterov method (adaptive).
 DELAY_CORRECTIONS = ("pm", "dnag")
-# PipeDream's replica routing a variant may add: round robin (1F1B-RR).
-ROUTINGS = ("rr",)
+# The replica routing a variant may add: PipeDream's round robin
+# (1F1B-RR), DynPipe's weighted split.
+ROUTINGS = ("rr", "wr")
 # Variants naming a schedule outright (the rest set staleness options).
 SYNCHRONOUS_VARIANTS = schedule_lib.SYNCHRONOUS
 
@@ -414,7 +417,8 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       quarter of the run) and "dnag" (``staleness.delay_nesterov``
       "adaptive"), e.g. "ws+dnag", and "rr" (PipeDream's round-robin
       replicas, ``pipeline.replica_routing``, for a replicated plan:
-      "ws+rr" is PipeDream's 1F1B-RR); "2bw"
+      "ws+rr" is PipeDream's 1F1B-RR) and "wr" (DynPipe's weighted
+      split, ``pipeline.replica_routing = "weighted"``); "2bw"
       (PipeDream-2BW); or a synchronous schedule (``jpipe.schedule.
       SYNCHRONOUS``: "seq", "gpipe", "1f1b", "zbh1", ...).
   """
@@ -448,8 +452,15 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
   c.staleness.nesterov_last_stage = "nesterov" in parts
   c.staleness.pipemare_anneal_steps = -1 if "pm" in parts else 0
   c.staleness.delay_nesterov = "adaptive" if "dnag" in parts else ""
+  if "rr" in parts and "wr" in parts:
+    raise ValueError(
+      f"config variant {variant!r}: 'rr' and 'wr' are two replica "
+      "routings; pick one"
+    )
   if "rr" in parts:
     c.pipeline.replica_routing = "round_robin"
+  if "wr" in parts:
+    c.pipeline.replica_routing = "weighted"
   # Recompute unless stashing (ws without nr: saved residuals, at the
   # forward's params) or FTPipe's nr asked for.
   c.pipeline.recompute = not (c.staleness.stashing or "nr" in parts)

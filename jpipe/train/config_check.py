@@ -627,10 +627,10 @@ def _check_dynamic_run(config, need, inject) -> None:
     "'contiguous', 'pipedream' or 'pipedream_hybrid'",
   )
   need(
-    config.pipeline.replica_routing == "split",
+    config.pipeline.replica_routing in ("split", "weighted"),
     "pipeline.replica_routing",
     "re-partitioning runs replicated stages that split each microbatch: "
-    "set it to 'split'",
+    "set it to 'split' or 'weighted' (re-split by the replicas' speeds)",
   )
   need(
     config.schedule.name != "interleaved" and not _v_shaped(config),

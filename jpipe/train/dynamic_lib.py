@@ -4,10 +4,11 @@
 ``config.dynamic`` describes; ``DynamicMode`` trains it in the loop: each
 step reports what the pipeline measured and decided (a re-partition
 prints a line starting with ``re-partition`` and goes to
-``metrics.jsonl`` under "repartition"; each measured window logs the
-stage slots' slowdowns), a checkpoint records the split in force (a
-resumed run continues on it), and the end draws ``dynamic.png`` (step
-time per window, the re-partitions marked).
+``metrics.jsonl`` under "repartition", a weighted replica group's
+re-split a line starting with ``re-split``, under "rebalance"; each
+measured window logs the stage slots' slowdowns), a checkpoint records
+the split in force (a resumed run continues on it), and the end draws
+``dynamic.png`` (step time per window, the re-partitions marked).
 """
 
 import os
@@ -73,6 +74,10 @@ class DynamicMode(PipelineMode):
     record = metrics.get("repartition")
     if record is not None:
       events, lines = {"repartition": record}, (line(done, record),)
+    balanced = metrics.get("rebalance")
+    if balanced:
+      events = {**events, "rebalance": balanced}
+      lines = (*lines, *(rebalance_line(done, r) for r in balanced))
     return Outcome(loss, self.config.data.batch_size, scalars, events, lines)
 
   def checkpoint_meta(self, done):
@@ -81,6 +86,7 @@ class DynamicMode(PipelineMode):
   def finish(self, workdir):
     summary, lines = super().finish(workdir)
     summary["repartitions"] = list(self.pipe.history)
+    summary["rebalances"] = list(self.pipe.rebalances)
     if self.pipe.windows:
       summary["dynamic_png"] = draw(self.pipe, workdir)
       lines.append(f"Re-partitioning: {summary['dynamic_png']}")
@@ -97,6 +103,17 @@ def line(step, record) -> str:
     f"{record['predicted_new_seconds']:.4f} s per step, measured "
     f"{record['measured_seconds']:.4f}; switch {record['switch_seconds']:.3f} "
     f"s{', new pipeline' if record['compiled'] else ''})"
+  )
+
+
+def rebalance_line(step, record) -> str:
+  """The printed line of a weighted group's re-split."""
+  speeds = ", ".join(f"{x:.0f}" for x in record["examples_per_second"])
+  return (
+    f"re-split at step {step}: stage {record['stage']}'s replicas take "
+    f"{record['old']} -> {record['new']} examples of each microbatch "
+    f"(measured {speeds} examples/s; predicted "
+    f"{record['predicted_gain']:.2f}x faster)"
   )
 
 

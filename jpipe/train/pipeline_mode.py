@@ -125,6 +125,13 @@ def print_plan(pipe) -> None:
         else "."
       )
     )
+  rows = pipe.replica_rows
+  if rows:
+    splits = ", ".join(f"stage {s}: {list(r)}" for s, r in rows.items())
+    print(
+      "Replicated stages split each microbatch by weight (examples per "
+      f"replica, re-split by speed under re-partitioning): {splits}."
+    )
   limit = pipe.memory_limit
   print(
     "Predicted peak memory per stage: "

@@ -66,11 +66,13 @@ def test_best_split_gives_a_replicated_slot_its_share(replicas, sigma):
   )
 
 
-def _hybrid(inject):
+def _hybrid(inject, examples=8, policy="jpipe", **extra):
   """A DynamicPipeline of the small MLP in 2 slots: slot 0 on devices
   0-1 (each microbatch split over them), slot 1 on device 2; every
   action sleeps its share of 50 ms of simulated compute."""
-  loss_fn, params, batch, _ = flax_models.mlp_case()
+  loss_fn, params, batch, _ = flax_models._classification_case(
+    flax_models.Mlp(), 12, examples
+  )
   devices = jax.devices()[:3]
   options = dict(
     num_stages=2,
@@ -80,6 +82,7 @@ def _hybrid(inject):
     num_microbatches=4,
     optimizer=optax.sgd(0.05, momentum=0.9),
     price_last_stage=False,
+    **extra,
   )
   plain = jpipe.Pipeline(loss_fn, params, batch, **options)
   plan = dataclasses.replace(plain.plan, stage_devices=((0, 1), (2,)))
@@ -87,7 +90,7 @@ def _hybrid(inject):
     loss_fn,
     params,
     batch,
-    policy="jpipe",
+    policy=policy,
     window=WINDOW,
     # A long run ahead: the move pays for a new pipeline's compilation
     # (its cost rule: test_controller.py).
@@ -121,6 +124,68 @@ def test_a_slowed_replica_slows_its_group_and_layers_leave_it():
   assert onset["new"][1] < start[1]  # Slot 0 holds less.
   assert dp.plan.stage_devices == ((0, 1), (2,))
   assert float(dp.evaluate(state, batch)["loss"]) > 0
+
+
+def test_a_weighted_group_gives_a_slowed_replica_fewer_examples():
+  """DynPipe's DP-stage load balancing: device 1 (a replica of slot 0)
+  4x slower from step 6 to 12. Its group re-splits each microbatch of 6
+  by the replicas' measured speeds (4 : 1 -> 5 : 1, DynPipe's rounding)
+  at the first window that sees it, so the slot reads ~1.7x instead of
+  the split group's ~4x and no layer needs to move; back to 3 : 3 when
+  the device recovers."""
+  dp, params, batch = _hybrid(
+    "1:4:6:12", examples=24, replica_routing="weighted"
+  )
+  assert dp.pipeline.replica_rows == {0: (3, 3)}
+  state = dp.init(params)
+  balanced, moved = [], []
+  for _ in range(16):
+    state, metrics = dp.step(state, batch)
+    balanced += metrics.get("rebalance", [])
+    moved += [metrics["repartition"]] if "repartition" in metrics else []
+  onset, recovery = balanced
+  assert (onset["step"], onset["stage"]) == (8, 0)
+  assert (onset["old"], onset["new"]) == ([3, 3], [5, 1])
+  speeds = onset["examples_per_second"]
+  assert speeds[0] / speeds[1] == pytest.approx(4.0, rel=0.2)
+  assert (recovery["step"], recovery["new"]) == (14, [3, 3])
+  sigma = {w.step: w.sigma[0] for w in dp.windows}
+  assert sigma[10] == pytest.approx(5 / 3, rel=0.25)  # Split: ~4.
+  assert not moved and dp.rebalances == balanced
+  assert dp.pipeline.replica_rows == {0: (3, 3)}
+  assert np.isfinite(float(dp.evaluate(state, batch)["loss"]))
+
+
+def test_a_weighted_groups_split_survives_a_repartition():
+  """Device 1 2x slower throughout: slot 0's replicas re-split 4 : 2.
+  Then device 2 (slot 1) 4x slower from step 8: layers move to slot 0,
+  whose new pipeline keeps the 4 : 2 split."""
+  dp, params, batch = _hybrid(
+    "1:2:0,2:4:8", examples=24, replica_routing="weighted"
+  )
+  state = dp.init(params)
+  balanced, moved = [], []
+  for _ in range(16):
+    state, metrics = dp.step(state, batch)
+    balanced += metrics.get("rebalance", [])
+    moved += [metrics["repartition"]] if "repartition" in metrics else []
+  assert balanced[0]["new"] == [4, 2]
+  (move,) = moved
+  assert move["new"][1] > move["old"][1]  # Slot 0 holds more.
+  assert all(b["step"] < move["step"] for b in balanced)
+  assert dp.pipeline.replica_rows == {0: (4, 2)}
+  assert dp.plan.stage_devices == ((0, 1), (2,))
+
+
+def test_a_static_policy_does_not_rebalance():
+  dp, params, batch = _hybrid(
+    "1:4:2", examples=24, policy="static", replica_routing="weighted"
+  )
+  state = dp.init(params)
+  for _ in range(6):
+    state, metrics = dp.step(state, batch)
+    assert "rebalance" not in metrics
+  assert dp.pipeline.replica_rows == {0: (3, 3)}
 
 
 def test_round_robin_replicas_are_refused():

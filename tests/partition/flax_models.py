@@ -90,11 +90,12 @@ class EncoderDecoder(nn.Module):
     return nn.Dense(5, name="head")(x)
 
 
-def _classification_case(model, features):
-  """``model`` on 8 random examples of ``features`` and 10 classes, with a
-  softmax cross-entropy loss: (loss_fn, params, batch, False)."""
-  x = jax.random.normal(jax.random.key(0), (8, features))
-  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+def _classification_case(model, features, examples=8):
+  """``model`` on ``examples`` random examples of ``features`` and 10
+  classes, with a softmax cross-entropy loss: (loss_fn, params, batch,
+  False)."""
+  x = jax.random.normal(jax.random.key(0), (examples, features))
+  y = jax.random.randint(jax.random.key(1), (examples,), 0, 10)
   params = model.init(jax.random.key(2), x)
 
   def loss_fn(params, batch):

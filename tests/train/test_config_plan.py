@@ -128,3 +128,41 @@ def test_pipedream_hybrid_round_robin_variant_trains(capsys, tmp_path):
   assert "stages on devices [[0, 1, 2], 3]" in out
   assert "round-robin replicas (1F1B-RR)" in out
   assert summary["eval"]["accuracy"] is not None
+
+
+def test_dynpipe_rebalances_a_weighted_hybrid_plan(capsys, tmp_path):
+  """The "wr" variant on PipeDream's 3-1 VGG plan, re-partitioning on:
+  device 1 (a replica of slot 0) 4x slower from step 4, so the next
+  measured window re-splits slot 0's microbatches by its replicas'
+  speeds (DynPipe's DP-stage load balancing), printed and logged."""
+  config = config_plan.load_config_file(
+    os.path.join(ROOT, "configs", "pipedream_vgg.py") + ":ws+wr"
+  )
+  assert config.pipeline.replica_routing == "weighted"
+  with pytest.raises(ValueError, match="two replica routings"):
+    config_plan.load_config_file(
+      os.path.join(ROOT, "configs", "pipedream_vgg.py") + ":ws+rr+wr"
+    )
+  config.pipeline.partition = "pipedream_hybrid"
+  config.pipeline.bandwidth = 3e10
+  config.dynamic.enabled = True
+  config.dynamic.window = 2
+  config.dynamic.simulated_ms = 40.0
+  config.dynamic.inject = "1:4:4"
+  config.train.steps = 8
+  config.train.eval_every = 8
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  out = capsys.readouterr().out
+  assert "stages on devices [[0, 1, 2], 3]" in out
+  assert "split each microbatch by weight" in out
+  (record,) = summary["rebalances"]
+  assert record["step"] == 6 and record["stage"] == 0
+  new = record["new"]
+  assert new[1] < min(new[0], new[2])  # The slow replica takes fewest.
+  assert f"re-split at step 6: stage 0's replicas take {record['old']}" in out
+  events = [
+    json.loads(line)
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert any("rebalance" in e for e in events)
+  assert summary["eval"]["accuracy"] is not None
