@@ -136,7 +136,7 @@ def run_one(run):
     "accuracy": summary["eval"]["accuracy"],
     # The training loss logged last (a mean over the steps since the
     # previous log line).
-    "final_loss": [r["loss"] for r in lines if "loss" in r][-1],
+    "final_loss": [r["train/loss"] for r in lines if "train/loss" in r][-1],
   }
 
 
