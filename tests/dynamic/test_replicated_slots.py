@@ -126,6 +126,17 @@ def test_a_slowed_replica_slows_its_group_and_layers_leave_it():
   assert float(dp.evaluate(state, batch)["loss"]) > 0
 
 
+def _run(dp, params, batch, steps):
+  """``(state, re-splits, re-partitions)`` of ``steps`` steps."""
+  state = dp.init(params)
+  balanced, moved = [], []
+  for _ in range(steps):
+    state, metrics = dp.step(state, batch)
+    balanced += metrics.get("rebalance", [])
+    moved += [metrics["repartition"]] if "repartition" in metrics else []
+  return state, balanced, moved
+
+
 def test_a_weighted_group_gives_a_slowed_replica_fewer_examples():
   """DynPipe's DP-stage load balancing: device 1 (a replica of slot 0)
   4x slower from step 6 to 12. Its group re-splits each microbatch of 6
@@ -137,12 +148,7 @@ def test_a_weighted_group_gives_a_slowed_replica_fewer_examples():
     "1:4:6:12", examples=24, replica_routing="weighted"
   )
   assert dp.pipeline.replica_rows == {0: (3, 3)}
-  state = dp.init(params)
-  balanced, moved = [], []
-  for _ in range(16):
-    state, metrics = dp.step(state, batch)
-    balanced += metrics.get("rebalance", [])
-    moved += [metrics["repartition"]] if "repartition" in metrics else []
+  state, balanced, moved = _run(dp, params, batch, 16)
   onset, recovery = balanced
   assert (onset["step"], onset["stage"]) == (8, 0)
   assert (onset["old"], onset["new"]) == ([3, 3], [5, 1])
@@ -163,12 +169,7 @@ def test_a_weighted_groups_split_survives_a_repartition():
   dp, params, batch = _hybrid(
     "1:2:0,2:4:8", examples=24, replica_routing="weighted"
   )
-  state = dp.init(params)
-  balanced, moved = [], []
-  for _ in range(16):
-    state, metrics = dp.step(state, batch)
-    balanced += metrics.get("rebalance", [])
-    moved += [metrics["repartition"]] if "repartition" in metrics else []
+  state, balanced, moved = _run(dp, params, batch, 16)
   assert balanced[0]["new"] == [4, 2]
   (move,) = moved
   assert move["new"][1] > move["old"][1]  # Slot 0 holds more.

@@ -229,9 +229,10 @@ def _microbatches(batch, size):
   ]
 
 
-def _run_calls(pipe, state, batch, calls):
+def _run_calls(pipe, state, batch, calls, after_call=None):
   """Runs ``calls`` (microbatch counts, or "flush") on consecutive
-  microbatches of ``batch``. Returns
+  microbatches of ``batch`` (``after_call()`` after each step call, if
+  given). Returns
   (state, every call's metrics, the microbatches of each stream, the
   params each stream's actions used)."""
   pool = _microbatches(batch, pipe.microbatch_size)
@@ -246,6 +247,8 @@ def _run_calls(pipe, state, batch, calls):
       joined = jax.tree.map(lambda *x: jnp.concatenate(x), *mbs)
       state, metrics = pipe.step(state, joined)
       streams[-1].extend(mbs)
+      if after_call is not None:
+        after_call()
     used[-1].update(metrics.get("used_params", {}))
     if call == "flush":
       used.append({})

@@ -9,14 +9,11 @@ any split, changed between calls, since the split is not in the math.
 The split itself against a restatement of DynPipe's rule.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
-import jpipe
 from jpipe.runtime._placement import even_rows, rows_for_speeds
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
@@ -105,22 +102,15 @@ def test_async_weighted_streams_like_the_reference(opts):
   assert pipe.replica_rows == {0: (3, 2), 2: (3, 2)}
   data = _async_data(11, size)
   splits = iter([(1, 4), (5, 0), (2, 3)])
-  state = pipe.init(params)
-  pool = async_tests._microbatches(data, size)
-  streams, used, start = [[]], {}, 0
-  for call in (4, 3, 4, "flush"):
-    if call == "flush":
-      state, metrics = pipe.flush(state)
-    else:
-      mbs = pool[start : start + call]
-      start += call
-      joined = jax.tree.map(lambda *x: jnp.concatenate(x), *mbs)
-      state, metrics = pipe.step(state, joined)
-      streams[-1].extend(mbs)
-      rows = next(splits)
-      pipe.set_replica_rows(0, rows)
-      pipe.set_replica_rows(2, rows[::-1])
-    used.update(metrics["used_params"])
+
+  def resplit():
+    rows = next(splits)
+    pipe.set_replica_rows(0, rows)
+    pipe.set_replica_rows(2, rows[::-1])
+
+  state, _, streams, (used,) = async_tests._run_calls(
+    pipe, pipe.init(params), data, (4, 3, 4, "flush"), after_call=resplit
+  )
   expected, (expected_used,) = async_tests._reference(
     pipe, params, streams, async_tests.SGD, {"schedule": "async", **opts}
   )
@@ -198,7 +188,7 @@ def test_weighted_needs_what_it_is_built_for():
 def test_a_model_that_changes_with_the_batch_size_is_refused():
   """A slice runs the model traced on fewer examples: a model whose
   operations depend on the batch size would be cut differently."""
-  model = flax_models.Mlp(widths=(8, 8, 4))
+  model = flax_models.Mlp(widths=(8, 8, 4))  # 3 layers: 3 stages.
   x = jax.random.normal(jax.random.key(0), (8, 6))
   params = model.init(jax.random.key(1), x)
 
@@ -208,23 +198,11 @@ def test_a_model_that_changes_with_the_batch_size_is_refused():
       h = jnp.tanh(h)
     return jnp.mean(h**2)
 
-  plain = jpipe.Pipeline(
+  pipe = _replicated(
+    ((0, 1), (2,), (3,)),
     loss_fn,
     params,
     {"x": x},
-    num_stages=2,
-    devices=jax.devices()[:2],
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-  )
-  plan = dataclasses.replace(plain.plan, stage_devices=((0, 1), (2,)))
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    {"x": x},
-    num_stages=2,
-    devices=jax.devices()[:3],
-    partition=plan,
     num_microbatches=2,
     optimizer=optax.sgd(0.1),
     replica_routing="weighted",
