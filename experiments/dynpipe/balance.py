@@ -28,15 +28,14 @@ runs, not against a real multi-device pipeline.
 Prints a table; writes results/balance.{json,md}.
 """
 
-import datetime
 import json
 import os
-import subprocess
 import tempfile
 
-import jax
 import numpy as np
 from absl import app, flags
+
+from experiments.gpu_campaign import _common
 
 FLAGS = flags.FLAGS
 
@@ -162,10 +161,10 @@ def main(argv):
     + f" | {r['final_loss']:.3f} | {r['accuracy']:.3f} |"
     for r in records
   ]
-  device = jax.devices()[0]
+  meta = _common.metadata()  # Date, device, JAX version, commit.
   header = (
-    f"{datetime.date.today()}, {device.device_kind}, jax {jax.__version__}, "
-    f"commit {_commit()}: pipedream_vgg 3-1 hybrid plan, async ws, "
+    f"{meta['date']}, {meta['device']}, jax {meta['jax']}, "
+    f"commit {meta['commit'][:7]}: pipedream_vgg 3-1 hybrid plan, async ws, "
     f"{FLAGS.bal_steps} steps, window {FLAGS.bal_window}, simulated "
     f"{FLAGS.bal_simulated_ms} ms, device 1 x{FLAGS.bal_factor} from step "
     f"{FLAGS.bal_from} to {FLAGS.bal_to}."
@@ -180,20 +179,8 @@ def main(argv):
   with open(os.path.join(FLAGS.bal_out_dir, "balance.md"), "w") as f:
     f.write(text)
   with open(os.path.join(FLAGS.bal_out_dir, "balance.json"), "w") as f:
-    json.dump({"header": header, "records": records}, f, indent=1)
+    json.dump({**meta, "header": header, "records": records}, f, indent=1)
   print(text)
-
-
-def _commit() -> str:
-  try:
-    return subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"],
-      capture_output=True,
-      text=True,
-      check=True,
-    ).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 if __name__ == "__main__":
