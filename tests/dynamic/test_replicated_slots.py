@@ -105,7 +105,7 @@ def _hybrid(inject, examples=8, policy="jpipe", **extra):
 
 def test_a_slowed_replica_slows_its_group_and_layers_leave_it():
   """Device 1 (a replica of slot 0) 4x slower from step 6: the group's
-  SPMD program runs at its pace, slot 0 reads ~4x, and layers move to
+  SPMD program runs at its pace, slot 0 reads slowed, and layers move to
   slot 1, each slot keeping its devices."""
   dp, params, batch = _hybrid("1:4:6")
   start = dp.boundaries
@@ -118,7 +118,12 @@ def test_a_slowed_replica_slows_its_group_and_layers_leave_it():
   sigma = {w.step: w.sigma for w in dp.windows}
   # Calibrated on the replicas: unslowed, both slots read ~1.
   np.testing.assert_allclose(sigma[4], 1.0, atol=0.3)
-  assert sigma[10][0] == pytest.approx(4.0, rel=0.25)
+  # Slot 0 reads slowed, slot 1 not. (Sleeps dominate, but a slot's time
+  # also holds its real compute, which a loaded CI host stretches and the
+  # slowdown does not scale: slot 0 read 2.7 there, ~4 idle. That the
+  # group sleeps at its slowest replica's pace, exactly:
+  # tests/runtime/test_slowdown.py.)
+  assert sigma[10][0] > 2.0 and sigma[10][1] < 1.5
   (onset,) = reported
   assert onset["step"] == 6 + 2 * WINDOW
   assert onset["new"][1] < start[1]  # Slot 0 holds less.

@@ -64,3 +64,34 @@ def test_sdpipe_and_dynpipe_hooks_read_the_same_mechanism():
   assert [interference.factor(1, t) for t in range(8)] == [
     1.0 if t < 2 or t >= 6 else 4.0 for t in range(8)
   ]
+
+
+def test_a_replica_group_sleeps_at_its_slowest_device():
+  """SPMD group (devices 0, 1; device 1 4x from step 2): every replica
+  waits for the slowest, so the stage sleeps 4x its half of the work;
+  a weighted group's replicas sleep their own rows at their own factor
+  (restated from the Interference docstring)."""
+  from jpipe.schedule import Action
+
+  interference = dynamic.Interference(
+    dynamic.parse_inject("1:4:2"), simulated_seconds=0.01
+  )
+  interference.stage_shares = ((0.25, 0.5), (0.1, 0.15))
+  interference.stage_devices = (0, 2)
+  interference.stage_groups = ((0, 1), (2,))
+  forward = Action("F", 0, 0)
+  for step, factor in ((0, 1.0), (2, 4.0)):
+    interference.step = step
+    interference.before_compute(forward)
+    half = 0.25 * 0.01 / 2
+    assert interference.take_slept()[0] == pytest.approx(factor * half)
+    assert interference.take_replica_slept() == pytest.approx(
+      {(0, 0): factor * half, (0, 1): factor * half}
+    )
+  interference.stage_rows = ((3, 1), None)
+  interference.before_compute(forward)
+  quarter = 0.25 * 0.01 / 4
+  assert interference.take_replica_slept() == pytest.approx(
+    {(0, 0): 3 * quarter, (0, 1): 4 * quarter}
+  )
+  assert interference.take_slept()[0] == pytest.approx(4 * quarter)
