@@ -10,6 +10,7 @@ are built once and reused with shifted microbatch indices.
 """
 
 import dataclasses
+import functools
 
 from jpipe import schedule as schedule_lib
 
@@ -30,25 +31,56 @@ class Call:
   order: tuple[schedule_lib.Action, ...]
   fused: frozenset
 
-  def shifted(self, shift: int) -> "Call":
+  @property
+  def base(self) -> "Call":
+    """The cached call this one is a shift of (itself)."""
+    return self
+
+  @property
+  def shift(self) -> int:
+    """Microbatches this call is later than ``base`` in the stream."""
+    return 0
+
+  def shifted(self, shift: int) -> "Call | ShiftedCall":
     """The same call ``shift`` microbatches later in the stream."""
-    if not shift:
-      return self
+    return ShiftedCall(self, shift) if shift else self
 
-    def move(a):
-      return schedule_lib.Action(a.kind, a.stage, a.microbatch + shift)
 
-    lists = self.lists
-    return Call(
-      schedule_lib.ActionLists(
-        lists.name,
-        lists.num_stages,
-        lists.stage_device,
-        tuple(tuple(map(move, acts)) for acts in lists.device_actions),
+def _shift_action(a, shift):
+  return schedule_lib.Action(a.kind, a.stage, a.microbatch + shift)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShiftedCall:
+  """``base`` (a cached ``Call``) ``shift`` microbatches later: a steady
+  stream's every call. Its lists, order and fused pairs are built only
+  when read (a profiled call, a test): the driver runs ``base``'s
+  lowered ops shifted (``Driver.lower``), so a call does not pay for
+  re-building and re-lowering its order."""
+
+  base: Call
+  shift: int
+
+  @functools.cached_property
+  def lists(self) -> schedule_lib.ActionLists:
+    lists = self.base.lists
+    return schedule_lib.ActionLists(
+      lists.name,
+      lists.num_stages,
+      lists.stage_device,
+      tuple(
+        tuple(_shift_action(a, self.shift) for a in acts)
+        for acts in lists.device_actions
       ),
-      tuple(map(move, self.order)),
-      frozenset((s, b + shift) for s, b in self.fused),
     )
+
+  @functools.cached_property
+  def order(self) -> tuple[schedule_lib.Action, ...]:
+    return tuple(_shift_action(a, self.shift) for a in self.base.order)
+
+  @functools.cached_property
+  def fused(self) -> frozenset:
+    return frozenset((s, b + self.shift) for s, b in self.base.fused)
 
 
 class CallActions:
@@ -77,7 +109,7 @@ class CallActions:
     self.fuse = fuse
     self._cache: dict[tuple, Call] = {}
 
-  def __call__(self, fed: int, m: int | None) -> Call:
+  def __call__(self, fed: int, m: int | None) -> "Call | ShiftedCall":
     """The call feeding m microbatches after ``fed`` (m None: a flush)."""
     start = fed if self.stream is None else self.stream.steady_start(fed)
     key = (m, start)

@@ -51,8 +51,7 @@ def _run(pipe, state, fed, m, batches, profile):
   else:  # A window's mean (a short one is rescaled at its step).
     cotangent = 1.0 / pipe.stream.step_every
   out = pipe.driver.run(
-    call.order,
-    call.fused,
+    call,
     stage_params=state.stage_params,
     opt_states=state.opt_states,
     model_state=state.model_state,

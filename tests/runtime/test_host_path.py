@@ -1,0 +1,118 @@
+"""The driver's host path reuses work across a stream's calls without
+changing what runs: a shifted call's ops are its base's lowering
+shifted, and the params-held count is the plain formula's."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe import schedule as schedule_lib
+from jpipe.runtime import _driver
+from jpipe.runtime._calls import ShiftedCall
+from tests.partition import flax_models
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+
+def _async_pipeline():
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=4,
+    devices=jax.devices()[:4],
+    schedule="async",
+    num_microbatches=2,
+    optimizer=optax.sgd(0.05),
+    weight_stashing=True,
+  )
+  return pipe, params, batch
+
+
+def test_a_steady_streams_calls_are_lowered_once():
+  pipe, params, batch = _async_pipeline()
+  state = pipe.init(params)
+  sizes = []
+  for _ in range(8):
+    state, _ = pipe.step(state, batch)
+    sizes.append(len(pipe.driver._lowered))
+  # Warm-up calls differ; past them every call is a shift of one.
+  assert sizes[-1] == sizes[3] and sizes[-1] <= 4
+  fed = state.in_flight.fed
+  call = pipe.calls(fed, 2)
+  assert isinstance(call, ShiftedCall) and call.shift > 0
+  # The shifted call's lists, order and fused pairs: the base's, shifted.
+  k = call.shift
+  assert call.order == tuple(
+    schedule_lib.Action(a.kind, a.stage, a.microbatch + k)
+    for a in call.base.order
+  )
+  assert call.fused == {(s, b + k) for s, b in call.base.fused}
+  for acts, base in zip(
+    call.lists.device_actions, call.base.lists.device_actions, strict=True
+  ):
+    assert [a.microbatch for a in acts] == [a.microbatch + k for a in base]
+
+
+@pytest.mark.parametrize("stage_process", [(0, 0, 0, 0), (0, 0, 1, 1)])
+def test_shifted_ops_equal_lowering_the_shifted_order(stage_process):
+  """Across 2 processes too (sends moved early, keyed by seq): lowering
+  commutes with shifting microbatches."""
+  pipe, params, batch = _async_pipeline()
+  state = pipe.init(params)
+  for _ in range(5):
+    state, _ = pipe.step(state, batch)
+  call = pipe.calls(state.in_flight.fed, 2)
+  for process in sorted(set(stage_process)):
+    options = dict(made_by=_driver._made_by)
+
+    def lower(order, process=process, options=options):
+      return schedule_lib.lower(
+        order, pipe.driver._transfers, stage_process, process, **options
+      )
+
+    expected = lower(call.order)
+    got = _driver._shifted_ops(lower(call.base.order), call.shift)
+    assert tuple(got) == expected
+    assert any(isinstance(op, schedule_lib.Move) for op in expected)
+
+
+def _held_reference(versions, live, forward_params, leaf_bytes):
+  """(distinct tuples, bytes of distinct arrays), restated."""
+  tuples = [*versions.values(), live, *forward_params]
+  distinct = []
+  for t in tuples:
+    if not any(t is u for u in distinct):
+      distinct.append(t)
+  arrays = []
+  total = 0
+  for t in distinct:
+    for x, n in zip(t or (), leaf_bytes, strict=False):
+      if not any(x is y for y in arrays):
+        arrays.append(x)
+        total += n
+  return len(distinct), total
+
+
+def test_params_held_equals_the_plain_count():
+  rng = np.random.default_rng(0)
+  leaf_bytes = (40, 40, 400)
+  fresh = [tuple(object() for _ in leaf_bytes) for _ in range(6)]
+  # A version sharing a leaf with another, one holding a leaf twice
+  # (tied leaves: same shape).
+  shared = (fresh[0][0], object(), object())
+  twice = (fresh[1][0], fresh[1][0], object())
+  pool = [*fresh, shared, twice, None]
+  seen = {}
+  for _ in range(200):
+    picks = [pool[i] for i in rng.integers(0, len(pool), 5)]
+    versions = dict(enumerate(picks[:2]))
+    live, forward_params = picks[2], picks[3:]
+    got = _driver._params_held(versions, live, forward_params, leaf_bytes, seen)
+    assert got == _held_reference(versions, live, forward_params, leaf_bytes)
+    # Only what is held now is kept.
+    held = {id(t) for t in picks if t is not None}
+    assert set(seen) == held
