@@ -507,7 +507,6 @@ class _Call(TransferEnds):
     self.used = {} if driver.record_params else None
     self.peak = [0] * len(self.params)  # Param versions held at most,
     self.peak_bytes = [0] * len(self.params)  # and their bytes.
-    self.held = [{} for _ in self.params]  # (_params_held's ``seen``.)
     for s in range(len(self.params)):
       self._note_held(s)
 
@@ -779,7 +778,6 @@ class _Call(TransferEnds):
       self.params[s],
       [t for (s_, _), t in self.forward_params.items() if s_ == s],
       self.d.param_leaf_bytes[s],
-      self.held[s],
     )
     self.peak[s] = max(self.peak[s], count)
     self.peak_bytes[s] = max(self.peak_bytes[s], nbytes)
@@ -941,38 +939,20 @@ def _clip_factor(total_sq, clip):
   return jnp.where(norm < clip, 1.0, clip / norm)
 
 
-def _params_held(versions, live, forward_params, leaf_bytes, seen) -> tuple:
+def _params_held(versions, live, forward_params, leaf_bytes) -> tuple:
   """``(distinct param versions, bytes of their distinct arrays)`` a
   stage holds: its ``versions`` by step, its ``live`` params and the
-  ones its in-flight forwards used (live, stashed, predicted).
-
-  ``seen``: ``{id(params): (params, ids of its arrays, its bytes)}`` of
-  the tuples held at the last call, replaced in place by those held now
-  (so a tuple's arrays are gone through once while it is held, and
-  nothing no longer held is kept alive)."""
+  ones its in-flight forwards used (live, stashed, predicted)."""
+  tuples = [*versions.values(), live, *forward_params]
   # Most entries are the same tuple (every forward of a synchronous
   # schedule keeps the live params): go through each tuple once, or
   # this runs per forward over every microbatch in flight (on an H100
   # it was 45 % of the host's time per action at 32 microbatches).
-  distinct = {id(t): t for t in (*versions.values(), live, *forward_params)}
-  held = {}
-  for key, t in distinct.items():
-    if t is None:
-      continue
-    entry = seen.get(key)
-    if entry is None or entry[0] is not t:
-      entry = (t, frozenset(map(id, t)), sum(leaf_bytes))
-    held[key] = entry
-  seen.clear()
-  seen.update(held)
-  ids = frozenset().union(*(entry[1] for entry in held.values()))
-  if len(ids) == sum(len(entry[0]) for entry in held.values()):
-    return len(distinct), int(sum(entry[2] for entry in held.values()))
-  # Arrays held twice (a leaf a step left unchanged, shared by two
-  # versions): each once.
+  distinct = {id(t): t for t in tuples}
   arrays = {
     id(x): n
-    for t, _, _ in held.values()
+    for t in distinct.values()
+    if t is not None
     for x, n in zip(t, leaf_bytes, strict=True)
   }
   return len(distinct), int(sum(arrays.values()))
