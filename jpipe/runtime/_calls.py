@@ -50,6 +50,18 @@ def _shift_action(a, shift):
   return schedule_lib.Action(a.kind, a.stage, a.microbatch + shift)
 
 
+def shifted_ops(ops, shift: int):
+  """Lowered ``ops`` (actions and moves) ``shift`` microbatches later."""
+  if not shift:
+    return ops
+  return [
+    op._replace(action=_shift_action(op.action, shift))
+    if type(op) is schedule_lib.Move
+    else _shift_action(op, shift)
+    for op in ops
+  ]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShiftedCall:
   """``base`` (a cached ``Call``) ``shift`` microbatches later: a steady

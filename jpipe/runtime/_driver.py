@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jpipe import schedule as schedule_lib
+from jpipe.runtime._calls import shifted_ops
 from jpipe.runtime._placement import StagePlacement
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
@@ -300,7 +301,7 @@ class Driver:
       )
       cached = self._lowered[id(base)] = (base, ops, makes_loss)
     _, ops, makes_loss = cached
-    return _shifted_ops(ops, call.shift), makes_loss
+    return shifted_ops(ops, call.shift), makes_loss
 
   def _transfers(self, action):
     """(before, after): the values ``action`` moves between stages."""
@@ -420,22 +421,6 @@ def _trace_name(op) -> str:
     t = op.transfer
     return f"jpipe.{op.kind}_{t.what} {t.src}->{t.dst} b={op.action.microbatch}"
   return f"jpipe.{op.kind} s={op.stage} b={op.microbatch}"
-
-
-def _shifted_ops(ops, shift: int) -> Sequence:
-  """``ops`` (actions and moves) ``shift`` microbatches later."""
-  if not shift:
-    return ops
-  Action, Move = schedule_lib.Action, schedule_lib.Move
-  out = []
-  for op in ops:
-    if type(op) is Move:
-      a = op.action
-      a = Action(a.kind, a.stage, a.microbatch + shift)
-      out.append(Move(op.kind, a, op.transfer, op.seq))
-    else:
-      out.append(Action(op.kind, op.stage, op.microbatch + shift))
-  return out
 
 
 def _made_by(action, transfer):

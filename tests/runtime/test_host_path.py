@@ -11,7 +11,7 @@ import pytest
 import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import _driver
-from jpipe.runtime._calls import ShiftedCall
+from jpipe.runtime._calls import ShiftedCall, shifted_ops
 from tests.partition import flax_models
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -76,7 +76,7 @@ def test_shifted_ops_equal_lowering_the_shifted_order(stage_process):
       )
 
     expected = lower(call.order)
-    got = _driver._shifted_ops(lower(call.base.order), call.shift)
+    got = shifted_ops(lower(call.base.order), call.shift)
     assert tuple(got) == expected
     assert any(isinstance(op, schedule_lib.Move) for op in expected)
 
