@@ -32,8 +32,11 @@ gpipe / 1f1b) the bubble; unlike the ratio, it compares across machines
 of different speed. Each row also keeps, per process, a ``jax.profiler``
 breakdown of 2 more steps of its last run (host time per kind of driver
 op -- forwards, backwards, steps, sends, receives -- dispatch against
-Python; ``experiments.runtime.trace_breakdown``), printed after the
-table.
+Python; ``experiments.runtime.trace_breakdown``), and of 2 more
+profiled steps (``Pipeline.step(profile=True)``) where each process's
+device time goes: busy, waiting for a value from the other process (and
+those transfers' latency), otherwise idle
+(``experiments.distributed.device_waits``), printed after the table.
 
   python -m experiments.distributed.throughput [--steps 20] [--layers 8]
       [--width 1024] [--batch 1024] [--schedules async] [--microbatches 4]
@@ -51,6 +54,8 @@ import time
 
 import numpy as np
 
+from experiments.distributed import device_waits
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 SCHEDULES = ("gpipe", "1f1b", "async")
@@ -62,6 +67,9 @@ BATCH, WIDTH, LAYERS = 1024, 1024, 8  # Defaults of --batch, --width, --layers.
 # async: a stage's optimizer step after every STEP_EVERY backwards
 # (--step_every; 1: after each, PipeDream's).
 STEP_EVERY = 1
+# Steps profiled per action (Pipeline.step(profile=True)) after the timed
+# ones, for where each device's time goes (device_waits).
+PROFILED_STEPS = 2
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -140,9 +148,12 @@ def _pipeline(loss_fn, params, batch, schedule, m, plan=None, **kwargs):
 
 def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
   """Seconds for ``steps`` steps after 3 warm-up steps; with ``trace_dir``,
-  ``(seconds, breakdown)``: 2 more steps traced with ``jax.profiler`` and
-  parsed (``experiments.runtime.trace_breakdown``: this process's host
-  time per kind of op, its sends and receives included)."""
+  ``(seconds, breakdown, actions)``: 2 more steps traced with
+  ``jax.profiler`` and parsed (``experiments.runtime.trace_breakdown``:
+  this process's host time per kind of op, its sends and receives
+  included), then ``PROFILED_STEPS`` more profiled
+  (``Pipeline.step(profile=True)``): this process's actions on the
+  host's clock (``device_waits.records``)."""
   import jax
 
   state = pipe.init(params)
@@ -170,7 +181,14 @@ def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
   path = trace_breakdown.capture(run, 2, trace_dir)
   if barrier:
     barrier("traced")
-  return seconds, trace_breakdown.breakdown(path)
+  actions = []
+  for _ in range(PROFILED_STEPS):
+    state, metrics = pipe.step(state, batch, profile=True)
+    actions += device_waits.records(metrics["timeline"])
+  jax.block_until_ready((state.stage_params, metrics["loss"]))
+  if barrier:
+    barrier("profiled")
+  return seconds, trace_breakdown.breakdown(path), actions
 
 
 def worker(schedule, m, steps, out, plan):
@@ -185,7 +203,7 @@ def worker(schedule, m, steps, out, plan):
   loss_fn, params, batch = _model()
   pipe = _pipeline(loss_fn, params, batch, schedule, m, plan)
   with tempfile.TemporaryDirectory() as trace_dir:
-    seconds, breakdown = _time_pipeline(
+    seconds, breakdown, actions = _time_pipeline(
       pipe,
       params,
       batch,
@@ -196,7 +214,7 @@ def worker(schedule, m, steps, out, plan):
   # Each process's breakdown beside the result, process 0's result last
   # (the parent reads it once every process has written its own).
   with open(f"{out}.process{jax.process_index()}", "w") as f:
-    json.dump(breakdown, f)
+    json.dump({"host": breakdown, "actions": actions}, f)
   multihost_utils.sync_global_devices("breakdowns written")
   if jax.process_index() == 0:
     with open(out, "w") as f:
@@ -422,10 +440,12 @@ def main():
         rates.append(
           _examples_per_second([*launch, *me, *steps, *worker_args], tmp)
         )
-        breakdowns = []  # The last run's, per process.
+        breakdowns, actions = [], []  # The last run's, per process.
         for p in range(2):
           with open(f"{tmp}.process{p}") as f:
-            breakdowns.append(json.load(f))
+            got = json.load(f)
+          breakdowns.append(got["host"])
+          actions.append(got["actions"])
           os.remove(f"{tmp}.process{p}")
       rate = float(np.median(rates))
       ratios = [r / w for r, w in zip(rates, wholes, strict=True)]
@@ -449,6 +469,9 @@ def main():
           "same_schedule_examples_per_second": same,
           "speedup_over_same_schedule": rate / same,
           "breakdown_per_process": breakdowns,
+          "device_waits_per_process": device_waits.device_waits(
+            actions, PROFILED_STEPS
+          ),
         }
       )
   os.remove(tmp)
@@ -476,6 +499,11 @@ def main():
         {f"process {p}": b for p, b in enumerate(r["breakdown_per_process"])}
       )
     )
+    print(
+      f"device time per step, {r['schedule']} / {r['microbatches']} "
+      f"({PROFILED_STEPS} profiled steps):"
+    )
+    print(device_waits.table(r["device_waits_per_process"]))
   with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
     json.dump(result, f, separators=(",", ":"))
 

@@ -263,6 +263,10 @@ class Driver:
     for spec in stages.specs:
       for v in spec.inputs:
         self.readers[v] = self.readers.get(v, 0) + 1
+    # Per stage: which of its inputs (read by F) and of its outputs'
+    # cotangents (read by B and I) another process sends -- what a
+    # profile stamps the arrival of (``ActionProfiler.record_inputs``).
+    self.remote_inputs = _remote_inputs(stages.specs, self.producer, transport)
     avals = stages.traced.closed_jaxpr.in_avals
     # Bytes of each stage's param leaves, in its params' order (every
     # version of a stage's params has these shapes).
@@ -432,6 +436,27 @@ def _made_by(action, transfer):
   return None
 
 
+def _remote_inputs(specs, producer, transport) -> tuple:
+  """Per stage s: (per input of s, whether another process's stage makes
+  it; per output of s, whether a stage of another process reads it, and
+  so sends its cotangent)."""
+  process = transport.stage_process
+  reader_processes = {}
+  for r, spec in enumerate(specs):
+    for v in spec.inputs:
+      reader_processes.setdefault(v, set()).add(process[r])
+  return tuple(
+    (
+      tuple(process[producer[v]] != process[s] for v in spec.inputs),
+      tuple(
+        bool(reader_processes.get(v, set()) - {process[s]})
+        for v in spec.outputs
+      ),
+    )
+    for s, spec in enumerate(specs)
+  )
+
+
 def _state_readers(stages, transport, num_batch_leaves) -> list[tuple]:
   """Per model-state leaf: per process other than its producer's, the
   first stage there that reads it (it is sent there whenever the
@@ -514,7 +539,7 @@ class _Call(TransferEnds):
     self._record("F", s, b, theta)
     acts = tuple(self.inbox.pop((s, b, v)) for v in spec.inputs)
     if self.profiler and d.transport.multiprocess:
-      self.profiler.record_inputs(action, acts)
+      self._record_remote(action, acts, d.remote_inputs[s][0])
     local = local_inputs(self, spec, self.batches[place][b], place)
     d.hooks.before_compute(action, (theta, local, acts))
     if (s, b) in self.fused and d.policy.same_backward_params(
@@ -619,7 +644,7 @@ class _Call(TransferEnds):
     spec = d.stages.specs[s]
     out_cots = tuple(self.cots.pop((b, v), None) for v in spec.outputs)
     if self.profiler and d.transport.multiprocess:
-      self.profiler.record_inputs(action, out_cots)
+      self._record_remote(action, out_cots, d.remote_inputs[s][1])
     forward_theta = self.forward_params.get((s, b))
     theta = d.policy.backward_params(self.params[s], forward_theta)
     if d.placement[s].round_robin:
@@ -767,6 +792,15 @@ class _Call(TransferEnds):
     )
     self.peak[s] = max(self.peak[s], count)
     self.peak_bytes[s] = max(self.peak_bytes[s], nbytes)
+
+  def _record_remote(self, action, values, remote):
+    """Tells the profiler when ``action``'s values that another process
+    sent (``remote[i]``) arrive; nothing if none did."""
+    sent = [
+      x for x, r in zip(values, remote, strict=True) if r and x is not None
+    ]
+    if sent:
+      self.profiler.record_inputs(action, sent)
 
   def _record(self, kind, s, b, theta):
     if self.used is not None:

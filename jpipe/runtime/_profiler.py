@@ -118,4 +118,14 @@ class ActionProfiler:
     for action, d in device_of.items():
       busy[d] += end[action] - start[action]
     bubble = 1.0 - sum(busy) / (len(busy) * makespan) if makespan else 0.0
-    return Timeline(start, end, device_of, makespan, tuple(busy), bubble)
+    arrived = {a: t - origin for a, t in self._arrived.items()}
+    return Timeline(
+      start,
+      end,
+      device_of,
+      makespan,
+      tuple(busy),
+      bubble,
+      arrived=arrived,
+      clock_origin=self._t0 + origin,
+    )

@@ -27,6 +27,12 @@ class Timeline:
     makespan: end of the last action.
     busy: per device, seconds of work.
     bubble: idle fraction, ``1 - sum(busy) / (num_devices * makespan)``.
+    arrived: measured timelines of a process of a multi-process pipeline:
+      per action whose inputs another process sends, when they were ready
+      here (seconds from the start; empty otherwise).
+    clock_origin: measured timelines: the start on ``time.perf_counter``'s
+      clock (system-wide on Linux: timelines of processes of one host
+      line up by it); 0 for a simulated one.
   """
 
   start: dict
@@ -35,6 +41,8 @@ class Timeline:
   makespan: float
   busy: tuple[float, ...]
   bubble: float
+  arrived: dict = dataclasses.field(default_factory=dict)
+  clock_origin: float = 0.0
 
 
 def simulate(

@@ -6,7 +6,11 @@ reference): trains a few configurations, writes what they produced.
 Each configuration (a dict): "case" (a tests/partition/flax_models case),
 "stages", "calls" (microbatch counts or "flush"), "forward_only" (after
 training, also evaluate the loss and a metrics function and predict,
-forward through the stages), and Pipeline keyword arguments. Started by ``jpipe.launch`` it runs across processes (stage s
+forward through the stages), "profile_calls" (indices of calls run with
+``profile=True``: each process writes their actions on its clock,
+``experiments.distributed.device_waits.records``, and its clock before
+and after each, to OUT.npz.profile<config>.p<process>), and Pipeline
+keyword arguments. Started by ``jpipe.launch`` it runs across processes (stage s
 on global device s); without the launcher's environment it is the
 one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
 gathered params, the state dict's optimizer state and every call's loss.
@@ -16,6 +20,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 from jpipe import distributed
 
@@ -36,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "partition"))
 import flax_models  # noqa: E402
 
 import jpipe  # noqa: E402
+from experiments.distributed import device_waits  # noqa: E402
 
 OPTIMIZERS = {
   "sgd": optax.sgd(0.2, momentum=0.9),
@@ -43,7 +49,7 @@ OPTIMIZERS = {
 }
 
 
-def run(config, index, out):
+def run(config, index, out, path_of_out):
   config = dict(config)
   case, model_state = config.pop("case"), None
   if case == "resnet_state":  # BatchNorm statistics as the model state
@@ -55,6 +61,7 @@ def run(config, index, out):
   stages = config.pop("stages")
   calls = config.pop("calls")
   forward_only = config.pop("forward_only", False)
+  profile_calls = config.pop("profile_calls", ())
   micro = config.pop("num_microbatches", 4)
   # Replica groups: stage s on devices s*r .. s*r + r - 1.
   replicas = config.pop("replicas", 1)
@@ -85,7 +92,8 @@ def run(config, index, out):
   state = pipe.init(params, model_state)
   losses = []
   rng = np.random.default_rng(index)
-  for call in calls:
+  profiled = []
+  for i, call in enumerate(calls):
     if call == "flush":
       state, _ = pipe.flush(state)
       continue
@@ -98,8 +106,20 @@ def run(config, index, out):
       data = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data
       )
-    state, metrics = pipe.step(state, data)
+    before = time.perf_counter()
+    state, metrics = pipe.step(state, data, profile=i in profile_calls)
     losses.append(float(metrics["loss"]))
+    if i in profile_calls:  # What each process measured, on its clock.
+      profiled.append(
+        {
+          "before": before,
+          "after": time.perf_counter(),
+          "actions": device_waits.records(metrics["timeline"]),
+        }
+      )
+  if profiled:
+    with open(f"{path_of_out}.profile{index}.p{jax.process_index()}", "w") as f:
+      json.dump(profiled, f)
   state, _ = pipe.flush(state)
   tree = pipe.state_dict(state)
   leaves = {
@@ -165,7 +185,7 @@ def main():
   path, configs = sys.argv[1], json.loads(sys.argv[2])
   out = {}
   for i, config in enumerate(configs):
-    run(config, i, out)
+    run(config, i, out, path)
   if jax.process_index() == 0:
     np.savez(path, **out)
 

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from experiments.distributed import device_waits
 from tests.distributed.processes import alive, ready_pids, started
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,6 +75,7 @@ def _configs(n):
       "weight_stashing": True,
       "prediction": "msnag",
       "optimizer": "adam",
+      "profile_calls": [1, 4],
     },
     {
       "case": "mlp",
@@ -127,6 +129,7 @@ def _configs(n):
       "calls": [4, 5],
       "schedule": "dualpipev",
       "recompute": False,
+      "profile_calls": [1],
     },
     # Gradient clipping: the global norm summed over the processes.
     {
@@ -176,6 +179,46 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   assert set(want) == set(have)
   for key in want:
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
+  if nprocs == 2:  # profiled calls (same results, checked above)
+    _check_profiles(got, 2, [0, 1], calls=2)  # async: stage s on process s
+    _check_profiles(got, 7, [0, 1, 1, 0], calls=1)  # dualpipev
+
+
+def _check_profiles(got, config, process_of, calls):
+  """Profiled calls across processes (``process_of``: each stage's
+  process): each process's actions lie within the call on its clock,
+  exactly those whose inputs another process sends are stamped with
+  their arrival (before they start), and ``device_waits`` splits each
+  process's window into busy, transfer wait and other idle."""
+  n = len(process_of)
+  profiles = []
+  for p in range(2):
+    with open(f"{got}.profile{config}.p{p}") as f:
+      profiles.append(json.load(f))
+    assert len(profiles[p]) == calls
+  for p, profiled in enumerate(profiles):
+    for call in profiled:
+      assert call["actions"]
+      for r in call["actions"]:
+        s = r["stage"]
+        assert process_of[s] == p
+        assert call["before"] <= r["start"] <= r["end"] <= call["after"]
+        if r["kind"] == "F":
+          remote = s > 0 and process_of[s - 1] != p
+        elif r["kind"] in ("B", "I"):
+          remote = s < n - 1 and process_of[s + 1] != p
+        else:
+          remote = False
+        assert (r["arrived"] is not None) == remote, r
+        if remote:
+          assert call["before"] <= r["arrived"] <= r["start"]
+  # Each process's first profiled call: one call of the pipeline.
+  first = [profiled[0]["actions"] for profiled in profiles]
+  begin = min(r["start"] for rs in first for r in rs)
+  finish = max(r["end"] for rs in first for r in rs)
+  for w in device_waits.device_waits(first, 1):
+    total = w["busy"] + w["transfer_wait"] + w["other_idle"]
+    assert total == pytest.approx((finish - begin) * 1e3)
 
 
 def test_replica_groups_across_processes(tmp_path, process_env):
