@@ -17,6 +17,13 @@ end at the sender is the transfer's latency (producer: the previous
 stage's forward for a forward's activation; the next stage's backward --
 or, fused, its forward -- for an input cotangent). A value that arrives
 while the receiver is still busy costs nothing and is not timed.
+
+Profiling perturbs what it measures here: before a program donates an
+accumulator the previous action made, the host waits until the profiler
+has stamped that action, so a receiver asks for its next value only once
+its device is done -- a value's latency then includes the host's wait.
+``transfer_latencies`` times the transfers of unprofiled steps instead,
+from ``jpipe.runtime.TransferTimes`` stamps that no thread waits for.
 """
 
 from collections.abc import Sequence
@@ -46,14 +53,21 @@ def records(timeline) -> list[dict]:
   return out
 
 
-def _producer_end(ends, r):
+def _producer_end(runs, r):
   """When the action that made ``r``'s remote input ended (None: not
-  among the records)."""
+  among the records). Synchronous schedules number each call's
+  microbatches from 0: of the runs of that action, the last one to start
+  before ``r``'s input arrived made it."""
   s, b = r["stage"], r["microbatch"]
   if r["kind"] == "F":
-    return ends.get(("F", s - 1, b))
-  # An input cotangent: the next stage's backward, or its fused forward.
-  return ends.get(("B", s + 1, b), ends.get(("F", s + 1, b)))
+    keys = [("F", s - 1, b)]
+  else:  # An input cotangent: the next stage's backward, or (fused) its
+    keys = [("B", s + 1, b), ("F", s + 1, b)]  # forward.
+  for key in keys:
+    made = [x for x in runs.get(key, ()) if x["start"] <= r["arrived"]]
+    if made:
+      return max(made, key=_start)["end"]
+  return None
 
 
 def device_waits(per_process: Sequence[Sequence[dict]], steps: int) -> list:
@@ -71,9 +85,9 @@ def device_waits(per_process: Sequence[Sequence[dict]], steps: int) -> list:
   everything = [r for rs in per_process for r in rs]
   begin = min(r["start"] for r in everything)
   finish = max(r["end"] for r in everything)
-  ends = {
-    (r["kind"], r["stage"], r["microbatch"]): r["end"] for r in everything
-  }
+  runs = {}  # (kind, stage, microbatch) -> its runs (one per call)
+  for r in everything:
+    runs.setdefault((r["kind"], r["stage"], r["microbatch"]), []).append(r)
   out = []
   for rs in per_process:
     busy = wait = other = 0.0
@@ -89,7 +103,7 @@ def device_waits(per_process: Sequence[Sequence[dict]], steps: int) -> list:
         if r["arrived"] is not None and r["arrived"] >= r["start"]:
           wait += gap
           waits += 1
-          made = _producer_end(ends, r)
+          made = _producer_end(runs, r)
           if made is not None:
             latencies.append(r["arrived"] - made)
         else:
@@ -106,6 +120,32 @@ def device_waits(per_process: Sequence[Sequence[dict]], steps: int) -> list:
       }
     )
   return out
+
+
+def transfer_latencies(sender_events, receiver_events) -> list[dict]:
+  """Per transfer from the sender to the receiver (``jpipe.runtime.TransferTimes``
+  events of each): "early", how long before the value existed the
+  receiver asked for it (negative: asked after), and "transfer", from
+  when both had happened (the value existed and was asked for) to its
+  arrival, in seconds; in the order the values were ready."""
+  sent, got = {}, {}
+  for what, uuid, t in sender_events:
+    sent.setdefault(uuid, {})[what] = t
+  for what, uuid, t in receiver_events:
+    got.setdefault(uuid, {})[what] = t
+  out = []
+  for uuid, s in sent.items():
+    g = got.get(uuid, {})
+    if "ready" not in s or "pull" not in g or "arrived" not in g:
+      continue
+    out.append(
+      {
+        "ready": s["ready"],
+        "early": s["ready"] - g["pull"],
+        "transfer": g["arrived"] - max(s["ready"], g["pull"]),
+      }
+    )
+  return sorted(out, key=lambda x: x["ready"])
 
 
 def _start(r):

@@ -4,7 +4,11 @@ running a 2-stage pipeline, against 1 process on one core.
 Each process is pinned to its own core (``sched_setaffinity``, every
 thread, once JAX has started: ``_pin``) and XLA's
 CPU backend runs single-threaded, so the two stages really run in
-parallel and a one-process run really has one core: the limit is 2x.
+parallel and a one-process run really has one core: the limit is 2x,
+less what two busy cores cost each other (shared caches and memory
+bandwidth), measured as the whole model's step in 2 processes side by
+side against one alone (``--whole_side_by_side``: 0.95-0.96x on the
+development machine, so ~1.91x at most).
 Two one-core references:
 
 - the whole model: the plain single-device training step (``jax.jit`` of
@@ -160,6 +164,7 @@ def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
   for _ in range(3):
     state, metrics = pipe.step(state, batch)
   jax.block_until_ready((state.stage_params, metrics["loss"]))
+  times = pipe.transport.time_transfers() if trace_dir else None
   if barrier:
     barrier("start")
   t0 = time.perf_counter()
@@ -171,6 +176,7 @@ def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
     barrier("end")
   if trace_dir is None:
     return seconds
+  transfers = times.close() if times else []  # (The timed steps' only.)
   from experiments.runtime import trace_breakdown
 
   def run():
@@ -188,7 +194,7 @@ def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
   jax.block_until_ready((state.stage_params, metrics["loss"]))
   if barrier:
     barrier("profiled")
-  return seconds, trace_breakdown.breakdown(path), actions
+  return seconds, trace_breakdown.breakdown(path), actions, transfers
 
 
 def worker(schedule, m, steps, out, plan):
@@ -203,7 +209,7 @@ def worker(schedule, m, steps, out, plan):
   loss_fn, params, batch = _model()
   pipe = _pipeline(loss_fn, params, batch, schedule, m, plan)
   with tempfile.TemporaryDirectory() as trace_dir:
-    seconds, breakdown, actions = _time_pipeline(
+    seconds, breakdown, actions, transfers = _time_pipeline(
       pipe,
       params,
       batch,
@@ -214,17 +220,19 @@ def worker(schedule, m, steps, out, plan):
   # Each process's breakdown beside the result, process 0's result last
   # (the parent reads it once every process has written its own).
   with open(f"{out}.process{jax.process_index()}", "w") as f:
-    json.dump({"host": breakdown, "actions": actions}, f)
+    json.dump(
+      {"host": breakdown, "actions": actions, "transfers": transfers}, f
+    )
   multihost_utils.sync_global_devices("breakdowns written")
   if jax.process_index() == 0:
     with open(out, "w") as f:
       json.dump({"seconds": seconds, "steps": steps}, f)
 
 
-def _time_whole(loss_fn, params, batch, steps):
+def _time_whole(loss_fn, params, batch, steps, barrier=None):
   """Seconds for ``steps`` steps of the whole model's jitted training step
   (after 3 warm-up steps), params and optimizer state donated as a user
-  would write it."""
+  would write it; ``barrier``: called before and after the timed steps."""
   import functools
 
   import jax
@@ -243,11 +251,45 @@ def _time_whole(loss_fn, params, batch, steps):
   for _ in range(3):
     trained, opt_state, loss = train_step(trained, opt_state, batch)
   jax.block_until_ready(trained)
+  if barrier:
+    barrier("start")
   t0 = time.perf_counter()
   for _ in range(steps):
     trained, opt_state, loss = train_step(trained, opt_state, batch)
   jax.block_until_ready((trained, loss))
-  return time.perf_counter() - t0
+  seconds = time.perf_counter() - t0
+  if barrier:
+    barrier("end")
+  return seconds
+
+
+def whole_side_by_side(steps, out):
+  """One of 2 processes (under jpipe.launch), each on its own core,
+  timing the whole model's step at the same time: what running on both
+  cores at once costs each (shared caches and memory bandwidth), the
+  2-process pipeline's true limit being 2 / that."""
+  from jpipe import distributed
+
+  distributed.initialize()
+  _pin(int(os.environ["JAX_PROCESS_ID"]))
+  import jax
+  from jax.experimental import multihost_utils
+
+  loss_fn, params, batch = _model()
+  seconds = _time_whole(
+    loss_fn, params, batch, steps, multihost_utils.sync_global_devices
+  )
+  with open(f"{out}.process{jax.process_index()}", "w") as f:
+    json.dump(seconds, f)
+  multihost_utils.sync_global_devices("written")
+  if jax.process_index() == 0:
+    both = []
+    for p in range(2):
+      with open(f"{out}.process{p}") as f:
+        both.append(json.load(f))
+      os.remove(f"{out}.process{p}")
+    with open(out, "w") as f:
+      json.dump({"seconds": max(both), "steps": steps}, f)
 
 
 def whole(steps, out):
@@ -348,6 +390,10 @@ def _table(result):
     + f" (imbalance max/mean {result['stage_imbalance_max_over_mean']:.2f});"
     + " stages: "
     + " | ".join(" ".join(ns) for ns in result["stage_nodes"]),
+    f"both cores busy at once (the whole model in each of 2 processes): "
+    f"each runs at {result['side_by_side_over_alone']:.3f}x its speed "
+    f"alone, so 2 processes reach at most "
+    f"{2 * result['side_by_side_over_alone']:.2f}x",
     f"{'schedule':9} {'micro':>5} {'2 procs ex/s':>12} {'vs whole':>9} "
     f"{'fixed us/mb':>11} {'same sched 1 core':>17} {'vs it':>6}",
   ]
@@ -362,6 +408,26 @@ def _table(result):
       + ")"
     )
   return "\n".join(lines)
+
+
+def _transfer_summary(events) -> dict:
+  """Per direction between the two processes, the timed steps' transfers
+  (``device_waits.transfer_latencies`` of each process's
+  ``TransferTimes`` events): count, median "asked early" and "transfer",
+  and the transfer's 90th percentile, in milliseconds."""
+  out = {}
+  for src, dst in ((0, 1), (1, 0)):
+    rows = device_waits.transfer_latencies(events[src], events[dst])
+    if not rows:
+      continue
+    transfer = [1e3 * r["transfer"] for r in rows]
+    out[f"{src}->{dst}"] = {
+      "count": len(rows),
+      "asked_early": float(np.median([1e3 * r["early"] for r in rows])),
+      "transfer": float(np.median(transfer)),
+      "transfer_p90": float(np.percentile(transfer, 90)),
+    }
+  return out
 
 
 def _set_size(args):
@@ -388,6 +454,7 @@ def main():
   )
   parser.add_argument("--baseline", metavar="OUT")
   parser.add_argument("--whole", metavar="OUT")
+  parser.add_argument("--whole_side_by_side", metavar="OUT")
   parser.add_argument(
     "--name", default="throughput", help="results/NAME.json is written"
   )
@@ -413,6 +480,8 @@ def main():
     return baseline(args.steps, args.baseline)
   if args.whole:
     return whole(args.steps, args.whole)
+  if args.whole_side_by_side:
+    return whole_side_by_side(args.steps, args.whole_side_by_side)
   os.makedirs(RESULTS, exist_ok=True)
   me = [sys.executable, "-m", "experiments.distributed.throughput"]
   me += [f"--layers={LAYERS}", f"--width={WIDTH}", f"--batch={BATCH}"]
@@ -428,10 +497,16 @@ def main():
     f.write(base["plan"])
   one = BATCH * base["steps"] / base["seconds"]
   stage = base["stage_seconds"]
+  # Both cores busy at once: each whole-model process's rate against one
+  # alone right before (paired, like every row).
+  launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2", "--"]
+  alone = _examples_per_second([*me, *steps, "--whole", tmp], tmp)
+  beside = _examples_per_second(
+    [*launch, *me, *steps, "--whole_side_by_side", tmp], tmp
+  )
   rows = []
   for schedule in SCHEDULES:
     for m in MICROBATCHES:
-      launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2", "--"]
       rates, wholes = [], []
       for _ in range(args.repeats):
         # The reference right before the run it is compared with.
@@ -440,12 +515,14 @@ def main():
         rates.append(
           _examples_per_second([*launch, *me, *steps, *worker_args], tmp)
         )
-        breakdowns, actions = [], []  # The last run's, per process.
+        # The last run's, per process.
+        breakdowns, actions, transfers = [], [], []
         for p in range(2):
           with open(f"{tmp}.process{p}") as f:
             got = json.load(f)
           breakdowns.append(got["host"])
           actions.append(got["actions"])
+          transfers.append(got["transfers"])
           os.remove(f"{tmp}.process{p}")
       rate = float(np.median(rates))
       ratios = [r / w for r, w in zip(rates, wholes, strict=True)]
@@ -472,6 +549,7 @@ def main():
           "device_waits_per_process": device_waits.device_waits(
             actions, PROFILED_STEPS
           ),
+          "transfers_ms": _transfer_summary(transfers),
         }
       )
   os.remove(tmp)
@@ -487,6 +565,7 @@ def main():
     "stage_seconds_alone": stage,
     "stage_imbalance_max_over_mean": max(stage) / (sum(stage) / len(stage)),
     "stage_nodes": _stage_nodes(base["plan"]),
+    "side_by_side_over_alone": beside / alone,
     "rows": rows,
   }
   print(_table(result))
@@ -504,6 +583,16 @@ def main():
       f"({PROFILED_STEPS} profiled steps):"
     )
     print(device_waits.table(r["device_waits_per_process"]))
+    print(
+      "transfers of the timed steps (ms, median; asked early: how long "
+      "before the value existed the receiver asked for it):"
+    )
+    for direction, t in r["transfers_ms"].items():
+      print(
+        f"  {direction}: {t['count']} transfers, asked early "
+        f"{t['asked_early']:.1f}, transfer {t['transfer']:.2f} "
+        f"(90th percentile {t['transfer_p90']:.2f})"
+      )
   with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
     json.dump(result, f, separators=(",", ":"))
 

@@ -29,7 +29,7 @@ from jpipe.runtime._slowdown import (
   Slowdown,
   parse_slowdowns,
 )
-from jpipe.runtime._transport import PullLinks
+from jpipe.runtime._transport import PullLinks, TransferTimes
 
 __all__ = [
   "RANDOM_DELAY_PROBABILITY",
@@ -42,6 +42,7 @@ __all__ = [
   "Pipeline",
   "PipelineState",
   "PullLinks",
+  "TransferTimes",
   "Slowdown",
   "StageMemory",
   "Staleness",

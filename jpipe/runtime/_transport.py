@@ -22,7 +22,9 @@ own neither end do nothing. Two ways to carry a value:
   may still win for large activations on GPUs.
 """
 
+import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,6 +125,14 @@ class Transport:
         self._pair(np.float32(0), a, b, scalar)
       elif self.process == b.process_index:
         jax.block_until_ready(self._pair(None, a, b, scalar))
+
+  def time_transfers(self) -> "TransferTimes | None":
+    """From now on, stamps when each of this process's transfer ends
+    happen (pull transport; None otherwise): see ``TransferTimes``."""
+    if self._pulls is None:
+      return None
+    self._pulls.times = TransferTimes()
+    return self._pulls.times
 
   def wait_for_arrivals(self) -> None:
     """From now on ``move`` and ``share`` return a received value only
@@ -294,11 +304,14 @@ class PullLinks:
     self.count = {}  # (sender, receiver) process -> transfers so far
     self.me = me
     self._lock = threading.Lock()
+    self.times: TransferTimes | None = None  # Stamps, while timing.
 
   def offer(self, uuid: int, arrays) -> None:
     """Holds ``arrays`` (on this process's devices) until the process
     that ``take``s ``uuid`` pulls them (once)."""
     self.server.await_pull(uuid, list(arrays))
+    if self.times is not None:
+      self.times.offered(uuid, arrays)
 
   def take(self, uuid: int, src: int, specs) -> list:
     """The arrays process ``src`` offers as ``uuid``, placed as ``specs``
@@ -311,6 +324,8 @@ class PullLinks:
     out = connection.pull(uuid, list(specs))
     for y in out:
       distributed.note_received(y)  # (A device collective waits for it.)
+    if self.times is not None:
+      self.times.pulled(uuid, out)
     return out
 
   def transfer(self, x, a, b, aval, key=None):
@@ -339,6 +354,61 @@ class PullLinks:
     )
     (y,) = self.take(uuid, src, [spec])
     return y
+
+
+class TransferTimes:
+  """When this process's ends of pull transfers happened, on
+  ``time.perf_counter``'s clock (system-wide on Linux, so the two ends'
+  stamps compare): "offer" (the sender registered the value), "ready"
+  (the value existed at the sender), "pull" (the receiver asked for it),
+  "arrived" (it was there). Two watcher threads, one per end, wait for
+  values in the order they were offered or pulled and stamp them: a
+  stamp may be late (behind an earlier value, or a busy core), never
+  early. The main thread never waits for them.
+
+  ``events``: ``(what, transfer key, seconds)``, what in "offer", "ready",
+  "pull", "arrived"; complete once ``close`` returned.
+  """
+
+  def __init__(self):
+    self.events = []
+    self.closed = False
+    self._queues = {"ready": queue.Queue(), "arrived": queue.Queue()}
+    self._threads = [
+      threading.Thread(target=self._watch, args=(what, q), daemon=True)
+      for what, q in self._queues.items()
+    ]
+    for t in self._threads:
+      t.start()
+
+  def offered(self, uuid: int, arrays) -> None:
+    if not self.closed:
+      self.events.append(("offer", uuid, time.perf_counter()))
+      self._queues["ready"].put((uuid, list(arrays)))
+
+  def pulled(self, uuid: int, arrays) -> None:
+    if not self.closed:
+      self.events.append(("pull", uuid, time.perf_counter()))
+      self._queues["arrived"].put((uuid, list(arrays)))
+
+  def close(self) -> list:
+    """Stops stamping: waits for every value stamped so far, stops the
+    watchers; returns ``events``."""
+    self.closed = True
+    for q in self._queues.values():
+      q.put(None)
+    for t in self._threads:
+      t.join()
+    return self.events
+
+  def _watch(self, what, q):
+    while (item := q.get()) is not None:
+      uuid, arrays = item
+      try:
+        jax.block_until_ready(arrays)
+      except Exception:  # noqa: BLE001 -- a failed transfer: no stamp
+        continue
+      self.events.append((what, uuid, time.perf_counter()))
 
 
 def _shard_shape(shape):

@@ -8,9 +8,9 @@ Each configuration (a dict): "case" (a tests/partition/flax_models case),
 training, also evaluate the loss and a metrics function and predict,
 forward through the stages), "profile_calls" (indices of calls run with
 ``profile=True``: each process writes their actions on its clock,
-``experiments.distributed.device_waits.records``, and its clock before
-and after each, to OUT.npz.profile<config>.p<process>), and Pipeline
-keyword arguments. Started by ``jpipe.launch`` it runs across processes (stage s
+``experiments.distributed.device_waits.records``, its clock before and
+after each, and its ``TransferTimes`` events of the whole run to
+OUT.npz.profile<config>.p<process>), and Pipeline keyword arguments. Started by ``jpipe.launch`` it runs across processes (stage s
 on global device s); without the launcher's environment it is the
 one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
 gathered params, the state dict's optimizer state and every call's loss.
@@ -93,6 +93,7 @@ def run(config, index, out, path_of_out):
   losses = []
   rng = np.random.default_rng(index)
   profiled = []
+  times = pipe.transport.time_transfers() if profile_calls else None
   for i, call in enumerate(calls):
     if call == "flush":
       state, _ = pipe.flush(state)
@@ -118,8 +119,9 @@ def run(config, index, out, path_of_out):
         }
       )
   if profiled:
+    transfers = times.close() if times else []
     with open(f"{path_of_out}.profile{index}.p{jax.process_index()}", "w") as f:
-      json.dump(profiled, f)
+      json.dump({"calls": profiled, "transfers": transfers}, f)
   state, _ = pipe.flush(state)
   tree = pipe.state_dict(state)
   leaves = {

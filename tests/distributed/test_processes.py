@@ -191,10 +191,12 @@ def _check_profiles(got, config, process_of, calls):
   their arrival (before they start), and ``device_waits`` splits each
   process's window into busy, transfer wait and other idle."""
   n = len(process_of)
-  profiles = []
+  profiles, transfers = [], []
   for p in range(2):
     with open(f"{got}.profile{config}.p{p}") as f:
-      profiles.append(json.load(f))
+      written = json.load(f)
+    profiles.append(written["calls"])
+    transfers.append(written["transfers"])
     assert len(profiles[p]) == calls
   for p, profiled in enumerate(profiles):
     for call in profiled:
@@ -219,6 +221,16 @@ def _check_profiles(got, config, process_of, calls):
   for w in device_waits.device_waits(first, 1):
     total = w["busy"] + w["transfer_wait"] + w["other_idle"]
     assert total == pytest.approx((finish - begin) * 1e3)
+  # Transfer stamps: what one process offered, the other pulled, and each
+  # end's value was stamped ready there.
+  for src, dst in ((0, 1), (1, 0)):
+    offered = {u for what, u, _ in transfers[src] if what == "offer"}
+    ready = {u for what, u, _ in transfers[src] if what == "ready"}
+    pulled = {u for what, u, _ in transfers[dst] if what == "pull"}
+    arrived = {u for what, u, _ in transfers[dst] if what == "arrived"}
+    assert offered and offered == ready == pulled == arrived
+    rows = device_waits.transfer_latencies(transfers[src], transfers[dst])
+    assert len(rows) == len(offered)
 
 
 def test_replica_groups_across_processes(tmp_path, process_env):

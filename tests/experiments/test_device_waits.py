@@ -86,3 +86,39 @@ def test_a_simulated_timeline_is_all_busy_or_other_idle():
     assert w["busy"] == pytest.approx(timeline.busy[d] * 1e3)
     assert w["transfer_wait"] == 0 and w["latency_ms"] is None
     assert w["busy"] + w["other_idle"] == pytest.approx(timeline.makespan * 1e3)
+
+
+def test_a_synchronous_schedule_s_calls_reuse_microbatch_numbers():
+  """Two calls of a synchronous schedule both run F(0, 0): a forward's
+  activation came from the run that started before it arrived."""
+  p0 = [_r("F", 0, 0, 0, 10), _r("F", 0, 0, 100, 110)]
+  p1 = [_r("F", 1, 0, 13, 20, arrived=13), _r("F", 1, 0, 115, 120, arrived=115)]
+  _, w1 = device_waits.device_waits([p0, p1], steps=2)
+  assert w1["latency_ms"] == pytest.approx(4.0)  # median of 3 and 5
+
+
+def test_transfer_latencies_from_both_ends_stamps():
+  """Worked by hand: value 7 was asked for 5 s before it existed and
+  arrived 3 ms after; value 8 was asked for 2 ms after it existed and
+  arrived 1 ms after that; value 9 never arrived (not counted)."""
+  sender = [
+    ("offer", 7, 0.0),
+    ("ready", 7, 10.0),
+    ("offer", 8, 10.5),
+    ("ready", 8, 11.0),
+    ("offer", 9, 12.0),
+    ("ready", 9, 12.5),
+  ]
+  receiver = [
+    ("pull", 7, 5.0),
+    ("arrived", 7, 10.003),
+    ("pull", 8, 11.002),
+    ("arrived", 8, 11.003),
+    ("pull", 9, 12.6),
+  ]
+  rows = device_waits.transfer_latencies(sender, receiver)
+  assert [r["ready"] for r in rows] == [10.0, 11.0]
+  assert rows[0]["early"] == pytest.approx(5.0)
+  assert rows[0]["transfer"] == pytest.approx(0.003)
+  assert rows[1]["early"] == pytest.approx(-0.002)
+  assert rows[1]["transfer"] == pytest.approx(0.001)
