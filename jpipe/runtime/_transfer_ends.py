@@ -60,16 +60,27 @@ class TransferEnds:
       return {"aval": self.d.state_avals[t.value], "replicated": True}
     return {"aval": self.d.tied.avals[t.value], "replicated": True}
 
+  def take_activation(self, b, v):
+    """Activation ``v`` of microbatch b for one of its readers (forgotten
+    after its last reader took it)."""
+    key = (b, v)
+    x = self.values[key]
+    self.reads_left[key] -= 1
+    if not self.reads_left[key]:
+      del self.values[key], self.reads_left[key]
+    return x
+
+  def add_cotangent(self, b, v, y):
+    """A reader's cotangent of activation ``v`` of microbatch b, summed
+    over its readers in the order they arrive."""
+    key = (b, v)
+    self.cots[key] = y if key not in self.cots else self.cots[key] + y
+
   def _take(self, op):
     """The value ``op`` carries, at its source."""
     t, b = op.transfer, op.action.microbatch
-    if t.what == "F":  # Forgotten after its last reader took it.
-      key = (b, t.value)
-      x = self.values[key]
-      self.reads_left[key] -= 1
-      if not self.reads_left[key]:
-        del self.values[key], self.reads_left[key]
-      return x
+    if t.what == "F":
+      return self.take_activation(b, t.value)
     if t.what == "state":
       return self.model_state[t.value]
     if t.what == "tied":
@@ -82,8 +93,7 @@ class TransferEnds:
     if t.what == "F":
       self.inbox[(t.dst, b, t.value)] = y
     elif t.what == "B":  # Summed over the stages that read the value.
-      key = (b, t.value)
-      self.cots[key] = y if key not in self.cots else self.cots[key] + y
+      self.add_cotangent(b, t.value, y)
     elif t.what == "state":
       self.model_state[t.value] = y
     elif t.what == "tied":

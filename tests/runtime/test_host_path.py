@@ -113,3 +113,48 @@ def test_params_held_equals_the_plain_count():
     live, forward_params = picks[2], picks[3:]
     got = _driver._params_held(versions, live, forward_params, leaf_bytes)
     assert got == _held_reference(versions, live, forward_params, leaf_bytes)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "async"])
+def test_stages_on_one_device_pass_values_without_move_ops(schedule):
+  """4 stages on 2 devices (0, 1 | 2, 3): the lowering moves
+  activations and input cotangents only between stages 1 and 2; F and B
+  pass the others in place, with the same results to the bit as moving
+  every one (the old path, forced)."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  d0, d1 = jax.devices()[:2]
+  options = dict(
+    num_stages=4,
+    devices=(d0, d0, d1, d1),
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=optax.sgd(0.05),
+  )
+  if schedule == "async":
+    options["weight_stashing"] = True
+  pipes = [jpipe.Pipeline(loss_fn, params, batch, **options) for _ in "ab"]
+  every_move = pipes[1].driver
+  every_move.same_place_inputs = tuple(
+    (False,) * len(flags) for flags in every_move.same_place_inputs
+  )
+  moved = []
+  for pipe in pipes:
+    state = pipe.init(params)
+    for _ in range(3):
+      state, metrics = pipe.step(state, batch)
+    if pipe.stream is not None:
+      state, _ = pipe.flush(state)
+    moved.append((jax.device_get(state.stage_params), metrics["loss"]))
+    ops, _ = pipe.driver.lower(pipe.calls(0, 4))
+    pairs = {
+      (op.transfer.what, op.transfer.src, op.transfer.dst)
+      for op in ops
+      if op.kind == _driver.MOVE
+    }
+    if pipe is pipes[0]:
+      assert pairs == {("F", 1, 2), ("B", 2, 1)}
+    else:
+      assert {(w, s) for w, s, _ in pairs} >= {("F", 0), ("F", 2)}
+  (got, got_loss), (want, want_loss) = moved
+  assert float(got_loss) == float(want_loss)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
