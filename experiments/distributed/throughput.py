@@ -7,8 +7,8 @@ CPU backend runs single-threaded, so the two stages really run in
 parallel and a one-process run really has one core: the limit is 2x,
 less what two busy cores cost each other (shared caches and memory
 bandwidth), measured as the whole model's step in 2 processes side by
-side against one alone (``--whole_side_by_side``: 0.95-0.96x on the
-development machine, so ~1.91x at most).
+side against one alone (``--whole_side_by_side``, the slower of the
+two: 0.95-0.97x on the development machine, so ~1.9x at most).
 Two one-core references:
 
 - the whole model: the plain single-device training step (``jax.jit`` of
@@ -152,12 +152,13 @@ def _pipeline(loss_fn, params, batch, schedule, m, plan=None, **kwargs):
 
 def _time_pipeline(pipe, params, batch, steps, barrier=None, trace_dir=None):
   """Seconds for ``steps`` steps after 3 warm-up steps; with ``trace_dir``,
-  ``(seconds, breakdown, actions)``: 2 more steps traced with
+  ``(seconds, breakdown, actions, transfers)``: 2 more steps traced with
   ``jax.profiler`` and parsed (``experiments.runtime.trace_breakdown``:
   this process's host time per kind of op, its sends and receives
   included), then ``PROFILED_STEPS`` more profiled
   (``Pipeline.step(profile=True)``): this process's actions on the
-  host's clock (``device_waits.records``)."""
+  host's clock (``device_waits.records``); and the timed steps'
+  ``TransferTimes`` events (pull transport; else empty)."""
   import jax
 
   state = pipe.init(params)

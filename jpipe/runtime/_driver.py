@@ -270,7 +270,7 @@ class Driver:
     # Per stage: which of its inputs come from a stage on the same
     # devices. Moving those would copy nothing: F reads them where their
     # producer left them and B adds their cotangents straight in, with no
-    # MOVE op between (~20 µs of Python each, 448 a step at p = 8, m = 32
+    # MOVE op between (~14 µs of Python each, 448 a step at p = 8, m = 32
     # on one device).
     self.same_place_inputs = tuple(
       tuple(
