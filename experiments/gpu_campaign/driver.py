@@ -3,8 +3,10 @@ r"""The driver's cost per action, and the gradient own-buffer threshold.
 (1) A tiny GPT (8 layers x 8 wide: compute ~ 0) on p stages of one device
 and m microbatches under gpipe and the streaming asynchronous schedule:
 step time / actions in microseconds, and the host's share (time until
-``pipe.step`` returned, per action). On a GPU the host's share near the
-whole is the driver setting the pace.
+``pipe.step`` returned, per action) split into the driver's own Python,
+the programs' dispatch and the rest (``experiments.runtime.host_cost``).
+On a GPU the host's share near the whole is the driver setting the
+pace; then the split says whether jpipe's Python or JAX's dispatch is.
 (2) ``experiments.runtime.flat_grads`` on this device: a stage's backward
 with its gradients all packed into one buffer, none packed, and jpipe's
 default threshold (``jpipe.runtime._flat.own_buffer_bytes``), by leaf size,
@@ -28,6 +30,7 @@ import optax
 
 from experiments.gpu_campaign import _common
 from experiments.gpu_campaign.overhead import one_device_pipeline, timed_runner
+from experiments.runtime.host_cost import host_breakdown
 
 TINY = dict(layers=8, width=8, heads=1, length=4, batch=64)
 GRID = {
@@ -110,7 +113,6 @@ def main(args):
           times.append(time.perf_counter() - start)
       actions = run.actions()
       step = float(np.median(times))
-      host = float(np.median(run.host_seconds[-repeats:]))
       results.add(
         {
           "schedule": schedule,
@@ -119,7 +121,9 @@ def main(args):
           "actions": actions,
           "step_ms": 1e3 * step,
           "us_per_action": 1e6 * step / actions,
-          "host_us_per_action": 1e6 * host / actions,
+          # host_us_per_action and its parts: the driver's Python, the
+          # programs' dispatch, their run (``host_cost``).
+          **host_breakdown(pipe, run, actions, repeats),
         }
       )
   widths = "128,512" if args.quick else "256,512,1024,2048,4096"

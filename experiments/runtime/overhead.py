@@ -16,8 +16,10 @@ holds ~32), so it bounds the host's work from above; when it nears the
 step time on a GPU, the host sets the pace.
 (2) Driver cost per action: a tiny model (compute ~ 0) on p stages and m
 microbatches; step time / number of actions, in microseconds, and the
-host's share of it (on a CPU, the tiny programs' execution fills the
-queue, so this is mostly execution).
+host's share of it, split (``experiments.runtime.host_cost``) into the
+driver's own Python (programs replayed), the programs' dispatch (the
+same arguments into an empty program) and their run (on a CPU the tiny
+programs execute inline and fill the queue: mostly execution).
 
 Writes results/overhead_<platform>.{md,json}.
 
@@ -37,6 +39,7 @@ from absl import app, flags
 
 import jpipe
 from experiments.gpu_campaign._common import paired_times
+from experiments.runtime.host_cost import host_breakdown
 from jpipe import partition
 from jpipe.models import gpt
 
@@ -219,7 +222,7 @@ def main(argv):
       seconds = _median_seconds(run, repeats)
       actions = sum(len(a) for a in pipe.schedule.device_actions)
       per_action = 1e6 * seconds / actions
-      host_per_action = 1e6 * _host_median(run, repeats) / actions
+      host = host_breakdown(pipe, run, actions, repeats)
       records.append(
         {
           "kind": "per_action",
@@ -228,16 +231,20 @@ def main(argv):
           "actions": actions,
           "step_seconds": seconds,
           "microseconds_per_action": per_action,
-          "host_microseconds_per_action": host_per_action,
+          **host,
         }
       )
       rows.append(
         f"| {p} | {mb} | {actions} | {1e3 * seconds:.2f} | {per_action:.0f} "
-        f"| {host_per_action:.0f} |"
+        f"| {host['host_us_per_action']:.0f} | "
+        f"{host['driver_us_per_action']:.1f} | "
+        f"{host['dispatch_us_per_action']:.1f} | "
+        f"{host['run_us_per_action']:.0f} |"
       )
   table2 = (
     "| stages | microbatches | actions | step ms | µs / action | "
-    "host µs / action |\n|---|---|---|---|---|---|\n" + "\n".join(rows)
+    "host µs / action | of which driver | dispatch | run |\n"
+    "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
   )
   header = (
     f"{device.device_kind} ({device.platform}), jax "

@@ -43,6 +43,31 @@ from jax.sharding import (
 )
 
 
+def _in_place(x, sharding) -> bool:
+  """Whether ``x`` is an array committed where ``sharding`` puts it."""
+  return isinstance(x, jax.Array) and x.committed and x.sharding == sharding
+
+
+def put(x, sharding):
+  """``x`` placed by ``sharding``: ``x`` itself where it is there already,
+  else ``jax.device_put``'s copy. ``device_put`` of an array already in
+  place returns it too, but only after ~80 µs of the host's time (JAX
+  0.10, a CPU); the check costs ~1.5 µs."""
+  return x if _in_place(x, sharding) else jax.device_put(x, sharding)
+
+
+def put_tree(tree, sharding):
+  """``put`` of every leaf of ``tree``; the leaves not in place go in one
+  ``device_put`` (batched, as placing a whole state at once was)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  away = [i for i, x in enumerate(leaves) if not _in_place(x, sharding)]
+  if away:
+    placed = jax.device_put([leaves[i] for i in away], sharding)
+    for i, x in zip(away, placed, strict=True):
+      leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
 class StagePlacement:
   """The devices of one stage and how its arrays are laid out on them.
 
@@ -156,13 +181,11 @@ class StagePlacement:
   def put_values(self, values):
     """Places a pytree of microbatch-carrying values (activations,
     cotangents, batch leaves)."""
-    return jax.tree.map(
-      lambda x: jax.device_put(x, self.value_sharding(x)), values
-    )
+    return jax.tree.map(lambda x: put(x, self.value_sharding(x)), values)
 
   def put_replicated(self, tree):
     """Places a pytree whole on every device (params, optimizer state)."""
-    return jax.device_put(tree, self.replicated)
+    return put_tree(tree, self.replicated)
 
   def replica_index(self, b: int) -> int:
     """Which replica runs microbatch b: ``b mod k`` in a round-robin

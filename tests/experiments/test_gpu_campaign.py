@@ -85,6 +85,10 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
   driver = _load(tmp_path, "driver")
   assert driver["host_profile"]["top_own_time"]
   assert driver["grad_buffers"]["results"]
+  for row in driver["rows"]:  # The host's time per action, split.
+    parts = ("driver", "dispatch", "run")
+    assert all(row[f"{part}_us_per_action"] >= 0 for part in parts)
+    assert row["driver_us_per_action"] < row["host_us_per_action"]
   # conftest gives the children 8 CPU devices: the multi-device part runs.
   assert {r["schedule"] for r in _load(tmp_path, "multi_device")["rows"]} == {
     "1f1b",

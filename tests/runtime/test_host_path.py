@@ -1,9 +1,10 @@
 """The driver's host path reuses work across a stream's calls without
 changing what runs: a shifted call's ops are its base's lowering
-shifted; and the params-held count (per forward) is the plain
-formula's."""
+shifted; the params-held count (kept as holders come and go) is the
+plain formula's; stages on one device pass values without MOVE ops."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -12,6 +13,8 @@ import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import _driver
 from jpipe.runtime._calls import ShiftedCall, shifted_ops
+from jpipe.runtime._held_params import HeldParams
+from jpipe.runtime._placement import StagePlacement
 from tests.partition import flax_models
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -81,11 +84,11 @@ def test_shifted_ops_equal_lowering_the_shifted_order(stage_process):
     assert any(isinstance(op, schedule_lib.Move) for op in expected)
 
 
-def _held_reference(versions, live, forward_params, leaf_bytes):
-  """(distinct tuples, bytes of distinct arrays), restated."""
-  tuples = [*versions.values(), live, *forward_params]
+def _held_reference(holders, leaf_bytes):
+  """(distinct tuples, bytes of distinct arrays) of the tuples held,
+  restated."""
   distinct = []
-  for t in tuples:
+  for t in holders:
     if not any(t is u for u in distinct):
       distinct.append(t)
   arrays = []
@@ -98,7 +101,10 @@ def _held_reference(versions, live, forward_params, leaf_bytes):
   return len(distinct), total
 
 
-def test_params_held_equals_the_plain_count():
+def test_held_params_equal_the_plain_count_as_holders_come_and_go():
+  """Random takes and drops (tuples sharing leaves, a leaf twice in one
+  tuple, None): after each, the count and bytes are the plain formula's
+  over the holders left, and nothing is referenced once dropped."""
   rng = np.random.default_rng(0)
   leaf_bytes = (40, 40, 400)
   fresh = [tuple(object() for _ in leaf_bytes) for _ in range(6)]
@@ -107,12 +113,25 @@ def test_params_held_equals_the_plain_count():
   shared = (fresh[0][0], object(), object())
   twice = (fresh[1][0], fresh[1][0], object())
   pool = [*fresh, shared, twice, None]
-  for _ in range(200):
-    picks = [pool[i] for i in rng.integers(0, len(pool), 5)]
-    versions = dict(enumerate(picks[:2]))
-    live, forward_params = picks[2], picks[3:]
-    got = _driver._params_held(versions, live, forward_params, leaf_bytes)
-    assert got == _held_reference(versions, live, forward_params, leaf_bytes)
+  holders = [pool[i] for i in rng.integers(0, len(pool), 3)]
+  held = HeldParams(leaf_bytes, holders)
+  for _ in range(400):
+    move = rng.integers(0, 3)
+    if move == 0 or not holders:
+      t = pool[rng.integers(0, len(pool))]
+      holders.append(t)
+      held.take(t)
+    elif move == 1:
+      held.drop(holders.pop(rng.integers(0, len(holders))))
+    else:
+      i, t = rng.integers(0, len(holders)), pool[rng.integers(0, len(pool))]
+      held.replace(holders[i], t)
+      holders[i] = t
+    assert (held.count, held.nbytes) == _held_reference(holders, leaf_bytes)
+  for t in list(holders):
+    held.drop(t)
+  assert (held.count, held.nbytes) == (0, 0)
+  assert not held._tuples and not held._arrays
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "async"])
@@ -137,6 +156,9 @@ def test_stages_on_one_device_pass_values_without_move_ops(schedule):
   every_move.same_place_inputs = tuple(
     (False,) * len(flags) for flags in every_move.same_place_inputs
   )
+  every_move.inputs_placed = tuple(  # (What F and B read it from.)
+    tuple((v, False) for v, _ in pairs) for pairs in every_move.inputs_placed
+  )
   moved = []
   for pipe in pipes:
     state = pipe.init(params)
@@ -158,3 +180,81 @@ def test_stages_on_one_device_pass_values_without_move_ops(schedule):
   (got, got_loss), (want, want_loss) = moved
   assert float(got_loss) == float(want_loss)
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize(
+  "schedule, options",
+  [
+    ("gpipe", {}),
+    ("async", {"weight_stashing": True, "prediction": "msnag"}),
+    ("async", {"step_every": 3}),
+  ],
+)
+def test_numbers_placed_once_train_bit_identically(schedule, options):
+  """Loss cotangents, step scales and prediction delays go to programs as
+  arrays placed once (``Driver.device_scalar``): the same results to the
+  bit as passing the Python numbers at every call, and the same arrays
+  reused."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  pipes = [
+    jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=4,
+      devices=jax.devices()[:4],
+      schedule=schedule,
+      num_microbatches=4,
+      optimizer=optax.sgd(0.05, momentum=0.9),
+      **options,
+    )
+    for _ in "ab"
+  ]
+  pipes[1].driver.device_scalar = lambda s, number: number
+  results = []
+  for pipe in pipes:
+    state = pipe.init(params)
+    for _ in range(3):
+      state, metrics = pipe.step(state, batch)
+    if pipe.stream is not None:
+      state, _ = pipe.flush(state)
+    results.append((jax.device_get(state.stage_params), metrics["loss"]))
+  (got, got_loss), (want, want_loss) = results
+  assert float(got_loss) == float(want_loss)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  placed = pipes[0].driver._scalars
+  assert placed, "no number was placed"
+  for (s, kind, number), x in placed.items():
+    assert x.weak_type and x.dtype == jnp.asarray(number).dtype
+    assert x.sharding == pipes[0].driver.placement[s].replicated
+    assert pipes[0].driver.device_scalar(s, number) is x
+    assert kind is type(number)
+
+
+def test_placing_keeps_arrays_already_in_place_and_places_the_rest():
+  """``put_replicated`` returns an array committed where it goes as
+  itself (no ~80 µs ``device_put``), and places everything else as
+  ``device_put`` did: other devices, uncommitted arrays, numbers,
+  NumPy arrays; None stays."""
+  d0, d1 = jax.devices()[:2]
+  for devices in ([d0], [d0, d1]):
+    place = StagePlacement(devices, microbatch_size=4)
+    there = jax.device_put(jnp.arange(3.0), place.replicated)
+    tree = {
+      "there": there,
+      "elsewhere": jax.device_put(jnp.arange(3.0), jax.devices()[2]),
+      "uncommitted": jnp.arange(2.0),
+      "numpy": np.ones(2),
+      "number": 1.5,
+      "none": None,
+    }
+    got = place.put_replicated(tree)
+    assert got["there"] is there
+    assert got["none"] is None
+    for name in ("elsewhere", "uncommitted", "numpy", "number"):
+      x = got[name]
+      assert x.committed and x.sharding == place.replicated, name
+      np.testing.assert_array_equal(x, np.asarray(tree[name]))
+    values = place.put_values({"a": there, "b": np.ones((4, 2))})
+    assert values["a"] is there
+    assert values["b"].sharding == place.split

@@ -1,0 +1,101 @@
+"""The host-cost breakdown (``experiments.runtime.host_cost``): replaying
+returns each program's recorded outputs and runs none, counts every call
+the driver makes, restores the pipeline's own methods on exit, and its
+parts add up to the host's time."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from experiments.gpu_campaign import _common
+from experiments.gpu_campaign.overhead import one_device_pipeline, timed_runner
+from experiments.runtime import host_cost
+
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
+TINY = dict(layers=2, width=8, heads=1, length=4, batch=8)
+P, M = 2, 4
+
+
+def _pipeline(schedule):
+  loss_fn, params, batch, _ = _common.language_model(**TINY)
+  pipe = one_device_pipeline(
+    loss_fn,
+    params,
+    batch,
+    p=P,
+    schedule=schedule,
+    m=M,
+    tx=optax.sgd(0.1),
+    recompute=False,
+  )
+  return pipe, params, batch
+
+
+def _own_attributes(pipe):
+  driver = pipe.driver
+  return dict(vars(driver.programs)), [dict(vars(o)) for o in driver.optimizers]
+
+
+def test_a_replayed_step_runs_the_recorded_programs_outputs():
+  """gpipe, 2 stages, 4 microbatches, last stage fused: the replayed
+  step calls each stage program as often as the schedule says, and
+  returns the recorded step's params (a real step moves them)."""
+  pipe, params, batch = _pipeline("gpipe")
+  state, _ = pipe.step(pipe.init(params), batch)
+  before = _own_attributes(pipe)
+  replay = host_cost.ProgramReplay()
+  with replay.installed(pipe):
+    recorded, _ = pipe.step(state, batch)
+    replay.replaying = True
+    replayed, _ = pipe.step(recorded, batch)
+  assert _own_attributes(pipe) == before
+  by_kind = {}
+  for key, n in replay.calls.items():
+    by_kind[key[0]] = by_kind.get(key[0], 0) + n
+  assert by_kind["forward"] == by_kind["backward"] == M * (P - 1)
+  assert by_kind["forward_backward"] == M
+  steps = sum(n for kind, n in by_kind.items() if kind.startswith("update"))
+  assert steps == P
+  assert set(replay.calls) <= set(replay.outputs) == set(replay.arguments)
+  got, want = (jax.device_get(s.stage_params) for s in (replayed, recorded))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  moved, _ = pipe.step(replayed, batch)  # The real programs again.
+  changed = jax.tree.map(
+    lambda a, b: not np.array_equal(a, b),
+    jax.device_get(moved.stage_params),
+    got,
+  )
+  assert any(jax.tree.leaves(changed))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "async"])
+def test_the_breakdown_adds_up_to_the_host_time(schedule):
+  pipe, params, batch = _pipeline(schedule)
+  run = timed_runner(pipe, params, batch)
+  for _ in range(4):
+    run()
+  actions = run.actions()
+  before = _own_attributes(pipe)
+  got = host_cost.host_breakdown(pipe, run, actions, repeats=2)
+  assert _own_attributes(pipe) == before
+  host, driver = got["host_us_per_action"], got["driver_us_per_action"]
+  dispatch, rest = got["dispatch_us_per_action"], got["run_us_per_action"]
+  assert host > 0 and driver > 0 and dispatch > 0 and rest >= 0
+  if rest > 0:
+    assert driver + dispatch + rest == pytest.approx(host)
+  # Every action calls a program but the fused backwards (M a step).
+  assert got["program_calls_per_step"] >= actions - M
+
+
+def test_dispatch_seconds_takes_numbers_none_and_arrays():
+  """Every argument kind a program takes (arrays, None, Python numbers,
+  a bool option dropped) goes through the empty program."""
+  shapes = host_cost._shapes(((jax.numpy.ones((3, 2)), None, 0.5), {"x": 1}))
+  args, kwargs = shapes
+  assert isinstance(args[0], jax.ShapeDtypeStruct) and args[0].shape == (3, 2)
+  seconds = host_cost.dispatch_seconds(
+    (args, {**kwargs, "donate_state": True}), repeats=10
+  )
+  assert 0 < seconds < 1
