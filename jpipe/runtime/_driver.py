@@ -269,24 +269,19 @@ class Driver:
     # cotangents (read by B and I) another process sends -- what a
     # profile stamps the arrival of (``ActionProfiler.record_inputs``).
     self.remote_inputs = _remote_inputs(stages.specs, self.producer, transport)
-    # Per stage: which of its inputs come from a stage on the same
-    # devices. Moving those would copy nothing: F reads them where their
-    # producer left them and B adds their cotangents straight in, with no
-    # MOVE op between (~14 µs of Python each, 448 a step at p = 8, m = 32
-    # on one device).
-    self.same_place_inputs = tuple(
+    # Per stage: its inputs, each with whether it comes from a stage on
+    # the same devices. Moving those would copy nothing: F reads them
+    # where their producer left them and B adds their cotangents straight
+    # in, with no MOVE op between (~14 µs of Python each, 448 a step at
+    # p = 8, m = 32 on one device).
+    self.inputs_placed = tuple(
       tuple(
-        _same_place(self.placement[self.producer[v]], self.placement[s])
+        (v, _same_place(self.placement[self.producer[v]], self.placement[s]))
         for v in spec.inputs
       )
       for s, spec in enumerate(stages.specs)
     )
-    # What each action of a stage walks, laid out once (a forward's
-    # inputs with where they come from, its outputs with their readers).
-    self.inputs_placed = tuple(
-      tuple(zip(spec.inputs, here, strict=True))
-      for spec, here in zip(stages.specs, self.same_place_inputs, strict=True)
-    )
+    # Per stage: its outputs, each with how many stages read it.
     self.outputs_read = tuple(
       tuple((v, self.readers.get(v, 0)) for v in spec.outputs)
       for spec in stages.specs
@@ -360,7 +355,7 @@ class Driver:
     t = op.transfer
     reader, v = (t.dst, t.value) if t.what == "F" else (t.src, t.value)
     i = self.stages.specs[reader].inputs.index(v)
-    return self.same_place_inputs[reader][i]
+    return self.inputs_placed[reader][i][1]
 
   def _transfers(self, action):
     """(before, after): the values ``action`` moves between stages."""
