@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jpipe import schedule as schedule_lib
 from jpipe.runtime._calls import shifted_ops
 from jpipe.runtime._held_params import HeldParams
-from jpipe.runtime._placement import StagePlacement
+from jpipe.runtime._placement import StagePlacement, put
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer
@@ -458,7 +458,7 @@ class Driver:
     last = len(self.stages.specs) - 1
     place = self.placement[last]
     if place.round_robin:  # Each replica's on its own device.
-      losses = [jax.device_put(x, place.device) for x in losses]
+      losses = [put(x, place.device) for x in losses]
     loss = _mean(losses) if losses else None
     if not self.transport.multiprocess:
       return loss
@@ -769,9 +769,7 @@ class _Call(TransferEnds):
       own = self._grad_sq_norm(s, g) * (scale * scale)
       self.grad_sq_norms[s] = own
       device = d.placement[s].device
-      total = sum(
-        jax.device_put(x, device) for x in self.grad_sq_norms if x is not None
-      )
+      total = sum(put(x, device) for x in self.grad_sq_norms if x is not None)
       scale = scale * self._clip_factor(s, total)
     self._optimizer_step(
       s,
@@ -925,8 +923,7 @@ class _Call(TransferEnds):
       first = min(grads)
       device = d.placement[first].device
       partial = sum(
-        jax.device_put(self._grad_sq_norm(s, g), device)
-        for s, g in sorted(grads.items())
+        put(self._grad_sq_norm(s, g), device) for s, g in sorted(grads.items())
       )
     total = d.transport.all_sum(partial)
     return {s: self._clip_factor(s, total) for s in grads}

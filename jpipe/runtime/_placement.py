@@ -48,12 +48,15 @@ def _in_place(x, sharding) -> bool:
   return isinstance(x, jax.Array) and x.committed and x.sharding == sharding
 
 
-def put(x, sharding):
-  """``x`` placed by ``sharding``: ``x`` itself where it is there already,
-  else ``jax.device_put``'s copy. ``device_put`` of an array already in
-  place returns it too, but only after ~80 µs of the host's time (JAX
-  0.10, a CPU); the check costs ~1.5 µs."""
-  return x if _in_place(x, sharding) else jax.device_put(x, sharding)
+def put(x, where):
+  """``x`` placed on ``where`` (a sharding or a device): ``x`` itself
+  where it is there already, else ``jax.device_put``'s copy.
+  ``device_put`` of an array already in place returns it too, but only
+  after ~80 µs of the host's time (JAX 0.10, a CPU); the check costs
+  ~1.5 µs."""
+  if isinstance(where, jax.Device):
+    where = SingleDeviceSharding(where)
+  return x if _in_place(x, where) else jax.device_put(x, where)
 
 
 def put_tree(tree, sharding):

@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jpipe.runtime._placement import put
+
 
 class WeightedStage:
   """The forward, backward and fused programs of stage ``s`` over the
@@ -167,9 +169,7 @@ class WeightedStage:
         parts = dict.fromkeys(per, x)
       for j in per:
         per[j].append(
-          None
-          if parts[j] is None
-          else jax.device_put(parts[j], self.place.devices[j])
+          None if parts[j] is None else put(parts[j], self.place.devices[j])
         )
     return {j: tuple(v) for j, v in per.items()}
 
@@ -192,9 +192,7 @@ class WeightedStage:
     if not self.results:
       return ()
     n = self.place.microbatch_size
-    losses = [
-      jax.device_put(runs[j][index][0], self.place.device) for j in runs
-    ]
+    losses = [put(runs[j][index][0], self.place.device) for j in runs]
     weights = tuple(rows[j] / n for j in runs)
     return (_weighted_sum(tuple(losses), weights),)
 
@@ -217,13 +215,13 @@ class WeightedStage:
       elif carries:
         out.append(self._gather(parts))
       else:
-        moved = [jax.device_put(x, self.place.device) for x in parts]
+        moved = [put(x, self.place.device) for x in parts]
         out.append(functools.reduce(jnp.add, moved))
     return tuple(out)
 
   def _gather(self, parts):
     """Row slices (in replica order) as one array on the first device."""
-    moved = tuple(jax.device_put(x, self.place.device) for x in parts)
+    moved = tuple(put(x, self.place.device) for x in parts)
     return moved[0] if len(moved) == 1 else _concatenate(moved)
 
 
@@ -267,4 +265,4 @@ def _times(c, share, device):
   """A loss cotangent times a replica's share, on that replica."""
   if isinstance(c, (int, float)):
     return c * share
-  return jax.device_put(c, device) * share
+  return put(c, device) * share

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 import jpipe
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import _driver
 from jpipe.runtime._calls import ShiftedCall, shifted_ops
 from jpipe.runtime._held_params import HeldParams
-from jpipe.runtime._placement import StagePlacement
+from jpipe.runtime._placement import StagePlacement, put
 from tests.partition import flax_models
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -252,3 +253,9 @@ def test_placing_keeps_arrays_already_in_place_and_places_the_rest():
     values = place.put_values({"a": there, "b": np.ones((4, 2))})
     assert values["a"] is there
     assert values["b"].sharding == place.split
+  # By device (a weighted group's values, the clip norms, the losses).
+  on_d0 = jax.device_put(jnp.arange(3.0), d0)
+  assert put(on_d0, d0) is on_d0
+  moved = put(on_d0, d1)
+  assert moved.committed and moved.sharding == SingleDeviceSharding(d1)
+  assert put(1.5, d1).devices() == {d1}
