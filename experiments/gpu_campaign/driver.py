@@ -89,7 +89,14 @@ def main(args):
   budget = _common.Budget(args.budget)
   loss_fn, params, batch, _ = _common.language_model(**TINY)
   results.note("host_profile", host_profile(loss_fn, params, batch))
-  for schedule in ("gpipe", "async"):
+  # The stream with its steps apart and inside their backwards' programs
+  # (``Partitioning.fuse_step``): on a GPU the update may also fuse into
+  # the gradient's kernels, so its cost and its bits are measured here.
+  for schedule, fuse_step in (
+    ("gpipe", True),
+    ("async", False),
+    ("async", True),
+  ):
     for p, m in grid:
       if budget.spent:
         results.note("stopped_by_budget", True)
@@ -103,6 +110,7 @@ def main(args):
         m=m,
         tx=optax.sgd(1e-3),
         recompute=False,
+        fuse_step=fuse_step,
       )
       run = timed_runner(pipe, params, batch)
       times = []
@@ -116,6 +124,7 @@ def main(args):
       results.add(
         {
           "schedule": schedule,
+          "fuse_step": fuse_step,
           "stages": p,
           "microbatches": m,
           "actions": actions,

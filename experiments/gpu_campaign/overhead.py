@@ -99,6 +99,7 @@ def timed_runner(pipe, params, batch):
 
   run.host_seconds = []
   run.actions = actions
+  run.state = state  # {"s": the pipeline's state, "b": the batch}
   return run
 
 

@@ -40,6 +40,7 @@ PROGRAM_GETTERS = (
   "input_grad",
   "weight_grad",
   "unpack",
+  "with_step",
 )
 OPTIMIZER_CALLS = (
   "update",

@@ -388,6 +388,7 @@ def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
     placed.schedule_device,
     output_free=tuple(not spec.outputs for spec in stages.specs),
     fuse=request.partitioning.fuse_last_stage,
+    fuse_steps=request.partitioning.fuse_step,
   )
   first = stream or calls.synchronous(request.num_microbatches)
   return Scheduled(stream, calls, first)

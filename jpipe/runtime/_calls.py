@@ -25,11 +25,15 @@ class Call:
       data dependencies (the driver dispatches in it).
     fused: ``(stage, microbatch)`` pairs whose backward may run with the
       forward as one program.
+    fused_steps: ``(stage, microbatch)`` of the backwards whose stage's
+      step may run in the same program (for a pair in ``fused``: in its
+      forward's).
   """
 
   lists: schedule_lib.ActionLists
   order: tuple[schedule_lib.Action, ...]
   fused: frozenset
+  fused_steps: frozenset = frozenset()
 
   @property
   def base(self) -> "Call":
@@ -94,6 +98,10 @@ class ShiftedCall:
   def fused(self) -> frozenset:
     return frozenset((s, b + self.shift) for s, b in self.base.fused)
 
+  @functools.cached_property
+  def fused_steps(self) -> frozenset:
+    return frozenset((s, b + self.shift) for s, b in self.base.fused_steps)
+
 
 class CallActions:
   """Builds (and caches) the ``Call`` of a pipeline's calls.
@@ -107,10 +115,20 @@ class CallActions:
     output_free: per stage, whether no other stage reads its values (its
       backward may then fuse with its forward).
     fuse: whether to fuse such pairs at all.
+    fuse_steps: whether a stream's backward may run with the step after
+      it (``schedule.step_fusable_backwards``).
   """
 
   def __init__(
-    self, kind, stream, num_stages, stage_device, *, output_free, fuse
+    self,
+    kind,
+    stream,
+    num_stages,
+    stage_device,
+    *,
+    output_free,
+    fuse,
+    fuse_steps=False,
   ):
     self.kind = kind
     self.name = kind.name
@@ -119,6 +137,7 @@ class CallActions:
     self.stage_device = tuple(stage_device)
     self.output_free = tuple(output_free)
     self.fuse = fuse
+    self.fuse_steps = fuse_steps
     self._cache: dict[tuple, Call] = {}
 
   def __call__(self, fed: int, m: int | None) -> "Call | ShiftedCall":
@@ -142,7 +161,12 @@ class CallActions:
       fused = frozenset()
       if self.fuse:
         fused = schedule_lib.fusable_pairs(lists, self.output_free)
-      self._cache[key] = Call(lists, schedule_lib.issue_order(lists), fused)
+      fused_steps = frozenset()
+      if self.fuse_steps and self.stream is not None:
+        fused_steps = schedule_lib.step_fusable_backwards(lists, fused)
+      self._cache[key] = Call(
+        lists, schedule_lib.issue_order(lists), fused, fused_steps
+      )
     return self._cache[key].shifted(fed - start)
 
   def synchronous(self, m: int) -> schedule_lib.Schedule:

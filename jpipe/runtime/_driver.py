@@ -296,6 +296,23 @@ class Driver:
       )
       for spec in stages.specs
     )
+    # Per stage: whether a stream's step may run in the program of the
+    # backward before it (``Call.fused_steps``), a third fewer programs
+    # per microbatch: where the step reads the accumulated gradient as it
+    # is (no clipping, no hooks reducing it), on one device or an SPMD
+    # group, owning no tied leaf. (An owner's step adds its holders'
+    # gradients, which may arrive after its backward; a holder's step
+    # hands its replicas' gradients on, from the same program.)
+    plain = clip_global_norm is None and (
+      type(self.hooks).reduce_gradient is DriverHooks.reduce_gradient
+    )
+    self.steps_with_backward = tuple(
+      stream is not None
+      and plain
+      and s not in tied.owned
+      and not (p.round_robin or p.weighted)
+      for s, p in enumerate(self.placement)
+    )
     first_state = stages.traced.num_param_leaves + num_batch_leaves
     self.state_avals = avals[first_state:]
     self.state_readers = _state_readers(stages, transport, num_batch_leaves)
@@ -421,6 +438,7 @@ class Driver:
     """
     call = _Call(self, stage_params, opt_states, model_state, in_flight)
     call.batches, call.fused, call.profiler = batches, work.fused, profiler
+    call.fused_steps = work.fused_steps
     call.loss_cotangent = loss_cotangent
     # Synchronous steps wait for every backward (tied gradients are
     # summed over all stages first).
@@ -550,6 +568,7 @@ class _Call(TransferEnds):
     # The run's inputs (set by Driver.run): this call's placed
     # microbatches, fusable pairs, profiler and loss cotangent.
     self.batches, self.fused, self.profiler = {}, frozenset(), None
+    self.fused_steps = frozenset()
     self.loss_cotangent = 1.0
     self.d = driver
     self.params = list(stage_params)
@@ -566,6 +585,8 @@ class _Call(TransferEnds):
     self.fused_done = {}
     # (s, b) whose I ran -> what its W needs, until W(s, b).
     self.kept = {}
+    # Stages whose next S ran in the program of the B before it.
+    self.stepped = set()
     # (s, replica) -> the action behind that accumulator (``_set_acc``;
     # when profiling).
     self.acc_producer = {}
@@ -626,13 +647,18 @@ class _Call(TransferEnds):
       own, self.params[s]
     ):
       # Its backward needs only this forward: run both as one program.
-      acc = self._acc(s, b)
-      run = d.programs.forward_backward(s, acc is None)
-      self._before_donating(s, b)
-      results, acc, act_cots = run(
-        acc, theta, local, acts, self._result_cots(s)
-      )
-      self._set_acc(s, b, acc, action)
+      args = (theta, local, acts, self._result_cots(s))
+      if self._steps_with(s, b):  # And the step after that backward.
+        results, act_cots = self._backward_and_step(
+          "forward_backward", s, [b], args
+        )
+        acc = self.params[s]  # What the profiler waits for.
+      else:
+        acc = self._acc(s, b)
+        run = d.programs.forward_backward(s, acc is None)
+        self._before_donating(s, b)
+        results, acc, act_cots = run(acc, *args)
+        self._set_acc(s, b, acc, action)
       outputs = ()
       self.fused_done[(s, b)] = act_cots  # Moved at B(s, b).
       self._record("B", s, b, theta)
@@ -643,7 +669,7 @@ class _Call(TransferEnds):
       outputs, results, residuals = d.programs.forward(s)(theta, local, acts)
       self.saved[(s, b)] = residuals
     if self.profiler:  # A fused program ends with its accumulator.
-      fused = self._acc(s, b) if (s, b) in self.fused_done else ()
+      fused = acc if (s, b) in self.fused_done else ()
       self.profiler.record(action, (outputs, results, fused))
     self._keep(s, b, outputs, results)
 
@@ -662,29 +688,77 @@ class _Call(TransferEnds):
 
   def backward(self, action):
     d, s, b = self.d, action.stage, action.microbatch
-    self.pending[s].append(b)
     if (s, b) in self.fused_done:  # Ran with its forward's program: an
       d.hooks.before_compute(action)
       act_cots = self.fused_done.pop((s, b))  # instant at its end.
+      if s not in self.stepped:  # (Else its step ran there too.)
+        self.pending[s].append(b)
       if self.profiler:
         self.profiler.record(action, ())
     else:
+      self.pending[s].append(b)
       act_cots = self._backward(action)
     self._input_cotangents(s, b, act_cots)
 
   def _backward(self, action):
-    """Runs B(s, b)'s program: returns its input cotangents."""
+    """Runs B(s, b)'s program (with the step after it, where it may):
+    returns its input cotangents."""
     d, s, b = self.d, action.stage, action.microbatch
     args = self._backward_args(action)
     d.hooks.before_compute(action, args)
-    acc = self._acc(s, b)
-    run = d.programs.backward(s, acc is None)
-    self._before_donating(s, b)
-    acc, act_cots = run(acc, *args)
-    self._set_acc(s, b, acc, action)
+    if self._steps_with(s, b):
+      (act_cots,) = self._backward_and_step("backward", s, [b], args)
+      acc = self.params[s]  # What the profiler waits for.
+    else:
+      acc = self._acc(s, b)
+      run = d.programs.backward(s, acc is None)
+      self._before_donating(s, b)
+      acc, act_cots = run(acc, *args)
+      self._set_acc(s, b, acc, action)
     if self.profiler:
       self.profiler.record(action, (acc, act_cots))
     return act_cots
+
+  def _steps_with(self, s, b) -> bool:
+    """Whether B(s, b)'s program runs the stage's next step too: the
+    step follows it and applies it alone (no accumulator)."""
+    return (
+      (s, b) in self.fused_steps
+      and self.d.steps_with_backward[s]
+      and self.grads[s] is None
+    )
+
+  def _backward_and_step(self, kind, s, group, args) -> tuple:
+    """Runs stage s's ``kind`` program (the backward of ``group``'s one
+    microbatch, which the step applies) ending with the step; the step's
+    S then only passes (``stepped``). Returns the program's head and
+    input cotangents."""
+    d = self.d
+    stale, scale, update_scale = self._step_scales(s, group)
+    replicas = d.tied.replica_leaves(s)
+    run = d.programs.with_step(
+      kind,
+      s,
+      d.optimizers[s],
+      self.made_state[s],
+      tuple(pos for pos, _ in replicas),
+    )
+    *head, params, self.opt_states[s], replica_grads, act_cots = run(
+      self.opt_states[s],
+      self.params[s],
+      stale,
+      d.device_scalar(s, scale),
+      d.device_scalar(s, update_scale),
+      *args,
+    )
+    self.made_state[s] = True
+    self._set_params(s, params)
+    for (_, leaf), x in zip(replicas, replica_grads, strict=True):
+      self.outbox[("tied_grad", s, group[-1], leaf)] = x
+    self.pending[s] = []
+    self._after_step(s, group)
+    self.stepped.add(s)
+    return (*head, act_cots)
 
   def input_grad(self, action):
     """I(s, b): the first half of a split backward; its input cotangents
@@ -738,19 +812,13 @@ class _Call(TransferEnds):
     """An asynchronous step of stage s: the mean gradient of the
     backwards since its last step."""
     d, s, b = self.d, action.stage, action.microbatch
+    if s in self.stepped:  # Ran in its backward's program: an instant.
+      self.stepped.discard(s)
+      if self.profiler:
+        self.profiler.record(action, ())
+      return
     group, self.pending[s] = self.pending[s], []
-    opt = d.optimizers[s]
-    stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
-    # Each loss cotangent was 1 / step_every: a short window (at a flush)
-    # is rescaled to its own mean, or (FTPipe's) kept as the sum over
-    # the stage's window and its update scaled by r / window.
-    window = d.stream.window(s)
-    scale, update_scale = d.stream.step_every / len(group), 1.0
-    if d.partial_window == "ftpipe":
-      scale = d.stream.step_every / window
-      update_scale = len(group) / window
-    # PipeDream's rate per stage with round-robin replicas: r_s / r_0.
-    update_scale *= d.replica_rate[s]
+    stale, scale, update_scale = self._step_scales(s, group)
     # The packed accumulator, unpacked inside the step; a tied stage's
     # exchanges with its tied leaves' owners or holders go in the same
     # program where nothing reads the gradient in between, else before.
@@ -781,9 +849,34 @@ class _Call(TransferEnds):
       update_scale=update_scale,
       tied_microbatch=b if tied_in_step else None,
     )
-    self._set_params(s, d.hooks.after_step(s, self.params[s]))
+    self._after_step(s, group)
     if self.profiler:
       self.profiler.record(action, self.params[s])
+
+  def _step_scales(self, s, group):
+    """(stale params, gradient scale, update scale) of stage s's stream
+    step applying the microbatches of ``group``."""
+    d = self.d
+    opt = d.optimizers[s]
+    stale = self.forward_params[(s, group[-1])] if opt.gap_aware else None
+    # Each loss cotangent was 1 / step_every: a short window (at a flush)
+    # is rescaled to its own mean, or (FTPipe's) kept as the sum over
+    # the stage's window and its update scaled by r / window.
+    window = d.stream.window(s)
+    scale, update_scale = d.stream.step_every / len(group), 1.0
+    if d.partial_window == "ftpipe":
+      scale = d.stream.step_every / window
+      update_scale = len(group) / window
+    # PipeDream's rate per stage with round-robin replicas: r_s / r_0.
+    update_scale *= d.replica_rate[s]
+    return stale, scale, update_scale
+
+  def _after_step(self, s, group):
+    """Stage s stepped over ``group``'s microbatches: its params through
+    the hooks, its new version kept, the versions and stashes no later
+    action reads released."""
+    d = self.d
+    self._set_params(s, d.hooks.after_step(s, self.params[s]))
     self.grads[s] = None
     self.stream_steps[s] += 1
     self.versions[s][self.stream_steps[s]] = self.params[s]

@@ -59,6 +59,18 @@ class Partitioning:
       longer holds every microbatch's activations. A measured timeline
       shows such an F spanning both and its B as an instant. Only the
       order of the gradient sum changes (float rounding).
+    fuse_step: in an asynchronous stream, run a stage's step in the
+      program of the backward right before it (the stage's next action is
+      its step: every microbatch with ``step_every=1``, a window's last
+      backward otherwise), the gradient applied inside the program: one
+      program call fewer per step, and no accumulator crosses the host.
+      Where the step reads the gradient as accumulated (not with gradient
+      clipping, data-parallel replicas' reduction, round-robin or weighted
+      replica groups, or a stage owning tied leaves: its step adds the
+      holders' gradients, which may arrive after its backward). A measured timeline shows such a B
+      spanning both and its S as an instant. On a CPU the results are
+      the separate programs' to the bit (tested); a GPU's compiler may
+      fuse the update into the gradient's kernels (float rounding).
     price_last_stage: FTPipe's async meta-algorithm (its partitioner's
       ``-a``): with recomputation and a fused last stage (which never
       recomputes), price the last stage's nodes without recomputation
@@ -115,6 +127,7 @@ class Partitioning:
   bandwidth: float | None = None
   cost_model: str = "analytic"
   fuse_last_stage: bool = True
+  fuse_step: bool = True
   price_last_stage: bool = True
   transport: str = "pull"
   memory_limit: float | str | None = None

@@ -86,7 +86,7 @@ class StageOptimizer:
       lambda leaves: self.tx.init(self.as_dict(leaves)),
       compiler_options=options,
     )
-    self.update = jax.jit(self._update, compiler_options=options)
+    self.update = jax.jit(self.apply, compiler_options=options)
     self.predict = jax.jit(self._predict, compiler_options=options)
     self.predict_packed = None
     self._grad_layout = grad_layout
@@ -190,7 +190,7 @@ class StageOptimizer:
         for p, g in zip(positions, added_grads, strict=True):
           leaves[p] = leaves[p] + g
         out = tuple(leaves[p] for p in replicas)
-        return (*self._update(tuple(leaves), *args), out)
+        return (*self.apply(tuple(leaves), *args), out)
 
       # The gradient's own buffers are donated (the new params are written
       # into them instead of fresh memory: on a CPU core an SGD step over
@@ -232,10 +232,12 @@ class StageOptimizer:
     """The optimizer's own state (inside Gap-Aware's on a GA stage)."""
     return opt_state.inner_state if self.gap_aware else opt_state
 
-  def _update(
+  def apply(
     self, grads, opt_state, params, stale_params, scale=1.0, update_scale=1.0
   ):
-    """New (params, opt_state) from ``scale * grads``, the update times
+    """The step as a traceable function (``update`` is it jitted; a stage
+    program may end with it, ``StagePrograms.with_step``): new
+    (params, opt_state) from ``scale * grads``, the update times
     ``update_scale``; ``stale_params`` only on a GA stage. ``scale``
     (traced) turns a window's gradient sum into its mean where the window
     ended short (a flush); ``update_scale`` is FTPipe's learning rate

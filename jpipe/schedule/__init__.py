@@ -23,7 +23,12 @@ from jpipe.schedule._export import (
   write_chrome_trace,
 )
 from jpipe.schedule._lower import Move, MoveKind, Transfer, lower
-from jpipe.schedule._order import fusable_pairs, issue_order, place
+from jpipe.schedule._order import (
+  fusable_pairs,
+  issue_order,
+  place,
+  step_fusable_backwards,
+)
 from jpipe.schedule._registry import (
   REGISTRY,
   SCHEDULES,
@@ -102,6 +107,7 @@ __all__ = [
   "schedule_from_lists",
   "seq",
   "simulate",
+  "step_fusable_backwards",
   "two_bw",
   "write_chrome_trace",
   "zero_bubble_h1",

@@ -1,4 +1,5 @@
-"""Pure functions of action lists: devices, issue order, fusable pairs.
+"""Pure functions of action lists: devices, issue order, fusable pairs
+(a forward with its backward; a backward with the step after it).
 
 A driver in one process dispatches every device's actions from one thread,
 so it needs one global order consistent with every device's list and with
@@ -83,4 +84,32 @@ def fusable_pairs(
           b.kind == STEP and b.stage == a.stage for b in acts[i0 + 1 : i]
         ):
           pairs.add((a.stage, a.microbatch))
+  return frozenset(pairs)
+
+
+def step_fusable_backwards(
+  lists: ActionLists, fused: frozenset[tuple[int, int]] = frozenset()
+) -> frozenset[tuple[int, int]]:
+  """(stage, microbatch) of every backward whose stage's next action on
+  its device is that stage's step: nothing of the stage runs between
+  them, so the step may run in the backward's own program (the gradient
+  it ends with applied at once). A backward in ``fused``
+  (``fusable_pairs``: run in its forward's program) qualifies only where
+  its forward comes right before it too. Other stages' actions in
+  between do not matter: they read none of this stage's params or state
+  (tied leaves aside: the driver does not fuse a tied stage's steps)."""
+  pairs = set()
+  for acts in lists.device_actions:
+    last = {}  # stage -> its latest two actions so far on this device
+    for a in acts:
+      before = last.get(a.stage, (None, None))
+      b = before[1]
+      if a.kind == STEP and b is not None and b.kind == BACKWARD:
+        key = (a.stage, b.microbatch)
+        f = before[0]
+        if key not in fused or (
+          f is not None and f.kind == FORWARD and f.microbatch == b.microbatch
+        ):
+          pairs.add(key)
+      last[a.stage] = (before[1], a)
   return frozenset(pairs)

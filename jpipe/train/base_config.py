@@ -118,6 +118,9 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   c.pipeline.recompute = False
   # The last stage's forward + backward as one program (same result).
   c.pipeline.fuse_last_stage = True
+  # A stream's step in the program of the backward right before it (same
+  # result on CPUs; one program fewer per step).
+  c.pipeline.fuse_step = True
   # On GPUs, whether XLA records the stage programs as CUDA graphs: "auto"
   # (on for synchronous schedules, off for streams, whose params move
   # every microbatch and so re-point the graphs each call), "on", "off".

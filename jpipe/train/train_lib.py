@@ -90,6 +90,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     cost_model=config.pipeline.cost_model,
     staleness=config_check.staleness(config, lr),
     fuse_last_stage=config.pipeline.fuse_last_stage,
+    fuse_step=config.pipeline.fuse_step,
     gpu_command_buffers=config_check.command_buffers(
       config.pipeline.gpu_command_buffers
     ),

@@ -89,6 +89,12 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
     parts = ("driver", "dispatch", "run")
     assert all(row[f"{part}_us_per_action"] >= 0 for part in parts)
     assert row["driver_us_per_action"] < row["host_us_per_action"]
+  # The stream measured with its steps apart and in their backwards.
+  calls = {
+    (r["schedule"], r["fuse_step"]): r["program_calls_per_step"]
+    for r in driver["rows"]
+  }
+  assert calls[("async", True)] < calls[("async", False)]
   # conftest gives the children 8 CPU devices: the multi-device part runs.
   assert {r["schedule"] for r in _load(tmp_path, "multi_device")["rows"]} == {
     "1f1b",
