@@ -71,6 +71,9 @@ BATCH, WIDTH, LAYERS = 1024, 1024, 8  # Defaults of --batch, --width, --layers.
 # async: a stage's optimizer step after every STEP_EVERY backwards
 # (--step_every; 1: after each, PipeDream's).
 STEP_EVERY = 1
+# async: each step in the program of the backward before it
+# (``Partitioning.fuse_step``; --fuse_step 0: apart, as before it).
+FUSE_STEP = True
 # Steps profiled per action (Pipeline.step(profile=True)) after the timed
 # ones, for where each device's time goes (device_waits).
 PROFILED_STEPS = 2
@@ -133,6 +136,7 @@ def _pipeline(loss_fn, params, batch, schedule, m, plan=None, **kwargs):
   options = {"weight_stashing": True} if schedule == "async" else {}
   if schedule == "async" and STEP_EVERY > 1:
     options["step_every"] = STEP_EVERY
+  options["fuse_step"] = FUSE_STEP
   if plan is not None:
     options["partition"] = jpipe.partition.Plan.from_json(plan)
   return jpipe.Pipeline(
@@ -434,8 +438,9 @@ def _transfer_summary(events) -> dict:
 def _set_size(args):
   """The model and the rows from the flags (every process parses them)."""
   global LAYERS, WIDTH, BATCH, SCHEDULES, MICROBATCHES, STEP_EVERY
+  global FUSE_STEP
   LAYERS, WIDTH, BATCH = args.layers, args.width, args.batch
-  STEP_EVERY = args.step_every
+  STEP_EVERY, FUSE_STEP = args.step_every, bool(args.fuse_step)
   SCHEDULES = tuple(args.schedules.split(","))
   MICROBATCHES = tuple(int(m) for m in args.microbatches.split(","))
 
@@ -461,6 +466,13 @@ def main():
   )
   parser.add_argument("--layers", type=int, default=LAYERS)
   parser.add_argument("--step_every", type=int, default=STEP_EVERY)
+  parser.add_argument(
+    "--fuse_step",
+    type=int,
+    choices=(0, 1),
+    default=int(FUSE_STEP),
+    help="async: 1 runs each step in its backward's program, 0 apart",
+  )
   parser.add_argument("--width", type=int, default=WIDTH)
   parser.add_argument("--batch", type=int, default=BATCH)
   parser.add_argument(
@@ -486,7 +498,7 @@ def main():
   os.makedirs(RESULTS, exist_ok=True)
   me = [sys.executable, "-m", "experiments.distributed.throughput"]
   me += [f"--layers={LAYERS}", f"--width={WIDTH}", f"--batch={BATCH}"]
-  me += [f"--step_every={STEP_EVERY}"]
+  me += [f"--step_every={STEP_EVERY}", f"--fuse_step={int(FUSE_STEP)}"]
   me += [f"--schedules={args.schedules}", f"--microbatches={args.microbatches}"]
   steps = ["--steps", str(args.steps)]
   tmp = os.path.join(RESULTS, "_run.json")
@@ -562,6 +574,7 @@ def main():
   result = {
     "model": f"MLP {LAYERS} x {WIDTH}, batch {BATCH}"
     + (f", async step_every {STEP_EVERY}" if STEP_EVERY > 1 else ""),
+    "fuse_step": FUSE_STEP,
     "one_core_examples_per_second": one,
     "stage_seconds_alone": stage,
     "stage_imbalance_max_over_mean": max(stage) / (sum(stage) / len(stage)),

@@ -13,6 +13,11 @@ forward and a holder's tied gradient after its step (``_transfers``).
 Every process lowers the same order, so the two ends of every transfer
 between two processes come in the same sequence (``_transport.py``).
 
+A stream's step that applies the one backward right before it runs in
+that backward's program (``Call.fused_steps``, where the step reads
+nothing but the gradient: ``Driver.steps_with_backward``); its S op then
+only passes.
+
 The driver dispatches the ops and never waits: JAX dispatches
 asynchronously, so the devices run concurrently while the host moves
 on. What a call leaves unfinished -- an asynchronous stream's in-flight

@@ -88,7 +88,12 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
   for row in driver["rows"]:  # The host's time per action, split.
     parts = ("driver", "dispatch", "run")
     assert all(row[f"{part}_us_per_action"] >= 0 for part in parts)
-    assert row["driver_us_per_action"] < row["host_us_per_action"]
+    # The run is the rest of the host's time (no wall-clock comparison:
+    # on a loaded machine a replayed step may take longer than a real one).
+    rest = row["host_us_per_action"] - sum(
+      row[f"{part}_us_per_action"] for part in parts[:2]
+    )
+    assert row["run_us_per_action"] == pytest.approx(max(0.0, rest))
   # The stream measured with its steps apart and in their backwards.
   calls = {
     (r["schedule"], r["fuse_step"]): r["program_calls_per_step"]
