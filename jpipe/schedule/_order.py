@@ -97,7 +97,8 @@ def step_fusable_backwards(
   (``fusable_pairs``: run in its forward's program) qualifies only where
   its forward comes right before it too. Other stages' actions in
   between do not matter: they read none of this stage's params or state
-  (tied leaves aside: the driver does not fuse a tied stage's steps)."""
+  (tied leaves aside: the driver keeps a tied leaf owner's step apart,
+  as its holders' gradients of the leaf may arrive after its backward)."""
   pairs = set()
   for acts in lists.device_actions:
     last = {}  # stage -> its latest two actions so far on this device
