@@ -171,12 +171,19 @@ def peak_flops(dtype: str) -> float | None:
   return PEAK_FLOPS.get(jax.devices()[0].device_kind, {}).get(dtype)
 
 
-def reference_step(loss_fn, params, batch, m, tx, update_every_microbatch):
+def reference_step(
+  loss_fn, params, batch, m, tx, update_every_microbatch, recompute=False
+):
   """One jitted step over ``m`` microbatches (``lax.scan``) with the same
   optax update as the pipeline: once over the mean gradient (synchronous
   schedules) or after every microbatch (the asynchronous stream updates
-  each stage once per microbatch). Returns ``run()``, which does one step
-  and waits for it."""
+  each stage once per microbatch). With ``recompute`` the loss is
+  ``jax.checkpoint``-ed: its backward runs the forward again, as a
+  pipeline stage that recomputes does (one extra forward per microbatch
+  on both sides, so the ratio shows the pipeline's own cost). Returns
+  ``run()``, which does one step and waits for it."""
+  if recompute:
+    loss_fn = jax.checkpoint(loss_fn)
 
   def split(batch):
     return jax.tree.map(
@@ -217,6 +224,7 @@ def reference_step(loss_fn, params, batch, m, tx, update_every_microbatch):
     state["p"], state["o"], _ = step(state["p"], state["o"], state["b"])
     jax.block_until_ready(state["p"])
 
+  run.step, run.state = step, state  # The jitted step; {"p", "o", "b"}.
   return run
 
 

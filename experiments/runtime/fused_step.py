@@ -11,9 +11,10 @@ jpipe's Python, JAX's dispatch, the programs' run. Both settings train to
 the same bits on a CPU (checked here every round, and by
 tests/runtime/test_fused_step.py).
 
-The GPT ties its embedding: the stage owning it (the first) keeps its
-step apart (its holders' gradients may arrive after its backward), so
-p - 1 of p stages fuse.
+The GPT ties its embedding: the stage owning it (the first) adds its
+holder's gradient of it in its own fused program (in these orders the
+holder's step, which hands it on, comes before the owner's backward),
+so all p stages fuse.
 
 Writes results/fused_step_<platform>.{md,json}.
 

@@ -15,8 +15,9 @@ between two processes come in the same sequence (``_transport.py``).
 
 A stream's step that applies the one backward right before it runs in
 that backward's program (``Call.fused_steps``, where the step reads
-nothing but the gradient: ``Driver.steps_with_backward``); its S op then
-only passes.
+nothing but the gradient: ``Driver.steps_with_backward``; a tied leaf's
+owner also its holders' gradients of the leaf, where they all arrive
+before its backward: ``Driver.fused_steps``); its S op then only passes.
 
 The driver dispatches the ops and never waits: JAX dispatches
 asynchronously, so the devices run concurrently while the host moves
@@ -305,18 +306,20 @@ class Driver:
     # backward before it (``Call.fused_steps``), a third fewer programs
     # per microbatch: where the step reads the accumulated gradient as it
     # is (no clipping, no hooks reducing it), on one device or an SPMD
-    # group, owning no tied leaf. (An owner's step adds its holders'
-    # gradients, which may arrive after its backward; a holder's step
-    # hands its replicas' gradients on, from the same program.)
+    # group. A holder of tied leaves hands their gradients on from the
+    # same program; an owner adds its holders' (``lower``: only where
+    # they all arrive before its backward runs).
     plain = clip_global_norm is None and (
       type(self.hooks).reduce_gradient is DriverHooks.reduce_gradient
     )
     self.steps_with_backward = tuple(
-      stream is not None
-      and plain
-      and s not in tied.owned
-      and not (p.round_robin or p.weighted)
-      for s, p in enumerate(self.placement)
+      stream is not None and plain and not (p.round_robin or p.weighted)
+      for p in self.placement
+    )
+    # Per stage: (position, leaf) of the tied leaves it holds a replica
+    # of (read at every step).
+    self.replica_leaves = tuple(
+      tuple(tied.replica_leaves(s)) for s in range(len(stages.specs))
     )
     first_state = stages.traced.num_param_leaves + num_batch_leaves
     self.state_avals = avals[first_state:]
@@ -328,7 +331,21 @@ class Driver:
     call's ``base`` is cached (a stream repeats a few orders, shifted by
     its position): a shifted call gets the base's ops shifted, which
     costs ~1 µs an op against ~15 µs an op to lower."""
-    base = call.base
+    ops, makes_loss, _ = self._lowered_base(call.base)
+    return shifted_ops(ops, call.shift), makes_loss
+
+  def fused_steps(self, call) -> frozenset:
+    """``call.fused_steps`` less a tied leaf owner's backwards that some
+    holder's gradient (a "tied_grad" move or receive, which the owner's
+    step adds) reaches only after them in this process's ops."""
+    _, _, late = self._lowered_base(call.base)
+    if not late:
+      return call.fused_steps
+    shift = call.shift
+    return call.fused_steps - {(s, b + shift) for s, b in late}
+
+  def _lowered_base(self, base):
+    """(ops, makes a loss, late owners' backwards) of a base call."""
     # Keyed by identity (a call's hash would go through its whole order);
     # the entry holds its base, so the id stays its own.
     cached = self._lowered.get(id(base))
@@ -345,9 +362,9 @@ class Driver:
         a.kind == FORWARD and a.stage == last for a in base.order
       )
       ops = [op for op in ops if not self._moves_in_place(op)]
-      cached = self._lowered[id(base)] = (base, ops, makes_loss)
-    _, ops, makes_loss = cached
-    return shifted_ops(ops, call.shift), makes_loss
+      late = _late_tied_grads(ops, base.fused)
+      cached = self._lowered[id(base)] = (base, ops, makes_loss, late)
+    return cached[1:]
 
   def device_scalar(self, s, number):
     """``number`` (a Python int or float a program of stage s takes: a
@@ -443,7 +460,7 @@ class Driver:
     """
     call = _Call(self, stage_params, opt_states, model_state, in_flight)
     call.batches, call.fused, call.profiler = batches, work.fused, profiler
-    call.fused_steps = work.fused_steps
+    call.fused_steps = self.fused_steps(work)
     call.loss_cotangent = loss_cotangent
     # Synchronous steps wait for every backward (tied gradients are
     # summed over all stages first).
@@ -487,6 +504,27 @@ class Driver:
       return loss
     dtype = self.stages.traced.jaxpr.outvars[0].aval.dtype
     return self.transport.share(loss, last, jax.ShapeDtypeStruct((), dtype))
+
+
+def _late_tied_grads(ops, fused) -> frozenset:
+  """(owner, b) whose backward comes before the arrival of a holder's
+  gradient of a tied leaf it owns for microbatch b (a "tied_grad" MOVE
+  or RECV among ``ops``; ``fused``: pairs whose F runs their B). Its
+  step must wait for it: it stays apart from the backward."""
+  ran = {}  # (stage, b) -> index of the op running its backward
+  late = set()
+  for i, op in enumerate(ops):
+    if isinstance(op, schedule_lib.Move):
+      t = op.transfer
+      if t.what == "tied_grad" and op.kind != SEND:
+        key = (t.dst, op.action.microbatch)
+        if key in ran:
+          late.add(key)
+    elif op.kind == BACKWARD or (
+      op.kind == FORWARD and (op.stage, op.microbatch) in fused
+    ):
+      ran[(op.stage, op.microbatch)] = i
+  return frozenset(late)
 
 
 def _trace_name(op) -> str:
@@ -740,13 +778,18 @@ class _Call(TransferEnds):
     input cotangents."""
     d = self.d
     stale, scale, update_scale = self._step_scales(s, group)
-    replicas = d.tied.replica_leaves(s)
+    replicas = d.replica_leaves[s]
+    # An owner's holders' gradients of its tied leaves have all arrived
+    # (``Driver.fused_steps``): added in the program, as its step would.
+    added = d.tied.owned_grads(s, group[-1], self.tied_grads)
+    positions = tuple(sorted(added))
     run = d.programs.with_step(
       kind,
       s,
       d.optimizers[s],
       self.made_state[s],
       tuple(pos for pos, _ in replicas),
+      positions,
     )
     *head, params, self.opt_states[s], replica_grads, act_cots = run(
       self.opt_states[s],
@@ -754,6 +797,7 @@ class _Call(TransferEnds):
       stale,
       d.device_scalar(s, scale),
       d.device_scalar(s, update_scale),
+      tuple(added[p] for p in positions),
       *args,
     )
     self.made_state[s] = True
@@ -1082,7 +1126,7 @@ class _Call(TransferEnds):
     )
     if packed and tied_microbatch is not None:
       self._before_donating(s)
-      b, replicas = tied_microbatch, d.tied.replica_leaves(s)
+      b, replicas = tied_microbatch, d.replica_leaves[s]
       *new, replica_grads = opt.update_packed_tied(
         grads,
         d.tied.owned_grads(s, b, self.tied_grads),

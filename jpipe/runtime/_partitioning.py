@@ -66,9 +66,10 @@ class Partitioning:
       program call fewer per step, and no accumulator crosses the host.
       Where the step reads the gradient as accumulated (not with gradient
       clipping, data-parallel replicas' reduction, round-robin or weighted
-      replica groups, or a stage owning tied leaves: its step adds the
-      holders' gradients, which may arrive after its backward). A measured timeline shows such a B
-      spanning both and its S as an instant. On a CPU the results are
+      replica groups; a stage owning tied leaves only where its holders'
+      gradients of them arrive before its backward, which then adds
+      them). A measured timeline shows such a B spanning both and its S
+      as an instant. On a CPU the results are
       the separate programs' to the bit (tested); a GPU's compiler may
       fuse the update into the gradient's kernels (float rounding).
     price_last_stage: FTPipe's async meta-algorithm (its partitioner's

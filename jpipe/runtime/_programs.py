@@ -178,16 +178,25 @@ class StagePrograms:
     return self._cache[key]
 
   def with_step(
-    self, kind: str, s: int, optimizer, donate_state: bool, replicas=()
+    self,
+    kind: str,
+    s: int,
+    optimizer,
+    donate_state: bool,
+    replicas=(),
+    added=(),
   ):
     """``backward`` (kind "backward") or ``forward_backward`` (kind
     "forward_backward") of stage s, first since the stage's last step (no
     accumulator), ending with its optimizer's step (a
     ``StageOptimizer``): ``(opt_state, params, stale_params, scale,
-    update_scale, *args) -> (*head, new params, new opt_state, replica
-    gradients, act_cots)``, ``args`` and ``head`` as that program's, the
-    replica gradients those of the leaves at positions ``replicas``
-    (tied leaves another stage owns and steps). The gradient goes into
+    update_scale, added_grads, *args) -> (*head, new params, new
+    opt_state, replica gradients, act_cots)``, ``args`` and ``head`` as
+    that program's, the replica gradients those of the leaves at
+    positions ``replicas`` (tied leaves another stage owns and steps),
+    ``added_grads`` a gradient for each position of ``added`` (the
+    holders' gradients of the tied leaves stage s owns), added to the
+    stage's own before the step. The gradient goes into
     the step inside the program, never to the host. Consumes
     (``donate_state``) ``opt_state``. The results are those of the two
     programs to the bit on a CPU (tested). (After an accumulating
@@ -195,20 +204,23 @@ class StagePrograms:
     a window of several microbatches steps in its own program.)"""
     if kind == "backward" and not self.recompute:
       kind = "backward_from_residuals"
-    replicas = tuple(replicas)
-    key = (f"{kind}_step", s, optimizer, bool(donate_state), replicas)
+    replicas, added = tuple(replicas), tuple(added)
+    key = (f"{kind}_step", s, optimizer, bool(donate_state), replicas, added)
     if key not in self._cache:
       run = getattr(self.stages, kind)
       layout = self.grad_layouts[s]
 
-      def fn(opt_state, params, stale, scale, update_scale, *args):
+      def fn(opt_state, params, stale, scale, update_scale, added_grads, *args):
         *head, grads, act_cots = run(s, *args)
         # The step reads the gradient as the separate step program reads
         # the accumulator, the update fused with its unpacking: without
         # the barrier XLA drops the pack and unpack, and the packed small
         # leaves' momentum and Adam steps round differently (last bit).
         flat = jax.lax.optimization_barrier(layout.pack(grads))
-        grads = layout.unpack(flat)
+        grads = list(layout.unpack(flat))
+        for p, g in zip(added, added_grads, strict=True):
+          grads[p] = grads[p] + g  # As the separate tied step adds them.
+        grads = tuple(grads)
         new_params, new_state = optimizer.apply(
           grads, opt_state, params, stale, scale, update_scale
         )

@@ -26,8 +26,9 @@ def place(
   """Per-stage action lists moved onto (possibly shared) devices.
 
   Each stage keeps its order; stages sharing a device are interleaved in
-  the order of their ideal timeline (unit costs, one device per stage),
-  which keeps every dependency satisfiable.
+  the order of their ideal timeline (unit costs, one device per stage;
+  a step first among actions starting together), which keeps every
+  dependency satisfiable.
   """
   n = len(stage_actions)
   stage_device = tuple(int(d) for d in stage_device)
@@ -40,7 +41,8 @@ def place(
   merged = [[] for _ in range(max(stage_device) + 1)]
   for s, acts in enumerate(own.device_actions):
     for i, a in enumerate(acts):
-      merged[stage_device[s]].append((timeline.start[a], s, i, a))
+      key = (timeline.start[a], a.kind != STEP, s, i)
+      merged[stage_device[s]].append((*key, a))
   return ActionLists(
     name,
     n,
@@ -52,13 +54,20 @@ def place(
 def issue_order(lists: ActionLists) -> tuple[Action, ...]:
   """A global action order consistent with every device's list and the
   data dependencies (the order of the simulated start times with unit
-  costs)."""
+  costs; steps, which take none, first among actions starting together,
+  so what a step hands on -- a tied leaf's gradient -- leaves before the
+  other stages' work of that moment)."""
   timeline = simulate(lists, 1.0, 1.0)
   position = {a: i for acts in lists.device_actions for i, a in enumerate(acts)}
   return tuple(
     sorted(
       position,
-      key=lambda a: (timeline.start[a], timeline.device_of[a], position[a]),
+      key=lambda a: (
+        timeline.start[a],
+        a.kind != STEP,
+        timeline.device_of[a],
+        position[a],
+      ),
     )
   )
 
@@ -97,8 +106,8 @@ def step_fusable_backwards(
   (``fusable_pairs``: run in its forward's program) qualifies only where
   its forward comes right before it too. Other stages' actions in
   between do not matter: they read none of this stage's params or state
-  (tied leaves aside: the driver keeps a tied leaf owner's step apart,
-  as its holders' gradients of the leaf may arrive after its backward)."""
+  (tied leaves aside: the driver keeps a tied leaf owner's step apart
+  where a holder's gradient of the leaf arrives after its backward)."""
   pairs = set()
   for acts in lists.device_actions:
     last = {}  # stage -> its latest two actions so far on this device

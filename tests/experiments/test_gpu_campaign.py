@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from experiments.gpu_campaign import __main__ as campaign
@@ -55,6 +56,7 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
   overhead = _load(tmp_path, "overhead")["rows"]
   for row in overhead:
     assert row["ratio"] > 0 and row["actions"] > 0
+    assert row["reference_recomputes"] == row["recompute"]
     expected = (row["pipeline_ms"] - row["reference_ms"]) * 1e3
     m = _load(tmp_path, "overhead")["settings"]["microbatches"]
     assert row["fixed_us_per_microbatch"] == pytest.approx(expected / m)
@@ -156,3 +158,31 @@ def test_training_flops_match_xla_count_of_the_forward():
   xla = compiled.cost_analysis()["flops"]
   formula = _common.training_flops(**size, tokens=tokens.size) / 3
   assert formula == pytest.approx(xla, rel=0.1)
+
+
+def test_the_recomputing_reference_runs_the_forward_again_to_the_same_step():
+  loss_fn, params, batch, _ = _common.language_model(
+    layers=2, width=16, heads=2, length=8, batch=4, dtype="float32"
+  )
+  runs = {
+    r: _common.reference_step(
+      loss_fn, params, batch, 2, optax.sgd(0.1), False, recompute=r
+    )
+    for r in (False, True)
+  }
+  for run in runs.values():
+    run()
+  plain, again = (runs[r].state["p"] for r in (False, True))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    plain,
+    again,
+  )
+
+  def dots(run):
+    state = run.state
+    text = run.step.lower(state["p"], state["o"], state["b"]).as_text()
+    return text.count("dot_general")
+
+  # Forward, backward (two per forward dot) and the forward again.
+  assert dots(runs[True]) > dots(runs[False])

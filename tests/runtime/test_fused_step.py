@@ -180,13 +180,12 @@ def test_steps_that_read_the_global_norm_stay_apart():
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_a_tied_leafs_holder_steps_in_its_backward_and_its_owner_apart(
-  optimizer,
-):
+def test_a_tied_leafs_holder_and_owner_step_in_their_backwards(optimizer):
   """A tied embedding: its holder (the last stage) hands its replica's
-  gradient on from its fused program; its owner (the first) steps apart
-  (the holder's gradient it adds may come after its backward). The same
-  bits as the separate steps."""
+  gradient on from its fused program; its owner (the first), whose
+  holders' gradients for a microbatch all arrive before its backward of
+  it in these orders, adds them in its own fused program. The same bits
+  as the separate steps."""
   tx = {
     "momentum": optax.sgd(0.05, momentum=0.9),
     "adam": optax.adam(1e-2),
@@ -198,12 +197,46 @@ def test_a_tied_leafs_holder_steps_in_its_backward_and_its_owner_apart(
   jax.tree.map(np.testing.assert_array_equal, got, want)
   tied = fused.driver.tied
   assert set(tied.owned) == {0} and set(tied.replicas) == {2}
-  assert _fused_stages(fused) == {1, 2}
-  assert [bool(opt._packed_updates) for opt in fused.driver.optimizers] == [
-    True,
-    False,
-    False,
+  assert _fused_stages(fused) == {0, 1, 2}
+  # The owner's fused program took the holder's gradient (one position).
+  added = {
+    key[5]
+    for key in fused.driver.programs._cache
+    if key[0].endswith("_step") and key[1] == 0
+  }
+  assert added == {(tied.owned[0][0][0],)}
+  assert not any(opt._packed_updates for opt in fused.driver.optimizers)
+
+
+def test_an_owner_whose_holders_gradient_comes_after_its_backward_waits():
+  """``_late_tied_grads``: an owner's backward of b that runs before a
+  holder's gradient for b arrives (a MOVE or RECV of "tied_grad" later in
+  the ops) keeps its step apart; one after, or a send, does not."""
+  from jpipe.runtime._driver import _late_tied_grads
+
+  Action, Move = schedule_lib.Action, schedule_lib.Move
+  kinds = schedule_lib.MoveKind
+
+  def tied_grad(kind, b, owner=0):
+    return Move(
+      kind,
+      Action(S, 2, b),
+      schedule_lib.Transfer("tied_grad", 2, owner, 0),
+    )
+
+  ops = [
+    tied_grad(kinds.MOVE, 0),
+    Action(B, 0, 0),  # After its gradient: may fuse.
+    Action(B, 0, 1),
+    tied_grad(kinds.RECV, 1),  # After B(0, 1): late.
+    Action(F, 0, 2),  # Runs B(0, 2) (a fused pair).
+    tied_grad(kinds.MOVE, 2),
+    Action(B, 0, 3),
+    tied_grad(kinds.SEND, 3, owner=1),  # Another process's owner.
+    tied_grad(kinds.MOVE, 4),  # Its backward in a later call.
   ]
+  assert _late_tied_grads(ops, frozenset({(0, 2)})) == {(0, 1), (0, 2)}
+  assert _late_tied_grads(ops, frozenset()) == {(0, 1)}
 
 
 def test_profiled_timeline_shows_the_backward_spanning_its_step():
