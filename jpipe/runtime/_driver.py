@@ -307,8 +307,8 @@ class Driver:
     # per microbatch: where the step reads the accumulated gradient as it
     # is (no clipping, no hooks reducing it), on one device or an SPMD
     # group. A holder of tied leaves hands their gradients on from the
-    # same program; an owner adds its holders' (``lower``: only where
-    # they all arrive before its backward runs).
+    # same program; an owner adds its holders' (``fused_steps``: only
+    # where they all arrive before its backward runs).
     plain = clip_global_norm is None and (
       type(self.hooks).reduce_gradient is DriverHooks.reduce_gradient
     )
