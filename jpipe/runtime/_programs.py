@@ -217,14 +217,17 @@ class StagePrograms:
         # the barrier XLA drops the pack and unpack, and the packed small
         # leaves' momentum and Adam steps round differently (last bit).
         flat = jax.lax.optimization_barrier(layout.pack(grads))
-        grads = list(layout.unpack(flat))
-        for p, g in zip(added, added_grads, strict=True):
-          grads[p] = grads[p] + g  # As the separate tied step adds them.
-        grads = tuple(grads)
-        new_params, new_state = optimizer.apply(
-          grads, opt_state, params, stale, scale, update_scale
+        new_params, new_state, out = optimizer.apply_tied(
+          layout.unpack(flat),
+          added,
+          added_grads,
+          replicas,
+          opt_state,
+          params,
+          stale,
+          scale,
+          update_scale,
         )
-        out = tuple(grads[p] for p in replicas)
         return (*head, new_params, new_state, out, act_cots)
 
       self._cache[key] = jit(

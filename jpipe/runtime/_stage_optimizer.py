@@ -186,11 +186,8 @@ class StageOptimizer:
       unpack = self._grad_layout.unpack
 
       def update(own, packed, added_grads, *args):
-        leaves = list(unpack((*own, *packed)))
-        for p, g in zip(positions, added_grads, strict=True):
-          leaves[p] = leaves[p] + g
-        out = tuple(leaves[p] for p in replicas)
-        return (*self.apply(tuple(leaves), *args), out)
+        grads = unpack((*own, *packed))
+        return self.apply_tied(grads, positions, added_grads, replicas, *args)
 
       # The gradient's own buffers are donated (the new params are written
       # into them instead of fresh memory: on a CPU core an SGD step over
@@ -254,6 +251,32 @@ class StageOptimizer:
     )
     new = optax.apply_updates(p, updates)
     return self.as_tuple(new, params), opt_state
+
+  def apply_tied(
+    self,
+    grads,
+    added: Sequence[int],
+    added_grads,
+    replicas: Sequence[int],
+    opt_state,
+    params,
+    stale_params,
+    scale=1.0,
+    update_scale=1.0,
+  ):
+    """``apply`` for a stage holding tied leaves, traceable:
+    ``added_grads[i]`` (a holder's gradient of a leaf this stage owns) is
+    added to the gradient at position ``added[i]`` first. Returns ``(new
+    params, new opt_state, the gradients at positions replicas)`` (the
+    leaves another stage owns and steps)."""
+    grads = list(grads)
+    for p, g in zip(added, added_grads, strict=True):
+      grads[p] = grads[p] + g
+    out = tuple(grads[p] for p in replicas)
+    new_params, new_state = self.apply(
+      tuple(grads), opt_state, params, stale_params, scale, update_scale
+    )
+    return new_params, new_state, out
 
   def _predict(self, params, opt_state, delay, grad):
     """The params ``delay`` steps ahead (delay traced: one compile)."""
