@@ -45,7 +45,9 @@ from jpipe import partition
 from jpipe.models import gpt
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("size", "small", ["small", "gpu"], "Model size preset.")
+flags.DEFINE_enum(
+  "size", "small", ["tiny", "small", "gpu"], "Model size preset."
+)
 flags.DEFINE_integer("repeats", 10, "Timed steps per configuration.")
 flags.DEFINE_string(
   "out_dir",
@@ -54,6 +56,7 @@ flags.DEFINE_string(
 )
 
 SIZES = {  # layers, width, heads, sequence, batch, microbatches
+  "tiny": (2, 32, 2, 16, 8, 2),  # (tests: the code path in seconds)
   "small": (8, 128, 4, 64, 16, 8),
   "gpu": (16, 1024, 16, 256, 32, 8),
 }
@@ -90,10 +93,13 @@ def _median_seconds(fn, repeats):
   return float(np.median(times))
 
 
-def _pipeline(loss_fn, params, batch, m, p, tx, recompute, fuse=True):
+def _pipeline(
+  loss_fn, params, batch, m, p, tx, recompute, fuse=True, own_buffer_bytes=None
+):
   """``(run, pipe)``: ``run()`` does one step and waits for it; the host
   time until ``pipe.step`` returned (dispatch, before the wait) is
-  appended to ``run.host_seconds``."""
+  appended to ``run.host_seconds``. ``own_buffer_bytes``: the pipeline's
+  (None: the platform's default)."""
   micro = jax.tree.map(lambda x: x[: x.shape[0] // m], batch)
   traced = partition.trace(loss_fn, params, micro)
   costs = partition.profile_nodes(traced, params, micro, method="analytic")
@@ -111,6 +117,7 @@ def _pipeline(loss_fn, params, batch, m, p, tx, recompute, fuse=True):
     partition=plan,
     recompute=recompute,
     fuse_last_stage=fuse,
+    own_buffer_bytes=own_buffer_bytes,
   )
   state = {"s": pipe.init(params)}
 

@@ -88,6 +88,10 @@ class Stages:
 
   ``compiler_options``: XLA options every ``jitted`` program is compiled
   with (``jax.jit``'s), e.g. the runtime's GPU options.
+
+  ``residual_own_bytes``: ``forward_saving``'s residuals of at least this
+  many bytes are returned as their own arrays, smaller ones packed (the
+  runtime passes its platform's ``own_buffer_bytes``).
   """
 
   def __init__(
@@ -98,6 +102,7 @@ class Stages:
     carried: Sequence[tuple[int, int]] = (),
     num_stages: int | None = None,
     compiler_options: dict[str, Any] | None = None,
+    residual_own_bytes: float = 1 << 20,
   ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
@@ -136,6 +141,7 @@ class Stages:
     self._pullback_layout: dict[int, Any] = {}
     self._weight_split: dict[int, BackwardSplit] = {}
     self.residual_policy = residual_policy
+    self.residual_own_bytes = residual_own_bytes
     self.compiler_options = dict(compiler_options or {})
 
   def differentiable_inputs(self, s: int) -> tuple[bool, ...]:
@@ -205,15 +211,18 @@ class Stages:
     pullback (which holds the linearized computation, the same for every
     call with these shapes) is kept on the side, so jitted callers see a
     fixed pytree and never re-trace. Residuals that are the stage's params
-    are not returned (the backward takes the params again), and small ones
-    are packed into one flat buffer per dtype: every output buffer costs
-    the host a few microseconds per call, and a pullback holds dozens.
+    are not returned (the backward takes the params again), and those
+    below ``residual_own_bytes`` are packed into one flat buffer per
+    dtype: every output buffer costs the host a few microseconds per
+    call, and a pullback holds dozens, but packing copies them (and the
+    backward copies a slice that feeds a matmul), which costs more than
+    that from a few KiB on a CPU.
     """
     outputs, results, vjp_fn = self._vjp(
       s, params, batch, acts, self.residual_policy
     )
     leaves, treedef = jax.tree.flatten(vjp_fn)
-    layout, residuals = _pack_residuals(leaves, params)
+    layout, residuals = _pack_residuals(leaves, params, self.residual_own_bytes)
     self._pullback_layout[s] = (treedef, layout)
     return outputs, results, residuals
 
@@ -474,14 +483,10 @@ def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
   return specs
 
 
-# Residuals up to this size (bytes) are packed into one buffer per dtype.
-_PACK_BYTES = 1 << 20
-
-
-def _pack_residuals(leaves, params):
+def _pack_residuals(leaves, params, own_bytes):
   """``(layout, residuals)``: per leaf ("param", i), ("big", j) or
-  ("packed", dtype, offset, shape); residuals = big leaves, then one flat
-  buffer per packed dtype."""
+  ("packed", dtype, offset, shape); residuals = big leaves (of at least
+  ``own_bytes`` bytes), then one flat buffer per packed dtype."""
   param_ids = {id(p): i for i, p in enumerate(params)}
   layout, big, groups = [], [], {}
   for leaf in leaves:
@@ -489,7 +494,7 @@ def _pack_residuals(leaves, params):
       layout.append(("param", param_ids[id(leaf)]))
       continue
     leaf = jnp.asarray(leaf)
-    if leaf.size * leaf.dtype.itemsize > _PACK_BYTES:
+    if leaf.size * leaf.dtype.itemsize >= own_bytes:
       layout.append(("big", len(big)))
       big.append(leaf)
       continue

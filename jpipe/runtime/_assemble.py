@@ -30,7 +30,7 @@ from jpipe.runtime._build import (
   schedule_calls,
 )
 from jpipe.runtime._driver import Driver, DriverHooks
-from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
+from jpipe.runtime._flat import FlatLayout, own_bytes
 from jpipe.runtime._options import Staleness, staleness_from_keywords
 from jpipe.runtime._partitioning import (
   Partitioning,
@@ -117,7 +117,7 @@ def build_runtime(
   grad_layouts = tuple(
     FlatLayout(
       [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
-      own_buffer_bytes(place.devices[0].platform),
+      own_bytes(request, place.devices[0].platform),
     )
     for spec, place in zip(stages.specs, placed.placement, strict=True)
   )

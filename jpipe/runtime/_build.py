@@ -21,6 +21,7 @@ from jpipe import schedule as schedule_lib
 from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._batches import batch_size
 from jpipe.runtime._calls import CallActions
+from jpipe.runtime._flat import own_bytes
 from jpipe.runtime._memory import (
   memory_options_for,
   partitioner_memory_model,
@@ -244,6 +245,9 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
       residual_policy=policy,
       carried=[(first + j, j + 1) for j in range(cut.num_state_leaves)],
       compiler_options=program_options(request),
+      residual_own_bytes=own_bytes(
+        request, request.devices[0].platform, residuals=True
+      ),
     )
 
   def stages_at(n):

@@ -23,22 +23,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Leaves of at least this many bytes keep their own buffer (FlatLayout).
-# On a CPU core, packing costs nothing measurable up to 1 MiB leaves but
-# 10-26 % of a 4-layer backward once its kernels are 4 MiB (the 16 MiB
-# flat buffer is a pass over memory outside the caches;
-# experiments/runtime/flat_grads.py), while a buffer saves only ~5 us of
-# dispatch. On an accelerator the copy runs at memory bandwidth (~1 us per
-# MiB on an H100) and the host's dispatch is what paces small programs:
-# only leaves from 4 MiB stay apart there (not yet measured on a GPU).
-OWN_BUFFER_BYTES = {"cpu": 1 << 20}
+# Leaves of at least this many bytes keep their own buffer (FlatLayout),
+# and so do a saving forward's residuals (``own_buffer_bytes``). Packing
+# a leaf copies it (a concatenation inside the program; where a packed
+# residual feeds a matmul, its slice is copied again), which on a CPU
+# costs as much as the few microseconds of dispatch a buffer fewer saves
+# from a few KiB. With 1 MiB (before), a GPT 8 x 128 on one device
+# (its 32-256 KiB kernels and activations all packed), gpipe over 8
+# microbatches of 2 x 64 tokens, ran 1.147x one jitted step at 2 stages
+# and 1.231x at 4; with 16 KiB 1.073x and 1.149x, no worse than with
+# nothing packed (experiments/runtime/pack_threshold.py, paired rounds).
+# A tiny model's leaves (a dispatch-bound stage of a few KiB) all stay
+# packed. On an accelerator
+# the copy runs at memory bandwidth (~1 us per MiB on an H100) and the
+# host's dispatch paces small programs: gradient leaves from 4 MiB stay
+# apart there (measured: experiments/runtime/flat_grads.py on an H100),
+# residuals from 1 MiB (not measured on a GPU).
+OWN_BUFFER_BYTES = {"cpu": 1 << 14}
 ACCELERATOR_OWN_BUFFER_BYTES = 1 << 22
+RESIDUAL_OWN_BUFFER_BYTES = {"cpu": 1 << 14}
+ACCELERATOR_RESIDUAL_OWN_BUFFER_BYTES = 1 << 20
 
 
-def own_buffer_bytes(platform: str) -> int:
-  """The size from which a leaf keeps its own buffer on ``platform``
-  (``"cpu"``, ``"gpu"``, ``"tpu"``...)."""
+def own_buffer_bytes(platform: str, residuals: bool = False) -> int:
+  """The size from which a gradient leaf (a saving forward's residual,
+  with ``residuals``) keeps its own buffer on ``platform`` (``"cpu"``,
+  ``"gpu"``, ``"tpu"``...)."""
+  if residuals:
+    return RESIDUAL_OWN_BUFFER_BYTES.get(
+      platform, ACCELERATOR_RESIDUAL_OWN_BUFFER_BYTES
+    )
   return OWN_BUFFER_BYTES.get(platform, ACCELERATOR_OWN_BUFFER_BYTES)
+
+
+def own_bytes(request, platform: str, residuals: bool = False) -> float:
+  """A pipeline's own-buffer size: its ``Partitioning.own_buffer_bytes``,
+  else the platform's (``own_buffer_bytes``)."""
+  chosen = request.partitioning.own_buffer_bytes
+  if chosen is not None:
+    return chosen
+  return own_buffer_bytes(platform, residuals)
 
 
 class FlatLayout:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jpipe
 from jpipe.models import mlp
@@ -110,3 +111,66 @@ def test_a_stage_backward_never_copies_a_big_gradient_into_a_flat_buffer():
     )
   ]
   assert all(n < 512 * 512 for n in concatenated), concatenated
+
+
+def _mlp_pipeline(own_buffer_bytes):
+  """2 stages of an MLP with 64 x 64 kernels (16 KiB) and 256-byte
+  biases, no recomputation, microbatches of 64 rows (16 KiB
+  activations); its stage-0 forward's residuals and params after a
+  step."""
+  model = mlp.Model(hidden=(64, 64, 64), num_classes=4)
+  x = jax.random.normal(jax.random.key(1), (128, 64))
+  params = model.init(jax.random.key(0), x)
+
+  def loss_fn(params, batch):
+    return jnp.mean(model.apply(params, batch["x"]) ** 2)
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    {"x": x},
+    num_stages=2,
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+    recompute=False,
+    own_buffer_bytes=own_buffer_bytes,
+  )
+  stage_params = pipe.stages.split_params(params)[0]
+  stage_batch = pipe.stages.split_batch({"x": x[:64]})[0]
+  _, _, residuals = pipe.stages.jitted("forward_saving", 0)(
+    stage_params, stage_batch, ()
+  )
+  state, _ = pipe.step(pipe.init(params), {"x": x})
+  return pipe, residuals, pipe.state_dict(state)["params"]
+
+
+def test_own_buffer_bytes_chooses_what_travels_packed_not_the_results():
+  runs = {
+    n: _mlp_pipeline(n) for n in (None, 0, math.inf, 1 << 14, (1 << 14) + 1)
+  }
+  kernels = []
+  for leaf in jax.tree.leaves(
+    runs[None][0].stages.split_params(runs[None][2])[0]
+  ):
+    kernels.append(leaf.ndim == 2)
+  num_leaves, num_kernels = len(kernels), sum(kernels)
+  assert num_kernels >= 1 and num_leaves > num_kernels
+
+  def own(pipe):
+    return pipe.programs.grad_layouts[0].num_own
+
+  # The CPU's default: 16 KiB leaves (the kernels) apart, the biases packed.
+  assert own(runs[None][0]) == own(runs[1 << 14][0]) == num_kernels
+  assert own(runs[0][0]) == num_leaves
+  assert own(runs[math.inf][0]) == own(runs[(1 << 14) + 1][0]) == 0
+  # Residuals alike: the 16 KiB activations apart, or all in one buffer.
+  counts = {n: len(r) for n, (_, r, _) in runs.items()}
+  assert counts[0] == counts[None] == counts[1 << 14] > 1
+  assert counts[math.inf] == counts[(1 << 14) + 1] == 1
+  for _, _, params in runs.values():  # The same step, to the bit.
+    jax.tree.map(np.testing.assert_array_equal, params, runs[None][2])
+
+
+def test_own_buffer_bytes_must_be_a_size():
+  with pytest.raises(ValueError, match="own_buffer_bytes must be a size"):
+    jpipe.runtime.Partitioning(num_stages=2, own_buffer_bytes=-1)
