@@ -26,7 +26,11 @@ from jpipe.partition._plan import (
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._report import plot_plan, print_plan_table
-from jpipe.partition._stages import Stages, StageSpec
+from jpipe.partition._stages import (
+  Stages,
+  StageSpec,
+  default_residual_own_bytes,
+)
 from jpipe.partition._trace import TracedModel, trace, with_model_state
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
   "ProfileGraph",
   "StageSpec",
   "Stages",
+  "default_residual_own_bytes",
   "TracedModel",
   "choose_depth",
   "follow_plan",

@@ -90,8 +90,8 @@ class Stages:
   with (``jax.jit``'s), e.g. the runtime's GPU options.
 
   ``residual_own_bytes``: ``forward_saving``'s residuals of at least this
-  many bytes are returned as their own arrays, smaller ones packed (the
-  runtime passes its platform's ``own_buffer_bytes``).
+  many bytes are returned as their own arrays, smaller ones packed; None:
+  the default device's platform's (``default_residual_own_bytes``).
   """
 
   def __init__(
@@ -102,7 +102,7 @@ class Stages:
     carried: Sequence[tuple[int, int]] = (),
     num_stages: int | None = None,
     compiler_options: dict[str, Any] | None = None,
-    residual_own_bytes: float = 1 << 20,
+    residual_own_bytes: float | None = None,
   ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
@@ -141,6 +141,8 @@ class Stages:
     self._pullback_layout: dict[int, Any] = {}
     self._weight_split: dict[int, BackwardSplit] = {}
     self.residual_policy = residual_policy
+    if residual_own_bytes is None:
+      residual_own_bytes = default_residual_own_bytes(jax.devices()[0].platform)
     self.residual_own_bytes = residual_own_bytes
     self.compiler_options = dict(compiler_options or {})
 
@@ -481,6 +483,19 @@ def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
       )
     )
   return specs
+
+
+# A saving forward's residuals of at least this many bytes are returned as
+# their own arrays, per platform (why: jpipe/runtime/_flat.py, which
+# takes the gradients' sizes from the same measurements).
+RESIDUAL_OWN_BYTES = {"cpu": 1 << 14}
+ACCELERATOR_RESIDUAL_OWN_BYTES = 1 << 20
+
+
+def default_residual_own_bytes(platform: str) -> int:
+  """The size from which a residual is its own array on ``platform``
+  (``"cpu"``, ``"gpu"``, ``"tpu"``...)."""
+  return RESIDUAL_OWN_BYTES.get(platform, ACCELERATOR_RESIDUAL_OWN_BYTES)
 
 
 def _pack_residuals(leaves, params, own_bytes):

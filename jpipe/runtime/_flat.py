@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpipe.partition import default_residual_own_bytes
+
 # Leaves of at least this many bytes keep their own buffer (FlatLayout),
 # and so do a saving forward's residuals (``own_buffer_bytes``). Packing
 # a leaf copies it (a concatenation inside the program; where a packed
@@ -39,10 +41,9 @@ import numpy as np
 # host's dispatch paces small programs: gradient leaves from 4 MiB stay
 # apart there (measured: experiments/runtime/flat_grads.py on an H100),
 # residuals from 1 MiB (not measured on a GPU).
+# (The residuals' sizes: jpipe.partition._stages.RESIDUAL_OWN_BYTES.)
 OWN_BUFFER_BYTES = {"cpu": 1 << 14}
 ACCELERATOR_OWN_BUFFER_BYTES = 1 << 22
-RESIDUAL_OWN_BUFFER_BYTES = {"cpu": 1 << 14}
-ACCELERATOR_RESIDUAL_OWN_BUFFER_BYTES = 1 << 20
 
 
 def own_buffer_bytes(platform: str, residuals: bool = False) -> int:
@@ -50,9 +51,7 @@ def own_buffer_bytes(platform: str, residuals: bool = False) -> int:
   with ``residuals``) keeps its own buffer on ``platform`` (``"cpu"``,
   ``"gpu"``, ``"tpu"``...)."""
   if residuals:
-    return RESIDUAL_OWN_BUFFER_BYTES.get(
-      platform, ACCELERATOR_RESIDUAL_OWN_BUFFER_BYTES
-    )
+    return default_residual_own_bytes(platform)
   return OWN_BUFFER_BYTES.get(platform, ACCELERATOR_OWN_BUFFER_BYTES)
 
 

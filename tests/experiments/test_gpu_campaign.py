@@ -23,50 +23,26 @@ def _load(out, part):
   return json.loads((out / f"{part}.json").read_text())
 
 
-@pytest.mark.slow
-def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
-  subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "experiments.gpu_campaign",
-      "--quick",
-      f"--out={tmp_path}",
-    ],
-    cwd=ROOT,
-    check=True,
-    # Quick compiles (as the fast_compiles fixture): the code paths are
-    # under test here, not the timings.
-    env=dict(
-      os.environ,
-      JAX_PLATFORMS="cpu",
-      JPIPE_COMMIT="test",
-      JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-    ),
-    timeout=900,
-  )
-  summary = json.loads((tmp_path / "campaign.json").read_text())
-  assert [p["part"] for p in summary["parts"]] == list(campaign.PARTS)
-  assert all(p["status"] == "ok" for p in summary["parts"]), summary
-  for part in campaign.PARTS:
-    record = _load(tmp_path, part)
-    assert record["finished"] and record["commit"] == "test"
-    assert all(record[k] for k in META)
-    assert record["rows"], part
-  overhead = _load(tmp_path, "overhead")["rows"]
-  for row in overhead:
+def _check_overhead(out):
+  record = _load(out, "overhead")
+  for row in record["rows"]:
     assert row["ratio"] > 0 and row["actions"] > 0
     assert row["reference_recomputes"] == row["recompute"]
     expected = (row["pipeline_ms"] - row["reference_ms"]) * 1e3
-    m = _load(tmp_path, "overhead")["settings"]["microbatches"]
+    m = record["settings"]["microbatches"]
     assert row["fixed_us_per_microbatch"] == pytest.approx(expected / m)
-  assert [r["dtype"] for r in _load(tmp_path, "mfu")["rows"]] == [
+
+
+def _check_mfu(out):
+  assert [r["dtype"] for r in _load(out, "mfu")["rows"]] == [
     "bfloat16",
     "float32",
   ]
+
+
+def _check_memory(out):
   memory = {
-    (r["schedule"], r["recompute"]): r
-    for r in _load(tmp_path, "memory")["rows"]
+    (r["schedule"], r["recompute"]): r for r in _load(out, "memory")["rows"]
   }
   for row in memory.values():
     assert all(d["predicted_bytes"] > 0 for d in row["per_device"])
@@ -74,17 +50,17 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
   stash = memory[("async", False)]
   assert stash["stash_versions_predicted"] == stash["stash_versions_pipedream"]
   assert stash["stash_versions_pipedream"] == [4, 3, 2, 1]
-  methods = [r["method"] for r in _load(tmp_path, "stage_times")["rows"]]
-  assert methods == ["analytic", "xla", "measured"]
-  for row in _load(tmp_path, "stage_times")["rows"]:
+
+
+def _check_stage_times(out):
+  rows = _load(out, "stage_times")["rows"]
+  assert [r["method"] for r in rows] == ["analytic", "xla", "measured"]
+  for row in rows:
     assert sum(row["predicted_share"]) == pytest.approx(1.0)
-  profile = _load(tmp_path, "profile")["rows"]
-  assert [r["leaves"] for r in profile if r["what"] == "dispatch"] == [1, 16]
-  traces = {r["run"]: r for r in profile if r["what"] == "trace"}
-  assert set(traces) == {"reference_async", "async"}
-  assert {"F", "B", "S"} <= set(traces["async"]["ops"])
-  assert (tmp_path / "profile_trace_async.json.gz").exists()
-  driver = _load(tmp_path, "driver")
+
+
+def _check_driver(out):
+  driver = _load(out, "driver")
   assert driver["host_profile"]["top_own_time"]
   assert driver["grad_buffers"]["results"]
   for row in driver["rows"]:  # The host's time per action, split.
@@ -102,11 +78,75 @@ def test_quick_campaign_runs_every_part_and_writes_its_rows(tmp_path):
     for r in driver["rows"]
   }
   assert calls[("async", True)] < calls[("async", False)]
+
+
+def _check_multi_device(out):
   # conftest gives the children 8 CPU devices: the multi-device part runs.
-  assert {r["schedule"] for r in _load(tmp_path, "multi_device")["rows"]} == {
+  assert {r["schedule"] for r in _load(out, "multi_device")["rows"]} == {
     "1f1b",
     "async",
   }
+
+
+def _check_profile(out):
+  profile = _load(out, "profile")["rows"]
+  assert [r["leaves"] for r in profile if r["what"] == "dispatch"] == [1, 16]
+  traces = {r["run"]: r for r in profile if r["what"] == "trace"}
+  assert set(traces) == {"reference_async", "async"}
+  assert {"F", "B", "S"} <= set(traces["async"]["ops"])
+  assert (out / "profile_trace_async.json.gz").exists()
+
+
+CHECKS = {
+  "overhead": _check_overhead,
+  "mfu": _check_mfu,
+  "memory": _check_memory,
+  "stage_times": _check_stage_times,
+  "driver": _check_driver,
+  "multi_device": _check_multi_device,
+  "profile": _check_profile,
+}
+
+
+def test_every_part_has_its_checks():
+  assert list(CHECKS) == list(campaign.PARTS)
+
+
+# One test per part (the command with --parts=<part>): the suite's
+# workers run them side by side instead of one 5-10 minute test; the
+# parts one after another in one command are test_a_failing_part_....
+@pytest.mark.slow
+@pytest.mark.parametrize("part", list(campaign.PARTS))
+def test_quick_campaign_part_runs_and_writes_its_rows(tmp_path, part):
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.gpu_campaign",
+      "--quick",
+      f"--parts={part}",
+      f"--out={tmp_path}",
+    ],
+    cwd=ROOT,
+    check=True,
+    # Quick compiles (as the fast_compiles fixture): the code paths are
+    # under test here, not the timings.
+    env=dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      JPIPE_COMMIT="test",
+      JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    ),
+    timeout=900,
+  )
+  summary = json.loads((tmp_path / "campaign.json").read_text())
+  assert [p["part"] for p in summary["parts"]] == [part]
+  assert summary["parts"][0]["status"] == "ok", summary
+  record = _load(tmp_path, part)
+  assert record["finished"] and record["commit"] == "test"
+  assert all(record[k] for k in META)
+  assert record["rows"], part
+  CHECKS[part](tmp_path)
 
 
 def test_a_failing_part_is_recorded_and_the_next_one_runs(
