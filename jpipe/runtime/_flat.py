@@ -36,12 +36,11 @@ from jpipe.partition import default_residual_own_bytes
 # and 1.231x at 4; with 16 KiB 1.073x and 1.149x, no worse than with
 # nothing packed (experiments/runtime/pack_threshold.py, paired rounds).
 # A tiny model's leaves (a dispatch-bound stage of a few KiB) all stay
-# packed. On an accelerator
-# the copy runs at memory bandwidth (~1 us per MiB on an H100) and the
-# host's dispatch paces small programs: gradient leaves from 4 MiB stay
-# apart there (measured: experiments/runtime/flat_grads.py on an H100),
-# residuals from 1 MiB (not measured on a GPU).
-# (The residuals' sizes: jpipe.partition._stages.RESIDUAL_OWN_BYTES.)
+# packed. On an accelerator the copy runs at memory bandwidth (~1 us per
+# MiB on an H100) and the host's dispatch paces small programs: gradient
+# leaves from 4 MiB stay apart there (measured:
+# experiments/runtime/flat_grads.py on an H100), residuals from 1 MiB
+# (not measured on a GPU; jpipe.partition's RESIDUAL_OWN_BYTES).
 OWN_BUFFER_BYTES = {"cpu": 1 << 14}
 ACCELERATOR_OWN_BUFFER_BYTES = 1 << 22
 
