@@ -118,6 +118,18 @@ class Budget:
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
+def write_table(out_dir: str, name: str, table: str, record: dict) -> None:
+  """An experiment's ``table`` (Markdown) to ``out_dir``/NAME.md and its
+  ``record`` to NAME.json; prints the table."""
+  os.makedirs(out_dir, exist_ok=True)
+  base = os.path.join(out_dir, name)
+  with open(base + ".json", "w") as f:
+    json.dump(record, f, indent=1)
+  with open(base + ".md", "w") as f:
+    f.write(table)
+  print(table)
+
+
 def language_model(
   *, layers, width, heads, length, batch, vocab=256, dtype="float32"
 ):

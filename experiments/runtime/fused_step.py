@@ -117,19 +117,14 @@ def main(argv):
       rows.append(row)
       print(json.dumps(row), flush=True)
   platform = jax.devices()[0].platform
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
-  base = os.path.join(FLAGS.out_dir, f"fused_step_{platform}")
   record = {
     **_common.metadata(),
     "model": {"layers": FLAGS.layers, "width": FLAGS.width},
     "rows": rows,
   }
-  with open(base + ".json", "w") as f:
-    json.dump(record, f, indent=1)
-  table = _table(rows)
-  with open(base + ".md", "w") as f:
-    f.write(table)
-  print(table)
+  _common.write_table(
+    FLAGS.out_dir, f"fused_step_{platform}", _table(rows), record
+  )
 
 
 def _table(rows) -> str:

@@ -19,7 +19,6 @@ Usage: python -m experiments.runtime.pack_threshold [--stages 2,4]
 
 import json
 import math
-import os
 
 import jax
 import numpy as np
@@ -86,14 +85,9 @@ def main(argv):
     ),
     "rows": rows,
   }
-  os.makedirs(FLAGS.out_dir, exist_ok=True)
-  base = os.path.join(FLAGS.out_dir, f"pack_threshold_{platform}")
-  with open(base + ".json", "w") as f:
-    json.dump(record, f, indent=1)
-  table = _table(rows)
-  with open(base + ".md", "w") as f:
-    f.write(table)
-  print(table)
+  _common.write_table(
+    FLAGS.out_dir, f"pack_threshold_{platform}", _table(rows), record
+  )
 
 
 def _table(rows) -> str:

@@ -74,52 +74,13 @@ def test_leaves_from_the_threshold_keep_their_own_buffer():
   assert len(FlatLayout(leaves, own_buffer_bytes=math.inf).pack(leaves)) == 2
 
 
-def test_a_stage_backward_never_copies_a_big_gradient_into_a_flat_buffer():
-  """512 x 512 kernels (1 MiB) on a CPU: the saved-residual backward of
-  a stage returns their gradients as their own buffers -- its compiled
-  program concatenates nothing that big (it would be a copy of them)."""
-  model = mlp.Model(hidden=(512, 512), num_classes=4)
-  x = jnp.ones((8, 512))
-  params = model.init(jax.random.key(0), x)
-
-  def loss_fn(params, batch):
-    return model.apply(params, batch["x"]).sum()
-
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    {"x": x},
-    num_stages=2,
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-    recompute=False,
-  )
-  assert pipe.programs.grad_layouts[0].num_own >= 1
-  stages = pipe.stages
-  stage_params = stages.split_params(params)[0]
-  stage_batch = stages.split_batch({"x": x[:4]})[0]
-  outputs, _, residuals = stages.jitted("forward_saving", 0)(
-    stage_params, stage_batch, ()
-  )
-  out_cots = tuple(jnp.ones_like(o) for o in outputs)
-  backward = pipe.programs.backward(0, first=True)
-  hlo = backward.lower(None, stage_params, residuals, out_cots, ())
-  concatenated = [
-    int(np.prod([int(d) for d in m.group(1).split(",") if d], dtype=np.int64))
-    for m in re.finditer(
-      r"= \w+\[([\d,]*)\]\S* concatenate\(", hlo.compile().as_text()
-    )
-  ]
-  assert all(n < 512 * 512 for n in concatenated), concatenated
-
-
-def _mlp_pipeline(own_buffer_bytes):
-  """2 stages of an MLP with 64 x 64 kernels (16 KiB) and 256-byte
-  biases, no recomputation, microbatches of 64 rows (16 KiB
-  activations); its stage-0 forward's residuals and params after a
-  step."""
-  model = mlp.Model(hidden=(64, 64, 64), num_classes=4)
-  x = jax.random.normal(jax.random.key(1), (128, 64))
+def _two_stage_mlp(hidden, rows, own_buffer_bytes=None):
+  """An MLP of ``hidden`` widths (inputs as wide as the first) in 2 stages,
+  2 microbatches of ``rows`` rows, no recomputation, SGD. Returns the
+  pipeline, its params and batch, and stage 0's params, microbatch and
+  saving forward's ``(outputs, results, residuals)``."""
+  model = mlp.Model(hidden=hidden, num_classes=4)
+  x = jax.random.normal(jax.random.key(1), (2 * rows, hidden[0]))
   params = model.init(jax.random.key(0), x)
 
   def loss_fn(params, batch):
@@ -136,11 +97,38 @@ def _mlp_pipeline(own_buffer_bytes):
     own_buffer_bytes=own_buffer_bytes,
   )
   stage_params = pipe.stages.split_params(params)[0]
-  stage_batch = pipe.stages.split_batch({"x": x[:64]})[0]
-  _, _, residuals = pipe.stages.jitted("forward_saving", 0)(
-    stage_params, stage_batch, ()
+  stage_batch = pipe.stages.split_batch({"x": x[:rows]})[0]
+  saved = pipe.stages.jitted("forward_saving", 0)(stage_params, stage_batch, ())
+  return pipe, params, {"x": x}, stage_params, saved
+
+
+def test_a_stage_backward_never_copies_a_big_gradient_into_a_flat_buffer():
+  """512 x 512 kernels (1 MiB) on a CPU: the saved-residual backward of
+  a stage returns their gradients as their own buffers -- its compiled
+  program concatenates nothing that big (it would be a copy of them)."""
+  pipe, _, _, stage_params, saved = _two_stage_mlp((512, 512), rows=4)
+  assert pipe.programs.grad_layouts[0].num_own >= 1
+  outputs, _, residuals = saved
+  out_cots = tuple(jnp.ones_like(o) for o in outputs)
+  backward = pipe.programs.backward(0, first=True)
+  hlo = backward.lower(None, stage_params, residuals, out_cots, ())
+  concatenated = [
+    int(np.prod([int(d) for d in m.group(1).split(",") if d], dtype=np.int64))
+    for m in re.finditer(
+      r"= \w+\[([\d,]*)\]\S* concatenate\(", hlo.compile().as_text()
+    )
+  ]
+  assert all(n < 512 * 512 for n in concatenated), concatenated
+
+
+def _mlp_pipeline(own_buffer_bytes):
+  """64 x 64 kernels (16 KiB), 256-byte biases, microbatches of 64 rows
+  (16 KiB activations): the pipeline, its stage-0 forward's residuals
+  and its params after a step."""
+  pipe, params, batch, _, (_, _, residuals) = _two_stage_mlp(
+    (64, 64, 64), rows=64, own_buffer_bytes=own_buffer_bytes
   )
-  state, _ = pipe.step(pipe.init(params), {"x": x})
+  state, _ = pipe.step(pipe.init(params), batch)
   return pipe, residuals, pipe.state_dict(state)["params"]
 
 
