@@ -25,12 +25,13 @@ from jpipe.runtime._build import (
   Request,
   Scheduled,
   cut_model,
+  own_bytes,
   partition_model,
   place_stages,
   schedule_calls,
 )
 from jpipe.runtime._driver import Driver, DriverHooks
-from jpipe.runtime._flat import FlatLayout, own_bytes
+from jpipe.runtime._flat import FlatLayout
 from jpipe.runtime._options import Staleness, staleness_from_keywords
 from jpipe.runtime._partitioning import (
   Partitioning,

@@ -21,7 +21,7 @@ from jpipe import schedule as schedule_lib
 from jpipe.distributed import text_from_process_zero
 from jpipe.runtime._batches import batch_size
 from jpipe.runtime._calls import CallActions
-from jpipe.runtime._flat import own_bytes
+from jpipe.runtime._flat import own_buffer_bytes
 from jpipe.runtime._memory import (
   memory_options_for,
   partitioner_memory_model,
@@ -274,6 +274,16 @@ def _check_same_structure(traced, other, n, rows) -> None:
       "a model whose operations do not depend on the batch size; use "
       "replica_routing='split'"
     )
+
+
+def own_bytes(request: Request, platform: str, residuals=False) -> float:
+  """A pipeline's own-buffer size (gradient leaves; residuals with
+  ``residuals``): its ``Partitioning.own_buffer_bytes``, else the
+  platform's (``_flat.own_buffer_bytes``)."""
+  chosen = request.partitioning.own_buffer_bytes
+  if chosen is not None:
+    return chosen
+  return own_buffer_bytes(platform, residuals)
 
 
 def program_options(request: Request) -> dict:

@@ -54,15 +54,6 @@ def own_buffer_bytes(platform: str, residuals: bool = False) -> int:
   return OWN_BUFFER_BYTES.get(platform, ACCELERATOR_OWN_BUFFER_BYTES)
 
 
-def own_bytes(request, platform: str, residuals: bool = False) -> float:
-  """A pipeline's own-buffer size: its ``Partitioning.own_buffer_bytes``,
-  else the platform's (``own_buffer_bytes``)."""
-  chosen = request.partitioning.own_buffer_bytes
-  if chosen is not None:
-    return chosen
-  return own_buffer_bytes(platform, residuals)
-
-
 class FlatLayout:
   """Where each leaf of a fixed tuple lives: its own buffer (a big leaf)
   or a slice of one flat buffer per dtype (the small ones).
