@@ -52,9 +52,13 @@ flags.DEFINE_string(
 OPTIMIZERS = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-3)}
 
 
-def measure(model, p, m, optimizer, fuse_step, warm, repeats) -> dict:
+def measure(
+  model, p, m, optimizer, fuse_step, warm, repeats, packed_state=True
+) -> dict:
   """One pipeline's host breakdown per action (µs), its step time and
-  program calls per step, and its params after the steps (to compare)."""
+  program calls per step, and its params after the steps (to compare).
+  ``packed_state=False``: its optimizer states stored as optax's trees
+  (as before they were packed; experiments/runtime/packed_state.py)."""
   loss_fn, params, batch = model
   pipe = one_device_pipeline(
     loss_fn,
@@ -67,6 +71,9 @@ def measure(model, p, m, optimizer, fuse_step, warm, repeats) -> dict:
     recompute=False,
     fuse_step=fuse_step,
   )
+  if not packed_state:  # (Read by ``init``'s first trace, below.)
+    for opt in pipe.stage_optimizers:
+      opt.state_own_bytes = None
   run = timed_runner(pipe, params, batch)
   for _ in range(warm):
     run()
@@ -78,6 +85,8 @@ def measure(model, p, m, optimizer, fuse_step, warm, repeats) -> dict:
   step_seconds = float(np.median(run.host_seconds[start:]))
   return {
     "actions": actions,
+    # Arrays the optimizer states are stored in, over all stages.
+    "state_arrays": len(jax.tree.leaves(run.state["s"].opt_states)),
     "host_step_ms": 1e3 * step_seconds,
     **host_breakdown(pipe, run, actions, repeats),
     "params": final,

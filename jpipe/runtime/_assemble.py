@@ -115,12 +115,16 @@ def build_runtime(
   """Stage programs, tied params, per-stage optimizers, the version
   policy and the driver, for stages placed as ``placed`` says."""
   staleness, traced = request.staleness, cut.traced
+  # A stage's gradients and optimizer state are packed alike: leaves of
+  # at least this many bytes travel apart.
+  own_sizes = tuple(
+    own_bytes(request, place.devices[0].platform) for place in placed.placement
+  )
   grad_layouts = tuple(
     FlatLayout(
-      [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
-      own_bytes(request, place.devices[0].platform),
+      [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves], own
     )
-    for spec, place in zip(stages.specs, placed.placement, strict=True)
+    for spec, own in zip(stages.specs, own_sizes, strict=True)
   )
   programs = StagePrograms(
     stages,
@@ -136,7 +140,7 @@ def build_runtime(
     weighted.prepare()  # A model that changes with the size fails here.
   names = tuple(leaf_names(params))
   stage_optimizers = _stage_optimizers(
-    stages, tied, stream, names, grad_layouts, request
+    stages, tied, stream, names, grad_layouts, own_sizes, request
   )
   policy = VersionPolicy(
     stream,
@@ -214,10 +218,12 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
 
 
 def _stage_optimizers(
-  stages, tied, stream, names, grad_layouts, request: Request
+  stages, tied, stream, names, grad_layouts, own_sizes, request: Request
 ) -> tuple[StageOptimizer, ...]:
   """Each stage's optimizer over the leaves it steps (``names``: every
-  param leaf's path; ``grad_layouts``: each stage's packed gradient)."""
+  param leaf's path; ``grad_layouts``: each stage's packed gradient;
+  ``own_sizes``: per stage, the bytes from which a leaf of its packed
+  optimizer state is stored apart)."""
   optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
   last = stages.num_stages - 1
@@ -259,6 +265,7 @@ def _stage_optimizers(
         horizon=horizon,
         grad_layout=layout,
         compiler_options=stages.compiler_options,
+        state_own_bytes=own_sizes[s],
       )
     )
   return tuple(optimizers)

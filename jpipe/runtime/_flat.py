@@ -59,9 +59,15 @@ class FlatLayout:
   or a slice of one flat buffer per dtype (the small ones).
 
   Built from example leaves or avals (their shapes and dtypes). ``pack``
-  and ``unpack`` are traceable; use them inside jitted programs. A tuple
-  with a non-floating leaf is not packed (``pack``/``unpack`` are
-  identities), since its gradient would be float0.
+  and ``unpack`` are traceable; use them inside jitted programs (``unpack``
+  also slices host arrays). A gradient layout (the default) with a
+  non-floating leaf is not packed (``pack``/``unpack`` are identities),
+  since its gradient would be float0; a ``storage`` layout (a stored
+  state's: ``PackedTree``) packs numbers of any dtype and keeps apart only
+  what a flat buffer would change: a weakly typed leaf (unpacked it would
+  be strongly typed, and promote differently) and non-numeric ones (PRNG
+  keys). Layouts of the same leaves compare equal (a jitted program's
+  cache key).
 
   Args:
     leaves: the tuple's leaves (arrays or avals).
@@ -72,21 +78,31 @@ class FlatLayout:
       the development CPU (one core) packing a 4-layer stage's 16 MiB of
       kernel gradients made its backward 55 -> 73 ms (the pipeline's, in
       experiments/distributed/throughput.py's model).
+    storage: a stored state's layout (see above), not a gradient's.
   """
 
   def __init__(
     self,
     leaves: Sequence[jax.Array],
     own_buffer_bytes: float = OWN_BUFFER_BYTES["cpu"],
+    *,
+    storage: bool = False,
   ):
-    self.shapes = tuple(tuple(x.shape) for x in leaves)
+    self.shapes = tuple(tuple(np.shape(x)) for x in leaves)
     dtypes = [jnp.dtype(x.dtype) for x in leaves]
-    self.packed = all(jnp.issubdtype(d, jnp.inexact) for d in dtypes)
     sizes_of = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
     big = [
       size * d.itemsize >= own_buffer_bytes
       for size, d in zip(sizes_of, dtypes, strict=True)
     ]
+    if storage:
+      self.packed = True
+      big = [
+        b or getattr(x, "weak_type", False) or not _numeric(d)
+        for b, x, d in zip(big, leaves, dtypes, strict=True)
+      ]
+    else:
+      self.packed = all(jnp.issubdtype(d, jnp.inexact) for d in dtypes)
     self.num_own = sum(big)
     self.dtypes: tuple = tuple(
       dict.fromkeys(d for d, b in zip(dtypes, big, strict=True) if not b)
@@ -105,6 +121,16 @@ class FlatLayout:
       self.entries.append((group, sizes[group], size))
       sizes[group] += size
     self.sizes = tuple(sizes)
+    self.entries = tuple(self.entries)
+
+  def _key(self) -> tuple:
+    return (self.packed, self.shapes, self.dtypes, self.entries)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, FlatLayout) and self._key() == other._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
 
   def pack(self, leaves) -> tuple:
     """Leaves -> the big leaves as they are, then one 1-D buffer per dtype
@@ -132,5 +158,70 @@ class FlatLayout:
       else:
         group, offset, size = entry
         buffer = flat[self.num_own + group]
-        leaves.append(jnp.reshape(buffer[offset : offset + size], shape))
+        # (Methods, not jnp's functions: host arrays stay on the host.)
+        leaves.append(buffer[offset : offset + size].reshape(shape))
     return tuple(leaves)
+
+
+def _numeric(dtype) -> bool:
+  """Whether a flat buffer holds leaves of ``dtype`` unchanged (numbers
+  and booleans; not PRNG keys or other extended dtypes)."""
+  return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedTree:
+  """A pytree stored as few arrays: its small leaves in one flat buffer
+  per dtype, the big ones as they are (a storage ``FlatLayout``).
+
+  Its pytree children are those buffers, so a jitted program taking or
+  returning it handles a few arrays instead of every leaf (a stage's
+  Adam state: its 2 x leaves moments and a count -> ~3 arrays), each of
+  which costs the host microseconds per call. ``unpack`` is the tree
+  (traceable: a program unpacks at its start and ``pack``s what it
+  returns, the same per-leaf math; on host arrays it slices on the
+  host). Built by ``pack``; ``jax.tree.map`` over it maps the buffers.
+
+  Attributes:
+    buffers: the stored arrays (``layout.pack``'s order).
+    treedef: the tree's structure.
+    layout: where each leaf lives in ``buffers``.
+  """
+
+  __slots__ = ("buffers", "treedef", "layout")
+
+  def __init__(self, buffers, treedef, layout: FlatLayout):
+    self.buffers = tuple(buffers)
+    self.treedef = treedef
+    self.layout = layout
+
+  @classmethod
+  def pack(cls, tree, own_buffer_bytes: float) -> "PackedTree":
+    """``tree`` stored: leaves of at least ``own_buffer_bytes`` apart
+    (traceable)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    layout = FlatLayout(leaves, own_buffer_bytes, storage=True)
+    return cls(layout.pack(leaves), treedef, layout)
+
+  def repack(self, tree) -> "PackedTree":
+    """``tree`` (structured and shaped as this one's) stored in this
+    one's layout (traceable)."""
+    leaves = self.treedef.flatten_up_to(tree)
+    return PackedTree(self.layout.pack(leaves), self.treedef, self.layout)
+
+  def unpack(self):
+    """The stored tree."""
+    return jax.tree.unflatten(self.treedef, self.layout.unpack(self.buffers))
+
+  def tree_flatten(self):
+    return self.buffers, (self.treedef, self.layout)
+
+  @classmethod
+  def tree_unflatten(cls, aux, buffers):
+    return cls(buffers, *aux)
+
+  def __repr__(self) -> str:
+    return (
+      f"PackedTree({self.treedef.num_leaves} leaves in "
+      f"{len(self.buffers)} buffers)"
+    )

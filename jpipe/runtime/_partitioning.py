@@ -123,12 +123,16 @@ class Partitioning:
     own_buffer_bytes: the size from which a gradient leaf (in a stage's
       accumulator) or a residual (a saving forward's, for its backward)
       is its own array in the stage programs' arguments; smaller ones
-      travel packed, one flat buffer per dtype. A packed leaf costs a
+      travel packed, one flat buffer per dtype, and a stage's optimizer
+      state is stored alike (gradient-sized). A packed leaf costs a
       copy, an array a few microseconds of the host's dispatch per
       call. None (default): the platform's
       (``jpipe.runtime._flat.own_buffer_bytes``: 16 KiB on a CPU; 4 MiB
-      for gradients and 1 MiB for residuals on accelerators). Results
-      are the same either way.
+      for gradients and optimizer states, 1 MiB for residuals on
+      accelerators). The math is the same either way; gradients and
+      residuals keep their bits, but an optimizer's moments stored in a
+      shared buffer may round differently in the last bits (XLA fuses
+      the update otherwise): 0 keeps every bit of unpacked leaves.
   """
 
   num_stages: int

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jpipe import staleness
-from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime._flat import FlatLayout, PackedTree
 
 
 def leaf_names(params: Any) -> tuple[str, ...]:
@@ -56,6 +56,12 @@ class StageOptimizer:
       layout's flat buffers and unpack it inside their own program (one
       call fewer, and ~30 fewer arrays through the host, per step).
     compiler_options: XLA options of its programs (``jax.jit``'s).
+    state_own_bytes: with it, the optimizer state is stored packed
+      (``init`` and every step return a ``PackedTree``: leaves of at
+      least this many bytes apart, the rest one buffer per dtype; a
+      stage's Adam state is then ~3 arrays where it was twice its leaves
+      and a count, each a few microseconds of every step's dispatch).
+      None: stored as optax's tree. ``state_tree`` reads either.
   """
 
   def __init__(
@@ -70,8 +76,10 @@ class StageOptimizer:
     horizon: int = 0,
     grad_layout: FlatLayout | None = None,
     compiler_options: dict[str, Any] | None = None,
+    state_own_bytes: float | None = None,
   ):
     self.names = tuple(names)
+    self.state_own_bytes = state_own_bytes
     options = compiler_options or None
     if positions is None:
       positions = range(len(self.names))
@@ -83,7 +91,7 @@ class StageOptimizer:
     self._schedule = learning_rate_schedule
     self._horizon = horizon
     self.init = jax.jit(
-      lambda leaves: self.tx.init(self.as_dict(leaves)),
+      lambda leaves: self.stored(self.tx.init(self.as_dict(leaves))),
       compiler_options=options,
     )
     self.update = jax.jit(self.apply, compiler_options=options)
@@ -225,8 +233,26 @@ class StageOptimizer:
       out[i] = tree[n]
     return tuple(out)
 
+  def stored(self, tree):
+    """An optimizer state (optax's tree, as ``tx.init`` makes it) as this
+    stage stores it: packed with ``state_own_bytes`` (traceable; host
+    arrays are packed on the default device)."""
+    if self.state_own_bytes is None:
+      return tree
+    return PackedTree.pack(tree, self.state_own_bytes)
+
+  @staticmethod
+  def state_tree(opt_state):
+    """A stored optimizer state as optax's tree (traceable; a host copy,
+    ``jax.device_get``'s, is read on the host)."""
+    if isinstance(opt_state, PackedTree):
+      return opt_state.unpack()
+    return opt_state
+
   def base_state(self, opt_state):
-    """The optimizer's own state (inside Gap-Aware's on a GA stage)."""
+    """The optimizer's own state (inside Gap-Aware's on a GA stage), as
+    optax's tree, from a stored state."""
+    opt_state = self.state_tree(opt_state)
     return opt_state.inner_state if self.gap_aware else opt_state
 
   def apply(
@@ -241,16 +267,23 @@ class StageOptimizer:
     times r / step_every there instead."""
     g, p = self.as_dict(grads), self.as_dict(params)
     g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
+    stored, state = opt_state, self.state_tree(opt_state)
     if self.gap_aware:
       stale = self.as_dict(stale_params)
-      updates, opt_state = self.tx.update(g, opt_state, p, stale_params=stale)
+      updates, state = self.tx.update(g, state, p, stale_params=stale)
     else:
-      updates, opt_state = self.tx.update(g, opt_state, p)
+      updates, state = self.tx.update(g, state, p)
     updates = jax.tree.map(
       lambda u: u * jnp.asarray(update_scale, u.dtype), updates
     )
     new = optax.apply_updates(p, updates)
-    return self.as_tuple(new, params), opt_state
+    if isinstance(stored, PackedTree):
+      # The same per-leaf math; where leaves share a buffer XLA fuses the
+      # update differently (its floating-point contraction), so a packed
+      # moment can differ from a tree-stored one in the last bits (not
+      # with ``state_own_bytes=0``: nothing shares a buffer).
+      state = stored.repack(state)
+    return self.as_tuple(new, params), state
 
   def apply_tied(
     self,

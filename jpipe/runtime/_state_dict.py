@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from jpipe.runtime._flat import PackedTree
+
 
 def merge_keyed(states):
   """One state from per-stage states whose params parts are keyed dicts.
@@ -99,13 +101,11 @@ def merge_optimizer_states(optimizers, opt_states) -> tuple[dict, dict]:
   Gap-Aware statistics ``{"sq_avg": {path: array}, "count",
   "max_learning_rate"}`` of Gap-Aware stages' leaves, {} without), on the
   host."""
-  base = [
-    jax.device_get(opt.base_state(st))
-    for opt, st in zip(optimizers, opt_states, strict=True)
-  ]
+  host = [jax.device_get(st) for st in opt_states]  # (Unpacked on the host.)
+  base = [opt.base_state(st) for opt, st in zip(optimizers, host, strict=True)]
   ga_states = [
-    jax.device_get(st)
-    for opt, st in zip(optimizers, opt_states, strict=True)
+    opt.state_tree(st)
+    for opt, st in zip(optimizers, host, strict=True)
     if opt.gap_aware
   ]
   gap = {}
@@ -122,13 +122,13 @@ def select_optimizer_states(
   tree: Mapping, optimizers, fresh_states: Sequence
 ) -> list:
   """Each stage's optimizer state from a state dict's "opt_state" and
-  "gap_aware" (host arrays, structured like ``fresh_states``). Gap-Aware
-  statistics of leaves saved off a Gap-Aware stage start fresh."""
+  "gap_aware" (structured and stored like ``fresh_states``: a stage's
+  ``StageOptimizer.init``'s). Gap-Aware statistics of leaves saved off a
+  Gap-Aware stage start fresh."""
   out = []
-  for opt, fresh in zip(optimizers, fresh_states, strict=True):
-    loaded = select_keyed(
-      tree["opt_state"], opt.base_state(jax.device_get(fresh))
-    )
+  for opt, stored in zip(optimizers, fresh_states, strict=True):
+    fresh = opt.state_tree(jax.device_get(stored))
+    loaded = select_keyed(tree["opt_state"], opt.base_state(fresh))
     if opt.gap_aware:
       gap = tree.get("gap_aware") or {}
       sq = {k: gap.get("sq_avg", {}).get(k, v) for k, v in fresh.sq_avg.items()}
@@ -138,5 +138,7 @@ def select_optimizer_states(
         count=gap.get("count", fresh.count),
         max_learning_rate=gap.get("max_learning_rate", fresh.max_learning_rate),
       )
+    if isinstance(stored, PackedTree):  # In the fresh state's layout.
+      loaded = stored.repack(loaded)
     out.append(loaded)
   return out

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from jpipe import staleness
-from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime._flat import FlatLayout, PackedTree
 from jpipe.runtime._stage_optimizer import StageOptimizer
 
 NAMES = ("a/kernel", "a/bias", "b/kernel")
@@ -91,3 +91,91 @@ def test_packed_update_consumes_the_big_gradients_and_asked_state(
   assert not any(x.is_deleted() for x in params)
   consumed = [x.is_deleted() for x in jax.tree.leaves(state_copy)]
   assert all(consumed) if donate_state else not any(consumed)
+
+
+def _optimizers():
+  return {
+    "adam": optax.adam(0.1),
+    "sgd_momentum": optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adamw_clipped": optax.chain(
+      optax.clip(0.5), optax.adamw(0.05, weight_decay=0.1)
+    ),
+    "lamb": optax.lamb(0.01),
+    # A weakly typed leaf in the state (the injected rate) stays apart.
+    "injected": optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(_optimizers()))
+@pytest.mark.parametrize("gap_aware", [False, True])
+def test_packed_state_steps_as_the_optax_tree(name, gap_aware):
+  """The state stored packed steps as stored as optax's tree over several
+  steps -- to the bit where no leaves share a buffer (size 0), within
+  XLA's floating-point contraction (a few ulp) where they do (every leaf
+  packed; the (3, 4) f32 kernels apart) -- and reads back as that tree,
+  on the device and from a host copy alike."""
+  tx = _optimizers()[name]
+  kind = "sgd" if name.startswith("sgd") else "adam"
+  ga = {"optimizer": kind, "learning_rate": 0.1} if gap_aware else None
+
+  def run(state_own_bytes):
+    opt = StageOptimizer(
+      NAMES, tx, gap_aware=ga, state_own_bytes=state_own_bytes
+    )
+    params, state = _leaves(0), opt.init(_leaves(0))
+    for i in range(4):
+      stale = _leaves(10 + i) if gap_aware else None
+      params, state = opt.update(_leaves(1 + i), state, params, stale)
+    return opt, params, state
+
+  _, want_params, want_state = run(None)
+  for own in (0.0, float("inf"), 40.0):
+    opt, params, state = run(own)
+    assert isinstance(state, PackedTree)
+    if own:
+      assert len(jax.tree.leaves(state)) < len(jax.tree.leaves(want_state))
+    tree = opt.state_tree(state)
+    assert jax.tree.structure(tree) == jax.tree.structure(want_state)
+    host = opt.state_tree(jax.device_get(state))
+    got = (*params, *jax.tree.leaves(tree))
+    want = (*want_params, *jax.tree.leaves(want_state))
+    for a, b, c in zip(
+      got, (*params, *jax.tree.leaves(host)), want, strict=True
+    ):
+      assert a.dtype == c.dtype
+      np.testing.assert_array_equal(a, b)  # The host reads the same.
+      if own == 0 or not jnp.issubdtype(c.dtype, jnp.floating):
+        np.testing.assert_array_equal(a, c)
+      else:
+        np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(c), 4)
+
+
+def test_packed_state_keeps_weak_types_and_layout_equality():
+  """A weakly typed leaf is stored apart (unpacked from a flat buffer it
+  would promote as a strong type); layouts of the same leaves compare
+  equal, so a step's output state hits the same compiled program."""
+  tree = {
+    "m": jnp.ones((3,)),
+    "n": jnp.zeros((2, 2), jnp.bfloat16),
+    "count": jnp.zeros((), jnp.int32),
+    "rate": jnp.asarray(0.1),  # Weakly typed.
+  }
+  packed = PackedTree.pack(tree, float("inf"))
+  # f32, bf16 and int32 buffers, the weak leaf apart.
+  assert len(packed.buffers) == 4
+  back = packed.unpack()
+  assert back["rate"].weak_type and not back["m"].weak_type
+  assert back["n"].dtype == jnp.bfloat16 and back["count"].dtype == jnp.int32
+  again = PackedTree.pack(jax.tree.map(jnp.copy, tree), float("inf"))
+  assert again.layout == packed.layout
+  assert hash(again.layout) == hash(packed.layout)
+  assert jax.tree.structure(again) == jax.tree.structure(packed)
+  double = jax.jit(
+    lambda p: p.repack(jax.tree.map(lambda x: x * 2, p.unpack()))
+  )
+  out = double(packed)
+  assert double._cache_size() == 1
+  double(out)
+  assert double._cache_size() == 1  # The same program for its own output.
+  for k, x in out.unpack().items():
+    np.testing.assert_array_equal(x, tree[k] * 2)
