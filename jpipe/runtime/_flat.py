@@ -1,5 +1,6 @@
-"""A stage's gradient leaves as few buffers: the small ones packed into one
-flat buffer per dtype, the big ones as they are.
+"""A stage's gradient leaves, and its stored optimizer state
+(``PackedTree``), as few buffers: the small ones packed into one flat
+buffer per dtype, the big ones as they are.
 
 Every array passed to or returned from a jitted call costs the host a few
 microseconds: on the development CPU a call taking and returning 1 array
@@ -10,7 +11,10 @@ per dtype, unpacked once before the optimizer step), which cut the
 dispatch of a 2-layer GPT stage's backward from 960-1,385 µs to
 230-650 µs (experiments/RESULTS.md). Inside a program the packing is a
 concatenation: a copy, which for a big leaf costs more than its dispatch
-(``OWN_BUFFER_BYTES``), so big leaves are not packed.
+(``OWN_BUFFER_BYTES``), so big leaves are not packed. An asynchronous
+stage's step returns its whole optimizer state every microbatch: stored
+packed, an Adam state is ~2 arrays where it was twice the leaves and a
+count (experiments/runtime/packed_state.py).
 
 Params are NOT kept packed: XLA copies each weight sliced out of a flat
 buffer before a matmul reads it, which made a forward 1.4-2.7x slower at
@@ -176,7 +180,7 @@ class PackedTree:
 
   Its pytree children are those buffers, so a jitted program taking or
   returning it handles a few arrays instead of every leaf (a stage's
-  Adam state: its 2 x leaves moments and a count -> ~3 arrays), each of
+  Adam state: its 2 x leaves moments and a count -> ~2 arrays), each of
   which costs the host microseconds per call. ``unpack`` is the tree
   (traceable: a program unpacks at its start and ``pack``s what it
   returns, the same per-leaf math; on host arrays it slices on the
