@@ -10,12 +10,15 @@ The host's time until ``pipe.step`` returns (``timed_runner``'s
   time (recorded over one real step, copied), so a step runs the
   driver's Python and nothing of XLA but placing the microbatches, the
   moves between devices and the loss's mean.
-- **dispatch**: what calling the step's programs costs before any of
-  them runs: for each program called, a jitted function of the same
-  arguments that reads none of them (``keep_unused``, returns a scalar),
-  timed alone, times how often the step calls it. This is JAX's argument
-  handling and launch, the part that grows with the number of arrays a
-  program takes (~0.8 µs each on the 2-core machine of RESULTS.md).
+- **dispatch**: what calling the step's programs costs around their
+  run: for each program called, a jitted function of the same arguments
+  that reads none of them (``keep_unused``) and returns as many arrays as
+  the program did (scalars: what an output costs the host is its buffer
+  and its Python array, not its size), timed alone, times how often the
+  step calls it. This is JAX's argument and result handling and launch,
+  the part that grows with the number of arrays a program takes (~0.2-1
+  µs each on the 2-core machine of RESULTS.md) and returns (~4-6 µs
+  each).
 - **run**: the rest of the host's time: on a CPU the programs run
   inline on the dispatching thread (and the runtime's queue fills), so
   this is mostly execution; on a GPU, launching the kernels.
@@ -140,10 +143,11 @@ class ProgramReplay:
           setattr(obj, name, own)
 
 
-def dispatch_seconds(arguments, repeats=200) -> float:
+def dispatch_seconds(arguments, repeats=200, outputs=1) -> float:
   """Seconds one call of a jitted function taking ``arguments`` (as
-  ``_shapes``: ``(args, kwargs)``) costs when it reads none of them:
-  JAX's argument handling and launch, the program itself empty."""
+  ``_shapes``: ``(args, kwargs)``) and returning ``outputs`` arrays
+  costs when it reads none of them: JAX's argument and result handling
+  and launch, the program itself empty (its outputs zero scalars)."""
   args, kwargs = arguments
   live = jax.tree.map(
     lambda x: (
@@ -153,7 +157,11 @@ def dispatch_seconds(arguments, repeats=200) -> float:
     ),
     (args, {k: v for k, v in kwargs.items() if not isinstance(v, bool)}),
   )
-  empty = jax.jit(lambda args, kwargs: jnp.zeros(()), keep_unused=True)
+  count = max(1, outputs)
+  empty = jax.jit(
+    lambda args, kwargs: [jnp.zeros(()) for _ in range(count)],
+    keep_unused=True,
+  )
   jax.block_until_ready(empty(*live))
   times = []
   for _ in range(5):
@@ -186,7 +194,12 @@ def host_breakdown(pipe, run, actions, repeats=5) -> dict:
       run()
     driver = float(np.median(run.host_seconds[start:]))
   dispatch = sum(
-    n * dispatch_seconds(replay.arguments[key]) for key, n in per_step.items()
+    n
+    * dispatch_seconds(
+      replay.arguments[key],
+      outputs=len(jax.tree.leaves(replay.outputs[key])),
+    )
+    for key, n in per_step.items()
   )
   us = 1e6 / actions
   return {

@@ -137,3 +137,5 @@ def test_dispatch_seconds_takes_numbers_none_and_arrays():
     (args, {**kwargs, "donate_state": True}), repeats=10
   )
   assert 0 < seconds < 1
+  many = host_cost.dispatch_seconds((args, kwargs), repeats=10, outputs=40)
+  assert 0 < many < 1
