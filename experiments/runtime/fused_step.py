@@ -53,7 +53,7 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-3)}
 
 
 def measure(
-  model, p, m, optimizer, fuse_step, warm, repeats, packed_state=True
+  model, p, m, optimizer, *, warm, repeats, fuse_step=True, packed_state=True
 ) -> dict:
   """One pipeline's host breakdown per action (µs), its step time and
   program calls per step, and its params after the steps (to compare).
@@ -93,8 +93,13 @@ def measure(
   }
 
 
-def main(argv):
-  del argv
+def paired(name, settings, compare, count):
+  """Runs every (stages, optimizer) of the flags with the two
+  ``settings`` (``((label, measure's keywords), (label, keywords))``) in
+  alternating rounds, then ``compare(row, first_params, second_params)``
+  per round (raises, or notes the difference in ``row``); writes
+  results/<name>_<platform>.{md,json}, whose table shows ``count`` (a
+  key of ``measure``'s: a per-step count) beside the host's times."""
   loss_fn, params, batch, _ = _common.language_model(
     layers=FLAGS.layers, width=FLAGS.width, heads=1, length=4, batch=64
   )
@@ -103,26 +108,29 @@ def main(argv):
   rows = []
   for p in map(int, FLAGS.stages):
     for optimizer in FLAGS.optimizers:
-      rounds = {False: [], True: []}
+      rounds = {label: [] for label, _ in settings}
       for _ in range(FLAGS.rounds):
-        for fuse in (False, True):
-          rounds[fuse].append(
-            measure(model, p, m, optimizer, fuse, FLAGS.warm, FLAGS.repeats)
-          )
-      for a, b in zip(rounds[False], rounds[True], strict=True):
-        same = jax.tree.map(np.array_equal, a.pop("params"), b.pop("params"))
-        if not all(jax.tree.leaves(same)):
-          raise AssertionError(
-            f"p={p} {optimizer}: the fused steps trained to other bits"
+        for label, kwargs in settings:
+          rounds[label].append(
+            measure(
+              model,
+              p,
+              m,
+              optimizer,
+              warm=FLAGS.warm,
+              repeats=FLAGS.repeats,
+              **kwargs,
+            )
           )
       row = {"stages": p, "microbatches": m, "optimizer": optimizer}
-      for fuse, name in ((False, "apart"), (True, "fused")):
-        row[name] = {
-          k: [r[k] for r in rounds[fuse]]
-          for k in rounds[fuse][0]
-          if k != "actions"
+      (first, _), (second, _) = settings
+      for a, b in zip(rounds[first], rounds[second], strict=True):
+        compare(row, a.pop("params"), b.pop("params"))
+      for label, runs in rounds.items():
+        row[label] = {
+          k: [r[k] for r in runs] for k in runs[0] if k != "actions"
         }
-      row["actions"] = rounds[True][0]["actions"]
+      row["actions"] = rounds[second][0]["actions"]
       rows.append(row)
       print(json.dumps(row), flush=True)
   platform = jax.devices()[0].platform
@@ -131,28 +139,42 @@ def main(argv):
     "model": {"layers": FLAGS.layers, "width": FLAGS.width},
     "rows": rows,
   }
-  _common.write_table(
-    FLAGS.out_dir, f"fused_step_{platform}", _table(rows), record
-  )
+  table = _table(rows, first, second, count)
+  _common.write_table(FLAGS.out_dir, f"{name}_{platform}", table, record)
 
 
-def _table(rows) -> str:
-  """Markdown: per row, each quantity apart -> fused, every round."""
+def main(argv):
+  del argv
+
+  def same_bits(row, a, b):
+    if not all(jax.tree.leaves(jax.tree.map(np.array_equal, a, b))):
+      raise AssertionError(
+        f"p={row['stages']} {row['optimizer']}: the fused steps trained to "
+        "other bits"
+      )
+
+  settings = (("apart", {"fuse_step": False}), ("fused", {"fuse_step": True}))
+  paired("fused_step", settings, same_bits, "program_calls_per_step")
+
+
+def _table(rows, first, second, count) -> str:
+  """Markdown: per row, each quantity first -> second, every round."""
 
   def both(row, key, fmt="{:.1f}"):
-    a = ", ".join(fmt.format(x) for x in row["apart"][key])
-    b = ", ".join(fmt.format(x) for x in row["fused"][key])
+    a = ", ".join(fmt.format(x) for x in row[first][key])
+    b = ", ".join(fmt.format(x) for x in row[second][key])
     return f"{a} -> **{b}**"
 
+  title = count.replace("_per_step", " / step").replace("_", " ")
   lines = [
-    "| p | m | optimizer | actions | program calls / step | driver µs / "
+    f"| p | m | optimizer | actions | {title} | driver µs / "
     "action | dispatch µs / action | host µs / action | host ms / step |",
     "|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     lines.append(
       f"| {r['stages']} | {r['microbatches']} | {r['optimizer']} | "
-      f"{r['actions']} | {both(r, 'program_calls_per_step', '{:.0f}')} | "
+      f"{r['actions']} | {both(r, count, '{:.0f}')} | "
       f"{both(r, 'driver_us_per_action')} | "
       f"{both(r, 'dispatch_us_per_action')} | "
       f"{both(r, 'host_us_per_action')} | {both(r, 'host_step_ms', '{:.2f}')} |"

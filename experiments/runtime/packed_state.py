@@ -30,90 +30,27 @@ Usage: python -m experiments.runtime.packed_state [--stages 8]
   [--microbatches 32] [--rounds 2] [--optimizers adam,sgd]
 """
 
-import json
-
 import jax
 import numpy as np
 from absl import app
 
-from experiments.gpu_campaign import _common
-from experiments.runtime.fused_step import FLAGS, measure
+from experiments.runtime.fused_step import paired
 
 
 def main(argv):
   del argv
-  loss_fn, params, batch, _ = _common.language_model(
-    layers=FLAGS.layers, width=FLAGS.width, heads=1, length=4, batch=64
-  )
-  model = (loss_fn, params, batch)
-  m = FLAGS.microbatches
-  rows = []
-  for p in map(int, FLAGS.stages):
-    for optimizer in FLAGS.optimizers:
-      rounds = {False: [], True: []}
-      for _ in range(FLAGS.rounds):
-        for packed in (False, True):
-          rounds[packed].append(
-            measure(
-              model,
-              p,
-              m,
-              optimizer,
-              True,
-              FLAGS.warm,
-              FLAGS.repeats,
-              packed_state=packed,
-            )
-          )
-      apart = 0.0
-      for a, b in zip(rounds[False], rounds[True], strict=True):
-        a, b = a.pop("params"), b.pop("params")
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-          apart = max(apart, float(np.max(np.abs(x - y), initial=0.0)))
-      row = {"stages": p, "microbatches": m, "optimizer": optimizer}
-      row["params_max_abs_difference"] = apart
-      for packed, name in ((False, "tree"), (True, "packed")):
-        row[name] = {
-          k: [r[k] for r in rounds[packed]]
-          for k in rounds[packed][0]
-          if k != "actions"
-        }
-      row["actions"] = rounds[True][0]["actions"]
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-  platform = jax.devices()[0].platform
-  record = {
-    **_common.metadata(),
-    "model": {"layers": FLAGS.layers, "width": FLAGS.width},
-    "rows": rows,
-  }
-  _common.write_table(
-    FLAGS.out_dir, f"packed_state_{platform}", _table(rows), record
-  )
 
-
-def _table(rows) -> str:
-  """Markdown: per row, each quantity tree -> packed, every round."""
-
-  def both(row, key, fmt="{:.1f}"):
-    a = ", ".join(fmt.format(x) for x in row["tree"][key])
-    b = ", ".join(fmt.format(x) for x in row["packed"][key])
-    return f"{a} -> **{b}**"
-
-  lines = [
-    "| p | m | optimizer | actions | state arrays | driver µs / action | "
-    "dispatch µs / action | host µs / action | host ms / step |",
-    "|---|---|---|---|---|---|---|---|---|",
-  ]
-  for r in rows:
-    lines.append(
-      f"| {r['stages']} | {r['microbatches']} | {r['optimizer']} | "
-      f"{r['actions']} | {both(r, 'state_arrays', '{:.0f}')} | "
-      f"{both(r, 'driver_us_per_action')} | "
-      f"{both(r, 'dispatch_us_per_action')} | "
-      f"{both(r, 'host_us_per_action')} | {both(r, 'host_step_ms', '{:.2f}')} |"
+  def difference(row, a, b):
+    apart = max(
+      float(np.max(np.abs(x - y), initial=0.0))
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
     )
-  return "\n".join(lines) + "\n"
+    row["params_max_abs_difference"] = max(
+      apart, row.get("params_max_abs_difference", 0.0)
+    )
+
+  settings = (("tree", {"packed_state": False}), ("packed", {}))
+  paired("packed_state", settings, difference, "state_arrays")
 
 
 if __name__ == "__main__":

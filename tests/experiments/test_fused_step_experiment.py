@@ -1,4 +1,4 @@
-"""The fused-step benchmark end to end, shrunk to seconds (a subprocess:
+"""The fused-step and packed-state benchmarks end to end, shrunk to seconds (a subprocess:
 its absl flags share names with other experiment scripts')."""
 
 import json
@@ -11,12 +11,14 @@ import jax
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
-def test_writes_the_paired_table_of_pipelines_that_train_alike(tmp_path):
+def _run(module, tmp_path) -> tuple[dict, str]:
+  """``experiments.runtime.<module>`` at p = 2, m = 4, a 2-layer GPT,
+  one round with Adam; its JSON record and Markdown table."""
   subprocess.run(
     [
       sys.executable,
       "-m",
-      "experiments.runtime.fused_step",
+      f"experiments.runtime.{module}",
       "--stages=2",
       "--microbatches=4",
       "--layers=2",
@@ -27,11 +29,17 @@ def test_writes_the_paired_table_of_pipelines_that_train_alike(tmp_path):
       f"--out_dir={tmp_path}",
     ],
     cwd=ROOT,
-    check=True,  # The script raises if the two settings train apart.
+    check=True,  # fused_step raises if the two settings train apart.
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
-  platform = jax.devices()[0].platform
-  record = json.loads((tmp_path / f"fused_step_{platform}.json").read_text())
+  out = tmp_path / f"{module}_{jax.devices()[0].platform}"
+  return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(
+    ".md"
+  ).read_text()
+
+
+def test_writes_the_paired_table_of_pipelines_that_train_alike(tmp_path):
+  record, table = _run("fused_step", tmp_path)
   assert record["commit"] and record["date"] and record["jax"]
   (row,) = record["rows"]
   # async, p = 2, m = 4: 24 actions; the 4 forward-and-backward programs
@@ -42,5 +50,20 @@ def test_writes_the_paired_table_of_pipelines_that_train_alike(tmp_path):
   apart, fused = row["apart"], row["fused"]
   assert apart["program_calls_per_step"] == [20]
   assert fused["program_calls_per_step"] == [12]
-  table = (tmp_path / f"fused_step_{platform}.md").read_text()
   assert "| 2 | 4 | adam | 24 | 20 -> **12** |" in table
+
+
+def test_writes_the_paired_table_of_tree_and_packed_states(tmp_path):
+  record, table = _run("packed_state", tmp_path)
+  assert record["commit"] and record["date"] and record["jax"]
+  (row,) = record["rows"]
+  assert row["actions"] == 24
+  # Adam over a tiny GPT's leaves (all below 16 KiB). The plan puts the
+  # 2 layers on stage 0; stage 1 holds only the tied embedding's
+  # replica, which stage 0 steps: as trees 36 leaves' two moments and a
+  # count, plus stage 1's count; packed, stage 0's one f32 buffer and
+  # its count's int32 one, plus stage 1's count.
+  tree, packed = row["tree"]["state_arrays"], row["packed"]["state_arrays"]
+  assert tree == [74] and packed == [3]
+  assert row["params_max_abs_difference"] < 0.05
+  assert "| 2 | 4 | adam | 24 | 74 -> **3** |" in table
