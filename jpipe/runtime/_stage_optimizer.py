@@ -59,7 +59,7 @@ class StageOptimizer:
     state_own_bytes: with it, the optimizer state is stored packed
       (``init`` and every step return a ``PackedTree``: leaves of at
       least this many bytes apart, the rest one buffer per dtype; a
-      stage's Adam state is then ~3 arrays where it was twice its leaves
+      stage's Adam state is then ~2 arrays where it was twice its leaves
       and a count, each a few microseconds of every step's dispatch).
       None: stored as optax's tree. ``state_tree`` reads either.
   """
@@ -235,11 +235,19 @@ class StageOptimizer:
 
   def stored(self, tree):
     """An optimizer state (optax's tree, as ``tx.init`` makes it) as this
-    stage stores it: packed with ``state_own_bytes`` (traceable; host
-    arrays are packed on the default device)."""
+    stage stores it: packed with ``state_own_bytes`` (traceable)."""
     if self.state_own_bytes is None:
       return tree
     return PackedTree.pack(tree, self.state_own_bytes)
+
+  @staticmethod
+  def stored_like(stored, tree):
+    """``tree`` (optax's, shaped as ``stored``'s) stored as ``stored`` is:
+    in its layout where packed (traceable; host arrays are packed on the
+    default device)."""
+    if isinstance(stored, PackedTree):
+      return stored.repack(tree)
+    return tree
 
   @staticmethod
   def state_tree(opt_state):
@@ -277,13 +285,11 @@ class StageOptimizer:
       lambda u: u * jnp.asarray(update_scale, u.dtype), updates
     )
     new = optax.apply_updates(p, updates)
-    if isinstance(stored, PackedTree):
-      # The same per-leaf math; where leaves share a buffer XLA fuses the
-      # update differently (its floating-point contraction), so a packed
-      # moment can differ from a tree-stored one in the last bits (not
-      # with ``state_own_bytes=0``: nothing shares a buffer).
-      state = stored.repack(state)
-    return self.as_tuple(new, params), state
+    # The same per-leaf math; where leaves share a buffer XLA fuses the
+    # update differently (its floating-point contraction), so a packed
+    # moment can differ from a tree-stored one in the last bits (not with
+    # ``state_own_bytes=0``: nothing shares a buffer).
+    return self.as_tuple(new, params), self.stored_like(stored, state)
 
   def apply_tied(
     self,

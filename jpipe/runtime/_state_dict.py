@@ -10,8 +10,6 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from jpipe.runtime._flat import PackedTree
-
 
 def merge_keyed(states):
   """One state from per-stage states whose params parts are keyed dicts.
@@ -138,7 +136,5 @@ def select_optimizer_states(
         count=gap.get("count", fresh.count),
         max_learning_rate=gap.get("max_learning_rate", fresh.max_learning_rate),
       )
-    if isinstance(stored, PackedTree):  # In the fresh state's layout.
-      loaded = stored.repack(loaded)
-    out.append(loaded)
+    out.append(opt.stored_like(stored, loaded))
   return out
