@@ -1,10 +1,12 @@
-r"""Why stage params stay separate leaves: the cost of slicing a flat buffer.
+r"""Why a stage's big weights keep their own buffers: the cost of slicing
+a flat buffer.
 
 Every array passed to a jitted call costs the host a few microseconds, so
-packing a stage's params into one flat buffer per dtype would make each
-action cheaper to dispatch. But XLA materialises a weight sliced out of a
-flat buffer as a copy before a matmul reads it, so every forward and
-backward would also copy the stage's params. This measures that copy:
+the driver holds a stage's params packed into one flat buffer per dtype
+(``jpipe/runtime/_stored_params.py``). But XLA materialises a weight
+sliced out of a flat buffer as a copy before a matmul reads it, so every
+forward and backward would also copy the stage's params: leaves from the
+pipeline's ``own_buffer_bytes`` stay apart. This measures that copy:
 ``blocks`` residual blocks ``x + tanh(x @ w1) @ w2`` (width x width
 weights), forward and backward (gradients packed, as the driver's
 accumulator is), with the params as separate leaves or as one flat buffer,

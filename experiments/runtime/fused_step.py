@@ -33,6 +33,7 @@ from absl import app, flags
 from experiments.gpu_campaign import _common
 from experiments.gpu_campaign.overhead import one_device_pipeline, timed_runner
 from experiments.runtime.host_cost import host_breakdown
+from jpipe.runtime._stored_params import StoredParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["8"], "Pipeline stages (all on one device).")
@@ -53,12 +54,24 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-3)}
 
 
 def measure(
-  model, p, m, optimizer, *, warm, repeats, fuse_step=True, packed_state=True
+  model,
+  p,
+  m,
+  optimizer,
+  *,
+  warm,
+  repeats,
+  fuse_step=True,
+  packed_state=True,
+  packed_params=True,
 ) -> dict:
   """One pipeline's host breakdown per action (µs), its step time and
   program calls per step, and its params after the steps (to compare).
   ``packed_state=False``: its optimizer states stored as optax's trees
-  (as before they were packed; experiments/runtime/packed_state.py)."""
+  (as before they were packed; experiments/runtime/packed_state.py);
+  ``packed_params=False``: the driver holds every param leaf in its own
+  buffer (as before they were packed; experiments/runtime/
+  packed_params.py)."""
   loss_fn, params, batch = model
   pipe = one_device_pipeline(
     loss_fn,
@@ -74,6 +87,12 @@ def measure(
   if not packed_state:  # (Read by ``init``'s first trace, below.)
     for opt in pipe.stage_optimizers:
       opt.state_own_bytes = None
+  if not packed_params:
+    avals = pipe.traced.closed_jaxpr.in_avals
+    pipe.driver.param_storage = tuple(
+      StoredParams([avals[i] for i in spec.param_leaves], 0)
+      for spec in pipe.stages.specs
+    )
   run = timed_runner(pipe, params, batch)
   for _ in range(warm):
     run()
@@ -87,6 +106,10 @@ def measure(
     "actions": actions,
     # Arrays the optimizer states are stored in, over all stages.
     "state_arrays": len(jax.tree.leaves(run.state["s"].opt_states)),
+    # Arrays a version of the params is held in, over all stages.
+    "param_arrays": sum(
+      len(st.buffer_bytes) for st in pipe.driver.param_storage
+    ),
     "host_step_ms": 1e3 * step_seconds,
     **host_breakdown(pipe, run, actions, repeats),
     "params": final,

@@ -37,20 +37,22 @@ from absl import app
 from experiments.runtime.fused_step import paired
 
 
+def params_difference(row, a, b):
+  """Notes in ``row`` the largest difference between params ``a`` and
+  ``b`` (over its rounds)."""
+  apart = max(
+    float(np.max(np.abs(x - y), initial=0.0))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
+  row["params_max_abs_difference"] = max(
+    apart, row.get("params_max_abs_difference", 0.0)
+  )
+
+
 def main(argv):
   del argv
-
-  def difference(row, a, b):
-    apart = max(
-      float(np.max(np.abs(x - y), initial=0.0))
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-    row["params_max_abs_difference"] = max(
-      apart, row.get("params_max_abs_difference", 0.0)
-    )
-
   settings = (("tree", {"packed_state": False}), ("packed", {}))
-  paired("packed_state", settings, difference, "state_arrays")
+  paired("packed_state", settings, params_difference, "state_arrays")
 
 
 if __name__ == "__main__":

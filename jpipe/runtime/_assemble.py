@@ -39,6 +39,7 @@ from jpipe.runtime._partitioning import (
 )
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
+from jpipe.runtime._stored_params import StoredParams
 from jpipe.runtime._tied import TiedParams
 from jpipe.runtime._versions import VersionPolicy
 
@@ -135,6 +136,17 @@ def build_runtime(
     stages_at,
   )
   tied = TiedParams(stages, placed.transport)
+  # Params stored packed alike while the driver runs; tied leaves apart
+  # (swapped one by one).
+  param_storage = tuple(
+    StoredParams(
+      [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
+      own,
+      tied.positions(s),
+      stages.compiler_options,
+    )
+    for s, (spec, own) in enumerate(zip(stages.specs, own_sizes, strict=True))
+  )
   _check_replica_routing(placed, tied, cut, request)
   for weighted in programs.weighted.values():
     weighted.prepare()  # A model that changes with the size fails here.
@@ -174,6 +186,7 @@ def build_runtime(
     hooks=hooks,
     clip_global_norm=request.clip_global_norm,
     partial_window=staleness.partial_window,
+    param_storage=param_storage,
   )
   return Runtime(
     programs,

@@ -27,7 +27,6 @@ call.
 """
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from jpipe.runtime._placement import StagePlacement, put
 from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime._programs import StagePrograms
 from jpipe.runtime._stage_optimizer import StageOptimizer
+from jpipe.runtime._stored_params import StoredParams
 from jpipe.runtime._tied import TiedParams
 from jpipe.runtime._transfer_ends import TransferEnds
 from jpipe.runtime._transport import Transport
@@ -221,6 +221,8 @@ class Driver:
       no clipping; ``Pipeline``'s argument).
     partial_window: how a stream steps a window a flush cut short
       ("mean" or "ftpipe", ``Staleness.partial_window``).
+    param_storage: per stage, how its params are stored while a call
+      runs (``StoredParams``: packed, converted at the call's ends).
   """
 
   def __init__(
@@ -239,8 +241,10 @@ class Driver:
     hooks: DriverHooks | None = None,
     clip_global_norm: float | None = None,
     partial_window: str = "mean",
+    param_storage: Sequence[StoredParams],
   ):
     self.clip_global_norm = clip_global_norm
+    self.param_storage = tuple(param_storage)
     self.partial_window = partial_window
     self.stages = stages
     self.programs = programs
@@ -293,15 +297,6 @@ class Driver:
       for spec in stages.specs
     )
     avals = stages.traced.closed_jaxpr.in_avals
-    # Bytes of each stage's param leaves, in its params' order (every
-    # version of a stage's params has these shapes).
-    self.param_leaf_bytes = tuple(
-      tuple(
-        math.prod(avals[i].shape) * avals[i].dtype.itemsize
-        for i in spec.param_leaves
-      )
-      for spec in stages.specs
-    )
     # Per stage: whether a stream's step may run in the program of the
     # backward before it (``Call.fused_steps``), a third fewer programs
     # per microbatch: where the step reads the accumulated gradient as it
@@ -614,10 +609,19 @@ class _Call(TransferEnds):
     self.fused_steps = frozenset()
     self.loss_cotangent = 1.0
     self.d = driver
-    self.params = list(stage_params)
+    # Params stored packed while the call runs (``StoredParams``): every
+    # program takes and returns a few buffers instead of every leaf.
+    storage = driver.param_storage
+    self.params = [
+      st.stored(p) for st, p in zip(storage, stage_params, strict=True)
+    ]
     self.opt_states = list(opt_states)
     self.model_state = list(model_state)
     vars(self).update(flight.thawed())
+    # A new stream's versions are the leaves it started from.
+    for st, versions in zip(storage, self.versions, strict=True):
+      for k, v in versions.items():
+        versions[k] = st.stored(v)
     self.values = {}  # (b, var) -> activation, until its last reader ran
     self.reads_left = {}
     self.inbox = {}  # (s, b, var) -> an input of F(s, b), on s's devices
@@ -654,7 +658,7 @@ class _Call(TransferEnds):
           *(t for (s_, _), t in self.forward_params.items() if s_ == s),
         ],
       )
-      for s, nbytes in enumerate(driver.param_leaf_bytes)
+      for s, nbytes in enumerate(st.buffer_bytes for st in storage)
     ]
     for s in range(len(self.params)):
       self._note_held(s)
@@ -925,7 +929,7 @@ class _Call(TransferEnds):
     the hooks, its new version kept, the versions and stashes no later
     action reads released."""
     d = self.d
-    self._set_params(s, d.hooks.after_step(s, self.params[s]))
+    self._after_step_hook(s)
     self.grads[s] = None
     self.stream_steps[s] += 1
     self.versions[s][self.stream_steps[s]] = self.params[s]
@@ -970,7 +974,7 @@ class _Call(TransferEnds):
       self._optimizer_step(
         s, grads[s], s not in tied, None, scales[s], reduced=clip
       )
-      self._set_params(s, d.hooks.after_step(s, self.params[s]))
+      self._after_step_hook(s)
       if self.profiler:
         self.profiler.record(action, self.params[s])
       self.grads[s] = None
@@ -991,8 +995,12 @@ class _Call(TransferEnds):
     for what, store in left.items():
       if store:  # A schedule or lowering bug, not a user error.
         raise RuntimeError(f"{what}: {sorted(map(str, store))[:4]}")
+    storage = self.d.param_storage
     return CallResult(
-      self.params,
+      [
+        st.leaves(p, remember=True)
+        for st, p in zip(storage, self.params, strict=True)
+      ],
       self.opt_states,
       self.model_state,
       InFlight.frozen(vars(self)),
@@ -1007,6 +1015,18 @@ class _Call(TransferEnds):
     held = self.held[s]
     self.peak[s] = max(self.peak[s], held.count)
     self.peak_bytes[s] = max(self.peak_bytes[s], held.nbytes)
+
+  def _after_step_hook(self, s):
+    """The hooks' ``after_step`` on stage s's new params (as leaves; none
+    runs for the default hooks)."""
+    d = self.d
+    if type(d.hooks).after_step is DriverHooks.after_step:
+      return
+    storage = d.param_storage[s]
+    leaves = storage.leaves(self.params[s])
+    out = d.hooks.after_step(s, leaves)
+    if out is not leaves:
+      self._set_params(s, storage.stored(out))
 
   def _set_params(self, s, params):
     """Stage s's live params are ``params`` from now."""
@@ -1036,7 +1056,7 @@ class _Call(TransferEnds):
 
   def _record(self, kind, s, b, theta):
     if self.used is not None:
-      self.used[(kind, s, b)] = theta
+      self.used[(kind, s, b)] = self.d.param_storage[s].leaves(theta)
 
   def _result_cots(self, s):
     """Cotangents of stage s's results: the loss's weight in its step's

@@ -16,9 +16,12 @@ stage's step returns its whole optimizer state every microbatch: stored
 packed, an Adam state is ~2 arrays where it was twice the leaves and a
 count (experiments/runtime/packed_state.py).
 
-Params are NOT kept packed: XLA copies each weight sliced out of a flat
-buffer before a matmul reads it, which made a forward 1.4-2.7x slower at
-pipeline-sized microbatches (experiments/runtime/flat_params.py).
+A stage's params are stored packed the same way while the driver runs
+(``_stored_params.py``), with the same size from which a leaf keeps its
+own buffer: XLA copies each weight sliced out of a flat buffer before a
+matmul reads it, which made a forward 1.4-2.7x slower at pipeline-sized
+microbatches when every weight was packed
+(experiments/runtime/flat_params.py).
 """
 
 from collections.abc import Sequence
@@ -83,6 +86,8 @@ class FlatLayout:
       kernel gradients made its backward 55 -> 73 ms (the pipeline's, in
       experiments/distributed/throughput.py's model).
     storage: a stored state's layout (see above), not a gradient's.
+    apart: positions of leaves that keep their own buffer whatever their
+      size (a stage's tied params, which the driver replaces one by one).
   """
 
   def __init__(
@@ -91,13 +96,14 @@ class FlatLayout:
     own_buffer_bytes: float = OWN_BUFFER_BYTES["cpu"],
     *,
     storage: bool = False,
+    apart: Sequence[int] = (),
   ):
     self.shapes = tuple(tuple(np.shape(x)) for x in leaves)
     dtypes = [jnp.dtype(x.dtype) for x in leaves]
     sizes_of = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
     big = [
-      size * d.itemsize >= own_buffer_bytes
-      for size, d in zip(sizes_of, dtypes, strict=True)
+      size * d.itemsize >= own_buffer_bytes or i in apart
+      for i, (size, d) in enumerate(zip(sizes_of, dtypes, strict=True))
     ]
     if storage:
       self.packed = True

@@ -27,7 +27,8 @@ class HeldParams:
   only while held, so nothing outlives its holders.
 
   Args:
-    leaf_bytes: bytes of each of the stage's param leaves, in order.
+    leaf_bytes: bytes of each of the stage's param leaves, in order (of
+      each buffer, where versions are stored packed: ``StoredParams``).
     held: the tuples held at the start (one entry per holder; None is a
       tuple without arrays).
   """
@@ -55,7 +56,7 @@ class HeldParams:
       return
     self._tuples[id(params)] = [params, 1]
     arrays, added = self._arrays, 0
-    for x, n in zip(params or (), self.leaf_bytes, strict=bool(params)):
+    for x, n in _zip_bytes(params, self.leaf_bytes):
       key = id(x)
       holders = arrays.get(key, 0)
       arrays[key] = holders + 1
@@ -71,7 +72,7 @@ class HeldParams:
       return
     del self._tuples[id(params)]
     arrays, dropped = self._arrays, 0
-    for x, n in zip(params or (), self.leaf_bytes, strict=bool(params)):
+    for x, n in _zip_bytes(params, self.leaf_bytes):
       key = id(x)
       holders = arrays[key] - 1
       if holders:
@@ -86,3 +87,11 @@ class HeldParams:
     if new is not old:
       self.take(new)
       self.drop(old)
+
+
+def _zip_bytes(params, leaf_bytes):
+  """(array, its bytes) of a held version: a leaf tuple, a stored
+  ``PackedTree``'s buffers (``leaf_bytes`` are then the buffers'), or
+  None (no arrays)."""
+  arrays = getattr(params, "buffers", params) or ()
+  return zip(arrays, leaf_bytes, strict=bool(arrays))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jpipe.partition import Stages
 from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime._stored_params import leaves_of
 from jpipe.runtime._weighted import WeightedStage
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -84,7 +85,20 @@ class StagePrograms:
     kind = "forward" if self.recompute else "forward_saving"
     if s in self.weighted:
       return getattr(self.weighted[s], kind)
-    return self.stages.jitted(kind, s)
+    return self.stage_program(kind, s)
+
+  def stage_program(self, kind: str, s: int):
+    """The stages' program ``kind`` of stage s (e.g. "forward"), jitted,
+    taking its params as the driver stores them (``_stored_params``:
+    packed, unpacked at its start) or as leaves."""
+    key = (kind, s)
+    if key not in self._cache:
+      run = getattr(self.stages, kind)
+      self._cache[key] = jit(
+        lambda theta, *args: run(s, leaves_of(theta), *args),
+        self.stages.compiler_options,
+      )
+    return self._cache[key]
 
   def backward(self, s: int, first: bool):
     """``(acc, params, batch, acts, out_cots, result_cots)`` (with
@@ -136,7 +150,7 @@ class StagePrograms:
     kind = (
       "input_gradient" if self.recompute else "input_gradient_from_residuals"
     )
-    return self.stages.jitted(kind, s)
+    return self.stage_program(kind, s)
 
   def weight_grad(self, s: int, first: bool):
     """W of stage s: ``(acc, kept) -> acc + grads`` (``first``: acc is
@@ -168,8 +182,8 @@ class StagePrograms:
       run = getattr(self.stages, kind)
       layout = self.grad_layouts[s]
 
-      def fn(acc, *args):
-        *head, grads, act_cots = run(s, *args)
+      def fn(acc, theta, *args):
+        *head, grads, act_cots = run(s, leaves_of(theta), *args)
         return (*head, _accumulate(acc, layout.pack(grads), first), act_cots)
 
       self._cache[key] = jit(
@@ -210,8 +224,10 @@ class StagePrograms:
       run = getattr(self.stages, kind)
       layout = self.grad_layouts[s]
 
-      def fn(opt_state, params, stale, scale, update_scale, added_grads, *args):
-        *head, grads, act_cots = run(s, *args)
+      def fn(
+        opt_state, params, stale, scale, update_scale, added_grads, theta, *a
+      ):
+        *head, grads, act_cots = run(s, leaves_of(theta), *a)
         # The step reads the gradient as the separate step program reads
         # the accumulator, the update fused with its unpacking: without
         # the barrier XLA drops the pack and unpack, and the packed small

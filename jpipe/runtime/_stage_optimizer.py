@@ -18,6 +18,7 @@ import optax
 
 from jpipe import staleness
 from jpipe.runtime._flat import FlatLayout, PackedTree
+from jpipe.runtime._stored_params import leaves_of, stored_params_like
 
 
 def leaf_names(params: Any) -> tuple[str, ...]:
@@ -272,12 +273,15 @@ class StageOptimizer:
     ``update_scale``; ``stale_params`` only on a GA stage. ``scale``
     (traced) turns a window's gradient sum into its mean where the window
     ended short (a flush); ``update_scale`` is FTPipe's learning rate
-    times r / step_every there instead."""
+    times r / step_every there instead. ``params`` (and ``stale_params``)
+    stored packed or as leaves; the new params are stored as ``params``
+    are."""
+    stored_params, params = params, leaves_of(params)
     g, p = self.as_dict(grads), self.as_dict(params)
     g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
     stored, state = opt_state, self.state_tree(opt_state)
     if self.gap_aware:
-      stale = self.as_dict(stale_params)
+      stale = self.as_dict(leaves_of(stale_params))
       updates, state = self.tx.update(g, state, p, stale_params=stale)
     else:
       updates, state = self.tx.update(g, state, p)
@@ -289,7 +293,8 @@ class StageOptimizer:
     # update differently (its floating-point contraction), so a packed
     # moment can differ from a tree-stored one in the last bits (not with
     # ``state_own_bytes=0``: nothing shares a buffer).
-    return self.as_tuple(new, params), self.stored_like(stored, state)
+    new_params = stored_params_like(stored_params, self.as_tuple(new, params))
+    return new_params, self.stored_like(stored, state)
 
   def apply_tied(
     self,
@@ -318,7 +323,9 @@ class StageOptimizer:
     return new_params, new_state, out
 
   def _predict(self, params, opt_state, delay, grad):
-    """The params ``delay`` steps ahead (delay traced: one compile)."""
+    """The params ``delay`` steps ahead (delay traced: one compile),
+    stored as ``params`` are."""
+    stored_params, params = params, leaves_of(params)
     state = self.base_state(opt_state)
     learning_rates = None
     if self._schedule is not None:
@@ -333,4 +340,4 @@ class StageOptimizer:
       grad=None if grad is None else self.as_dict(grad),
       learning_rates=learning_rates,
     )
-    return self.as_tuple(predicted, params)
+    return stored_params_like(stored_params, self.as_tuple(predicted, params))

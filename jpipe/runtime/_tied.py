@@ -18,6 +18,7 @@ processes make the same moves in the same order.
 """
 
 from jpipe.partition import Stages
+from jpipe.runtime._stored_params import param_leaf, with_param_leaves
 
 
 class TiedParams:
@@ -45,6 +46,14 @@ class TiedParams:
       for h, pos in others:
         self.replicas.setdefault(h, []).append((pos, leaf, owner, owner_pos))
 
+  def positions(self, s: int) -> tuple[int, ...]:
+    """Positions of stage s's tied leaves (owned or replicas)."""
+    return tuple(
+      sorted(
+        {pos for pos, _ in self.owned.get(s, ())} | self.replica_positions(s)
+      )
+    )
+
   def replica_positions(self, s: int) -> set[int]:
     """Positions of stage s's leaves that another stage owns."""
     return {pos for pos, *_ in self.replicas.get(s, ())}
@@ -59,9 +68,10 @@ class TiedParams:
     """Asynchronous, at F(s, b): an owner records in ``tied`` the value
     its forward of b used (a replica holder receives it: a "tied"
     transfer, owner -> holder, before the holder's F(s, b)). Returns s's
-    params with the values tied."""
+    params with the values tied (stored packed or leaves: tied leaves
+    are kept apart, ``StoredParams``)."""
     for pos, leaf in self.owned.get(s, ()):
-      tied.setdefault((leaf, b), theta[pos])
+      tied.setdefault((leaf, b), param_leaf(theta, pos))
     return self.tied_values(s, b, theta, tied)
 
   def tied_values(self, s, b, theta, tied):
@@ -69,11 +79,14 @@ class TiedParams:
     replicas = self.replicas.get(s)
     if not replicas:
       return theta
-    theta = list(theta)
     place = self.transport.placement[s]
-    for pos, leaf, _, _ in replicas:
-      theta[pos] = place.put_replicated(tied[(leaf, b)])
-    return tuple(theta)
+    return with_param_leaves(
+      theta,
+      {
+        pos: place.put_replicated(tied[(leaf, b)])
+        for pos, leaf, _, _ in replicas
+      },
+    )
 
   def release(self, s, microbatches, tied) -> None:
     """At stage s's step: forgets the values of applied microbatches it

@@ -119,7 +119,7 @@ class WeightedStage:
     rows = self.place.rows
     locs, ins = self._inputs(local, acts, rows)
     runs = {
-      j: self._at(rows[j]).stages.jitted(kind, self.s)(
+      j: self._at(rows[j]).stage_program(kind, self.s)(
         self.place.on_device(theta, j), locs[j], ins[j]
       )
       for j in _active(rows)

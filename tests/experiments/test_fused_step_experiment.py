@@ -67,3 +67,18 @@ def test_writes_the_paired_table_of_tree_and_packed_states(tmp_path):
   assert tree == [74] and packed == [3]
   assert row["params_max_abs_difference"] < 0.05
   assert "| 2 | 4 | adam | 24 | 74 -> **3** |" in table
+
+
+def test_writes_the_paired_table_of_leaves_and_packed_params(tmp_path):
+  record, table = _run("packed_params", tmp_path)
+  (row,) = record["rows"]
+  assert row["actions"] == 24
+  # Stage 0 holds the 2 layers and the embedding (36 leaves), stage 1
+  # the tied embedding's replica; packed, stage 0's one f32 buffer and
+  # the embedding apart (tied leaves are swapped one by one), stage 1's
+  # replica.
+  leaves, packed = row["leaves"]["param_arrays"], row["packed"]["param_arrays"]
+  assert leaves == [37] and packed == [3]
+  # Slicing params out of a buffer changed no result.
+  assert row["params_max_abs_difference"] == 0.0
+  assert "| 2 | 4 | adam | 24 | 37 -> **3** |" in table

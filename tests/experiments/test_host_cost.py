@@ -118,13 +118,14 @@ def test_a_stream_replays_its_backward_and_step_programs():
   }
   assert not [key for key in replay.calls if key[0].startswith("update")]
   got = jax.device_get(replayed.stage_params)
-  # (*results, params, opt_state, replica gradients, input cotangents)
+  # (*results, params, opt_state, replica gradients, input cotangents);
+  # the params as the driver holds them, packed.
   want = [
     replay.outputs[fused[("backward", 0, True)]][-4],
     replay.outputs[fused[("forward_backward", P - 1, True)]][-4],
   ]
   for g, w in zip(got, jax.device_get(want), strict=True):
-    jax.tree.map(np.testing.assert_array_equal, tuple(g), tuple(w))
+    jax.tree.map(np.testing.assert_array_equal, tuple(g), w.unpack())
 
 
 def test_dispatch_seconds_takes_numbers_none_and_arrays():
