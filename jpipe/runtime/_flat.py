@@ -147,30 +147,47 @@ class FlatLayout:
     of the small ones (in ``self.dtypes`` order)."""
     if not self.packed:
       return tuple(leaves)
-    own = []
-    groups = [[] for _ in self.dtypes]
-    for entry, x in zip(self.entries, leaves, strict=True):
-      if entry[0] == "own":
-        own.append(x)
-      else:
-        groups[entry[0]].append(jnp.reshape(x, (-1,)))
-    flat = [jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups]
-    return (*own, *flat)
+    own = [x for e, x in zip(self.entries, leaves, strict=True) if _own(e)]
+    small = [
+      x for e, x in zip(self.entries, leaves, strict=True) if not _own(e)
+    ]
+    return (*own, *self.pack_small(small))
 
   def unpack(self, flat) -> tuple:
     """The inverse of ``pack``."""
     if not self.packed:
       return tuple(flat)
-    leaves = []
-    for entry, shape in zip(self.entries, self.shapes, strict=True):
-      if entry[0] == "own":
-        leaves.append(flat[entry[1]])
-      else:
-        group, offset, size = entry
-        buffer = flat[self.num_own + group]
-        # (Methods, not jnp's functions: host arrays stay on the host.)
-        leaves.append(buffer[offset : offset + size].reshape(shape))
-    return tuple(leaves)
+    flat = tuple(flat)
+    own, packed = flat[: self.num_own], flat[self.num_own :]
+    return self.merged(own, self.unpack_small(packed))
+
+  def pack_small(self, small) -> tuple:
+    """The small leaves alone (in the leaves' order) -> their flat
+    buffers (``pack``'s last ones)."""
+    groups = [[] for _ in self.dtypes]
+    entries = [e for e in self.entries if not _own(e)]
+    for (group, _, _), x in zip(entries, small, strict=True):
+      groups[group].append(jnp.reshape(x, (-1,)))
+    return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups)
+
+  def unpack_small(self, packed) -> tuple:
+    """The flat buffers alone -> the small leaves, in the leaves' order."""
+    return tuple(
+      # (Methods, not jnp's functions: host arrays stay on the host.)
+      packed[entry[0]][entry[1] : entry[1] + entry[2]].reshape(shape)
+      for entry, shape in zip(self.entries, self.shapes, strict=True)
+      if not _own(entry)
+    )
+
+  def merged(self, own, small) -> tuple:
+    """Every leaf, in order, from the big ones and the small ones."""
+    own, small = iter(own), iter(small)
+    return tuple(next(own) if _own(e) else next(small) for e in self.entries)
+
+
+def _own(entry) -> bool:
+  """Whether a layout entry is a leaf with its own buffer."""
+  return entry[0] == "own"
 
 
 def _numeric(dtype) -> bool:

@@ -110,29 +110,12 @@ class StoredParams:
       size * jnp.dtype(dtype).itemsize
       for size, dtype in zip(self.layout.sizes, self.layout.dtypes, strict=True)
     )
-    small_entries = [entries[i] for i in self.small]
-    small_shapes = [self.layout.shapes[i] for i in self.small]
-    groups = len(self.layout.dtypes)
-
-    def pack_small(small):
-      flat = [[] for _ in range(groups)]
-      for (group, _, _), x in zip(small_entries, small, strict=True):
-        flat[group].append(jnp.reshape(x, (-1,)))
-      return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in flat)
-
-    def unpack_small(flat):
-      return tuple(
-        flat[group][offset : offset + size].reshape(shape)
-        for (group, offset, size), shape in zip(
-          small_entries, small_shapes, strict=True
-        )
-      )
-
     # Own leaves never enter a program: a jitted program returns new
     # buffers even for an input it returns unchanged (a copy of every
     # big weight per call).
-    self._pack = jax.jit(pack_small, compiler_options=options or None)
-    self._unpack = jax.jit(unpack_small, compiler_options=options or None)
+    options = options or None
+    self._pack = jax.jit(self.layout.pack_small, compiler_options=options)
+    self._unpack = jax.jit(self.layout.unpack_small, compiler_options=options)
     self._last = (None, None)  # (leaves, packed) of the last conversion
 
   def stored(self, leaves):
@@ -164,11 +147,8 @@ class StoredParams:
     if packed is last_packed:
       return last_leaves
     n = len(self.own)
-    small = iter(self._unpack(packed.buffers[n:]) if self.small else ())
-    own = iter(packed.buffers[:n])
-    leaves = tuple(
-      next(own) if e[0] == "own" else next(small) for e in self.layout.entries
-    )
+    small = self._unpack(packed.buffers[n:]) if self.small else ()
+    leaves = self.layout.merged(packed.buffers[:n], small)
     if remember:
       self._last = (leaves, packed)
     return leaves
