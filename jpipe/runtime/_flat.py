@@ -1,6 +1,6 @@
 """A stage's gradient leaves, and its stored optimizer state
 (``PackedTree``), as few buffers: the small ones packed into one flat
-buffer per dtype, the big ones as they are.
+buffer per dtype (a stored state's: per width), the big ones as they are.
 
 Every array passed to or returned from a jitted call costs the host a few
 microseconds: on the development CPU a call taking and returning 1 array
@@ -13,7 +13,7 @@ dispatch of a 2-layer GPT stage's backward from 960-1,385 µs to
 concatenation: a copy, which for a big leaf costs more than its dispatch
 (``OWN_BUFFER_BYTES``), so big leaves are not packed. An asynchronous
 stage's step returns its whole optimizer state every microbatch: stored
-packed, an Adam state is ~2 arrays where it was twice the leaves and a
+packed, an Adam state is ~1 array where it was twice the leaves and a
 count (experiments/runtime/packed_state.py).
 
 A stage's params are stored packed the same way while the driver runs
@@ -70,8 +70,10 @@ class FlatLayout:
   also slices host arrays). A gradient layout (the default) with a
   non-floating leaf is not packed (``pack``/``unpack`` are identities),
   since its gradient would be float0; a ``storage`` layout (a stored
-  state's: ``PackedTree``) packs numbers of any dtype and keeps apart only
-  what a flat buffer would change: a weakly typed leaf (unpacked it would
+  state's: ``PackedTree``) packs numbers of any dtype, those of one width
+  in one buffer (bitcast to an unsigned integer of that width where
+  dtypes mix: an Adam state's f32 moments and int32 count), and keeps
+  apart only what a flat buffer would change: a weakly typed leaf (unpacked it would
   be strongly typed, and promote differently) and non-numeric ones (PRNG
   keys). Layouts of the same leaves compare equal (a jitted program's
   cache key).
@@ -114,8 +116,30 @@ class FlatLayout:
     else:
       self.packed = all(jnp.issubdtype(d, jnp.inexact) for d in dtypes)
     self.num_own = sum(big)
+    self.leaf_dtypes = tuple(dtypes)
+    # A stored state's small leaves of one width share a buffer whatever
+    # their dtype (an Adam state's f32 moments and int32 count: one buffer
+    # in and out of every step, not two); a gradient's, one per dtype.
+    group_of = _width if storage else (lambda d: ("dtype", d.name))
+    keys = list(
+      dict.fromkeys(
+        group_of(d) for d, b in zip(dtypes, big, strict=True) if not b
+      )
+    )
+    members = [
+      {
+        d
+        for d, b in zip(dtypes, big, strict=True)
+        if not b and group_of(d) == k
+      }
+      for k in keys
+    ]
+    # The buffer's dtype: its leaves' one, else an unsigned integer of
+    # their width they are bitcast to (no float semantics on the bits:
+    # an integer's bits are no float's denormal to flush).
     self.dtypes: tuple = tuple(
-      dict.fromkeys(d for d, b in zip(dtypes, big, strict=True) if not b)
+      next(iter(m)) if len(m) == 1 else jnp.dtype(f"uint{8 * k[1]}")
+      for k, m in zip(keys, members, strict=True)
     )
     # Per leaf: ("own", buffer index) or (group, offset, size) in group
     # buffer num_own + group.
@@ -127,14 +151,20 @@ class FlatLayout:
         self.entries.append(("own", own))
         own += 1
         continue
-      group = self.dtypes.index(dtype)
+      group = keys.index(group_of(dtype))
       self.entries.append((group, sizes[group], size))
       sizes[group] += size
     self.sizes = tuple(sizes)
     self.entries = tuple(self.entries)
 
   def _key(self) -> tuple:
-    return (self.packed, self.shapes, self.dtypes, self.entries)
+    return (
+      self.packed,
+      self.shapes,
+      self.leaf_dtypes,
+      self.dtypes,
+      self.entries,
+    )
 
   def __eq__(self, other) -> bool:
     return isinstance(other, FlatLayout) and self._key() == other._key()
@@ -167,15 +197,22 @@ class FlatLayout:
     groups = [[] for _ in self.dtypes]
     entries = [e for e in self.entries if not _own(e)]
     for (group, _, _), x in zip(entries, small, strict=True):
-      groups[group].append(jnp.reshape(x, (-1,)))
+      x = jnp.reshape(x, (-1,))
+      if x.dtype != self.dtypes[group]:
+        x = jax.lax.bitcast_convert_type(x, self.dtypes[group])
+      groups[group].append(x)
     return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups)
 
   def unpack_small(self, packed) -> tuple:
     """The flat buffers alone -> the small leaves, in the leaves' order."""
     return tuple(
       # (Methods, not jnp's functions: host arrays stay on the host.)
-      packed[entry[0]][entry[1] : entry[1] + entry[2]].reshape(shape)
-      for entry, shape in zip(self.entries, self.shapes, strict=True)
+      _bitcast(packed[entry[0]][entry[1] : entry[1] + entry[2]], dtype).reshape(
+        shape
+      )
+      for entry, shape, dtype in zip(
+        self.entries, self.shapes, self.leaf_dtypes, strict=True
+      )
       if not _own(entry)
     )
 
@@ -190,6 +227,33 @@ def _own(entry) -> bool:
   return entry[0] == "own"
 
 
+def _width(dtype):
+  """A stored leaf's buffer group: real numbers by their width (bitcast
+  to one another losslessly), anything else (booleans, complex numbers)
+  by its dtype."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.integer):
+    bits = jnp.iinfo(dtype).bits
+  elif jnp.issubdtype(dtype, jnp.floating):
+    bits = jnp.finfo(dtype).bits
+  else:
+    return ("dtype", dtype.name)
+  # (Sub-byte types, int4's, fill a byte each but bitcast by their bits.)
+  if bits != 8 * dtype.itemsize:
+    return ("dtype", dtype.name)
+  return ("width", dtype.itemsize)
+
+
+def _bitcast(x, dtype):
+  """``x``'s bits as ``dtype`` (same width): a view on the host, a
+  bitcast in a program."""
+  if x.dtype == dtype:
+    return x
+  if isinstance(x, np.ndarray):
+    return x.view(dtype)
+  return jax.lax.bitcast_convert_type(x, dtype)
+
+
 def _numeric(dtype) -> bool:
   """Whether a flat buffer holds leaves of ``dtype`` unchanged (numbers
   and booleans; not PRNG keys or other extended dtypes)."""
@@ -199,15 +263,16 @@ def _numeric(dtype) -> bool:
 @jax.tree_util.register_pytree_node_class
 class PackedTree:
   """A pytree stored as few arrays: its small leaves in one flat buffer
-  per dtype, the big ones as they are (a storage ``FlatLayout``).
+  per width, the big ones as they are (a storage ``FlatLayout``).
 
   Its pytree children are those buffers, so a jitted program taking or
   returning it handles a few arrays instead of every leaf (a stage's
-  Adam state: its 2 x leaves moments and a count -> ~2 arrays), each of
+  Adam state: its 2 x leaves moments and a count -> ~1 array), each of
   which costs the host microseconds per call. ``unpack`` is the tree
   (traceable: a program unpacks at its start and ``pack``s what it
   returns, the same per-leaf math; on host arrays it slices on the
-  host). Built by ``pack``; ``jax.tree.map`` over it maps the buffers.
+  host). Built by ``pack``; ``jax.tree.map`` over it maps the buffers
+  (bits, not numbers, where dtypes share one: an unsigned integer's).
 
   Attributes:
     buffers: the stored arrays (``layout.pack``'s order).

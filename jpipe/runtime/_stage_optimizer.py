@@ -59,8 +59,8 @@ class StageOptimizer:
     compiler_options: XLA options of its programs (``jax.jit``'s).
     state_own_bytes: with it, the optimizer state is stored packed
       (``init`` and every step return a ``PackedTree``: leaves of at
-      least this many bytes apart, the rest one buffer per dtype; a
-      stage's Adam state is then ~2 arrays where it was twice its leaves
+      least this many bytes apart, the rest one buffer per width; a
+      stage's Adam state is then ~1 array where it was twice its leaves
       and a count, each a few microseconds of every step's dispatch).
       None: stored as optax's tree. ``state_tree`` reads either.
   """

@@ -61,12 +61,12 @@ def test_writes_the_paired_table_of_tree_and_packed_states(tmp_path):
   # Adam over a tiny GPT's leaves (all below 16 KiB). The plan puts the
   # 2 layers on stage 0; stage 1 holds only the tied embedding's
   # replica, which stage 0 steps: as trees 36 leaves' two moments and a
-  # count, plus stage 1's count; packed, stage 0's one f32 buffer and
-  # its count's int32 one, plus stage 1's count.
+  # count, plus stage 1's count; packed, stage 0's one 32-bit buffer (its
+  # f32 moments and int32 count), plus stage 1's count.
   tree, packed = row["tree"]["state_arrays"], row["packed"]["state_arrays"]
-  assert tree == [74] and packed == [3]
+  assert tree == [74] and packed == [2]
   assert row["params_max_abs_difference"] < 0.05
-  assert "| 2 | 4 | adam | 24 | 74 -> **3** |" in table
+  assert "| 2 | 4 | adam | 24 | 74 -> **2** |" in table
 
 
 def test_writes_the_paired_table_of_leaves_and_packed_params(tmp_path):

@@ -161,8 +161,10 @@ def test_packed_state_keeps_weak_types_and_layout_equality():
     "rate": jnp.asarray(0.1),  # Weakly typed.
   }
   packed = PackedTree.pack(tree, float("inf"))
-  # f32, bf16 and int32 buffers, the weak leaf apart.
-  assert len(packed.buffers) == 4
+  # The weak leaf apart; a 32-bit buffer (f32 and int32 bitcast to
+  # uint32), a bf16 one.
+  assert len(packed.buffers) == 3
+  assert [b.dtype for b in packed.buffers[1:]] == [jnp.uint32, jnp.bfloat16]
   back = packed.unpack()
   assert back["rate"].weak_type and not back["m"].weak_type
   assert back["n"].dtype == jnp.bfloat16 and back["count"].dtype == jnp.int32
@@ -179,3 +181,41 @@ def test_packed_state_keeps_weak_types_and_layout_equality():
   assert double._cache_size() == 1  # The same program for its own output.
   for k, x in out.unpack().items():
     np.testing.assert_array_equal(x, tree[k] * 2)
+
+
+def test_leaves_of_one_width_share_a_buffer_bit_for_bit():
+  """Stored leaves of one width and different dtypes share a buffer
+  (bitcast to an unsigned integer); every bit comes back, in a program
+  and on the host, even those a float op would change (NaN payloads,
+  denormals, an int whose bits are a float NaN)."""
+  bits = np.array([0x7FC00001, 0x00000001, 0xFFFFFFFF, 0x80000000], np.uint32)
+  tree = {
+    "f": bits.view(np.float32),  # A NaN with a payload, a denormal...
+    "i": np.array([-1, 2**31 - 1, 7], np.int32),
+    "u": np.array([3], np.uint32),
+    "h": np.array([1.5, -0.0], jnp.bfloat16),
+    "s": np.array([-2], np.int16),
+    "b": np.array([True, False]),
+  }
+  tree = jax.tree.map(jnp.asarray, tree)
+  packed = PackedTree.pack(tree, float("inf"))
+  # Bool, 32-bit (f32, int32, uint32) and 16-bit (bf16, int16) buffers,
+  # in the order of the sorted keys' first leaves.
+  assert [(b.dtype, b.shape) for b in packed.buffers] == [
+    (jnp.bool_, (2,)),
+    (jnp.uint32, (8,)),
+    (jnp.uint16, (3,)),
+  ]
+  roundtrip = jax.jit(lambda p: p.repack(p.unpack()))(packed)
+  for back in (
+    packed.unpack(),
+    roundtrip.unpack(),
+    jax.device_get(roundtrip).unpack(),  # Sliced and viewed on the host.
+  ):
+    for k, x in tree.items():
+      y = back[k]
+      assert y.dtype == x.dtype and y.shape == x.shape, k
+      width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
+      np.testing.assert_array_equal(
+        np.asarray(y).view(width), np.asarray(x).view(width), err_msg=k
+      )
