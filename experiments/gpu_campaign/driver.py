@@ -37,6 +37,9 @@ GRID = {
   "quick": [(2, 4)],  # Each code path once (a test, not a table).
   "full": [(p, m) for p in (2, 4, 8) for m in (8, 32)],
 }
+# --quick: each code path once, at the least size that runs it (the
+# test compiles every program: a 4-layer GPT, the profile at p = 2).
+QUICK = dict(layers=4, profile=dict(p=2, m=4, steps=2), widths="128")
 
 
 def host_profile(loss_fn, params, batch, p=4, m=32, steps=5) -> dict:
@@ -83,12 +86,14 @@ def host_profile(loss_fn, params, batch, p=4, m=32, steps=5) -> dict:
 def main(args):
   grid = GRID["quick" if args.quick else "full"]
   repeats = 3 if args.quick else 10
+  size = dict(TINY, layers=QUICK["layers"]) if args.quick else TINY
   results = _common.Results(
-    args.out, "driver", {**TINY, "repeats": repeats, "grid": grid}
+    args.out, "driver", {**size, "repeats": repeats, "grid": grid}
   )
   budget = _common.Budget(args.budget)
-  loss_fn, params, batch, _ = _common.language_model(**TINY)
-  results.note("host_profile", host_profile(loss_fn, params, batch))
+  loss_fn, params, batch, _ = _common.language_model(**size)
+  profile = QUICK["profile"] if args.quick else {}
+  results.note("host_profile", host_profile(loss_fn, params, batch, **profile))
   # The stream with its steps apart and inside their backwards' programs
   # (``Partitioning.fuse_step``): on a GPU the update may also fuse into
   # the gradient's kernels, so its cost and its bits are measured here.
@@ -135,7 +140,7 @@ def main(args):
           **host_breakdown(pipe, run, actions, repeats),
         }
       )
-  widths = "128,512" if args.quick else "256,512,1024,2048,4096"
+  widths = QUICK["widths"] if args.quick else "256,512,1024,2048,4096"
   # Its own files go to a scratch folder: this part's JSON (with the run's
   # date, device and commit) carries the record.
   with tempfile.TemporaryDirectory() as scratch:
