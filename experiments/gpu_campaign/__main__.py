@@ -30,7 +30,7 @@ PARTS = {
   "memory": 150,
   "stage_times": 90,
   "driver": 90,
-  "multi_device": 120,
+  "multi_device": 240,  # 5 schedules
   "profile": 120,
 }
 # --quick runs every row of every part (a test of the code paths, not a

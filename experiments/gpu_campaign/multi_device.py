@@ -1,11 +1,14 @@
 r"""On a machine with several devices: the pipeline's speed-up over one.
 
-The overhead part's GPT on p = every device (at most 8), one stage per
-device, 1f1b and the streaming asynchronous schedule, recompute off,
-against the same model as one jitted step on one device: speed-up =
-reference time / pipeline time (ideal p, less the bubble: m / (m + p - 1)
-for 1f1b). With one device the part records why it did nothing. The
-zero-bubble schedules join it when they land (issue 33).
+The overhead part's GPT on p = every device (at most 8), 1f1b, the
+streaming asynchronous schedule and the zero-bubble ones (ZB-H1: one
+stage per device, its backward split in I and W; ZB-V and DualPipeV: 2p
+stages in a V, two per device), recompute off, against the same model as
+one jitted step on one device: speed-up = reference time / pipeline time
+(ideal p, less the bubble: m / (m + p - 1) for 1f1b, which the
+zero-bubble schedules fill with W). With one device the part records why
+it did nothing. ``--quick`` runs each code path once (DualPipeV's
+actions are ZB-V's, in another order: full runs only).
 
 Usage: python -m experiments.gpu_campaign.multi_device [--quick] --out DIR
 """
@@ -16,6 +19,10 @@ import optax
 import jpipe
 from experiments.gpu_campaign import _common
 from experiments.gpu_campaign.overhead import SIZES, timed_runner
+
+SCHEDULES = ("1f1b", "async", "zbh1", "zbv", "dualpipev")
+QUICK_SCHEDULES = ("1f1b", "async", "zbh1", "zbv")
+V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per device
 
 
 def main(args):
@@ -34,7 +41,7 @@ def main(args):
   budget = _common.Budget(args.budget)
   loss_fn, params, batch, _ = _common.language_model(**size, dtype=args.dtype)
   tx = optax.adamw(1e-4)
-  for schedule in ("1f1b", "async"):
+  for schedule in QUICK_SCHEDULES if args.quick else SCHEDULES:
     if budget.spent:
       results.note("stopped_by_budget", True)
       break
@@ -42,11 +49,12 @@ def main(args):
     reference = _common.reference_step(
       loss_fn, params, batch, m, tx, update_every_microbatch=asynchronous
     )
+    stages = 2 * p if schedule in V_SCHEDULES else p
     pipe = jpipe.Pipeline(
       loss_fn,
       params,
       batch,
-      num_stages=p,
+      num_stages=stages,
       devices=jax.devices()[:p],
       schedule=schedule,
       num_microbatches=m,
@@ -61,7 +69,8 @@ def main(args):
     results.add(
       {
         "schedule": schedule,
-        "stages": p,
+        "stages": stages,
+        "devices": p,
         **summary,
         "speedup": 1.0 / summary["ratio"],
         "ideal_1f1b": p * m / (m + p - 1),

@@ -82,10 +82,11 @@ def _check_driver(out):
 
 def _check_multi_device(out):
   # conftest gives the children 8 CPU devices: the multi-device part runs.
-  assert {r["schedule"] for r in _load(out, "multi_device")["rows"]} == {
-    "1f1b",
-    "async",
-  }
+  rows = {r["schedule"]: r for r in _load(out, "multi_device")["rows"]}
+  assert set(rows) == {"1f1b", "async", "zbh1", "zbv"}
+  assert all(r["devices"] == 2 and r["speedup"] > 0 for r in rows.values())
+  # ZB-V: two stages per device, in a V.
+  assert rows["zbv"]["stages"] == 4 and rows["zbh1"]["stages"] == 2
 
 
 def _check_profile(out):
