@@ -73,9 +73,9 @@ class FlatLayout:
   state's: ``PackedTree``) packs numbers of any dtype, those of one width
   in one buffer (bitcast to an unsigned integer of that width where
   dtypes mix: an Adam state's f32 moments and int32 count), and keeps
-  apart only what a flat buffer would change: a weakly typed leaf (unpacked it would
-  be strongly typed, and promote differently) and non-numeric ones (PRNG
-  keys). Layouts of the same leaves compare equal (a jitted program's
+  apart only what a flat buffer would change: a weakly typed leaf
+  (unpacked it would be strongly typed, and promote differently) and
+  non-numeric ones (PRNG keys). Layouts of the same leaves compare equal (a jitted program's
   cache key).
 
   Args:
