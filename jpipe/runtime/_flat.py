@@ -121,25 +121,17 @@ class FlatLayout:
     # their dtype (an Adam state's f32 moments and int32 count: one buffer
     # in and out of every step, not two); a gradient's, one per dtype.
     group_of = _width if storage else (lambda d: ("dtype", d.name))
-    keys = list(
-      dict.fromkeys(
-        group_of(d) for d, b in zip(dtypes, big, strict=True) if not b
-      )
-    )
-    members = [
-      {
-        d
-        for d, b in zip(dtypes, big, strict=True)
-        if not b and group_of(d) == k
-      }
-      for k in keys
-    ]
+    members = {}  # group -> its leaves' dtypes, groups in first-leaf order
+    for d, b in zip(dtypes, big, strict=True):
+      if not b:
+        members.setdefault(group_of(d), set()).add(d)
+    keys = list(members)
     # The buffer's dtype: its leaves' one, else an unsigned integer of
     # their width they are bitcast to (no float semantics on the bits:
     # an integer's bits are no float's denormal to flush).
     self.dtypes: tuple = tuple(
       next(iter(m)) if len(m) == 1 else jnp.dtype(f"uint{8 * k[1]}")
-      for k, m in zip(keys, members, strict=True)
+      for k, m in members.items()
     )
     # Per leaf: ("own", buffer index) or (group, offset, size) in group
     # buffer num_own + group.
