@@ -75,8 +75,8 @@ class FlatLayout:
   dtypes mix: an Adam state's f32 moments and int32 count), and keeps
   apart only what a flat buffer would change: a weakly typed leaf
   (unpacked it would be strongly typed, and promote differently) and
-  non-numeric ones (PRNG keys). Layouts of the same leaves compare equal (a jitted program's
-  cache key).
+  non-numeric ones (PRNG keys). Layouts of the same leaves compare equal
+  (a jitted program's cache key).
 
   Args:
     leaves: the tuple's leaves (arrays or avals).
@@ -121,11 +121,12 @@ class FlatLayout:
     # their dtype (an Adam state's f32 moments and int32 count: one buffer
     # in and out of every step, not two); a gradient's, one per dtype.
     group_of = _width if storage else (lambda d: ("dtype", d.name))
+    group_keys = [group_of(d) for d in dtypes]
     members = {}  # group -> its leaves' dtypes, groups in first-leaf order
-    for d, b in zip(dtypes, big, strict=True):
+    for key, d, b in zip(group_keys, dtypes, big, strict=True):
       if not b:
-        members.setdefault(group_of(d), set()).add(d)
-    keys = list(members)
+        members.setdefault(key, set()).add(d)
+    index = {key: i for i, key in enumerate(members)}
     # The buffer's dtype: its leaves' one, else an unsigned integer of
     # their width they are bitcast to (no float semantics on the bits:
     # an integer's bits are no float's denormal to flush).
@@ -138,12 +139,12 @@ class FlatLayout:
     self.entries = []
     sizes = [0] * len(self.dtypes)
     own = 0
-    for size, dtype, is_big in zip(sizes_of, dtypes, big, strict=True):
+    for size, key, is_big in zip(sizes_of, group_keys, big, strict=True):
       if is_big:
         self.entries.append(("own", own))
         own += 1
         continue
-      group = keys.index(group_of(dtype))
+      group = index[key]
       self.entries.append((group, sizes[group], size))
       sizes[group] += size
     self.sizes = tuple(sizes)
@@ -189,10 +190,7 @@ class FlatLayout:
     groups = [[] for _ in self.dtypes]
     entries = [e for e in self.entries if not _own(e)]
     for (group, _, _), x in zip(entries, small, strict=True):
-      x = jnp.reshape(x, (-1,))
-      if x.dtype != self.dtypes[group]:
-        x = jax.lax.bitcast_convert_type(x, self.dtypes[group])
-      groups[group].append(x)
+      groups[group].append(_bitcast(jnp.reshape(x, (-1,)), self.dtypes[group]))
     return tuple(jnp.concatenate(g) if len(g) > 1 else g[0] for g in groups)
 
   def unpack_small(self, packed) -> tuple:
