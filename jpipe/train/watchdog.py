@@ -20,6 +20,8 @@ evaluation longer than 300 s before any has been timed needs a larger
 """
 
 import faulthandler
+import functools
+import importlib.util
 import linecache
 import os
 import statistics
@@ -188,13 +190,34 @@ def _source(f, width: int = 100) -> str:
   return code if len(code) <= width else code[: width - 3] + "..."
 
 
+# The packages whose frames are named from their own folder.
+_NAMED_PACKAGES = ("jpipe", "jax", "jaxlib", "orbax", "flax")
+
+
+@functools.cache
+def _package_folders() -> tuple[tuple[str, str], ...]:
+  """(name, folder + separator) of each of ``_NAMED_PACKAGES`` installed:
+  where its own files are, wherever the checkout or environment lives (a
+  clone named ``jpipe`` holds ``jpipe/jpipe/``)."""
+  found = []
+  for name in _NAMED_PACKAGES:
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      continue
+    for folder in (spec and spec.submodule_search_locations) or ():
+      found.append((name, os.path.realpath(folder) + os.sep))
+  return tuple(found)
+
+
 def _frame_name(f) -> str:
-  """``package/path.py:line in function``, the path from the package."""
+  """``package/path.py:line in function``: the path within its package's
+  own folder (any other file keeps its full path)."""
   path = f.filename
-  for root in ("jpipe", "jax", "jaxlib", "orbax", "flax"):
-    marker = f"{os.sep}{root}{os.sep}"
-    if marker in path:
-      path = root + os.sep + path.split(marker, 1)[1]
+  real = os.path.realpath(path)
+  for name, folder in _package_folders():
+    if real.startswith(folder):
+      path = name + os.sep + real[len(folder) :]
       break
   return f"{path}:{f.lineno} in {f.name}"
 

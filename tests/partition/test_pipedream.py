@@ -3,7 +3,6 @@
 import itertools
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -15,15 +14,16 @@ from hypothesis import strategies as st
 
 from jpipe import partition
 from jpipe.partition import _antichain, _plan
-from jpipe.partition._graph_txt import ProfileGraph, load_pipedream_profile
-
-PROFILES = os.path.join(
-  os.path.dirname(__file__), "..", "..", "..", "shared", "profiles", "pipedream"
+from jpipe.partition._graph_txt import (
+  ProfileGraph,
+  load_pipedream_profile,
+  profile_path,
 )
 
 
 def _profile(name):
-  return load_pipedream_profile(os.path.join(PROFILES, name))
+  """One of PipeDream's 14 published profiles, as jpipe ships them."""
+  return load_pipedream_profile(name)
 
 
 def _graph(costs, edges, descriptions=None, acts=None, params=None):
@@ -452,7 +452,7 @@ def _cli(*args):
 
 
 def test_cli_pipedream_json():
-  path = os.path.join(PROFILES, "vgg16")
+  path = profile_path("vgg16")
   run = _cli("--pipedream-profile", path, "--machines", "4", "--json")
   assert run.returncode == 0, run.stderr
   result = json.loads(run.stdout)
@@ -479,8 +479,9 @@ def test_cli_pipedream_json():
   assert json.loads(run.stdout)["replicas"] == [12, 3, 1]
 
 
+@pytest.mark.slow
 def test_cli_pipedream_flags_and_errors():
-  path = os.path.join(PROFILES, "alexnet")
+  path = profile_path("alexnet")
   run = _cli("--pipedream-profile", path, "--stages", "30", "--straight")
   assert run.returncode == 2 and "at most 22 stages" in run.stderr
   run = _cli(

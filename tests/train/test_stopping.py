@@ -50,3 +50,20 @@ def test_watchdog_timeout_follows_steps_and_evaluations():
   dog.beat("after an evaluation", other_seconds=200.0)
   assert dog.timeout() == 600.0
   assert Watchdog(42.0).timeout() == 42.0
+
+
+def test_watchdog_names_frames_from_each_package_own_folder(tmp_path):
+  """A frame in jpipe is named from jpipe's own folder; a file in some
+  other folder named ``jpipe`` (a clone's, the checkout's root) keeps its
+  whole path instead of being cut at the first ``/jpipe/``."""
+  import types
+
+  import jpipe.train.watchdog as watchdog
+
+  def frame(filename):
+    return types.SimpleNamespace(filename=filename, lineno=7, name="f")
+
+  own = frame(watchdog.__file__)
+  assert watchdog._frame_name(own) == "jpipe/train/watchdog.py:7 in f"
+  outside = tmp_path / "jpipe" / "jpipe" / "train" / "loop.py"
+  assert watchdog._frame_name(frame(str(outside))) == f"{outside}:7 in f"
