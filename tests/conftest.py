@@ -61,3 +61,81 @@ def fast_compiles():
   jax.config.update("jax_disable_most_optimizations", True)
   yield
   jax.config.update("jax_disable_most_optimizations", previous)
+
+
+# Where the suite's time goes: XLA compilations per test (the suite is
+# compile-bound on 2 cores). `--compile-times=N` lists the N tests that
+# spent the most seconds in XLA's backend compiler, with their compile
+# and persistent-cache-hit counts (BUILD.md, "Tests").
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_compiled = {"seconds": 0.0, "compiles": 0, "cache_hits": 0}
+
+
+def _on_duration(event, duration, **_):
+  if event == _COMPILE_EVENT:
+    _compiled["seconds"] += duration
+    _compiled["compiles"] += 1
+
+
+def _on_event(event, **_):
+  if event == _CACHE_HIT_EVENT:
+    _compiled["cache_hits"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--compile-times",
+    type=int,
+    default=0,
+    metavar="N",
+    help="list the N tests with the most XLA compile seconds",
+  )
+
+
+_COMPILED_KEY = pytest.StashKey[dict]()
+_compile_rows = []  # (seconds, counts, test id) as reports arrive.
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Counts the test's compilations, setup and teardown included."""
+  item.stash[_COMPILED_KEY] = dict(_compiled)
+  yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if call.when == "teardown" and _COMPILED_KEY in item.stash:
+    before = item.stash[_COMPILED_KEY]
+    spent = {k: _compiled[k] - before[k] for k in _compiled}
+    report.user_properties.append(("xla_compile", spent))
+
+
+def pytest_runtest_logreport(report):
+  """(Under xdist, in the controller: the workers' reports.)"""
+  for name, spent in report.user_properties:
+    if name == "xla_compile":
+      _compile_rows.append((spent["seconds"], spent, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  count = config.getoption("--compile-times")
+  if not count:
+    return
+  rows = sorted(_compile_rows, key=lambda r: -r[0])
+  total = sum(r[0] for r in rows)
+  terminalreporter.section(
+    f"XLA compile time: {total:.0f} s in all, the {count} most"
+  )
+  for seconds, spent, nodeid in rows[:count]:
+    terminalreporter.write_line(
+      f"{seconds:8.2f}s {spent['compiles']:5d} compiles "
+      f"{spent['cache_hits']:5d} cache hits  {nodeid}"
+    )

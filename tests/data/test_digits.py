@@ -46,6 +46,7 @@ def test_second_load_reuses_prepared_files(data_dir, monkeypatch):
   assert images.shape == (10, 8, 8, 1) and labels.shape == (10,)
 
 
+@pytest.mark.slow
 def test_processes_building_at_once_both_get_the_dataset(tmp_path):
   """The first build is locked: two processes that find no dataset (test
   workers on a fresh machine) do not collide on TFDS's final rename."""

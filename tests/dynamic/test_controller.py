@@ -25,6 +25,7 @@ def _run(policy, inject="1:4:6:16", steps=24, horizon_steps=50):
   return dp, start, reported
 
 
+@pytest.mark.slow
 def test_jpipe_policy_moves_off_the_slowed_device_and_back():
   dp, start, reported = _run("jpipe")
   assert reported == dp.history and len(reported) == 2
@@ -44,6 +45,7 @@ def test_jpipe_policy_moves_off_the_slowed_device_and_back():
   assert sigma[12] == pytest.approx(4.0, rel=0.25)
 
 
+@pytest.mark.slow
 def test_dynpipe_policy_picks_among_its_candidate_cuts():
   dp, start, reported = _run("dynpipe")
   assert reported
@@ -54,6 +56,7 @@ def test_dynpipe_policy_picks_among_its_candidate_cuts():
   assert first["new"][1] in cuts and first["new"][1] > start[1]
 
 
+@pytest.mark.slow
 def test_static_policy_measures_but_never_switches():
   dp, start, reported = _run("static", steps=12)
   assert reported == [] and dp.boundaries == start
@@ -62,6 +65,7 @@ def test_static_policy_measures_but_never_switches():
   assert max(w.sigma[1] for w in dp.windows) > 2.5
 
 
+@pytest.mark.slow
 def test_no_switch_when_the_gain_cannot_pay_for_it():
   """One step of horizon: the slowdown is seen, but the predicted gain
   over one step is below the cost of a new pipeline."""

@@ -178,6 +178,7 @@ def test_dynpipe_split_takes_a_per_split_slowdown_function():
 
 
 @pytest.mark.usefixtures("fast_compiles")
+@pytest.mark.slow
 def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   """The library's own data: stage times on several splits with device
   slowdowns (sleeps), a forest fitted on them, and a controller using it

@@ -103,6 +103,7 @@ def _hybrid(inject, examples=8, policy="jpipe", **extra):
   return dp, params, batch
 
 
+@pytest.mark.slow
 def test_a_slowed_replica_slows_its_group_and_layers_leave_it():
   """Device 1 (a replica of slot 0) 4x slower from step 6: the group's
   SPMD program runs at its pace, slot 0 reads slowed, and layers move to
@@ -142,6 +143,7 @@ def _run(dp, params, batch, steps):
   return state, balanced, moved
 
 
+@pytest.mark.slow
 def test_a_weighted_group_gives_a_slowed_replica_fewer_examples():
   """DynPipe's DP-stage load balancing: device 1 (a replica of slot 0)
   4x slower from step 6 to 12. Its group re-splits each microbatch of 6
@@ -167,6 +169,7 @@ def test_a_weighted_group_gives_a_slowed_replica_fewer_examples():
   assert np.isfinite(float(dp.evaluate(state, batch)["loss"]))
 
 
+@pytest.mark.slow
 def test_a_weighted_groups_split_survives_a_repartition():
   """Device 1 2x slower throughout: slot 0's replicas re-split 4 : 2.
   Then device 2 (slot 1) 4x slower from step 8: layers move to slot 0,
@@ -183,6 +186,7 @@ def test_a_weighted_groups_split_survives_a_repartition():
   assert dp.plan.stage_devices == ((0, 1), (2,))
 
 
+@pytest.mark.slow
 def test_a_static_policy_does_not_rebalance():
   dp, params, batch = _hybrid(
     "1:4:2", examples=24, policy="static", replica_routing="weighted"

@@ -50,6 +50,7 @@ def _batches(batch, count):
   ]
 
 
+@pytest.mark.slow
 def test_sync_run_with_a_repartition_equals_one_without():
   build, first, moved, params, batch = _setup("gpipe")
   data = _batches(batch, 4)
@@ -81,6 +82,7 @@ def test_sync_run_with_a_repartition_equals_one_without():
   assert record.new[0] == (0, moved.stage_of_node.index(1))
 
 
+@pytest.mark.slow
 def test_async_switch_keeps_momentum_and_reuses_seen_plans():
   build, first, moved, params, batch = _setup("async", weight_stashing=True)
   switch = dynamic.PlanSwitch(build, first)

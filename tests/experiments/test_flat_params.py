@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
+@pytest.mark.slow
 def test_writes_the_table_and_json_of_programs_that_agree(tmp_path):
   subprocess.run(
     [

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -38,6 +39,7 @@ def _run(module, tmp_path) -> tuple[dict, str]:
   ).read_text()
 
 
+@pytest.mark.slow
 def test_writes_the_paired_table_of_pipelines_that_train_alike(tmp_path):
   record, table = _run("fused_step", tmp_path)
   assert record["commit"] and record["date"] and record["jax"]
@@ -53,6 +55,7 @@ def test_writes_the_paired_table_of_pipelines_that_train_alike(tmp_path):
   assert "| 2 | 4 | adam | 24 | 20 -> **12** |" in table
 
 
+@pytest.mark.slow
 def test_writes_the_paired_table_of_tree_and_packed_states(tmp_path):
   record, table = _run("packed_state", tmp_path)
   assert record["commit"] and record["date"] and record["jax"]
@@ -69,6 +72,7 @@ def test_writes_the_paired_table_of_tree_and_packed_states(tmp_path):
   assert "| 2 | 4 | adam | 24 | 74 -> **2** |" in table
 
 
+@pytest.mark.slow
 def test_writes_the_paired_table_of_leaves_and_packed_params(tmp_path):
   record, table = _run("packed_params", tmp_path)
   (row,) = record["rows"]

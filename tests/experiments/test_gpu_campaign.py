@@ -150,6 +150,7 @@ def test_quick_campaign_part_runs_and_writes_its_rows(tmp_path, part):
   CHECKS[part](tmp_path)
 
 
+@pytest.mark.slow
 def test_a_failing_part_is_recorded_and_the_next_one_runs(
   tmp_path, monkeypatch
 ):
@@ -182,6 +183,7 @@ def test_unknown_part_is_refused_before_anything_runs(tmp_path, capsys):
   assert not (tmp_path / "campaign.json").exists()
 
 
+@pytest.mark.slow
 def test_training_flops_match_xla_count_of_the_forward():
   # XLA's own count of one forward's FLOPs (the matmuls dominate) against
   # the formula's forward third.
@@ -201,6 +203,7 @@ def test_training_flops_match_xla_count_of_the_forward():
   assert formula == pytest.approx(xla, rel=0.1)
 
 
+@pytest.mark.slow
 def test_the_recomputing_reference_runs_the_forward_again_to_the_same_step():
   loss_fn, params, batch, _ = _common.language_model(
     layers=2, width=16, heads=2, length=8, batch=4, dtype="float32"

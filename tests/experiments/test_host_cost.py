@@ -38,6 +38,7 @@ def _own_attributes(pipe):
   return dict(vars(driver.programs)), [dict(vars(o)) for o in driver.optimizers]
 
 
+@pytest.mark.slow
 def test_a_replayed_step_runs_the_recorded_programs_outputs():
   """gpipe, 2 stages, 4 microbatches, last stage fused: the replayed
   step calls each stage program as often as the schedule says, and
@@ -70,6 +71,7 @@ def test_a_replayed_step_runs_the_recorded_programs_outputs():
   assert any(jax.tree.leaves(changed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "async"])
 def test_the_breakdown_adds_up_to_the_host_time(schedule):
   pipe, params, batch = _pipeline(schedule)

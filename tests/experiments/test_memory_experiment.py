@@ -9,6 +9,7 @@ from experiments.runtime import memory
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
+@pytest.mark.slow
 def test_memory_table_matches_xla_where_exact(tmp_path):
   rows = memory.run((2,), width=32, layers=2)
   assert len(rows) == 2 * len(memory.SETTINGS)

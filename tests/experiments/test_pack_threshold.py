@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
+@pytest.mark.slow
 def test_writes_the_ratio_per_round_of_each_size_with_the_default_marked(
   tmp_path,
 ):

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
+@pytest.mark.slow
 def test_writes_the_table_and_rows(tmp_path):
   done = subprocess.run(
     [
@@ -40,6 +43,7 @@ def test_writes_the_table_and_rows(tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_memory_model_bounds_xla_at_full_size(tmp_path):
   """experiments/seeds/memory.py: BERT-large's largest stage compiled on
   shapes at full size; the partitioner's prediction for its backward

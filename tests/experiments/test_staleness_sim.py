@@ -66,6 +66,7 @@ def _reference_two_stages(units, data, lr, stash):
   return np.asarray(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,stash", [("none", False), ("ws", True)])
 def test_two_stage_pipeline_matches_reference(method, stash):
   data, units = _setup()
@@ -80,6 +81,7 @@ def test_two_stage_pipeline_matches_reference(method, stash):
   np.testing.assert_allclose(out["train_loss"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_one_stage_is_plain_training():
   data, units = _setup()
   opt = pipeline_sim.OptimizerSpec("adam", learning_rate=1e-2)
@@ -115,6 +117,7 @@ def test_bad_stage_counts_and_methods():
     )
 
 
+@pytest.mark.slow
 def test_run_writes_tables_json_and_png(tmp_path):
   """The study's entry point end to end, shrunk to seconds."""
   # Defines absl flags of its own at import: imported inside the

@@ -23,6 +23,7 @@ def test_union_of_intervals_matches_a_grid_count():
     assert got == covered.sum()
 
 
+@pytest.mark.slow
 def test_a_traced_pipeline_is_broken_down_by_op_kind(tmp_path):
   pipe, params, batch = mlp_pipeline(
     "async", optax.sgd(0.1), 3, num_stages=3, weight_stashing=True

@@ -73,6 +73,7 @@ def _reference(p, inputs, targets, layers):
   return y @ p["classifier"]["kernel"] + p["classifier"]["bias"]
 
 
+@pytest.mark.slow
 def test_logits_equal_a_numpy_restatement():
   model = gnmt.Model(vocab_size=13, hidden=8, num_layers=3, dropout=0.0)
   rng = np.random.default_rng(0)

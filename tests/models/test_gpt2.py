@@ -6,6 +6,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from jpipe.models import gpt2
 from tests.models import hf_loading
@@ -35,6 +36,7 @@ def test_sizes_have_the_published_parameter_counts():
     assert total == count, (size, total)
 
 
+@pytest.mark.slow
 def test_the_pretrained_model_through_two_stages_keeps_its_loss():
   """The tied embedding on the first and last stages, from HuggingFace's
   weights (read as they are placed): the loss through the pipeline is

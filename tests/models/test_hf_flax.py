@@ -22,6 +22,7 @@ from tests.models import hf_loading
 from tests.models.test_bert import BERT_TINY
 from tests.models.test_gpt2 import GPT2_TINY
 from tests.models.test_t5_v1 import TINY
+from tests.tiers import slow
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "hf_reference")
 EMBEDDINGS = re.compile(
@@ -92,7 +93,7 @@ def test_bert_from_sharded_flax_msgpack(tmp_path):
   np.testing.assert_allclose(nsp, ref["nsp"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("version", ["1.0", "1.1"])
+@pytest.mark.parametrize("version", [slow("1.0"), "1.1"])
 def test_t5_from_a_flax_msgpack_file(tmp_path, version):
   reference = os.path.join(REFERENCE, f"t5-v{version}")
   ref = np.load(os.path.join(reference, "reference.npz"))

@@ -91,6 +91,7 @@ def _block(x, p, s, stride):
   return np.maximum(y + short, 0)
 
 
+@pytest.mark.slow
 def test_bottleneck_resnet_equals_numpy_in_evaluation():
   """Two bottleneck groups (one block each, the second strided) on the
   CIFAR stem, random BatchNorm statistics: logits equal a NumPy
@@ -127,6 +128,7 @@ def test_bottleneck_resnet_equals_numpy_in_evaluation():
   assert y.shape == (2, 4, 4, 512)  # 128 x 4 after one stride.
 
 
+@pytest.mark.slow
 def test_imagenet_stem_and_unknown_stem():
   model = imagenet_resnet.Model(blocks=(1,), num_classes=3)
   x = jnp.zeros((1, 32, 32, 3))

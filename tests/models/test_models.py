@@ -8,6 +8,7 @@ import pytest
 
 from jpipe import partition
 from jpipe.models import gpt, mlp, resnet, t5, vgg
+from tests.tiers import slow
 
 
 def _classifier(model, x, labels, stats=False):
@@ -72,7 +73,10 @@ def _cases():
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
-@pytest.mark.parametrize("name", sorted(_cases()))
+@pytest.mark.parametrize(
+  "name",
+  [n if n in ("mlp", "vgg") else slow(n) for n in sorted(_cases())],
+)
 def test_three_stage_split_equals_value_and_grad(name):
   loss_fn, params, batch, has_aux = _cases()[name]()
   traced = partition.trace(loss_fn, params, batch, has_aux=has_aux)
@@ -97,6 +101,7 @@ def test_wrn_rejects_bad_depth():
     resnet.Model(depth=11).init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
 
 
+@pytest.mark.slow
 def test_gpt_bfloat16_compute_keeps_float32_params_and_logits():
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
   full = gpt.Model(width=64, num_layers=2, num_heads=2)

@@ -59,6 +59,7 @@ def test_relative_position_buckets_equal_huggingface():
     np.testing.assert_array_equal(ours, ref[f"bidirectional_{bidirectional}"])
 
 
+@pytest.mark.slow
 def test_sizes_have_the_published_parameter_counts():
   """Abstract (nothing allocated): HuggingFace's counts of t5-small,
   t5-3b and google/t5-v1_1-xl."""
@@ -74,6 +75,7 @@ def test_sizes_have_the_published_parameter_counts():
     assert total == count, (size, total)
 
 
+@pytest.mark.slow
 def test_the_cli_fine_tunes_from_a_huggingface_checkpoint(tmp_path):
   """``--config.model.name=t5_v1 --config.init_from=hf:DIR``: T5 v1.0 on
   span corruption from HuggingFace's weights; a checkpoint of the other

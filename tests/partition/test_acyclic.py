@@ -148,6 +148,7 @@ def test_edge_cut_objective_against_brute_force_under_the_balance():
   assert checked >= 15 and equal >= checked - 2
 
 
+@pytest.mark.slow
 def test_larger_dags_valid_and_never_worse_than_contiguous():
   rng = np.random.default_rng(4)
   for trial in range(2):

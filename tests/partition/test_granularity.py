@@ -11,6 +11,7 @@ import pytest
 import jpipe
 from jpipe import partition
 from tests.partition import flax_models
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -63,8 +64,11 @@ def test_depth_one_is_too_coarse_and_auto_goes_deeper(name):
   assert again.eqn_node == cut.eqn_node
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("num_stages", [2, 4, 8])
+@pytest.mark.parametrize(
+  "name",
+  [slow(n) if n == "methods_encoder_decoder" else n for n in sorted(CASES)],
+)
+@pytest.mark.parametrize("num_stages", [2, slow(4), slow(8)])
 def test_splits_with_no_depth_and_trains_as_one_device(name, num_stages):
   loss_fn, params, batch, _ = CASES[name]()
   lr = 0.1

@@ -125,6 +125,7 @@ def test_cli_errors():
   assert run.returncode == 2 and "unknown method 'metis'" in run.stderr
 
 
+@pytest.mark.slow
 def test_cli_one_word_for_devices_one_for_stages():
   """--stages is stages: PipeDream's DP (which replicates) refuses it and
   names --devices; a shipped profile's name works from anywhere."""

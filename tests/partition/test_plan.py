@@ -94,6 +94,7 @@ def test_plan_is_frozen(mlp):
     plan.method = "other"
 
 
+@pytest.mark.slow
 def test_mixed_plan_puts_several_stages_on_a_device_and_builds():
   loss_fn, params, batch, _ = flax_models.encoder_decoder_case()
   traced = partition.trace(loss_fn, params, batch)

@@ -10,6 +10,7 @@ import pytest
 import jpipe
 from jpipe import partition
 from tests.partition import flax_models
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -34,7 +35,8 @@ def _assert_tree_close(a, b):
 
 
 @pytest.mark.parametrize(
-  ("num_stages", "schedule"), [(2, "gpipe"), (4, "1f1b"), (8, "1f1b")]
+  ("num_stages", "schedule"),
+  [(2, "gpipe"), slow(4, "1f1b"), slow(8, "1f1b")],
 )
 def test_vmapped_batchnorm_statistics_match_one_device(num_stages, schedule):
   """The statistics come out of the last stage (``[0]`` of a batched

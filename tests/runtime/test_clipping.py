@@ -10,6 +10,7 @@ import jpipe
 from tests.partition import flax_models
 from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
 from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -45,7 +46,7 @@ SYNCHRONOUS = {
 }
 
 
-@pytest.mark.parametrize("case", ["mlp", "gpt_tied"])
+@pytest.mark.parametrize("case", ["mlp", slow("gpt_tied")])
 @pytest.mark.parametrize("name", SYNCHRONOUS)
 def test_clipped_steps_equal_optax_clipping_on_one_device(name, case):
   """Two clipped steps (the clip at half the first gradient's norm, so it
@@ -77,7 +78,7 @@ def test_clipped_steps_equal_optax_clipping_on_one_device(name, case):
   _assert_close(pipe.gather_params(state), expected)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout", ["mixed", slow("disjoint")])
 def test_clipping_on_replicated_and_mixed_placements(layout):
   """Stages on replica groups (data parallel inside the pipeline) and a
   group holding two stages: the same clipped steps."""

@@ -89,6 +89,7 @@ def test_the_options_reach_the_stage_programs_and_optimizers(monkeypatch):
     pipe.programs.unpack(0)(pipe.programs.grad_layouts[0].pack(leaves))
 
 
+@pytest.mark.slow
 def test_accelerator_options_give_the_same_training(monkeypatch):
   def train(pipe, params, batch):
     state = pipe.init(params)

@@ -10,6 +10,7 @@ import pytest
 import jpipe
 from tests.partition import flax_models
 from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -27,9 +28,9 @@ def _mean_loss(loss_fn, params, batch, m, *state):
   "case, schedule, stages, devices",
   [
     ("mlp", "1f1b", 3, 3),
-    ("gpt_tied", "gpipe", 4, 4),  # A tied embedding on two stages.
-    ("encoder_decoder", "1f1b", 3, 3),  # Encoder output to every stage.
-    ("gpt_tied", "zbv", 4, 2),  # Two stages a device, in a V.
+    slow("gpt_tied", "gpipe", 4, 4),  # A tied embedding on two stages.
+    slow("encoder_decoder", "1f1b", 3, 3),  # Encoder output to every stage.
+    slow("gpt_tied", "zbv", 4, 2),  # Two stages a device, in a V.
   ],
 )
 def test_evaluate_is_the_loss_at_the_params_never_gathered(

@@ -132,6 +132,7 @@ def _mlp_pipeline(own_buffer_bytes):
   return pipe, residuals, pipe.state_dict(state)["params"]
 
 
+@pytest.mark.slow
 def test_own_buffer_bytes_chooses_what_travels_packed_not_the_results():
   runs = {
     n: _mlp_pipeline(n) for n in (None, 0, math.inf, 1 << 14, (1 << 14) + 1)

@@ -9,6 +9,7 @@ import pytest
 import jpipe
 from jpipe import schedule as schedule_lib
 from tests.partition import flax_models
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -49,9 +50,9 @@ def _fused_pairs(pipe, state):
 @pytest.mark.parametrize(
   "case, schedule, kwargs",
   [
-    ("gpt_tied", "gpipe", {}),
-    ("encoder_decoder", "1f1b", {"recompute": False}),
-    ("gpt_tied", "async", {"weight_stashing": True, "prediction": "msnag"}),
+    slow("gpt_tied", "gpipe", {}),
+    slow("encoder_decoder", "1f1b", {"recompute": False}),
+    slow("gpt_tied", "async", {"weight_stashing": True, "prediction": "msnag"}),
     ("mlp", "async", {"prediction": "msnag", "recompute": True}),
     ("mlp", "2bw", {"step_every": 4}),
   ],

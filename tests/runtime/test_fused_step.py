@@ -146,6 +146,7 @@ def _fused_stages(pipe):
     "two_stages_a_device",
   ],
 )
+@pytest.mark.slow
 def test_fused_step_trains_bit_identically(options):
   fused, got, got_losses = _train(True, **dict(options))
   plain, want, want_losses = _train(False, **dict(options))
@@ -180,6 +181,7 @@ def test_steps_that_read_the_global_norm_stay_apart():
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+@pytest.mark.slow
 def test_a_tied_leafs_holder_and_owner_step_in_their_backwards(optimizer):
   """A tied embedding: its holder (the last stage) hands its replica's
   gradient on from its fused program; its owner (the first), whose

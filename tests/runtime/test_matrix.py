@@ -16,6 +16,7 @@ from tests.runtime.test_pipeline_sync import (
   _assert_tree_close,
   _reference_steps,
 )
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -70,8 +71,17 @@ def _pipeline(placement, schedule, opts):
   return pipe, loss_fn, params, batch
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("case", CASES)
+# The default tier runs each case on one placement, the placements taking
+# turns (every case and every placement at least once); the slow tier
+# runs the rest of the product.
+MATRIX = [
+  (case, placement) if i % len(PLACEMENTS) == j else slow(case, placement)
+  for i, case in enumerate(CASES)
+  for j, placement in enumerate(PLACEMENTS)
+]
+
+
+@pytest.mark.parametrize("case, placement", MATRIX)
 def test_pipeline_matches_its_reference(case, placement):
   schedule, opts = CASES[case]
   pipe, loss_fn, params, batch = _pipeline(placement, schedule, opts)

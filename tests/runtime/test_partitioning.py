@@ -17,6 +17,7 @@ def _pipe(**options):
   return mlp_pipeline("1f1b", optax.sgd(0.1), 3, **options)
 
 
+@pytest.mark.slow
 def test_a_partitioning_value_builds_and_trains_as_its_keywords_do():
   keywords = dict(num_stages=3, depth=1, cost_model="analytic")
   by_keywords, params, batch = _pipe(**keywords)

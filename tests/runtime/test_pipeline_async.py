@@ -18,6 +18,7 @@ import pytest
 import jpipe
 from jpipe import staleness
 from tests.partition import flax_models
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -379,6 +380,7 @@ DELAY_CORRECTIONS = {
 
 
 @pytest.mark.parametrize("name", list(DELAY_CORRECTIONS))
+@pytest.mark.slow
 def test_delay_corrections_stream_like_the_reference(name):
   """Each stage steps with its own delay's optimizer, over calls and
   flushes; and the run differs from the uncorrected one."""
@@ -423,6 +425,7 @@ def _final_params(opts):
   )
 
 
+@pytest.mark.slow
 def test_ftpipe_options_change_the_run():
   """Each option is used: the run differs from the one without it."""
 
@@ -496,6 +499,7 @@ def test_mixed_pipe_delays_follow_ftpipes_virtual_depth(supremum):
 @pytest.mark.parametrize(
   "policy", ["almost_last_partition", "all_except_last_two"]
 )
+@pytest.mark.slow
 def test_gap_aware_policies_stream_like_the_reference(policy):
   """FTPipe's other two Gap-Aware stage policies (all_except_last: the
   combinations above): the stages they name apply it, the others not."""
@@ -616,7 +620,7 @@ def test_step_every_windows_span_calls():
   _check_against_reference(pipe, params, SGD, opts, (3, 4, "flush"))
 
 
-@pytest.mark.parametrize("step_every", [2, 3])
+@pytest.mark.parametrize("step_every", [slow(2), 3])
 def test_aggmsnag_predicts_with_the_accumulated_gradient(step_every):
   """A forward inside a step_every window predicts with the gradient its
   stage accumulated so far (the reference sums the backwards 1F1B ran
@@ -643,6 +647,7 @@ def test_aggmsnag_predicts_with_the_accumulated_gradient(step_every):
   assert "unpack" not in pipe.programs.compiled_kinds()
 
 
+@pytest.mark.slow
 def test_closed_form_predictor_is_scheduler_aware():
   schedule = optax.linear_schedule(0.3, 0.0, 8)
   tx = optax.sgd(schedule, momentum=0.9)
@@ -663,6 +668,7 @@ def test_closed_form_predictor_is_scheduler_aware():
     _close(used["replay"][0][key], used["closed"][0][key], rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_two_bw_is_w_minus_grad_at_previous_version_across_calls():
   """2BW: W(t+1) = W(t) - lr * grad f(W(t-1)) for minibatches of 3
   microbatches fed by calls that do not align with them (2 + 4 + 3)."""
@@ -704,6 +710,7 @@ def test_two_bw_is_w_minus_grad_at_previous_version_across_calls():
   )
 
 
+@pytest.mark.slow
 def test_checkpoint_state_roundtrip_into_another_partition():
   """state_dict is keyed by global paths: a 2-stage pipeline resumes a
   flushed 3-stage one's params, optimizer and Gap-Aware state exactly."""
@@ -842,6 +849,7 @@ def test_bad_async_input():
 
 
 @pytest.mark.parametrize("stashing", [False, True])
+@pytest.mark.slow
 def test_async_tied_embedding_follows_its_owner(stashing):
   """GPT with the embedding reused as the head: the last stage uses, for
   each microbatch, the embedding version stage 0's forward used, and its
@@ -868,6 +876,7 @@ def test_async_tied_embedding_follows_its_owner(stashing):
   assert "unpack" not in pipe.programs.compiled_kinds()
 
 
+@pytest.mark.slow
 def test_async_carries_batchnorm_statistics():
   loss_fn, params, stats, batch = flax_models.resnet_state_case(2, 8)
   pipe = jpipe.Pipeline(
@@ -906,6 +915,7 @@ SPLIT_FLUSH = {
 
 
 @pytest.mark.parametrize("case", SPLIT_FLUSH)
+@pytest.mark.slow
 def test_split_flush_runs_the_drain_as_i_and_w_with_the_same_semantics(case):
   """split_flush: a flush's pending backwards run as I then W; every
   action's params and the final params are still the reference's (same

@@ -8,6 +8,7 @@ import pytest
 
 import jpipe
 from tests.partition import flax_models
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -40,7 +41,9 @@ def _assert_tree_close(a, b):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "seq", "zbh1"])
-@pytest.mark.parametrize("case", ["mlp", "gpt_tied", "encoder_decoder"])
+@pytest.mark.parametrize(
+  "case", ["mlp", slow("gpt_tied"), slow("encoder_decoder")]
+)
 def test_one_step_equals_single_device(case, schedule):
   loss_fn, params, batch, _ = flax_models.CASES[case]()
   tx = optax.sgd(0.1, momentum=0.9)
@@ -62,6 +65,7 @@ def test_one_step_equals_single_device(case, schedule):
   assert float(metrics["loss"]) == pytest.approx(expected_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_mixed_plan_several_stages_per_device_and_no_recompute():
   loss_fn, params, batch, _ = flax_models.encoder_decoder_case()
   tx = optax.adam(1e-2)
@@ -84,6 +88,7 @@ def test_mixed_plan_several_stages_per_device_and_no_recompute():
   _assert_tree_close(pipe.gather_params(state), expected)
 
 
+@pytest.mark.slow
 def test_acyclic_plan_trains_as_one_device():
   """FTPipe's acyclic partition: stages that are not runs of the program
   order (the narrow tower's first layer on stage 1, the wide tower's
@@ -117,6 +122,7 @@ def test_acyclic_plan_trains_as_one_device():
   assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_tied_replicas_stay_equal():
   loss_fn, params, batch, _ = flax_models.gpt_case()
   pipe = jpipe.Pipeline(
@@ -254,6 +260,7 @@ class _Counting(jpipe.runtime.DriverHooks):
     return params
 
 
+@pytest.mark.slow
 def test_hooks_argument_sees_every_action_and_changes_gradients():
   """``Pipeline(hooks=...)``: called before each forward and backward,
   on each stage's gradient before its step (what it returns is applied)

@@ -14,6 +14,7 @@ import jpipe
 from tests.partition import flax_models
 from tests.runtime.test_pipeline_sync import _reference_steps
 from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -87,9 +88,9 @@ def _check(pipe, state, params, batch, metrics_fn, predict_fn):
   "case, schedule, stages, devices",
   [
     ("mlp", "1f1b", 3, 3),
-    ("gpt_tied", "gpipe", 4, 4),  # The tied head reads stage 0's leaf.
-    ("encoder_decoder", "1f1b", 3, 3),  # Encoder output to every stage.
-    ("gpt_tied", "zbv", 4, 2),  # Two stages a device, in a V.
+    slow("gpt_tied", "gpipe", 4, 4),  # The tied head reads stage 0's leaf.
+    slow("encoder_decoder", "1f1b", 3, 3),  # Encoder output to every stage.
+    slow("gpt_tied", "zbv", 4, 2),  # Two stages a device, in a V.
   ],
 )
 def test_metrics_and_predictions_through_the_stages(
@@ -140,6 +141,7 @@ def test_predictions_on_replica_groups(layout):
   _check(pipe, pipe.init(params), params, batch, metrics_fn, predict_fn)
 
 
+@pytest.mark.slow
 def test_inference_mode_reads_batchnorm_statistics():
   """A ResNet's accuracy with its running statistics (``train=False``):
   the statistics are read on the stages that keep them, not updated."""
@@ -240,6 +242,7 @@ def test_a_module_the_loss_never_calls_stays_with_the_node_before_it():
   assert got == [0, 1, 2, 2, 1]
 
 
+@pytest.mark.slow
 def test_streaming_tied_replicas_read_the_owners_value():
   """Asynchronous: a tied embedding's holder never steps its own copy;
   evaluation and prediction use the owner's current value, as the

@@ -19,6 +19,7 @@ from tests.runtime.test_pipeline_sync import (
   _assert_tree_close,
   _reference_steps,
 )
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -64,7 +65,11 @@ def _trains_like_one_device(pipe, loss_fn, params, batch, tx, steps=1):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize(
   "case, schedule",
-  [("mlp", "gpipe"), ("gpt_tied", "1f1b"), ("encoder_decoder", "gpipe")],
+  [
+    ("mlp", "gpipe"),
+    slow("gpt_tied", "1f1b"),
+    slow("encoder_decoder", "gpipe"),
+  ],
 )
 def test_two_steps_equal_single_device(case, schedule, layout):
   loss_fn, params, batch, _ = flax_models.CASES[case]()
@@ -113,6 +118,7 @@ def test_a_replica_group_splits_each_microbatch():
   assert pipe.device_names == ("devices 0-1", "device 2", "devices 3-4")
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_are_the_whole_microbatch_s():
   """BatchNorm on a replica group normalises over the whole microbatch
   (XLA reduces across the replicas), as one device would."""
@@ -145,6 +151,7 @@ def test_batchnorm_statistics_are_the_whole_microbatch_s():
   _assert_tree_close(pipe.gather_model_state(state), ref_stats)
 
 
+@pytest.mark.slow
 def test_profiled_timeline_names_the_device_groups():
   """(Replicated stages against the references: test_matrix.py.)"""
   loss_fn, params, batch = async_tests._mlp()
@@ -254,6 +261,7 @@ def test_pipeline_takes_pipedream_hybrid_by_name():
   _trains_like_one_device(pipe, loss_fn, params, batch, tx)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_on_replica_groups():
   """state_dict of a one-device-per-stage pipeline, loaded where stages
   are replicated, continues the same trajectory."""

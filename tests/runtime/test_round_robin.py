@@ -117,6 +117,7 @@ def _replica_devices(pipe, used, layout):
 @pytest.mark.parametrize(
   "case, schedule", [("mlp", "gpipe"), ("encoder_decoder", "1f1b")]
 )
+@pytest.mark.slow
 def test_synchronous_round_robin_equals_single_device(case, schedule, layout):
   tx = optax.sgd(0.1, momentum=0.9)
   pipe, loss_fn, params, batch = _round_robin(
@@ -182,6 +183,7 @@ def _pipedream_reference(pipe, params, microbatches, tx, replicas):
   "layout", [((0, 1), (2,), (3, 4)), ((0, 1, 2), (3,), (4,))], ids=str
 )
 @pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.slow
 def test_async_round_robin_with_stashing_is_pipedreams(layout, recompute):
   tx = async_tests.SGD
   pipe, _, params, _ = _round_robin(

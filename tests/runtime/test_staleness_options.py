@@ -24,6 +24,7 @@ def _pipe(**options):
   )
 
 
+@pytest.mark.slow
 def test_a_staleness_value_trains_as_its_keywords_do():
   keywords = dict(
     weight_stashing=True,

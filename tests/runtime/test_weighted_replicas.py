@@ -22,6 +22,7 @@ from tests.runtime.test_replicated_stages import (
   _replicated,
   _trains_like_one_device,
 )
+from tests.tiers import slow
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -40,6 +41,7 @@ def _weighted(layout, case, **kwargs):
 @pytest.mark.parametrize(
   "case, schedule", [("mlp", "gpipe"), ("encoder_decoder", "1f1b")]
 )
+@pytest.mark.slow
 def test_synchronous_weighted_equals_single_device(case, schedule, layout):
   tx = optax.sgd(0.1, momentum=0.9)
   pipe, loss_fn, params, batch = _weighted(
@@ -75,7 +77,7 @@ def _async_data(num_microbatches, size, seed=7):
 @pytest.mark.parametrize(
   "opts",
   [
-    dict(weight_stashing=True, recompute=True),
+    slow(dict(weight_stashing=True, recompute=True)),
     dict(weight_stashing=True, recompute=False),
     dict(weight_stashing=False, recompute=True),
   ],

@@ -8,6 +8,7 @@ import pytest
 
 from jpipe.train import config_plan, tasks, train_lib
 from jpipe.train import plan as plan_cli
+from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -21,7 +22,8 @@ def _run(capsys, *argv):
 
 
 @pytest.mark.parametrize(
-  "spec, stages", [("wrn_stale.py:ws", 3), ("t5.py", 4), ("default.py", 2)]
+  "spec, stages",
+  [slow("wrn_stale.py:ws", 3), slow("t5.py", 4), ("default.py", 2)],
 )
 def test_cli_plan_is_the_plan_training_builds(capsys, spec, stages):
   path = os.path.join(ROOT, "configs", spec)
@@ -80,6 +82,7 @@ def test_cli_config_errors(capsys):
     plan_cli.main(["--stages", "2"])  # No --config.
 
 
+@pytest.mark.slow
 def test_pipedream_hybrid_with_fast_links_is_data_parallel_and_trains(
   capsys, tmp_path
 ):
@@ -111,6 +114,7 @@ def test_pipedream_hybrid_with_fast_links_is_data_parallel_and_trains(
   assert "stages on devices [[0, 1, 2, 3]]" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_pipedream_hybrid_round_robin_variant_trains(capsys, tmp_path):
   """At 3e10 bytes/s PipeDream's DP gives the small VGG its 3-1 split;
   the "ws+rr" variant runs it as PipeDream does, 1F1B-RR (whole
@@ -144,6 +148,7 @@ def optimized_compiles():
 # programs ran ~10x slower than the 40 ms sleeps here and hid the slowed
 # replica (40, 33, 40 examples/s: no re-split worth 5 %).
 @pytest.mark.usefixtures("optimized_compiles")
+@pytest.mark.slow
 def test_dynpipe_rebalances_a_weighted_hybrid_plan(capsys, tmp_path):
   """The "wr" variant on PipeDream's 3-1 VGG plan, re-partitioning on:
   device 1 (a replica of slot 0) 4x slower from step 4, so the next

@@ -85,6 +85,7 @@ def test_the_configs_are_the_ones_the_issue_names():
     ("pipedream_resnet", ("1f1b",)),
   ],
 )
+@pytest.mark.slow
 def test_config_trains_and_evaluates(tmp_path, name, variant):
   config = _get_config(name, *variant)
   config_check.check(config)
@@ -199,6 +200,7 @@ def test_too_small_t5_vocabulary_is_a_clear_error(tmp_path):
     train_lib.train_and_evaluate(config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_cli_takes_a_config_variant(tmp_path):
   result = subprocess.run(
     [
@@ -223,6 +225,7 @@ def test_cli_takes_a_config_variant(tmp_path):
   assert "eval accuracy" in result.stdout
 
 
+@pytest.mark.slow
 def test_user_tfds_text_dataset_through_mock_data(tmp_path):
   config = _short(_get_config("gpt_lm"))
   config.data.name = "lm1b"
@@ -257,6 +260,7 @@ class _StopAfter(stopping.StopRequest):
     del value
 
 
+@pytest.mark.slow
 def test_async_adamw_prediction_run_resumes_on_its_trajectory(
   tmp_path, monkeypatch
 ):
@@ -290,6 +294,7 @@ def test_async_adamw_prediction_run_resumes_on_its_trajectory(
     assert a[step] == pytest.approx(b[step], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_keys_ride_in_the_batch_and_change_the_loss():
   config = _short(_get_config("gpt_lm"))
   config.model.kwargs.update({"width": 32, "num_layers": 1})

@@ -8,6 +8,7 @@ import pytest
 import jpipe
 from jpipe.train import evaluation, pipeline_mode, tasks, train_lib
 from jpipe.train.errors import UsageError
+from tests.tiers import slow
 from tests.train.test_configs import _get_config, _short
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.usefixtures("fast_compiles")
   "name",
   [
     "default",  # MLP on digits: accuracy.
-    "pipedream_resnet",  # BatchNorm statistics as model state.
-    "gpt_lm",  # Token loss and perplexity.
-    "t5",  # Encoder-decoder, padded targets weighted out.
+    slow("pipedream_resnet"),  # BatchNorm statistics as model state.
+    slow("gpt_lm"),  # Token loss and perplexity.
+    slow("t5"),  # Encoder-decoder, padded targets weighted out.
   ],
 )
 def test_through_the_pipeline_equals_one_device(name):
@@ -57,6 +58,7 @@ def test_the_cli_evaluates_without_gathering(tmp_path, monkeypatch):
   assert 0 < summary["eval"]["accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_sdpipe_evaluates_the_consensus_through_a_pipeline(
   tmp_path, monkeypatch
 ):

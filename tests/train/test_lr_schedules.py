@@ -74,6 +74,7 @@ def test_bad_schedule_options_are_one_line(schedule, options, match):
     config_check.check(config)
 
 
+@pytest.mark.slow
 def test_a_run_trains_with_multistep(tmp_path):
   from tests.train.test_train import _config as small
 

@@ -140,6 +140,7 @@ def _no_work(config):
   raise AssertionError("built the task before refusing the config")
 
 
+@pytest.mark.slow
 def test_cli_fine_tunes_from_a_workdir_and_freezes(tmp_path, monkeypatch):
   pre, tuned = str(tmp_path / "pre"), str(tmp_path / "tuned")
   train_lib.train_and_evaluate(_config(), pre)

@@ -20,6 +20,7 @@ def _log_softmax(x):
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_loss_is_masked_lm_plus_next_sentence():
   config = config_plan.load_config_file("configs/seeds/sdpipe_bert.py:small")
   task = tasks.build_task(config)

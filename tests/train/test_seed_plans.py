@@ -16,6 +16,7 @@ import tensorflow_datasets as tfds
 from configs import default as default_config
 from jpipe.train import config_plan, metric_log, tasks, train_lib
 from jpipe.train import plan as plan_cli
+from tests.tiers import slow
 from tests.train.test_text_tasks import _by_name, _squad_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -75,6 +76,7 @@ def test_t5_3b_mixed_pipe_plans_on_8_devices_of_11_gib():
   assert result["sequential"] / result["bottleneck"] > 5.9
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_fit_names_the_device_and_the_fixes(capsys):
   code = plan_cli.main(
     ["--config", "configs/seeds/ftpipe_t5_3b.py", "--memory", "4GiB"]
@@ -123,14 +125,14 @@ def test_abstract_task_is_shapes_of_the_real_one():
 
 # Full-size seed configs: (file, devices, memory limit in GiB or None).
 FULL_SIZE = [
-  ("ftpipe_gpt2_xl.py", 8, 11),
+  slow("ftpipe_gpt2_xl.py", 8, 11),
   ("ftpipe_bert_large.py", 8, 11),
   ("ftpipe_wrn28x10.py", 4, None),
-  ("pipedream_vgg16.py", 16, None),
+  slow("pipedream_vgg16.py", 16, None),
   ("pipedream_resnet50.py", 16, None),
   ("sdpipe_resnet50.py", 4, None),
   ("dynpipe_vgg16.py", 8, None),
-  ("pipedream_gnmt16.py", 16, 16),
+  slow("pipedream_gnmt16.py", 16, 16),
   ("sdpipe_bert.py", 4, None),
   ("dynpipe_bert.py", 8, None),
 ]
@@ -221,6 +223,7 @@ def test_text_seed_small_variants_train(tmp_path, name, metric):
 
 
 @pytest.mark.usefixtures("fast_compiles")
+@pytest.mark.slow
 def test_bert_large_small_variant_trains_on_squad_records(tmp_path):
   """ftpipe_bert_large.py:small on TFDS mock records of SQuAD's features
   (the tests' learnable synthetic spans, served through the real data
@@ -243,6 +246,7 @@ def test_bert_large_small_variant_trains_on_squad_records(tmp_path):
 
 
 @pytest.mark.usefixtures("fast_compiles")
+@pytest.mark.slow
 def test_pipedream_resnet50_trains_on_streamed_imagenet_records(tmp_path):
   """pipedream_resnet50.py's own path -- ImageNet's features (TFDS mock
   records of varying size) streamed, resized and augmented per batch,

@@ -24,6 +24,7 @@ from jpipe.train import (
 )
 from jpipe.train.errors import UsageError
 from jpipe.train.tasks import check_task
+from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 WORDS = "red green blue cyan gold pink gray jade lime navy plum rose".split()
@@ -154,7 +155,10 @@ METRICS = {
 }
 
 
-@pytest.mark.parametrize("fmt, model", sorted(METRICS))
+@pytest.mark.parametrize(
+  "fmt, model",
+  [slow(*k) if k[0] == "classification" else k for k in sorted(METRICS)],
+)
 def test_every_format_is_posed_for_both_kinds_of_model(fmt, model):
   config = _config(fmt, model)
   with _mock(fmt):
@@ -274,6 +278,7 @@ def test_pooled_reads_the_last_real_token():
   )
 
 
+@pytest.mark.slow
 def test_span_task_learns_through_the_pipeline(tmp_path):
   """GPT with a span head finds "answer: WORD" in the context: exact
   match far above chance after training through 2 stages (1F1B), the
@@ -341,6 +346,7 @@ def _wmt_records(n, seed):
     ("wmt16_en_de,gpt", _wmt_records),
   ],
 )
+@pytest.mark.slow
 def test_text_tasks_config_trains_on_mock_data(variant, records, tmp_path):
   path = os.path.join(ROOT, "configs", "text_tasks.py")
   config = config_plan.load_config_file(f"{path}:{variant}")
@@ -424,6 +430,7 @@ class MeanPooled(nn.Module):
     return nn.Dense(self.classes, name="head")(pooled)
 
 
+@pytest.mark.slow
 def test_the_users_module_by_path_on_text_classification(tmp_path):
   config = _config("classification", "gpt")
   config.model.name = "tests.train.test_text_tasks:MeanPooled"
@@ -438,7 +445,7 @@ def test_the_users_module_by_path_on_text_classification(tmp_path):
 
 
 @pytest.mark.parametrize(
-  "fmt, head", [("classification", "classification"), ("qa", "qa")]
+  "fmt, head", [slow("classification", "classification"), ("qa", "qa")]
 )
 def test_bert_heads_on_text_tasks(fmt, head):
   """BERT as published with its classification head (pooled [CLS]) or

@@ -41,6 +41,7 @@ def _lm_config(path, vocab=tokenizer_files.VOCAB):
   return config
 
 
+@pytest.mark.slow
 def test_language_model_on_sentencepiece_ids(files, tmp_path):
   """The windows are the tokenizer's ids of the text (a window decodes
   to a piece of the corpus); the CLI trains and evaluates on them."""
@@ -59,6 +60,7 @@ def test_language_model_on_sentencepiece_ids(files, tmp_path):
   assert run.fingerprint(config)["tokenizer"] == path
 
 
+@pytest.mark.slow
 def test_span_corruption_on_huggingface_ids(files, tmp_path):
   """Sentinels come after the tokenizer's ids (shifted by one: its id 0
   is a token, 0 pads)."""

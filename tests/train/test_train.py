@@ -66,6 +66,7 @@ def test_default_config_trains_logs_and_draws(tmp_path):
   ) == ["3", "6"]
 
 
+@pytest.mark.slow
 def test_resume_follows_the_same_trajectory(tmp_path, capsys):
   straight = tmp_path / "straight"
   resumed = tmp_path / "resumed"
@@ -78,6 +79,7 @@ def test_resume_follows_the_same_trajectory(tmp_path, capsys):
     assert a[step] == pytest.approx(b[step], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_different_partition_resumes_the_checkpoint(tmp_path):
   train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
   config = _config(
@@ -232,6 +234,7 @@ def _cli(workdir, *overrides):
   ]
 
 
+@pytest.mark.slow
 def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
   env = _cli_env()
   for flag, message in [
@@ -291,6 +294,7 @@ def test_the_last_tracebacks_are_one_line_errors(tmp_path, flags, message):
   assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint_is_one_line(tmp_path):
   """A checkpoint file cut short: the one-line error alone (the reads
   still under way once printed "Event loop is closed" tracebacks)."""
@@ -326,6 +330,7 @@ def test_cli_help_lists_the_config_fields(tmp_path):
   assert "Kept short on purpose" not in result.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_143(tmp_path):
   """A scheduler's SIGTERM: the step finishes, a checkpoint is written,
   and the exit status says the job did not finish."""
@@ -439,6 +444,7 @@ def test_progress_bar_count_matches_its_loss(tmp_path, capsys, monkeypatch):
     assert float(loss) == pytest.approx(per_step[int(count)], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_resumed_logs_read_as_one_run_and_a_finished_run_says_so(
   tmp_path, capsys, monkeypatch
 ):
@@ -560,6 +566,7 @@ def test_init_from_a_damaged_checkpoint_is_refused(tmp_path):
   assert not (tmp_path / "tuned" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_another_models_checkpoints_get_true_advice(tmp_path):
   """A workdir whose latest checkpoint is another model's: the advice
   points at the latest one of this model, or at another workdir when
@@ -616,6 +623,7 @@ def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
 
 
+@pytest.mark.slow
 def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   tmp_path, monkeypatch, capsys
 ):
@@ -650,6 +658,7 @@ def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   assert "Resuming from epoch 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dynamic_repartitions_logs_draws_and_resumes_on_its_split(
   tmp_path, capsys
 ):
@@ -700,6 +709,7 @@ def test_dynamic_repartitions_logs_draws_and_resumes_on_its_split(
   assert f"Resuming on the split in force: {_split(moved['new'])}" in out
 
 
+@pytest.mark.slow
 def test_slowdown_predictor_fitted_by_its_cli_drives_a_training_run(
   tmp_path, capsys
 ):

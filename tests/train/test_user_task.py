@@ -131,6 +131,7 @@ def _config(**overrides):
   return config
 
 
+@pytest.mark.slow
 def test_cli_trains_the_users_task_by_import_path_and_resumes_it(tmp_path):
   """Three steps, then the same command to six resumes from the
   checkpoint and lands where six uninterrupted steps do; the task's own
@@ -170,6 +171,7 @@ def test_cli_trains_the_users_task_by_import_path_and_resumes_it(tmp_path):
   assert "Traceback" not in other.stderr
 
 
+@pytest.mark.slow
 def test_the_users_flax_module_on_a_built_in_task(tmp_path):
   """``model.name=package.module:Module``: the digits' classification
   task with the test's module (its ``deterministic`` flag set for
@@ -191,6 +193,7 @@ def test_the_users_flax_module_on_a_built_in_task(tmp_path):
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_sdpipe_and_dynpipe_run_the_users_task(tmp_path, capsys):
   """Two pipelines in data parallel (SD-Pipe's partial reduce), then
   DynPipe re-partitioning off a slowed device, on the test's task."""
@@ -296,6 +299,7 @@ def test_label_smoothing_is_optax_smoothing():
     ("--config.model.name=examples.my_task:ConvNet", "accuracy"),
   ],
 )
+@pytest.mark.slow
 def test_the_readmes_own_model_commands_run_as_written(
   tmp_path, marker, metric
 ):

@@ -30,6 +30,7 @@ def _run(command):
   return done.stdout
 
 
+@pytest.mark.slow
 def test_the_readmes_written_schedule_trains_as_zbh1(tmp_path):
   """The README's command runs the shipped file: the same lists as the
   built-in zbh1, so the same losses step by step."""
@@ -57,6 +58,7 @@ def test_a_file_for_other_microbatches_or_a_bad_one_is_refused(tmp_path):
     config_check.check(config)
 
 
+@pytest.mark.slow
 def test_the_readmes_zbv_command_trains_as_1f1b_on_the_same_stages(tmp_path):
   """The README's ZB-V command: 4 stages in a V on 2 devices, the same
   contiguous split as 1F1B's 4 stages on 4, so the same losses (to float
