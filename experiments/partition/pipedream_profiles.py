@@ -41,10 +41,9 @@ from jpipe.partition import (
   solve_pipedream,
 )
 from jpipe.partition._contiguous import stage_seconds
+from jpipe.partition._graph_txt import profile_path
 
-ROOT = os.path.join(
-  os.path.dirname(__file__), "..", "..", "..", "shared", "profiles", "pipedream"
-)
+ROOT = os.path.dirname(profile_path("vgg16"))  # The profiles jpipe ships.
 OUT = os.path.join(os.path.dirname(__file__), "results")
 COMPRESS = ("inception_v3",)  # solved after compress_graph_branches
 SKIP = ("nasnetalarge", "nasnetamobile")  # DAG too large even compressed

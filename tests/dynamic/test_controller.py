@@ -56,7 +56,6 @@ def test_dynpipe_policy_picks_among_its_candidate_cuts():
   assert first["new"][1] in cuts and first["new"][1] > start[1]
 
 
-@pytest.mark.slow
 def test_static_policy_measures_but_never_switches():
   dp, start, reported = _run("static", steps=12)
   assert reported == [] and dp.boundaries == start
@@ -65,7 +64,6 @@ def test_static_policy_measures_but_never_switches():
   assert max(w.sigma[1] for w in dp.windows) > 2.5
 
 
-@pytest.mark.slow
 def test_no_switch_when_the_gain_cannot_pay_for_it():
   """One step of horizon: the slowdown is seen, but the predicted gain
   over one step is below the cost of a new pipeline."""

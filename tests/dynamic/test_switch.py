@@ -50,7 +50,6 @@ def _batches(batch, count):
   ]
 
 
-@pytest.mark.slow
 def test_sync_run_with_a_repartition_equals_one_without():
   build, first, moved, params, batch = _setup("gpipe")
   data = _batches(batch, 4)

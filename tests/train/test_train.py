@@ -66,7 +66,6 @@ def test_default_config_trains_logs_and_draws(tmp_path):
   ) == ["3", "6"]
 
 
-@pytest.mark.slow
 def test_resume_follows_the_same_trajectory(tmp_path, capsys):
   straight = tmp_path / "straight"
   resumed = tmp_path / "resumed"
@@ -750,3 +749,25 @@ def test_slowdown_predictor_fitted_by_its_cli_drives_a_training_run(
 def _split(boundaries):
   pairs = zip(boundaries[:-1], boundaries[1:], strict=True)
   return "[" + " | ".join(f"{a}:{b}" for a, b in pairs) + "]"
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    ((["2", "x"], 3, 1, 20), "--factors: ['2', 'x'] are not numbers"),
+    ((["2"], 0, 1, 20), "--splits, --steps_per_window and --trees: >= 1"),
+    ((["2"], 3, 1, 0), "--splits, --steps_per_window and --trees: >= 1"),
+  ],
+)
+def test_slowdowns_cli_refuses_bad_flags_before_any_work(
+  tmp_path, args, message
+):
+  """``jpipe.train.slowdowns``' flags checked before a pipeline is built
+  (the collection itself: the slow test above)."""
+  from jpipe.train import errors, slowdowns
+
+  with pytest.raises(errors.UsageError, match=re.escape(message)):
+    slowdowns.collect_and_fit(_config(), str(tmp_path / "rf.pkl"), *args)
+  unwritable = str(tmp_path / "missing" / "rf.pkl")
+  with pytest.raises(errors.UsageError, match="--out: cannot write in"):
+    slowdowns.collect_and_fit(_config(), unwritable, ["2"], 3, 1, 20)
