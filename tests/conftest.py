@@ -1,6 +1,7 @@
 """Test set-up: 8 fake CPU devices, set before jax is imported, and one
 persistent XLA compilation cache for the whole run."""
 
+import collections
 import os
 import shutil
 import tempfile
@@ -70,12 +71,16 @@ def fast_compiles():
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _compiled = {"seconds": 0.0, "compiles": 0, "cache_hits": 0}
+# Compile seconds per program name (``jit(add)``: an operation run
+# eagerly, outside any jitted function, compiles a program of its own).
+_by_program = collections.Counter()
 
 
-def _on_duration(event, duration, **_):
+def _on_duration(event, duration, fun_name="?", **_):
   if event == _COMPILE_EVENT:
     _compiled["seconds"] += duration
     _compiled["compiles"] += 1
+    _by_program[fun_name] += duration
 
 
 def _on_event(event, **_):
@@ -104,7 +109,10 @@ _compile_rows = []  # (seconds, counts, test id) as reports arrive.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   """Counts the test's compilations, setup and teardown included."""
-  item.stash[_COMPILED_KEY] = dict(_compiled)
+  item.stash[_COMPILED_KEY] = (
+    dict(_compiled),
+    collections.Counter(_by_program),
+  )
   yield
 
 
@@ -113,8 +121,9 @@ def pytest_runtest_makereport(item, call):
   outcome = yield
   report = outcome.get_result()
   if call.when == "teardown" and _COMPILED_KEY in item.stash:
-    before = item.stash[_COMPILED_KEY]
+    before, before_programs = item.stash[_COMPILED_KEY]
     spent = {k: _compiled[k] - before[k] for k in _compiled}
+    spent["programs"] = dict(_by_program - before_programs)
     report.user_properties.append(("xla_compile", spent))
 
 
@@ -139,3 +148,9 @@ def pytest_terminal_summary(terminalreporter, config):
       f"{seconds:8.2f}s {spent['compiles']:5d} compiles "
       f"{spent['cache_hits']:5d} cache hits  {nodeid}"
     )
+  programs = sum(
+    (collections.Counter(r[1]["programs"]) for r in rows), collections.Counter()
+  )
+  terminalreporter.section(f"XLA compile time by program, the {count} most")
+  for name, seconds in programs.most_common(count):
+    terminalreporter.write_line(f"{seconds:8.2f}s  {name}")
