@@ -108,11 +108,13 @@ _compile_rows = []  # (seconds, counts, test id) as reports arrive.
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  """Counts the test's compilations, setup and teardown included."""
-  item.stash[_COMPILED_KEY] = (
-    dict(_compiled),
-    collections.Counter(_by_program),
-  )
+  """Counts the test's compilations, setup and teardown included (only
+  when they are to be listed)."""
+  if item.config.getoption("--compile-times"):
+    item.stash[_COMPILED_KEY] = (
+      dict(_compiled),
+      collections.Counter(_by_program),
+    )
   yield
 
 
