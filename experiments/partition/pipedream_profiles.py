@@ -28,7 +28,6 @@ too large otherwise); NASNet's is too large even compressed.
 Usage: python -m experiments.partition.pipedream_profiles
 """
 
-import glob
 import json
 import os
 import time
@@ -36,14 +35,13 @@ import time
 import numpy as np
 
 from jpipe.partition import (
+  PIPEDREAM_PROFILES,
   load_pipedream_profile,
   solve_contiguous,
   solve_pipedream,
 )
 from jpipe.partition._contiguous import stage_seconds
-from jpipe.partition._graph_txt import profile_path
 
-ROOT = os.path.dirname(profile_path("vgg16"))  # The profiles jpipe ships.
 OUT = os.path.join(os.path.dirname(__file__), "results")
 COMPRESS = ("inception_v3",)  # solved after compress_graph_branches
 SKIP = ("nasnetalarge", "nasnetamobile")  # DAG too large even compressed
@@ -183,9 +181,8 @@ def _ms(value, digits=2):
 def main():
   straight, replicated = [], []
   straight_table, replicated_table = [], []
-  for path in sorted(glob.glob(os.path.join(ROOT, "*", "graph.txt"))):
-    name = path.split(os.sep)[-2]
-    graph = load_pipedream_profile(path)
+  for name in PIPEDREAM_PROFILES:  # The profiles jpipe ships.
+    graph = load_pipedream_profile(name)
     records, rows = straight_rows(name, graph)
     straight += records
     straight_table += rows

@@ -1,6 +1,5 @@
 """PipeDream profiles load; the CLI partitions them."""
 
-import glob
 import json
 import os
 import subprocess
@@ -9,12 +8,14 @@ import sys
 import numpy as np
 import pytest
 
+from jpipe.partition import PIPEDREAM_PROFILES
 from jpipe.partition._graph_txt import load_pipedream_profile, profile_path
 
 # PipeDream's 14 published profiles, as jpipe ships them (the same files
 # as ../shared/profiles/pipedream; no test reads outside the checkout).
-PROFILES = os.path.dirname(profile_path("vgg16"))
-FILES = sorted(glob.glob(os.path.join(PROFILES, "*", "graph.txt")))
+FILES = [
+  os.path.join(profile_path(name), "graph.txt") for name in PIPEDREAM_PROFILES
+]
 
 
 def test_all_fourteen_profiles_are_present():
@@ -45,7 +46,7 @@ def test_loads_every_node_and_edge(path):
 
 
 def test_multi_output_activations_are_summed():
-  graph = load_pipedream_profile(os.path.join(PROFILES, "gnmt"))
+  graph = load_pipedream_profile(profile_path("gnmt"))
   lstm = graph.names.index("node7")
   assert graph.activation_bytes[lstm] == 6291456.0 + 2 * 131072.0
 
@@ -67,7 +68,7 @@ def test_cli_json(method):
       "-m",
       "jpipe.partition",
       "--pipedream-profile",
-      os.path.join(PROFILES, "resnet18"),
+      profile_path("resnet18"),
       "--devices",
       "4",
       "--method",
@@ -81,7 +82,7 @@ def test_cli_json(method):
     text=True,
   ).stdout
   result = json.loads(out)
-  graph = load_pipedream_profile(os.path.join(PROFILES, "resnet18"))
+  graph = load_pipedream_profile(profile_path("resnet18"))
   assert set(result["stage_of"]) == set(graph.names)
   assert result["bottleneck"] >= result["lower_bound"] - 1e-12
   assert result["solve_seconds"] < 5.0
@@ -96,7 +97,7 @@ def test_cli_errors():
       "-m",
       "jpipe.partition",
       "--pipedream-profile",
-      os.path.join(PROFILES, "alexnet"),
+      profile_path("alexnet"),
       "--stages",
       "99",
       "--method",
@@ -113,7 +114,7 @@ def test_cli_errors():
       "-m",
       "jpipe.partition",
       "--pipedream-profile",
-      os.path.join(PROFILES, "alexnet"),
+      profile_path("alexnet"),
       "--stages",
       "2",
       "--method",
@@ -169,7 +170,7 @@ def test_cli_one_word_for_devices_one_for_stages():
 
 
 def test_input_nodes_cost_nothing_when_partitioning():
-  graph = load_pipedream_profile(os.path.join(PROFILES, "alexnet"))
+  graph = load_pipedream_profile(profile_path("alexnet"))
   order, compute, _ = graph.ordered()
   first = graph.names.index("node1")
   assert graph.is_input(first) and graph.forward_seconds[first] > 0.6
