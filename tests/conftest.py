@@ -1,12 +1,18 @@
-"""Test set-up: 8 fake CPU devices, set before jax is imported, and one
-persistent XLA compilation cache for the whole run."""
+"""Test set-up: 8 fake CPU devices and quick compiles, set before jax is
+imported, and one persistent XLA compilation cache for the whole run."""
 
 import collections
 import os
 import shutil
 import tempfile
 
+from tests.quick_compiles import with_quick_compiles
+
+# Quick compiles (tests/quick_compiles.py); the processes tests start
+# inherit them.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = with_quick_compiles(os.environ["XLA_FLAGS"])
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -55,11 +61,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def fast_compiles():
-  """For modules that compile many small stage programs: skip XLA's slow
-  optimisation passes (use with ``pytestmark``)."""
+def xla_optimizations():
+  """For modules about what XLA's optimisations do to a program: turns
+  them back on (the suite runs without most, tests/quick_compiles.py;
+  use with ``pytestmark``)."""
   previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
+  jax.config.update("jax_disable_most_optimizations", False)
   yield
   jax.config.update("jax_disable_most_optimizations", previous)
 

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import time
 
+from tests.quick_compiles import with_quick_compiles, without_device_count
+
 ROOT = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
@@ -15,14 +17,16 @@ ROOT = os.path.dirname(
 def environment(**extra) -> dict:
   """This environment without proxies (gRPC would route 127.0.0.1
   through them) and without the fake-device flag (each process sets its
-  own device count), on CPU with quick compiles (the tests are
-  compile-bound on 2 cores; both sides of a comparison alike)."""
+  own device count), on CPU with quick compiles (tests/quick_compiles.py;
+  both sides of a comparison alike)."""
   out = {
     k: v
     for k, v in os.environ.items()
     if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
   }
-  out.pop("XLA_FLAGS", None)
+  out["XLA_FLAGS"] = without_device_count(
+    with_quick_compiles(out.get("XLA_FLAGS", ""))
+  )
   out["JAX_PLATFORMS"] = "cpu"
   out["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.distributed.processes import environment
+from tests.quick_compiles import with_quick_compiles
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -65,7 +66,9 @@ def one_process_losses(tmp_path_factory):
   devices), the reference of every multi-process run of it."""
   workdir = tmp_path_factory.mktemp("one_process")
   env = environment()
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = with_quick_compiles(
+    "--xla_force_host_platform_device_count=8"
+  )
   command = [sys.executable, "-m", "jpipe.train", "--config"]
   command += ["configs/default.py", "--workdir", str(workdir)]
   command += [f"--config.train.steps={STEPS}", "--config.train.log_every=1"]

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.distributed.processes import read_until, started
+from tests.quick_compiles import with_quick_compiles
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -36,7 +37,9 @@ def _train(workdir, steps, nprocs, env, *overrides):
   ]
   env = dict(env)
   if nprocs is None:
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = with_quick_compiles(
+      "--xla_force_host_platform_device_count=8"
+    )
   else:
     command = [
       sys.executable,

@@ -10,8 +10,6 @@ from tests.dynamic import mlp_pipeline
 from tests.dynamic.mlp_pipeline import WINDOW
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _run(policy, inject="1:4:6:16", steps=24, horizon_steps=50):
   dp, params, batch = mlp_pipeline.build(policy, inject, horizon_steps)

@@ -177,7 +177,6 @@ def test_dynpipe_split_takes_a_per_split_slowdown_function():
   assert constant == as_function
 
 
-@pytest.mark.usefixtures("fast_compiles")
 @pytest.mark.slow
 def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   """The library's own data: stage times on several splits with device

@@ -19,8 +19,6 @@ from jpipe.partition import NodeCosts
 from tests.dynamic.mlp_pipeline import WINDOW
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _brute_force(node_seconds, replicas, sigma):
   """The least bottleneck over every contiguous split, stage s taking

@@ -12,8 +12,6 @@ import jpipe
 from jpipe import dynamic, partition
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _setup(schedule, **options):
   loss_fn, params, batch, _ = flax_models.mlp_case()

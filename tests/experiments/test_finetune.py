@@ -6,8 +6,6 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 @pytest.mark.slow
 def test_finetune_starts_from_the_pretrained_loss(tmp_path):

@@ -9,6 +9,8 @@ import sys
 import jax
 import pytest
 
+from tests.quick_compiles import production_compiles
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -31,7 +33,8 @@ def _run(module, tmp_path) -> tuple[dict, str]:
     ],
     cwd=ROOT,
     check=True,  # fused_step raises if the two settings train apart.
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    # To the bit as a user compiles: XLA's optimisations decide the bits.
+    env=production_compiles(dict(os.environ, JAX_PLATFORMS="cpu")),
   )
   out = tmp_path / f"{module}_{jax.devices()[0].platform}"
   return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(

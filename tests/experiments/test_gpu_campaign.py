@@ -130,14 +130,9 @@ def test_quick_campaign_part_runs_and_writes_its_rows(tmp_path, part):
     ],
     cwd=ROOT,
     check=True,
-    # Quick compiles (as the fast_compiles fixture): the code paths are
-    # under test here, not the timings.
-    env=dict(
-      os.environ,
-      JAX_PLATFORMS="cpu",
-      JPIPE_COMMIT="test",
-      JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-    ),
+    # Quick compiles (inherited, tests/quick_compiles.py): the code paths
+    # are under test here, not the timings.
+    env=dict(os.environ, JAX_PLATFORMS="cpu", JPIPE_COMMIT="test"),
     timeout=900,
   )
   summary = json.loads((tmp_path / "campaign.json").read_text())
@@ -158,7 +153,6 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(
   monkeypatch.setitem(campaign.PARTS, "broken", 10)
   monkeypatch.chdir(ROOT)
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # Quick compiles.
   code = campaign.main(
     [
       "--quick",

@@ -12,8 +12,6 @@ from experiments.gpu_campaign import _common
 from experiments.gpu_campaign.overhead import one_device_pipeline, timed_runner
 from experiments.runtime import host_cost
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 TINY = dict(layers=2, width=8, heads=1, length=4, batch=8)
 P, M = 2, 4
 

@@ -6,8 +6,6 @@ import pytest
 
 from experiments.runtime import memory
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 @pytest.mark.slow
 def test_memory_table_matches_xla_where_exact(tmp_path):

@@ -30,10 +30,9 @@ def test_writes_the_ratio_per_round_of_each_size_with_the_default_marked(
     ],
     cwd=ROOT,
     check=True,
-    # Quick compiles: the code path is under test, not the timings.
-    env=dict(
-      os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1"
-    ),
+    # Quick compiles (inherited, tests/quick_compiles.py): the code path
+    # is under test, not the timings.
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
   )
   platform = jax.devices()[0].platform
   name = f"pack_threshold_{platform}"

@@ -8,8 +8,6 @@ import pytest
 from experiments.runtime import trace_breakdown
 from tests.runtime.test_pipeline_async import NUM_MICRO, mlp_pipeline
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def test_union_of_intervals_matches_a_grid_count():
   rng = np.random.default_rng(0)

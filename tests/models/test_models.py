@@ -70,9 +70,6 @@ def _cases():
   }
 
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
-
 @pytest.mark.parametrize(
   "name",
   [n if n in ("mlp", "vgg") else slow(n) for n in sorted(_cases())],

@@ -14,8 +14,6 @@ import jpipe
 from jpipe import parallel
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _close(a, b, atol=1e-6):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

@@ -13,8 +13,6 @@ from jpipe import partition
 from tests.partition import flax_models
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _brute_force(costs, num_stages):
   """min over every contiguous split into exactly num_stages runs."""

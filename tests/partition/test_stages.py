@@ -11,8 +11,6 @@ from jpipe.partition._stages import Stages
 from jpipe.partition._trace import trace
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 @pytest.fixture(scope="module", params=sorted(flax_models.CASES))
 def case(request):

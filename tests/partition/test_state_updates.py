@@ -12,8 +12,6 @@ from jpipe import partition
 from tests.partition import flax_models
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _sequential(loss_fn, params, stats, batch, m):
   """One device, microbatch after microbatch: (stats, mean grads, losses)."""

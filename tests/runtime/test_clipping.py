@@ -12,8 +12,6 @@ from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
 from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _mean_grad_norm(loss_fn, params, batch, m):
   """The global norm of the first step's gradient (the microbatches'

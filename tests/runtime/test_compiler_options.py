@@ -13,7 +13,6 @@ import jpipe
 from jpipe.runtime import Partitioning, _build, _programs
 from tests.runtime.test_pipeline_async import mlp_pipeline
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
 GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 

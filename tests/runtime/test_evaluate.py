@@ -12,8 +12,6 @@ from tests.partition import flax_models
 from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _mean_loss(loss_fn, params, batch, m, *state):
   """The microbatches' mean loss on one device, by plain JAX."""

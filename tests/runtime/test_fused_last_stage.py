@@ -11,8 +11,6 @@ from jpipe import schedule as schedule_lib
 from tests.partition import flax_models
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.STEP
 
 

@@ -3,7 +3,7 @@
 to the bit as the separate programs, a third fewer program calls, and
 only where the step reads the gradient as the backward left it.
 
-Compiled with XLA's optimisations on (no ``fast_compiles``): what could
+Compiled with XLA's optimisations on (``xla_optimizations``): what could
 change the bits is how XLA fuses the update with the code around it."""
 
 import dataclasses
@@ -16,6 +16,8 @@ import pytest
 import jpipe
 from jpipe import schedule as schedule_lib
 from tests.partition import flax_models
+
+pytestmark = pytest.mark.usefixtures("xla_optimizations")
 
 F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.STEP
 

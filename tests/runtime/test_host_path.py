@@ -18,8 +18,6 @@ from jpipe.runtime._held_params import HeldParams
 from jpipe.runtime._placement import StagePlacement, put
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _async_pipeline():
   loss_fn, params, batch, _ = flax_models.mlp_case()

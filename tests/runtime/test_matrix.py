@@ -18,8 +18,6 @@ from tests.runtime.test_pipeline_sync import (
 )
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 PLACEMENTS = {
   "straight": ((0,), (1,), (2,)),
   # Stages 0 and 2 share device 0 (FTPipe's mixed pipe).

@@ -16,8 +16,6 @@ from jpipe.runtime._memory import (
 )
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _gpt_pipe(schedule="1f1b", num_stages=3, num_micro=4, **kwargs):
   loss_fn, params, batch, _ = flax_models.gpt_case()

@@ -14,8 +14,6 @@ from tests.runtime.test_pipeline_async import (
   _run_calls,
 )
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 LR, MOMENTUM = 0.3, 0.9
 
 

@@ -10,8 +10,6 @@ import jpipe
 from jpipe.runtime import Partitioning
 from tests.runtime.test_pipeline_async import NUM_MICRO, _mlp, mlp_pipeline
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _pipe(**options):
   return mlp_pipeline("1f1b", optax.sgd(0.1), 3, **options)

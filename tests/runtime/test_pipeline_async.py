@@ -20,8 +20,6 @@ from jpipe import staleness
 from tests.partition import flax_models
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 NUM_STAGES = 3
 NUM_MICRO = 6
 

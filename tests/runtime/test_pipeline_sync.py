@@ -10,8 +10,6 @@ import jpipe
 from tests.partition import flax_models
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _microbatch(batch, k, m):
   """Microbatch k of m of ``batch`` (its leading axis cut evenly)."""

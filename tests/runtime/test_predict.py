@@ -16,8 +16,6 @@ from tests.runtime.test_pipeline_sync import _reference_steps
 from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _logits_and_labels(case):
   """``(params, batch) -> (logits, labels)`` of a flax_models case, in

@@ -10,8 +10,6 @@ import jpipe
 from jpipe import schedule as schedule_lib
 from tests.partition import flax_models
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _pipe(schedule, num_stages=3, num_micro=6, **kwargs):
   loss_fn, params, batch, _ = flax_models.mlp_case()

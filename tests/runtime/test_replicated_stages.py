@@ -21,8 +21,6 @@ from tests.runtime.test_pipeline_sync import (
 )
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 # Stage 0 on devices 0-1, stage 1 on 2, stage 2 on 3-4; and a mixed pipe
 # whose replica group 0-1 holds stages 0 and 2.
 LAYOUTS = {

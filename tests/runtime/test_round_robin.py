@@ -22,8 +22,6 @@ from tests.runtime.test_replicated_stages import (
   _trains_like_one_device,
 )
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _pipedream_steps_before_forward(replicas, num_micro):
   """``(s, b) -> steps stage s took before F(s, b)``, from PipeDream's

@@ -9,8 +9,6 @@ import jpipe
 from jpipe.runtime import Staleness
 from tests.runtime.test_pipeline_async import NUM_STAGES, mlp_pipeline
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 GA = {"optimizer": "sgd", "learning_rate": 0.1}
 
 

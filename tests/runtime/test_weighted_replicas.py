@@ -24,8 +24,6 @@ from tests.runtime.test_replicated_stages import (
 )
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _weighted(layout, case, **kwargs):
   """A 3-stage weighted pipeline of a ``flax_models`` case on

@@ -22,8 +22,6 @@ from tests.runtime.test_pipeline_sync import (
 )
 from tests.tiers import slow
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _stage(params, x):
   w1, b1, w2, b2 = params

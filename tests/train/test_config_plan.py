@@ -12,8 +12,6 @@ from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _run(capsys, *argv):
   code = plan_cli.main(list(argv))

@@ -24,8 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 CONFIG_DIR = os.path.join(ROOT, "configs")
 CONFIGS = sorted(f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py"))
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _get_config(name, *variant):
   """The config as the CLIs load it, unlocked so tests may add kwargs."""
@@ -217,8 +215,7 @@ def test_cli_takes_a_config_variant(tmp_path):
     ],
     capture_output=True,
     text=True,
-    # Quick compiles, as the in-process tests (fast_compiles).
-    env=dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1"),
+    env=dict(os.environ, PYTHONPATH=ROOT),
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "schedule async" in result.stdout

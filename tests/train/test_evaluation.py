@@ -11,8 +11,6 @@ from jpipe.train.errors import UsageError
 from tests.tiers import slow
 from tests.train.test_configs import _get_config, _short
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 @pytest.mark.parametrize(
   "name",

@@ -15,8 +15,6 @@ from jpipe.train.metric_log import read_metrics
 from tests.partition import flax_models
 from tests.train.test_train import _config as train_config
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _params():
   """An MLP's params and a different draw of the same shapes."""

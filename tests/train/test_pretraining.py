@@ -12,7 +12,6 @@ from jpipe.train import config_plan, tasks
 from jpipe.train.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-pytestmark = pytest.mark.usefixtures("fast_compiles")
 
 
 def _log_softmax(x):

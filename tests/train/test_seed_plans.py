@@ -175,7 +175,6 @@ def test_image_seed_small_variants_are_the_configs_ci_trains(seed, small):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fast_compiles")
 @pytest.mark.parametrize(
   "name, metric",
   [
@@ -222,7 +221,6 @@ def test_text_seed_small_variants_train(tmp_path, name, metric):
       assert len(plan["stage_devices"]) > config.pipeline.num_stages
 
 
-@pytest.mark.usefixtures("fast_compiles")
 @pytest.mark.slow
 def test_bert_large_small_variant_trains_on_squad_records(tmp_path):
   """ftpipe_bert_large.py:small on TFDS mock records of SQuAD's features
@@ -245,7 +243,6 @@ def test_bert_large_small_variant_trains_on_squad_records(tmp_path):
   assert end["eval"]["exact_match"] > start["eval"]["exact_match"]
 
 
-@pytest.mark.usefixtures("fast_compiles")
 @pytest.mark.slow
 def test_pipedream_resnet50_trains_on_streamed_imagenet_records(tmp_path):
   """pipedream_resnet50.py's own path -- ImageNet's features (TFDS mock
@@ -273,7 +270,6 @@ def test_pipedream_resnet50_trains_on_streamed_imagenet_records(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fast_compiles")
 @pytest.mark.parametrize(
   "seed",
   [

@@ -11,8 +11,6 @@ from jpipe.train.errors import UsageError
 from tests.data import tokenizer_files
 from tests.train.test_configs import _get_config, _short
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):

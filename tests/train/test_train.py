@@ -26,8 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 import default as default_config  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 
 def _config(**overrides):
   config = default_config.get_config()
@@ -43,9 +41,9 @@ def _config(**overrides):
 
 
 def _cli_env():
-  """The CLI's environment in a subprocess: quick compiles, as the
-  in-process tests (``fast_compiles``); runs compared share it."""
-  return dict(os.environ, PYTHONPATH=ROOT, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+  """The CLI's environment in a subprocess (quick compiles, as the
+  in-process tests: tests/quick_compiles.py)."""
+  return dict(os.environ, PYTHONPATH=ROOT)
 
 
 def _losses(workdir):

@@ -22,8 +22,6 @@ from jpipe.train.errors import UsageError
 from jpipe.train.tasks import Task, check_task
 from tests.train.test_train import ROOT, _cli_env, _losses
 
-pytestmark = pytest.mark.usefixtures("fast_compiles")
-
 HERE = "tests.train.test_user_task"
 
 
