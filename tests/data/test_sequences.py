@@ -82,3 +82,42 @@ def test_seq2seq_tokens_are_bytes_plus_one_and_eval_is_fixed():
 def test_a_stream_shorter_than_a_sequence_is_a_clear_error():
   with pytest.raises(ValueError, match="lower data.sequence_length"):
     sequences.lm_batch_at(np.zeros(10, np.uint8), 0, 2, 16, seed=0)
+
+
+def test_lm_eval_windows_are_evenly_spaced_shifted_windows():
+  """``count`` windows from 0 to the last start, evenly spaced (the plain
+  restatement: start k = floor(k * span / (count - 1)))."""
+  stream = (np.arange(300) * 7 % 256).astype(np.uint8)
+  got = sequences.lm_eval_windows(stream, 16, 5)
+  span = len(stream) - 17
+  starts = [k * span // 4 for k in range(5)]
+  assert got["x"].shape == (5, 16) and got["x"].dtype == np.int32
+  for row, start in enumerate(starts):
+    np.testing.assert_array_equal(got["x"][row], stream[start : start + 16])
+    np.testing.assert_array_equal(got["y"][row], stream[start + 1 : start + 17])
+  with pytest.raises(ValueError, match="lower data.sequence_length"):
+    sequences.lm_eval_windows(np.zeros(16, np.uint8), 16, 2)
+
+
+def test_seq2seq_batch_of_a_step_is_its_seeded_windows_corrupted():
+  """The batch of ``step``: windows drawn by the generator seeded with
+  (seed, step), then corrupted by the same generator; a function of seed
+  and step."""
+  stream = np.frombuffer(b"the quick brown fox jumps over it. " * 30, np.uint8)
+  args = dict(batch_size=3, length=24, noise_density=0.15, mean_span_length=3.0)
+  got = sequences.seq2seq_batch_at(stream, 5, seed=2, **args)
+  rng = np.random.default_rng([2, 5])
+  starts = sequences.window_starts(len(stream), 24, 3, rng)
+  want = sequences.seq2seq_batch(stream, starts, 24, rng, 0.15, 3.0)
+  for key in ("inputs", "targets"):
+    np.testing.assert_array_equal(got[key], want[key])
+  for row in range(3):
+    window = _uncorrupt(
+      got["inputs"][row], got["targets"][row], sequences.BYTE_VOCAB
+    )
+    start = int(starts[row])
+    np.testing.assert_array_equal(
+      window - sequences.BYTE_OFFSET, stream[start : start + 24]
+    )
+  other = sequences.seq2seq_batch_at(stream, 6, seed=2, **args)
+  assert not np.array_equal(got["inputs"], other["inputs"])

@@ -23,8 +23,6 @@ from tests.distributed.processes import alive, ready_pids, started
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-pytestmark = pytest.mark.slow
-
 
 def _launch(nprocs, script, *args, env, timeout=240, devices=1):
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", str(nprocs)]
@@ -143,6 +141,7 @@ def _configs(n):
   ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   """gpipe, 1f1b, zero-bubble zbh1, zbv and dualpipev (two stages per
@@ -233,6 +232,7 @@ def _check_profiles(got, config, process_of, calls):
     assert len(rows) == len(offered)
 
 
+@pytest.mark.slow
 def test_replica_groups_across_processes(tmp_path, process_env):
   """2 processes x 2 devices, each stage a replica group in its process
   (values gathered off a group before a transfer, split after): the
@@ -258,6 +258,7 @@ def test_replica_groups_across_processes(tmp_path, process_env):
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_killed_or_hung_process_stops_the_run(sig, process_env):
   """A process killed (SIGKILL) or hung (SIGSTOP) mid-run: the launcher
@@ -283,6 +284,7 @@ def test_killed_or_hung_process_stops_the_run(sig, process_env):
     assert not alive(pid)
 
 
+@pytest.mark.slow
 def test_exception_in_one_process_stops_all_with_its_traceback(process_env):
   """An exception in process 1 at step 3: every process exits at once,
   the traceback is shown, the launcher returns its status."""
@@ -303,6 +305,10 @@ def test_exception_in_one_process_stops_all_with_its_traceback(process_env):
 
 
 def test_launcher_runs_a_finished_run_to_status_zero(process_env):
+  """The default tier's one multi-process run (the smallest: 2 processes,
+  3 steps of a 2-stage pipeline): the launcher, the pull transport and
+  the processes' synchronisation, as every other test here exercises
+  them at length in the slow tier."""
   done = _launch(2, "fault_worker.py", env=process_env(STEPS="3"), timeout=180)
   assert done.returncode == 0, done.stdout[-4000:]
   assert "[p0] done 0" in done.stdout and "[p1] done 1" in done.stdout

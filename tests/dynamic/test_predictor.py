@@ -115,6 +115,18 @@ def test_samples_pair_every_two_splits_per_slot_and_factor():
   np.testing.assert_allclose(x[:, 21], x[:, 11] / x[:, 1])
 
 
+def test_measurements_survive_their_json_file():
+  """What ``jpipe.train.slowdowns`` writes beside its predictor reads back
+  as the same measurements (float64, the splits as tuples)."""
+  m = _measurements()
+  back = predictor_lib.Measurements.from_json(m.to_json())
+  assert back.splits == m.splits
+  for name in ("factors", "reference", "slowed", "features"):
+    got, want = getattr(back, name), getattr(m, name)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_forest_beats_the_measured_rule_when_fixed_costs_do_not_slow(
   tmp_path,
 ):

@@ -184,7 +184,6 @@ def test_a_weighted_groups_split_survives_a_repartition():
   assert dp.plan.stage_devices == ((0, 1), (2,))
 
 
-@pytest.mark.slow
 def test_a_static_policy_does_not_rebalance():
   dp, params, batch = _hybrid(
     "1:4:2", examples=24, policy="static", replica_routing="weighted"

@@ -6,7 +6,6 @@ costs no new pipeline."""
 import jax
 import numpy as np
 import optax
-import pytest
 
 import jpipe
 from jpipe import dynamic, partition
@@ -79,7 +78,6 @@ def test_sync_run_with_a_repartition_equals_one_without():
   assert record.new[0] == (0, moved.stage_of_node.index(1))
 
 
-@pytest.mark.slow
 def test_async_switch_keeps_momentum_and_reuses_seen_plans():
   build, first, moved, params, batch = _setup("async", weight_stashing=True)
   switch = dynamic.PlanSwitch(build, first)

@@ -194,7 +194,6 @@ def test_gossip_survives_epochs_that_end_at_different_batches():
   np.testing.assert_allclose(out[(1, 5)], [0.5] * 3)
 
 
-@pytest.mark.slow
 def test_a_slow_pipeline_does_not_stall_the_others():
   """HetPipe never waits: pipeline 0's devices 5x slower -> it runs
   fewer batches in the epoch while the others go on."""

@@ -286,6 +286,18 @@ def test_vgg16_on_4_machines_is_3_1():
   sol = partition.solve_pipedream(graph, 4)  # PipeDream's defaults
   assert sol.config() == "3-1"
   assert sol.speedup_vs_data_parallel > 3.0
+  # Against one machine: the whole model's time over the bottleneck's.
+  # Against one machine: every node but the input (PipeDream zeroes it),
+  # over the bottleneck stage's time.
+  fed = {v for _, v in graph.edges}
+  whole = sum(
+    graph.forward_seconds[i] + graph.backward_seconds[i]
+    for i in range(graph.num_nodes)
+    if i in fed
+  )
+  assert sol.speedup_vs_sequential == pytest.approx(
+    whole / sol.bottleneck_seconds
+  )
   # Stage 0 is the first convolutions; the classifier is in stage 1.
   assert sol.stage_of["node2"] == 0 and sol.stage_of["node40"] == 1
   assert sol.level_stages[0][0][2] == 3

@@ -186,6 +186,16 @@ def test_delay_zero_returns_params():
   jax.tree.map(np.testing.assert_array_equal, out, params)
 
 
+def test_nag_delay_predicts_at_least_one_step_ahead():
+  """FTPipe's ``nag_with_predictor``: max(delay, 1), as int32, traced too."""
+  delays = np.array([0, 1, 2, 7])
+  want = np.maximum(delays, 1)
+  np.testing.assert_array_equal(staleness.nag_delay(delays), want)
+  assert staleness.nag_delay(0).dtype == jnp.int32
+  traced = jax.jit(staleness.nag_delay)
+  assert [int(traced(d)) for d in delays] == list(want)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 def test_traced_delay_compiles_once(optimizer):
   params, state = _run_steps(_build(optimizer, wd=1e-2), _params())

@@ -14,6 +14,9 @@ def test_one_process_knows_its_request_every_step():
   assert agree(1, None) is None
   assert agree(2, "SIGTERM", 0.01) == "SIGTERM"
   assert agree(3, "SIGINT", 0.01) == "SIGINT"
+  # The exchange itself, in one process: this process's own request.
+  assert stopping.agreed("SIGTERM") == "SIGTERM"
+  assert stopping.agreed(None) is None
 
 
 @pytest.mark.parametrize(

@@ -327,7 +327,6 @@ def test_cli_help_lists_the_config_fields(tmp_path):
   assert "Kept short on purpose" not in result.stdout
 
 
-@pytest.mark.slow
 def test_sigterm_saves_and_exits_143(tmp_path):
   """A scheduler's SIGTERM: the step finishes, a checkpoint is written,
   and the exit status says the job did not finish."""
@@ -620,7 +619,6 @@ def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
 
 
-@pytest.mark.slow
 def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   tmp_path, monkeypatch, capsys
 ):

@@ -191,10 +191,9 @@ def test_the_users_flax_module_on_a_built_in_task(tmp_path):
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
-@pytest.mark.slow
-def test_sdpipe_and_dynpipe_run_the_users_task(tmp_path, capsys):
-  """Two pipelines in data parallel (SD-Pipe's partial reduce), then
-  DynPipe re-partitioning off a slowed device, on the test's task."""
+def test_sdpipe_runs_the_users_task(tmp_path):
+  """Two pipelines in data parallel (SD-Pipe's partial reduce) on the
+  test's task."""
   sdpipe = _config(
     **{
       "train.steps": 2,
@@ -206,6 +205,10 @@ def test_sdpipe_and_dynpipe_run_the_users_task(tmp_path, capsys):
   )
   summary = train_lib.train_and_evaluate(sdpipe, str(tmp_path / "sd"))
   assert "hit_rate" in summary["eval"]
+
+
+def test_dynpipe_runs_the_users_task(tmp_path, capsys):
+  """DynPipe re-partitioning off a slowed device on the test's task."""
   dynamic = _config(
     **{
       "train.steps": 8,
