@@ -6,13 +6,13 @@ import os
 import shutil
 import tempfile
 
-from tests.quick_compiles import with_quick_compiles
+from tests.quick_compiles import NO_OPTIMIZATIONS, with_quick_compiles
 
 # Quick compiles (tests/quick_compiles.py); the processes tests start
 # inherit them.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["XLA_FLAGS"] = with_quick_compiles(os.environ["XLA_FLAGS"])
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+os.environ.setdefault(NO_OPTIMIZATIONS, "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

@@ -5,7 +5,7 @@ The suite is compile-bound on 2 cores (BUILD.md, "Tests"), and the tests
 check what programs compute, not how fast they run. Two settings cut
 XLA:CPU's compile time of a small training step 3.3x (0.74 s to 0.22 s;
 a seed config's ``:small`` training 38 s to 20 s): most optimisations off
-(``JAX_DISABLE_MOST_OPTIMIZATIONS``, set by ``tests/conftest.py``) and the
+(``NO_OPTIMIZATIONS``, set by ``tests/conftest.py``) and the
 older elemental emitters instead of the MLIR fusion emitters (the flag
 below). Both sides of every comparison compile alike; a test about what
 XLA's optimisations do turns them back on (``xla_optimizations``).
@@ -18,6 +18,8 @@ import os
 ELEMENTAL_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 QUICK_COMPILE_FLAGS = (ELEMENTAL_EMITTERS,)
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# jax's ``jax_disable_most_optimizations``, from the environment.
+NO_OPTIMIZATIONS = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 
 
 def with_quick_compiles(flags: str) -> str:
@@ -48,5 +50,5 @@ def production_compiles(env: dict) -> dict:
   return dict(
     env,
     XLA_FLAGS=" ".join(f for f in flags if f not in QUICK_COMPILE_FLAGS),
-    JAX_DISABLE_MOST_OPTIMIZATIONS="0",
+    **{NO_OPTIMIZATIONS: "0"},
   )

@@ -7,7 +7,11 @@ import signal
 import subprocess
 import time
 
-from tests.quick_compiles import with_quick_compiles, without_device_count
+from tests.quick_compiles import (
+  NO_OPTIMIZATIONS,
+  with_quick_compiles,
+  without_device_count,
+)
 
 ROOT = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +32,7 @@ def environment(**extra) -> dict:
     with_quick_compiles(out.get("XLA_FLAGS", ""))
   )
   out["JAX_PLATFORMS"] = "cpu"
-  out["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+  out[NO_OPTIMIZATIONS] = "1"
   out["PYTHONPATH"] = ROOT + os.pathsep + out.get("PYTHONPATH", "")
   out.update(extra)
   return out
