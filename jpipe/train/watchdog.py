@@ -168,10 +168,11 @@ def waiting_in(thread: threading.Thread) -> str:
   ]
   if not stack:
     return "(no Python frame)"
+  jpipe_folders = [d for name, d in _package_folders() if name == "jpipe"]
   ours = [
     f
     for f in stack
-    if f"{os.sep}jpipe{os.sep}" in f.filename
+    if os.path.realpath(f.filename).startswith(tuple(jpipe_folders))
     and not f.filename.endswith("__main__.py")  # (an entry point)
   ][-4:]
   inner = stack[-1]

@@ -182,3 +182,23 @@ def test_cli_refuses_patterns_that_match_nothing(tmp_path):
   ):
     with pytest.raises(ValueError, match=message):
       train_lib.train_and_evaluate(_config(**overrides), str(tmp_path / "w"))
+
+
+def test_hf_names_of_the_configs_model_or_which_models_take_them():
+  """``tasks.hf_names``: the config's model's map to HuggingFace names
+  (GPT-2's, as ``jpipe.models.gpt2.hf_names`` gives it for the model the
+  config builds), or a one-line refusal naming the models that can."""
+  from jpipe.models import gpt2
+  from jpipe.train.errors import UsageError
+
+  config = train_config()
+  config.model.name = "gpt2"
+  config.model.kwargs = {"vocab_size": 32, "n_positions": 8}
+  config.model.kwargs.update(d_model=16, num_layers=2, num_heads=2)
+  names = tasks.hf_names(config)
+  want = gpt2.hf_names(gpt2.Model(**tasks.model_kwargs(config)))
+  assert names == want and names
+  config = train_config()
+  config.init_from = "hf:/weights"
+  with pytest.raises(UsageError, match="model 'mlp' cannot take HuggingFace"):
+    tasks.hf_names(config)

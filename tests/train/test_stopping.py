@@ -70,3 +70,43 @@ def test_watchdog_names_frames_from_each_package_own_folder(tmp_path):
   assert watchdog._frame_name(own) == "jpipe/train/watchdog.py:7 in f"
   outside = tmp_path / "jpipe" / "jpipe" / "train" / "loop.py"
   assert watchdog._frame_name(frame(str(outside))) == f"{outside}:7 in f"
+
+
+def test_watchdog_says_where_a_thread_waits_in_jpipe(tmp_path):
+  """``waiting_in``: a thread's innermost jpipe frames with the source
+  line, then the innermost frame of all; a file in another folder named
+  ``jpipe`` (a clone's tests) is not jpipe's."""
+  import threading
+
+  import jpipe.train.watchdog as watchdog
+  from jpipe.parallel._hub import LocalHub
+
+  outside = tmp_path / "jpipe" / "tests" / "waiter.py"
+  outside.parent.mkdir(parents=True)
+  outside.write_text("def wait_outside(event):\n  return event.wait()\n")
+  namespace = {}
+  exec(compile(outside.read_text(), str(outside), "exec"), namespace)
+  release, entered = threading.Event(), threading.Event()
+
+  def factory():  # Called by jpipe (LocalHub.share); waits outside it.
+    entered.set()
+    return namespace["wait_outside"](release)
+
+  thread = threading.Thread(target=LocalHub().share, args=("x", factory))
+  assert watchdog.waiting_in(thread) == "(not running)"
+  thread.start()
+  try:
+    assert entered.wait(5)
+    where = ""
+    for _ in range(200):  # Until the thread is inside Event.wait.
+      where = watchdog.waiting_in(thread)
+      if "threading.py" in where:
+        break
+      release.wait(0.005)
+    ours, _, inner = where.partition(", inside ")
+    assert ours.startswith("jpipe/parallel/_hub.py:"), where
+    assert "in share (return factory())" in ours, where
+    assert str(outside) not in where and "threading.py" in inner, where
+  finally:
+    release.set()
+    thread.join(5)
