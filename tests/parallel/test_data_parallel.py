@@ -136,6 +136,11 @@ def test_epochs_end_and_replicas_sync(sync):
     assert sizes == [expected[sync]] * 2
   if sync in ("allreduce", "adpsgd"):  # Lockstep: the same count each.
     assert len(set(report.batches)) == 1
+  # One process: the policy's own means are the report's.
+  assert dp.policy.mean_group_size() == pytest.approx(sizes)
+  dp.reset_statistics()  # Forgets the groups and delays so far.
+  assert all(np.isnan(g) for g in dp.policy.mean_group_size())
+  assert all(h.delayed_seconds == 0.0 for h in dp.hooks)
   consensus = dp.consensus_params(states)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(consensus))
   # The same mean averaged stage by stage on the devices, on the first

@@ -183,3 +183,22 @@ def test_dynpipe_rebalances_a_weighted_hybrid_plan(capsys, tmp_path):
   ]
   assert any("rebalance" in e for e in events)
   assert summary["eval"]["accuracy"] is not None
+
+
+def test_a_weighted_groups_re_split_is_one_printed_line():
+  """The line a weighted replica group's re-split prints (the slow tier's
+  run above prints it from a real re-split)."""
+  from jpipe.train import dynamic_lib
+
+  record = {
+    "stage": 1,
+    "old": [4, 4],
+    "new": [6, 2],
+    "examples_per_second": [812.4, 271.0],
+    "predicted_gain": 1.4567,
+  }
+  assert dynamic_lib.rebalance_line(9, record) == (
+    "re-split at step 9: stage 1's replicas take [4, 4] -> [6, 2] examples "
+    "of each microbatch (measured 812, 271 examples/s; predicted 1.46x "
+    "faster)"
+  )
