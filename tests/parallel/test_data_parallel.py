@@ -3,6 +3,7 @@ batch; averaging = the NumPy mean; free-running epochs end and keep
 pipelines independent."""
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -350,3 +351,27 @@ def test_stage_placement_puts_a_stage_of_every_pipeline_in_a_block():
   assert _placed(devices, 4, 2, "pipeline") == devices
   with pytest.raises(ValueError, match="unknown placement 'rows'"):
     _placed(devices, 4, 2, "rows")
+
+
+@pytest.mark.parametrize("sync", ["preduce", "allreduce"])
+def test_a_failing_pipeline_aborts_and_the_others_stop_waiting(sync):
+  """Pipeline 1's step fails (a batch of the wrong shape) while the
+  others wait to average with it: the policy's ``abort`` releases them
+  and the error reaches the caller (no hang)."""
+  dp, params, batch = _free_running(sync)
+  states = dp.init(params)
+  bad = jax.tree.map(lambda x: x[:, :1] if x.ndim > 1 else x, batch)
+  batches = [batch, bad, batch, batch]
+  raised = []
+
+  def call():
+    try:
+      dp.step(states, batches)
+    except Exception as e:  # The caller's error: pipeline 1's.
+      raised.append(e)
+
+  thread = threading.Thread(target=call, daemon=True)
+  thread.start()
+  thread.join(120)
+  assert not thread.is_alive(), "the other pipelines still wait for rank 1"
+  assert len(raised) == 1

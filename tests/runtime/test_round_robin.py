@@ -21,6 +21,7 @@ from tests.runtime.test_replicated_stages import (
   _replicated,
   _trains_like_one_device,
 )
+from tests.tiers import slow
 
 
 def _pipedream_steps_before_forward(replicas, num_micro):
@@ -111,11 +112,15 @@ def _replica_devices(pipe, used, layout):
     assert all(x.devices() == want for x in jax.tree.leaves(theta)), (s, b)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize(
-  "case, schedule", [("mlp", "gpipe"), ("encoder_decoder", "1f1b")]
+  "case, schedule, layout",
+  [
+    ("mlp", "gpipe", "mixed"),
+    slow("mlp", "gpipe", "disjoint"),
+    slow("encoder_decoder", "1f1b", "mixed"),
+    slow("encoder_decoder", "1f1b", "disjoint"),
+  ],
 )
-@pytest.mark.slow
 def test_synchronous_round_robin_equals_single_device(case, schedule, layout):
   tx = optax.sgd(0.1, momentum=0.9)
   pipe, loss_fn, params, batch = _round_robin(

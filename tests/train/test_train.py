@@ -619,6 +619,41 @@ def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
 
 
+def test_data_parallel_nonfinite_loss_names_each_pipelines_loss(
+  tmp_path, monkeypatch
+):
+  """SD-Pipe's mode: a non-finite epoch loss stops the run with each
+  pipeline's mean loss of the epoch in the message."""
+  import dataclasses
+
+  sys.path.insert(0, ROOT)
+  from configs import sdpipe
+  from jpipe import parallel
+
+  config = sdpipe.get_config()
+  config.model.kwargs.hidden = (16,)
+  config.data_parallel.pipelines = 2
+  config.data_parallel.epoch_batches = 1
+  config.data_parallel.hetero = 0.0
+  config.data_parallel.simulated_ms = 0.0
+  config.train.steps = 2
+  real_epoch = parallel.DataParallelPipelines.run_epoch
+
+  def poisoned_epoch(self, states, batch_at, **kwargs):
+    states, report = real_epoch(self, states, batch_at, **kwargs)
+    losses = [[float("nan")] * len(ls) for ls in report.losses]
+    return states, dataclasses.replace(report, losses=losses)
+
+  monkeypatch.setattr(
+    parallel.DataParallelPipelines, "run_epoch", poisoned_epoch
+  )
+  with pytest.raises(
+    train_lib.TrainingDiverged,
+    match=r"non-finite at step 1 \(epoch 1\): per pipeline \[nan, nan\]",
+  ):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
 def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   tmp_path, monkeypatch, capsys
 ):
