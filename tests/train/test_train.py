@@ -619,16 +619,11 @@ def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
 
 
-def test_data_parallel_nonfinite_loss_names_each_pipelines_loss(
-  tmp_path, monkeypatch
-):
-  """SD-Pipe's mode: a non-finite epoch loss stops the run with each
-  pipeline's mean loss of the epoch in the message."""
-  import dataclasses
-
+def _small_sdpipe_config(steps):
+  """configs/sdpipe.py at its smallest: 2 pipelines of a 16-wide MLP,
+  epochs of one batch, no simulated heterogeneity."""
   sys.path.insert(0, ROOT)
   from configs import sdpipe
-  from jpipe import parallel
 
   config = sdpipe.get_config()
   config.model.kwargs.hidden = (16,)
@@ -636,7 +631,20 @@ def test_data_parallel_nonfinite_loss_names_each_pipelines_loss(
   config.data_parallel.epoch_batches = 1
   config.data_parallel.hetero = 0.0
   config.data_parallel.simulated_ms = 0.0
-  config.train.steps = 2
+  config.train.steps = steps
+  return config
+
+
+def test_data_parallel_nonfinite_loss_names_each_pipelines_loss(
+  tmp_path, monkeypatch
+):
+  """SD-Pipe's mode: a non-finite epoch loss stops the run with each
+  pipeline's mean loss of the epoch in the message."""
+  import dataclasses
+
+  from jpipe import parallel
+
+  config = _small_sdpipe_config(steps=2)
   real_epoch = parallel.DataParallelPipelines.run_epoch
 
   def poisoned_epoch(self, states, batch_at, **kwargs):
@@ -660,17 +668,9 @@ def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   """A SIGTERM during a data-parallel run: the epoch under way ends, its
   checkpoint is written, the run exits with 143 and the same command
   resumes from the next epoch."""
-  sys.path.insert(0, ROOT)
-  from configs import sdpipe
   from jpipe.train import stopping
 
-  config = sdpipe.get_config()
-  config.model.kwargs.hidden = (16,)
-  config.data_parallel.pipelines = 2
-  config.data_parallel.epoch_batches = 1
-  config.data_parallel.hetero = 0.0
-  config.data_parallel.simulated_ms = 0.0
-  config.train.steps = 3
+  config = _small_sdpipe_config(steps=3)
   enter = stopping.StopRequest.__enter__
 
   def signalled(self):  # As if SIGTERM arrived during the first epoch.
