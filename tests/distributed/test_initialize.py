@@ -78,3 +78,62 @@ def test_launcher_needs_a_command(capsys):
   with pytest.raises(SystemExit):
     launch.main(["--nprocs", "2"])
   assert "give the command after --" in capsys.readouterr().err
+
+
+# A launched process: says it is ready, then exits 3 on SIGTERM -- or,
+# with IGNORE set, ignores it (the launcher's SIGKILL ends it).
+_CHILD = """
+import os, signal, sys, time
+if os.environ.get("IGNORE"):
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
+open(os.path.join(os.environ["READY"], os.environ["JAX_PROCESS_ID"]), "w")
+while True:
+  time.sleep(0.05)
+"""
+
+
+# (The suite's process has imported jax, which warns of any fork; the
+# launcher's own process never imports it.)
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+@pytest.mark.parametrize("ignore", ["", "1"])
+def test_sigterm_to_the_launcher_goes_to_every_process(tmp_path, ignore):
+  """SIGTERM to the launcher (here: this process, ``launch.run`` in its
+  main thread) is passed on to both processes; one that exits on it
+  gives the run its status, one that ignores it gets SIGKILL after
+  ``grace`` seconds (status 128 + 9). The launcher's own handlers are
+  restored afterwards. (No jax in the children: the launcher alone.)"""
+  import io
+  import os
+  import signal
+  import sys
+  import threading
+  import time
+
+  base = dict(os.environ, READY=str(tmp_path), IGNORE=ignore)
+  envs = launch.process_environments(2, 1, "cpu", base=base)
+
+  def terminate_once_ready():
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+      time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  before = signal.getsignal(signal.SIGTERM)
+  out = io.StringIO()
+  threading.Thread(target=terminate_once_ready, daemon=True).start()
+  code = launch.run([sys.executable, "-c", _CHILD], envs, grace=0.5, out=out)
+  assert signal.getsignal(signal.SIGTERM) is before
+  text = out.getvalue()
+  assert (
+    "[launch] SIGTERM: passed on to every process; SIGKILL to those still "
+    "running in 0.5 s"
+  ) in text
+  if ignore:
+    assert code == 128 + signal.SIGKILL
+    for i in range(2):
+      assert f"[launch] process {i} exited with signal SIGKILL" in text
+  else:
+    assert code == 3
+    assert "[launch] process 0 exited with status 3" in text

@@ -312,3 +312,21 @@ def test_launcher_runs_a_finished_run_to_status_zero(process_env):
   done = _launch(2, "fault_worker.py", env=process_env(STEPS="3"), timeout=180)
   assert done.returncode == 0, done.stdout[-4000:]
   assert "[p0] done 0" in done.stdout and "[p1] done 1" in done.stdout
+
+
+def test_a_profiled_call_across_processes(tmp_path, process_env):
+  """The default tier's profile across processes (2 processes, one
+  stage each, 1F1B, the second of two calls profiled): arrivals stamped
+  on exactly the actions another process feeds, transfer ends stamped
+  on both sides (``_check_profiles``; the slow tier profiles streaming
+  and V schedules and compares with one process)."""
+  config = {
+    "case": "mlp", "stages": 2, "calls": [2, 3], "schedule": "1f1b",
+    "profile_calls": [1],
+  }  # fmt: skip
+  got = str(tmp_path / "got.npz")
+  done = _launch(
+    2, "pipeline_worker.py", got, json.dumps([config]), env=process_env()
+  )
+  assert done.returncode == 0, done.stdout[-6000:]
+  _check_profiles(got, 0, [0, 1], calls=1)

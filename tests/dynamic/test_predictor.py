@@ -189,6 +189,42 @@ def test_dynpipe_split_takes_a_per_split_slowdown_function():
   assert constant == as_function
 
 
+def test_collect_measures_each_split_then_returns_to_the_first():
+  """The default tier's collection (2 splits, one factor, one step a
+  window): every split measured, the pipeline back on its first, each
+  split's features those of its stages, a slot slowed 3x (sleeps
+  dominate) slower than unslowed, the data surviving JSON, and a forest
+  fitted on it predicting one slowdown per sample. The slow test below
+  checks the ratios' bounds and drives a re-partition with the forest."""
+  dp, params, batch = mlp_pipeline.build("static")
+  first = dp.boundaries
+  state, measured = dynamic.collect(
+    dp,
+    dp.init(params),
+    lambda step: batch,
+    factors=(3.0,),
+    num_splits=2,
+    steps_per_window=1,
+  )
+  assert dp.boundaries == first == measured.splits[0]
+  assert len(set(measured.splits)) == 2
+  assert measured.reference.shape == (2, 2)
+  assert measured.slowed.shape == (2, 1, 2)
+  for k, split in enumerate(measured.splits):
+    np.testing.assert_array_equal(
+      measured.features[k],
+      predictor_lib.boundaries_of_features(dp.features, split),
+    )
+  assert np.all(measured.reference > 0)
+  ratio = np.median(measured.slowed / measured.reference[:, None, :], axis=0)
+  assert np.all(ratio > 1.2), ratio
+  again = predictor_lib.Measurements.from_json(measured.to_json())
+  np.testing.assert_array_equal(again.reference, measured.reference)
+  forest = dynamic.SlowdownPredictor.fit(measured, n_estimators=5)
+  x, y, _ = measured.samples()
+  assert forest.predict(x).shape == y.shape
+
+
 @pytest.mark.slow
 def test_collect_fit_and_repartition_with_the_forest(tmp_path):
   """The library's own data: stage times on several splits with device

@@ -4,8 +4,10 @@ times faster as it has replicas, a slowed device slows its whole group,
 and re-partitioning moves layers between the slots, each keeping its
 group."""
 
+import collections
 import dataclasses
 import itertools
+import types
 
 import jax
 import numpy as np
@@ -139,6 +141,37 @@ def _run(dp, params, batch, steps):
     balanced += metrics.get("rebalance", [])
     moved += [metrics["repartition"]] if "repartition" in metrics else []
   return state, balanced, moved
+
+
+def test_replica_speeds_restated():
+  """A weighted stage's replica speeds from one profiled step (stage 1:
+  4 forwards of 10 ms, 4 backwards of 20 ms, a 5 ms step that does not
+  count; stage 0's actions ignored), restated: replica j's seconds per
+  microbatch are its sleep / 4 plus 120 ms / 4 x its share of the 6
+  rows; one with no rows reads as the slowest measured one. Nothing
+  measured: every replica reads alike (the split stays)."""
+  from jpipe.dynamic._controller import replica_speeds
+
+  Action = collections.namedtuple("Action", "kind stage microbatch")
+  timeline = types.SimpleNamespace(start={}, end={})
+  t = 0.0
+  for kind, b, seconds, stage in (
+    *[("F", b, 0.010, 1) for b in range(4)],
+    *[("B", b, 0.020, 1) for b in range(4)],
+    ("S", 3, 0.005, 1),
+    ("F", 0, 0.500, 0),
+  ):
+    timeline.start[Action(kind, stage, b)] = t
+    t += seconds
+    timeline.end[Action(kind, stage, b)] = t
+  slept = {(1, 0): 0.4, (1, 1): 0.0, (0, 0): 9.0}
+  speeds = replica_speeds(timeline, slept, 1, (4, 2, 0))
+  first = 4 / (0.4 / 4 + 0.12 / 4 * 4 / 6)
+  second = 2 / (0.12 / 4 * 2 / 6)
+  np.testing.assert_allclose(speeds, [first, second, first], rtol=1e-9)
+  empty = types.SimpleNamespace(start={}, end={})
+  alike = replica_speeds(empty, {}, 1, (3, 3))
+  assert alike[0] == alike[1] > 0
 
 
 @pytest.mark.slow

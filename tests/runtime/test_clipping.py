@@ -180,6 +180,39 @@ def test_streaming_clips_with_the_latest_norm_of_every_stage():
     assert sum(step) < sum(free)
 
 
+def test_streaming_tied_exchange_outside_the_step_when_clipping():
+  """Asynchronous 1F1B of GPT with its embedding reused as the head:
+  with clipping, a tied stage's gradient is unpacked so the holder's
+  gradient goes to the owner before the norm is taken (outside the
+  fused step). A clip that never bites gives the unclipped run's params
+  (which exchanges inside the step) and losses."""
+  loss_fn, params, batch, _ = flax_models.gpt_case()
+  runs = {}
+  for c in (1e9, None):
+    pipe = jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=2,
+      devices=jax.devices()[:2],
+      num_microbatches=4,
+      optimizer=optax.sgd(0.1),
+      schedule="async",
+      clip_global_norm=c,
+    )
+    assert pipe.tied.replicas
+    state, losses = pipe.init(params), []
+    for _ in range(2):
+      state, metrics = pipe.step(state, batch)
+      losses.append(float(metrics["loss"]))
+    state, _ = pipe.flush(state)
+    runs[c] = (losses, state.stage_params)
+    unpacked = "unpack" in pipe.programs.compiled_kinds()
+    assert unpacked == (c is not None)
+  np.testing.assert_allclose(runs[1e9][0], runs[None][0], rtol=1e-6)
+  _assert_close(runs[1e9][1], runs[None][1])
+
+
 def test_bad_clip_is_refused():
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
   with pytest.raises(ValueError, match="clip_global_norm must be > 0"):

@@ -240,6 +240,17 @@ def test_batchnorm_state_flows_like_one_device(schedule, stages, devices):
     pipe.init(params)
 
 
+def test_default_hooks_change_nothing():
+  """The driver skips the default ``reduce_gradient`` and ``after_step``
+  (no call at all, for speed): sound only while they return what they
+  are given, unchanged."""
+  hooks = jpipe.runtime.DriverHooks()
+  grads, params = (np.ones(2),), (np.zeros(3), np.ones(1))
+  assert hooks.reduce_gradient(0, grads) is grads
+  assert hooks.after_step(1, params) is params
+  assert hooks.before_compute(None) is None
+
+
 class _Counting(jpipe.runtime.DriverHooks):
   """Counts what a driver calls; halves the gradient of stage 0."""
 

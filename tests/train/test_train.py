@@ -1,5 +1,6 @@
 """The training CLI: runs, logs, resumes exactly, refuses bad input."""
 
+import functools
 import glob
 import json
 import os
@@ -64,13 +65,23 @@ def test_default_config_trains_logs_and_draws(tmp_path):
   ) == ["3", "6"]
 
 
-def test_resume_follows_the_same_trajectory(tmp_path, capsys):
+@pytest.mark.parametrize(
+  "dynamic", [{}, {"dynamic.enabled": True, "dynamic.policy": "static"}]
+)
+def test_resume_follows_the_same_trajectory(tmp_path, capsys, dynamic):
+  """3 steps, then resumed to 6: steps 4-6 as a run of 6 straight; also a
+  re-partitioning pipeline (static policy: measures, never moves), which
+  resumes on the split its checkpoint recorded."""
   straight = tmp_path / "straight"
   resumed = tmp_path / "resumed"
-  train_lib.train_and_evaluate(_config(**{"train.steps": 6}), str(straight))
-  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(resumed))
-  train_lib.train_and_evaluate(_config(**{"train.steps": 6}), str(resumed))
-  assert "Resuming from step 3" in capsys.readouterr().out
+  config = functools.partial(_config, **dynamic)
+  train_lib.train_and_evaluate(config(**{"train.steps": 6}), str(straight))
+  train_lib.train_and_evaluate(config(**{"train.steps": 3}), str(resumed))
+  train_lib.train_and_evaluate(config(**{"train.steps": 6}), str(resumed))
+  out = capsys.readouterr().out
+  assert "Resuming from step 3" in out
+  if dynamic:
+    assert "Resuming on the split in force: [0:" in out
   a, b = _losses(straight), _losses(resumed)
   for step in (4, 5, 6):
     assert a[step] == pytest.approx(b[step], rel=1e-6)
@@ -780,6 +791,63 @@ def test_slowdown_predictor_fitted_by_its_cli_drives_a_training_run(
 def _split(boundaries):
   pairs = zip(boundaries[:-1], boundaries[1:], strict=True)
   return "[" + " | ".join(f"{a}:{b}" for a, b in pairs) + "]"
+
+
+def _readme_slowdowns(out):
+  """The README's ``jpipe.train.slowdowns`` command as written, writing
+  to ``out``, measuring 2 splits with one factor (its defaults: 8 x 4)."""
+  from tests.distributed.test_readme_commands import readme_command
+
+  command = readme_command("jpipe.train.slowdowns")
+  command[command.index("--out") + 1] = out
+  return command + [
+    "--splits=2", "--factors=2", "--steps_per_window=1", "--trees=5"
+  ]  # fmt: skip
+
+
+def _run_cli(command):
+  done = subprocess.run(
+    command, env=_cli_env(), cwd=ROOT, capture_output=True, text=True,
+    timeout=300,
+  )  # fmt: skip
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done.stdout
+
+
+def test_readme_slowdowns_command_fits_and_writes_a_predictor(tmp_path):
+  """The README's predictor-fitting command (configs/dynpipe.py), run as
+  written with fewer splits and trees: the held-out line, the pickle and
+  its data, which loads as a predictor of the config's model."""
+  out = str(tmp_path / "rf.pkl")
+  stdout = _run_cli(_readme_slowdowns(out))
+  assert "16 samples from 2 splits x 1 factors; held-out mean absolute " in (
+    stdout
+  )
+  assert f"Predictor: {out} (use --config.dynamic.predictor={out})" in stdout
+  forest = jpipe.dynamic.SlowdownPredictor.load(out)
+  assert forest.info["samples"] == 16
+  with open(out + ".json") as f:
+    assert len(json.load(f)["splits"]) == 2
+
+
+@pytest.mark.slow
+def test_readme_trains_with_the_fitted_predictor(tmp_path):
+  """The README's two predictor commands in turn, as written (fewer
+  splits and trees; 6 steps): training loads the fitted forest."""
+  from tests.distributed.test_readme_commands import _with, readme_command
+
+  out = str(tmp_path / "rf.pkl")
+  _run_cli(_readme_slowdowns(out))
+  command = readme_command("--config.dynamic.predictor=/tmp/rf.pkl")
+  command = _with(command, tmp_path / "run", "--config.train.steps=6")
+  command = [
+    f"--config.dynamic.predictor={out}" if "predictor=" in w else w
+    for w in command
+  ]
+  stdout = _run_cli(command)
+  assert "Done: 6 steps" in stdout
+  with open(tmp_path / "run" / "config.json") as f:
+    assert out in f.read()
 
 
 @pytest.mark.parametrize(
