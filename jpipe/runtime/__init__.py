@@ -1,6 +1,5 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
-from jpipe.runtime._driver import DriverHooks
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._memory import (
   MemoryLimitError,
@@ -30,6 +29,7 @@ from jpipe.runtime._slowdown import (
   parse_slowdowns,
 )
 from jpipe.runtime._transport import PullLinks, TransferTimes
+from jpipe.runtime.execute.hooks import DriverHooks
 
 __all__ = [
   "RANDOM_DELAY_PROBABILITY",

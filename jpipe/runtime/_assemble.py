@@ -30,7 +30,7 @@ from jpipe.runtime._build import (
   place_stages,
   schedule_calls,
 )
-from jpipe.runtime._driver import Driver, DriverHooks
+from jpipe.runtime._driver import Driver
 from jpipe.runtime._flat import FlatLayout
 from jpipe.runtime._options import Staleness, staleness_from_keywords
 from jpipe.runtime._partitioning import (
@@ -42,6 +42,7 @@ from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
 from jpipe.runtime._stored_params import StoredParams
 from jpipe.runtime._tied import TiedParams
 from jpipe.runtime._versions import VersionPolicy
+from jpipe.runtime.execute.hooks import DriverHooks
 
 STALENESS_KEYWORDS = tuple(f.name for f in dataclasses.fields(Staleness))
 PARTITIONING_KEYWORDS = tuple(f.name for f in dataclasses.fields(Partitioning))

@@ -36,7 +36,6 @@ from jpipe import schedule as schedule_lib
 from jpipe.runtime import _forward_only, _pipeline_state, _step
 from jpipe.runtime._assemble import build_pipeline, options_from_keywords
 from jpipe.runtime._build import check_request
-from jpipe.runtime._driver import DriverHooks, InFlight
 from jpipe.runtime._memory import StageMemory, device_totals
 from jpipe.runtime._options import Staleness
 from jpipe.runtime._partitioning import Partitioning
@@ -45,6 +44,8 @@ from jpipe.runtime._pipeline_memory import (
   predict_pipeline_memory,
 )
 from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.execute.hooks import DriverHooks
+from jpipe.runtime.execute.in_flight import InFlight
 
 
 class Pipeline:

@@ -18,13 +18,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jpipe.runtime._driver import InFlight
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._state_dict import (
   merge_optimizer_states,
   restore_structure,
   select_optimizer_states,
 )
+from jpipe.runtime.execute.in_flight import InFlight
 
 
 class PipelineState(NamedTuple):

@@ -10,9 +10,9 @@ import dataclasses
 import jax
 
 from jpipe.runtime._batches import batch_size, place_microbatches
-from jpipe.runtime._driver import InFlight
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._profiler import ActionProfiler
+from jpipe.runtime.execute.in_flight import InFlight
 
 
 def step(pipe, state: PipelineState, batch, profile: bool):

@@ -1,0 +1,81 @@
+"""One driver call's inputs and the values its stages hand each other."""
+
+import dataclasses
+from typing import Any
+
+from jpipe.runtime._profiler import ActionProfiler
+from jpipe.runtime._transfer_ends import TransferEnds
+
+
+@dataclasses.dataclass(eq=False)
+class CallContext(TransferEnds):
+  """What every stage of a call reads or leaves for another: the call's
+  inputs, the values between stages (moved by the ``TransferEnds`` ops),
+  and what the call gathers for its result.
+
+  Attributes:
+    d: the ``Driver`` (read only).
+    batches: ``{placement: {b: {batch leaf index: array}}}``, placed.
+    fused: ``(stage, b)`` whose backward may run with the forward.
+    fused_steps: ``(stage, b)`` whose backward's program may end with the
+      stage's next step (``Driver.fused_steps``).
+    loss_cotangent: each microbatch's loss cotangent.
+    profiler: records when each action ran, or None.
+    model_state: the model-state leaves (each forward's new ones).
+    cots: ``(b, var) ->`` a cotangent waiting for its stage's backward.
+    tied: ``(leaf, b) ->`` the tied leaf value the owner's F(b) used.
+    tied_grads: ``(leaf, b) ->`` holders' gradients for the owner's step.
+    values: ``(b, var) ->`` an activation, until its last reader ran
+      (``reads_left``: readers still to take it).
+    inbox: ``(s, b, var) ->`` an input of F(s, b), on s's devices.
+    outbox: ``(what, s, b, value) ->`` what an action of stage s made for
+      another stage (B's input cotangents, a step's tied gradients).
+    losses: the losses of the call's last-stage forwards, in order.
+    used: ``(kind, s, b) -> params`` F and B used (None: not recorded).
+  """
+
+  d: Any
+  batches: dict
+  fused: frozenset
+  fused_steps: frozenset
+  loss_cotangent: float
+  profiler: ActionProfiler | None
+  model_state: list
+  cots: dict
+  tied: dict
+  tied_grads: dict
+  used: dict | None
+  values: dict = dataclasses.field(default_factory=dict)
+  reads_left: dict = dataclasses.field(default_factory=dict)
+  inbox: dict = dataclasses.field(default_factory=dict)
+  outbox: dict = dataclasses.field(default_factory=dict)
+  losses: list = dataclasses.field(default_factory=list)
+
+  def record(self, kind, s, b, theta) -> None:
+    """Notes the params ``theta`` that ``kind`` (F or B) of (s, b) used,
+    when recording."""
+    if self.used is not None:
+      self.used[(kind, s, b)] = self.d.param_storage[s].leaves(theta)
+
+  def record_remote(self, action, values, remote) -> None:
+    """Tells the profiler when ``action``'s values that another process
+    sent (``remote[i]``) arrive; nothing if none did."""
+    sent = [
+      x for x, r in zip(values, remote, strict=True) if r and x is not None
+    ]
+    if sent:
+      self.profiler.record_inputs(action, sent)
+
+  def check_consumed(self, kept: dict) -> None:
+    """Every value made for a reader was read (``kept``: split
+    backwards' values awaiting their W): else a schedule or lowering
+    bug, not a user error."""
+    left = {
+      "activations never read": self.values,
+      "inputs never used": self.inbox,
+      "values never moved": self.outbox,
+      "weight gradients never run": kept,
+    }
+    for what, store in left.items():
+      if store:
+        raise RuntimeError(f"{what}: {sorted(map(str, store))[:4]}")

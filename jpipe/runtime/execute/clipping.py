@@ -1,0 +1,62 @@
+"""Global-norm gradient clipping over a pipeline's stages (optax's
+``clip_by_global_norm`` across stages, devices and processes)."""
+
+import jax
+import jax.numpy as jnp
+
+from jpipe.runtime._placement import put
+from jpipe.runtime.execute.hooks import DriverHooks
+
+
+def plain_gradient(d) -> bool:
+  """Whether driver ``d``'s stream steps read their gradient as
+  accumulated: no clipping and no hooks reducing it (data parallel)."""
+  return d.clip_global_norm is None and (
+    type(d.hooks).reduce_gradient is DriverHooks.reduce_gradient
+  )
+
+
+def global_clip_factors(d, grads: dict) -> dict:
+  """``{stage: its gradient's factor}`` for this process's synchronous
+  steps: ``min(1, clip / global norm)``, the norm over every stage's
+  gradient (``grads``: this process's, reduced), summed per process and
+  then over processes (every process calls it, in step order)."""
+  if not grads:
+    partial = None
+  else:
+    first = min(grads)
+    device = d.placement[first].device
+    partial = sum(
+      put(grad_sq_norm(d, s, g), device) for s, g in sorted(grads.items())
+    )
+  total = d.transport.all_sum(partial)
+  return {s: clip_factor(d, s, total) for s in grads}
+
+
+def grad_sq_norm(d, s, grads):
+  """Squared L2 norm of stage s's gradient (the packed accumulator or
+  leaves), f32 on its device; a tied leaf counted by its owner only."""
+  replica = d.tied.replica_positions(s)
+  if replica:
+    grads = [g for p, g in enumerate(grads) if p not in replica]
+  return _sq_norm(tuple(grads))
+
+
+def clip_factor(d, s, total_sq):
+  """``min(1, clip / sqrt(total_sq))`` on stage s's devices."""
+  factor = _clip_factor(total_sq, d.clip_global_norm)
+  return d.placement[s].put_replicated(factor)
+
+
+@jax.jit
+def _sq_norm(leaves):
+  """Sum of squares of every element of ``leaves``, in f32."""
+  return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+
+
+@jax.jit
+def _clip_factor(total_sq, clip):
+  """``optax.clip_by_global_norm``'s factor: 1 below ``clip``, else
+  clip / norm."""
+  norm = jnp.sqrt(total_sq)
+  return jnp.where(norm < clip, 1.0, clip / norm)

@@ -1,0 +1,93 @@
+"""Issues one call's lowered ops: each compute action to its stage's
+``StageWork`` (a step to the ``StepRunner``), each transfer end to the
+``CallContext``; then gathers what the call produced."""
+
+import jax
+
+from jpipe import schedule as schedule_lib
+from jpipe.runtime._profiler import ActionProfiler
+from jpipe.runtime.execute.call_context import CallContext
+from jpipe.runtime.execute.in_flight import CallResult, InFlight
+from jpipe.runtime.execute.stage_work import call_result, stage_works
+from jpipe.runtime.execute.steps import StepRunner
+
+FORWARD, BACKWARD, STEP, INPUT, WEIGHT = schedule_lib.ActionKind
+SEND, RECV, MOVE = schedule_lib.MoveKind
+
+
+def run_call(
+  driver,
+  work,
+  *,
+  stage_params,
+  opt_states,
+  model_state,
+  in_flight: InFlight,
+  batches: dict,
+  loss_cotangent: float,
+  profiler: ActionProfiler | None = None,
+) -> CallResult:
+  """``Driver.run``: this process's share of ``work``'s actions."""
+  ctx = CallContext(
+    driver,
+    batches,
+    work.fused,
+    driver.fused_steps(work),
+    loss_cotangent,
+    profiler,
+    list(model_state),
+    dict(in_flight.cots),
+    dict(in_flight.tied),
+    dict(in_flight.tied_grads),
+    {} if driver.record_params else None,
+  )
+  stages = stage_works(driver, ctx, in_flight, stage_params, opt_states)
+  steps = StepRunner(driver, ctx, stages)
+  for w in stages:
+    w.steps = steps
+  # Synchronous steps wait for every backward (tied gradients are
+  # summed over all stages first).
+  deferred_steps = []
+  forwards = [w.forward for w in stages]
+  backwards = [w.backward for w in stages]
+  input_grads = [w.input_grad for w in stages]
+  weight_grads = [w.weight_grad for w in stages]
+  methods = {
+    FORWARD: lambda op: forwards[op.stage](op),
+    BACKWARD: lambda op: backwards[op.stage](op),
+    INPUT: lambda op: input_grads[op.stage](op),
+    WEIGHT: lambda op: weight_grads[op.stage](op),
+    STEP: steps.stream_step
+    if driver.stream is not None
+    else deferred_steps.append,
+    SEND: ctx.send,
+    RECV: ctx.receive,
+    MOVE: ctx.move,
+  }
+  ops, shares_loss = driver.lower(work)
+  driver.transport.begin_call()
+  if jax.profiler.TraceAnnotation.is_enabled():
+    # Each op a span in the jax.profiler trace being taken, so it shows
+    # where the host's time goes per kind of action.
+    for op in ops:
+      with jax.profiler.TraceAnnotation(_trace_name(op)):
+        methods[op.kind](op)
+  else:  # (Naming and entering spans cost ~2 µs an op.)
+    for op in ops:
+      methods[op.kind](op)
+  if driver.stream is None:
+    with jax.profiler.TraceAnnotation("jpipe.S synchronous"):
+      steps.synchronous(deferred_steps)
+  loss = driver.mean_loss(ctx.losses) if shares_loss else None
+  return call_result(driver, ctx, stages, in_flight.fed, loss)
+
+
+def _trace_name(op) -> str:
+  """An op's span name in a profiler's trace: ``jpipe.KIND s=S b=B``
+  (KIND an action's letter, F B S I W, or a transfer end's SEND / RECV /
+  MOVE with what it carries: ``jpipe.MOVE_F 0->1 b=3``). No colon: the
+  profiler drops spans named ``a:b``."""
+  if isinstance(op, schedule_lib.Move):
+    t = op.transfer
+    return f"jpipe.{op.kind}_{t.what} {t.src}->{t.dst} b={op.action.microbatch}"
+  return f"jpipe.{op.kind} s={op.stage} b={op.microbatch}"
