@@ -9,7 +9,7 @@ On a GPU the host's share near the whole is the driver setting the
 pace; then the split says whether jpipe's Python or JAX's dispatch is.
 (2) ``experiments.runtime.flat_grads`` on this device: a stage's backward
 with its gradients all packed into one buffer, none packed, and jpipe's
-default threshold (``jpipe.runtime._flat.own_buffer_bytes``), by leaf size,
+default threshold (``jpipe.runtime.build.flat.own_buffer_bytes``), by leaf size,
 kept in this part's JSON (``grad_buffers``).
 
 Usage: python -m experiments.gpu_campaign.driver [--quick] --out DIR

@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments.runtime.flat_params import _median_ms, write_results
-from jpipe.runtime._flat import FlatLayout, own_buffer_bytes
+from jpipe.runtime.build.flat import FlatLayout, own_buffer_bytes
 
 # --repeats and --out_dir are flat_params' flags.
 FLAGS = flags.FLAGS

@@ -3,7 +3,7 @@ a flat buffer.
 
 Every array passed to a jitted call costs the host a few microseconds, so
 the driver holds a stage's params packed into one flat buffer per dtype
-(``jpipe/runtime/_stored_params.py``). But XLA materialises a weight
+(``jpipe/runtime/build/stored_params.py``). But XLA materialises a weight
 sliced out of a flat buffer as a copy before a matmul reads it, so every
 forward and backward would also copy the stage's params: leaves from the
 pipeline's ``own_buffer_bytes`` stay apart. This measures that copy:
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime.build.flat import FlatLayout
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("width", 1024, "Weight matrices are width x width.")

@@ -33,7 +33,7 @@ from absl import app, flags
 from experiments.gpu_campaign import _common
 from experiments.gpu_campaign.overhead import one_device_pipeline, timed_runner
 from experiments.runtime.host_cost import host_breakdown
-from jpipe.runtime._stored_params import StoredParams
+from jpipe.runtime.build.stored_params import StoredParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["8"], "Pipeline stages (all on one device).")

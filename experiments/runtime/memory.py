@@ -31,7 +31,7 @@ from absl import app, flags  # noqa: E402
 import jpipe  # noqa: E402
 from jpipe.models import gpt  # noqa: E402
 from jpipe.runtime import format_bytes  # noqa: E402
-from jpipe.runtime._memory import nbytes  # noqa: E402
+from jpipe.runtime.build.memory import nbytes  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("memory_stages", ["2", "4"], "Stage counts.")

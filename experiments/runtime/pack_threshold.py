@@ -27,7 +27,7 @@ from absl import app, flags
 
 from experiments.gpu_campaign import _common
 from experiments.runtime.overhead import SIZES, _lm, _pipeline
-from jpipe.runtime._flat import own_buffer_bytes
+from jpipe.runtime.build.flat import own_buffer_bytes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["2", "4"], "Pipeline stages (one device).")

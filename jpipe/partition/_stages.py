@@ -486,7 +486,7 @@ def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
 
 
 # A saving forward's residuals of at least this many bytes are returned as
-# their own arrays, per platform (why: jpipe/runtime/_flat.py, which
+# their own arrays, per platform (why: jpipe/runtime/build/flat.py, which
 # takes the gradients' sizes from the same measurements).
 RESIDUAL_OWN_BYTES = {"cpu": 1 << 14}
 ACCELERATOR_RESIDUAL_OWN_BYTES = 1 << 20

@@ -1,34 +1,34 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
 from jpipe.runtime._gather import trees_everywhere
-from jpipe.runtime._memory import (
-  MemoryLimitError,
-  StageMemory,
-  format_bytes,
-  memory_options_for,
-  partitioner_memory_model,
-)
-from jpipe.runtime._options import (
-  GAP_AWARE_POLICIES,
-  Staleness,
-  check_staleness_options,
-)
-from jpipe.runtime._partitioning import (
-  REPLICA_ROUTINGS,
-  Partitioning,
-  partition_of,
-  with_partition,
-)
 from jpipe.runtime._pipeline import Pipeline
 from jpipe.runtime._pipeline_state import PipelineState
-from jpipe.runtime._placement import even_rows, rows_for_speeds
 from jpipe.runtime._slowdown import (
   RANDOM_DELAY_PROBABILITY,
   DeviceSlowdowns,
   Slowdown,
   parse_slowdowns,
 )
-from jpipe.runtime._transport import PullLinks, TransferTimes
+from jpipe.runtime.build.memory import (
+  MemoryLimitError,
+  StageMemory,
+  format_bytes,
+  memory_options_for,
+  partitioner_memory_model,
+)
+from jpipe.runtime.build.options import (
+  GAP_AWARE_POLICIES,
+  Staleness,
+  check_staleness_options,
+)
+from jpipe.runtime.build.partitioning import (
+  REPLICA_ROUTINGS,
+  Partitioning,
+  partition_of,
+  with_partition,
+)
+from jpipe.runtime.build.placement import even_rows, rows_for_speeds
+from jpipe.runtime.build.transport import PullLinks, TransferTimes
 from jpipe.runtime.execute.hooks import DriverHooks
 
 __all__ = [

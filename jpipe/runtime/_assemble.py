@@ -1,6 +1,6 @@
 """A pipeline built from option values, as one frozen value of its parts.
 
-``build_pipeline`` runs ``_build.py``'s phases in order (cut the traced
+``build_pipeline`` runs ``build/phases.py``'s phases in order (cut the traced
 model, partition it, place the stages, schedule the calls), then the
 runtime phase here (stage programs, tied params, one optimizer per stage,
 the version policy, the driver), and returns every part in one
@@ -18,7 +18,13 @@ from typing import Any
 import jax
 
 from jpipe import partition as partition_lib
-from jpipe.runtime._build import (
+from jpipe.runtime.build.flat import FlatLayout
+from jpipe.runtime.build.options import Staleness, staleness_from_keywords
+from jpipe.runtime.build.partitioning import (
+  Partitioning,
+  partitioning_from_keywords,
+)
+from jpipe.runtime.build.phases import (
   ModelCut,
   Partitioned,
   Placed,
@@ -30,18 +36,12 @@ from jpipe.runtime._build import (
   place_stages,
   schedule_calls,
 )
-from jpipe.runtime._driver import Driver
-from jpipe.runtime._flat import FlatLayout
-from jpipe.runtime._options import Staleness, staleness_from_keywords
-from jpipe.runtime._partitioning import (
-  Partitioning,
-  partitioning_from_keywords,
-)
-from jpipe.runtime._programs import StagePrograms
-from jpipe.runtime._stage_optimizer import StageOptimizer, leaf_names
-from jpipe.runtime._stored_params import StoredParams
-from jpipe.runtime._tied import TiedParams
-from jpipe.runtime._versions import VersionPolicy
+from jpipe.runtime.build.programs import StagePrograms
+from jpipe.runtime.build.stage_optimizer import StageOptimizer, leaf_names
+from jpipe.runtime.build.stored_params import StoredParams
+from jpipe.runtime.build.tied import TiedParams
+from jpipe.runtime.build.versions import VersionPolicy
+from jpipe.runtime.execute.driver import Driver
 from jpipe.runtime.execute.hooks import DriverHooks
 
 STALENESS_KEYWORDS = tuple(f.name for f in dataclasses.fields(Staleness))

@@ -4,7 +4,7 @@
 Plan), builds jitted stage functions, places each stage's parameters and
 optimizer state on its device(s) (``_assemble.py``: the construction, one
 frozen value of parts) and runs a schedule's actions through the driver
-(``_step.py``, ``_driver.py``); the state in and out is
+(``_step.py``, ``execute/driver.py``); the state in and out is
 ``_pipeline_state.py``'s. JAX dispatches asynchronously, so devices work
 concurrently; the host blocks only when reading metrics.
 
@@ -17,9 +17,9 @@ stage s of n sees delay ``n - 1 - s`` on every microbatch after the
 warm-up, whatever the call boundaries (``jpipe.schedule.Stream``).
 ``flush`` drains the stream; ``gather_params`` and ``state_dict`` need a
 drained pipeline. Which params each forward and backward uses is the
-version policy's table (``_versions.py``); tied parameters are
-``_tied.py``'s; a stage on several devices is a replica group
-(``_placement.py``: data parallel, same math).
+version policy's table (``build/versions.py``); tied parameters are
+``build/tied.py``'s; a stage on several devices is a replica group
+(``build/placement.py``: data parallel, same math).
 
 The last stage (no other stage reads its values) runs each microbatch's
 forward and backward as one program wherever that gives the same result
@@ -33,17 +33,18 @@ import jax
 import optax
 
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import _forward_only, _pipeline_state, _step
+from jpipe.runtime import _pipeline_state, _step
 from jpipe.runtime._assemble import build_pipeline, options_from_keywords
-from jpipe.runtime._build import check_request
-from jpipe.runtime._memory import StageMemory, device_totals
-from jpipe.runtime._options import Staleness
-from jpipe.runtime._partitioning import Partitioning
-from jpipe.runtime._pipeline_memory import (
+from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.build.memory import StageMemory, device_totals
+from jpipe.runtime.build.options import Staleness
+from jpipe.runtime.build.partitioning import Partitioning
+from jpipe.runtime.build.phases import check_request
+from jpipe.runtime.build.pipeline_memory import (
   check_memory_limit,
   predict_pipeline_memory,
 )
-from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.execute import forward_only as _forward_only
 from jpipe.runtime.execute.hooks import DriverHooks
 from jpipe.runtime.execute.in_flight import InFlight
 

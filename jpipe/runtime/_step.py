@@ -1,7 +1,7 @@
 """One ``step`` or ``flush`` call of a built pipeline.
 
 The call's microbatches are cut from the batch and placed, its action
-lists (``_calls.py``) run by the driver, and the stream's position and
+lists (``build/calls.py``) run by the driver, and the stream's position and
 the step count carried into the returned ``PipelineState``.
 """
 
@@ -9,10 +9,10 @@ import dataclasses
 
 import jax
 
-from jpipe.runtime._batches import batch_size, place_microbatches
 from jpipe.runtime._pipeline_state import PipelineState
-from jpipe.runtime._profiler import ActionProfiler
+from jpipe.runtime.build.batches import batch_size, place_microbatches
 from jpipe.runtime.execute.in_flight import InFlight
+from jpipe.runtime.execute.profiler import ActionProfiler
 
 
 def step(pipe, state: PipelineState, batch, profile: bool):

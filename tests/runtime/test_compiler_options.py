@@ -10,7 +10,9 @@ import optax
 import pytest
 
 import jpipe
-from jpipe.runtime import Partitioning, _build, _programs
+from jpipe.runtime import Partitioning
+from jpipe.runtime.build import phases as _build
+from jpipe.runtime.build import programs as _programs
 from tests.runtime.test_pipeline_async import mlp_pipeline
 
 GPU_OPTIONS = {"xla_gpu_enable_command_buffer": ""}

@@ -11,7 +11,7 @@ import pytest
 
 import jpipe
 from jpipe.models import mlp
-from jpipe.runtime._flat import FlatLayout
+from jpipe.runtime.build.flat import FlatLayout
 
 
 def _leaves():

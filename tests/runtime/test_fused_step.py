@@ -216,7 +216,7 @@ def test_an_owner_whose_holders_gradient_comes_after_its_backward_waits():
   """``_late_tied_grads``: an owner's backward of b that runs before a
   holder's gradient for b arrives (a MOVE or RECV of "tied_grad" later in
   the ops) keeps its step apart; one after, or a send, does not."""
-  from jpipe.runtime._driver import _late_tied_grads
+  from jpipe.runtime.execute.driver import _late_tied_grads
 
   Action, Move = schedule_lib.Action, schedule_lib.Move
   kinds = schedule_lib.MoveKind

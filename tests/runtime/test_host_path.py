@@ -12,10 +12,10 @@ from jax.sharding import SingleDeviceSharding
 
 import jpipe
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import _driver
-from jpipe.runtime._calls import ShiftedCall, shifted_ops
-from jpipe.runtime._held_params import HeldParams
-from jpipe.runtime._placement import StagePlacement, put
+from jpipe.runtime.build.calls import ShiftedCall, shifted_ops
+from jpipe.runtime.build.placement import StagePlacement, put
+from jpipe.runtime.execute import driver as _driver
+from jpipe.runtime.execute.held_params import HeldParams
 from tests.partition import flax_models
 
 

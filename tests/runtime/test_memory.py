@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jpipe
-from jpipe.runtime._memory import (
+from jpipe.runtime.build.memory import (
   StageMemory,
   device_totals,
   in_flight_counts,

@@ -741,7 +741,7 @@ def test_checkpoint_state_roundtrip_into_another_partition():
   state2, _ = pipe2.step(state2, batch)
   grads = jax.grad(loss_fn)(saved["params"], batch)
   tx_state = jax.tree.map(jnp.asarray, saved["opt_state"])
-  names = jpipe.runtime._stage_optimizer.leaf_names(params)
+  names = jpipe.runtime.build.stage_optimizer.leaf_names(params)
   flat = dict(zip(names, jax.tree.leaves(grads), strict=True))
   flat_params = dict(zip(names, jax.tree.leaves(saved["params"]), strict=True))
   updates, _ = SGD.update(flat, tx_state, flat_params)

@@ -11,8 +11,8 @@ import pytest
 
 import jpipe
 from jpipe import partition
-from jpipe.runtime._batches import place_microbatches
-from jpipe.runtime._placement import device_name
+from jpipe.runtime.build.batches import place_microbatches
+from jpipe.runtime.build.placement import device_name
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (

@@ -239,7 +239,7 @@ def test_a_round_robin_group_takes_whole_microbatches():
   pipe, _, _, batch = _round_robin(
     LAYOUTS["disjoint"], "mlp", num_microbatches=4, optimizer=optax.sgd(0.1)
   )
-  from jpipe.runtime._batches import place_microbatches
+  from jpipe.runtime.build.batches import place_microbatches
 
   place = pipe.placement[0]
   micro = place_microbatches(jax.tree.leaves(batch), pipe.batch_leaves, 4, 0)

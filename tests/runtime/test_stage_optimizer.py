@@ -8,8 +8,8 @@ import optax
 import pytest
 
 from jpipe import staleness
-from jpipe.runtime._flat import FlatLayout, PackedTree
-from jpipe.runtime._stage_optimizer import StageOptimizer
+from jpipe.runtime.build.flat import FlatLayout, PackedTree
+from jpipe.runtime.build.stage_optimizer import StageOptimizer
 from tests import quick_compiles
 
 NAMES = ("a/kernel", "a/bias", "b/kernel")

@@ -1,5 +1,5 @@
 """A stage's params stored packed while the driver runs
-(jpipe/runtime/_stored_params.py): the round trip, what stays apart, the
+(jpipe/runtime/build/stored_params.py): the round trip, what stays apart, the
 conversions kept by identity, and tied leaves swapped in place."""
 
 import jax
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpipe.runtime._flat import PackedTree
-from jpipe.runtime._stored_params import (
+from jpipe.runtime.build.flat import PackedTree
+from jpipe.runtime.build.stored_params import (
   StoredParams,
   leaves_of,
   param_leaf,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jpipe.runtime._placement import even_rows, rows_for_speeds
+from jpipe.runtime.build.placement import even_rows, rows_for_speeds
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_replicated_stages import (

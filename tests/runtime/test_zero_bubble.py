@@ -8,7 +8,7 @@ import pytest
 
 import jpipe
 from jpipe.partition._backward_split import split_backward
-from jpipe.runtime._memory import nbytes
+from jpipe.runtime.build.memory import nbytes
 from tests.partition import flax_models
 from tests.runtime.test_memory import (
   _assert_same_bytes,

@@ -3,8 +3,8 @@
 import dataclasses
 from typing import Any
 
-from jpipe.runtime._profiler import ActionProfiler
-from jpipe.runtime._transfer_ends import TransferEnds
+from jpipe.runtime.execute.profiler import ActionProfiler
+from jpipe.runtime.execute.transfer_ends import TransferEnds
 
 
 @dataclasses.dataclass(eq=False)

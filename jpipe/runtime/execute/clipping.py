@@ -4,7 +4,7 @@
 import jax
 import jax.numpy as jnp
 
-from jpipe.runtime._placement import put
+from jpipe.runtime.build.placement import put
 from jpipe.runtime.execute.hooks import DriverHooks
 
 

@@ -5,9 +5,9 @@
 import jax
 
 from jpipe import schedule as schedule_lib
-from jpipe.runtime._profiler import ActionProfiler
 from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
+from jpipe.runtime.execute.profiler import ActionProfiler
 from jpipe.runtime.execute.stage_work import call_result, stage_works
 from jpipe.runtime.execute.steps import StepRunner
 

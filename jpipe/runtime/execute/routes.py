@@ -2,7 +2,7 @@
 devices, another process (what a profile stamps), the readers of a
 model-state leaf in other processes."""
 
-from jpipe.runtime._placement import StagePlacement
+from jpipe.runtime.build.placement import StagePlacement
 
 
 def same_place(a: StagePlacement, b: StagePlacement) -> bool:

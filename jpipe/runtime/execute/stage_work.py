@@ -4,8 +4,8 @@ and what its microbatches leave between them."""
 import dataclasses
 from typing import Any
 
-from jpipe.runtime._held_params import HeldParams
 from jpipe.runtime.execute.call_context import CallContext
+from jpipe.runtime.execute.held_params import HeldParams
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
 
 

@@ -5,7 +5,7 @@ every backward, global-norm clipping and the tied leaves' gradients."""
 import dataclasses
 from typing import Any
 
-from jpipe.runtime._placement import put
+from jpipe.runtime.build.placement import put
 from jpipe.runtime.execute import clipping
 from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.hooks import DriverHooks

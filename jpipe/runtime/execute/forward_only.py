@@ -29,9 +29,9 @@ import numpy as np
 
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
-from jpipe.runtime._batches import batch_size, place_microbatches
-from jpipe.runtime._transfer_ends import TransferEnds
+from jpipe.runtime.build.batches import batch_size, place_microbatches
 from jpipe.runtime.execute.stage_work import local_inputs
+from jpipe.runtime.execute.transfer_ends import TransferEnds
 
 FORWARD = schedule_lib.ActionKind.FORWARD
 SEND, RECV, MOVE = schedule_lib.MoveKind

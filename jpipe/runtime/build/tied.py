@@ -18,7 +18,7 @@ processes make the same moves in the same order.
 """
 
 from jpipe.partition import Stages
-from jpipe.runtime._stored_params import param_leaf, with_param_leaves
+from jpipe.runtime.build.stored_params import param_leaf, with_param_leaves
 
 
 class TiedParams:

@@ -14,7 +14,7 @@ when that backward ran fused with its forward), model-state leaves after
 the forward that produces them, a tied leaf's value before a holder's
 forward and a holder's tied gradient after its step (``_transfers``).
 Every process lowers the same order, so the two ends of every transfer
-between two processes come in the same sequence (``_transport.py``).
+between two processes come in the same sequence (``build/transport.py``).
 
 A stream's step that applies the one backward right before it runs in
 that backward's program (``Call.fused_steps``, where the step reads
@@ -35,19 +35,19 @@ import jax
 import jax.numpy as jnp
 
 from jpipe import schedule as schedule_lib
-from jpipe.runtime._calls import shifted_ops
-from jpipe.runtime._placement import StagePlacement, put
-from jpipe.runtime._profiler import ActionProfiler
-from jpipe.runtime._programs import StagePrograms
-from jpipe.runtime._stage_optimizer import StageOptimizer
-from jpipe.runtime._stored_params import StoredParams
-from jpipe.runtime._tied import TiedParams
-from jpipe.runtime._transport import Transport
-from jpipe.runtime._versions import VersionPolicy
+from jpipe.runtime.build.calls import shifted_ops
+from jpipe.runtime.build.placement import StagePlacement, put
+from jpipe.runtime.build.programs import StagePrograms
+from jpipe.runtime.build.stage_optimizer import StageOptimizer
+from jpipe.runtime.build.stored_params import StoredParams
+from jpipe.runtime.build.tied import TiedParams
+from jpipe.runtime.build.transport import Transport
+from jpipe.runtime.build.versions import VersionPolicy
 from jpipe.runtime.execute import routes
 from jpipe.runtime.execute.dispatch import run_call
 from jpipe.runtime.execute.hooks import DriverHooks
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
+from jpipe.runtime.execute.profiler import ActionProfiler
 
 FORWARD, BACKWARD, STEP, INPUT, WEIGHT = schedule_lib.ActionKind
 SEND, RECV, MOVE = schedule_lib.MoveKind

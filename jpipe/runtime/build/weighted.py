@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jpipe.runtime._placement import put
+from jpipe.runtime.build.placement import put
 
 
 class WeightedStage:

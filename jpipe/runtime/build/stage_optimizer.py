@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import optax
 
 from jpipe import staleness
-from jpipe.runtime._flat import FlatLayout, PackedTree
-from jpipe.runtime._stored_params import leaves_of, stored_params_like
+from jpipe.runtime.build.flat import FlatLayout, PackedTree
+from jpipe.runtime.build.stored_params import leaves_of, stored_params_like
 
 
 def leaf_names(params: Any) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jpipe.runtime._flat import FlatLayout, PackedTree
+from jpipe.runtime.build.flat import FlatLayout, PackedTree
 
 
 def leaves_of(params) -> tuple:

@@ -1,13 +1,13 @@
 """The memory prediction of a built pipeline, and its limit check.
 
-``_memory.py`` says what one stage holds; this module asks a built
+``build/memory.py`` says what one stage holds; this module asks a built
 ``Pipeline`` for the facts that decide it (its schedule's action lists,
 version policy, tied leaves, stage programs, optimizers) and adds them up.
 """
 
 import jax
 
-from jpipe.runtime._memory import (
+from jpipe.runtime.build.memory import (
   MemoryLimitError,
   StageMemory,
   format_bytes,

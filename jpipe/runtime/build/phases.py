@@ -19,24 +19,24 @@ import jax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.distributed import text_from_process_zero
-from jpipe.runtime._batches import batch_size
-from jpipe.runtime._calls import CallActions
-from jpipe.runtime._flat import own_buffer_bytes
-from jpipe.runtime._memory import (
+from jpipe.runtime.build.batches import batch_size
+from jpipe.runtime.build.calls import CallActions
+from jpipe.runtime.build.flat import own_buffer_bytes
+from jpipe.runtime.build.memory import (
   memory_options_for,
   partitioner_memory_model,
   resolve_memory_limit,
 )
-from jpipe.runtime._options import Staleness
-from jpipe.runtime._partitioning import Partitioning
-from jpipe.runtime._placement import (
+from jpipe.runtime.build.options import Staleness
+from jpipe.runtime.build.partitioning import Partitioning
+from jpipe.runtime.build.placement import (
   StagePlacement,
   check_device_groups,
   device_name,
   even_rows,
 )
-from jpipe.runtime._programs import compiler_options
-from jpipe.runtime._transport import Transport
+from jpipe.runtime.build.programs import compiler_options
+from jpipe.runtime.build.transport import Transport
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 Stage forwards come jitted from ``jpipe.partition.Stages``; this adds the
 programs that also carry the stage's gradient accumulator (one flat buffer
-per dtype, ``_flat.py``): a backward that adds its gradient to it, the
+per dtype, ``build/flat.py``): a backward that adds its gradient to it, the
 last stage's forward and backward as one program, either of those ending
 with the stage's optimizer step (a stream's step after the backward that
 is its only gradient: ``with_step``), and the unpacking of the
 accumulator into leaves. An accumulator passed back in is donated (updated
 in place), so profiling must not hold it past its next use (the driver
-waits for the profiler before it donates, ``_driver.py``).
+waits for the profiler before it donates, ``execute/driver.py``).
 """
 
 from typing import Any
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jpipe.partition import Stages
-from jpipe.runtime._flat import FlatLayout
-from jpipe.runtime._stored_params import leaves_of
-from jpipe.runtime._weighted import WeightedStage
+from jpipe.runtime.build.flat import FlatLayout
+from jpipe.runtime.build.stored_params import leaves_of
+from jpipe.runtime.build.weighted import WeightedStage
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 

@@ -40,7 +40,7 @@ from jax.sharding import (
 )
 
 from jpipe import distributed
-from jpipe.runtime._placement import StagePlacement
+from jpipe.runtime.build.placement import StagePlacement
 
 TRANSPORTS = ("pull", "collective")
 

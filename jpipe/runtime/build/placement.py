@@ -26,7 +26,7 @@ device fewer), each replica runs its slice as its own program at its own
 copy of the params (``on_device``), and a step sums the replicas'
 gradients like round robin. The values between stages live whole on the
 group's first device (``device``), which slices them out to the replicas
-and gathers their results (``jpipe.runtime._weighted``).
+and gathers their results (``jpipe.runtime.build.weighted``).
 """
 
 from collections.abc import Sequence

@@ -4,7 +4,7 @@
 placement (the stage count, the partition method or a Plan, the node
 depth, the bandwidth and cost model the partitioner plans with, the last
 stage's fusion, the transport between processes, the memory limit); the
-construction phases (``_build.py``) read it whole. It checks what it can
+construction phases (``build/phases.py``) read it whole. It checks what it can
 without the model or the devices.
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jpipe.runtime._transport import TRANSPORTS
+from jpipe.runtime.build.transport import TRANSPORTS
 
 # How a replicated stage shares its microbatches (``replica_routing``).
 REPLICA_ROUTINGS = ("split", "round_robin", "weighted")
@@ -80,7 +80,7 @@ class Partitioning:
       several (``jax.distributed``; each process runs its own stages):
       "pull" (``jax.experimental.transfer``: never blocks a device) or
       "collective" (a ppermute pair program: gloo / NCCL, but it ties the
-      two stages' streams together). See ``runtime/_transport.py``.
+      two stages' streams together). See ``runtime/build/transport.py``.
     memory_limit: bytes each device may hold, or "device" (each device's
       own capacity, where the platform reports it: GPUs and TPUs); None
       (default) checks nothing. The partitioner ("contiguous",
@@ -127,7 +127,7 @@ class Partitioning:
       state is stored alike (gradient-sized). A packed leaf costs a
       copy, an array a few microseconds of the host's dispatch per
       call. None (default): the platform's
-      (``jpipe.runtime._flat.own_buffer_bytes``: 16 KiB on a CPU; 4 MiB
+      (``jpipe.runtime.build.flat.own_buffer_bytes``: 16 KiB on a CPU; 4 MiB
       for gradients and optimizer states, 1 MiB for residuals on
       accelerators). The math is the same either way; gradients and
       residuals keep their bits, but an optimizer's moments stored in a

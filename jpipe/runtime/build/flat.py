@@ -17,7 +17,7 @@ packed, an Adam state is ~1 array where it was twice the leaves and a
 count (experiments/runtime/packed_state.py).
 
 A stage's params are stored packed the same way while the driver runs
-(``_stored_params.py``), with the same size from which a leaf keeps its
+(``build/stored_params.py``), with the same size from which a leaf keeps its
 own buffer: XLA copies each weight sliced out of a flat buffer before a
 matmul reads it, which made a forward 1.4-2.7x slower at pipeline-sized
 microbatches when every weight was packed

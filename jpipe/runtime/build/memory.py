@@ -122,7 +122,7 @@ def nbytes(tree) -> int:
 
 def in_flight_counts(calls: Sequence, num_stages: int) -> tuple[int, ...]:
   """Per stage, the most microbatches between forward and backward at once
-  over a sequence of ``Call``s (``_calls.py``) run in order. A forward
+  over a sequence of ``Call``s (``build/calls.py``) run in order. A forward
   whose backward runs fused with it keeps nothing; a split backward's
   I ends it."""
   states = split_backward_states(calls, num_stages)
