@@ -66,3 +66,25 @@ def test_packages_use_each_others_public_names_only():
         if parts[1] != package and parts[2].startswith("_"):
           offenders.append(f"{path.relative_to(ROOT)}: {name}")
   assert not offenders, offenders
+
+
+def test_runtime_build_never_imports_execute():
+  """``jpipe.runtime.build`` decides and builds; ``execute`` runs calls
+  and may use what was built, never the other way (ARCHITECTURE.md)."""
+  import ast
+  import pathlib
+
+  build = pathlib.Path(ROOT) / "jpipe" / "runtime" / "build"
+  offenders = []
+  for path in build.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      else:
+        continue
+      bad = [n for n in names if n.startswith("jpipe.runtime.execute")]
+      bad += [n for n in names if n.startswith("jpipe.runtime._")]
+      offenders += [f"{path.name}: {n}" for n in bad]
+  assert not offenders, offenders

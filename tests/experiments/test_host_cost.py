@@ -140,3 +140,26 @@ def test_dispatch_seconds_takes_numbers_none_and_arrays():
   assert 0 < seconds < 1
   many = host_cost.dispatch_seconds((args, kwargs), repeats=10, outputs=40)
   assert 0 < many < 1
+
+
+@pytest.mark.slow
+def test_host_calls_counts_the_drivers_calls_per_action(tmp_path):
+  """``experiments.runtime.host_calls``: the driver's Python calls per
+  action (F, B, S of every microbatch and stage) and host µs, written as
+  a table and JSON; more than one call per action (the driver's own
+  method at least), fewer than a thousand (the host path is not
+  traced or compiled again)."""
+  import json
+
+  from experiments.runtime import host_calls
+
+  host_calls.main(
+    [f"--out_dir={tmp_path}", "--stages=2", "--microbatches=2", "--steps=1",
+     "--profiled_steps=1", "--layers=2"]
+  )  # fmt: skip
+  name = f"host_calls_{jax.devices()[0].platform}"
+  (row,) = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+  assert row["actions_per_step"] == 3 * 2 * 2
+  assert 1 < row["python_calls_per_action"] < 1000
+  assert row["host_us_per_action"] > 0
+  assert "Python calls / action" in (tmp_path / f"{name}.md").read_text()
