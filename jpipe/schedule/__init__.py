@@ -32,6 +32,7 @@ from jpipe.schedule._order import (
 from jpipe.schedule._registry import (
   REGISTRY,
   SCHEDULES,
+  STALE,
   STREAMS,
   SYNCHRONOUS,
   ScheduleKind,
@@ -69,6 +70,7 @@ __all__ = [
   "REGISTRY",
   "SCHEDULES",
   "STEP",
+  "STALE",
   "STREAMS",
   "SYNCHRONOUS",
   "WEIGHT",

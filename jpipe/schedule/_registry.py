@@ -36,6 +36,16 @@ class ScheduleKind:
       devices, where the schedule fixes it (``zbv``, ``dualpipev``: 2p
       stages in a V); the pipeline then cuts that many stages and places
       them so. None: any placement.
+    stale: a backward may differentiate at newer params than its
+      forward's (PipeDream's ``async``): the staleness mitigations
+      (stashing, prediction, Gap-Aware, delay corrections) apply.
+    two_versions: PipeDream-2BW's double-buffered weights: forwards read
+      the version before the last step, and a step applies a whole
+      minibatch (``step_every`` > 1 required).
+
+  A streaming kind (``asynchronous``) steps every ``step_every``
+  microbatches and steps a short window at a flush its own way
+  (``partial_window``); a synchronous one steps once per call.
   """
 
   name: str
@@ -45,6 +55,8 @@ class ScheduleKind:
   places_itself: bool = False
   written: Schedule | None = None
   placement: Callable[[int], tuple[int, ...]] | None = None
+  stale: bool = False
+  two_versions: bool = False
 
   def stage_devices(self, num_stages: int) -> tuple[int, ...] | None:
     """The device of each of ``num_stages`` stages where the schedule
@@ -108,12 +120,14 @@ REGISTRY: dict[str, ScheduleKind] = {
       True,
       "PipeDream's asynchronous 1F1B without flushes (delay n - 1 - s)",
       _builders.async_1f1b,
+      stale=True,
     ),
     ScheduleKind(
       "2bw",
       True,
       "PipeDream-2BW: two weight versions, a step per minibatch",
       _builders.two_bw,
+      two_versions=True,
     ),
     ScheduleKind(
       "interleaved",
@@ -156,6 +170,8 @@ REGISTRY: dict[str, ScheduleKind] = {
 SCHEDULES = tuple(REGISTRY)
 SYNCHRONOUS = tuple(n for n, k in REGISTRY.items() if not k.asynchronous)
 STREAMS = tuple(n for n, k in REGISTRY.items() if k.asynchronous)
+# Where the staleness mitigations apply (``ScheduleKind.stale``).
+STALE = tuple(n for n, k in REGISTRY.items() if k.stale)
 
 
 def lookup(schedule: "str | ScheduleKind") -> ScheduleKind:

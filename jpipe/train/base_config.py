@@ -426,9 +426,10 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       SYNCHRONOUS``: "seq", "gpipe", "1f1b", "zbh1", ...).
   """
   parts = variant.split("+")
-  if variant in SYNCHRONOUS_VARIANTS or variant == "2bw":
+  kind = schedule_lib.REGISTRY.get(variant)
+  if variant in SYNCHRONOUS_VARIANTS or (kind and kind.two_versions):
     c.schedule.name = variant
-    if variant == "2bw":
+    if kind.two_versions:  # A step per minibatch.
       c.schedule.step_every = c.pipeline.num_microbatches
     return
   known = (
@@ -447,7 +448,7 @@ def apply_variant(c: ml_collections.ConfigDict, variant: str) -> None:
       f"'2bw' or one of {SYNCHRONOUS_VARIANTS} "
       "(e.g. --config configs/wrn_stale.py:ws+wp)"
     )
-  c.schedule.name = "async"
+  (c.schedule.name,) = schedule_lib.STALE  # The one stale schedule.
   c.staleness.stashing = "ws" in parts
   c.staleness.prediction = "msnag" if "wp" in parts else ""
   c.staleness.gap_aware = "ga" if "ga" in parts else ""

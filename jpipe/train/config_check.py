@@ -41,9 +41,7 @@ def staleness(config, learning_rate=None) -> Staleness:
     }
   return Staleness(
     recompute=config.pipeline.recompute,
-    step_every=config.schedule.step_every
-    if config.schedule.name in ("async", "2bw")
-    else 1,
+    step_every=config.schedule.step_every if _streams(config) else 1,
     weight_stashing=bool(st.stashing),
     prediction=st.prediction or None,
     gap_aware=st.gap_aware or None,
@@ -64,14 +62,35 @@ def staleness(config, learning_rate=None) -> Staleness:
   )
 
 
+def schedule_kind(config):
+  """The registered ``ScheduleKind`` of ``config.schedule.name``, or None
+  (a name no schedule has: refused by the checks)."""
+  return schedule_lib.REGISTRY.get(config.schedule.name)
+
+
+def _streams(config) -> bool:
+  kind = schedule_kind(config)
+  return kind is not None and kind.asynchronous
+
+
+def _stale(config) -> bool:
+  kind = schedule_kind(config)
+  return kind is not None and kind.stale
+
+
+def _two_versions(config) -> bool:
+  kind = schedule_kind(config)
+  return kind is not None and kind.two_versions
+
+
 def steps_per_call(config) -> int:
   """Optimizer steps one pipeline step takes."""
-  if config.schedule.name == "async":
-    m = config.pipeline.num_microbatches
-    return -(-m // config.schedule.step_every)
-  if config.schedule.name == "2bw":
-    return config.pipeline.num_microbatches // config.schedule.step_every
-  return 1
+  kind, m = schedule_kind(config), config.pipeline.num_microbatches
+  if kind is None or not kind.asynchronous:
+    return 1
+  if kind.two_versions:  # A whole minibatch a step.
+    return m // config.schedule.step_every
+  return -(-m // config.schedule.step_every)
 
 
 def pipemare_anneal_steps(config) -> int | None:
@@ -382,11 +401,11 @@ def _check_staleness(config, need, problems) -> None:
     f"{st.gap_aware_policy!r} is not one of {tuple(GAP_AWARE_POLICIES)}",
   )
   need(
-    config.schedule.step_every == 1 or config.schedule.name in ("async", "2bw"),
+    config.schedule.step_every == 1 or _streams(config),
     "schedule.step_every",
-    f"{config.schedule.step_every} applies to schedule.name 'async' or "
-    f"'2bw' only ({config.schedule.name!r} steps once per call): set it "
-    f"to 1",
+    f"{config.schedule.step_every} applies to schedule.name "
+    f"{' or '.join(map(repr, schedule_lib.STREAMS))} only "
+    f"({config.schedule.name!r} steps once per call): set it to 1",
   )
   need(
     not (st.prediction or st.gap_aware)
@@ -443,10 +462,11 @@ def _check_staleness(config, need, problems) -> None:
     or st.delay_nesterov
   )
   need(
-    not uses or config.schedule.name == "async",
+    not uses or _stale(config),
     "staleness",
     "weight stashing, prediction, gap-aware and the delay corrections "
-    "apply to schedule.name='async' only",
+    f"apply to schedule.name={' or '.join(map(repr, schedule_lib.STALE))} "
+    "only",
   )
   need(
     not st.gap_aware or config.schedule.step_every == 1,
@@ -484,19 +504,21 @@ def _check_runtime(config, need, problems) -> None:
     "pipeline.replica_routing",
     f"{routing!r} is not one of {', '.join(map(repr, REPLICA_ROUTINGS))}",
   )
-  if routing == "round_robin" and config.schedule.name in ("async", "2bw"):
+  if routing == "round_robin" and _streams(config):
     need(
-      config.schedule.name == "async" and config.schedule.step_every == 1,
+      _stale(config) and config.schedule.step_every == 1,
       "pipeline.replica_routing",
-      "round_robin (PipeDream's 1F1B-RR) streams as 'async' with "
+      "round_robin (PipeDream's 1F1B-RR) streams as "
+      f"{' or '.join(map(repr, schedule_lib.STALE))} with "
       "schedule.step_every 1: a replicated stage steps once per round of "
       "its replicas",
     )
-  if config.schedule.name == "2bw":
+  if _two_versions(config):
     need(
       config.schedule.step_every >= config.pipeline.num_stages,
       "schedule.step_every",
-      f"2bw needs microbatches per minibatch >= pipeline.num_stages "
+      f"{config.schedule.name} needs microbatches per minibatch >= "
+      f"pipeline.num_stages "
       f"({config.pipeline.num_stages}), got {config.schedule.step_every}",
     )
 

@@ -67,3 +67,17 @@ def test_pipeline_takes_a_schedule_kind():
     optimizer=optax.sgd(0.1),
   )
   assert pipe.schedule_name == "1f1b"
+
+
+def test_stale_and_two_version_kinds_stream():
+  """What the runtime and the config checks ask of a kind instead of its
+  name: the staleness mitigations apply where a backward may read newer
+  params than its forward (PipeDream's async only), two weight versions
+  and a step per minibatch are 2BW's; both stream across calls."""
+  assert sc.STALE == ("async",)
+  assert [n for n, k in sc.REGISTRY.items() if k.two_versions] == ["2bw"]
+  for kind in sc.REGISTRY.values():
+    if kind.stale or kind.two_versions:
+      assert kind.asynchronous, kind.name
+    assert not (kind.stale and kind.two_versions)
+  assert set(sc.STREAMS) == {"async", "2bw"}

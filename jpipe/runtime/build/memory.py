@@ -338,7 +338,7 @@ def partitioner_memory_model(
     flight = [n - s for s in range(n)]
   else:
     flight = _held_until_weight_gradient(schedule, n, m, fused_last)
-  if schedule.name == "2bw":
+  if schedule.two_versions:
     versions = [2] * n
   elif stream and stashes:
     versions = [n - s for s in range(n)]

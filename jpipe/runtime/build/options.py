@@ -132,16 +132,19 @@ def check_staleness_options(
       "nag_with_predictor predicts a delay-0 forward one step ahead: it "
       "needs prediction='msnag' or 'aggmsnag'"
     )
-  if last_stage_optimizer is not None and schedule != "async":
+  kind = schedule_lib.lookup(schedule)
+  stale = " or ".join(repr(n) for n in schedule_lib.STALE)
+  streams = " and ".join(repr(n) for n in schedule_lib.STREAMS)
+  if last_stage_optimizer is not None and not kind.stale:
     raise ValueError(
       f"last_stage_optimizer (FTPipe's nesterov_set_for_last_partition) is "
-      f"for the asynchronous schedule 'async', not {schedule!r}"
+      f"for the asynchronous schedule {stale}, not {kind.name!r}"
     )
   if supremum_staleness is not None:
-    if schedule != "async":
+    if not kind.stale:
       raise ValueError(
         f"supremum_staleness caps the delays of the asynchronous schedule "
-        f"'async' (FTPipe's virtual_stages_1f1b), not {schedule!r}"
+        f"{stale} (FTPipe's virtual_stages_1f1b), not {kind.name!r}"
       )
     if supremum_staleness != "auto" and not (
       isinstance(supremum_staleness, int) and supremum_staleness >= 1
@@ -150,15 +153,15 @@ def check_staleness_options(
         f"supremum_staleness must be 'auto' (the devices) or an int >= 1, "
         f"got {supremum_staleness!r}"
       )
-  if partial_window != "mean" and schedule not in ("async", "2bw"):
+  if partial_window != "mean" and not kind.asynchronous:
     raise ValueError(
-      f"partial_window is how 'async' and '2bw' step a short step_every "
-      f"window at a flush; {schedule!r} steps once per call"
+      f"partial_window is how {streams} step a short step_every "
+      f"window at a flush; {kind.name!r} steps once per call"
     )
-  if split_flush and schedule not in schedule_lib.STREAMS:
+  if split_flush and not kind.asynchronous:
     raise ValueError(
       f"split_flush splits the flush of a streaming schedule "
-      f"{schedule_lib.STREAMS}; {schedule!r} flushes every call: for its "
+      f"{schedule_lib.STREAMS}; {kind.name!r} flushes every call: for its "
       "backward split use schedule 'zbh1', 'zbv' or 'dualpipev'"
     )
   _check_delay_corrections(
@@ -172,21 +175,21 @@ def check_staleness_options(
     "pipemare_anneal_steps": pipemare_anneal_steps,
     "stage_optimizer": stage_optimizer,
   }
-  if schedule != "async":
-    used = [k for k, v in mitigations.items() if v]
-    if used:
-      raise ValueError(
-        f"{used} apply to the asynchronous schedule 'async'; {schedule!r} "
-        f"has no stale gradients to mitigate"
-      )
-    if step_every != 1 and schedule != "2bw":
-      raise ValueError(
-        f"step_every applies to 'async' and '2bw' (got schedule "
-        f"{schedule!r}); synchronous schedules step once per call"
-      )
-  if schedule == "2bw" and step_every == 1:
+  used = [k for k, v in mitigations.items() if v]
+  if used and not kind.stale:
     raise ValueError(
-      "2bw needs step_every = microbatches per minibatch (>= num_stages)"
+      f"{used} apply to the asynchronous schedule {stale}; {kind.name!r} "
+      f"has no stale gradients to mitigate"
+    )
+  if step_every != 1 and not kind.asynchronous:
+    raise ValueError(
+      f"step_every applies to {streams} (got schedule {kind.name!r}); "
+      "synchronous schedules step once per call"
+    )
+  if kind.two_versions and step_every == 1:
+    raise ValueError(
+      f"{kind.name} needs step_every = microbatches per minibatch "
+      "(>= num_stages)"
     )
   if gap_aware is not None:
     _check_gap_aware(gap_aware, gap_aware_options, step_every, recompute)
@@ -286,7 +289,7 @@ class Staleness:
     None
   )
 
-  def check(self, schedule: str, optimizer=None, params=None) -> None:
+  def check(self, schedule, optimizer=None, params=None) -> None:
     """Raises ValueError for options ``schedule`` does not define, and
     (given the optimizer and params) for Gap-Aware told another optimizer
     than the one the pipeline runs: it would read its statistics by the
@@ -324,11 +327,13 @@ class Staleness:
     stashing keeps their versions)."""
     return self.weight_stashing
 
-  def residuals_from_current_params(self, schedule: str) -> bool:
+  def residuals_from_current_params(self, schedule) -> bool:
     """Whether backwards read saved residuals with newer params than the
-    forward's (``async``, no recomputation, no stashing): then every
-    intermediate is saved, so all activations are the forward's."""
-    return schedule == "async" and not self.recompute and not self.stashes
+    forward's (a stale schedule, ``ScheduleKind.stale``, with no
+    recomputation and no stashing): then every intermediate is saved,
+    so all activations are the forward's."""
+    stale = schedule_lib.lookup(schedule).stale
+    return stale and not self.recompute and not self.stashes
 
   def stage_predictor(self, optimizer) -> staleness_lib.Predictor | None:
     """The predictor forwards use, or None without prediction."""

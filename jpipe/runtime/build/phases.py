@@ -87,7 +87,7 @@ def check_request(
       f"{clip_global_norm}"
     )
   kind = schedule_lib.lookup(schedule)
-  staleness.check(kind.name, optimizer, params)
+  staleness.check(kind, optimizer, params)
   micro = _microbatch_size(example_batch, num_microbatches)
   devices = tuple(jax.devices() if devices is None else devices)
   check_stage_count(
@@ -233,7 +233,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   # j + 1 (after the loss): carried from one microbatch to the next.
   first = cut.num_batch_leaves
   policy = jax.checkpoint_policies.dots_saveable
-  if staleness.residuals_from_current_params(request.schedule_kind.name):
+  if staleness.residuals_from_current_params(request.schedule_kind):
     # FTPipe's no-recompute semantics: the backward reads the current
     # params, so only saved values keep the forward's activations.
     policy = jax.checkpoint_policies.everything_saveable
