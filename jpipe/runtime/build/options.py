@@ -105,75 +105,94 @@ def _check_delay_corrections(
     )
 
 
-def check_staleness_options(
-  schedule,
-  *,
-  recompute,
-  step_every,
-  weight_stashing,
-  prediction,
-  gap_aware,
-  gap_aware_options,
-  gap_aware_policy,
-  split_flush=False,
-  nag_with_predictor=False,
-  last_stage_optimizer=None,
-  partial_window="mean",
-  supremum_staleness=None,
-  pipemare_anneal_steps=None,
-  stage_optimizer=None,
-):
-  """Clear errors for option combinations the semantics do not define."""
+def check_staleness_options(schedule, **options) -> None:
+  """Clear errors for option combinations the semantics do not define:
+  ``options`` are ``Staleness``' fields by name (the ones not given take
+  its defaults); ``schedule`` a name or ``ScheduleKind``."""
+  _check_combinations(schedule_lib.lookup(schedule), Staleness(**options))
+
+
+def _check_combinations(kind, st: "Staleness") -> None:
+  """``st``'s options against each other and the schedule ``kind``."""
   _check_values(
-    prediction, gap_aware, gap_aware_policy, step_every, partial_window
+    st.prediction,
+    st.gap_aware,
+    st.gap_aware_policy,
+    st.step_every,
+    st.partial_window,
   )
-  if nag_with_predictor and prediction is None:
+  if st.nag_with_predictor and st.prediction is None:
     raise ValueError(
       "nag_with_predictor predicts a delay-0 forward one step ahead: it "
       "needs prediction='msnag' or 'aggmsnag'"
     )
-  kind = schedule_lib.lookup(schedule)
+  _check_ftpipe_stale(kind, st)
+  _check_flush(kind, st)
+  _check_delay_corrections(
+    st.pipemare_anneal_steps,
+    st.stage_optimizer,
+    st.last_stage_optimizer,
+    st.prediction,
+  )
+  _check_mitigations_and_window(kind, st)
+  if st.gap_aware is not None:
+    _check_gap_aware(
+      st.gap_aware, st.gap_aware_options, st.step_every, st.recompute
+    )
+
+
+def _check_ftpipe_stale(kind, st: "Staleness") -> None:
+  """FTPipe's last-stage optimizer and virtual stages: for a stale
+  schedule (``ScheduleKind.stale``) only."""
   stale = " or ".join(repr(n) for n in schedule_lib.STALE)
-  streams = " and ".join(repr(n) for n in schedule_lib.STREAMS)
-  if last_stage_optimizer is not None and not kind.stale:
+  if st.last_stage_optimizer is not None and not kind.stale:
     raise ValueError(
       f"last_stage_optimizer (FTPipe's nesterov_set_for_last_partition) is "
       f"for the asynchronous schedule {stale}, not {kind.name!r}"
     )
-  if supremum_staleness is not None:
+  supremum = st.supremum_staleness
+  if supremum is not None:
     if not kind.stale:
       raise ValueError(
         f"supremum_staleness caps the delays of the asynchronous schedule "
         f"{stale} (FTPipe's virtual_stages_1f1b), not {kind.name!r}"
       )
-    if supremum_staleness != "auto" and not (
-      isinstance(supremum_staleness, int) and supremum_staleness >= 1
-    ):
+    if supremum != "auto" and not (isinstance(supremum, int) and supremum >= 1):
       raise ValueError(
         f"supremum_staleness must be 'auto' (the devices) or an int >= 1, "
-        f"got {supremum_staleness!r}"
+        f"got {supremum!r}"
       )
-  if partial_window != "mean" and not kind.asynchronous:
+
+
+def _check_flush(kind, st: "Staleness") -> None:
+  """How a streaming schedule (``ScheduleKind.asynchronous``) flushes:
+  its short window's step, its split backward."""
+  streams = " and ".join(repr(n) for n in schedule_lib.STREAMS)
+  if st.partial_window != "mean" and not kind.asynchronous:
     raise ValueError(
       f"partial_window is how {streams} step a short step_every "
       f"window at a flush; {kind.name!r} steps once per call"
     )
-  if split_flush and not kind.asynchronous:
+  if st.split_flush and not kind.asynchronous:
     raise ValueError(
       f"split_flush splits the flush of a streaming schedule "
       f"{schedule_lib.STREAMS}; {kind.name!r} flushes every call: for its "
       "backward split use schedule 'zbh1', 'zbv' or 'dualpipev'"
     )
-  _check_delay_corrections(
-    pipemare_anneal_steps, stage_optimizer, last_stage_optimizer, prediction
-  )
+
+
+def _check_mitigations_and_window(kind, st: "Staleness") -> None:
+  """The mitigations (a stale schedule only), then the step window (a
+  streaming schedule only; 2BW's a whole minibatch)."""
+  stale = " or ".join(repr(n) for n in schedule_lib.STALE)
+  streams = " and ".join(repr(n) for n in schedule_lib.STREAMS)
   mitigations = {
-    "weight_stashing": weight_stashing,
-    "prediction": prediction,
-    "gap_aware": gap_aware,
-    "last_stage_optimizer": last_stage_optimizer,
-    "pipemare_anneal_steps": pipemare_anneal_steps,
-    "stage_optimizer": stage_optimizer,
+    "weight_stashing": st.weight_stashing,
+    "prediction": st.prediction,
+    "gap_aware": st.gap_aware,
+    "last_stage_optimizer": st.last_stage_optimizer,
+    "pipemare_anneal_steps": st.pipemare_anneal_steps,
+    "stage_optimizer": st.stage_optimizer,
   }
   used = [k for k, v in mitigations.items() if v]
   if used and not kind.stale:
@@ -181,18 +200,16 @@ def check_staleness_options(
       f"{used} apply to the asynchronous schedule {stale}; {kind.name!r} "
       f"has no stale gradients to mitigate"
     )
-  if step_every != 1 and not kind.asynchronous:
+  if st.step_every != 1 and not kind.asynchronous:
     raise ValueError(
       f"step_every applies to {streams} (got schedule {kind.name!r}); "
       "synchronous schedules step once per call"
     )
-  if kind.two_versions and step_every == 1:
+  if kind.two_versions and st.step_every == 1:
     raise ValueError(
       f"{kind.name} needs step_every = microbatches per minibatch "
       "(>= num_stages)"
     )
-  if gap_aware is not None:
-    _check_gap_aware(gap_aware, gap_aware_options, step_every, recompute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,14 +311,8 @@ class Staleness:
     (given the optimizer and params) for Gap-Aware told another optimizer
     than the one the pipeline runs: it would read its statistics by the
     wrong name, silently."""
-    # Every option but the predictor's own (any predictor suits any
-    # combination the checks allow).
-    checked = {
-      f.name: getattr(self, f.name)
-      for f in dataclasses.fields(self)
-      if f.name not in ("predictor", "learning_rate_schedule")
-    }
-    check_staleness_options(schedule, **checked)
+    # (Any predictor suits any combination the checks allow.)
+    _check_combinations(schedule_lib.lookup(schedule), self)
     if self.last_stage_optimizer is not None and optimizer is not None:
       want = jax.tree.structure(jax.eval_shape(optimizer.init, params))
       got = jax.tree.structure(

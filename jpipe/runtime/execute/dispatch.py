@@ -48,22 +48,7 @@ def run_call(
   # Synchronous steps wait for every backward (tied gradients are
   # summed over all stages first).
   deferred_steps = []
-  forwards = [w.forward for w in stages]
-  backwards = [w.backward for w in stages]
-  input_grads = [w.input_grad for w in stages]
-  weight_grads = [w.weight_grad for w in stages]
-  methods = {
-    FORWARD: lambda op: forwards[op.stage](op),
-    BACKWARD: lambda op: backwards[op.stage](op),
-    INPUT: lambda op: input_grads[op.stage](op),
-    WEIGHT: lambda op: weight_grads[op.stage](op),
-    STEP: steps.stream_step
-    if driver.stream is not None
-    else deferred_steps.append,
-    SEND: ctx.send,
-    RECV: ctx.receive,
-    MOVE: ctx.move,
-  }
+  methods = _handlers(driver, ctx, stages, steps, deferred_steps)
   ops, shares_loss = driver.lower(work)
   driver.transport.begin_call()
   if jax.profiler.TraceAnnotation.is_enabled():
@@ -80,6 +65,28 @@ def run_call(
       steps.synchronous(deferred_steps)
   loss = driver.mean_loss(ctx.losses) if shares_loss else None
   return call_result(driver, ctx, stages, in_flight.fed, loss)
+
+
+def _handlers(driver, ctx, stages, steps, deferred_steps) -> dict:
+  """``{op kind: what runs an op of it}``: a compute action its stage's
+  ``StageWork`` (a synchronous step: kept in ``deferred_steps``), a
+  transfer end the ``CallContext``."""
+  forwards = [w.forward for w in stages]
+  backwards = [w.backward for w in stages]
+  input_grads = [w.input_grad for w in stages]
+  weight_grads = [w.weight_grad for w in stages]
+  return {
+    FORWARD: lambda op: forwards[op.stage](op),
+    BACKWARD: lambda op: backwards[op.stage](op),
+    INPUT: lambda op: input_grads[op.stage](op),
+    WEIGHT: lambda op: weight_grads[op.stage](op),
+    STEP: steps.stream_step
+    if driver.stream is not None
+    else deferred_steps.append,
+    SEND: ctx.send,
+    RECV: ctx.receive,
+    MOVE: ctx.move,
+  }
 
 
 def _trace_name(op) -> str:

@@ -103,15 +103,7 @@ class Driver:
     self.stages = stages
     self.programs = programs
     self.placement = tuple(placement)
-    # PipeDream's learning rate per stage with round-robin replicas
-    # (1F1B-RR, asynchronous): base rate x r_s / r_0, so every stage
-    # moves as far per microbatch; synchronous steps keep one rate.
-    counts = [len(p.devices) for p in self.placement]
-    round_robin = any(p.round_robin for p in self.placement)
-    self.replica_rate = tuple(
-      c / counts[0] if round_robin and stream is not None else 1.0
-      for c in counts
-    )
+    self.replica_rate = routes.replica_rates(self.placement, stream is not None)
     self.optimizers = tuple(optimizers)
     self.policy = policy
     self.tied = tied
@@ -122,61 +114,25 @@ class Driver:
     self.hooks = hooks or DriverHooks()
     self._lowered = {}  # id(base call) -> (base call, ops, makes a loss)
     self._scalars = {}  # (stage, type, number) -> it on the stage's devices
-    self.producer = {
-      v: s for s, spec in enumerate(stages.specs) for v in spec.outputs
-    }
-    self.readers = {}  # var -> how many stages read it
-    for spec in stages.specs:
-      for v in spec.inputs:
-        self.readers[v] = self.readers.get(v, 0) + 1
-    # Per stage: which of its inputs (read by F) and of its outputs'
-    # cotangents (read by B and I) another process sends -- what a
-    # profile stamps the arrival of (``ActionProfiler.record_inputs``).
-    self.remote_inputs = routes.remote_inputs(
-      stages.specs, self.producer, transport
+    specs = stages.specs
+    self.producer = {v: s for s, spec in enumerate(specs) for v in spec.outputs}
+    self.remote_inputs = routes.remote_inputs(specs, self.producer, transport)
+    self.inputs_placed = routes.inputs_placed(
+      specs, self.placement, self.producer
     )
-    # Per stage: its inputs, each with whether it comes from a stage on
-    # the same devices. Moving those would copy nothing: F reads them
-    # where their producer left them and B adds their cotangents straight
-    # in, with no MOVE op between (~14 µs of Python each, 448 a step at
-    # p = 8, m = 32 on one device).
-    self.inputs_placed = tuple(
-      tuple(
-        (
-          v,
-          routes.same_place(
-            self.placement[self.producer[v]], self.placement[s]
-          ),
-        )
-        for v in spec.inputs
-      )
-      for s, spec in enumerate(stages.specs)
-    )
-    # Per stage: its outputs, each with how many stages read it.
-    self.outputs_read = tuple(
-      tuple((v, self.readers.get(v, 0)) for v in spec.outputs)
-      for spec in stages.specs
-    )
-    avals = stages.traced.closed_jaxpr.in_avals
-    # Per stage: whether a stream's step may run in the program of the
-    # backward before it (``Call.fused_steps``), a third fewer programs
-    # per microbatch: where the step reads the accumulated gradient as it
-    # is (no clipping, no hooks reducing it), on one device or an SPMD
-    # group. A holder of tied leaves hands their gradients on from the
-    # same program; an owner adds its holders' (``fused_steps``: only
-    # where they all arrive before its backward runs).
-    plain = clip_global_norm is None and (
-      type(self.hooks).reduce_gradient is DriverHooks.reduce_gradient
-    )
-    self.steps_with_backward = tuple(
-      stream is not None and plain and not (p.round_robin or p.weighted)
-      for p in self.placement
+    self.outputs_read = routes.outputs_read(specs)
+    self.steps_with_backward = routes.steps_with_backward(
+      self.placement,
+      stream is not None,
+      plain=clip_global_norm is None
+      and type(self.hooks).reduce_gradient is DriverHooks.reduce_gradient,
     )
     # Per stage: (position, leaf) of the tied leaves it holds a replica
     # of (read at every step).
     self.replica_leaves = tuple(
-      tuple(tied.replica_leaves(s)) for s in range(len(stages.specs))
+      tuple(tied.replica_leaves(s)) for s in range(len(specs))
     )
+    avals = stages.traced.closed_jaxpr.in_avals
     first_state = stages.traced.num_param_leaves + num_batch_leaves
     self.state_avals = avals[first_state:]
     self.state_readers = routes.state_readers(
