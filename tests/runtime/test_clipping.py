@@ -135,6 +135,23 @@ def test_a_clipped_sgd_step_moves_the_params_by_lr_times_the_clip():
   assert moved[None] == pytest.approx(0.5 * norm, rel=1e-5)
 
 
+def _streaming(loss_fn, params, batch, clip, **options):
+  """Asynchronous 1F1B on 2 devices, 4 microbatches, SGD, clipping at
+  ``clip`` (None: none)."""
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=4,
+    optimizer=optax.sgd(0.1),
+    schedule="async",
+    clip_global_norm=clip,
+    **options,
+  )
+
+
 def test_streaming_clips_with_the_latest_norm_of_every_stage():
   """Asynchronous 1F1B: each step's gradient is scaled by min(1, clip /
   the norm of its own gradient with every other stage's latest), so no
@@ -144,19 +161,7 @@ def test_streaming_clips_with_the_latest_norm_of_every_stage():
   clip = 0.25 * _mean_grad_norm(loss_fn, params, batch, 4)
   runs = {}
   for c in (clip, None):
-    pipe = jpipe.Pipeline(
-      loss_fn,
-      params,
-      batch,
-      num_stages=2,
-      devices=jax.devices()[:2],
-      num_microbatches=4,
-      optimizer=optax.sgd(0.1),
-      schedule="async",
-      recompute=True,
-      record_params=True,
-      clip_global_norm=c,
-    )
+    pipe = _streaming(loss_fn, params, batch, c, record_params=True)
     state, metrics = pipe.step(pipe.init(params), batch)
     state, _ = pipe.flush(state)
     runs[c] = (pipe, state, metrics["used_params"])
@@ -189,17 +194,7 @@ def test_streaming_tied_exchange_outside_the_step_when_clipping():
   loss_fn, params, batch, _ = flax_models.gpt_case()
   runs = {}
   for c in (1e9, None):
-    pipe = jpipe.Pipeline(
-      loss_fn,
-      params,
-      batch,
-      num_stages=2,
-      devices=jax.devices()[:2],
-      num_microbatches=4,
-      optimizer=optax.sgd(0.1),
-      schedule="async",
-      clip_global_norm=c,
-    )
+    pipe = _streaming(loss_fn, params, batch, c)
     assert pipe.tied.replicas
     state, losses = pipe.init(params), []
     for _ in range(2):

@@ -27,7 +27,21 @@ def run_call(
   loss_cotangent: float,
   profiler: ActionProfiler | None = None,
 ) -> CallResult:
-  """``Driver.run``: this process's share of ``work``'s actions."""
+  """``Driver.run``: this process's share of the actions of ``work``.
+
+  Args:
+    work: the call's work (a ``Call`` or ``ShiftedCall``): its actions
+      in issue order (every process's) and the ``(stage, b)`` pairs
+      whose backward may run with the forward.
+    stage_params, opt_states, model_state: the state before the call.
+    in_flight: the stream's state (``InFlight.start`` for a call of a
+      synchronous schedule).
+    batches: ``{placement: {b: {batch leaf index: array}}}``: the
+      microbatches entering in this call, placed.
+    loss_cotangent: each microbatch's loss cotangent: 1 / microbatches
+      its step averages over.
+    profiler: records when each action ran, if given.
+  """
   ctx = CallContext(
     driver,
     batches,

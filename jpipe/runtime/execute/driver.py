@@ -46,8 +46,6 @@ from jpipe.runtime.build.versions import VersionPolicy
 from jpipe.runtime.execute import routes
 from jpipe.runtime.execute.dispatch import run_call
 from jpipe.runtime.execute.hooks import DriverHooks
-from jpipe.runtime.execute.in_flight import CallResult, InFlight
-from jpipe.runtime.execute.profiler import ActionProfiler
 
 FORWARD, BACKWARD, STEP, INPUT, WEIGHT = schedule_lib.ActionKind
 SEND, RECV, MOVE = schedule_lib.MoveKind
@@ -245,44 +243,9 @@ class Driver:
       for _, leaf, owner, _ in self.tied.replicas.get(s, ())
     ]
 
-  def run(
-    self,
-    work,
-    *,
-    stage_params,
-    opt_states,
-    model_state,
-    in_flight: InFlight,
-    batches: dict,
-    loss_cotangent: float,
-    profiler: ActionProfiler | None = None,
-  ) -> CallResult:
-    """Runs this process's share of the actions of ``work``.
-
-    Args:
-      work: the call's work (a ``Call`` or ``ShiftedCall``): its actions
-        in issue order (every process's) and the ``(stage, b)`` pairs
-        whose backward may run with the forward.
-      stage_params, opt_states, model_state: the state before the call.
-      in_flight: the stream's state (``InFlight.start`` for a call of a
-        synchronous schedule).
-      batches: ``{placement: {b: {batch leaf index: array}}}``: the
-        microbatches entering in this call, placed.
-      loss_cotangent: each microbatch's loss cotangent: 1 / microbatches
-        its step averages over.
-      profiler: records when each action ran, if given.
-    """
-    return run_call(
-      self,
-      work,
-      stage_params=stage_params,
-      opt_states=opt_states,
-      model_state=model_state,
-      in_flight=in_flight,
-      batches=batches,
-      loss_cotangent=loss_cotangent,
-      profiler=profiler,
-    )
+  # Runs this process's share of a call's actions (``run_call``: the
+  # dispatcher; its first argument is this driver).
+  run = run_call
 
   def mean_loss(self, losses):
     """The mean of a call's losses (computed by the last stage: the
