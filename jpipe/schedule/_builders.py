@@ -10,7 +10,7 @@ import numpy as np
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
-  STEP,
+  UPDATE,
   Action,
   Schedule,
   make_schedule,
@@ -47,7 +47,7 @@ def seq(num_stages: int, num_microbatches: int) -> Schedule:
   for s in range(num_stages):
     for m in range(num_microbatches):
       devices[s] += [Action(FORWARD, s, m), Action(BACKWARD, s, m)]
-    devices[s].append(Action(STEP, s, num_microbatches - 1))
+    devices[s].append(Action(UPDATE, s, num_microbatches - 1))
   return make_schedule(
     "seq", devices, list(range(num_stages)), num_microbatches
   )
@@ -62,7 +62,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     actions += [
       Action(BACKWARD, s, m) for m in reversed(range(num_microbatches))
     ]
-    actions.append(Action(STEP, s, num_microbatches - 1))
+    actions.append(Action(UPDATE, s, num_microbatches - 1))
     devices.append(actions)
   return make_schedule(
     "gpipe", devices, list(range(num_stages)), num_microbatches
@@ -137,7 +137,7 @@ def _unflushed_1f1b(num_stages, num_microbatches, steps_after, warm=None):
     for a in actions:
       with_steps.append(a)
       if a.kind == BACKWARD and steps_after(a.microbatch):
-        with_steps.append(Action(STEP, s, a.microbatch))
+        with_steps.append(Action(UPDATE, s, a.microbatch))
     devices.append(with_steps)
   return devices
 
@@ -177,7 +177,7 @@ def looped_bfs(stage_device, num_microbatches: int) -> Schedule:
       Action(BACKWARD, s, m) for m in reversed(range(num_microbatches))
     ]
   for s in range(num_stages):
-    devices[stage_device[s]].append(Action(STEP, s, num_microbatches - 1))
+    devices[stage_device[s]].append(Action(UPDATE, s, num_microbatches - 1))
   return make_schedule("looped_bfs", devices, stage_device, num_microbatches)
 
 
@@ -235,8 +235,8 @@ def interleaved(
     else:
       done_b[action.stage] += 1
       if not synchronous:
-        devices[d].append(Action(STEP, action.stage, action.microbatch))
+        devices[d].append(Action(UPDATE, action.stage, action.microbatch))
   if synchronous:
     for s in range(num_stages):
-      devices[stage_device[s]].append(Action(STEP, s, num_microbatches - 1))
+      devices[stage_device[s]].append(Action(UPDATE, s, num_microbatches - 1))
   return make_schedule("interleaved", devices, stage_device, num_microbatches)

@@ -20,7 +20,7 @@ from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
   INPUT,
-  STEP,
+  UPDATE,
   WEIGHT,
   Action,
   ActionKind,
@@ -81,9 +81,9 @@ def schedule_from_lists(
   if missing:
     raise ScheduleError(f"stages {missing} have no actions (stages 0..{n - 1})")
   m = 1 + max(a.microbatch for actions in lists for a in actions)
-  if not any(a.kind == STEP for actions in lists for a in actions):
+  if not any(a.kind == UPDATE for actions in lists for a in actions):
     for s in range(n):
-      lists[stage_device[s]].append(Action(STEP, s, m - 1))
+      lists[stage_device[s]].append(Action(UPDATE, s, m - 1))
   devices = tuple(stage_device[s] for s in range(n))
   check_schedule(ActionLists(name, n, devices, tuple(map(tuple, lists))))
   try:  # What a step applies: every backward, once.
@@ -128,7 +128,7 @@ def _check_stage(s, actions, m, max_in_flight):
   seen = set()
   for a in actions:
     key = (a.kind, a.microbatch)
-    if a.kind != STEP and key in seen:
+    if a.kind != UPDATE and key in seen:
       raise ScheduleError(f"{a} runs twice")
     needs = {
       BACKWARD: FORWARD,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
-  STEP,
+  UPDATE,
   Action,
   ActionLists,
 )
@@ -41,7 +41,7 @@ def place(
   merged = [[] for _ in range(max(stage_device) + 1)]
   for s, acts in enumerate(own.device_actions):
     for i, a in enumerate(acts):
-      key = (timeline.start[a], a.kind != STEP, s, i)
+      key = (timeline.start[a], a.kind != UPDATE, s, i)
       merged[stage_device[s]].append((*key, a))
   return ActionLists(
     name,
@@ -64,7 +64,7 @@ def issue_order(lists: ActionLists) -> tuple[Action, ...]:
       position,
       key=lambda a: (
         timeline.start[a],
-        a.kind != STEP,
+        a.kind != UPDATE,
         timeline.device_of[a],
         position[a],
       ),
@@ -90,7 +90,7 @@ def fusable_pairs(
       elif a.kind == BACKWARD and (a.stage, a.microbatch) in forward_at:
         i0 = forward_at[(a.stage, a.microbatch)]
         if not any(
-          b.kind == STEP and b.stage == a.stage for b in acts[i0 + 1 : i]
+          b.kind == UPDATE and b.stage == a.stage for b in acts[i0 + 1 : i]
         ):
           pairs.add((a.stage, a.microbatch))
   return frozenset(pairs)
@@ -114,7 +114,7 @@ def step_fusable_backwards(
     for a in acts:
       before = last.get(a.stage, (None, None))
       b = before[1]
-      if a.kind == STEP and b is not None and b.kind == BACKWARD:
+      if a.kind == UPDATE and b is not None and b.kind == BACKWARD:
         key = (a.stage, b.microbatch)
         f = before[0]
         if key not in fused or (

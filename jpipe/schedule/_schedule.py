@@ -26,11 +26,14 @@ import numpy as np
 
 class ActionKind(enum.StrEnum):
   """What an action does: a forward, a backward (or its two halves: the
-  input gradient and the weight gradient) or an optimizer step."""
+  input gradient and the weight gradient) or the optimizer's update of
+  the stage's params (``UPDATE``, written "S" as PipeDream's and
+  torch's schedules write a step; not ``step``, which is a whole
+  ``Pipeline.step`` call)."""
 
   FORWARD = "F"
   BACKWARD = "B"
-  STEP = "S"
+  UPDATE = "S"
   INPUT = "I"
   WEIGHT = "W"
 
@@ -39,7 +42,7 @@ class ActionKind(enum.StrEnum):
   __hash__ = str.__hash__
 
 
-FORWARD, BACKWARD, STEP, INPUT, WEIGHT = ActionKind
+FORWARD, BACKWARD, UPDATE, INPUT, WEIGHT = ActionKind
 # The kinds that make a stage's input gradient (what stage s - 1's
 # backward waits for), and those that add to its weight gradient (what a
 # step applies).
@@ -169,7 +172,7 @@ def _semantics(stage_actions, num_microbatches):
         version[s, a.microbatch] = steps
       elif a.kind in WEIGHT_GRADIENT:
         pending.append(a.microbatch)
-      elif a.kind == STEP:
+      elif a.kind == UPDATE:
         for m in pending:
           applied_at[s, m] = steps
         stage_groups.append(tuple(pending))

@@ -9,7 +9,7 @@ from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
   INPUT,
-  STEP,
+  UPDATE,
   WEIGHT,
   WEIGHT_GRADIENT,
   Action,
@@ -105,7 +105,7 @@ def simulate(
         clock[d] = t0 + duration
         if action.kind in WEIGHT_GRADIENT:
           pending_b[action.stage].append(action)
-        elif action.kind == STEP:
+        elif action.kind == UPDATE:
           pending_b[action.stage] = []
         position[d] += 1
         remaining -= 1

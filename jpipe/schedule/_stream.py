@@ -42,7 +42,7 @@ from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
   INPUT,
-  STEP,
+  UPDATE,
   WEIGHT,
   Action,
 )
@@ -213,7 +213,7 @@ class Stream:
     for i in range(max(fed - self.warmup(s), 0), fed):
       out += self._backward(s, i, split=self.split_flush)
     if fed % self.window(s):
-      out.append(Action(STEP, s, fed - 1))
+      out.append(Action(UPDATE, s, fed - 1))
     return tuple(out)
 
   def _backward(self, s, i, split=False):
@@ -222,7 +222,7 @@ class Stream:
       grads = [Action(INPUT, s, i), Action(WEIGHT, s, i)]
     if (i + 1) % self.window(s):
       return grads
-    return [*grads, Action(STEP, s, i)]
+    return [*grads, Action(UPDATE, s, i)]
 
   def steps_before_forward(self, s: int, b: int) -> int:
     """Steps of the stream stage s has taken when F(s, b) runs."""

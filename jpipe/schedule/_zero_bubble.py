@@ -11,7 +11,7 @@ from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
   INPUT,
-  STEP,
+  UPDATE,
   WEIGHT,
   Action,
   Schedule,
@@ -49,7 +49,7 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
       if i >= s:  # Keep s weight gradients deferred.
         actions.append(Action(WEIGHT, s, next(weights)))
     actions += [Action(WEIGHT, s, b) for b in weights]
-    actions.append(Action(STEP, s, m - 1))
+    actions.append(Action(UPDATE, s, m - 1))
     lists.append(actions)
   return make_schedule("zbh1", lists, list(range(n)), m)
 
@@ -139,7 +139,7 @@ class _Emitter:
         self.input_gradient(s)
     while self.deferred:
       self.weight()
-    self.actions += [Action(STEP, s, self.m - 1) for s in sorted(stages)]
+    self.actions += [Action(UPDATE, s, self.m - 1) for s in sorted(stages)]
     return self.actions
 
 

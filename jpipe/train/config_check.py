@@ -9,7 +9,7 @@ from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
 from jpipe.runtime import GAP_AWARE_POLICIES, REPLICA_ROUTINGS, Staleness
 from jpipe.train import input_pipeline, optimizers, tasks, user_code
-from jpipe.train.data_parallel_lib import uses_data_parallel
+from jpipe.train.data_parallel_mode import uses_data_parallel
 from jpipe.train.errors import UsageError
 
 LR_SCHEDULES = (

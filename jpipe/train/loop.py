@@ -7,8 +7,8 @@ stop on request (SIGTERM / SIGINT, agreed across processes), stop a
 non-finite or diverged run with a message naming the cause, a watchdog
 against hangs, a progress bar, the closing summary. What differs between
 kinds of run is a ``Mode``: one pipeline (``pipeline_mode.PipelineMode``),
-one that re-partitions while training (``dynamic_lib.DynamicMode``) or
-several pipelines in data parallel (``data_parallel_lib.
+one that re-partitions while training (``dynamic_mode.DynamicMode``) or
+several pipelines in data parallel (``data_parallel_mode.
 DataParallelMode``). A mode advances the state by one unit (a step; an
 epoch of data-parallel batches) and says how its state is saved,
 restored, evaluated and explained.

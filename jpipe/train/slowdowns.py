@@ -26,7 +26,7 @@ from jpipe import distributed, dynamic  # noqa: E402
 from jpipe.train import (  # noqa: E402
   config_check,
   config_cli,
-  dynamic_lib,
+  dynamic_mode,
   errors,
   train_lib,
 )
@@ -65,7 +65,7 @@ def collect_and_fit(config, out, factors, splits, steps_per_window, trees):
   task = train_lib.build_task(config)
   example = task.batch_at(0)
   lr = train_lib.learning_rate(config)
-  pipe = dynamic_lib.build(
+  pipe = dynamic_mode.build(
     config,
     task,
     example,

@@ -19,8 +19,8 @@ import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import (
   config_check,
-  data_parallel_lib,
-  dynamic_lib,
+  data_parallel_mode,
+  dynamic_mode,
   hf_checkpoint,
   loop,
   optimizers,
@@ -176,13 +176,13 @@ def build_mode(run, config, task: Task, tx, lr, say) -> loop.Mode:
   example = task.batch_at(0)
   options = pipeline_options(config, task, lr)
   if run.data_parallel:
-    dp = data_parallel_lib.build(
+    dp = data_parallel_mode.build(
       config, task, example, options | {"optimizer": tx}, run.steps_per_call
     )
-    return data_parallel_lib.DataParallelMode(dp, task, config)
+    return data_parallel_mode.DataParallelMode(dp, task, config)
   if run.dynamic:
-    pipe = dynamic_lib.build(config, task, example, tx, options)
-    return dynamic_lib.DynamicMode(pipe, task, config, say, example)
+    pipe = dynamic_mode.build(config, task, example, tx, options)
+    return dynamic_mode.DynamicMode(pipe, task, config, say, example)
   pipe = build_pipeline(config, task, example, tx, lr)
   return PipelineMode(pipe, task, config, say, example)
 

@@ -11,7 +11,7 @@ from jpipe import schedule as schedule_lib
 from tests.partition import flax_models
 from tests.tiers import slow
 
-F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.STEP
+F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.UPDATE
 
 
 def _run(case, schedule, fuse, **kwargs):

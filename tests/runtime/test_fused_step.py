@@ -19,7 +19,7 @@ from tests.partition import flax_models
 
 pytestmark = pytest.mark.usefixtures("xla_optimizations")
 
-F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.STEP
+F, B, S = schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.UPDATE
 
 
 def _next_action_is_step(lists, fused=frozenset()):

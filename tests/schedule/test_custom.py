@@ -3,7 +3,7 @@
 import pytest
 
 from jpipe import schedule as sc
-from jpipe.schedule import BACKWARD, FORWARD, INPUT, STEP, WEIGHT, Action
+from jpipe.schedule import BACKWARD, FORWARD, INPUT, UPDATE, WEIGHT, Action
 
 TWO_STAGES = """
 # device 0: stage 0          device 1: stage 1
@@ -21,7 +21,7 @@ def test_text_is_read_as_torch_writes_action_lists():
       Action(WEIGHT, 0, 1),
       Action(BACKWARD, 2, 3),
     ],
-    [Action(STEP, 0, 3)],
+    [Action(UPDATE, 0, 3)],
   ]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jpipe import schedule as schedule_lib
-from jpipe.schedule import BACKWARD, FORWARD, STEP, Move, MoveKind, Transfer
+from jpipe.schedule import BACKWARD, FORWARD, UPDATE, Move, MoveKind, Transfer
 
 
 def _chain_transfers(num_stages):
@@ -98,7 +98,7 @@ def test_inputs_come_before_their_action_and_results_after():
   moves = [op for op in ops if isinstance(op, Move)]
   forwards = sum(1 for a in order if a.kind == FORWARD and a.stage)
   backwards = sum(1 for a in order if a.kind == BACKWARD and a.stage)
-  steps = sum(1 for a in order if a.kind == STEP and a.stage)
+  steps = sum(1 for a in order if a.kind == UPDATE and a.stage)
   tied = sum(1 for a in order if a.kind == FORWARD and a.stage == 2)
   assert len(moves) == forwards + backwards + steps + tied
   assert str(moves[0]).startswith("MOVE_F0->1.")

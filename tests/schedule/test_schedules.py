@@ -126,7 +126,7 @@ def test_bad_input():
       [0],
       1,
     )
-  f, b, step = sc.FORWARD, sc.BACKWARD, sc.STEP
+  f, b, step = sc.FORWARD, sc.BACKWARD, sc.UPDATE
   cyclic = sc.make_schedule(
     "cyclic",
     [

@@ -106,7 +106,7 @@ def test_action_kinds_are_their_letters():
   assert list(sc.ActionKind) == [
     sc.FORWARD,
     sc.BACKWARD,
-    sc.STEP,
+    sc.UPDATE,
     sc.INPUT,
     sc.WEIGHT,
   ]

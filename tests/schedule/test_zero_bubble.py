@@ -3,7 +3,7 @@
 import pytest
 
 from jpipe import schedule as sc
-from jpipe.schedule import FORWARD, INPUT, STEP, WEIGHT, Action
+from jpipe.schedule import FORWARD, INPUT, UPDATE, WEIGHT, Action
 
 
 def _between(schedule, s, opens, closes):
@@ -42,7 +42,7 @@ def test_zbh1_is_synchronous_and_applies_every_weight_gradient_once():
   for s, acts in enumerate(zb.device_actions):
     kinds = [a.kind for a in acts]
     assert kinds.count(INPUT) == kinds.count(WEIGHT) == 5
-    assert acts[-1] == Action(STEP, s, 4)
+    assert acts[-1] == Action(UPDATE, s, 4)
     for a in acts:  # W(s, b) after I(s, b) on its device.
       if a.kind == WEIGHT:
         assert acts.index(Action(INPUT, s, a.microbatch)) < acts.index(a)
@@ -60,7 +60,7 @@ def test_the_simulator_waits_for_the_next_stages_input_gradient():
 
 
 def test_a_microbatch_without_its_weight_gradient_is_refused():
-  lists = [[Action(FORWARD, 0, 0), Action(INPUT, 0, 0), Action(STEP, 0, 0)]]
+  lists = [[Action(FORWARD, 0, 0), Action(INPUT, 0, 0), Action(UPDATE, 0, 0)]]
   with pytest.raises(ValueError, match=r"F, B \(or I and W\)"):
     sc.make_schedule("mine", lists, [0], 1)
 

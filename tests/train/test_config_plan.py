@@ -188,7 +188,7 @@ def test_dynpipe_rebalances_a_weighted_hybrid_plan(capsys, tmp_path):
 def test_a_weighted_groups_re_split_is_one_printed_line():
   """The line a weighted replica group's re-split prints (the slow tier's
   run above prints it from a real re-split)."""
-  from jpipe.train import dynamic_lib
+  from jpipe.train import dynamic_mode
 
   record = {
     "stage": 1,
@@ -197,7 +197,7 @@ def test_a_weighted_groups_re_split_is_one_printed_line():
     "examples_per_second": [812.4, 271.0],
     "predicted_gain": 1.4567,
   }
-  assert dynamic_lib.rebalance_line(9, record) == (
+  assert dynamic_mode.rebalance_line(9, record) == (
     "re-split at step 9: stage 1's replicas take [4, 4] -> [6, 2] examples "
     "of each microbatch (measured 812, 271 examples/s; predicted 1.46x "
     "faster)"

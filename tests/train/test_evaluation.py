@@ -63,9 +63,9 @@ def test_sdpipe_evaluates_the_consensus_through_a_pipeline(
   """SD-Pipe's CLI evaluation: the replicas' mean, averaged stage by
   stage on the devices and run through the first pipeline's stages,
   gathering nothing; equal to the gathered mean on one device."""
-  from jpipe.train import data_parallel_lib
+  from jpipe.train import data_parallel_mode
 
-  mode = data_parallel_lib.DataParallelMode
+  mode = data_parallel_mode.DataParallelMode
   seen = []
   through_stages = mode.evaluate
 

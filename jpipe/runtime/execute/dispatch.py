@@ -1,5 +1,5 @@
 """Issues one call's lowered ops: each compute action to its stage's
-``StageWork`` (a step to the ``StepRunner``), each transfer end to the
+``StageWork`` (a step to the ``UpdateRunner``), each transfer end to the
 ``CallContext``; then gathers what the call produced."""
 
 import jax
@@ -9,9 +9,9 @@ from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
 from jpipe.runtime.execute.profiler import ActionProfiler
 from jpipe.runtime.execute.stage_work import call_result, stage_works
-from jpipe.runtime.execute.steps import StepRunner
+from jpipe.runtime.execute.updates import UpdateRunner
 
-FORWARD, BACKWARD, STEP, INPUT, WEIGHT = schedule_lib.ActionKind
+FORWARD, BACKWARD, UPDATE, INPUT, WEIGHT = schedule_lib.ActionKind
 SEND, RECV, MOVE = schedule_lib.MoveKind
 
 
@@ -56,13 +56,13 @@ def run_call(
     {} if driver.record_params else None,
   )
   stages = stage_works(driver, ctx, in_flight, stage_params, opt_states)
-  steps = StepRunner(driver, ctx, stages)
+  updates = UpdateRunner(driver, ctx, stages)
   for w in stages:
-    w.steps = steps
+    w.updates = updates
   # Synchronous steps wait for every backward (tied gradients are
   # summed over all stages first).
   deferred_steps = []
-  methods = _handlers(driver, ctx, stages, steps, deferred_steps)
+  methods = _handlers(driver, ctx, stages, updates, deferred_steps)
   ops, shares_loss = driver.lower(work)
   driver.transport.begin_call()
   if jax.profiler.TraceAnnotation.is_enabled():
@@ -76,12 +76,12 @@ def run_call(
       methods[op.kind](op)
   if driver.stream is None:
     with jax.profiler.TraceAnnotation("jpipe.S synchronous"):
-      steps.synchronous(deferred_steps)
+      updates.synchronous(deferred_steps)
   loss = driver.mean_loss(ctx.losses) if shares_loss else None
   return call_result(driver, ctx, stages, in_flight.fed, loss)
 
 
-def _handlers(driver, ctx, stages, steps, deferred_steps) -> dict:
+def _handlers(driver, ctx, stages, updates, deferred_steps) -> dict:
   """``{op kind: what runs an op of it}``: a compute action its stage's
   ``StageWork`` (a synchronous step: kept in ``deferred_steps``), a
   transfer end the ``CallContext``."""
@@ -94,7 +94,7 @@ def _handlers(driver, ctx, stages, steps, deferred_steps) -> dict:
     BACKWARD: lambda op: backwards[op.stage](op),
     INPUT: lambda op: input_grads[op.stage](op),
     WEIGHT: lambda op: weight_grads[op.stage](op),
-    STEP: steps.stream_step
+    UPDATE: updates.stream_update
     if driver.stream is not None
     else deferred_steps.append,
     SEND: ctx.send,

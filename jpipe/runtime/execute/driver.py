@@ -1,7 +1,7 @@
 """The driver: what a pipeline's calls share (the lowering of each order,
 the stages' inputs and transfers, device scalars); ``run`` executes one
 call (``execute.dispatch``: each op to its stage's ``StageWork``, the
-steps to the ``StepRunner``, the transfers to the ``CallContext``).
+steps to the ``UpdateRunner``, the transfers to the ``CallContext``).
 
 A call's global issue order (``issue_order``) is first lowered to this
 process's ops (``jpipe.schedule.lower``, cached per order): the compute
@@ -47,7 +47,7 @@ from jpipe.runtime.execute import routes
 from jpipe.runtime.execute.dispatch import run_call
 from jpipe.runtime.execute.hooks import DriverHooks
 
-FORWARD, BACKWARD, STEP, INPUT, WEIGHT = schedule_lib.ActionKind
+FORWARD, BACKWARD, UPDATE, INPUT, WEIGHT = schedule_lib.ActionKind
 SEND, RECV, MOVE = schedule_lib.MoveKind
 Transfer = schedule_lib.Transfer
 

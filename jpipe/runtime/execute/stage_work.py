@@ -14,7 +14,7 @@ class StageWork:
   """Stage s in one call: its live params and optimizer state, its slice
   of the stream's ``InFlight`` and the call's own per-microbatch values.
   The methods named after actions run them; its optimizer steps run in
-  ``StepRunner`` (``steps``), which updates the fields here.
+  ``UpdateRunner`` (``updates``), which changes the fields here.
 
   Attributes:
     s: the stage.
@@ -30,7 +30,7 @@ class StageWork:
     pending: microbatches whose backward ran, not yet applied.
     forwards, stream_steps: forwards run and steps taken in the stream.
     grad_sq_norm: the latest step's gradient's squared norm (clipping).
-    held: the param versions held; steps: the call's ``StepRunner``.
+    held: the param versions held; updates: the call's ``UpdateRunner``.
     made_state: ``opt_state`` came from this call's steps (donatable).
     stepped: the next S ran in the program of the B before it.
     fused_done: ``b ->`` input cotangents of a B that ran with its F.
@@ -54,7 +54,7 @@ class StageWork:
   stream_steps: int
   grad_sq_norm: Any
   held: HeldParams
-  steps: Any = None
+  updates: Any = None
   made_state: bool = False
   stepped: bool = False
   fused_done: dict = dataclasses.field(default_factory=dict)
@@ -95,7 +95,7 @@ class StageWork:
       # Its backward needs only this forward: run both as one program.
       args = (theta, local, acts, self.result_cots())
       if self.steps_with(b):  # And the step after that backward.
-        results, act_cots = self.steps.with_backward(
+        results, act_cots = self.updates.with_backward(
           "forward_backward", self, [b], args
         )
         acc = self.params  # What the profiler waits for.
@@ -156,7 +156,7 @@ class StageWork:
     args = self._backward_args(action)
     d.hooks.before_compute(action, args)
     if self.steps_with(b):
-      (act_cots,) = self.steps.with_backward("backward", self, [b], args)
+      (act_cots,) = self.updates.with_backward("backward", self, [b], args)
       acc = self.params  # What the profiler waits for.
     else:
       acc = self.acc(b)

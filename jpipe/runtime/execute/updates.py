@@ -13,7 +13,7 @@ from jpipe.runtime.execute.stage_work import StageWork
 
 
 @dataclasses.dataclass(eq=False)
-class StepRunner:
+class UpdateRunner:
   """Runs the S actions of one call over its stages' ``StageWork``.
 
   Attributes:
@@ -26,7 +26,7 @@ class StepRunner:
   ctx: CallContext
   stages: list[StageWork]
 
-  def stream_step(self, action):
+  def stream_update(self, action):
     """An asynchronous step of stage s: the mean gradient of the
     backwards since its last step."""
     d, ctx, s, b = self.d, self.ctx, action.stage, action.microbatch
