@@ -26,6 +26,7 @@ import time
 
 from experiments.partition.pipedream_profiles import _ms, pipedream_straight
 from jpipe.partition import (
+  GraphCosts,
   load_pipedream_profile,
   solve_acyclic,
   solve_contiguous,
@@ -51,18 +52,15 @@ def rows_for(name, stages, quick):
     bound = max(compute.sum() / n, compute.max())
     for bandwidth in (None, 10e9):
       start = time.perf_counter()
-      contiguous = solve_contiguous(
-        compute, n, edges=edges, bandwidth=bandwidth
-      )
+      costs = GraphCosts(compute, edges=edges, bandwidth=bandwidth)
+      contiguous = solve_contiguous(costs, n)
       contiguous_s = time.perf_counter() - start
       acyclic = {}
       for multilevel in (False, True):
         start = time.perf_counter()
         sol = solve_acyclic(
-          compute,
+          costs,
           n,
-          edges=edges,
-          bandwidth=bandwidth,
           multilevel=multilevel,
           **({"runs": 1, "kicks": 1} if quick else {}),
         )

@@ -36,11 +36,12 @@ import numpy as np
 
 from jpipe.partition import (
   PIPEDREAM_PROFILES,
+  GraphCosts,
   load_pipedream_profile,
   solve_contiguous,
   solve_pipedream,
 )
-from jpipe.partition._contiguous import stage_seconds
+from jpipe.partition._cost_model import stage_seconds
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
 COMPRESS = ("inception_v3",)  # solved after compress_graph_branches
@@ -111,7 +112,9 @@ def straight_rows(name, graph):
     bound = max(compute.sum() / n, compute.max())
     for bandwidth in (None, 10e9):
       start = time.perf_counter()
-      sol = solve_contiguous(compute, n, edges=edges, bandwidth=bandwidth)
+      sol = solve_contiguous(
+        GraphCosts(compute, edges=edges, bandwidth=bandwidth), n
+      )
       seconds = time.perf_counter() - start
       equal = equal_split_bottleneck(compute, edges, n, bandwidth)
       pd, pd_seconds, pd_ms, pd_edge_ms = pipedream_straight(

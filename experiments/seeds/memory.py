@@ -69,17 +69,15 @@ def measure(name: str, max_stages: int) -> list[dict]:
     config, None, devices, None, abstract=True
   )
   memory = config_check.memory_limit(config.pipeline.memory_limit)
-  options = config_plan.memory_options(
-    config, params, config.pipeline.partition, devices, memory or 0.0
-  )
+  budget = config_plan.memory_budget(config, params, devices, memory)
   plan = partition.plan_traced(
     traced,
     costs,
     devices,
     method=config.pipeline.partition,
-    **(options if memory else {}),
+    memory=budget if memory else None,
   )
-  predicted = partition.stage_memory_bytes(traced, plan, **options)
+  predicted = partition.stage_memory_bytes(traced, plan, budget)
   task = tasks.build_task(config, abstract=True)
   m = config.pipeline.num_microbatches
   micro = {k: v[: len(v) // m] for k, v in task.batch_at(0).items()}

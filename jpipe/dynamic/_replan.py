@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpipe import schedule as schedule_lib
-from jpipe.partition import solve_contiguous
+from jpipe.partition import GraphCosts, solve_contiguous
 
 
 def stage_costs(node_seconds, boundaries, slowdown=None) -> np.ndarray:
@@ -192,13 +192,13 @@ def dynpipe_split(
   return best, float(best_score)
 
 
-def jpipe_split(forward, backward, slowdown, **solver_options):
+def jpipe_split(forward, backward, slowdown, memory=None):
   """The exact min-max contiguous split with slowed stage slots:
-  ``(boundaries, bottleneck seconds)``; ``solver_options`` go to
-  ``jpipe.partition.solve_contiguous`` (edges, bandwidth, memory)."""
+  ``(boundaries, bottleneck seconds)``; ``memory``: a
+  ``jpipe.partition.MemoryModel`` the split keeps to."""
   compute = np.asarray(forward, np.float64) + np.asarray(backward, np.float64)
   solution = solve_contiguous(
-    compute, len(slowdown), stage_slowdown=slowdown, **solver_options
+    GraphCosts(compute), len(slowdown), memory=memory, stage_slowdown=slowdown
   )
   return solution.boundaries, solution.bottleneck_seconds
 

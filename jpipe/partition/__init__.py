@@ -2,6 +2,12 @@
 
 from jpipe.partition._acyclic import AcyclicSolution, solve_acyclic
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
+from jpipe.partition._cost_model import (
+  GraphCosts,
+  MemoryBudget,
+  MemoryModel,
+  StageBytes,
+)
 from jpipe.partition._follow import follow_plan
 from jpipe.partition._granularity import (
   Granularity,
@@ -13,7 +19,7 @@ from jpipe.partition._graph_txt import (
   ProfileGraph,
   load_pipedream_profile,
 )
-from jpipe.partition._mixed import MixedSolution, StageBytes, solve_mixed
+from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._plan import (
   METHODS,
@@ -39,6 +45,9 @@ __all__ = [
   "PIPEDREAM_PROFILES",
   "ContiguousSolution",
   "Granularity",
+  "GraphCosts",
+  "MemoryBudget",
+  "MemoryModel",
   "MixedSolution",
   "NodeCosts",
   "Plan",

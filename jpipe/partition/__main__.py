@@ -37,6 +37,7 @@ import numpy as np
 
 from jpipe.partition._acyclic import CONSTRAINTS, OBJECTIVES, solve_acyclic
 from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._cost_model import GraphCosts, MemoryModel
 from jpipe.partition._graph_txt import load_pipedream_profile
 from jpipe.partition._mixed import solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
@@ -88,7 +89,7 @@ def _parser():
     "--memory",
     type=float,
     default=None,
-    help="bytes per device (contiguous, acyclic; pipedream's -s with "
+    help="bytes per device (contiguous, acyclic, mixed; pipedream's -s with "
     "--use-memory-constraint, default 16e9)",
   )
   parser.add_argument(
@@ -270,29 +271,23 @@ def _one_order(graph, order, compute, edges, n, args):
   """(stage_of, stage seconds, bottleneck, devices) of contiguous,
   acyclic or mixed."""
   bandwidth = args.bandwidth[0] if args.bandwidth else None
+  memory = MemoryModel(
+    static_bytes=graph.parameter_bytes[order] * 4.0,  # params, grads, Adam
+    activation_bytes=graph.activation_bytes[order],
+    param_bytes=graph.parameter_bytes[order],
+    limit=args.memory,
+  )
   if args.method == "contiguous":
-    static = graph.parameter_bytes[order] * 4.0  # params, grads, 2 moments
-    solution = solve_contiguous(
-      compute,
-      n,
-      edges=edges,
-      bandwidth=bandwidth,
-      static_bytes=static,
-      activation_bytes=graph.activation_bytes[order],
-      memory_limit=args.memory,
-    )
+    costs = GraphCosts(compute, edges=edges, bandwidth=bandwidth)
+    solution = solve_contiguous(costs, n, memory=memory)
     bottleneck = solution.bottleneck_seconds
     devices = list(range(len(solution.stage_seconds)))
   elif args.method == "acyclic":
+    costs = GraphCosts(compute, edges=edges, bandwidth=bandwidth)
     solution = solve_acyclic(
-      compute,
+      costs,
       n,
-      edges=edges,
-      bandwidth=bandwidth,
-      static_bytes=graph.parameter_bytes[order] * 4.0,
-      activation_bytes=graph.activation_bytes[order],
-      param_bytes=graph.parameter_bytes[order],
-      memory_limit=args.memory,
+      memory=memory,
       objective=args.objective,
       constraint=args.constraint,
       epsilon=args.epsilon,
@@ -303,8 +298,11 @@ def _one_order(graph, order, compute, edges, n, args):
     pos = solution.stage_of_node
     stage_of = {graph.names[node]: pos[k] for k, node in enumerate(order)}
     return stage_of, list(solution.stage_seconds), bottleneck, devices
-  else:
-    solution = solve_mixed(compute, n, edges=edges, bandwidth=bandwidth)
+  else:  # FTPipe's objective: the transfers compute cannot hide.
+    costs = GraphCosts(
+      compute, edges=edges, bandwidth=bandwidth, comm_model="ftpipe"
+    )
+    solution = solve_mixed(costs, n, memory=memory)
     bottleneck = solution.objective_seconds
     devices = list(solution.stage_device)
   pos = solution.stage_of_node()

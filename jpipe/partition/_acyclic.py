@@ -37,11 +37,11 @@ loss) stays on the last stage, as the runtime needs.
 
 import dataclasses
 import heapq
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jpipe.partition import _contiguous
+from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._cost_model import GraphCosts, MemoryModel
 
 OBJECTIVES = ("stage_time", "edge_cut")
 CONSTRAINTS = ("time", "memory")
@@ -64,48 +64,33 @@ class AcyclicSolution:
 
 
 def solve_acyclic(
-  compute_seconds: Sequence[float],
+  costs: GraphCosts,
   num_stages: int,
   *,
-  edges: Mapping[tuple[int, int], float] | None = None,
-  bandwidth: float | None = None,
-  comm_model: str = "overlapped",
+  memory: MemoryModel | None = None,
   objective: str = "stage_time",
   constraint: str = "time",
   epsilon: float = 0.1,
-  static_bytes: Sequence[float] | None = None,
-  activation_bytes: Sequence[float] | None = None,
-  working_bytes: Sequence[float] | None = None,
-  param_bytes: Sequence[float] | None = None,
-  param_versions: Sequence[int] | None = None,
-  in_flight: Sequence[int] | None = None,
-  recompute: bool = False,
-  memory_limit: float | None = None,
   multilevel: bool = False,
   runs: int = 8,
   rounds: int = 10,
   kicks: int = 8,
   seed: int = 0,
-  last_stage_compute: Sequence[float] | None = None,
 ) -> AcyclicSolution:
   """Acyclic partition of a DAG's N nodes into ``num_stages`` stages.
 
   Args:
-    compute_seconds: forward + backward time of each node, [N], in a
-      topological order (every edge goes from a lower to a higher index).
+    costs: the nodes' compute, edges and transfers (``GraphCosts``; the
+      nodes in a topological order: every edge goes from a lower to a
+      higher index), priced as ``solve_contiguous`` prices them.
     num_stages: stages, 1 <= num_stages <= N.
-    edges: (src, dst) -> bytes with src < dst.
-    bandwidth, comm_model: transfers as ``solve_contiguous`` counts them
-      (None: compute only).
+    memory: each node's bytes and the per-stage limit (``MemoryModel``);
+      with a limit no move takes a stage over it.
     objective: "stage_time" or "edge_cut" (see the module docstring).
     constraint, epsilon: FTPipe's balance constraint: no move may take a
-      stage's compute ("time") or parameter bytes ("memory", needs
-      ``param_bytes``) above ``(1 + epsilon)`` times the mean
-      (``float("inf")``: none).
-    static_bytes, activation_bytes, working_bytes, param_bytes,
-      param_versions, in_flight, recompute, memory_limit: the per-stage
-      memory model of ``solve_contiguous``; with ``memory_limit`` no move
-      takes a stage over it.
+      stage's compute ("time") or parameter bytes ("memory", needs the
+      memory model's ``param_bytes``) above ``(1 + epsilon)`` times the
+      mean (``float("inf")``: none).
     multilevel: refine a coarsened graph first (FTPipe's multilevel).
     runs: random restarts besides the contiguous start.
     rounds: refinement rounds per start (each: advanced moves, one
@@ -115,94 +100,40 @@ def solve_acyclic(
       when better (iterated local search: it leaves local optima that no
       single pass escapes).
     seed: the restarts' random seed (the result is deterministic).
-    last_stage_compute: per node, its time when on the last stage, [N]
-      (FTPipe's async meta-algorithm: the last stage never recomputes);
-      default ``compute_seconds``.
 
   Returns:
     The best partition found.
   """
-  cost = np.asarray(compute_seconds, np.float64)
-  n = cost.shape[0]
-  if not 1 <= num_stages <= n:
-    raise ValueError(
-      f"cannot split {n} nodes into {num_stages} stages: use between 1 and "
-      f"{n} stages, or trace the model at a larger depth to get more nodes"
-    )
-  if objective not in OBJECTIVES:
-    raise ValueError(f"unknown objective {objective!r}: one of {OBJECTIVES}")
-  if constraint not in CONSTRAINTS:
-    raise ValueError(f"unknown constraint {constraint!r}: one of {CONSTRAINTS}")
-  if constraint == "memory" and param_bytes is None:
-    raise ValueError("constraint 'memory' balances param_bytes: give them")
-  if not epsilon >= 0:
-    raise ValueError(f"epsilon must be >= 0, got {epsilon}")
-  if bandwidth is not None and bandwidth <= 0:
-    raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
-  if comm_model not in _contiguous.COMM_MODELS:
-    raise ValueError(
-      f"unknown comm_model {comm_model!r}: one of {_contiguous.COMM_MODELS}"
-    )
-  edges = dict(edges or {})
-  for u, v in edges:
-    if not 0 <= u < v < n:
-      raise ValueError(
-        f"edge {(u, v)} does not go forward in the order of {n} nodes"
-      )
-  memory = dict(
-    static_bytes=static_bytes,
-    activation_bytes=activation_bytes,
-    working_bytes=working_bytes,
-    param_bytes=param_bytes,
-    param_versions=param_versions,
-    in_flight=in_flight,
-    recompute=recompute,
-  )
+  n = costs.num_nodes
+  memory = memory or MemoryModel()
+  _check_options(n, num_stages, memory, objective, constraint, epsilon)
   # The exact contiguous split of this order: a start (and the error,
   # naming the stage to relieve, when nothing fits the memory limit).
-  contiguous_options = dict(
-    bandwidth=bandwidth,
-    comm_model=comm_model,
-    memory_limit=memory_limit,
-    last_stage_compute=last_stage_compute,
-    **memory,
-  )
-  contiguous = _contiguous.solve_contiguous(
-    cost, num_stages, edges=edges, **contiguous_options
-  )
-  per_node = _contiguous._per_node
-  params = per_node(param_bytes, n, "param_bytes")
+  contiguous = solve_contiguous(costs, num_stages, memory=memory)
+  node = memory.nodes(n)
+  cost = costs.compute_seconds
   graph = _Graph(
     cost=cost,
-    last_cost=cost
-    if last_stage_compute is None
-    else per_node(last_stage_compute, n, "last_stage_compute"),
-    balance=cost if constraint == "time" else params,
-    held=per_node(static_bytes, n, "static_bytes")
-    + per_node(working_bytes, n, "working_bytes"),
-    params=params,
-    acts=per_node(activation_bytes, n, "activation_bytes"),
-    edges=edges,
+    last_cost=costs.last_compute,
+    balance=cost if constraint == "time" else node["param_bytes"],
+    held=node["static_bytes"] + node["working_bytes"],
+    params=node["param_bytes"],
+    acts=node["activation_bytes"],
+    edges=costs.edges,
   )
   model = _Model(
     num_stages,
-    bandwidth=bandwidth,
-    comm_model=comm_model,
+    costs,
+    memory,
     objective=objective,
     limit=(1.0 + epsilon) * graph.balance.sum() / num_stages,
-    memory_limit=memory_limit,
-    param_versions=param_versions,
-    in_flight=in_flight,
-    recompute=recompute,
     scale=float(cost.sum()) or 1.0,
   )
   rng = np.random.default_rng(seed)
   starts = [np.asarray(contiguous.stage_of_node())]
   for _ in range(runs):
     order = _random_kahn_order(graph, rng)
-    starts.append(
-      _split_order(order, cost, edges, num_stages, contiguous_options)
-    )
+    starts.append(_split_order(order, costs, memory, num_stages))
   best = None
   for start in starts:
     if multilevel:
@@ -213,6 +144,22 @@ def solve_acyclic(
     if best is None or state.score() < best.score():
       best = state
   return best.solution()
+
+
+def _check_options(n, num_stages, memory, objective, constraint, epsilon):
+  if not 1 <= num_stages <= n:
+    raise ValueError(
+      f"cannot split {n} nodes into {num_stages} stages: use between 1 and "
+      f"{n} stages, or trace the model at a larger depth to get more nodes"
+    )
+  if objective not in OBJECTIVES:
+    raise ValueError(f"unknown objective {objective!r}: one of {OBJECTIVES}")
+  if constraint not in CONSTRAINTS:
+    raise ValueError(f"unknown constraint {constraint!r}: one of {CONSTRAINTS}")
+  if constraint == "memory" and memory.param_bytes is None:
+    raise ValueError("constraint 'memory' balances param_bytes: give them")
+  if not epsilon >= 0:
+    raise ValueError(f"epsilon must be >= 0, got {epsilon}")
 
 
 class _Graph:
@@ -278,7 +225,7 @@ def _random_kahn_order(graph: _Graph, rng) -> np.ndarray:
   return np.asarray(order)
 
 
-def _split_order(order, cost, edges, k, options) -> np.ndarray:
+def _split_order(order, costs, memory, k) -> np.ndarray:
   """Stage of every node: the order cut by the exact contiguous DP under
   the same model (FTPipe cuts it into chunks of equal weight; the DP's
   cut is never worse, and a random order plus the DP is what finds
@@ -287,21 +234,13 @@ def _split_order(order, cost, edges, k, options) -> np.ndarray:
   n = len(order)
   position = np.empty(n, np.int64)
   position[order] = np.arange(n)
-  permuted = {
-    key: (np.asarray(value)[order] if key in _PER_NODE else value)
-    for key, value in options.items()
-    if value is not None
-  }
   try:
-    solution = _contiguous.solve_contiguous(
-      np.asarray(cost)[order],
-      k,
-      edges={(position[u], position[v]): w for (u, v), w in edges.items()},
-      **permuted,
+    solution = solve_contiguous(
+      costs.permuted(order), k, memory=memory.permuted(order)
     )
     of_position = np.asarray(solution.stage_of_node())
   except ValueError:
-    cum = np.cumsum(np.asarray(cost)[order])
+    cum = np.cumsum(costs.compute_seconds[order])
     cuts = np.searchsorted(cum, cum[-1] * np.arange(1, k) / k) + 1
     cuts = np.maximum.accumulate(np.maximum(cuts, np.arange(1, k)))
     cuts = np.minimum(cuts, n - k + np.arange(1, k))  # Room for the rest.
@@ -309,47 +248,21 @@ def _split_order(order, cost, edges, k, options) -> np.ndarray:
   return of_position[position]
 
 
-# solve_contiguous's per-node arguments (permuted with the order).
-_PER_NODE = (
-  "static_bytes",
-  "activation_bytes",
-  "working_bytes",
-  "param_bytes",
-  "last_stage_compute",
-)
-
-
 class _Model:
   """What scores a partition: the stage count, transfers, objective and
   the limits (balance, memory)."""
 
-  def __init__(
-    self,
-    k,
-    *,
-    bandwidth,
-    comm_model,
-    objective,
-    limit,
-    memory_limit,
-    param_versions,
-    in_flight,
-    recompute,
-    scale,
-  ):
+  def __init__(self, k, costs, memory, *, objective, limit, scale):
     self.k = k
-    self.bandwidth = bandwidth
-    self.comm_model = comm_model
+    self.bandwidth = costs.bandwidth
+    self.comm_model = costs.comm_model
     self.objective = objective
     self.limit = limit
-    self.memory_limit = memory_limit
-    self.recompute = recompute
+    self.memory_limit = memory.limit
+    self.recompute = memory.recompute
     self.scale = scale  # Seconds that ties are compared relative to.
-    # (solve_contiguous, called first, checked both lists.)
-    versions = [1] * k if param_versions is None else param_versions
-    self.extra = np.asarray(versions, np.float64) - 1.0  # Stashed copies.
-    flight = [k - s for s in range(k)] if in_flight is None else in_flight
-    self.flight = np.asarray(flight, np.float64)
+    self.extra = memory.versions(k) - 1.0  # Stashed copies.
+    self.flight = memory.flight(k)
 
 
 class _State:

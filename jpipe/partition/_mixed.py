@@ -10,7 +10,7 @@ stages (e.g. the first and the last), which balances models whose cost is
 uneven along the order.
 
 Objective: the maximum over stages of the stage time of
-``_contiguous.stage_seconds`` with ``C = C_dev``, the compute of all stages
+``_cost_model.stage_seconds`` with ``C = C_dev``, the compute of all stages
 on that stage's device, and ``t_in``/``t_out`` the stage's transfers to or
 from other devices (2 x bytes / bandwidth: activations and gradients).
 With ``comm_model="ftpipe"`` that is FTPipe's ``mpipe`` refinement
@@ -23,7 +23,7 @@ FTPipe's greedy pops the *smallest* block first (a quirk of popitem on a
 descending dict, spec §7); jpipe places the largest first, as best fit
 intends.
 
-Memory (``memory_limit``): as FTPipe's best fit, a block goes to the least
+Memory (a ``MemoryModel`` with a limit): as FTPipe's best fit, a block goes to the least
 loaded device that still fits it, and a refinement move that overfills a
 device is not taken. A device holds, under ``_contiguous``'s model, the
 sum over its stages of the static bytes (params, gradients, optimizer
@@ -35,12 +35,18 @@ fits, the error names the device, its stages and the bytes.
 """
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from jpipe.partition import _contiguous
-from jpipe.partition._contiguous import COMM_MODELS, solve_contiguous
+from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._cost_model import (
+  GraphCosts,
+  MemoryModel,
+  StageBytes,
+  stage_seconds,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,95 +67,79 @@ class MixedSolution:
 
 
 def solve_mixed(
-  compute_seconds: Sequence[float],
+  costs: GraphCosts,
   num_devices: int,
   *,
-  edges: Mapping[tuple[int, int], float] | None = None,
-  bandwidth: float | None = None,
+  memory: MemoryModel | None = None,
   block_counts: Sequence[int] | None = None,
   max_refine_rounds: int = 100,
-  comm_model: str = "ftpipe",
   min_gain: float = 0.01,
-  memory: "StageMemory | None" = None,
-  memory_limit: float | None = None,
-  last_stage_compute: Sequence[float] | None = None,
 ) -> MixedSolution:
   """Mixed-pipe partition of N ordered nodes onto ``num_devices`` devices.
 
   Args:
-    compute_seconds: forward + backward time of each node, [N].
+    costs: the nodes' compute, edges and transfers (``GraphCosts``;
+      FTPipe's objective is its ``comm_model="ftpipe"``); the last stage's
+      nodes are priced at its ``last_stage_compute`` when given.
     num_devices: devices P, 1 <= P <= N.
-    edges: (src, dst) -> bytes, src < dst in the order.
-    bandwidth: bytes/s between devices; None ignores communication.
+    memory: each node's bytes and the bytes a device may hold
+      (``MemoryModel``; it chooses the stage count, so its in-flight
+      counts are S - s over the S stages and its versions one, or the
+      in-flight counts with ``stashing``).
     block_counts: the L values to try (each P <= L <= N); default
       P, 2P, 3P, 4P (and 6P, 8P, 12P, 16P with a memory limit) capped at N.
     max_refine_rounds: passes of border-node moves.
-    comm_model: "ftpipe" (default, FTPipe's) or "overlapped" (PipeDream's).
     min_gain: a candidate with more stages replaces a better-ranked one only
       if it is faster by at least this fraction (stages cost transfers and
       bookkeeping the model does not see).
-    memory, memory_limit: each stage's bytes (``StageMemory``) and the
-      bytes a device may hold; both or neither.
-    last_stage_compute: per node, its time on the last stage, [N] (FTPipe's
-      async pipelines: it never recomputes); the objective prices the last
-      stage with it. Default ``compute_seconds``.
 
   Returns:
     The best solution found; its objective is never above the exact
     straight P-stage split's (it is among the candidates).
   """
-  cost = np.asarray(compute_seconds, np.float64)
-  n = cost.shape[0]
+  n = costs.num_nodes
   if not 1 <= num_devices <= n:
     raise ValueError(
       f"cannot place {n} nodes on {num_devices} devices: use between 1 and "
       f"{n} devices, or trace the model at a larger depth"
     )
-  if bandwidth is not None and bandwidth <= 0:
-    raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
-  if comm_model not in COMM_MODELS:
-    raise ValueError(f"unknown comm_model {comm_model!r}: one of {COMM_MODELS}")
-  edges = dict(edges or {})
+  memory = memory or MemoryModel()
+  if memory.in_flight is not None or memory.param_versions is not None:
+    raise ValueError(
+      "solve_mixed chooses the stage count: give the memory model no "
+      "per-stage in_flight or param_versions (stashing=True for a version "
+      "per microbatch in flight)"
+    )
+  limited = memory.limit is not None
   if block_counts is None:
     # With a memory limit, finer blocks too: a block's bytes cannot be
     # split by placing it, only by cutting it smaller.
-    factors = (1, 2, 3, 4) + ((6, 8, 12, 16) if memory is not None else ())
+    factors = (1, 2, 3, 4) + ((6, 8, 12, 16) if limited else ())
     block_counts = sorted({min(k * num_devices, n) for k in factors})
   for count in block_counts:
     if not num_devices <= count <= n:
       raise ValueError(f"block count {count} must lie in [{num_devices}, {n}]")
-  if (memory is None) != (memory_limit is None):
-    raise ValueError("give memory and memory_limit together")
-  last_cost = None
-  if last_stage_compute is not None:
-    last_cost = np.asarray(last_stage_compute, np.float64)
-    if last_cost.shape != cost.shape:
-      raise ValueError(f"last_stage_compute needs {n} entries")
-  evaluate = _Evaluator(
-    cost, edges, bandwidth, num_devices, comm_model, last_cost
-  )
-  fits = _Fits(memory, memory_limit, num_devices)
+  evaluate = _Evaluator(costs, num_devices)
+  fits = _Fits(memory if limited else None, costs.edges, num_devices)
   candidates = []
   try:
-    straight = solve_contiguous(
-      cost,
-      num_devices,
-      last_stage_compute=last_stage_compute,
-      edges=edges,
-      bandwidth=bandwidth,
-      comm_model=comm_model,
-      **({} if memory is None else memory.contiguous(memory_limit)),
-    )
+    straight = solve_contiguous(costs, num_devices, memory=memory)
     candidates.append((list(straight.boundaries), list(range(num_devices))))
   except ValueError:  # No straight split fits; mixed ones may.
     pass
   for count in block_counts:
-    blocks = solve_contiguous(cost, count).boundaries
-    block_device = _best_fit(cost, blocks, num_devices, fits)
+    blocks = solve_contiguous(costs.uniform(), count).boundaries
+    block_device = _best_fit(costs.compute_seconds, blocks, num_devices, fits)
     bounds, devices = _merge_runs(blocks, block_device)
     candidates.append(
       _refine(evaluate, list(bounds), list(devices), max_refine_rounds, fits)
     )
+  return _best(candidates, evaluate, fits, min_gain)
+
+
+def _best(candidates, evaluate, fits, min_gain) -> MixedSolution:
+  """The fastest candidate that fits (more stages must win by
+  ``min_gain``), or the error naming the closest one's fullest device."""
   best = None
   for bounds, devices in candidates:
     if not fits(bounds, devices):
@@ -174,22 +164,18 @@ def solve_mixed(
 class _Evaluator:
   """The mixed-pipe objective of a (boundaries, stage devices) pair."""
 
-  def __init__(
-    self, cost, edges, bandwidth, num_devices, comm_model, last_cost=None
-  ):
-    self.comm_model = comm_model
-    self.prefix = np.concatenate([[0.0], np.cumsum(cost)])
+  def __init__(self, costs: GraphCosts, num_devices: int):
+    self.comm_model = costs.comm_model
+    self.prefix = np.concatenate([[0.0], np.cumsum(costs.compute_seconds)])
     # The last stage's nodes at their own price (None: the same).
+    last_cost = costs.last_stage_compute
     self.last_prefix = (
       None
       if last_cost is None
       else np.concatenate([[0.0], np.cumsum(last_cost)])
     )
-    self.edges = [(u, v, w) for (u, v), w in edges.items()]
-    for u, v, _ in self.edges:
-      if not 0 <= u < v < len(cost):
-        raise ValueError(f"edge {(u, v)} does not go forward in the order")
-    self.bandwidth = bandwidth
+    self.edges = [(u, v, w) for (u, v), w in costs.edges.items()]
+    self.bandwidth = costs.bandwidth
     self.num_devices = num_devices
 
   def stage_times(self, bounds, devices):
@@ -208,7 +194,7 @@ class _Evaluator:
           comm_out[su] += 2.0 * w / self.bandwidth
           comm_in[sv] += 2.0 * w / self.bandwidth
     c_dev = device_compute[np.asarray(devices)]
-    times = _contiguous.stage_seconds(c_dev, comm_in, comm_out, self.comm_model)
+    times = stage_seconds(c_dev, comm_in, comm_out, self.comm_model)
     return times, device_compute
 
   def objective(self, bounds, devices):
@@ -216,110 +202,15 @@ class _Evaluator:
     return float(times.max())
 
 
-@dataclasses.dataclass(frozen=True)
-class StageBytes:
-  """Each stage's predicted bytes in two parts, [S] each: ``persistent``
-  (held all along: params, gradients, optimizer state, stashed versions,
-  the activations kept for the microbatches in flight) and ``working``
-  (one microbatch's programs while they run). A device running several
-  stages runs one program at a time: it holds the sum of their
-  persistent bytes and the largest working bytes."""
-
-  persistent: np.ndarray
-  working: np.ndarray
-
-  @property
-  def total(self) -> np.ndarray:
-    """Each stage's bytes as if it had its device to itself, [S]."""
-    return self.persistent + self.working
-
-  def per_device(self, stage_devices) -> dict[int, float]:
-    """Device -> bytes, stage s on the devices ``stage_devices[s]`` (an
-    int or a tuple: each replica holds its stage's)."""
-    held: dict[int, float] = {}
-    peak: dict[int, float] = {}
-    for s, devices in enumerate(stage_devices):
-      for d in np.atleast_1d(devices):
-        d = int(d)
-        held[d] = held.get(d, 0.0) + float(self.persistent[s])
-        peak[d] = max(peak.get(d, 0.0), float(self.working[s]))
-    return {d: held[d] + peak[d] for d in sorted(held)}
-
-
-@dataclasses.dataclass(frozen=True)
-class StageMemory:
-  """Per node bytes of ``_contiguous``'s memory model, [N] each:
-  ``static`` (params, gradients, optimizer state), ``params`` (one
-  version, for stashed copies), ``activations`` (kept per microbatch in
-  flight), ``working`` (one microbatch's programs); ``edges`` the bytes
-  between nodes (what a recomputing stage keeps: its inputs);
-  ``stashing``: a stage keeps as many param versions as microbatches in
-  flight."""
-
-  static: np.ndarray
-  params: np.ndarray
-  activations: np.ndarray
-  working: np.ndarray
-  edges: Mapping[tuple[int, int], float]
-  recompute: bool = False
-  stashing: bool = False
-
-  def stage_bytes(self, bounds, flight=None) -> StageBytes:
-    """Bytes of each stage of ``bounds`` (S stages in program order) with
-    ``flight`` microbatches in flight at each (default 1F1B's S - s)."""
-    b = np.asarray(bounds)
-    return self.bytes_of(np.repeat(np.arange(len(b) - 1), np.diff(b)), flight)
-
-  def bytes_of(self, stage_of, flight=None, versions=None) -> StageBytes:
-    """Bytes of each stage, nodes assigned by ``stage_of`` [N]; ``flight``
-    and ``versions`` (stashed param versions) per stage, default S - s
-    and 1 (S - s with ``stashing``)."""
-    of = np.asarray(stage_of)
-    count = int(of.max()) + 1
-    if flight is None:
-      flight = count - np.arange(count, dtype=np.float64)
-    flight = np.asarray(flight, np.float64)
-    if versions is None:
-      versions = flight if self.stashing else np.ones(count)
-    versions = np.asarray(versions, np.float64)
-
-    def per_stage(x):
-      return np.bincount(of, weights=x, minlength=count)
-
-    if self.recompute:  # The bytes entering each stage.
-      kept = np.zeros(count)
-      for (u, v), w in self.edges.items():
-        if of[u] != of[v]:
-          kept[of[v]] += w
-    else:
-      kept = per_stage(self.activations)
-    return StageBytes(
-      per_stage(self.static)
-      + (versions - 1.0) * per_stage(self.params)
-      + flight * kept,
-      per_stage(self.working),
-    )
-
-  def contiguous(self, memory_limit) -> dict:
-    """``solve_contiguous``'s keyword arguments for the same model."""
-    return dict(
-      static_bytes=self.static,
-      activation_bytes=self.activations,
-      working_bytes=self.working,
-      param_bytes=self.params,
-      memory_limit=memory_limit,
-      recompute=self.recompute,
-    )
-
-
 class _Fits:
   """Whether a (boundaries, stage devices) pair fits the memory limit."""
 
-  def __init__(self, memory, limit, num_devices):
-    self.memory, self.limit, self.num_devices = memory, limit, num_devices
+  def __init__(self, memory, edges, num_devices):
+    self.memory, self.edges, self.num_devices = memory, edges, num_devices
+    self.limit = None if memory is None else memory.limit
 
   def device_bytes(self, bounds, devices) -> np.ndarray:
-    held = self.memory.stage_bytes(bounds).per_device(devices)
+    held = self.memory.stage_bytes(bounds, self.edges).per_device(devices)
     return np.array([held.get(d, 0.0) for d in range(self.num_devices)])
 
   def __call__(self, bounds, devices) -> bool:
@@ -337,7 +228,7 @@ class _Fits:
       return StageBytes(np.zeros(count), np.zeros(count))
     p = self.num_devices
     flight = p - np.floor(np.arange(count) * p / count)
-    return self.memory.stage_bytes(blocks, flight)
+    return self.memory.stage_bytes(blocks, self.edges, flight)
 
   def why_not(self, candidates) -> str:
     """The error when no candidate fits: the closest one's fullest device."""
@@ -347,7 +238,7 @@ class _Fits:
     load = self.device_bytes(*best)
     d = int(np.argmax(load))
     stages = [s for s, dev in enumerate(best[1]) if dev == d]
-    per_stage = self.memory.stage_bytes(best[0]).total
+    per_stage = self.memory.stage_bytes(best[0], self.edges).total
     return (
       f"no mixed-pipe placement on {self.num_devices} devices fits "
       f"memory_limit={self.limit:.4g} bytes: the closest puts "

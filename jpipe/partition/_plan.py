@@ -12,8 +12,13 @@ import numpy as np
 
 from jpipe.partition._acyclic import solve_acyclic
 from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition._cost_model import (
+  GraphCosts,
+  MemoryBudget,
+  StageBytes,
+)
 from jpipe.partition._graph_txt import ProfileGraph
-from jpipe.partition._mixed import StageBytes, StageMemory, solve_mixed
+from jpipe.partition._mixed import solve_mixed
 from jpipe.partition._pipedream import PipeDreamSolution, solve_pipedream
 from jpipe.partition._profile import NodeCosts
 from jpipe.partition._trace import TracedModel
@@ -117,13 +122,9 @@ def plan_traced(
   *,
   method: str = "contiguous",
   bandwidth: float | None = None,
-  memory_limit: float | None = None,
-  optimizer_state_factor: float = 2.0,
-  devices: Sequence[int] | None = None,
   comm_model: str = "overlapped",
-  in_flight: Sequence[int] | None = None,
-  param_versions: Sequence[int] | None = None,
-  recompute: bool = False,
+  memory: MemoryBudget | None = None,
+  devices: Sequence[int] | None = None,
   stage_slowdown: Sequence[float] | None = None,
   acyclic_options: Mapping[str, Any] | None = None,
   last_stage_costs: NodeCosts | None = None,
@@ -152,16 +153,12 @@ def plan_traced(
       at ``bandwidth``, 1e9 bytes/s when None). jpipe's runtime splits each
       microbatch among a stage's replicas, so their count must divide it.
     bandwidth: bytes/s between devices; None ignores communication.
-    memory_limit: bytes per device; None for no limit.
-    optimizer_state_factor: optimizer state per parameter byte (2 for
-      Adam's two moments, 1 for momentum SGD); gradients add one more.
-    in_flight, param_versions, recompute: "contiguous"'s memory model:
-      microbatches in flight per stage (default ``n - s``, 1F1B), param
-      versions per stage (default 1; weight stashing keeps ``n - s``), and
-      whether a microbatch in flight keeps only the stage's inputs (the
-      backward recomputes) or every value its nodes compute. One
-      microbatch's values and the unpacked gradients count once more, as
-      the programs' working memory (upper bounds: XLA fuses and frees).
+    memory: the limit per device and how stages hold the model's bytes
+      (``MemoryBudget``; default: no limit, Adam's state). "contiguous"
+      and "acyclic" keep to all of it; "mixed" to the limit, the
+      optimizer's state, recomputation and stashing (its own in-flight
+      counts: S - s over its S stages); PipeDream's methods to the limit
+      (their own stash model).
     devices: the device index of each of the ``num_devices`` slots;
       default ``range(num_devices)``.
     stage_slowdown: "contiguous" only: per device slot, how much slower
@@ -185,12 +182,8 @@ def plan_traced(
   Returns:
     The plan.
   """
-  if method not in METHODS:
-    raise ValueError(f"unknown method {method!r}: one of {METHODS}")
-  if acyclic_options and method != "acyclic":
-    raise ValueError(
-      f"acyclic_options are for method 'acyclic', not {method!r}"
-    )
+  _check_method_options(method, acyclic_options, stage_slowdown)
+  memory = MemoryBudget() if memory is None else memory
   if last_stage_costs is not None and method.startswith("pipedream"):
     return _price_last_stage_plain(
       lambda c: plan_traced(
@@ -199,15 +192,9 @@ def plan_traced(
         num_devices,
         method=method,
         bandwidth=bandwidth,
-        memory_limit=memory_limit,
-        optimizer_state_factor=optimizer_state_factor,
-        devices=devices,
         comm_model=comm_model,
-        in_flight=in_flight,
-        param_versions=param_versions,
-        recompute=recompute,
-        stage_slowdown=stage_slowdown,
-        acyclic_options=acyclic_options,
+        memory=memory,
+        devices=devices,
       ),
       costs,
       last_stage_costs,
@@ -215,92 +202,68 @@ def plan_traced(
   devices = tuple(range(num_devices)) if devices is None else tuple(devices)
   if len(devices) != num_devices:
     raise ValueError(f"devices needs {num_devices} entries, got {devices}")
-  compute = costs.forward_seconds + costs.backward_seconds
-  if stage_slowdown is not None and method != "contiguous":
-    raise ValueError(
-      f"stage_slowdown is for method 'contiguous', not {method!r}"
-    )
-
-  def finish(stage_of_node, stage_devices, stage_seconds) -> Plan:
-    return _finish(
-      traced, costs, method, stage_of_node, stage_devices, stage_seconds
-    )
-
-  if method in ("pipedream", "pipedream_hybrid"):
+  if method.startswith("pipedream"):
     if comm_model != "overlapped":
       raise ValueError(f"method {method!r} has only the 'overlapped' model")
-    straight = method == "pipedream"
-    solution = solve_pipedream(
-      _traced_graph(traced, costs),
-      num_devices,
-      bandwidth=1e9 if bandwidth is None else bandwidth,
-      memory_bytes=1.0 if memory_limit is None else memory_limit,
-      use_memory_constraint=memory_limit is not None,
-      straight=straight,
-      activation_compression_ratio=None if bandwidth is None else 1.0,
-    )
-    starts = np.concatenate([[0], np.cumsum(solution.replicas)]).astype(int)
-    return finish(
-      [solution.stage_of[n] for n in traced.node_names],
-      [devices[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)],
-      solution.stage_seconds,
+    return _plan_pipedream(
+      traced, costs, devices, method, bandwidth, memory.limit
     )
   last_compute = None
   if last_stage_costs is not None:
     last_compute = (
       last_stage_costs.forward_seconds + last_stage_costs.backward_seconds
     )
-  # What the contiguous and mixed solvers know of the transfers.
-  network = dict(
-    edges=traced.edges(), bandwidth=bandwidth, comm_model=comm_model
-  )
-  param_bytes = traced.node_param_bytes()
-  values = traced.node_intermediate_bytes()
-  static = param_bytes * (2.0 + optimizer_state_factor)  # + grads + state
-  if method == "mixed":
-    memory = None
-    if memory_limit is not None:
-      memory = StageMemory(
-        static=static,
-        params=param_bytes,
-        activations=values,
-        working=values + param_bytes,
-        edges=network["edges"],
-        recompute=recompute,
-        stashing=param_versions is not None and max(param_versions) > 1,
-      )
-    mixed = solve_mixed(
-      compute,
-      num_devices,
-      **network,
-      memory=memory,
-      memory_limit=memory_limit,
-      last_stage_compute=last_compute,
-    )
-    plan = finish(
-      mixed.stage_of_node(),
-      [(devices[d],) for d in mixed.stage_device],
-      mixed.stage_seconds,
-    )
-    return _priced_last_stage(plan, costs, last_stage_costs)
-  kept = dict(  # What the contiguous memory model counts, per node.
-    static_bytes=static,
-    activation_bytes=values,
-    working_bytes=values + param_bytes,
-    memory_limit=memory_limit,
-    in_flight=in_flight,
-    param_bytes=param_bytes,
-    param_versions=param_versions,
-    recompute=recompute,
+  graph = GraphCosts(
+    costs.forward_seconds + costs.backward_seconds,
+    edges=traced.edges(),
+    bandwidth=bandwidth,
+    comm_model=comm_model,
     last_stage_compute=last_compute,
   )
+  stage_of, stage_devices, stage_seconds = _solve_graph(
+    traced, graph, memory, devices, method, stage_slowdown, acyclic_options
+  )
+  plan = _finish(traced, costs, method, stage_of, stage_devices, stage_seconds)
+  return _priced_last_stage(plan, costs, last_stage_costs)
+
+
+def _check_method_options(method, acyclic_options, stage_slowdown) -> None:
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}: one of {METHODS}")
+  if acyclic_options and method != "acyclic":
+    raise ValueError(
+      f"acyclic_options are for method 'acyclic', not {method!r}"
+    )
+  if stage_slowdown is not None and method != "contiguous":
+    raise ValueError(
+      f"stage_slowdown is for method 'contiguous', not {method!r}"
+    )
+
+
+def _solve_graph(
+  traced, graph, memory, devices, method, stage_slowdown, acyclic_options
+):
+  """``(stage of each node, devices of each stage, stage seconds)`` by
+  the "contiguous", "acyclic" or "mixed" solver."""
+  model = memory.model(
+    traced.node_param_bytes(), traced.node_intermediate_bytes()
+  )
+  if method == "mixed":
+    mixed = solve_mixed(
+      graph,
+      len(devices),
+      memory=dataclasses.replace(
+        model, in_flight=None, param_versions=None, stashing=memory.stashing
+      ),
+    )
+    stage_devices = [(devices[d],) for d in mixed.stage_device]
+    return mixed.stage_of_node(), stage_devices, mixed.stage_seconds
   if method == "acyclic":
     solution = _solve_named(
       traced,
-      compute,
-      num_devices,
-      **network,
-      **kept,
+      graph,
+      len(devices),
+      memory=model,
       solver=solve_acyclic,
       **(acyclic_options or {}),
     )
@@ -308,15 +271,36 @@ def plan_traced(
   else:
     solution = _solve_named(
       traced,
-      compute,
-      num_devices,
-      **network,
-      **kept,
+      graph,
+      len(devices),
+      memory=model,
       stage_slowdown=stage_slowdown,
     )
     stage_of = solution.stage_of_node()
-  plan = finish(stage_of, [(d,) for d in devices], solution.stage_seconds)
-  return _priced_last_stage(plan, costs, last_stage_costs)
+  return stage_of, [(d,) for d in devices], solution.stage_seconds
+
+
+def _plan_pipedream(traced, costs, devices, method, bandwidth, limit) -> Plan:
+  """PipeDream's DP ("pipedream": straight; "pipedream_hybrid": with stage
+  replication over contiguous devices)."""
+  solution = solve_pipedream(
+    _traced_graph(traced, costs),
+    len(devices),
+    bandwidth=1e9 if bandwidth is None else bandwidth,
+    memory_bytes=1.0 if limit is None else limit,
+    use_memory_constraint=limit is not None,
+    straight=method == "pipedream",
+    activation_compression_ratio=None if bandwidth is None else 1.0,
+  )
+  starts = np.concatenate([[0], np.cumsum(solution.replicas)]).astype(int)
+  return _finish(
+    traced,
+    costs,
+    method,
+    [solution.stage_of[n] for n in traced.node_names],
+    [devices[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)],
+    solution.stage_seconds,
+  )
 
 
 def _priced_last_stage(plan, costs, last_stage_costs) -> Plan:
@@ -405,41 +389,21 @@ def _solve_named(traced, *args, solver=solve_contiguous, **kwargs):
 
 
 def stage_memory_bytes(
-  traced: TracedModel,
-  plan: Plan,
-  *,
-  optimizer_state_factor: float = 2.0,
-  in_flight: Sequence[int] | None = None,
-  param_versions: Sequence[int] | None = None,
-  recompute: bool = False,
-  memory_limit: float | None = None,
+  traced: TracedModel, plan: Plan, memory: MemoryBudget | None = None
 ) -> StageBytes:
   """Each stage's predicted bytes under the partitioner's model (the one
-  ``plan_traced`` keeps to; ``memory_limit`` is accepted and unused so a
-  ``plan_traced`` memory dict passes whole): params, gradients and
-  optimizer state, stashed versions, the kept activations of the
-  microbatches in flight (``in_flight`` per stage, default S - s; a
-  recomputing stage keeps its inputs) -- persistent -- and one
-  microbatch's working memory (``StageBytes``: ``.total`` per stage,
-  ``.per_device(plan.stage_devices)`` what each device holds)."""
-  del memory_limit
-  n = plan.num_stages
-  params = traced.node_param_bytes()
-  values = traced.node_intermediate_bytes()
-  memory = StageMemory(
-    static=params * (2.0 + optimizer_state_factor),
-    params=params,
-    activations=values,
-    working=values + params,
-    edges=traced.edges(),
-    recompute=recompute,
+  ``plan_traced`` keeps to; ``memory``'s limit plays no part): params,
+  gradients and optimizer state, stashed versions, the kept activations
+  of the microbatches in flight (the budget's in-flight counts when the
+  plan has that many stages, else S - s; a recomputing stage keeps its
+  inputs) -- persistent -- and one microbatch's working memory
+  (``StageBytes``: ``.total`` per stage, ``.per_device(plan.stage_devices)``
+  what each device holds)."""
+  memory = MemoryBudget() if memory is None else memory
+  model = memory.per_stage_counts_for(plan.num_stages).model(
+    traced.node_param_bytes(), traced.node_intermediate_bytes()
   )
-  ok = lambda x: x is not None and len(x) == n  # noqa: E731
-  return memory.bytes_of(
-    plan.stage_of_node,
-    in_flight if ok(in_flight) else None,
-    param_versions if ok(param_versions) else None,
-  )
+  return model.bytes_of(plan.stage_of_node, traced.edges())
 
 
 def plan_from_boundaries(

@@ -13,7 +13,6 @@ from jpipe.runtime.build.memory import (
   MemoryLimitError,
   StageMemory,
   format_bytes,
-  memory_options_for,
   partitioner_memory_model,
 )
 from jpipe.runtime.build.options import (
@@ -49,7 +48,6 @@ __all__ = [
   "check_staleness_options",
   "even_rows",
   "format_bytes",
-  "memory_options_for",
   "partitioner_memory_model",
   "parse_slowdowns",
   "partition_of",

@@ -119,15 +119,15 @@ def prices_last_stage(config) -> bool:
   )
 
 
-def memory_options(config, params, method: str, stages: int, limit) -> dict:
-  """``jpipe.partition.plan_traced``'s memory options for the config, as
-  ``jpipe.Pipeline`` gives them when training: the limit, the config's
-  optimizer's state per param byte, its schedule's in-flight and stash
-  counts, recomputation; {} without a limit."""
-  if limit is None:
-    return {}
+def memory_budget(
+  config, params, stages: int, limit
+) -> partition_lib.MemoryBudget:
+  """``jpipe.partition.plan_traced``'s memory for the config, as
+  ``jpipe.Pipeline`` gives it when training: the limit (None: none), the
+  config's optimizer's state per param byte, its schedule's in-flight and
+  stash counts over ``stages`` stages, recomputation."""
   optimizer = train_lib.build_optimizer(config, train_lib.learning_rate(config))
-  model = runtime.partitioner_memory_model(
+  return runtime.partitioner_memory_model(
     limit,
     optimizer,
     params,
@@ -138,4 +138,3 @@ def memory_options(config, params, method: str, stages: int, limit) -> dict:
     stashes=config.staleness.stashing,
     fused_last=config.pipeline.fuse_last_stage,
   )
-  return runtime.memory_options_for(method, model)

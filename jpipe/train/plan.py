@@ -157,13 +157,11 @@ def _solve(args) -> _Solved:
     raise ValueError(
       "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
     )
-  options = {}
-  if slots is None:  # (A V's per-device memory: checked when built.)
-    options = config_plan.memory_options(
-      config, params, method, devices, memory
-    )
-  elif memory is not None:
-    options = {"memory_limit": memory}
+  budget = None
+  if memory is not None and slots is None:
+    budget = config_plan.memory_budget(config, params, devices, memory)
+  elif memory is not None:  # (A V's per-device memory: checked when built.)
+    budget = partition.MemoryBudget(limit=memory)
   start = time.perf_counter()
   plan = partition.plan_traced(
     traced,
@@ -171,17 +169,16 @@ def _solve(args) -> _Solved:
     devices,
     method=method,
     bandwidth=bandwidth or None,
+    memory=budget,
     devices=slots,
     last_stage_costs=last_stage_costs,
-    **options,
   )
   seconds = time.perf_counter() - start
   # Each stage's bytes under the whole model (the config's optimizer,
   # schedule and recomputation), whatever the method kept to.
-  model = config_plan.memory_options(
-    config, params, "contiguous", devices, memory or 0.0
+  stage_bytes = partition.stage_memory_bytes(
+    traced, plan, config_plan.memory_budget(config, params, devices, memory)
   )
-  stage_bytes = partition.stage_memory_bytes(traced, plan, **model)
   return _Solved(
     plan,
     costs,

@@ -1,6 +1,7 @@
 """FTPipe's acyclic partitioner against brute force, and its properties."""
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -9,7 +10,12 @@ import numpy as np
 import pytest
 
 from jpipe import partition
-from jpipe.partition import solve_acyclic, solve_contiguous
+from jpipe.partition import (
+  GraphCosts,
+  MemoryModel,
+  solve_acyclic,
+  solve_contiguous,
+)
 from jpipe.partition.__main__ import main as partition_cli
 from tests.partition import flax_models
 
@@ -101,11 +107,8 @@ def test_equals_brute_force_on_small_dags(comm):
     bandwidth = None if comm is None else 4.0
     model = comm or "overlapped"
     sol = solve_acyclic(
-      cost,
+      GraphCosts(cost, edges=edges, bandwidth=bandwidth, comm_model=model),
       k,
-      edges=edges,
-      bandwidth=bandwidth,
-      comm_model=model,
       epsilon=float("inf"),
     )
     _check_solution(sol, cost, edges, k, bandwidth, model)
@@ -137,7 +140,9 @@ def test_edge_cut_objective_against_brute_force_under_the_balance():
     if not np.isfinite(best[0]):
       continue
     checked += 1
-    sol = solve_acyclic(cost, k, edges=edges, objective="edge_cut", epsilon=1.0)
+    sol = solve_acyclic(
+      GraphCosts(cost, edges=edges), k, objective="edge_cut", epsilon=1.0
+    )
     _check_solution(sol, cost, edges, k)
     assert max(sol.compute_seconds) <= limit * (1 + 1e-12)
     label = np.asarray(sol.stage_of_node)
@@ -156,11 +161,10 @@ def test_larger_dags_valid_and_never_worse_than_contiguous():
     edges = _random_dag(n, 0.06, rng)
     cost = rng.uniform(0.1, 2.0, n)
     for multilevel in (False, True):
-      sol = solve_acyclic(
-        cost, k, edges=edges, bandwidth=50.0, multilevel=multilevel, seed=trial
-      )
+      costs = GraphCosts(cost, edges=edges, bandwidth=50.0)
+      sol = solve_acyclic(costs, k, multilevel=multilevel, seed=trial)
       _check_solution(sol, cost, edges, k, 50.0)
-      contiguous = solve_contiguous(cost, k, edges=edges, bandwidth=50.0)
+      contiguous = solve_contiguous(costs, k)
       assert sol.bottleneck_seconds <= contiguous.bottleneck_seconds * (
         1 + 1e-9
       )
@@ -172,11 +176,10 @@ def test_branchy_profiles(name):
   _, compute, edges = graph.ordered()
   for k in (4, 8):
     # (Fewer restarts than the default: the property holds for any.)
-    sol = solve_acyclic(
-      compute, k, edges=edges, bandwidth=1e10, runs=2, kicks=2
-    )
+    costs = GraphCosts(compute, edges=edges, bandwidth=1e10)
+    sol = solve_acyclic(costs, k, runs=2, kicks=2)
     _check_solution(sol, compute, edges, k, 1e10)
-    contiguous = solve_contiguous(compute, k, edges=edges, bandwidth=1e10)
+    contiguous = solve_contiguous(costs, k)
     assert sol.bottleneck_seconds <= contiguous.bottleneck_seconds * (1 + 1e-9)
 
 
@@ -187,12 +190,14 @@ def test_memory_limit_kept_and_counted_as_contiguous_counts_it():
   cost = rng.uniform(0.1, 2.0, n)
   params = rng.uniform(0, 10, n)
   acts = rng.uniform(0, 5, n)
-  memory = dict(
+  memory = MemoryModel(
     static_bytes=3 * params, activation_bytes=acts, param_bytes=params
   )
-  loose = solve_contiguous(cost, k, edges=edges, **memory)
+  costs = GraphCosts(cost, edges=edges)
+  loose = solve_contiguous(costs, k, memory=memory)
   limit = 0.9 * max(loose.memory_bytes)
-  sol = solve_acyclic(cost, k, edges=edges, memory_limit=limit, **memory)
+  limited = lambda limit: dataclasses.replace(memory, limit=limit)  # noqa: E731
+  sol = solve_acyclic(costs, k, memory=limited(limit))
   _check_solution(sol, cost, edges, k)
   label = np.asarray(sol.stage_of_node)
   flight = np.array([k - s for s in range(k)])
@@ -202,7 +207,7 @@ def test_memory_limit_kept_and_counted_as_contiguous_counts_it():
   np.testing.assert_allclose(sol.memory_bytes, want)
   assert max(sol.memory_bytes) <= limit
   with pytest.raises(ValueError, match="memory_limit"):
-    solve_acyclic(cost, k, edges=edges, memory_limit=1.0, **memory)
+    solve_acyclic(costs, k, memory=limited(1.0))
 
 
 def test_memory_constraint_balances_params():
@@ -211,21 +216,26 @@ def test_memory_constraint_balances_params():
   edges = _random_dag(n, 0.08, rng)
   cost = rng.uniform(0.1, 2.0, n)
   params = rng.uniform(0, 1.0, n)
+  costs = GraphCosts(cost, edges=edges)
   sol = solve_acyclic(
-    cost, k, edges=edges, constraint="memory", epsilon=0.5, param_bytes=params
+    costs,
+    k,
+    memory=MemoryModel(param_bytes=params),
+    constraint="memory",
+    epsilon=0.5,
   )
   _check_solution(sol, cost, edges, k)
   with pytest.raises(ValueError, match="param_bytes"):
-    solve_acyclic(cost, k, edges=edges, constraint="memory")
+    solve_acyclic(costs, k, constraint="memory")
 
 
 def test_bad_input_named():
   with pytest.raises(ValueError, match="objective"):
-    solve_acyclic([1.0, 1.0], 2, objective="speed")
+    solve_acyclic(GraphCosts([1.0, 1.0]), 2, objective="speed")
   with pytest.raises(ValueError, match="does not go forward"):
-    solve_acyclic([1.0, 1.0], 2, edges={(1, 0): 1.0})
+    GraphCosts([1.0, 1.0], edges={(1, 0): 1.0})
   with pytest.raises(ValueError, match="cannot split 2 nodes"):
-    solve_acyclic([1.0, 1.0], 3)
+    solve_acyclic(GraphCosts([1.0, 1.0]), 3)
 
 
 def _two_towers():

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition import GraphCosts, MemoryModel, solve_contiguous
 
 
 def _brute_force(
@@ -61,14 +61,14 @@ def _random_instance(rng, n):
   return cost, edges
 
 
-def _solve_as_expected(cost, n_stages, expected, kwargs):
+def _solve_as_expected(costs, n_stages, expected, memory):
   """solve_contiguous, checked against the brute force's bottleneck
   (``expected``; inf: no split fits, which must be the error)."""
   if not np.isfinite(expected):
     with pytest.raises(ValueError, match="smallest limit that fits"):
-      solve_contiguous(cost, n_stages, **kwargs)
+      solve_contiguous(costs, n_stages, memory=memory)
     return None
-  sol = solve_contiguous(cost, n_stages, **kwargs)
+  sol = solve_contiguous(costs, n_stages, memory=memory)
   np.testing.assert_allclose(sol.bottleneck_seconds, expected, rtol=1e-12)
   return sol
 
@@ -88,15 +88,11 @@ def test_matches_brute_force(seed):
     expected = _brute_force(
       cost, edges, n_stages, bandwidth, static, acts, limit, model
     )
-    kwargs = dict(
-      edges=edges,
-      bandwidth=bandwidth,
-      static_bytes=static,
-      activation_bytes=acts,
-      memory_limit=limit,
-      comm_model=model,
+    costs = GraphCosts(cost, edges=edges, bandwidth=bandwidth, comm_model=model)
+    memory = MemoryModel(
+      static_bytes=static, activation_bytes=acts, limit=limit
     )
-    sol = _solve_as_expected(cost, n_stages, expected, kwargs)
+    sol = _solve_as_expected(costs, n_stages, expected, memory)
     if sol is None:
       continue
     assert max(sol.stage_seconds) == pytest.approx(expected)
@@ -129,17 +125,18 @@ def test_memory_model_with_stashes_and_recompute_matches_brute_force(
       recompute=recompute,
       working=working,
     )
-    kwargs = dict(
-      edges=edges,
+    memory = MemoryModel(
       static_bytes=static,
       activation_bytes=acts,
-      memory_limit=limit,
       param_bytes=params,
-      param_versions=versions,
-      recompute=recompute,
       working_bytes=working,
+      recompute=recompute,
+      limit=limit,
+      param_versions=versions,
     )
-    sol = _solve_as_expected(cost, n_stages, expected, kwargs)
+    sol = _solve_as_expected(
+      GraphCosts(cost, edges=edges), n_stages, expected, memory
+    )
     if sol is not None:
       assert max(sol.memory_bytes) <= limit  # The property: it fits.
 
@@ -148,19 +145,29 @@ def test_memory_error_names_the_limit_that_fits():
   cost = [1.0] * 6
   static = [4.0, 1.0, 1.0, 1.0, 1.0, 4.0]
   with pytest.raises(ValueError, match="smallest limit that fits") as err:
-    solve_contiguous(cost, 2, static_bytes=static, memory_limit=5.0)
+    solve_contiguous(
+      GraphCosts(cost), 2, memory=MemoryModel(static_bytes=static, limit=5.0)
+    )
   need = float(str(err.value).split("fits is ")[1].split(" bytes")[0])
   assert need == pytest.approx(6.0)
-  sol = solve_contiguous(cost, 2, static_bytes=static, memory_limit=need)
+  sol = solve_contiguous(
+    GraphCosts(cost), 2, memory=MemoryModel(static_bytes=static, limit=need)
+  )
   assert max(sol.memory_bytes) <= need
 
 
 def test_bad_input():
   with pytest.raises(ValueError, match="cannot split 3 nodes into 4 stages"):
-    solve_contiguous([1.0, 1.0, 1.0], 4)
+    solve_contiguous(GraphCosts([1.0, 1.0, 1.0]), 4)
   with pytest.raises(ValueError, match="bandwidth must be > 0"):
-    solve_contiguous([1.0, 1.0], 2, bandwidth=0.0)
+    GraphCosts([1.0, 1.0], bandwidth=0.0)
   with pytest.raises(ValueError, match="does not go forward"):
-    solve_contiguous([1.0, 1.0], 2, edges={(1, 0): 3.0})
+    GraphCosts([1.0, 1.0], edges={(1, 0): 3.0})
   with pytest.raises(ValueError, match="unknown comm_model 'nccl'"):
-    solve_contiguous([1.0, 1.0], 2, comm_model="nccl")
+    GraphCosts([1.0, 1.0], comm_model="nccl")
+  with pytest.raises(ValueError, match="static_bytes needs 2 entries"):
+    solve_contiguous(GraphCosts([1.0, 1.0]), 2, memory=MemoryModel([1.0]))
+  with pytest.raises(ValueError, match="in_flight needs 2 entries"):
+    solve_contiguous(
+      GraphCosts([1.0, 1.0]), 2, memory=MemoryModel(in_flight=[1])
+    )

@@ -1,12 +1,23 @@
 """Mixed pipe: more stages than devices, per-device balance."""
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 
-from jpipe.partition._contiguous import solve_contiguous
-from jpipe.partition._mixed import solve_mixed
+from jpipe.partition import (
+  GraphCosts,
+  MemoryModel,
+  solve_contiguous,
+  solve_mixed,
+)
+
+
+def _ftpipe(cost, **options):
+  """FTPipe's objective (solve_mixed's before the cost model was one
+  value): transfers add what compute cannot hide."""
+  return GraphCosts(cost, comm_model="ftpipe", **options)
 
 
 def _objective(cost, edges, bandwidth, labels, num_devices):
@@ -36,8 +47,8 @@ def _objective(cost, edges, bandwidth, labels, num_devices):
 
 def test_uneven_chain_beats_a_straight_split():
   cost = [2.0, 5.0, 2.0]
-  straight = solve_contiguous(cost, 2).bottleneck_seconds
-  mixed = solve_mixed(cost, 2)
+  straight = solve_contiguous(GraphCosts(cost), 2).bottleneck_seconds
+  mixed = solve_mixed(_ftpipe(cost), 2)
   assert straight == 7.0
   assert mixed.objective_seconds == 5.0
   assert mixed.stage_device[0] == mixed.stage_device[2]  # first + last
@@ -50,13 +61,13 @@ def test_never_worse_than_straight_and_close_to_optimal(seed):
   cost = rng.uniform(0.2, 2.0, n)
   edges = {(i, i + 1): float(rng.uniform(0, 2)) for i in range(n - 1)}
   bandwidth = 4.0 if seed % 2 else None
-  sol = solve_mixed(cost, devices, edges=edges, bandwidth=bandwidth)
+  sol = solve_mixed(_ftpipe(cost, edges=edges, bandwidth=bandwidth), devices)
   labels = np.repeat(sol.stage_device, np.diff(sol.boundaries))
   assert sol.objective_seconds == pytest.approx(
     _objective(cost, edges, bandwidth, labels, devices)
   )
   straight = solve_contiguous(
-    cost, devices, edges=edges, bandwidth=bandwidth
+    GraphCosts(cost, edges=edges, bandwidth=bandwidth), devices
   ).bottleneck_seconds
   assert sol.objective_seconds <= straight + 1e-12
   optimum = min(
@@ -69,9 +80,11 @@ def test_never_worse_than_straight_and_close_to_optimal(seed):
 
 def test_bad_input():
   with pytest.raises(ValueError, match="cannot place 2 nodes on 3 devices"):
-    solve_mixed([1.0, 1.0], 3)
+    solve_mixed(_ftpipe([1.0, 1.0]), 3)
   with pytest.raises(ValueError, match="block count 5 must lie in"):
-    solve_mixed([1.0] * 4, 2, block_counts=[5])
+    solve_mixed(_ftpipe([1.0] * 4), 2, block_counts=[5])
+  with pytest.raises(ValueError, match="chooses the stage count"):
+    solve_mixed(_ftpipe([1.0] * 4), 2, memory=MemoryModel(in_flight=[2, 1]))
 
 
 def _memory_restated(of, static, params, acts, working, flight):
@@ -94,8 +107,6 @@ def test_memory_limit_keeps_every_device_within_it():
   limit each device's summed stage bytes (restated independently) stay
   within it; a generous limit changes nothing; an impossible one names
   the device and its stages."""
-  from jpipe.partition._mixed import StageMemory
-
   rng = np.random.default_rng(0)
   n, devices = 24, 3
   cost = rng.uniform(0.5, 2.0, n)
@@ -103,14 +114,14 @@ def test_memory_limit_keeps_every_device_within_it():
   params[:4] = 60.0  # Heavy params early, light compute.
   cost[:4] = 0.1
   acts = rng.uniform(0.0, 1.0, n)
-  memory = StageMemory(
-    static=3 * params,
-    params=params,
-    activations=acts,
-    working=acts + params,
-    edges={},
+  memory = MemoryModel(
+    static_bytes=3 * params,
+    param_bytes=params,
+    activation_bytes=acts,
+    working_bytes=acts + params,
   )
-  free = solve_mixed(cost, devices)
+  costs = _ftpipe(cost)
+  free = solve_mixed(costs, devices)
   bounds = free.boundaries
 
   def device_bytes(solution):
@@ -132,12 +143,11 @@ def test_memory_limit_keeps_every_device_within_it():
     return held
 
   need = device_bytes(free).max()
-  same = solve_mixed(cost, devices, memory=memory, memory_limit=10 * need)
+  limited = lambda limit: dataclasses.replace(memory, limit=limit)  # noqa: E731
+  same = solve_mixed(costs, devices, memory=limited(10 * need))
   assert same.boundaries == bounds
   limit = 0.8 * need
-  held = device_bytes(
-    solve_mixed(cost, devices, memory=memory, memory_limit=limit)
-  )
+  held = device_bytes(solve_mixed(costs, devices, memory=limited(limit)))
   assert held.max() <= limit
   with pytest.raises(ValueError, match=r"on device \d+ \(stages \["):
-    solve_mixed(cost, devices, memory=memory, memory_limit=1.0)
+    solve_mixed(costs, devices, memory=limited(1.0))

@@ -183,7 +183,9 @@ def test_straight_chain_equals_contiguous(costs, stages):
   stages = min(stages, len(costs))
   graph = _graph(costs, [(i, i + 1) for i in range(len(costs) - 1)])
   _, compute, _ = graph.ordered()
-  want = partition.solve_contiguous(compute, stages).bottleneck_seconds
+  want = partition.solve_contiguous(
+    partition.GraphCosts(compute), stages
+  ).bottleneck_seconds
   sol = partition.solve_pipedream(graph, stages, straight=True)
   assert sol.bottleneck_seconds == pytest.approx(want, rel=1e-12, abs=1e-15)
   assert sol.num_stages == stages
@@ -530,13 +532,17 @@ def test_straight_pipedream_never_loses_to_one_order(n):
   # with the contiguous split of the compressed graph (same cut points).
   graph = _profile("resnet18")
   _, compute, _ = graph.ordered()
-  contiguous = partition.solve_contiguous(compute, n).bottleneck_seconds
+  contiguous = partition.solve_contiguous(
+    partition.GraphCosts(compute), n
+  ).bottleneck_seconds
   ours = partition.solve_pipedream(graph, n, straight=True)
   assert ours.bottleneck_seconds <= contiguous * (1 + 1e-12)
   if n == 8:  # cutting across residual branches pays off here
     assert ours.bottleneck_seconds < 0.96 * contiguous
   comp = _antichain.compress_branches(_profile("inception_v3")).graph
   _, compute, _ = comp.ordered()
-  contiguous = partition.solve_contiguous(compute, n).bottleneck_seconds
+  contiguous = partition.solve_contiguous(
+    partition.GraphCosts(compute), n
+  ).bottleneck_seconds
   ours = partition.solve_pipedream(comp, n, straight=True)
   assert ours.bottleneck_seconds <= contiguous * (1 + 1e-12)

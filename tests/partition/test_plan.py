@@ -78,7 +78,9 @@ def test_plan_errors(mlp):
   with pytest.raises(ValueError, match="cannot split 8 nodes into 9"):
     partition.plan_traced(traced, costs, 9)
   with pytest.raises(ValueError, match="smallest limit that fits"):
-    partition.plan_traced(traced, costs, 2, memory_limit=100.0)
+    partition.plan_traced(
+      traced, costs, 2, memory=partition.MemoryBudget(limit=100.0)
+    )
   with pytest.raises(ValueError, match="not a jpipe Plan"):
     partition.Plan.from_json('{"method": "contiguous"}')
   with pytest.raises(ValueError, match="unknown method 'sgd'"):

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jpipe.partition._contiguous import solve_contiguous
+from jpipe.partition import GraphCosts, solve_contiguous
 from jpipe.partition._plan import plan_traced
 from jpipe.partition._profile import profile_nodes
 from jpipe.partition._stages import Stages
@@ -40,7 +40,7 @@ def test_stages_equal_value_and_grad(case, num_stages, mode):
   flops = traced.node_flops()
   num_stages = min(num_stages, traced.num_nodes)
   solution = solve_contiguous(
-    3.0 * flops, num_stages, edges=traced.edges(), bandwidth=1e9
+    GraphCosts(3.0 * flops, edges=traced.edges(), bandwidth=1e9), num_stages
   )
   stages = Stages(traced, solution.stage_of_node())
   out, grads = stages.run_forward_backward(

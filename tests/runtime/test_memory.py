@@ -203,7 +203,11 @@ def test_memory_limit_bad_values():
   costs = jpipe.partition.profile_nodes(traced, params, batch)
   with pytest.raises(ValueError, match="no mixed-pipe placement on 2"):
     jpipe.partition.plan_traced(
-      traced, costs, 2, method="mixed", memory_limit=1.0
+      traced,
+      costs,
+      2,
+      method="mixed",
+      memory=jpipe.partition.MemoryBudget(limit=1.0),
     )
 
   # The mixed pipe's memory model: each device within the limit.
@@ -215,7 +219,11 @@ def test_memory_limit_bad_values():
   limit = 0.999 * held(roomy)
   try:
     plan = jpipe.partition.plan_traced(
-      traced, costs, 2, method="mixed", memory_limit=limit
+      traced,
+      costs,
+      2,
+      method="mixed",
+      memory=jpipe.partition.MemoryBudget(limit=limit),
     )
   except ValueError as e:  # Or no placement fits: the error says so.
     assert "no mixed-pipe placement" in str(e)

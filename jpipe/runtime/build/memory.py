@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import jax
 
+from jpipe.partition import MemoryBudget
 from jpipe.schedule import (
   FORWARD,
   INPUT,
@@ -320,16 +321,15 @@ def partitioner_memory_model(
   stashes,
   fused_last,
 ):
-  """The partitioner's memory options for a schedule (a
-  ``jpipe.schedule.ScheduleKind``; None: no limit).
+  """The partitioner's ``MemoryBudget`` for a schedule (a
+  ``jpipe.schedule.ScheduleKind``) under ``limit`` bytes per device
+  (None: no limit; the model still counts).
 
   A per-node model, coarser than ``Pipeline.memory`` (which the built
   pipeline is checked against): optimizer state as the optimizer's own
   ratio to the params, the schedule's in-flight counts (PipeDream's for
   a stream) and stash counts.
   """
-  if limit is None:
-    return None
   n, m = num_stages, num_microbatches
   param_bytes = max(nbytes(params), 1)
   factor = nbytes(jax.eval_shape(optimizer.init, params)) / param_bytes
@@ -344,26 +344,13 @@ def partitioner_memory_model(
     versions = [n - s for s in range(n)]
   else:
     versions = [1] * n
-  return {
-    "memory_limit": limit,
-    "optimizer_state_factor": factor,
-    "in_flight": flight,
-    "param_versions": versions,
-    "recompute": recompute,
-  }
-
-
-def memory_options_for(method: str, memory: dict | None) -> dict:
-  """The part of ``partitioner_memory_model``'s options a partition
-  ``method`` takes: "contiguous" and "acyclic" all; "mixed" the limit, the optimizer's
-  state, recomputation and stashing (its own in-flight counts: S - s over
-  its S stages); PipeDream's methods the limit (their own stash model)."""
-  memory = memory or {}
-  if method in ("contiguous", "acyclic") or not memory:
-    return dict(memory)
-  if method == "mixed":
-    return {k: v for k, v in memory.items() if k != "in_flight"}
-  return {"memory_limit": memory.get("memory_limit")}
+  return MemoryBudget(
+    limit=limit,
+    optimizer_state_factor=factor,
+    in_flight=tuple(flight),
+    param_versions=tuple(versions),
+    recompute=recompute,
+  )
 
 
 def _held_until_weight_gradient(kind, n, m, fused_last) -> list[int]:

@@ -23,7 +23,6 @@ from jpipe.runtime.build.batches import batch_size
 from jpipe.runtime.build.calls import CallActions
 from jpipe.runtime.build.flat import own_buffer_bytes
 from jpipe.runtime.build.memory import (
-  memory_options_for,
   partitioner_memory_model,
   resolve_memory_limit,
 )
@@ -213,7 +212,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     # memory is checked on the built pipeline instead.
     slots=slots,
     memory=None
-    if slots is not None
+    if slots is not None or request.memory_limit is None
     else partitioner_memory_model(
       request.memory_limit,
       request.optimizer,
@@ -475,7 +474,6 @@ def _make_plan(
       last_stage_costs = partition_lib.profile_nodes(
         traced, params, micro, method=options["cost_model"], recompute=False
       )
-    memory = memory_options_for(partition, options["memory"])
     slots = options["slots"]  # A contiguous stage per slot, on its device.
     plan = partition_lib.plan_traced(
       traced,
@@ -485,7 +483,7 @@ def _make_plan(
       bandwidth=options["bandwidth"],
       devices=slots,
       last_stage_costs=last_stage_costs,
-      **memory,
+      memory=options["memory"],
     )
   if plan.node_names != traced.node_names:
     raise ValueError("the Plan was made for a different model (nodes differ)")
