@@ -24,7 +24,12 @@ def __getattr__(name):
     import importlib
 
     return importlib.import_module(f"jpipe.{name}")
-  if name in ("Pipeline", "PipelineState", "MemoryLimitError"):
+  if name in (
+    "Pipeline",
+    "PipelineBuilder",
+    "PipelineState",
+    "MemoryLimitError",
+  ):
     from jpipe import runtime
 
     return getattr(runtime, name)

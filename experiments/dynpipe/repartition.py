@@ -81,6 +81,7 @@ def _worker():
   import numpy as np
 
   sys.path.insert(0, ROOT)
+  import jpipe
   from configs import dynpipe as dynpipe_config
   from jpipe import dynamic, partition
   from jpipe.train import tasks, train_lib
@@ -113,20 +114,23 @@ def _worker():
     interference = dynamic.Interference(
       dynamic.parse_inject(inject), FLAGS.dp_simulated_ms / 1e3
     )
-    dp = dynamic.DynamicPipeline(
+    build = jpipe.PipelineBuilder.of(
       task.loss_fn,
       task.params,
       example,
+      devices=jax.devices(),
+      optimizer=tx,
+      partition=plan,
+      **options,
+    )
+    dp = dynamic.DynamicPipeline(
+      build,
       policy=policy,
       window=FLAGS.dp_window,
       horizon_steps=50,
       interference=interference,
-      devices=jax.devices(),
-      optimizer=tx,
-      partition=plan,
       # Process 0 decides: only it consults the predictor.
       predictor=predictor if run.endswith("_rf") else None,
-      **options,
     )
     if best_split is None:  # From the first run's traced model and costs.
       slowdown = [1.0] * STAGES
@@ -189,18 +193,22 @@ def _fit_predictor(task, example, tx, options):
   process collects; process 0 fits): ``(predictor or None, info)``."""
   import jax
 
+  import jpipe
   from jpipe import dynamic
 
   start = time.perf_counter()
-  dp = dynamic.DynamicPipeline(
+  build = jpipe.PipelineBuilder.of(
     task.loss_fn,
     task.params,
     example,
-    policy="static",
-    interference=dynamic.Interference((), FLAGS.dp_simulated_ms / 1e3),
     devices=jax.devices(),
     optimizer=tx,
     **options,
+  )
+  dp = dynamic.DynamicPipeline(
+    build,
+    policy="static",
+    interference=dynamic.Interference((), FLAGS.dp_simulated_ms / 1e3),
   )
   state = dp.init(task.params, task.model_state)
   _, measured = dynamic.collect(

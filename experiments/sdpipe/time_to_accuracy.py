@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+import jpipe  # noqa: E402
 from configs import default  # noqa: E402
 from jpipe import parallel  # noqa: E402
 from jpipe.train import tasks  # noqa: E402
@@ -65,17 +66,20 @@ def run(task, sync: str, hetero: float, seed: int) -> dict:
   """One training run; returns its per-epoch record."""
   tx = optax.sgd(FLAGS.sd_learning_rate, momentum=0.9)
   example = task.batch_at(0)
-  dp = parallel.DataParallelPipelines(
+  build = jpipe.PipelineBuilder.of(
     task.loss_fn,
     task.params,
     example,
-    pipelines=PIPELINES,
-    sync=sync,
     num_stages=STAGES,
     schedule="async",
     weight_stashing=True,
     num_microbatches=MICROBATCHES,
     optimizer=tx,
+  )
+  dp = parallel.DataParallelPipelines(
+    build,
+    pipelines=PIPELINES,
+    sync=sync,
     batches_per_epoch=FLAGS.sd_steps_per_epoch,
     hetero=parallel.Heterogeneity(
       hetero=hetero, base_seconds=FLAGS.sd_base_ms / 1000, seed=seed

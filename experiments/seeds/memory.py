@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from jpipe import partition  # noqa: E402
-from jpipe.train import config_check, config_plan, tasks  # noqa: E402
+from jpipe.train import config_check, config_options, config_plan, tasks  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -68,7 +68,7 @@ def measure(name: str, max_stages: int) -> list[dict]:
   traced, costs, params = config_plan.trace_config(
     config, None, devices, None, abstract=True
   )
-  memory = config_check.memory_limit(config.pipeline.memory_limit)
+  memory = config_options.memory_limit(config.pipeline.memory_limit)
   budget = config_plan.memory_budget(config, params, devices, memory)
   plan = partition.plan_traced(
     traced,

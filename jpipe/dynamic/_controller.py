@@ -67,10 +67,9 @@ from jpipe.dynamic._switch import PlanSwitch
 from jpipe.dynamic._trigger import clamped_ratios
 from jpipe.runtime import (
   Pipeline,
+  PipelineBuilder,
   PipelineState,
-  partition_of,
   rows_for_speeds,
-  with_partition,
 )
 
 
@@ -98,7 +97,16 @@ class DynamicPipeline:
   """A ``jpipe.Pipeline`` that re-partitions itself while training.
 
   Args:
-    loss_fn, params, example_batch: as ``jpipe.Pipeline``.
+    build: builds its pipelines (``jpipe.PipelineBuilder``: the model,
+      an example batch and ``jpipe.Pipeline``'s options): the first for
+      the options' partition, then one per plan switched to. The plan
+      must be straight, one stage per device or per replica group
+      (PipeDream's hybrid plans, each microbatch split over the group: a
+      slot's stage runs as many times faster as it has replicas, and a
+      slowed device slows its whole group). Its pipelines price every
+      stage alike (``price_last_stage=False``), as its re-planning does
+      (per-node times, whatever stage a node lands on), so that with no
+      slowdown it plans what the first pipeline runs.
     policy: "jpipe", "dynpipe" or "static" (module docstring).
     window: calls (``step``) per measurement window.
     high, low: the trigger's thresholds (DynPipe: 2 and 0.5).
@@ -114,22 +122,11 @@ class DynamicPipeline:
       a candidate stage's slowdown on a slowed device is predicted from
       what the device shows and the stage's features, instead of the
       device's measured slowdown applying to any layers.
-    **pipeline_options: ``jpipe.Pipeline``'s other arguments (num_stages,
-      devices, schedule, num_microbatches, optimizer, partition, ...); the
-      plan must be straight, one stage per device or per replica group
-      (PipeDream's hybrid plans, each microbatch split over the group: a
-      slot's stage runs as many times faster as it has replicas, and a
-      slowed device slows its whole group). Its pipelines price
-      every stage alike (``price_last_stage=False``), as its re-planning
-      does (per-node times, whatever stage a node lands on), so that with
-      no slowdown it plans what the first pipeline runs.
   """
 
   def __init__(
     self,
-    loss_fn,
-    params,
-    example_batch,
+    build: PipelineBuilder,
     *,
     policy: str = "jpipe",
     window: int = 10,
@@ -141,7 +138,6 @@ class DynamicPipeline:
     interference: Interference | None = None,
     cost_model: str = "analytic",
     predictor: SlowdownPredictor | None = None,
-    **pipeline_options,
   ):
     if window < 1:
       raise ValueError(f"window must be >= 1 steps, got {window}")
@@ -152,27 +148,11 @@ class DynamicPipeline:
     self.horizon_steps = horizon_steps or 2 * window
     self.high, self.low = high, low
     self.interference = interference or Interference()
-    self.switch = self._first_switch(
-      loss_fn, params, example_batch, pipeline_options
-    )
+    self.switch = self._first_switch(_priced_alike(build))
     first = self.switch.pipeline
     self.schedule_name = first.schedule_name
     self.num_microbatches = first.num_microbatches
-    costs = _node_costs(first, params, example_batch, cost_model)
-    self.costs = costs
-    # Each slot keeps its devices (a replica group) across switches.
-    self.groups = tuple(tuple(ds) for ds in first.plan.stage_devices)
-    # Per node, seconds per microbatch: the cost model's until the
-    # reference window calibrates them.
-    self.nodes = NodeTimes(
-      costs,
-      first.traced,
-      first.schedule_name,
-      first.num_microbatches,
-      predictor,
-      replicas=[len(g) for g in self.groups],
-    )
-    self.predictor = predictor
+    self._calibrate(build, cost_model, predictor)
     # Weighted replica groups re-split by speed (not under "static").
     self.balances = policy != "static"
     self.rebalances: list[dict] = []
@@ -188,37 +168,38 @@ class DynamicPipeline:
     self._fresh = True
     self._place()
 
-  def _first_switch(self, loss_fn, params, example_batch, options):
+  def _calibrate(self, build, cost_model, predictor) -> None:
+    """The first pipeline's node costs (``costs``), its slots' replica
+    groups (``groups``: each slot keeps its devices across switches) and
+    the per-node seconds per microbatch (``nodes``: the cost model's
+    until the reference window calibrates them)."""
+    first = self.switch.pipeline
+    self.costs = _node_costs(
+      first, build.params, build.example_batch, cost_model
+    )
+    self.groups = tuple(tuple(ds) for ds in first.plan.stage_devices)
+    self.nodes = NodeTimes(
+      self.costs,
+      first.traced,
+      first.schedule_name,
+      first.num_microbatches,
+      predictor,
+      replicas=[len(g) for g in self.groups],
+    )
+    self.predictor = predictor
+
+  def _first_switch(self, build: PipelineBuilder) -> PlanSwitch:
     """The first pipeline (its build timed: ``build_seconds``) in a
     ``PlanSwitch`` that builds the others the same way."""
 
-    def build(plan):
-      return Pipeline(
-        loss_fn,
-        params,
-        example_batch,
-        hooks=self.interference,
-        **with_partition(options, plan),
-      )
+    def build_for(plan):
+      return build(plan, hooks=self.interference)
 
-    if options.get("partitioning") is not None:
-      options = dict(options)
-      options["partitioning"] = dataclasses.replace(
-        options["partitioning"], price_last_stage=False
-      )
-    elif options.get("price_last_stage", False):
-      raise ValueError(
-        "DynamicPipeline re-plans with per-node times, every stage alike: "
-        "price_last_stage=True would start it from a plan it cannot "
-        "return to; leave it out"
-      )
-    else:
-      options = dict(options, price_last_stage=False)
     start = time.perf_counter()
-    first = build(partition_of(options))
+    first = build(hooks=self.interference)
     self.build_seconds = time.perf_counter() - start
     _check_slots(first)
-    return PlanSwitch(build, first)
+    return PlanSwitch(build_for, first)
 
   # -- the pipeline in force -------------------------------------------------
 
@@ -523,6 +504,23 @@ def _node_costs(first, params, example_batch, cost_model):
       costs, forward_seconds=np.asarray(f), backward_seconds=np.asarray(b)
     )
   return costs
+
+
+def _priced_alike(build: PipelineBuilder) -> PipelineBuilder:
+  """``build`` pricing every stage alike (``price_last_stage=False``), as
+  re-planning does; refused where the options ask otherwise."""
+  partitioning = build.options.get("partitioning")
+  if partitioning is not None:
+    return build.with_options(
+      partitioning=dataclasses.replace(partitioning, price_last_stage=False)
+    )
+  if build.options.get("price_last_stage", False):
+    raise ValueError(
+      "DynamicPipeline re-plans with per-node times, every stage alike: "
+      "price_last_stage=True would start it from a plan it cannot "
+      "return to; leave it out"
+    )
+  return build.with_options(price_last_stage=False)
 
 
 def _check_slots(pipe):

@@ -42,10 +42,10 @@ from jpipe.parallel._hub import make_hub
 from jpipe.parallel._sync import SYNC_POLICIES, make_policy, policy_options
 from jpipe.runtime import (
   Pipeline,
+  PipelineBuilder,
   PipelineState,
   PullLinks,
   trees_everywhere,
-  with_partition,
 )
 
 
@@ -78,8 +78,10 @@ class DataParallelPipelines:
   """P pipelines of S stages, their stages' replicas synchronised.
 
   Args:
-    loss_fn, params, example_batch: as ``jpipe.Pipeline`` (the example
-      batch is one pipeline's).
+    build: builds each pipeline (``jpipe.PipelineBuilder``: the model, an
+      example batch of one pipeline's and ``jpipe.Pipeline``'s options
+      but ``devices``). Pipeline 0 is partitioned; the others are built
+      for its plan.
     pipelines: P.
     sync: "allreduce", "preduce", "adpsgd" or "hetpipe" (see
       ``jpipe.parallel``).
@@ -98,16 +100,11 @@ class DataParallelPipelines:
     pairwise: preduce: hand out pairs (default: beyond 8 pipelines).
     gossip_seed: adpsgd: the shared shuffle seed.
     hetpipe_every: hetpipe: batches between pushes.
-    **pipeline_options: ``jpipe.Pipeline``'s other arguments (schedule,
-      num_stages, num_microbatches, optimizer, partition...). Pipeline 0 is
-      partitioned; the others reuse its plan.
   """
 
   def __init__(
     self,
-    loss_fn: Callable[..., jax.Array],
-    params: Any,
-    example_batch: Any,
+    build: PipelineBuilder,
     *,
     pipelines: int,
     sync: str = "allreduce",
@@ -119,52 +116,29 @@ class DataParallelPipelines:
     pairwise: bool | None = None,
     gossip_seed: int = 0,
     hetpipe_every: int = 10,
-    **pipeline_options,
   ):
     devices = list(jax.devices() if devices is None else devices)
-    per = _devices_per_pipeline(sync, pipelines, devices, pipeline_options)
+    per = _devices_per_pipeline(sync, pipelines, devices, build.options)
     devices = _placed(devices, pipelines, per, placement)
-    self.num_pipelines = pipelines
-    self.devices_per_pipeline = per
+    self.num_pipelines, self.devices_per_pipeline = pipelines, per
+    self.sync, self.batches_per_epoch = sync, batches_per_epoch
     self.hub = make_hub()
     self.hetero = hetero or Heterogeneity()
     hooks = [ReplicaHooks(p, self.hetero) for p in range(pipelines)]
+    groups = [devices[p * per : (p + 1) * per] for p in range(pipelines)]
     # Every pipeline, in every process (module docstring).
-    self.all_pipelines = _replica_pipelines(
-      loss_fn,
-      params,
-      example_batch,
-      [devices[p * per : (p + 1) * per] for p in range(pipelines)],
-      hooks,
-      pipeline_options,
-    )
+    self.all_pipelines = _replica_pipelines(build, groups, hooks)
     self.plan = plan = self.all_pipelines[0].plan
     self.num_stages = self.all_pipelines[0].stages.num_stages
     stage_devices = {
-      p: tuple(devices[p * per + ds[0]] for ds in plan.stage_devices)
+      p: tuple(groups[p][ds[0]] for ds in plan.stage_devices)
       for p in range(pipelines)
     }
-    me = jax.process_index()
-    # Per pipeline, the stages this process runs; the process of its
-    # last stage (which reports its figures).
-    self.stages_here = {
-      p: tuple(s for s, d in enumerate(ds) if d.process_index == me)
-      for p, ds in stage_devices.items()
-    }
-    self.reporter = [ds[-1].process_index for ds in stage_devices.values()]
-    self.ranks = tuple(p for p in range(pipelines) if self.stages_here[p])
-    if not self.ranks:
-      raise ValueError(
-        f"process {me} runs no stage of the {pipelines} pipelines "
-        f"(devices {[d.id for d in devices]}): give every process some of "
-        "the devices, or start fewer processes"
-      )
-    self.pipelines = [self.all_pipelines[p] for p in self.ranks]
+    self._find_own_stages(stage_devices, devices)
     self.hooks = [hooks[p] for p in self.ranks]
-    self._params_template = jax.tree.map(_aval, params)
+    self._params_template = jax.tree.map(_aval, build.params)
     self._idle: dict[int, PipelineState] = {}  # pipelines run elsewhere
     self._consensus_calls = 0
-    self.sync = sync
     self.policy = make_policy(
       sync,
       pipelines,
@@ -180,27 +154,53 @@ class DataParallelPipelines:
       ),
     )
     self.policy.place(stage_devices)
-    if any(
-      len({d.process_index for d in ds}) > 1 for ds in stage_devices.values()
-    ):
-      # Nothing dispatched may wait for another process: a collective
-      # across processes would wait for a peer whose compute it holds up
-      # (``PeerMean``), a program reading a transfer for a pipeline whose
-      # compute it holds up (``Transport.wait_for_arrivals``).
-      if self.all_pipelines[0].transport.kind != "pull":
-        self.hub.close()
-        raise ValueError(
-          "pipelines spanning processes need the 'pull' transport: a "
-          "'collective' transfer waits inside a program for the other "
-          "process, which stalls that process's other pipelines; leave "
-          "transport at its default"
-        )
-      self.policy.exchange_by_pulls(PullLinks())
-      for pipe in self.all_pipelines:
-        pipe.transport.wait_for_arrivals()
-    self.batches_per_epoch = batches_per_epoch
+    self._exchange_across_processes(stage_devices)
     for p, h in enumerate(hooks):
       h.bind(self.policy, [p * per + ds[0] for ds in plan.stage_devices])
+
+  def _find_own_stages(self, stage_devices, devices) -> None:
+    """Per pipeline, the stages this process runs (``stages_here``), the
+    process of its last stage (``reporter``: it reports its figures), and
+    the pipelines this process feeds (``ranks``, ``pipelines``)."""
+    me = jax.process_index()
+    self.stages_here = {
+      p: tuple(s for s, d in enumerate(ds) if d.process_index == me)
+      for p, ds in stage_devices.items()
+    }
+    self.reporter = [ds[-1].process_index for ds in stage_devices.values()]
+    self.ranks = tuple(
+      p for p in range(self.num_pipelines) if self.stages_here[p]
+    )
+    if not self.ranks:
+      raise ValueError(
+        f"process {me} runs no stage of the {self.num_pipelines} pipelines "
+        f"(devices {[d.id for d in devices]}): give every process some of "
+        "the devices, or start fewer processes"
+      )
+    self.pipelines = [self.all_pipelines[p] for p in self.ranks]
+
+  def _exchange_across_processes(self, stage_devices) -> None:
+    """Where a pipeline spans processes: the replicas exchange by pulls,
+    and every transfer waits for its arrival on the host."""
+    if all(
+      len({d.process_index for d in ds}) == 1 for ds in stage_devices.values()
+    ):
+      return
+    # Nothing dispatched may wait for another process: a collective
+    # across processes would wait for a peer whose compute it holds up
+    # (``PeerMean``), a program reading a transfer for a pipeline whose
+    # compute it holds up (``Transport.wait_for_arrivals``).
+    if self.all_pipelines[0].transport.kind != "pull":
+      self.hub.close()
+      raise ValueError(
+        "pipelines spanning processes need the 'pull' transport: a "
+        "'collective' transfer waits inside a program for the other "
+        "process, which stalls that process's other pipelines; leave "
+        "transport at its default"
+      )
+    self.policy.exchange_by_pulls(PullLinks())
+    for pipe in self.all_pipelines:
+      pipe.transport.wait_for_arrivals()
 
   def close(self) -> None:
     """Stops serving the shared objects (process 0 across processes)."""
@@ -567,7 +567,7 @@ def _mean_state_dict(dicts):
   return out
 
 
-def _devices_per_pipeline(sync, pipelines, devices, pipeline_options) -> int:
+def _devices_per_pipeline(sync, pipelines, devices, options) -> int:
   """Devices each pipeline gets; bad counts refused, naming the fix."""
   if sync not in SYNC_POLICIES:
     raise ValueError(f"unknown sync {sync!r}: one of {SYNC_POLICIES}")
@@ -580,8 +580,11 @@ def _devices_per_pipeline(sync, pipelines, devices, pipeline_options) -> int:
       f"{len(devices)}: use fewer pipelines (or more devices, e.g. "
       "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU)"
     )
-  if "devices" in pipeline_options:
-    raise ValueError("pass devices once, to DataParallelPipelines")
+  if options.get("devices") is not None:
+    raise ValueError(
+      "the builder has devices: pass them to DataParallelPipelines, which "
+      "places each pipeline on its own"
+    )
   return per
 
 
@@ -601,27 +604,17 @@ def _placed(devices, pipelines, per, placement) -> list:
   ]
 
 
-def _replica_pipelines(
-  loss_fn, params, example_batch, devices, hooks, pipeline_options
-) -> list[Pipeline]:
-  """This process's pipelines, on ``devices[i]`` with ``hooks[i]``: the
-  first partitions the model, the others run its plan."""
-  first = Pipeline(
-    loss_fn,
-    params,
-    example_batch,
-    devices=devices[0],
-    hooks=hooks[0],
-    **pipeline_options,
-  )
+def _replica_pipelines(build, devices, hooks) -> list[Pipeline]:
+  """Every pipeline, on ``devices[i]`` with ``hooks[i]``: the first
+  partitions the model, the others run its plan."""
+  first = build(devices=devices[0], hooks=hooks[0])
   if any(len(ds) > 1 for ds in first.plan.stage_devices):
     raise ValueError(
       "a stage replicated inside a pipeline (a pipedream_hybrid plan) "
       "cannot also be replicated across pipelines: partition with "
       "'contiguous' or 'pipedream' and let the pipelines be the replicas"
     )
-  options = with_partition(pipeline_options, first.plan)
   return [first] + [
-    Pipeline(loss_fn, params, example_batch, devices=ds, hooks=h, **options)
+    build(first.plan, devices=ds, hooks=h)
     for ds, h in zip(devices[1:], hooks[1:], strict=True)
   ]

@@ -1,5 +1,6 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
+from jpipe.runtime._builder import PipelineBuilder
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._pipeline import Pipeline
 from jpipe.runtime._pipeline_state import PipelineState
@@ -39,6 +40,7 @@ __all__ = [
   "MemoryLimitError",
   "Partitioning",
   "Pipeline",
+  "PipelineBuilder",
   "PipelineState",
   "PullLinks",
   "TransferTimes",

@@ -312,18 +312,6 @@ class PipelineParts:
   scheduled: Scheduled
   runtime: Runtime
 
-  def fields(self) -> dict[str, Any]:
-    """``{name: part}``: ``jpipe.Pipeline``'s attributes. Every field of
-    every phase's value but the cut's example microbatch and state leaf
-    count (``micro``, ``num_state_leaves``: construction only)."""
-    cut = {
-      k: v
-      for k, v in _fields(self.cut).items()
-      if k not in ("micro", "num_state_leaves")
-    }
-    phases = (self.partitioned, self.placed, self.scheduled, self.runtime)
-    return _fields(self.request) | cut | _merged(phases)
-
 
 def build_pipeline(
   loss_fn,
@@ -353,16 +341,3 @@ def build_pipeline(
     stages_at=parts.stages_at,
   )
   return PipelineParts(request, cut, parts, placed, scheduled, runtime)
-
-
-def _fields(value) -> dict[str, Any]:
-  """A dataclass's ``{field name: value}`` (not copied, unlike asdict)."""
-  return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-
-
-def _merged(values) -> dict[str, Any]:
-  """The fields of several dataclasses (their names are distinct)."""
-  merged = {}
-  for value in values:
-    merged |= _fields(value)
-  return merged

@@ -49,6 +49,15 @@ from jpipe.runtime.execute.hooks import DriverHooks
 from jpipe.runtime.execute.in_flight import InFlight
 
 
+def _part(phase: str, name: str) -> property:
+  """A read-only attribute: field ``name`` of the construction phase
+  ``phase`` of ``Pipeline.parts``."""
+  return property(
+    lambda self: getattr(getattr(self.parts, phase), name),
+    doc=f"``{name}`` of the pipeline's {phase} phase (``Pipeline.parts``).",
+  )
+
+
 class Pipeline:
   """A model split into pipeline stages, trained by a schedule.
 
@@ -103,6 +112,43 @@ class Pipeline:
       by name at once is refused.
   """
 
+  # The construction phases' values (``self.parts``, a ``PipelineParts``),
+  # each field read-only under its own name.
+  optimizer = _part("request", "optimizer")
+  staleness = _part("request", "staleness")
+  partitioning = _part("request", "partitioning")
+  schedule_kind = _part("request", "schedule_kind")
+  schedule_name = _part("request", "schedule_name")
+  num_microbatches = _part("request", "num_microbatches")
+  microbatch_size = _part("request", "microbatch_size")
+  devices = _part("request", "devices")
+  memory_limit = _part("request", "memory_limit")
+  clip_global_norm = _part("request", "clip_global_norm")
+  traced = _part("cut", "traced")
+  granularity = _part("cut", "granularity")
+  num_batch_leaves = _part("cut", "num_batch_leaves")
+  state_treedef = _part("cut", "state_treedef")
+  retrace = _part("cut", "retrace")
+  plan = _part("partitioned", "plan")
+  stages = _part("partitioned", "stages")
+  stages_at = _part("partitioned", "stages_at")
+  placement = _part("placed", "placement")
+  stage_device = _part("placed", "stage_device")
+  transport = _part("placed", "transport")
+  batch_leaves = _part("placed", "batch_leaves")
+  schedule_device = _part("placed", "schedule_device")
+  device_names = _part("placed", "device_names")
+  stream = _part("scheduled", "stream")
+  calls = _part("scheduled", "calls")
+  schedule = _part("scheduled", "schedule")
+  programs = _part("runtime", "programs")
+  tied = _part("runtime", "tied")
+  params_treedef = _part("runtime", "params_treedef")
+  leaf_names = _part("runtime", "leaf_names")
+  stage_optimizers = _part("runtime", "stage_optimizers")
+  policy = _part("runtime", "policy")
+  driver = _part("runtime", "driver")
+
   def __init__(
     self,
     loss_fn: Callable[..., jax.Array],
@@ -141,8 +187,7 @@ class Pipeline:
       record_params=record_params,
       hooks=hooks,
     )
-    # The parts as attributes of the same names (PipelineParts.fields).
-    vars(self).update(parts.fields())
+    self.parts = parts  # Read through by the properties above.
     self._memory = None
     # (function, batch structure, per-example shapes) -> ForwardProgram.
     self.forward_programs = {}

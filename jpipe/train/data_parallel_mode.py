@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from jpipe import parallel
+from jpipe.runtime import PipelineBuilder
 from jpipe.train import evaluation as evaluation_lib
 from jpipe.train.errors import UsageError
 from jpipe.train.loop import Cadence, Mode, Outcome
@@ -46,9 +47,7 @@ def build(config, task, example, options, steps_per_call):
   )
   try:
     return parallel.DataParallelPipelines(
-      task.loss_fn,
-      task.params,
-      example,
+      PipelineBuilder.of(task.loss_fn, task.params, example, **options),
       pipelines=dp.pipelines,
       sync=dp.sync,
       placement=dp.placement,
@@ -57,7 +56,6 @@ def build(config, task, example, options, steps_per_call):
       ssp_bound=dp.ssp_bound,
       gossip_seed=dp.gossip_seed,
       hetpipe_every=dp.hetpipe_every,
-      **options,
     )
   except ValueError as e:
     raise UsageError(f"config.data_parallel: {e}") from e
@@ -167,3 +165,49 @@ class DataParallelMode(Mode):
 
   def close(self):
     self.dp.close()
+
+
+def check_config(config, need, problems) -> None:
+  """The data-parallel options (``config.data_parallel``), for
+  ``config_check``: ``need(ok, key, message)`` records a problem with a
+  key when not ok; ``problems`` takes the conversions' own errors."""
+  dp = config.data_parallel
+  p = dp.pipelines
+  need(p >= 1, "data_parallel.pipelines", "must be >= 1")
+  need.one_of("data_parallel.sync", parallel.SYNC_POLICIES)
+  need(
+    p > 1 or dp.sync == "allreduce",
+    "data_parallel.sync",
+    f"{dp.sync!r} synchronises several pipelines: set "
+    "data_parallel.pipelines >= 2 (or sync='allreduce')",
+  )
+  need.one_of("data_parallel.placement", parallel.PLACEMENTS)
+  need(
+    dp.sync != "adpsgd" or p % 2 == 0,
+    "data_parallel.sync",
+    f"adpsgd pairs pipelines: it needs an even data_parallel.pipelines, "
+    f"got {p} (or use sync='preduce')",
+  )
+  need(
+    p == 1 or config.pipeline.partition != "pipedream_hybrid",
+    "pipeline.partition",
+    "pipedream_hybrid replicates stages inside a pipeline; with "
+    "data_parallel.pipelines > 1 the pipelines are the replicas: use "
+    "'contiguous' or 'pipedream'",
+  )
+  for key in ("epoch_batches", "hetero", "simulated_ms"):
+    need(dp[key] >= 0, f"data_parallel.{key}", "must be >= 0")
+  for key in ("ssp_bound", "hetpipe_every"):
+    need(dp[key] >= 1, f"data_parallel.{key}", "must be >= 1")
+  try:
+    slowdown = parallel.parse_slowdown(dp.slowdown)
+    parallel.Heterogeneity(slowdown=slowdown)
+  except ValueError as e:
+    problems.append(f"config.data_parallel.slowdown: {e}")
+    slowdown = {}
+  need(
+    not slowdown or dp.simulated_ms > 0,
+    "data_parallel.slowdown",
+    "slows the simulated compute time down: set data_parallel.simulated_ms "
+    "> 0 too",
+  )

@@ -16,6 +16,8 @@ import os
 import jax
 
 from jpipe import dynamic
+from jpipe.runtime import PipelineBuilder
+from jpipe.train import config_options, data_parallel_mode
 from jpipe.train.errors import UsageError
 from jpipe.train.loop import Outcome
 from jpipe.train.pipeline_mode import PipelineMode
@@ -34,18 +36,21 @@ def build(config, task, example_batch, tx, options):
     predictor = (
       dynamic.SlowdownPredictor.load(dyn.predictor) if dyn.predictor else None
     )
-    return dynamic.DynamicPipeline(
+    build = PipelineBuilder.of(
       task.loss_fn,
       task.params,
       example_batch,
+      devices=jax.devices(),
+      optimizer=tx,
+      **options,
+    )
+    return dynamic.DynamicPipeline(
+      build,
       # The policy's fields, named as config.dynamic names them.
       **{name: dyn[name] for name in _POLICY_FIELDS},
       horizon_steps=dyn.horizon_steps or None,
       interference=interference,
       predictor=predictor,
-      devices=jax.devices(),
-      optimizer=tx,
-      **options,
     )
   except ValueError as e:
     raise UsageError(f"config.dynamic: {e}") from e
@@ -150,3 +155,87 @@ def draw(pipe, workdir) -> str:
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return path
+
+
+def check_config(config, need, problems) -> None:
+  """DynPipe's options (``config.dynamic``), for ``config_check``:
+  ``need(ok, key, message)`` records a problem with a key when not ok,
+  ``need.one_of(key, choices)`` a value not among the choices;
+  ``problems`` takes the conversions' own errors."""
+  dyn = config.dynamic
+  need.one_of("dynamic.policy", dynamic.POLICIES)
+  need(dyn.window >= 1, "dynamic.window", "must be >= 1 steps")
+  need(dyn.warmup_windows >= 0, "dynamic.warmup_windows", "must be >= 0")
+  need(dyn.top_k >= 1, "dynamic.top_k", "must be >= 1")
+  need(dyn.horizon_steps >= 0, "dynamic.horizon_steps", "must be >= 0")
+  need(dyn.simulated_ms >= 0, "dynamic.simulated_ms", "must be >= 0")
+  need(
+    dyn.low < 1.0 < dyn.high,
+    "dynamic.high",
+    f"the thresholds need low < 1 < high, got low={dyn.low}, high={dyn.high}",
+  )
+  try:
+    inject = dynamic.parse_inject(dyn.inject)
+  except ValueError as e:
+    problems.append(f"config.dynamic.inject: {e}")
+    inject = ()
+  if not dyn.enabled:
+    need(
+      not inject and not dyn.simulated_ms and not dyn.predictor,
+      "dynamic.enabled",
+      "inject / simulated_ms / predictor are set but dynamic.enabled is "
+      "False: enable it (policy='static' to measure without "
+      "re-partitioning)",
+    )
+    return
+  _check_run(config, need, inject)
+
+
+def _check_run(config, need, inject) -> None:
+  """What an enabled re-partitioning run needs of the rest of the config."""
+  dyn = config.dynamic
+  need(
+    not data_parallel_mode.uses_data_parallel(config),
+    "dynamic.enabled",
+    "re-partitioning runs one pipeline: set data_parallel.pipelines=1 "
+    "(and no data_parallel delays)",
+  )
+  need(
+    config.pipeline.partition
+    in ("contiguous", "pipedream", "pipedream_hybrid"),
+    "pipeline.partition",
+    f"re-partitioning keeps a straight pipeline, one stage per device or "
+    f"replica group; {config.pipeline.partition!r} is not: use "
+    "'contiguous', 'pipedream' or 'pipedream_hybrid'",
+  )
+  need(
+    config.pipeline.replica_routing in ("split", "weighted"),
+    "pipeline.replica_routing",
+    "re-partitioning runs replicated stages that split each microbatch: "
+    "set it to 'split' or 'weighted' (re-split by the replicas' speeds)",
+  )
+  need(
+    config.schedule.name != "interleaved"
+    and not config_options.v_shaped(config),
+    "schedule.name",
+    f"re-partitioning needs one stage per device, not {config.schedule.name!r}",
+  )
+  need(
+    not dyn.predictor or dyn.policy != "static",
+    "dynamic.predictor",
+    "the static policy never re-plans, so a predictor would go unused: "
+    "set dynamic.policy to 'jpipe' or 'dynpipe', or predictor=''",
+  )
+  need(
+    not dyn.predictor or os.path.isfile(dyn.predictor),
+    "dynamic.predictor",
+    f"no file {dyn.predictor!r}: write one with `python -m "
+    "jpipe.train.slowdowns --config CONFIG --out PATH`",
+  )
+  stages = config.pipeline.num_stages
+  for s in inject:
+    need(
+      s.device < max(stages, 1),
+      "dynamic.inject",
+      f"device {s.device} holds no stage of {stages}: use 0 .. {stages - 1}",
+    )

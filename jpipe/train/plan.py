@@ -33,7 +33,7 @@ import numpy as np
 
 from jpipe import partition, runtime
 from jpipe import schedule as schedule_lib
-from jpipe.train import config_check, config_plan
+from jpipe.train import config_options, config_plan
 
 
 def _parser():
@@ -116,24 +116,41 @@ class _Solved:
   last_stage_costs: partition.NodeCosts | None = None
 
 
-def _solve(args) -> _Solved:
-  """The plan the command line asks for (ValueError: a bad argument)."""
-  config = config_plan.load_config_file(args.config)
-  method = args.method or config.pipeline.partition
-  if method not in partition.METHODS:
-    raise ValueError(f"unknown method {method!r}: one of {partition.METHODS}")
+def _stage_slots(args, config, method):
+  """``(stages, devices, slots)`` the command line plans: ``slots`` the
+  device of each stage where a V schedule places two per device (the
+  contiguous method only), else None."""
   stages = config.pipeline.num_stages if args.stages is None else args.stages
   devices = stages if args.devices is None else args.devices
   for name, value in (("--stages", stages), ("--devices", devices)):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   devices = min(stages, devices)  # What training plans on.
-  # A V schedule's stages: two per device, placed in a V.
   slots = schedule_lib.lookup(config.schedule.name).stage_devices(stages)
   if slots is not None and method == "contiguous":
-    devices = stages
-  else:
-    slots = None
+    return stages, stages, slots
+  return stages, devices, None
+
+
+def _memory_limit(args, config) -> float | None:
+  """Bytes per device from ``--memory`` or the config (None: no limit)."""
+  memory = config_options.memory_limit(
+    config.pipeline.memory_limit if args.memory is None else args.memory
+  )
+  if memory == "device":
+    raise ValueError(
+      "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
+    )
+  return memory
+
+
+def _solve(args) -> _Solved:
+  """The plan the command line asks for (ValueError: a bad argument)."""
+  config = config_plan.load_config_file(args.config)
+  method = args.method or config.pipeline.partition
+  if method not in partition.METHODS:
+    raise ValueError(f"unknown method {method!r}: one of {partition.METHODS}")
+  stages, devices, slots = _stage_slots(args, config, method)
   with config.unlocked():  # The planned stages, as training gets them.
     config.pipeline.num_stages = stages
   cost_model = args.cost_model or config.pipeline.cost_model
@@ -150,13 +167,7 @@ def _solve(args) -> _Solved:
   bandwidth = config.pipeline.bandwidth
   if args.bandwidth is not None:
     bandwidth = args.bandwidth
-  memory = config_check.memory_limit(
-    config.pipeline.memory_limit if args.memory is None else args.memory
-  )
-  if memory == "device":
-    raise ValueError(
-      "--memory device: a plan has no devices to ask; pass bytes (16GiB)"
-    )
+  memory = _memory_limit(args, config)
   budget = None
   if memory is not None and slots is None:
     budget = config_plan.memory_budget(config, params, devices, memory)

@@ -13,7 +13,7 @@ import dataclasses
 from jpipe.train import config_check
 
 # Where the config decides it; kept here for its callers.
-from jpipe.train.config_check import steps_per_call as steps_per_call
+from jpipe.train.config_options import steps_per_call as steps_per_call
 from jpipe.train.data_parallel_mode import uses_data_parallel
 
 MODES = ("pipeline", "data_parallel", "dynamic")

@@ -19,6 +19,7 @@ import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import (
   config_check,
+  config_options,
   data_parallel_mode,
   dynamic_mode,
   hf_checkpoint,
@@ -82,21 +83,21 @@ def pipeline_options(config, task: Task, lr) -> dict:
     kwargs["model_state"] = task.model_state
   return dict(
     num_stages=config.pipeline.num_stages,
-    schedule=config_check.written_schedule(config) or config.schedule.name,
+    schedule=config_options.written_schedule(config) or config.schedule.name,
     num_microbatches=config.pipeline.num_microbatches,
     partition=config.pipeline.partition,
     depth=config.pipeline.depth or None,  # 0: automatic
     bandwidth=config.pipeline.bandwidth or None,
     cost_model=config.pipeline.cost_model,
-    staleness=config_check.staleness(config, lr),
+    staleness=config_options.staleness(config, lr),
     fuse_last_stage=config.pipeline.fuse_last_stage,
     fuse_step=config.pipeline.fuse_step,
-    gpu_command_buffers=config_check.command_buffers(
+    gpu_command_buffers=config_options.command_buffers(
       config.pipeline.gpu_command_buffers
     ),
     transport=config.pipeline.transport,
     replica_routing=config.pipeline.replica_routing,
-    memory_limit=config_check.memory_limit(config.pipeline.memory_limit),
+    memory_limit=config_options.memory_limit(config.pipeline.memory_limit),
     clip_global_norm=config.optimizer.clip_norm or None,
     **kwargs,
   )

@@ -31,6 +31,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "partition"))
 import flax_models  # noqa: E402
 
+import jpipe  # noqa: E402
 from jpipe import parallel  # noqa: E402
 
 
@@ -48,25 +49,36 @@ def run(config, index, out):
   if config.get("transport"):  # Only whether it is refused (spanning).
     try:
       parallel.DataParallelPipelines(
-        loss_fn,
-        params,
-        batch,
+        jpipe.PipelineBuilder.of(
+          loss_fn,
+          params,
+          batch,
+          num_stages=config["stages"],
+          optimizer=optax.sgd(0.1),
+          partition="contiguous",
+          transport=config["transport"],
+        ),
         pipelines=config["pipelines"],
         devices=jax.devices()[: config["pipelines"] * config["stages"]],
-        num_stages=config["stages"],
-        optimizer=optax.sgd(0.1),
-        partition="contiguous",
-        transport=config["transport"],
       ).close()
       out[f"{index}/refused"] = np.asarray(0)
     except ValueError as e:
       assert "need the 'pull' transport" in str(e), e
       out[f"{index}/refused"] = np.asarray(1)
     return
-  dp = parallel.DataParallelPipelines(
+  build = jpipe.PipelineBuilder.of(
     loss_fn,
     params,
     batch,
+    num_stages=config["stages"],
+    schedule=config["schedule"],
+    num_microbatches=4,
+    optimizer=optax.sgd(0.1, momentum=0.9),
+    partition="contiguous",
+    weight_stashing=config["schedule"] == "async",
+  )
+  dp = parallel.DataParallelPipelines(
+    build,
     pipelines=config["pipelines"],
     sync=config["sync"],
     devices=jax.devices()[: config["pipelines"] * config["stages"]],
@@ -74,12 +86,6 @@ def run(config, index, out):
     batches_per_epoch=config.get("batches_per_epoch", 4),
     hetero=parallel.Heterogeneity(hetero=config.get("hetero", 0.0), seed=1),
     hetpipe_every=config.get("hetpipe_every", 2),
-    num_stages=config["stages"],
-    schedule=config["schedule"],
-    num_microbatches=4,
-    optimizer=optax.sgd(0.1, momentum=0.9),
-    partition="contiguous",
-    weight_stashing=config["schedule"] == "async",
   )
   states = dp.init(params)
   dp.compile_groups(states)

@@ -6,6 +6,7 @@ busy machine cannot blur injected slowdowns)."""
 import jax
 import optax
 
+import jpipe
 from jpipe import dynamic
 from tests.partition import flax_models
 
@@ -16,10 +17,19 @@ def build(policy, inject="", horizon_steps=50, predictor=None):
   """``(DynamicPipeline, params, batch)``; ``horizon_steps`` 50: a long
   run ahead, worth a build."""
   loss_fn, params, batch, _ = flax_models.mlp_case()
-  dp = dynamic.DynamicPipeline(
+  build = jpipe.PipelineBuilder.of(
     loss_fn,
     params,
     batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    schedule="async",
+    weight_stashing=True,
+    num_microbatches=4,
+    optimizer=optax.sgd(0.05, momentum=0.9),
+  )
+  dp = dynamic.DynamicPipeline(
+    build,
     policy=policy,
     window=WINDOW,
     horizon_steps=horizon_steps,
@@ -27,11 +37,5 @@ def build(policy, inject="", horizon_steps=50, predictor=None):
       dynamic.parse_inject(inject), simulated_seconds=0.05
     ),
     predictor=predictor,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    schedule="async",
-    weight_stashing=True,
-    num_microbatches=4,
-    optimizer=optax.sgd(0.05, momentum=0.9),
   )
   return dp, params, batch

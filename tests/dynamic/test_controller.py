@@ -5,6 +5,7 @@ new build), and DynPipe's policy keeps to its candidate cuts."""
 
 import pytest
 
+import jpipe
 from jpipe import dynamic
 from tests.dynamic import mlp_pipeline
 from tests.dynamic.mlp_pipeline import WINDOW
@@ -97,4 +98,6 @@ def test_bad_inject_strings_name_the_format():
       dynamic.parse_inject(bad)
   with pytest.raises(ValueError, match="unknown policy"):
     loss_fn, params, batch, _ = flax_models.mlp_case()
-    dynamic.DynamicPipeline(loss_fn, params, batch, policy="magic")
+    dynamic.DynamicPipeline(
+      jpipe.PipelineBuilder.of(loss_fn, params, batch), policy="magic"
+    )

@@ -87,9 +87,9 @@ def _hybrid(inject, examples=8, policy="jpipe", **extra):
   plain = jpipe.Pipeline(loss_fn, params, batch, **options)
   plan = dataclasses.replace(plain.plan, stage_devices=((0, 1), (2,)))
   dp = dynamic.DynamicPipeline(
-    loss_fn,
-    params,
-    batch,
+    jpipe.PipelineBuilder.of(
+      loss_fn, params, batch, **{**options, "partition": plan}
+    ),
     policy=policy,
     window=WINDOW,
     # A long run ahead: the move pays for a new pipeline's compilation
@@ -98,7 +98,6 @@ def _hybrid(inject, examples=8, policy="jpipe", **extra):
     interference=dynamic.Interference(
       dynamic.parse_inject(inject), simulated_seconds=0.05
     ),
-    **{**options, "partition": plan},
   )
   return dp, params, batch
 
@@ -241,10 +240,12 @@ def test_round_robin_replicas_are_refused():
   plan = dataclasses.replace(plain.plan, stage_devices=((0, 1), (2,)))
   with pytest.raises(ValueError, match="not round-robin"):
     dynamic.DynamicPipeline(
-      loss_fn,
-      params,
-      batch,
-      **options,
-      partition=plan,
-      replica_routing="round_robin",
+      jpipe.PipelineBuilder.of(
+        loss_fn,
+        params,
+        batch,
+        **options,
+        partition=plan,
+        replica_routing="round_robin",
+      )
     )

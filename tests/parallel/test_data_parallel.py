@@ -44,13 +44,10 @@ def test_allreduce_equals_one_pipeline_on_the_whole_batch(schedule):
   if schedule == "async":
     options["weight_stashing"] = True
   dp = parallel.DataParallelPipelines(
-    loss_fn,
-    params,
-    batch,
+    jpipe.PipelineBuilder.of(loss_fn, params, batch, **options),
     pipelines=2,
     sync="allreduce",
     devices=jax.devices()[:4],
-    **options,
   )
   one = jpipe.Pipeline(
     loss_fn, params, whole, devices=jax.devices()[4:6], **options
@@ -95,16 +92,18 @@ def _free_running(sync, **options):
   loss_fn, params, batch, _ = flax_models.mlp_case()
   return (
     parallel.DataParallelPipelines(
-      loss_fn,
-      params,
-      batch,
+      jpipe.PipelineBuilder.of(
+        loss_fn,
+        params,
+        batch,
+        num_stages=2,
+        schedule="async",
+        weight_stashing=True,
+        num_microbatches=2,
+        optimizer=optax.sgd(0.05),
+      ),
       pipelines=4,
       sync=sync,
-      num_stages=2,
-      schedule="async",
-      weight_stashing=True,
-      num_microbatches=2,
-      optimizer=optax.sgd(0.05),
       batches_per_epoch=6,
       **options,
     ),
@@ -240,17 +239,16 @@ def test_state_dict_resumes_each_replica_or_their_mean():
 def test_bad_combinations_are_refused():
   loss_fn, params, batch, _ = flax_models.mlp_case()
   common = dict(num_stages=2, num_microbatches=2, optimizer=optax.sgd(0.1))
+  build = jpipe.PipelineBuilder.of(loss_fn, params, batch, **common)
   with pytest.raises(ValueError, match="even number"):
-    parallel.DataParallelPipelines(
-      loss_fn, params, batch, pipelines=3, sync="adpsgd", **common
-    )
+    parallel.DataParallelPipelines(build, pipelines=3, sync="adpsgd")
   with pytest.raises(ValueError, match="unknown sync"):
-    parallel.DataParallelPipelines(
-      loss_fn, params, batch, pipelines=2, sync="ring", **common
-    )
+    parallel.DataParallelPipelines(build, pipelines=2, sync="ring")
   with pytest.raises(ValueError, match="need at least 9 devices"):
+    parallel.DataParallelPipelines(build, pipelines=9)
+  with pytest.raises(ValueError, match="the builder has devices"):
     parallel.DataParallelPipelines(
-      loss_fn, params, batch, pipelines=9, **common
+      build.with_options(devices=jax.devices()[:2]), pipelines=2
     )
   plan = jpipe.Pipeline(
     loss_fn, params, batch, devices=jax.devices()[:4], **common
@@ -258,7 +256,7 @@ def test_bad_combinations_are_refused():
   replicated = dataclasses.replace(plan, stage_devices=((0, 1), (2, 3)))
   with pytest.raises(ValueError, match="replicated inside a pipeline"):
     parallel.DataParallelPipelines(
-      loss_fn, params, batch, pipelines=2, partition=replicated, **common
+      build.with_options(partition=replicated), pipelines=2
     )
 
 

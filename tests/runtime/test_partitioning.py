@@ -1,6 +1,8 @@
 """The split and placement options as one value:
 ``jpipe.runtime.Partitioning``."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -83,18 +85,47 @@ def test_layers_above_keep_the_spelling_they_were_given():
   }
   assert partition_of({}) == "contiguous"
   loss_fn, params, batch = _mlp()
-  dp = jpipe.parallel.DataParallelPipelines(
+  build = jpipe.PipelineBuilder.of(
     loss_fn,
     params,
     batch,
-    pipelines=2,
-    devices=jax.devices()[:4],
     schedule="1f1b",
     num_microbatches=NUM_MICRO,
     optimizer=optax.sgd(0.1),
     partitioning=Partitioning(2),
   )
+  dp = jpipe.parallel.DataParallelPipelines(
+    build, pipelines=2, devices=jax.devices()[:4]
+  )
   first, second = dp.pipelines
   assert first.partitioning.partition == "contiguous"  # It solves.
   assert second.partitioning.partition == first.plan  # It follows.
   dp.close()
+
+
+def test_every_phase_field_is_a_declared_read_only_attribute():
+  """``Pipeline.parts`` holds the construction phases' values; each of
+  their fields (but the cut's construction-only ones) is an attribute of
+  the same name, declared on the class and read-only."""
+  pipe, _, _ = _pipe(num_stages=2)
+  construction_only = {"micro", "num_state_leaves"}
+  for phase in dataclasses.fields(pipe.parts):
+    value = getattr(pipe.parts, phase.name)
+    for field in dataclasses.fields(value):
+      if field.name in construction_only:
+        continue
+      assert isinstance(vars(jpipe.Pipeline).get(field.name), property), (
+        f"{phase.name}.{field.name} is not declared on Pipeline"
+      )
+      assert getattr(pipe, field.name) is getattr(value, field.name)
+  with pytest.raises(AttributeError):
+    pipe.plan = None
+  # A builder builds it again for a plan, on other devices.
+  build = jpipe.PipelineBuilder(*_mlp(), {"num_stages": 2})
+  assert build.partition == "contiguous"
+  again = build.with_options(optimizer=optax.sgd(0.1))(
+    pipe.plan, devices=jax.devices()[2:4]
+  )
+  assert again.partitioning.partition == pipe.plan
+  assert again.plan.stage_of_node == pipe.plan.stage_of_node
+  assert [d.id for d in again.devices] == [2, 3]

@@ -167,12 +167,14 @@ def test_dynamic_pipeline_evaluates_through_its_stages():
   options = train_lib.pipeline_options(config, task, lr)
   options.pop("partition")
   dp = jpipe.dynamic.DynamicPipeline(
-    task.loss_fn,
-    task.params,
-    task.batch_at(0),
-    optimizer=tx,
-    devices=jax.devices(),
-    **options,
+    jpipe.PipelineBuilder.of(
+      task.loss_fn,
+      task.params,
+      task.batch_at(0),
+      optimizer=tx,
+      devices=jax.devices(),
+      **options,
+    )
   )
   state = dp.init(task.params)
   got = evaluation.through_pipeline(dp, state, task.evaluation)

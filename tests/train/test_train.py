@@ -21,7 +21,7 @@ from tensorboardX.proto import event_pb2
 
 import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_check, metric_log, pretrained, train_lib
+from jpipe.train import config_options, metric_log, pretrained, train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -140,11 +140,11 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
   [
     ("schedule.name", "zb", "config.schedule.name: 'zb' is not one of"),
     ("pipeline.num_microbatches", 5, "5 does not divide data.batch_size"),
-    ("staleness.stashing", True, "apply to schedule.name='async' only"),
+    ("staleness.stashing", True, "apply to the asynchronous schedule 'async'"),
     ("optimizer.name", "lionn", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
     ("staleness.partial_window", "sum", "unknown partial_window 'sum'"),
-    ("staleness.gap_aware_policy", "bogus", "gap_aware_policy: 'bogus'"),
+    ("staleness.gap_aware_policy", "bogus", "gap_aware_policy 'bogus'"),
     ("optimizer.warmup_steps", 10, "warmup_steps: 10 has no effect"),
     ("schedule.step_every", 2, "step_every: 2 applies to"),
     ("model.name", "gpt3", "config.model.name: 'gpt3' is not one of"),
@@ -207,7 +207,7 @@ def test_bad_dynamic_combinations_fail_before_work(tmp_path, other, message):
   ],
 )
 def test_memory_limit_sizes(text, expected):
-  assert config_check.memory_limit(text) == expected
+  assert config_options.memory_limit(text) == expected
 
 
 def test_corrupt_or_foreign_checkpoint_is_an_error(tmp_path):
@@ -249,7 +249,10 @@ def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
     ("--config.train.num_steps=20", "did you mean config.train.steps"),
     ("--config.train.steps=many", "train.steps=many: expected int"),
     ("--config.data.name=nosuchdata", "config.data.name='nosuchdata'"),
-    ("--config.staleness.gap_aware_policy=bogus", "'bogus' is not one of"),
+    (
+      "--config.staleness.gap_aware_policy=bogus",
+      "gap_aware_policy 'bogus': one of",
+    ),
   ]:
     result = subprocess.run(
       _cli(tmp_path, flag), capture_output=True, text=True, env=env
@@ -271,7 +274,7 @@ def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
         "--config.staleness.gap_aware=ga",
         "--config.schedule.step_every=2",
       ],
-      "config.schedule.step_every: staleness.gap_aware needs step_every=1",
+      "gap_aware needs step_every=1 (FTPipe), got 2",
     ),
     (
       ["--config.pipeline.num_stages=16"],

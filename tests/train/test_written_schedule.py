@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from configs import default as default_config
-from jpipe.train import base_config, config_check
+from jpipe.train import base_config, config_check, config_options
 from jpipe.train.errors import UsageError
 from tests.distributed.test_readme_commands import ROOT, _with, readme_command
 from tests.train.test_train import _cli_env
@@ -95,4 +95,4 @@ def test_split_flush_reaches_the_pipeline_and_only_for_streams():
   config.schedule.name = "async"
   config.pipeline.recompute = True
   config_check.check(config)
-  assert config_check.staleness(config).split_flush
+  assert config_options.staleness(config).split_flush

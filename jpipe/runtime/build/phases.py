@@ -211,19 +211,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     # which the partitioner's per-device memory model does not know), the
     # memory is checked on the built pipeline instead.
     slots=slots,
-    memory=None
-    if slots is not None or request.memory_limit is None
-    else partitioner_memory_model(
-      request.memory_limit,
-      request.optimizer,
-      params,
-      request.schedule_kind,
-      request.num_microbatches,
-      min(num_stages, num_devices),
-      recompute=staleness.recompute,
-      stashes=staleness.stashes,
-      fused_last=partitioning.fuse_last_stage,
-    ),
+    memory=None if slots is not None else _memory_budget(request, params),
   )
   if jax.process_count() > 1 and not isinstance(partition, partition_lib.Plan):
     # A measured cost model may solve differently in each process.
@@ -255,6 +243,25 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     return stages_of(traced)
 
   return Partitioned(plan, stages_of(cut.traced), stages_at)
+
+
+def _memory_budget(request: Request, params):
+  """The partitioner's ``MemoryBudget`` for the request's schedule,
+  optimizer and limit (None without a limit)."""
+  if request.memory_limit is None:
+    return None
+  partitioning, staleness = request.partitioning, request.staleness
+  return partitioner_memory_model(
+    request.memory_limit,
+    request.optimizer,
+    params,
+    request.schedule_kind,
+    request.num_microbatches,
+    min(partitioning.num_stages, len(request.devices)),
+    recompute=staleness.recompute,
+    stashes=staleness.stashes,
+    fused_last=partitioning.fuse_last_stage,
+  )
 
 
 def _check_same_structure(traced, other, n, rows) -> None:

@@ -126,7 +126,7 @@ class StageOptimizer:
     big leaves; its packed small-leaf buffers are kept -- and, with
     ``donate_state``, ``opt_state``: what is consumed may not be used
     afterwards."""
-    *new, _ = self._run_packed(
+    *new, _ = self.update_packed_tied(
       flat,
       {},
       (),
@@ -135,7 +135,7 @@ class StageOptimizer:
       stale_params,
       scale,
       update_scale,
-      donate_state,
+      donate_state=donate_state,
     )
     return tuple(new)
 
@@ -161,32 +161,7 @@ class StageOptimizer:
     and (``donate_state``) ``opt_state`` as ``update_packed`` does. No
     unpacked gradient crosses the host: on an H100 the separate unpack,
     eager adds and leaf-wise update cost ~3 ms of host time per step."""
-    return self._run_packed(
-      flat,
-      added,
-      replicas,
-      opt_state,
-      params,
-      stale_params,
-      scale,
-      update_scale,
-      donate_state,
-    )
-
-  def _run_packed(
-    self,
-    flat,
-    added,
-    replicas,
-    opt_state,
-    params,
-    stale_params,
-    scale,
-    update_scale,
-    donate_state,
-  ):
-    """The packed step program for ``added``'s positions, ``replicas``
-    and ``donate_state`` (compiled once each), run."""
+    # One program per (added positions, replicas, donate_state).
     if self._grad_layout is None:
       raise ValueError("update_packed needs the StageOptimizer's grad_layout")
     positions, replicas = tuple(sorted(added)), tuple(replicas)

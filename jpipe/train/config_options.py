@@ -1,0 +1,197 @@
+"""A training config as the library's options: each section turned into
+the value ``jpipe.Pipeline`` (or the loop) takes, with the conversions'
+own errors (a size, a schedule file, a cap); ``config_check`` checks the
+rest before any work."""
+
+import os
+
+from jpipe import schedule as schedule_lib
+from jpipe import staleness as staleness_lib
+from jpipe.runtime import Staleness
+from jpipe.train import optimizers
+from jpipe.train.errors import UsageError
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def staleness(config, learning_rate=None) -> Staleness:
+  """The config's staleness options as ``jpipe.Pipeline`` takes them (one
+  value; ``learning_rate`` is Gap-Aware's, None where only checked)."""
+  st = config.staleness
+  options = None
+  if st.gap_aware:
+    options = {
+      "optimizer": config.optimizer.name,
+      "learning_rate": learning_rate,
+      "weight_decay": config.optimizer.weight_decay,
+    }
+  return Staleness(
+    recompute=config.pipeline.recompute,
+    step_every=config.schedule.step_every if streams(config) else 1,
+    weight_stashing=bool(st.stashing),
+    prediction=st.prediction or None,
+    gap_aware=st.gap_aware or None,
+    gap_aware_options=options,
+    gap_aware_policy=st.gap_aware_policy,
+    split_flush=config.schedule.split_flush,
+    nag_with_predictor=bool(st.nag_with_predictor),
+    # (A placeholder rate where only checked.)
+    last_stage_optimizer=optimizers.build(
+      config, 0.0 if learning_rate is None else learning_rate, nesterov=True
+    )
+    if st.nesterov_last_stage
+    else None,
+    partial_window=st.partial_window,
+    supremum_staleness=supremum_staleness(config.schedule.supremum_staleness),
+    pipemare_anneal_steps=pipemare_anneal_steps(config),
+    stage_optimizer=delay_nesterov(config, learning_rate),
+  )
+
+
+def schedule_kind(config):
+  """The registered ``ScheduleKind`` of ``config.schedule.name``, or None
+  (a name no schedule has: refused by the checks)."""
+  return schedule_lib.REGISTRY.get(config.schedule.name)
+
+
+def streams(config) -> bool:
+  """Whether the config's schedule streams microbatches across optimizer
+  steps (``ScheduleKind.asynchronous``: 'async', '2bw')."""
+  kind = schedule_kind(config)
+  return kind is not None and kind.asynchronous
+
+
+def v_shaped(config) -> bool:
+  """Whether the schedule places two stages per device in a V."""
+  kind = schedule_kind(config)
+  return kind is not None and kind.placement is not None
+
+
+def steps_per_call(config) -> int:
+  """Optimizer steps one pipeline step takes."""
+  kind, m = schedule_kind(config), config.pipeline.num_microbatches
+  if kind is None or not kind.asynchronous:
+    return 1
+  if kind.two_versions:  # A whole minibatch a step.
+    return m // config.schedule.step_every
+  return -(-m // config.schedule.step_every)
+
+
+def pipemare_anneal_steps(config) -> int | None:
+  """``staleness.pipemare_anneal_steps`` as ``jpipe.Pipeline`` takes it:
+  0 -> None (off), -1 -> a quarter of the run's optimizer steps."""
+  k = config.staleness.pipemare_anneal_steps
+  if k == -1:
+    return max(1, config.train.steps * steps_per_call(config) // 4)
+  return k or None
+
+
+def delay_nesterov(config, learning_rate=None):
+  """``staleness.delay_nesterov`` as ``jpipe.Pipeline``'s
+  ``stage_optimizer``: ``(delay, num_stages) -> optimizer``, or None."""
+  mode = config.staleness.delay_nesterov
+  if not mode:
+    return None
+  opt = config.optimizer
+  args = optimizers.parse_args(opt.args)
+  base = opt.momentum if opt.name == "sgd" else args.get("b1", 0.9)
+  lr = 0.0 if learning_rate is None else learning_rate
+
+  def stage_optimizer(delay, num_stages):
+    return staleness_lib.delay_aware_nesterov(
+      lr,
+      delay=delay,
+      num_stages=num_stages,
+      optimizer=opt.name,
+      momentum=staleness_lib.NESTEROV_MOMENTUM if mode == "fixed" else base,
+      adaptive=mode == "adaptive",
+      b2=args.get("b2", 0.999),
+      eps=args.get("eps", 1e-8),
+      weight_decay=opt.weight_decay,
+    )
+
+  return stage_optimizer
+
+
+def supremum_staleness(text: str) -> int | str | None:
+  """``config.schedule.supremum_staleness`` as ``jpipe.Pipeline`` takes
+  it: "" -> None, "auto", or a number -> int."""
+  text = str(text).strip()
+  if not text or text == "auto":
+    return text or None
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(
+      f"schedule.supremum_staleness {text!r}: use '' (no cap), 'auto' (the "
+      "devices) or a number of stages"
+    ) from None
+
+
+def memory_limit(text: str) -> float | str | None:
+  """``config.pipeline.memory_limit`` as ``jpipe.Pipeline`` takes it: ""
+  -> None, "device", or a size ("16GiB", "512MB", "2e9") -> bytes."""
+  text = text.strip()
+  if not text:
+    return None
+  if text == "device":
+    return text
+  number = text.rstrip("KMGTkmgtIiBb").strip()
+  unit = text[len(number) :].strip().upper()
+  try:
+    value = float(number) * _UNITS[unit]
+  except (KeyError, ValueError):
+    raise ValueError(
+      f"{text!r} is not a size: use bytes ('2e9'), a unit ('16GiB', "
+      "'512MB'), 'device' or '' (no limit)"
+    ) from None
+  if not value > 0:
+    raise ValueError(f"{text!r}: a memory limit must be > 0")
+  return value
+
+
+COMMAND_BUFFERS = {"auto": None, "on": True, "off": False}
+
+
+def command_buffers(text: str) -> bool | None:
+  """``config.pipeline.gpu_command_buffers`` as ``jpipe.Pipeline`` takes
+  it: "auto" -> None (the schedule decides), "on" -> True, "off" ->
+  False."""
+  if text not in COMMAND_BUFFERS:
+    raise ValueError(
+      f"{text!r} is not one of {tuple(COMMAND_BUFFERS)} (auto: CUDA graphs "
+      "for synchronous schedules, not for streams)"
+    )
+  return COMMAND_BUFFERS[text]
+
+
+def written_schedule(config) -> schedule_lib.ScheduleKind | None:
+  """The schedule ``config.schedule.file`` writes (None: none), checked
+  against the config's stages and microbatches (UsageError naming the
+  problem)."""
+  path = config.schedule.get("file", "")
+  if not path:
+    return None
+  try:
+    with open(path) as f:
+      text = f.read()
+    name = os.path.splitext(os.path.basename(path))[0]
+    kind = schedule_lib.custom_schedule(f"file:{name}", text)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"config.schedule.file: {path}: {e}") from None
+  want = (config.pipeline.num_stages, config.pipeline.num_microbatches)
+  have = (kind.written.num_stages, kind.written.num_microbatches)
+  if have != want:
+    raise UsageError(
+      f"config.schedule.file: {path} is written for {have[0]} stages and "
+      f"{have[1]} microbatches; the config has pipeline.num_stages="
+      f"{want[0]} and pipeline.num_microbatches={want[1]}"
+    )
+  if config.schedule.name != "1f1b":
+    raise UsageError(
+      f"config.schedule.name={config.schedule.name!r} and "
+      "config.schedule.file are both set: the file's schedule runs; "
+      "leave schedule.name at its default"
+    )
+  return kind
