@@ -204,34 +204,96 @@ def open_checkpoint(path: str):
   return Safetensors(path)
 
 
+# The safetensors library's own bound on a header (its MAX_HEADER_SIZE).
+_MAX_HEADER_BYTES = 100_000_000
+
+
 def _header(file: str) -> dict:
   """{name: (file, dtype, shape, absolute offset)} of a safetensors file
-  (an 8-byte little-endian header size, a JSON header, the data)."""
+  (an 8-byte little-endian header size, a JSON header, the data), every
+  entry checked against the file before anything is read from it: the
+  header inside the file, each tensor's byte range its shape times its
+  dtype's size, inside the data, overlapping no other (a file that fails
+  is refused in one line naming it and the tensor; nothing is loaded)."""
+  file_bytes = os.path.getsize(file)
   try:
     with open(file, "rb") as f:
       size = int.from_bytes(f.read(8), "little")
+      if not 2 <= size <= min(_MAX_HEADER_BYTES, file_bytes - 8):
+        raise ValueError(
+          f"its header claims {size} bytes of a {file_bytes}-byte file"
+        )
       header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+      raise ValueError("its header is not a JSON object")
   except (OSError, ValueError) as e:
     raise UsageError(
       f"{PREFIX}{file} is not a safetensors file ({type(e).__name__}: {e})"
     ) from e
-  out = {}
+  data_bytes = file_bytes - 8 - size
+  out, ranges = {}, []
   for name, entry in header.items():
     if name == "__metadata__":
       continue
-    if entry["dtype"] not in _DTYPES:
-      raise UsageError(
-        f"{PREFIX}{file}: tensor {name!r} has dtype {entry['dtype']}, "
-        f"which jpipe does not read ({sorted(_DTYPES)})"
-      )
-    begin, _ = entry["data_offsets"]
-    out[name] = (
-      file,
-      _DTYPES[entry["dtype"]],
-      tuple(entry["shape"]),
-      8 + size + begin,
-    )
+    dtype, shape, (begin, end) = _entry(file, name, entry, data_bytes)
+    ranges.append((begin, end, name))
+    out[name] = (file, dtype, shape, 8 + size + begin)
+  _check_disjoint(file, ranges)
   return out
+
+
+def _entry(file, name, entry, data_bytes):
+  """One header entry's (dtype, shape, (begin, end)), or the one-line
+  error naming what about it cannot be right."""
+  where = f"{PREFIX}{file}: tensor {name!r}"
+  try:
+    dtype_name, shape = entry["dtype"], entry["shape"]
+    begin, end = entry["data_offsets"]
+  except (KeyError, TypeError, ValueError):
+    raise UsageError(
+      f"{where} has no dtype / shape / data_offsets [begin, end] in the "
+      "header: the file is not safetensors or is damaged"
+    ) from None
+  if dtype_name not in _DTYPES:
+    raise UsageError(
+      f"{where} has dtype {dtype_name}, which jpipe does not read "
+      f"({sorted(_DTYPES)})"
+    )
+  if not (
+    isinstance(shape, list)
+    and all(isinstance(d, int) and d >= 0 for d in shape)
+    and all(isinstance(x, int) for x in (begin, end))
+  ):
+    raise UsageError(
+      f"{where}: shape {shape} or offsets {[begin, end]} are not whole numbers >= 0"
+    )
+  dtype = _DTYPES[dtype_name]
+  want = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+  if not 0 <= begin <= end or end - begin != want:
+    raise UsageError(
+      f"{where}: its bytes [{begin}, {end}) are not its shape {shape} x "
+      f"{dtype_name} ({want} bytes): the file is damaged"
+    )
+  if end > data_bytes:
+    raise UsageError(
+      f"{where}: its bytes [{begin}, {end}) end past the file's "
+      f"{data_bytes} bytes of data: the file is truncated (download it "
+      "again)"
+    )
+  return dtype, tuple(shape), (begin, end)
+
+
+def _check_disjoint(file, ranges) -> None:
+  """No two tensors' byte ranges share a byte (an overlap would load one
+  tensor's bytes as another's); ``ranges``: (begin, end, name)."""
+  reach, holder = 0, None  # The furthest end so far, and whose it is.
+  for begin, end, name in sorted(r for r in ranges if r[1] > r[0]):
+    if begin < reach:
+      raise UsageError(
+        f"{PREFIX}{file}: tensors {holder!r} and {name!r} overlap in the "
+        "file (their byte ranges share bytes): the file is damaged"
+      )
+    reach, holder = end, name
 
 
 class LazyTensor:
