@@ -261,6 +261,8 @@ def main(argv=None) -> int:
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
     parser.error("give the command after --, e.g. -- python -m jpipe.train")
+  if shutil.which(command[0]) is None:
+    parser.error(f"no command {command[0]!r} on PATH (or no such file)")
   if args.nprocs < 1 or args.devices_per_process < 1:
     parser.error("--nprocs and --devices-per-process must be >= 1")
   platform = args.platform

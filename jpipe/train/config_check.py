@@ -133,6 +133,7 @@ def _check_pipeline(config, need) -> None:
   )
   m = config.pipeline.num_microbatches
   need(m >= 1, "pipeline.num_microbatches", "must be >= 1")
+  need(config.data.batch_size >= 1, "data.batch_size", "must be >= 1")
   if m >= 1:
     need(
       config.data.batch_size % m == 0,

@@ -26,6 +26,7 @@ full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -78,6 +79,10 @@ def _parser():
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  folder = os.path.dirname(os.path.abspath(args.png)) if args.png else ""
+  if folder and not os.path.isdir(folder):  # Before the plan, not after.
+    print(f"error: --png {args.png}: no folder {folder}", file=sys.stderr)
+    return 2
   try:
     solved = _solve(args)
   except ValueError as error:

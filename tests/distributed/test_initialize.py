@@ -78,6 +78,10 @@ def test_launcher_needs_a_command(capsys):
   with pytest.raises(SystemExit):
     launch.main(["--nprocs", "2"])
   assert "give the command after --" in capsys.readouterr().err
+  # A command that does not exist: one line before any process starts.
+  with pytest.raises(SystemExit):
+    launch.main(["--nprocs", "2", "--", "pythonn", "-m", "jpipe.train"])
+  assert "no command 'pythonn' on PATH" in capsys.readouterr().err
 
 
 # A launched process: says it is ready, then exits 3 on SIGTERM -- or,

@@ -78,6 +78,9 @@ def test_cli_config_errors(capsys):
   assert code == 2 and "--devices must be >= 1, got 0" in err
   with pytest.raises(SystemExit):
     plan_cli.main(["--stages", "2"])  # No --config.
+  # A picture into a folder that does not exist: refused before planning.
+  code, _, err = _run(capsys, "--config", path, "--png", "/no/such/plan.png")
+  assert code == 2 and "--png /no/such/plan.png: no folder /no/such" in err
 
 
 @pytest.mark.slow

@@ -140,6 +140,7 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
   [
     ("schedule.name", "zb", "config.schedule.name: 'zb' is not one of"),
     ("pipeline.num_microbatches", 5, "5 does not divide data.batch_size"),
+    ("data.batch_size", 0, "config.data.batch_size: must be >= 1"),
     ("staleness.stashing", True, "apply to the asynchronous schedule 'async'"),
     ("optimizer.name", "lionn", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
