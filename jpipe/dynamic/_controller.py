@@ -144,28 +144,25 @@ class DynamicPipeline:
     self.policy = make_policy(
       policy, high=high, low=low, warmup_windows=warmup_windows, top_k=top_k
     )
-    self.window = window
+    self.window, self.high, self.low = window, high, low
     self.horizon_steps = horizon_steps or 2 * window
-    self.high, self.low = high, low
     self.interference = interference or Interference()
     self.switch = self._first_switch(_priced_alike(build))
     first = self.switch.pipeline
     self.schedule_name = first.schedule_name
     self.num_microbatches = first.num_microbatches
     self._calibrate(build, cost_model, predictor)
-    # Weighted replica groups re-split by speed (not under "static").
-    self.balances = policy != "static"
-    self.rebalances: list[dict] = []
+    self.balances = policy != "static"  # Re-split weighted groups by speed.
     self.calls = 0
-    self.windows: list[Window] = []
-    self.history: list[dict] = []
+    self.rebalances: list[dict] = []  # Weighted groups' re-splits.
+    self.windows: list[Window] = []  # Measured, in order.
+    self.history: list[dict] = []  # Switches, in order.
     self.assumed = np.ones(first.stages.num_stages)  # sigma of the plan
     self._warmup_left = warmup_windows
     self._move_seconds = None  # Last switch's drain and move (no build).
-    # A new pipeline's first call compiles its programs: timed, it is
-    # part of what a switch to an unseen plan costs.
-    self.compile_seconds = 0.0
-    self._fresh = True
+    # A new pipeline's first call compiles its programs: timed, part of
+    # what a switch to an unseen plan costs.
+    self.compile_seconds, self._fresh = 0.0, True
     self._place()
 
   def _calibrate(self, build, cost_model, predictor) -> None:

@@ -128,40 +128,44 @@ class DataParallelPipelines:
     groups = [devices[p * per : (p + 1) * per] for p in range(pipelines)]
     # Every pipeline, in every process (module docstring).
     self.all_pipelines = _replica_pipelines(build, groups, hooks)
-    self.plan = plan = self.all_pipelines[0].plan
+    self.plan = self.all_pipelines[0].plan
     self.num_stages = self.all_pipelines[0].stages.num_stages
-    stage_devices = {
-      p: tuple(groups[p][ds[0]] for ds in plan.stage_devices)
-      for p in range(pipelines)
-    }
-    self._find_own_stages(stage_devices, devices)
+    stage_devices = self._find_own_stages(groups, devices)
     self.hooks = [hooks[p] for p in self.ranks]
     self._params_template = jax.tree.map(_aval, build.params)
     self._idle: dict[int, PipelineState] = {}  # pipelines run elsewhere
     self._consensus_calls = 0
+    knobs = dict(
+      ssp_bound=ssp_bound, pairwise=pairwise, gossip_seed=gossip_seed
+    )
+    self._start_sync(stage_devices, hooks, hetpipe_every=hetpipe_every, **knobs)
+
+  def _start_sync(self, stage_devices, hooks, **arguments) -> None:
+    """The sync policy (``sync`` with the arguments it takes), told where
+    every stage runs and bound to each pipeline's hooks."""
     self.policy = make_policy(
-      sync,
-      pipelines,
+      self.sync,
+      self.num_pipelines,
       self.num_stages,
-      batches_per_epoch,
+      self.batches_per_epoch,
       hub=self.hub,
-      **policy_options(
-        sync,
-        ssp_bound=ssp_bound,
-        pairwise=pairwise,
-        gossip_seed=gossip_seed,
-        hetpipe_every=hetpipe_every,
-      ),
+      **policy_options(self.sync, **arguments),
     )
     self.policy.place(stage_devices)
     self._exchange_across_processes(stage_devices)
+    per = self.devices_per_pipeline
     for p, h in enumerate(hooks):
-      h.bind(self.policy, [p * per + ds[0] for ds in plan.stage_devices])
+      h.bind(self.policy, [p * per + ds[0] for ds in self.plan.stage_devices])
 
-  def _find_own_stages(self, stage_devices, devices) -> None:
+  def _find_own_stages(self, groups, devices) -> dict:
     """Per pipeline, the stages this process runs (``stages_here``), the
     process of its last stage (``reporter``: it reports its figures), and
-    the pipelines this process feeds (``ranks``, ``pipelines``)."""
+    the pipelines this process feeds (``ranks``, ``pipelines``); returns
+    ``{pipeline: each stage's device}``, pipeline p on ``groups[p]``."""
+    stage_devices = {
+      p: tuple(group[ds[0]] for ds in self.plan.stage_devices)
+      for p, group in enumerate(groups)
+    }
     me = jax.process_index()
     self.stages_here = {
       p: tuple(s for s, d in enumerate(ds) if d.process_index == me)
@@ -178,6 +182,7 @@ class DataParallelPipelines:
         "the devices, or start fewer processes"
       )
     self.pipelines = [self.all_pipelines[p] for p in self.ranks]
+    return stage_devices
 
   def _exchange_across_processes(self, stage_devices) -> None:
     """Where a pipeline spans processes: the replicas exchange by pulls,
