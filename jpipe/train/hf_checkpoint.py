@@ -215,8 +215,8 @@ def _header(file: str) -> dict:
   header inside the file, each tensor's byte range its shape times its
   dtype's size, inside the data, overlapping no other (a file that fails
   is refused in one line naming it and the tensor; nothing is loaded)."""
-  file_bytes = os.path.getsize(file)
   try:
+    file_bytes = os.path.getsize(file)
     with open(file, "rb") as f:
       size = int.from_bytes(f.read(8), "little")
       if not 2 <= size <= min(_MAX_HEADER_BYTES, file_bytes - 8):

@@ -106,3 +106,10 @@ def test_malformed_entries_are_named(tmp_path):
   header["a"] = {"dtype": "C64", "shape": [2, 3], "data_offsets": [0, 24]}
   _write(path, {"a": A}, header=header)
   _refused(path, "dtype C64, which jpipe does not read")
+
+
+def test_an_index_naming_a_missing_shard_is_one_line(tmp_path):
+  index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(UsageError, match="not a safetensors file .*No such file"):
+    hf_checkpoint.Safetensors(str(tmp_path))
