@@ -2,7 +2,8 @@
 configs/default.py --workdir DIR [--config.KEY=VALUE ...]``.
 
 ``--help`` lists every config field with its value and meaning. A DIR
-with a checkpoint resumes; SIGTERM / SIGINT save and exit with 143 / 130.
+with a checkpoint resumes, one a live run holds is refused (naming its
+host and pid); SIGTERM / SIGINT save and exit with 143 / 130.
 Across processes: ``python -m jpipe.launch --nprocs N -- python -m
 jpipe.train ...``.
 """

@@ -27,10 +27,11 @@ usage: python -m jpipe.train --config CONFIG.py[:VARIANT] --workdir DIR \
 
 Trains a model split into pipeline stages (one per device) as CONFIG says,
 writing checkpoints, metrics.jsonl, TensorBoard events, the resolved config
-and the plan into DIR; a DIR with a checkpoint resumes. Any config field
-can be overridden: --config.train.steps=1000 --config.schedule.name=async.
-Several processes: python -m jpipe.launch --nprocs N -- python -m
-jpipe.train ... . Exit status: 0 finished, 2 bad flags or config, 143 / 130
+and the plan into DIR; a DIR with a checkpoint resumes, one a live run
+holds is refused. Any config field can be overridden:
+--config.train.steps=1000 --config.schedule.name=async. Several
+processes: python -m jpipe.launch --nprocs N -- python -m jpipe.train ... .
+Exit status: 0 finished, 2 bad flags, config or workdir, 143 / 130
 stopped by SIGTERM / SIGINT after saving a checkpoint (run the same
 command to resume), 1 any other error.
 """

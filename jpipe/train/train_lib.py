@@ -27,6 +27,7 @@ from jpipe.train import (
   optimizers,
   pretrained,
   tasks,
+  workdir_lock,
 )
 from jpipe.train import run as run_lib
 
@@ -126,10 +127,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   checkpoint. Returns the closing summary (also printed).
 
   What can be checked cheaply is checked before the data, the trace and
-  the partition: the config, the workdir (writable), the checkpoint
-  (written for this model; a finished run says so and stops). A SIGTERM
-  or SIGINT finishes the step, checkpoints and exits with 128 + the
-  signal's number (143, 130): the run did not finish.
+  the partition: the config, the workdir (writable, and no other live
+  run's: this run holds it until it returns, ``workdir_lock``), the
+  checkpoint (written for this model; a finished run says so and
+  stops). A SIGTERM or SIGINT finishes the step, checkpoints and exits
+  with 128 + the signal's number (143, 130): the run did not finish.
 
   Across processes (``jpipe.distributed.initialize`` first; every process
   calls this with the same config and workdir, which several hosts must
@@ -142,6 +144,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   config_check.check_devices(config, jax.devices())
   say = print if jax.process_index() == 0 else _quiet
   _check_workdir(workdir)
+  with workdir_lock.held(workdir, say):
+    return _train(run, config, workdir, say)
+
+
+def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
+  """``train_and_evaluate`` in a workdir this run holds."""
   checkpoints = checkpoint_lib.Checkpoints(
     workdir, config.train.keep_checkpoints
   )

@@ -1,7 +1,8 @@
 """``python -m jpipe.train`` across processes (``python -m jpipe.launch``):
 the default config trains over 2 processes, its checkpoint resumes in 1
 process and back in 2, on the trajectory of an uninterrupted run; a
-SIGTERM to the launcher saves and resumes."""
+SIGTERM to the launcher saves and resumes; a second run on a live run's
+workdir is refused in every one of its processes."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import time
 
 import pytest
 
+from jpipe.train import workdir_lock
 from tests.distributed.processes import read_until, started
 from tests.quick_compiles import with_quick_compiles
 
@@ -140,3 +142,57 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(
   )
   assert f"[p0] Resuming from step {saved}" in again
   assert f"[p0] Done: {saved + 2} steps" in again
+
+
+def test_a_second_run_on_a_live_runs_workdir_is_refused_in_each_process(
+  tmp_path, process_env
+):
+  """A live 2-process run holds its workdir (its processes share it);
+  a second 2-process run there exits at once with status 2, each process
+  with the one line naming the first run's process 0; the first run
+  trains on undisturbed."""
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2", "--"]
+  command += [sys.executable, "-m", "jpipe.train", "--config"]
+  command += [os.path.join(ROOT, "configs", "default.py")]
+  command += [
+    f"--workdir={tmp_path}",
+    "--config.model.kwargs.hidden=(32,32)",
+    "--config.pipeline.num_stages=2",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=100000",
+    "--config.train.checkpoint_every=100000",
+    "--config.train.steps=100000",
+  ]
+  lines = []
+  with started(command, process_env()) as first:
+    read_until(first, "[p0] step 1/", lines, time.monotonic() + 180)
+    with open(tmp_path / workdir_lock.FILE_NAME) as f:
+      holder = workdir_lock.Holder.parse(f.read())
+    assert holder.processes == 2
+    t0 = time.monotonic()
+    second = subprocess.run(
+      command,
+      env=process_env(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+      cwd=ROOT,
+    )
+    took = time.monotonic() - t0
+    assert second.returncode == 2, second.stdout[-4000:]
+    for p in (0, 1):
+      error = [
+        line
+        for line in second.stdout.splitlines()
+        if line.startswith(f"[p{p}] error: ")
+      ]
+      assert len(error) == 1, second.stdout[-4000:]
+      assert (
+        f"is in use by another run (pid {holder.pid} on host "
+        f"{holder.host}, process 0 of 2, since" in error[0]
+      )
+    assert took < 60, took
+    read_until(first, "[p0] step 3/", lines, time.monotonic() + 60)
+    first.send_signal(signal.SIGTERM)
+    rest, _ = first.communicate(timeout=60)
+  assert first.returncode == 143, ("".join(lines) + rest)[-4000:]
