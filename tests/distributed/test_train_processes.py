@@ -1,7 +1,8 @@
 """``python -m jpipe.train`` across processes (``python -m jpipe.launch``):
 the default config trains over 2 processes, its checkpoint resumes in 1
 process and back in 2, on the trajectory of an uninterrupted run; a
-SIGTERM to the launcher saves and resumes."""
+SIGTERM to the launcher saves and resumes; a process killed mid-run is
+restarted from the last checkpoint (``--max_restarts``)."""
 
 import json
 import os
@@ -21,9 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 
-def _train(workdir, steps, nprocs, env, *overrides):
+def _train(workdir, steps, nprocs, env, *overrides, launcher=()):
   """The default config (2 stages, small) to ``steps``; nprocs None: one
-  process without the launcher (8 fake CPU devices)."""
+  process without the launcher (8 fake CPU devices); ``launcher``: its
+  flags."""
   command = [sys.executable, "-m", "jpipe.train"]
   command += ["--config", os.path.join(ROOT, "configs", "default.py")]
   command += [
@@ -46,6 +48,7 @@ def _train(workdir, steps, nprocs, env, *overrides):
       "-m",
       "jpipe.launch",
       f"--nprocs={nprocs}",
+      *launcher,
       "--",
       *command,
     ]
@@ -140,3 +143,47 @@ def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(
   )
   assert f"[p0] Resuming from step {saved}" in again
   assert f"[p0] Done: {saved + 2} steps" in again
+
+
+def _final_checksums(workdir, step):
+  """The CRC-32 of every array of the checkpoint of ``step`` (params and
+  optimizer state; its metadata records them)."""
+  path = os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")
+  with open(path) as f:
+    return json.load(f)["checksums"]
+
+
+def test_a_process_killed_mid_run_restarts_from_the_last_checkpoint(
+  tmp_path, process_env
+):
+  """Issue 68's evidence: process 1 of a 2-process 1F1B run is killed
+  (SIGKILL, by a test-only switch) after step 5, checkpoints every 2
+  steps. With --max_restarts 1 the launcher starts both again, the run
+  resumes from step 4, trains steps 5-8 once each and ends 0 with the
+  uninterrupted run's final params and optimizer state, bit for bit."""
+  env = process_env()
+  flags = ("--config.train.checkpoint_every=2",)
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  _train(straight, 8, 2, env, *flags)
+  out = _train(
+    killed,
+    8,
+    2,
+    dict(env, JPIPE_TEST_DIE="1:5"),
+    *flags,
+    launcher=("--max_restarts=1",),
+  )
+  assert "[launch] process 1 exited with signal SIGKILL" in out, out[-4000:]
+  before, restart, after = out.partition("; restart 1 of 1, 2 processes: ")
+  assert restart and "[launch] process 1 ended with signal SIGKILL" in before
+  assert "[p0] Resuming from step 4 (" in after
+  logged = [
+    int(line.split("step ")[1].split("/")[0])
+    for line in after.splitlines()
+    if line.startswith("[p0] step ") and "/8: train loss" in line
+  ]
+  assert logged == [5, 6, 7, 8], out[-4000:]
+  assert "[p0] Done: 8 steps" in after
+  a, b = _losses(straight), _losses(killed)
+  assert sorted(b) == list(range(1, 9)) and b == a
+  assert _final_checksums(killed, 8) == _final_checksums(straight, 8)
