@@ -187,3 +187,50 @@ def test_a_process_killed_mid_run_restarts_from_the_last_checkpoint(
   a, b = _losses(straight), _losses(killed)
   assert sorted(b) == list(range(1, 9)) and b == a
   assert _final_checksums(killed, 8) == _final_checksums(straight, 8)
+
+
+# Process 1 of 2 fails at once once checkpoint 4 exists: its host did not
+# come back for the restart.
+_GONE = (
+  'if [ "$JAX_PROCESS_ID" = 1 ] && [ "$JAX_NUM_PROCESSES" = 2 ] && '
+  '[ -d "$WORKDIR/checkpoints/4" ]; then echo "no devices"; exit 1; fi; '
+  'exec "$@"'
+)
+
+
+def test_a_restart_goes_on_in_fewer_processes_with_a_new_plan(
+  tmp_path, process_env
+):
+  """--min_nprocs 1: process 1 is killed after step 5, and fails again at
+  the restart's start; the restart goes on in process 0 alone (its 2
+  devices), which plans 2 stages instead of 4, resumes from step 4 and
+  trains steps 5 and 6 once each."""
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2"]
+  command += ["--devices-per-process=2", "--max_restarts=1", "--min_nprocs=1"]
+  command += ["--", "sh", "-c", _GONE, "sh", sys.executable, "-m"]
+  command += ["jpipe.train", "--config", "configs/default.py"]
+  command += [
+    f"--workdir={tmp_path}",
+    "--config.model.kwargs.hidden=(16,16,16)",
+    "--config.pipeline.partition=mixed",  # Stages for 2 devices as for 4.
+    "--config.train.log_every=1",
+    "--config.train.eval_every=1000",
+    "--config.train.checkpoint_every=2",
+    "--config.train.steps=6",
+  ]
+  env = process_env(JPIPE_TEST_DIE="1:5", WORKDIR=str(tmp_path))
+  out = _run_command(command, env)
+  assert "[p0] 4 stages on devices [0, 1, 2, 3]" in out, out[-4000:]
+  _, shrink, after = out.partition(
+    "at start-up: restart 1 goes on with 1 process instead of 2"
+  )
+  assert shrink and "[p1] no devices" in out, out[-4000:]
+  assert "[p0] Resuming from step 4 (" in after
+  assert "[p0] 2 stages on devices [0, 1]" in after
+  logged = [
+    int(line.split("step ")[1].split("/")[0])
+    for line in after.splitlines()
+    if line.startswith("[p0] step ") and "/6: train loss" in line
+  ]
+  assert logged == [5, 6] and "[p0] Done: 6 steps" in after, out[-4000:]
+  assert "[p1]" not in after
