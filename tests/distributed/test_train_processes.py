@@ -2,7 +2,8 @@
 the default config trains over 2 processes, its checkpoint resumes in 1
 process and back in 2, on the trajectory of an uninterrupted run; a
 SIGTERM to the launcher saves and resumes; a second run on a live run's
-workdir is refused in every one of its processes."""
+workdir is refused in every one of its processes; a process killed
+mid-run is restarted from the last checkpoint (``--max_restarts``)."""
 
 import json
 import os
@@ -23,9 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 
-def _train(workdir, steps, nprocs, env, *overrides):
+def _train(workdir, steps, nprocs, env, *overrides, launcher=()):
   """The default config (2 stages, small) to ``steps``; nprocs None: one
-  process without the launcher (8 fake CPU devices)."""
+  process without the launcher (8 fake CPU devices); ``launcher``: its
+  flags."""
   command = [sys.executable, "-m", "jpipe.train"]
   command += ["--config", os.path.join(ROOT, "configs", "default.py")]
   command += [
@@ -48,6 +50,7 @@ def _train(workdir, steps, nprocs, env, *overrides):
       "-m",
       "jpipe.launch",
       f"--nprocs={nprocs}",
+      *launcher,
       "--",
       *command,
     ]
@@ -196,3 +199,94 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_each_process(
     first.send_signal(signal.SIGTERM)
     rest, _ = first.communicate(timeout=60)
   assert first.returncode == 143, ("".join(lines) + rest)[-4000:]
+
+
+def _final_checksums(workdir, step):
+  """The CRC-32 of every array of the checkpoint of ``step`` (params and
+  optimizer state; its metadata records them)."""
+  path = os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")
+  with open(path) as f:
+    return json.load(f)["checksums"]
+
+
+def test_a_process_killed_mid_run_restarts_from_the_last_checkpoint(
+  tmp_path, process_env
+):
+  """Issue 68's evidence: process 1 of a 2-process 1F1B run is killed
+  (SIGKILL, by a test-only switch) after step 5, checkpoints every 2
+  steps. With --max_restarts 1 the launcher starts both again, the run
+  resumes from step 4, trains steps 5-8 once each and ends 0 with the
+  uninterrupted run's final params and optimizer state, bit for bit."""
+  env = process_env()
+  flags = ("--config.train.checkpoint_every=2",)
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  _train(straight, 8, 2, env, *flags)
+  out = _train(
+    killed,
+    8,
+    2,
+    dict(env, JPIPE_TEST_DIE="1:5"),
+    *flags,
+    launcher=("--max_restarts=1",),
+  )
+  assert "[launch] process 1 exited with signal SIGKILL" in out, out[-4000:]
+  before, restart, after = out.partition("; restart 1 of 1, 2 processes: ")
+  assert restart and "[launch] process 1 ended with signal SIGKILL" in before
+  assert "[p0] Resuming from step 4 (" in after
+  logged = [
+    int(line.split("step ")[1].split("/")[0])
+    for line in after.splitlines()
+    if line.startswith("[p0] step ") and "/8: train loss" in line
+  ]
+  assert logged == [5, 6, 7, 8], out[-4000:]
+  assert "[p0] Done: 8 steps" in after
+  a, b = _losses(straight), _losses(killed)
+  assert sorted(b) == list(range(1, 9)) and b == a
+  assert _final_checksums(killed, 8) == _final_checksums(straight, 8)
+
+
+# Process 1 of 2 fails at once once checkpoint 4 exists: its host did not
+# come back for the restart.
+_GONE = (
+  'if [ "$JAX_PROCESS_ID" = 1 ] && [ "$JAX_NUM_PROCESSES" = 2 ] && '
+  '[ -d "$WORKDIR/checkpoints/4" ]; then echo "no devices"; exit 1; fi; '
+  'exec "$@"'
+)
+
+
+def test_a_restart_goes_on_in_fewer_processes_with_a_new_plan(
+  tmp_path, process_env
+):
+  """--min_nprocs 1: process 1 is killed after step 5, and fails again at
+  the restart's start; the restart goes on in process 0 alone (its 2
+  devices), which plans 2 stages instead of 4, resumes from step 4 and
+  trains steps 5 and 6 once each."""
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2"]
+  command += ["--devices-per-process=2", "--max_restarts=1", "--min_nprocs=1"]
+  command += ["--", "sh", "-c", _GONE, "sh", sys.executable, "-m"]
+  command += ["jpipe.train", "--config", "configs/default.py"]
+  command += [
+    f"--workdir={tmp_path}",
+    "--config.model.kwargs.hidden=(16,16,16)",
+    "--config.pipeline.partition=mixed",  # Stages for 2 devices as for 4.
+    "--config.train.log_every=1",
+    "--config.train.eval_every=1000",
+    "--config.train.checkpoint_every=2",
+    "--config.train.steps=6",
+  ]
+  env = process_env(JPIPE_TEST_DIE="1:5", WORKDIR=str(tmp_path))
+  out = _run_command(command, env)
+  assert "[p0] 4 stages on devices [0, 1, 2, 3]" in out, out[-4000:]
+  _, shrink, after = out.partition(
+    "at start-up: restart 1 goes on with 1 process instead of 2"
+  )
+  assert shrink and "[p1] no devices" in out, out[-4000:]
+  assert "[p0] Resuming from step 4 (" in after
+  assert "[p0] 2 stages on devices [0, 1]" in after
+  logged = [
+    int(line.split("step ")[1].split("/")[0])
+    for line in after.splitlines()
+    if line.startswith("[p0] step ") and "/6: train loss" in line
+  ]
+  assert logged == [5, 6] and "[p0] Done: 6 steps" in after, out[-4000:]
+  assert "[p1]" not in after
