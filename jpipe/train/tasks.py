@@ -101,7 +101,9 @@ def build_task(config, abstract: bool = False) -> Task:
   if config.data.get("format") in text_tasks.FORMATS:
     return text_tasks.build(config, model, abstract)
   if "mask_rate" in config.data:  # BERT's pre-training: masked LM + NSP.
-    tokenizer, (train, test) = _tokens(config, abstract)
+    # [CLS] a [SEP] b [SEP]: a sequence holds length - 3 text tokens.
+    need = config.data.sequence_length - 2
+    tokenizer, (train, test) = _tokens(config, abstract, need)
     return pretraining.build(config, model, tokenizer, train, test, abstract)
   if kind == "text task":
     raise UsageError(
@@ -321,7 +323,8 @@ def _accuracy(config, logits_fn, has_stats, test, batch_size):
 
 
 def _language_model(config, model, abstract=False) -> Task:
-  tokenizer, (train, test) = _tokens(config, abstract)
+  need = config.data.sequence_length + 1  # Inputs and their next tokens.
+  tokenizer, (train, test) = _tokens(config, abstract, need)
   vocab = getattr(model, "vocab_size", tokenizer.vocab_size)
   if vocab < tokenizer.vocab_size:
     raise UsageError(
@@ -380,17 +383,19 @@ def _language_model(config, model, abstract=False) -> Task:
   )
 
 
-def _tokens(config, abstract: bool):
-  """(tokenizer, (train, eval) token streams) of the config's text, or
-  stand-ins of its shapes (``abstract``)."""
+def _tokens(config, abstract: bool, need: int):
+  """(tokenizer, (train, eval) token streams) of the config's text (each
+  of at least ``need`` tokens, one sequence), or stand-ins of its shapes
+  (``abstract``)."""
   if abstract:
     return stand_in_data.tokenizer(config), stand_in_data.token_streams(config)
   tokenizer = input_pipeline.tokenizer(config)
-  return tokenizer, input_pipeline.load_tokens(config, tokenizer)
+  return tokenizer, input_pipeline.load_tokens(config, tokenizer, need)
 
 
 def _seq2seq(config, model, abstract=False) -> Task:
-  tokenizer, (train, test) = _tokens(config, abstract)
+  need = config.data.sequence_length  # One window, corrupted.
+  tokenizer, (train, test) = _tokens(config, abstract, need)
   data = config.data
   _, num_spans, _, _ = sequences.span_lengths(
     data.sequence_length, data.noise_density, data.mean_span_length

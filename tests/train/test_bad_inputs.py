@@ -6,10 +6,12 @@ import os
 
 import pytest
 
+from configs import default as default_config
+from configs import gpt_lm
+from jpipe.train import input_pipeline, tasks, train_lib
 from jpipe.train import plan as plan_cli
-from jpipe.train import train_lib
 from jpipe.train.errors import UsageError
-from tests.train.test_train import ROOT, default_config
+from tests.train.test_train import ROOT
 
 
 def _one_line(err) -> str:
@@ -34,3 +36,79 @@ def test_more_stages_than_nodes_is_the_plan_clis_line(tmp_path, capsys):
   config.pipeline.depth = 1
   with pytest.raises(UsageError, match="cannot split 5 nodes into 6 stages"):
     train_lib.train_and_evaluate(config, str(tmp_path / "b"))
+
+
+def _text_files_config(tmp_path, train, test):
+  """A byte-level GPT on text files ``train`` / ``test`` (bytes, written
+  to tmp_path), 16-byte sequences."""
+  config = gpt_lm.get_config()
+  config.data.name = input_pipeline.TEXT_FILES
+  for key, name, data in (
+    ("train", "train.txt", train),
+    ("eval", "eval.txt", test),
+  ):
+    if data is not None:
+      (tmp_path / name).write_bytes(data)
+    config.data[f"{key}_split"] = str(tmp_path / name)
+  config.data.sequence_length = 16
+  config.model.kwargs.update(width=8, num_layers=1, num_heads=1, max_length=16)
+  return config
+
+
+TEXT = b"the quick brown fox jumps over the lazy dog. " * 4
+
+
+@pytest.mark.parametrize(
+  "train, test, match",
+  [
+    (TEXT, b"", r"eval_split: \S*eval.txt is empty \(0 bytes\)"),
+    (b"", TEXT, r"train_split: \S*train.txt is empty \(0 bytes\)"),
+    (
+      b"hello",
+      TEXT,
+      r"train_split='\S*train.txt' holds 5 bytes, 5 tokens \(bytes\): "
+      r"fewer than the 17 of one sequence at config.data.sequence_length=16;",
+    ),
+    (
+      TEXT,
+      b"0123456789abcdef",
+      r"eval_split='\S*eval.txt' holds 16 bytes, 16 tokens .* fewer than "
+      "the 17",
+    ),
+    (TEXT, None, r"eval_split: \S*eval.txt is a directory; name the text"),
+    (
+      TEXT[:20] + b"\x1f\x8b\x08" + TEXT,
+      TEXT,
+      r"train.txt is not UTF-8 text \(byte 21 of 203: b'\\x8b\\x08th'\)",
+    ),
+  ],
+  ids=["empty eval", "empty train", "tiny train", "tiny eval", "dir", "binary"],
+)
+def test_text_files_that_cannot_serve_are_refused_when_opened(
+  tmp_path, train, test, match
+):
+  """Each as the data is read, before the model is initialised (was: a
+  traceback from the batch or evaluation windows -- the CLI's, after
+  training, where the evaluation came late; a binary file trained on
+  unnoticed)."""
+  if test is None:
+    (tmp_path / "eval.txt").mkdir()
+  config = _text_files_config(tmp_path, train, test)
+  with pytest.raises(UsageError, match=match) as err:
+    tasks.build_task(config)
+  _one_line(err)
+
+
+def test_utf8_is_checked_across_blocks(tmp_path, monkeypatch):
+  """A large file is decoded block by block: a character split by a
+  block's end is UTF-8, and a bad byte's offset is the file's."""
+  monkeypatch.setattr(input_pipeline, "_BLOCK", 4)
+  path = tmp_path / "a.txt"
+  path.write_bytes("abc\u00e9d\u20ac".encode())  # é, € straddle blocks.
+  assert input_pipeline._text_file("k", str(path)) == path.read_bytes()
+  path.write_bytes("abc\u00e9d\u20ac".encode() + b"\xffz")
+  with pytest.raises(UsageError, match=r"not UTF-8 text \(byte 9 of 11:"):
+    input_pipeline._text_file("k", str(path))
+  path.write_bytes("abc\u20ac".encode()[:-1])  # Cut inside its last one.
+  with pytest.raises(UsageError, match=r"\(byte 3 of 5:"):
+    input_pipeline._text_file("k", str(path))
