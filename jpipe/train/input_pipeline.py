@@ -164,13 +164,19 @@ def feature_shape(config, key: str) -> tuple | None:
   """The static shape TFDS's metadata gives ``config.data``'s feature
   ``key`` (None in a dimension that varies; None if it has none); read
   without the dataset's files."""
+  return getattr(feature(config, key), "shape", None)
+
+
+def feature(config, key: str):
+  """TFDS's metadata of ``config.data``'s feature ``key`` (read without
+  the dataset's files); a UsageError where it has no such feature."""
   features = _tfds_builder(config.data).info.features
   if key not in features:
     raise UsageError(
       f"config.data ({config.data.name}) has no feature {key!r}; it has "
       f"{sorted(features)}"
     )
-  return getattr(features[key], "shape", None)
+  return features[key]
 
 
 TEXT_FILES = "text_files"  # config.data.name: splits are file patterns.

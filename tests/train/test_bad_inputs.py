@@ -4,6 +4,7 @@ sequence, a model whose outputs do not fit the task."""
 
 import os
 
+import flax.linen as nn
 import pytest
 
 from configs import default as default_config
@@ -112,3 +113,68 @@ def test_utf8_is_checked_across_blocks(tmp_path, monkeypatch):
   path.write_bytes("abc\u20ac".encode()[:-1])  # Cut inside its last one.
   with pytest.raises(UsageError, match=r"\(byte 3 of 5:"):
     input_pipeline._text_file("k", str(path))
+
+
+class Logits(nn.Module):
+  """A user's module: ``outputs`` scores per image (rank 2), flattened to
+  rank 1 (``flat``), or per byte of a sequence (``per_token``)."""
+
+  outputs: int = 7
+  flat: bool = False
+  per_token: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.per_token:
+      return nn.Dense(self.outputs)(nn.Embed(256, 8)(x))
+    out = nn.Dense(self.outputs)(x.reshape(x.shape[0], -1))
+    return out.reshape(-1) if self.flat else out
+
+
+HERE = "tests.train.test_bad_inputs"
+
+
+@pytest.mark.parametrize(
+  "model, kwargs, match",
+  [
+    (
+      f"{HERE}:Logits",
+      {},
+      rf"config.model \({HERE}:Logits\) gives logits of shape \(1, 7\) for 1 "
+      r"image; classifying digits needs \[batch, classes\] = \[1, 10\] \(its "
+      rf"labels run 0..9\): give {HERE}:Logits 10 outputs, one per class",
+    ),
+    (f"{HERE}:Logits", {"flat": True}, r"gives logits of shape \(7,\)"),
+    ("mlp", {"num_classes": 7}, r"set config.model.kwargs.num_classes=10$"),
+  ],
+  ids=["7 classes", "rank 1", "jpipe's mlp"],
+)
+def test_a_classifier_with_the_wrong_logits_is_refused_at_build(
+  model, kwargs, match
+):
+  """Too few classes trained to a non-finite loss ("lower the learning
+  rate": the wrong cause); a rank-1 output failed inside optax."""
+  config = default_config.get_config()
+  config.model.name = model
+  config.model.kwargs = kwargs
+  with pytest.raises(UsageError, match=match) as err:
+    tasks.build_task(config)
+  _one_line(err)
+  config.model.kwargs = {"outputs": 12} if model != "mlp" else {}
+  tasks.build_task(config)  # More outputs than classes: fine.
+
+
+def test_a_language_model_with_too_few_logits_is_refused_at_build(tmp_path):
+  config = _text_files_config(tmp_path, TEXT, TEXT)
+  config.model.name = f"{HERE}:Logits"
+  config.model.kwargs = {"outputs": 100, "per_token": True}
+  with pytest.raises(
+    UsageError,
+    match=r"gives logits of shape \(1, 16, 100\) for 1 sequence of 16 tokens; "
+    r"a language model needs \[batch, length, vocab\] = \[1, 16, 256\] "
+    r"\(bytes ids run 0..255\): give \S+ 256 outputs per token",
+  ) as err:
+    tasks.build_task(config)
+  _one_line(err)
+  config.model.kwargs = {"outputs": 256, "per_token": True}
+  tasks.build_task(config)
