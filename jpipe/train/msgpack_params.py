@@ -102,7 +102,7 @@ def _array(record: bytes, name: str, fail) -> np.ndarray:
     fail(name, "its array record is not (shape, dtype, bytes)")
   try:
     dtype = jnp.dtype(dtype_name.decode("ascii", "replace"))
-  except TypeError:
+  except (TypeError, ValueError):
     dtype = None
   if dtype is None or dtype.hasobject:
     fail(

@@ -14,11 +14,15 @@
   object with ``.params``, such as a HuggingFace ``FlaxPreTrainedModel``),
   or such a value itself;
 
-and checks them leaf by leaf against the model's own freshly initialised
-params (``template``): same paths, same shapes. A mismatch is an error
-naming the first path that differs; ``keep_init`` (regular expressions on
-the path) keeps chosen leaves of the fresh init instead -- a new head of
-another size. Values are cast to the template's dtypes.
+Files are read without trusting them: a damaged msgpack file
+(``jpipe.train.msgpack_params``), orbax checkpoint or safetensors file
+(``hf_checkpoint``) is a one-line ``PretrainedError`` naming the file and
+the array. The params are checked leaf by leaf against the model's own
+freshly initialised params (``template``): same paths, same shapes. A
+mismatch is an error naming the first path that differs; ``keep_init``
+(regular expressions on the path) keeps chosen leaves of the fresh init
+instead -- a new head of another size. Values are cast to the template's
+dtypes.
 
 ``freeze(tx, patterns)`` is ``optax.multi_transform`` that zeroes the
 updates of the leaves whose path matches. A pipeline's stage optimizer
