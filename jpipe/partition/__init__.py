@@ -7,6 +7,7 @@ from jpipe.partition._cost_model import (
   MemoryBudget,
   MemoryModel,
   StageBytes,
+  TooFewNodes,
 )
 from jpipe.partition._follow import follow_plan
 from jpipe.partition._granularity import (
@@ -64,6 +65,7 @@ __all__ = [
   "plan_from_pipedream",
   "plan_traced",
   "StageBytes",
+  "TooFewNodes",
   "stage_memory_bytes",
   "plot_plan",
   "print_plan_table",

@@ -41,7 +41,7 @@ import heapq
 import numpy as np
 
 from jpipe.partition._contiguous import solve_contiguous
-from jpipe.partition._cost_model import GraphCosts, MemoryModel
+from jpipe.partition._cost_model import GraphCosts, MemoryModel, TooFewNodes
 
 OBJECTIVES = ("stage_time", "edge_cut")
 CONSTRAINTS = ("time", "memory")
@@ -148,7 +148,7 @@ def solve_acyclic(
 
 def _check_options(n, num_stages, memory, objective, constraint, epsilon):
   if not 1 <= num_stages <= n:
-    raise ValueError(
+    raise TooFewNodes(
       f"cannot split {n} nodes into {num_stages} stages: use between 1 and "
       f"{n} stages, or trace the model at a larger depth to get more nodes"
     )

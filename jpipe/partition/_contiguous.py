@@ -17,6 +17,7 @@ from jpipe.partition._cost_model import (
   COMM_MODELS,
   GraphCosts,
   MemoryModel,
+  TooFewNodes,
   stage_seconds,
 )
 
@@ -75,7 +76,7 @@ def solve_contiguous(
   """
   n_nodes = costs.num_nodes
   if not 1 <= num_stages <= n_nodes:
-    raise ValueError(
+    raise TooFewNodes(
       f"cannot split {n_nodes} nodes into {num_stages} stages: use between "
       f"1 and {n_nodes} stages, or trace the model at a larger depth to get "
       "more nodes"

@@ -32,6 +32,12 @@ import numpy as np
 COMM_MODELS = ("overlapped", "ftpipe")
 
 
+class TooFewNodes(ValueError):
+  """More stages asked for than the model has nodes to split: the
+  message names the most stages possible (the training CLI prints it as
+  one line)."""
+
+
 def stage_seconds(compute, t_in, t_out, comm_model: str):
   """A stage's time from compute and transfer seconds (arrays broadcast)."""
   if comm_model == "overlapped":

@@ -15,6 +15,7 @@ import dataclasses
 
 import numpy as np
 
+from jpipe.partition._cost_model import TooFewNodes
 from jpipe.partition._trace import TracedModel
 
 
@@ -73,7 +74,8 @@ def choose_depth(
   ``tolerance`` of the most balanced over all depths, and the trace cut
   there.
 
-  Raises ValueError when no depth has ``num_stages`` nodes.
+  Raises TooFewNodes (a ValueError) when no depth has ``num_stages``
+  nodes.
   """
   balance, cuts = {}, {}
   for depth in range(1, traced.max_depth + 1):
@@ -88,7 +90,7 @@ def choose_depth(
   best = min(balance.values())
   if not np.isfinite(best):
     most = max(c.num_nodes for c in cuts.values())
-    raise ValueError(
+    raise TooFewNodes(
       f"cannot split the model into {num_stages} stages: it has at most "
       f"{most} module-call nodes (at depth {traced.max_depth}); use at most "
       f"{most} stages, or wrap parts of a plain-JAX loss in "

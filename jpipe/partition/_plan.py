@@ -16,6 +16,7 @@ from jpipe.partition._cost_model import (
   GraphCosts,
   MemoryBudget,
   StageBytes,
+  TooFewNodes,
 )
 from jpipe.partition._graph_txt import ProfileGraph
 from jpipe.partition._mixed import solve_mixed
@@ -385,7 +386,8 @@ def _solve_named(traced, *args, solver=solve_contiguous, **kwargs):
       a, b = int(match.group(1)), int(match.group(2))
       return f"nodes {names[a]} .. {names[b]}"
 
-    raise ValueError(re.sub(r"nodes (\d+)-(\d+)", name, str(e))) from None
+    kind = TooFewNodes if isinstance(e, TooFewNodes) else ValueError
+    raise kind(re.sub(r"nodes (\d+)-(\d+)", name, str(e))) from None
 
 
 def stage_memory_bytes(

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from jpipe import distributed
 from jpipe.train.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Checkpoints", "checksums"]
+__all__ = ["CheckpointError", "Checkpoints", "checksums", "quiet_late_reads"]
 
 
 class Checkpoints:
@@ -128,7 +128,7 @@ class Checkpoints:
     where, fix = self._where(step)
     # Before the reads start: a failed read's siblings may print while
     # the failure is still on its way to the except clause below.
-    _quiet_late_reads()
+    quiet_late_reads()
     try:
       state = self._manager.restore(
         step,
@@ -155,7 +155,7 @@ class Checkpoints:
     self._manager.close()
 
 
-def _quiet_late_reads() -> None:
+def quiet_late_reads() -> None:
   """After a failed restore, the reads still under way finish into the
   closed event loop of the restore, and each would print a 6-line
   "RuntimeError: Event loop is closed" traceback around the one-line

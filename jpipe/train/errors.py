@@ -12,6 +12,16 @@ class CheckpointError(UsageError):
   """A checkpoint exists but cannot be used."""
 
 
+class PretrainedError(UsageError):
+  """Pretrained params (``config.init_from``) that cannot be read or do
+  not fit the model."""
+
+
+class PretrainedCheckpointError(PretrainedError, CheckpointError):
+  """A pretrained orbax checkpoint whose files fail to restore (its reads
+  still under way, the CLI ends at once: see ``CheckpointError``)."""
+
+
 class TrainingDiverged(FloatingPointError):
   """The loss went non-finite or far above its start (the message names
   the step, and the stage when its params went non-finite). The CLI exits

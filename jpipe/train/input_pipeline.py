@@ -6,10 +6,12 @@ files, no TensorFlow. Batches are a pure function of (seed, step), so the
 data position of a resumed run is just its step.
 """
 
+import codecs
 import difflib
 import functools
 import glob
 import importlib
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -162,13 +164,19 @@ def feature_shape(config, key: str) -> tuple | None:
   """The static shape TFDS's metadata gives ``config.data``'s feature
   ``key`` (None in a dimension that varies; None if it has none); read
   without the dataset's files."""
+  return getattr(feature(config, key), "shape", None)
+
+
+def feature(config, key: str):
+  """TFDS's metadata of ``config.data``'s feature ``key`` (read without
+  the dataset's files); a UsageError where it has no such feature."""
   features = _tfds_builder(config.data).info.features
   if key not in features:
     raise UsageError(
       f"config.data ({config.data.name}) has no feature {key!r}; it has "
       f"{sorted(features)}"
     )
-  return getattr(features[key], "shape", None)
+  return features[key]
 
 
 TEXT_FILES = "text_files"  # config.data.name: splits are file patterns.
@@ -209,11 +217,42 @@ def _text_files(data, key: str) -> np.ndarray:
       f"config.data.name={TEXT_FILES!r} the splits are text files' paths "
       "or glob patterns, e.g. /data/wikitext-2-raw/wiki.train.raw)"
     )
-  chunks = []
-  for path in files:
-    with open(path, "rb") as f:
-      chunks.append(f.read())
+  chunks = [_text_file(f"config.data.{key}", path) for path in files]
   return np.frombuffer(b"".join(chunks), np.uint8)
+
+
+_BLOCK = 1 << 24  # Bytes decoded at a time (a large file's memory bounded).
+
+
+def _text_file(key: str, path: str) -> bytes:
+  """The bytes of one text file; a UsageError naming it (``key``: the
+  config key that names it) where it is a directory, empty or not UTF-8
+  (a binary or compressed file would train on its bytes unnoticed)."""
+  if os.path.isdir(path):
+    raise UsageError(
+      f"{key}: {path} is a directory; name the text files in it, e.g. "
+      f"{os.path.join(path, '*.txt')}"
+    )
+  with open(path, "rb") as f:
+    data = f.read()
+  if not data:
+    raise UsageError(
+      f"{key}: {path} is empty (0 bytes); name a file of text (or remove "
+      "it from the pattern)"
+    )
+  decoder = codecs.getincrementaldecoder("utf-8")()
+  for start in range(0, len(data), _BLOCK):
+    try:
+      decoder.decode(data[start : start + _BLOCK], start + _BLOCK >= len(data))
+    except UnicodeDecodeError as e:
+      at = start + e.start - len(decoder.getstate()[0])
+      raise UsageError(
+        f"{key}: {path} is not UTF-8 text (byte {at} of {len(data)}: "
+        f"{data[at : at + 4]!r}); text files are read as UTF-8: convert it "
+        "(iconv -t UTF-8) or name the text file, not a binary or "
+        "compressed one"
+      ) from None
+  return data
 
 
 def tokenizer(config) -> tokenizers.Tokenizer:
@@ -227,11 +266,24 @@ def tokenizer(config) -> tokenizers.Tokenizer:
     raise UsageError(f"config.data.tokenizer: {e}") from e
 
 
-def load_tokens(config, tokens: tokenizers.Tokenizer):
+def load_tokens(config, tokens: tokenizers.Tokenizer, need: int = 1):
   """(train, eval) token streams of the config's text (``load_text``)
-  as ``tokens`` encodes them (bytes: uint8, unchanged)."""
-  train, test = load_text(config)
-  return tokens.stream(train), tokens.stream(test)
+  as ``tokens`` encodes them (bytes: uint8, unchanged); each at least
+  ``need`` tokens long (one sequence), else a UsageError naming the
+  split, its size and the fix."""
+  texts = load_text(config)
+  streams = tokens.stream(texts[0]), tokens.stream(texts[1])
+  keys = ("train_split", "eval_split")
+  for key, data, stream in zip(keys, texts, streams, strict=True):
+    if len(stream) < need:
+      raise UsageError(
+        f"config.data.{key}={config.data[key]!r} holds {len(data)} bytes, "
+        f"{len(stream)} tokens ({tokens.name}): fewer than the {need} of "
+        f"one sequence at config.data.sequence_length="
+        f"{config.data.sequence_length}; give more text or lower "
+        "config.data.sequence_length"
+      )
+  return streams
 
 
 EMBEDDED = ("digits", "stdlib_text")  # Built from files on this machine.

@@ -43,6 +43,15 @@ def logits_of(output):
   return output
 
 
+def logits_shape(model, variables, *inputs) -> tuple:
+  """The shape of the model's logits (``logits_of`` its evaluation-mode
+  output) on ``inputs``, traced on shapes: nothing runs."""
+  out = jax.eval_shape(
+    lambda v: model.apply(v, *inputs, **mode_kwargs(model, False)), variables
+  )
+  return tuple(logits_of(out).shape)
+
+
 def needs_dropout_key(model, variables, *inputs) -> bool:
   """Whether the model asks for a "dropout" key when training (its
   dropout rate > 0): applied abstractly in training mode without one."""

@@ -14,11 +14,15 @@
   object with ``.params``, such as a HuggingFace ``FlaxPreTrainedModel``),
   or such a value itself;
 
-and checks them leaf by leaf against the model's own freshly initialised
-params (``template``): same paths, same shapes. A mismatch is an error
-naming the first path that differs; ``keep_init`` (regular expressions on
-the path) keeps chosen leaves of the fresh init instead -- a new head of
-another size. Values are cast to the template's dtypes.
+Files are read without trusting them: a damaged msgpack file
+(``jpipe.train.msgpack_params``), orbax checkpoint or safetensors file
+(``hf_checkpoint``) is a one-line ``PretrainedError`` naming the file and
+the array. The params are checked leaf by leaf against the model's own
+freshly initialised params (``template``): same paths, same shapes. A
+mismatch is an error naming the first path that differs; ``keep_init``
+(regular expressions on the path) keeps chosen leaves of the fresh init
+instead -- a new head of another size. Values are cast to the template's
+dtypes.
 
 ``freeze(tx, patterns)`` is ``optax.multi_transform`` that zeroes the
 updates of the leaves whose path matches. A pipeline's stage optimizer
@@ -36,19 +40,18 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import flax.serialization
 import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from jpipe.train import hf_checkpoint
-from jpipe.train.checkpoint import checksums
-from jpipe.train.errors import UsageError
-
-
-class PretrainedError(UsageError):
-  """Pretrained params that cannot be read or do not fit the model."""
+from jpipe.train import hf_checkpoint, msgpack_params
+from jpipe.train.checkpoint import checksums, quiet_late_reads
+from jpipe.train.errors import (
+  PretrainedCheckpointError,
+  PretrainedError,
+  UsageError,
+)
 
 
 def leaf_path(path) -> str:
@@ -240,15 +243,12 @@ def _read(source: Any) -> Any:
     return _unwrap(_call(source, "the given callable"))
   path = os.path.expanduser(source)
   if os.path.isfile(path):
-    try:
-      with open(path, "rb") as f:
-        return flax.serialization.msgpack_restore(f.read())
-    except Exception as e:
+    if path.endswith(".safetensors"):
       raise PretrainedError(
-        f"{source} is not a Flax msgpack file of params "
-        f"({type(e).__name__}: {e}); give a msgpack file, an orbax "
-        "checkpoint directory or module:callable"
-      ) from e
+        f"{source} is a safetensors file: give hf:{source} (read by the "
+        "model's HuggingFace name map)"
+      )
+    return msgpack_params.read(path)
   if os.path.isdir(path):
     return _read_orbax(path)
   check_source(source)
@@ -291,18 +291,17 @@ def _read_orbax(path: str):
   numbered = [d for d in os.listdir(path) if d.isdigit()]
   if numbered:  # A CheckpointManager directory: its latest step.
     path = os.path.join(path, max(numbered, key=int))
+  elif path == steps:
+    raise PretrainedError(
+      f"{os.path.dirname(steps)} is a jpipe workdir without a checkpoint "
+      f"({steps} holds no step); train it until it saves one "
+      "(config.train.checkpoint_every) or initialise from another"
+    )
   saved = None
   if os.path.isdir(os.path.join(path, "state")):  # jpipe's composite item.
     saved = _saved_checksums(path)
     path = os.path.join(path, "state")
-  try:
-    tree = ocp.StandardCheckpointer().restore(os.path.abspath(path))
-  except Exception as e:
-    raise PretrainedError(
-      f"{path} is not an orbax checkpoint of params "
-      f"({type(e).__name__}: {e}); give a jpipe workdir or checkpoint, an "
-      "orbax checkpoint directory, a Flax msgpack file or module:callable"
-    ) from e
+  tree = _restored(path)
   if saved:  # A jpipe checkpoint is checked as resuming checks it.
     # Restored without a template, named tuples come back as dicts:
     # ".trace" was saved, "['trace']" is read.
@@ -316,6 +315,50 @@ def _read_orbax(path: str):
           "directory beside it) or a fresh copy"
         )
   return tree
+
+
+def _restored(path: str):
+  """The pytree of the orbax checkpoint at ``path``; a one-line error
+  saying whether it is none (no ``_METADATA``: what it is instead, where
+  that is clear) or a damaged one (the array and the cause)."""
+  quiet_late_reads()  # A failed read's siblings would print tracebacks.
+  try:
+    return ocp.StandardCheckpointer().restore(os.path.abspath(path))
+  except Exception as e:
+    text = str(e).split(" [tensorstore_spec=")[0].strip()
+    text = text.splitlines()[0] if text else ""
+    if not os.path.exists(os.path.join(path, "_METADATA")):
+      raise PretrainedError(
+        f"{path} is not an orbax checkpoint (it has no _METADATA)"
+        f"{_what_else(path)}; give a jpipe workdir or checkpoint, an orbax "
+        "checkpoint directory, a Flax msgpack file, hf:PATH or "
+        "module:callable"
+      ) from e
+    array = re.search(r'"([^"]+)/\.zarray"', text)
+    if array:  # tensorstore's: 'CODE: Error ...: Error ...: the cause'.
+      code = re.match(r"[A-Z_]{4,}(?=: )", text)
+      cause = text.rsplit(": ", 1)[-1].split("; at ")[0]
+      why = f"array {array.group(1)!r}: " + (
+        f"{code.group(0)}: {cause}" if code else cause
+      )
+    else:
+      why = f"{type(e).__name__}: {text}"
+    raise PretrainedCheckpointError(
+      f"{path} is a damaged orbax checkpoint ({why[:240]}): its files "
+      "changed or went missing after it was written; initialise from "
+      "another checkpoint (a numbered directory beside it) or a fresh copy"
+    ) from e
+
+
+def _what_else(path: str) -> str:
+  """What a directory that is no orbax checkpoint holds instead, as a
+  hint: a HuggingFace model's msgpack or safetensors files."""
+  names = os.listdir(path)
+  if "flax_model.msgpack" in names:
+    return f" but flax_model.msgpack: give {path}/flax_model.msgpack"
+  if any(n.endswith(".safetensors") for n in names):
+    return f" but safetensors files: give hf:{path}"
+  return ""
 
 
 def _as_dict_path(keystr: str) -> str:

@@ -101,7 +101,9 @@ def build_task(config, abstract: bool = False) -> Task:
   if config.data.get("format") in text_tasks.FORMATS:
     return text_tasks.build(config, model, abstract)
   if "mask_rate" in config.data:  # BERT's pre-training: masked LM + NSP.
-    tokenizer, (train, test) = _tokens(config, abstract)
+    # [CLS] a [SEP] b [SEP]: a sequence holds length - 3 text tokens.
+    need = config.data.sequence_length - 2
+    tokenizer, (train, test) = _tokens(config, abstract, need)
     return pretraining.build(config, model, tokenizer, train, test, abstract)
   if kind == "text task":
     raise UsageError(
@@ -228,6 +230,9 @@ def _classification(config, model, abstract=False) -> Task:
     images_at,
     model_calls.needs_dropout_key(model, variables, example["x"][:1]),
   )
+  _check_logits(
+    config, model, variables, example["x"][:1], classes_of(config, train, test)
+  )
   has_stats = "batch_stats" in variables
   loss_fn, logits_fn = _classifier_fns(
     model, has_stats, rngs_of, model_calls.label_smoothing(config)
@@ -239,6 +244,36 @@ def _classification(config, model, abstract=False) -> Task:
     variables.get("batch_stats"),
     batch_at,
     evaluation=_accuracy(config, logits_fn, has_stats, test, bs),
+  )
+
+
+def classes_of(config, train, test) -> int:
+  """The classes a classifier of the config's images must score: the TFDS
+  label feature's count for streamed images (0 where it gives none),
+  else one more than the largest label of either split."""
+  if isinstance(train, input_pipeline.StreamedImages):
+    label = input_pipeline.feature(config, config.data.label_key)
+    return int(getattr(label, "num_classes", 0) or 0)
+  return 1 + int(max(train.labels.max(initial=-1), test.labels.max(initial=-1)))
+
+
+def _check_logits(config, model, variables, x, classes: int) -> None:
+  """The model's logits of images ``x`` must be [len(x), >= classes]; a
+  UsageError naming their shape and the fix otherwise (too few classes
+  trained to a non-finite loss, a wrong rank failed inside optax)."""
+  shape = model_calls.logits_shape(model, variables, x)
+  if len(shape) == 2 and shape[0] == len(x) and shape[1] >= classes:
+    return
+  fix = (
+    f"set config.model.kwargs.num_classes={classes}"
+    if hasattr(model, "num_classes")
+    else f"give {config.model.name} {classes} outputs, one per class"
+  )
+  raise UsageError(
+    f"config.model ({config.model.name}) gives logits of shape {shape} for "
+    f"{len(x)} image; classifying {config.data.name} needs "
+    f"[batch, classes] = [{len(x)}, {classes}] (its labels run 0.."
+    f"{classes - 1}): {fix}"
   )
 
 
@@ -321,7 +356,8 @@ def _accuracy(config, logits_fn, has_stats, test, batch_size):
 
 
 def _language_model(config, model, abstract=False) -> Task:
-  tokenizer, (train, test) = _tokens(config, abstract)
+  need = config.data.sequence_length + 1  # Inputs and their next tokens.
+  tokenizer, (train, test) = _tokens(config, abstract, need)
   vocab = getattr(model, "vocab_size", tokenizer.vocab_size)
   if vocab < tokenizer.vocab_size:
     raise UsageError(
@@ -350,6 +386,7 @@ def _language_model(config, model, abstract=False) -> Task:
     windows_at,
     model_calls.needs_dropout_key(model, {"params": params}, example["x"][:1]),
   )
+  _check_lm_logits(config, model, params, example["x"][:1], tokenizer)
   smoothing = model_calls.label_smoothing(config)
 
   def loss_fn(params, batch):
@@ -380,17 +417,40 @@ def _language_model(config, model, abstract=False) -> Task:
   )
 
 
-def _tokens(config, abstract: bool):
-  """(tokenizer, (train, eval) token streams) of the config's text, or
-  stand-ins of its shapes (``abstract``)."""
+def _check_lm_logits(config, model, params, x, tokenizer) -> None:
+  """A language model's logits of sequences ``x`` must be [len(x),
+  length, >= the tokenizer's vocabulary]; a UsageError naming their
+  shape and the fix otherwise."""
+  shape = model_calls.logits_shape(model, {"params": params}, x)
+  want = (*x.shape, tokenizer.vocab_size)
+  if len(shape) == 3 and shape[:2] == want[:2] and shape[2] >= want[2]:
+    return
+  fix = (
+    f"set config.model.kwargs.vocab_size={want[2]}"
+    if hasattr(model, "vocab_size")
+    else f"give {config.model.name} {want[2]} outputs per token"
+  )
+  raise UsageError(
+    f"config.model ({config.model.name}) gives logits of shape {shape} for "
+    f"{want[0]} sequence of {want[1]} tokens; a language model needs "
+    f"[batch, length, vocab] = {list(want)} ({tokenizer.name} ids run "
+    f"0..{want[2] - 1}): {fix}"
+  )
+
+
+def _tokens(config, abstract: bool, need: int):
+  """(tokenizer, (train, eval) token streams) of the config's text (each
+  of at least ``need`` tokens, one sequence), or stand-ins of its shapes
+  (``abstract``)."""
   if abstract:
     return stand_in_data.tokenizer(config), stand_in_data.token_streams(config)
   tokenizer = input_pipeline.tokenizer(config)
-  return tokenizer, input_pipeline.load_tokens(config, tokenizer)
+  return tokenizer, input_pipeline.load_tokens(config, tokenizer, need)
 
 
 def _seq2seq(config, model, abstract=False) -> Task:
-  tokenizer, (train, test) = _tokens(config, abstract)
+  need = config.data.sequence_length  # One window, corrupted.
+  tokenizer, (train, test) = _tokens(config, abstract, need)
   data = config.data
   _, num_spans, _, _ = sequences.span_lengths(
     data.sequence_length, data.noise_density, data.mean_span_length

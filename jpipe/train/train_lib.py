@@ -16,6 +16,7 @@ import ml_collections
 import optax
 
 import jpipe
+from jpipe import partition as partition_lib
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import (
   config_check,
@@ -181,7 +182,16 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
 
 
 def build_mode(run, config, task: Task, tx, lr, say) -> loop.Mode:
-  """The loop's mode of ``run``: its pipeline(s) built."""
+  """The loop's mode of ``run``: its pipeline(s) built. More stages than
+  the model has nodes is a UsageError, the line ``python -m
+  jpipe.train.plan`` prints (found by the trace, before any compile)."""
+  try:
+    return _modes(run, config, task, tx, lr, say)
+  except partition_lib.TooFewNodes as e:
+    raise UsageError(str(e)) from e
+
+
+def _modes(run, config, task: Task, tx, lr, say) -> loop.Mode:
   example = task.batch_at(0)
   options = pipeline_options(config, task, lr)
   if run.data_parallel:
