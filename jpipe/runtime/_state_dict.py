@@ -100,11 +100,18 @@ def merge_optimizer_states(optimizers, opt_states) -> tuple[dict, dict]:
   "max_learning_rate"}`` of Gap-Aware stages' leaves, {} without), on the
   host."""
   host = [jax.device_get(st) for st in opt_states]  # (Unpacked on the host.)
-  base = [opt.base_state(st) for opt, st in zip(optimizers, host, strict=True)]
+  return merge_unpacked(
+    optimizers,
+    [opt.state_tree(st) for opt, st in zip(optimizers, host, strict=True)],
+  )
+
+
+def merge_unpacked(optimizers, trees) -> tuple[dict, dict]:
+  """``merge_optimizer_states`` of states already unpacked (optax's
+  trees: host arrays, or abstract values)."""
+  base = [opt.base_state(st) for opt, st in zip(optimizers, trees, strict=True)]
   ga_states = [
-    opt.state_tree(st)
-    for opt, st in zip(optimizers, host, strict=True)
-    if opt.gap_aware
+    st for opt, st in zip(optimizers, trees, strict=True) if opt.gap_aware
   ]
   gap = {}
   if ga_states:

@@ -42,7 +42,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from jpipe.train import hf_checkpoint
+from jpipe.train import hf_checkpoint, process_arrays
 from jpipe.train.checkpoint import checksums
 from jpipe.train.errors import UsageError
 
@@ -291,6 +291,15 @@ def _read_orbax(path: str):
   numbered = [d for d in os.listdir(path) if d.isdigit()]
   if numbered:  # A CheckpointManager directory: its latest step.
     path = os.path.join(path, max(numbered, key=int))
+  arrays = os.path.join(path, process_arrays.ITEM)
+  if os.path.isdir(arrays):  # A jpipe checkpoint written per process.
+    try:
+      return process_arrays.read_tree(arrays)
+    except ValueError as e:
+      raise PretrainedError(
+        f"{path}: {e}; initialise from another checkpoint of that run (a "
+        "numbered directory beside it) or a fresh copy"
+      ) from e
   saved = None
   if os.path.isdir(os.path.join(path, "state")):  # jpipe's composite item.
     saved = _saved_checksums(path)
