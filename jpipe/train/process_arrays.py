@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 __all__ = [
   "ProcessArraysRestore",
   "ProcessArraysSave",
+  "SavedLeaf",
   "read_arrays",
   "read_tree",
   "write_arrays",
@@ -68,7 +69,7 @@ def write_arrays(directory: str, process: int, tree: Any) -> None:
       "keys": [_key(k) for k in path],
       "shape": list(host.shape),
       "dtype": str(host.dtype),
-      "crc32": format(zlib.crc32(host.tobytes()), "08x"),
+      "crc32": _crc32(host),
     }
     del host, stored
   with open(os.path.join(directory, f"index_p{process}.json"), "w") as f:
@@ -82,6 +83,12 @@ def _key(k) -> str | int:
     if hasattr(k, attr):
       return getattr(k, attr)
   return str(k)
+
+
+def _crc32(array: np.ndarray) -> str:
+  """The CRC-32 (hex) of a C-contiguous array's bytes, read in place (no
+  copy: a leaf may be big)."""
+  return format(zlib.crc32(array.reshape(-1).view(np.uint8)), "08x")
 
 
 def read_index(directory: str) -> dict[str, dict]:
@@ -119,7 +126,7 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
       f"{where} ({path}) holds {value.dtype}{list(value.shape)}, its index "
       f"says {entry['dtype']}{entry['shape']}"
     )
-  if format(zlib.crc32(value.tobytes()), "08x") != entry["crc32"]:
+  if _crc32(value) != entry["crc32"]:
     raise ValueError(
       f"{where} fails its checksum at {path}: its files changed after they "
       f"were written (disk or copy damage)"
@@ -127,10 +134,45 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
   return value
 
 
+# A leaf of this many bytes or more is checked when read, then read again
+# where it is placed (``SavedLeaf``): a restore holds one on the host at
+# a time. Smaller ones stay read.
+LAZY_BYTES = 2**20
+
+
+class SavedLeaf:
+  """A saved leaf, already checked, read again when converted
+  (``np.asarray``): restoring a stage's state places one leaf at a time
+  instead of holding all of them on the host first."""
+
+  def __init__(self, directory: str, path: str, entry: dict):
+    self.directory, self.path, self.entry = directory, path, entry
+    self.shape = tuple(entry["shape"])
+    self.dtype = jax.numpy.dtype(entry["dtype"])
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # Always a new array.
+    value = read_leaf(self.directory, self.path, self.entry)
+    return value if dtype is None else value.astype(dtype)
+
+  def __repr__(self) -> str:
+    return f"SavedLeaf({self.path}: {self.dtype}{list(self.shape)})"
+
+
+def _checked(directory: str, path: str, entry: dict):
+  """The leaf (read and checked), or a ``SavedLeaf`` of it when big."""
+  value = read_leaf(directory, path, entry)
+  if value.nbytes < LAZY_BYTES:
+    return value
+  del value  # Checked; read again where it is placed.
+  return SavedLeaf(directory, path, entry)
+
+
 def read_arrays(directory: str, template: Any, needed: Any) -> Any:
   """``template``'s structure with each needed leaf read from the files
-  (its shape checked against the template's) and the template's leaf
-  elsewhere. ``needed``: booleans in ``template``'s structure.
+  (checked: its shape against the template's, its checksum; a big one as
+  a ``SavedLeaf``) and the template's leaf elsewhere. ``needed``:
+  booleans in ``template``'s structure.
 
   Leaves under a ``"gap_aware"`` statistics dict that were not saved (no
   Gap-Aware stage held them) are left out, as a fresh state starts them.
@@ -154,7 +196,7 @@ def read_arrays(directory: str, template: Any, needed: Any) -> Any:
         f"saved {name} has shape {tuple(entry['shape'])}, the model needs "
         f"{tuple(aval.shape)}: saved for another model"
       )
-    leaves.append(read_leaf(directory, name, entry) if want else aval)
+    leaves.append(_checked(directory, name, entry) if want else aval)
   tree = jax.tree_util.tree_unflatten(treedef, leaves)
   if isinstance(tree, dict) and tree.get("gap_aware"):
     tree["gap_aware"] = _without_avals(tree["gap_aware"])
