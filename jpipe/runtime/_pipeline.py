@@ -33,7 +33,7 @@ import jax
 import optax
 
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import _pipeline_state, _step
+from jpipe.runtime import _pipeline_state, _process_state, _step
 from jpipe.runtime._assemble import build_pipeline, options_from_keywords
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime.build.memory import StageMemory, device_totals
@@ -332,6 +332,20 @@ class Pipeline:
     (``_pipeline_state.state_dict``). Needs a drained pipeline. Across
     processes as ``gather_params`` (None where it gives None)."""
     return _pipeline_state.state_dict(self, state)
+
+  def local_state_dict(self, state: PipelineState) -> dict[str, Any]:
+    """``state_dict``'s structure without gathering (no collective): the
+    leaves this process writes to a checkpoint as arrays, each written by
+    exactly one process, the others as ``jax.ShapeDtypeStruct``
+    (``_process_state``). Needs a drained pipeline."""
+    return _process_state.local_state_dict(self, state)
+
+  def state_dict_layout(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``state_dict``'s structure as ``jax.ShapeDtypeStruct`` leaves, the
+    same of booleans: whether this process's stages use each leaf).
+    ``load_state_dict`` takes a state dict holding only the used leaves
+    (the others as the layout's ``ShapeDtypeStruct``)."""
+    return _process_state.state_dict_layout(self)
 
   def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
     """A PipelineState from ``state_dict``'s output (any partition).

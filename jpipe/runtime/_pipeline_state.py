@@ -21,6 +21,8 @@ import numpy as np
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._state_dict import (
   merge_optimizer_states,
+  on_host,
+  place_leaf,
   restore_structure,
   select_optimizer_states,
 )
@@ -46,9 +48,13 @@ class PipelineState(NamedTuple):
   in_flight: InFlight | None = None
 
 
-def init_state(pipe, params: Any, model_state: Any = None) -> PipelineState:
+def init_state(
+  pipe, params: Any, model_state: Any = None, *, fresh_optimizer=None
+) -> PipelineState:
   """``Pipeline.init``: ``params`` split per stage and placed, with their
-  optimizer states (and the model state's leaves)."""
+  optimizer states (and the model state's leaves). ``fresh_optimizer``:
+  per stage, whether to make its optimizer state (else its abstract
+  value, for a restore to fill: nothing allocated twice); None: all."""
   if (model_state is None) != (pipe.state_treedef is None):
     raise ValueError(
       "pass model_state to init exactly when the Pipeline was built with "
@@ -69,20 +75,14 @@ def init_state(pipe, params: Any, model_state: Any = None) -> PipelineState:
     # Leaf by leaf: a lazily read checkpoint (leaves that read themselves
     # when converted, e.g. jpipe.train.hf_checkpoint's) is never whole on
     # the host, one leaf at a time on its way to its stage.
-    placed = type(leaves)(place.put_replicated(_on_host(x)) for x in leaves)
+    placed = type(leaves)(place_leaf(place.put_replicated, x) for x in leaves)
     stage_params.append(placed)
-    opt_states.append(
-      place.put_replicated(pipe.stage_optimizers[s].init(placed))
-    )
+    init = pipe.stage_optimizers[s].init
+    if fresh_optimizer is None or fresh_optimizer[s]:
+      opt_states.append(place.put_replicated(init(placed)))
+    else:
+      opt_states.append(jax.eval_shape(init, placed))
   return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
-
-
-def _on_host(leaf):
-  """An array ``jax.device_put`` takes: arrays as they are, anything
-  else (an object with ``__array__``) converted."""
-  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
-    return leaf
-  return np.asarray(leaf)
 
 
 def check_drained(state, what: str) -> None:
@@ -270,7 +270,14 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
     )
   if model_state is not None:
     model_state = restore_structure(model_state, pipe.state_treedef)
-  base = pipe.init(params, model_state)
+    model_state = jax.tree.map(on_host, model_state)
+  # Only a Gap-Aware stage's fresh state is used (statistics not saved).
+  base = init_state(
+    pipe,
+    params,
+    model_state,
+    fresh_optimizer=[opt.gap_aware for opt in pipe.stage_optimizers],
+  )
   stage_params = base.stage_params
   opt_states = list(base.opt_states)  # None where another process runs it
   owned = [s for s in range(len(opt_states)) if pipe.transport.owns(s)]
@@ -278,9 +285,10 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
     tree,
     [pipe.stage_optimizers[s] for s in owned],
     [opt_states[s] for s in owned],
+    [pipe.placement[s].put_replicated for s in owned],
   )
   for s, opt_state in zip(owned, loaded, strict=True):
-    opt_states[s] = pipe.placement[s].put_replicated(opt_state)
+    opt_states[s] = opt_state
   return pipe.drained_state(
     stage_params, opt_states, int(tree["step"]), base.model_state
   )

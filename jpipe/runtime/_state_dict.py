@@ -69,7 +69,25 @@ def select_keyed(saved, template):
       f"a saved optimizer leaf has shape {np.shape(saved)}, expected "
       f"{np.shape(template)}: it was saved for another model or optimizer"
     )
-  return np.asarray(saved, dtype=np.asarray(template).dtype)
+  dtype = getattr(template, "dtype", None) or np.asarray(template).dtype
+  if getattr(saved, "dtype", None) == dtype:
+    return saved  # (A leaf read when placed stays unread here.)
+  return np.asarray(saved, dtype=dtype)
+
+
+def on_host(leaf):
+  """An array ``jax.device_put`` takes: arrays as they are, anything
+  else (an object with ``__array__``, e.g. a checkpoint's leaf read
+  when converted) converted."""
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
+    return leaf
+  return np.asarray(leaf)
+
+
+def place_leaf(place, leaf):
+  """``place(leaf)``, done before the next leaf is read: the host copy of
+  a leaf read when converted is gone before the next is read."""
+  return jax.block_until_ready(place(on_host(leaf)))
 
 
 def _field(saved, name, index):
@@ -100,11 +118,18 @@ def merge_optimizer_states(optimizers, opt_states) -> tuple[dict, dict]:
   "max_learning_rate"}`` of Gap-Aware stages' leaves, {} without), on the
   host."""
   host = [jax.device_get(st) for st in opt_states]  # (Unpacked on the host.)
-  base = [opt.base_state(st) for opt, st in zip(optimizers, host, strict=True)]
+  return merge_unpacked(
+    optimizers,
+    [opt.state_tree(st) for opt, st in zip(optimizers, host, strict=True)],
+  )
+
+
+def merge_unpacked(optimizers, trees) -> tuple[dict, dict]:
+  """``merge_optimizer_states`` of states already unpacked (optax's
+  trees: host arrays, or abstract values)."""
+  base = [opt.base_state(st) for opt, st in zip(optimizers, trees, strict=True)]
   ga_states = [
-    opt.state_tree(st)
-    for opt, st in zip(optimizers, host, strict=True)
-    if opt.gap_aware
+    st for opt, st in zip(optimizers, trees, strict=True) if opt.gap_aware
   ]
   gap = {}
   if ga_states:
@@ -117,15 +142,23 @@ def merge_optimizer_states(optimizers, opt_states) -> tuple[dict, dict]:
 
 
 def select_optimizer_states(
-  tree: Mapping, optimizers, fresh_states: Sequence
+  tree: Mapping, optimizers, fresh_states: Sequence, places: Sequence
 ) -> list:
   """Each stage's optimizer state from a state dict's "opt_state" and
-  "gap_aware" (structured and stored like ``fresh_states``: a stage's
-  ``StageOptimizer.init``'s). Gap-Aware statistics of leaves saved off a
-  Gap-Aware stage start fresh."""
+  "gap_aware", placed by ``places`` (per stage: a pytree -> the pytree on
+  the stage's devices; applied leaf by leaf, so a leaf that is read when
+  converted is on the host alone) and stored like ``fresh_states`` (a
+  stage's ``StageOptimizer.init``'s, or its abstract value,
+  ``jax.eval_shape``'s). Gap-Aware statistics of leaves saved off a
+  Gap-Aware stage start fresh (from a real fresh state)."""
   out = []
-  for opt, stored in zip(optimizers, fresh_states, strict=True):
-    fresh = opt.state_tree(jax.device_get(stored))
+  for opt, stored, place in zip(optimizers, fresh_states, places, strict=True):
+    if any(
+      isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(stored)
+    ):
+      fresh = jax.eval_shape(opt.state_tree, stored)  # (Structure only.)
+    else:
+      fresh = opt.state_tree(jax.device_get(stored))
     loaded = select_keyed(tree["opt_state"], opt.base_state(fresh))
     if opt.gap_aware:
       gap = tree.get("gap_aware") or {}
@@ -136,5 +169,6 @@ def select_optimizer_states(
         count=gap.get("count", fresh.count),
         max_learning_rate=gap.get("max_learning_rate", fresh.max_learning_rate),
       )
-    out.append(opt.stored_like(stored, loaded))
+    loaded = jax.tree.map(lambda x, place=place: place_leaf(place, x), loaded)
+    out.append(place(opt.stored_like(stored, loaded)))
   return out

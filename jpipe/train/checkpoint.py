@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jpipe import distributed
+from jpipe.train import process_arrays
 from jpipe.train.errors import CheckpointError
 
 __all__ = ["CheckpointError", "Checkpoints", "checksums", "quiet_late_reads"]
@@ -38,18 +39,25 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: dict, meta: dict) -> None:
+  def save(
+    self, step: int, state: dict, meta: dict, *, per_process: bool = False
+  ) -> None:
     """Writes and waits (so a SIGTERM exit has it on disk). ``meta`` gets
     the CRC-32 of every array of ``state`` (host arrays), checked at
-    restore."""
-    meta = dict(meta, checksums=checksums(state))
+    restore. ``per_process``: every process passes its own part (leaves
+    held elsewhere as ``jax.ShapeDtypeStruct``) and writes only that
+    (``process_arrays``: its index holds the checksums)."""
+    if per_process:
+      item = process_arrays.ProcessArraysSave(state)
+    else:
+      item = ocp.args.StandardSave(state)
+      meta = dict(meta, checksums=checksums(state))
     # orbax synchronises the processes with device collectives.
     distributed.quiet("checkpoint")
+    args = {process_arrays.ITEM if per_process else "state": item}
     self._manager.save(
       step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-      ),
+      args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
       force=True,
     )
     self._manager.wait_until_finished()
@@ -117,8 +125,13 @@ class Checkpoints:
     )
     return where, fix + ", or use another --workdir"
 
-  def restore(self, template: dict, fingerprint: dict) -> tuple[Any, dict]:
-    """The latest (state, meta); ``template`` gives structure and dtypes.
+  def restore(
+    self, template: dict, fingerprint: dict, needed=None
+  ) -> tuple[Any, dict]:
+    """The latest (state, meta); ``template`` gives structure and dtypes
+    (host arrays, or ``jax.ShapeDtypeStruct`` with ``needed``: booleans in
+    its structure, the leaves this process reads; the others stay the
+    template's).
 
     Raises CheckpointError when the files are unreadable or were written
     for another model (``fingerprint`` differs).
@@ -129,17 +142,26 @@ class Checkpoints:
     # Before the reads start: a failed read's siblings may print while
     # the failure is still on its way to the except clause below.
     quiet_late_reads()
+    per_process = os.path.isdir(os.path.join(where, process_arrays.ITEM))
+    if per_process:
+      if needed is None:
+        needed = jax.tree.map(lambda _: True, template)
+      item = process_arrays.ProcessArraysRestore(_abstract(template), needed)
+    else:
+      if needed is not None:  # A gathered checkpoint is read whole.
+        template = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template)
+      item = ocp.args.StandardRestore(template)
+    name = process_arrays.ITEM if per_process else "state"
     try:
       state = self._manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(template)),
-      ).state
+        step, args=ocp.args.Composite(**{name: item})
+      )[name]
     except Exception as e:
       raise CheckpointError(
         f"checkpoint {where} is corrupt or incompatible "
         f"({type(e).__name__}: {e}); {fix}"
       ) from e
-    saved = meta.get("checksums")
+    saved = None if per_process else meta.get("checksums")
     if saved is not None:  # Checkpoints before checksums have none.
       for path, crc in checksums(state).items():
         if saved.get(path) != crc:
@@ -153,6 +175,13 @@ class Checkpoints:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _abstract(template):
+  """``template``'s leaves as ``jax.ShapeDtypeStruct``."""
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), template
+  )
 
 
 def quiet_late_reads() -> None:

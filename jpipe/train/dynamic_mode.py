@@ -59,6 +59,9 @@ def build(config, task, example_batch, tx, options):
 class DynamicMode(PipelineMode):
   """A ``DynamicPipeline`` in the loop: one pipeline whose split moves."""
 
+  # Its checkpoints are gathered (the split moves between saves).
+  per_process_checkpoints = False
+
   def restore(self, state, saved, meta, say):
     state = self.pipe.load_state_dict(saved)
     self.pipe.start_at(int(meta["step"]))

@@ -131,6 +131,18 @@ class Mode:
     """The flushed state as a checkpoint holds it."""
     raise NotImplementedError
 
+  def checkpoint_state(self, state) -> tuple[Any, bool]:
+    """(What this process writes of the flushed state's checkpoint,
+    whether each process writes only its own part: its leaves as arrays,
+    the others' as ``jax.ShapeDtypeStruct``). Here: the state dict,
+    gathered (every process calls it), written whole."""
+    return jax.tree.map(np.asarray, self.state_dict(state)), False
+
+  def checkpoint_layout(self, state) -> tuple[Any, Any]:
+    """(A restore's template, in its structure whether this process needs
+    each leaf; None: every leaf, the template's host arrays)."""
+    return jax.tree.map(np.asarray, self.state_dict(state)), None
+
   def checkpoint_meta(self, done: int) -> dict:
     """What a checkpoint after ``done`` steps records beyond its step."""
     return {}
@@ -314,11 +326,13 @@ class _Loop:
       row["time/train_seconds"] = self.seconds
       self.log.write(done, **row)
     if checkpoint or requested:
+      written, per_process = mode.checkpoint_state(state)
       self.checkpoints.save(
         done,
-        jax.tree.map(np.asarray, mode.state_dict(state)),
+        written,
         {"step": done, "fingerprint": self.run.fingerprint}
         | mode.checkpoint_meta(done),
+        per_process=per_process,
       )
       self.watchdog.beat(
         f"after the checkpoint of step {done}",
@@ -388,8 +402,8 @@ def format_evaluation(evaluation: dict | None) -> str:
 
 def _restore(mode, state, checkpoints, fingerprint, say):
   """(state, step) of the latest checkpoint."""
-  template = jax.tree.map(np.asarray, mode.state_dict(state))
-  saved, meta = checkpoints.restore(template, fingerprint)
+  template, needed = mode.checkpoint_layout(state)
+  saved, meta = checkpoints.restore(template, fingerprint, needed=needed)
   try:
     state = mode.restore(state, saved, meta, say)
   except ValueError as e:

@@ -84,6 +84,20 @@ class PipelineMode(Mode):
   def state_dict(self, state):
     return self.pipe.state_dict(state)
 
+  # Across processes each process writes and reads its own stages' part
+  # of a checkpoint: nothing is gathered (jpipe.train.process_arrays).
+  per_process_checkpoints = property(lambda self: jax.process_count() > 1)
+
+  def checkpoint_state(self, state):
+    if not self.per_process_checkpoints:
+      return super().checkpoint_state(state)
+    return self.pipe.local_state_dict(state), True
+
+  def checkpoint_layout(self, state):
+    if not self.per_process_checkpoints:
+      return super().checkpoint_layout(state)
+    return self.pipe.state_dict_layout()
+
   def nonfinite_cause(self, state, outcome):
     bad = self.pipe.nonfinite_params(state)
     if not bad:

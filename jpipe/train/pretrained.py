@@ -45,7 +45,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from jpipe.train import hf_checkpoint, msgpack_params
+from jpipe.train import hf_checkpoint, msgpack_params, process_arrays
 from jpipe.train.checkpoint import checksums, quiet_late_reads
 from jpipe.train.errors import (
   PretrainedCheckpointError,
@@ -297,6 +297,15 @@ def _read_orbax(path: str):
       f"({steps} holds no step); train it until it saves one "
       "(config.train.checkpoint_every) or initialise from another"
     )
+  arrays = os.path.join(path, process_arrays.ITEM)
+  if os.path.isdir(arrays):  # A jpipe checkpoint written per process.
+    try:
+      return process_arrays.read_tree(arrays)
+    except ValueError as e:
+      raise PretrainedError(
+        f"{path}: {e}; initialise from another checkpoint of that run (a "
+        "numbered directory beside it) or a fresh copy"
+      ) from e
   saved = None
   if os.path.isdir(os.path.join(path, "state")):  # jpipe's composite item.
     saved = _saved_checksums(path)

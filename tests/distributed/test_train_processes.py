@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jpipe.train import workdir_lock
+from jpipe.train import process_arrays, workdir_lock
 from tests.distributed.processes import read_until, started
 from tests.quick_compiles import with_quick_compiles
 
@@ -203,9 +203,14 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_each_process(
 
 def _final_checksums(workdir, step):
   """The CRC-32 of every array of the checkpoint of ``step`` (params and
-  optimizer state; its metadata records them)."""
-  path = os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")
-  with open(path) as f:
+  optimizer state): its processes' indexes record them (written per
+  process), or its metadata (written gathered, by one process)."""
+  path = os.path.join(workdir, "checkpoints", str(step))
+  arrays = os.path.join(path, process_arrays.ITEM)
+  if os.path.isdir(arrays):
+    index = process_arrays.read_index(arrays)
+    return {leaf: entry["crc32"] for leaf, entry in index.items()}
+  with open(os.path.join(path, "meta", "metadata")) as f:
     return json.load(f)["checksums"]
 
 

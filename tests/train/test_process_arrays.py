@@ -1,0 +1,197 @@
+"""Checkpoints written per process (issue 68, item 4): each process writes
+the leaves it holds, a restore reads only the leaves it needs, every
+damage is a one-line error naming the file and the leaf; a pipeline's
+own part of its state dict is the gathered state dict's, leaf for leaf."""
+
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe.train import checkpoint, process_arrays
+from tests.partition import flax_models
+from tests.tiers import slow
+
+
+class _Moments(NamedTuple):
+  count: np.ndarray
+  mu: dict
+
+
+def _state():
+  return {
+    "params": {"a": np.arange(6, dtype=np.float32).reshape(2, 3)},
+    "opt_state": (
+      _Moments(np.int32(7), {"a": np.full((2, 3), 0.5, np.float32)}),
+    ),
+    "half": np.arange(4).astype(ml_dtypes.bfloat16),
+    "step": np.int64(3),
+  }
+
+
+def _held_by(tree, process):
+  """``tree`` as process 0 or 1 passes it: "params" and "step" are
+  process 0's, the rest process 1's (abstract elsewhere)."""
+
+  def part(path, leaf):
+    first = jax.tree_util.keystr(path[:1])
+    mine = (first in ("['params']", "['step']")) == (process == 0)
+    return leaf if mine else jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(part, tree)
+
+
+def _written(tmp_path):
+  state = _state()
+  for process in (0, 1):
+    process_arrays.write_arrays(
+      str(tmp_path), process, _held_by(state, process)
+    )
+  return state
+
+
+def _abstract(tree):
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree
+  )
+
+
+def _assert_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_two_processes_parts_read_back_whole_and_in_part(tmp_path):
+  state = _written(tmp_path)
+  # Each process wrote only its leaves.
+  files = sorted(os.listdir(tmp_path))
+  assert "index_p0.json" in files and "index_p1.json" in files
+  assert len([f for f in files if f.endswith(".npy")]) == 5
+  everything = jax.tree.map(lambda _: True, state)
+  _assert_equal(
+    process_arrays.read_arrays(str(tmp_path), _abstract(state), everything),
+    state,
+  )
+  # Only the params needed: the rest stays abstract (nothing read).
+  needed = jax.tree_util.tree_map_with_path(
+    lambda p, _: jax.tree_util.keystr(p).startswith("['params']"), state
+  )
+  part = process_arrays.read_arrays(str(tmp_path), _abstract(state), needed)
+  np.testing.assert_array_equal(part["params"]["a"], state["params"]["a"])
+  assert isinstance(part["half"], jax.ShapeDtypeStruct)
+  assert isinstance(part["opt_state"][0].mu["a"], jax.ShapeDtypeStruct)
+
+
+def test_read_without_a_template_rebuilds_the_saved_keys(tmp_path):
+  state = _written(tmp_path)
+  tree = process_arrays.read_tree(str(tmp_path))
+  np.testing.assert_array_equal(tree["params"]["a"], state["params"]["a"])
+  # Named tuples as dicts of their fields, tuples as lists.
+  assert int(tree["opt_state"][0]["count"]) == 7
+  assert tree["half"].dtype == ml_dtypes.bfloat16
+
+
+def _refused(directory, template, match):
+  needed = jax.tree.map(lambda _: True, template)
+  with pytest.raises(ValueError, match=match) as err:
+    process_arrays.read_arrays(str(directory), _abstract(template), needed)
+  assert "\n" not in str(err.value)
+
+
+def _file_of(directory, path):
+  index = process_arrays.read_index(str(directory))
+  return os.path.join(directory, index[path]["file"])
+
+
+def test_damage_is_one_line_naming_the_file_and_leaf(tmp_path):
+  state = _written(tmp_path)
+  name = "['opt_state'][0].mu['a']"
+  where = _file_of(tmp_path, name)
+  data = bytearray(open(where, "rb").read())
+  data[-1] ^= 0xFF  # One bit pattern changed in the last value.
+  open(where, "wb").write(bytes(data))
+  _refused(tmp_path, state, r"p1_\d\.npy fails its checksum at .*mu\['a'\]")
+  open(where, "wb").write(bytes(data[:-5]))  # Truncated.
+  _refused(tmp_path, state, r"p1_\d\.npy \(\['opt_state'\]\[0\]\.mu\['a'\]\)")
+
+
+def test_a_missing_index_a_leaf_written_twice_and_another_model_are_refused(
+  tmp_path,
+):
+  state = _written(tmp_path)
+  bigger = dict(state, params={"a": np.zeros((3, 3), np.float32)})
+  _refused(tmp_path, bigger, r"saved \['params'\]\['a'\] has shape \(2, 3\)")
+  more = dict(state, extra=np.zeros(2, np.float32))
+  _refused(tmp_path, more, r"the checkpoint has no \['extra'\]")
+  process_arrays.write_arrays(str(tmp_path), 2, {"step": np.int64(3)})
+  _refused(tmp_path, state, r"\['step'\] is written twice")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  _refused(empty, state, "has no index_p")
+
+
+def test_checkpoints_save_and_restore_per_process(tmp_path):
+  """Through ``Checkpoints`` (orbax's manager: its step directories and
+  rotation); a damaged file is a CheckpointError naming the fix."""
+  state = _state()
+  saves = checkpoint.Checkpoints(str(tmp_path), keep=2)
+  meta = {"step": 3, "fingerprint": {"model": "m"}}
+  saves.save(3, state, meta, per_process=True)
+  assert os.path.isdir(tmp_path / "checkpoints" / "3" / process_arrays.ITEM)
+  needed = jax.tree.map(lambda _: True, state)
+  got, saved_meta = saves.restore(_abstract(state), meta["fingerprint"], needed)
+  _assert_equal(got, state)
+  assert saved_meta["step"] == 3
+  item = tmp_path / "checkpoints" / "3" / process_arrays.ITEM
+  where = _file_of(item, "['params']['a']")
+  open(where, "wb").write(open(where, "rb").read()[:-4])
+  with pytest.raises(checkpoint.CheckpointError, match="delete .*checkpoints"):
+    saves.restore(_abstract(state), meta["fingerprint"], needed)
+  saves.close()
+
+
+@pytest.mark.parametrize("gap_aware", [False, slow(True)])
+def test_a_pipelines_own_part_is_its_state_dict(tmp_path, gap_aware):
+  """In one process every leaf is this process's: ``local_state_dict``
+  holds the gathered ``state_dict``'s values (tied weights and the
+  optimizer's state, Gap-Aware's statistics included), the layout its
+  shapes, all needed; written per process and read back, it loads into
+  the same state."""
+  loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
+  options = {"optimizer": optax.adam(1e-2)}
+  if gap_aware:
+    options = {
+      "optimizer": optax.sgd(0.3),
+      "schedule": "async",
+      "weight_stashing": True,
+      "gap_aware": "ga",
+      "gap_aware_options": {"optimizer": "sgd", "learning_rate": 0.3},
+    }
+  pipe = jpipe.Pipeline(
+    loss_fn, params, batch, num_stages=2, devices=jax.devices()[:2], **options
+  )
+  state = pipe.init(params)
+  state, _ = pipe.step(state, batch)
+  state, _ = pipe.flush(state)
+  whole = pipe.state_dict(state)
+  own = pipe.local_state_dict(state)
+  _assert_equal(jax.device_get(own), whole)
+  layout, needed = pipe.state_dict_layout()
+  assert jax.tree.structure(layout) == jax.tree.structure(whole)
+  assert all(jax.tree.leaves(needed))
+  for a, b in zip(jax.tree.leaves(layout), jax.tree.leaves(whole), strict=True):
+    assert (a.shape, a.dtype) == (np.shape(b), np.asarray(b).dtype)
+  process_arrays.write_arrays(str(tmp_path), 0, own)
+  back = pipe.load_state_dict(
+    process_arrays.read_arrays(str(tmp_path), layout, needed)
+  )
+  _assert_equal(pipe.state_dict(back), whole)
+  assert jnp.isfinite(pipe.step(back, batch)[1]["loss"])
