@@ -9,6 +9,9 @@ orbax writes each step to a temporary directory and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint intact.
 """
 
+import contextlib
+import errno
+import logging
 import os
 import sys
 import threading
@@ -55,12 +58,20 @@ class Checkpoints:
     # orbax synchronises the processes with device collectives.
     distributed.quiet("checkpoint")
     args = {process_arrays.ITEM if per_process else "state": item}
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
-      force=True,
-    )
-    self._manager.wait_until_finished()
+    intact = self.latest_step()
+    try:
+      with _orbax_errors_unlogged():
+        self._manager.save(
+          step,
+          args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args),
+          force=True,
+        )
+        self._manager.wait_until_finished()
+    except Exception as e:
+      quiet_late_reads()  # (The failed writes' siblings end late.)
+      raise CheckpointError(
+        _save_failed(self.directory, step, intact, e)
+      ) from e
 
   def check_fingerprint(self, fingerprint: dict) -> dict | None:
     """The latest checkpoint's metadata (None without one); a
@@ -175,6 +186,53 @@ class Checkpoints:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def _save_failed(directory: str, step: int, intact, error) -> str:
+  """The one line of a save that failed: the cause (a full disk named as
+  such) and the checkpoint still there to resume from."""
+  cause, full = error, False
+  while cause is not None:  # orbax wraps the OS's error.
+    full = full or (
+      isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    )
+    # tensorstore's writes fail with a ValueError naming the OS's code.
+    full = full or f"os_error_code='{errno.ENOSPC}'" in str(cause)
+    cause = cause.__cause__ or cause.__context__
+  kept = (
+    f"step {intact} is intact"
+    if intact is not None
+    else "there is no earlier checkpoint"
+  )
+  if full:
+    return (
+      f"no space left on the disk of {directory} while saving step {step}"
+      f"; {kept}: free space (or lower "
+      "config.train.keep_checkpoints) and run the same command to resume, "
+      "or use another --workdir"
+    )
+  return (
+    f"saving step {step} to {directory} failed ({type(error).__name__}: "
+    f"{error}); {kept}: fix the cause and run the same command to resume"
+  )
+
+
+class _OrbaxErrorsUnlogged(logging.Filter):
+  """Drops orbax's own log records of a failed save: the failure reaches
+  the user once, as ``Checkpoints.save``'s one line."""
+
+  def filter(self, record) -> bool:
+    return "orbax" not in record.pathname or record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _orbax_errors_unlogged():
+  logger, quiet = logging.getLogger("absl"), _OrbaxErrorsUnlogged()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
 
 
 def _abstract(template):
