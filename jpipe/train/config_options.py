@@ -195,3 +195,38 @@ def written_schedule(config) -> schedule_lib.ScheduleKind | None:
       "leave schedule.name at its default"
     )
   return kind
+
+
+def pipeline_devices(config, devices) -> list:
+  """The devices a pipeline's stages take, in the planner's order.
+
+  In one process: ``devices``. Across processes, where the stages need
+  fewer devices than there are (one per stage; half under a V schedule),
+  the first ones of every process, as evenly as they go: the planner
+  fills devices in order, so ``jax.devices()`` as it is would leave the
+  last processes without a stage (nothing to run, no loss to report).
+  FTPipe's mixed pipe and PipeDream's hybrid plans use every device.
+  Raises UsageError when there are fewer stages than processes.
+  """
+  processes = sorted({getattr(d, "process_index", 0) for d in devices})
+  if len(processes) == 1 or config.pipeline.partition in (
+    "mixed",
+    "pipedream_hybrid",
+  ):
+    return list(devices)
+  stages = config.pipeline.num_stages
+  needed = (stages + 1) // 2 if v_shaped(config) else stages
+  if needed < len(processes):
+    raise UsageError(
+      f"config.pipeline.num_stages: {stages} stages cannot give each of "
+      f"the {len(processes)} processes a stage (a process without one has "
+      f"nothing to run); use at least {len(processes)} devices' worth of "
+      "stages, or fewer processes"
+    )
+  if needed >= len(devices):
+    return list(devices)
+  chosen = []
+  for i, p in enumerate(processes):
+    count = needed // len(processes) + (i < needed % len(processes))
+    chosen += [d for d in devices if d.process_index == p][:count]
+  return chosen

@@ -112,7 +112,7 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
       task.loss_fn,
       task.params,
       example_batch,
-      devices=jax.devices(),
+      devices=config_options.pipeline_devices(config, jax.devices()),
       optimizer=tx,
       **options,
     )

@@ -81,7 +81,11 @@ def test_default_config_across_processes_resumes_in_one_and_back(
   # One process prints and logs; the other's stage ran (its lines absent).
   assert "[p0] Done: 3 steps" in out and "[p1] Done" not in out
   assert "Resuming from step 3" in _train(moved, 6, None, env)
-  assert "[p0] Resuming from step 6" in _train(moved, 9, 2, env)
+  # Back on 2 processes of 2 devices each: the 2 stages take one device
+  # of each process (both went to process 0's, and process 1 failed).
+  again = _train(moved, 9, 2, env, launcher=("--devices-per-process=2",))
+  assert "[p0] Resuming from step 6" in again
+  assert "[p0] Done: 9 steps" in again, again[-3000:]
   a, b = _losses(straight), _losses(moved)
   assert sorted(b) == list(range(1, 10))
   for step in range(1, 10):
