@@ -26,7 +26,7 @@ from experiments.gpu_campaign import _common
 # has started finishes; the child is stopped at 1.5x its budget + 60 s.
 PARTS = {
   "overhead": 240,
-  "mfu": 150,
+  "mfu": 300,  # GPT-2 medium x 2 dtypes, GPT-2 XL
   "memory": 150,
   "stage_times": 90,
   "driver": 90,

@@ -22,6 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe.models.attention import dot_product_attention
+
 # HuggingFace's configs of Google's checkpoints (bert-base-uncased,
 # bert-large-uncased).
 SIZES = {
@@ -39,6 +41,7 @@ class Block(nn.Module):
   dropout: float
   eps: float
   dtype: Any = None
+  fused_attention: bool = True  # False: the explicit softmax (a reference).
 
   @nn.compact
   def __call__(self, x, mask_bias, train: bool):
@@ -54,10 +57,14 @@ class Block(nn.Module):
       return y.reshape(*y.shape[:2], self.num_heads, width)
 
     q, k, v = (heads(dense(d, n)(x)) for n in ("query", "key", "value"))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(width)) + mask_bias
-    weights = drop(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
-    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
+    attended = dot_product_attention(
+      q,
+      k,
+      v,
+      bias=mask_bias,
+      dropout=drop if train and self.dropout else None,
+      fused=self.fused_attention,
+    ).reshape(x.shape)
     h = norm("attention_norm")(x + drop(dense(d, "attention_out")(attended)))
     inner = jax.nn.gelu(dense(self.d_ff, "intermediate")(h), approximate=False)
     return norm("output_norm")(h + drop(dense(d, "output")(inner)))
@@ -78,6 +85,8 @@ class Model(nn.Module):
   head: str = "pretraining"
   num_classes: int = 2  # The classification head's classes.
   dtype: Any = None  # Compute dtype (params stay float32).
+  # False: the explicit softmax (a reference); True: jax.nn's attention.
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, tokens, token_types=None, train: bool = True):
@@ -110,6 +119,7 @@ class Model(nn.Module):
         self.dropout,
         self.layer_norm_eps,
         self.dtype,
+        self.fused_attention,
         name=f"layer_{i}",
       )(x, mask_bias, train)
     if self.head == "qa":

@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe.models.attention import flax_attention_fn
+
 
 class Block(nn.Module):
   """Pre-LN causal self-attention and MLP, both residual."""
@@ -15,6 +17,7 @@ class Block(nn.Module):
   dropout: float = 0.0
   dtype: Any = None
   num_classes: int = 0  # > 0: a head of this many outputs, not the LM's.
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, x, train: bool):
@@ -26,6 +29,9 @@ class Block(nn.Module):
       dtype=self.dtype,
       dropout_rate=self.dropout,
       deterministic=not train,
+      attention_fn=(
+        flax_attention_fn if self.fused_attention else nn.dot_product_attention
+      ),
       name="attn",
     )(h, h, mask=mask)
     x = x + h
@@ -60,6 +66,8 @@ class Model(nn.Module):
   dropout: float = 0.0
   dtype: Any = None
   num_classes: int = 0  # > 0: a head of this many outputs, not the LM's.
+  # False: flax's explicit softmax (a reference); True: jax.nn's attention.
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = True) -> jax.Array:
@@ -78,6 +86,7 @@ class Model(nn.Module):
         self.num_heads,
         dropout=self.dropout,
         dtype=self.dtype,
+        fused_attention=self.fused_attention,
         name=f"block_{i}",
       )(x, train)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)

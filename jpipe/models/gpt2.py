@@ -17,6 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe.models.attention import dot_product_attention
+
 # HuggingFace's configs of OpenAI's checkpoints (gpt2, -medium, -large,
 # -xl): 124M, 355M, 774M, 1.56B parameters.
 SIZES = {
@@ -34,6 +36,7 @@ class Block(nn.Module):
   dropout: float
   eps: float
   dtype: Any = None
+  fused_attention: bool = True  # False: the explicit softmax (a reference).
 
   @nn.compact
   def __call__(self, x, train: bool):
@@ -49,16 +52,14 @@ class Block(nn.Module):
     def heads(y):
       return y.reshape(*y.shape[:2], self.num_heads, width)
 
-    scores = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / jnp.sqrt(
-      jnp.asarray(width, jnp.float32)
-    ).astype(q.dtype)
-    length = x.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
-    scores = jnp.where(
-      causal, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min
+    attended = dot_product_attention(
+      heads(q),
+      heads(k),
+      heads(v),
+      causal=True,
+      dropout=drop if train and self.dropout else None,
+      fused=self.fused_attention,
     )
-    weights = drop(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
-    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, heads(v))
     x = x + drop(dense(d, "attn_c_proj")(attended.reshape(x.shape)))
     h = jax.nn.gelu(dense(4 * d, "c_fc")(norm("ln_2")(x)), approximate=True)
     return x + drop(dense(d, "mlp_c_proj")(h))
@@ -75,6 +76,8 @@ class Model(nn.Module):
   dropout: float = 0.1
   layer_norm_eps: float = 1e-5
   dtype: Any = None  # Compute dtype (params stay float32).
+  # False: the explicit softmax (a reference); True: jax.nn's attention.
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):
@@ -100,6 +103,7 @@ class Model(nn.Module):
         self.dropout,
         self.layer_norm_eps,
         self.dtype,
+        self.fused_attention,
         name=f"block_{i}",
       )(x, train)
     x = nn.LayerNorm(

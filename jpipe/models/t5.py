@@ -8,16 +8,27 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe.models.attention import flax_attention_fn
+
+
+def _attention(layer, name):
+  return nn.MultiHeadDotProductAttention(
+    layer.num_heads,
+    attention_fn=(
+      flax_attention_fn if layer.fused_attention else nn.dot_product_attention
+    ),
+    name=name,
+  )
+
 
 class EncoderLayer(nn.Module):
   num_heads: int
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, x, mask):
     h = nn.LayerNorm(name="ln_0")(x)
-    x = x + nn.MultiHeadDotProductAttention(self.num_heads, name="attn")(
-      h, mask=mask
-    )
+    x = x + _attention(self, "attn")(h, mask=mask)
     h = nn.LayerNorm(name="ln_1")(x)
     return x + nn.Dense(x.shape[-1], name="proj")(
       nn.relu(nn.Dense(4 * x.shape[-1], name="fc")(h))
@@ -26,17 +37,14 @@ class EncoderLayer(nn.Module):
 
 class DecoderLayer(nn.Module):
   num_heads: int
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, x, memory, self_mask, cross_mask):
     h = nn.LayerNorm(name="ln_0")(x)
-    x = x + nn.MultiHeadDotProductAttention(self.num_heads, name="self_attn")(
-      h, mask=self_mask
-    )
+    x = x + _attention(self, "self_attn")(h, mask=self_mask)
     h = nn.LayerNorm(name="ln_1")(x)
-    x = x + nn.MultiHeadDotProductAttention(self.num_heads, name="cross_attn")(
-      h, memory, mask=cross_mask
-    )
+    x = x + _attention(self, "cross_attn")(h, memory, mask=cross_mask)
     h = nn.LayerNorm(name="ln_2")(x)
     return x + nn.Dense(x.shape[-1], name="proj")(
       nn.relu(nn.Dense(4 * x.shape[-1], name="fc")(h))
@@ -53,6 +61,8 @@ class Model(nn.Module):
   width: int = 128
   num_layers: int = 2
   num_heads: int = 4
+  # False: flax's explicit softmax (a reference); True: jax.nn's attention.
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(
@@ -63,9 +73,9 @@ class Model(nn.Module):
     src_mask = nn.make_attention_mask(inputs > 0, inputs > 0)
     memory = embed(inputs)
     for i in range(self.num_layers):
-      memory = EncoderLayer(self.num_heads, name=f"encoder_{i}")(
-        memory, src_mask
-      )
+      memory = EncoderLayer(
+        self.num_heads, self.fused_attention, name=f"encoder_{i}"
+      )(memory, src_mask)
     memory = nn.LayerNorm(name="encoder_ln")(memory)
     shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
     self_mask = nn.combine_masks(
@@ -75,7 +85,7 @@ class Model(nn.Module):
     cross_mask = nn.make_attention_mask(shifted >= 0, inputs > 0)
     x = embed(shifted)
     for i in range(self.num_layers):
-      x = DecoderLayer(self.num_heads, name=f"decoder_{i}")(
-        x, memory, self_mask, cross_mask
-      )
+      x = DecoderLayer(
+        self.num_heads, self.fused_attention, name=f"decoder_{i}"
+      )(x, memory, self_mask, cross_mask)
     return embed.attend(nn.LayerNorm(name="decoder_ln")(x))

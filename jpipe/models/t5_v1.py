@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe.models.attention import dot_product_attention
+
 # HuggingFace's configs of Google's checkpoints: t5-small ... t5-11b
 # (v1.0) and google/t5-v1_1-small ... -xxl (v1.1).
 SIZES = {
@@ -126,6 +128,7 @@ class Attention(nn.Module):
   num_heads: int
   d_kv: int
   dtype: Any = None
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, x, memory, bias):
@@ -143,9 +146,10 @@ class Attention(nn.Module):
       heads(dense(inner, "k")(memory)),
       heads(dense(inner, "v")(memory)),
     )
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + bias
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    # T5 does not scale the scores (its init does).
+    out = dot_product_attention(
+      q, k, v, bias=bias, scale=1.0, fused=self.fused_attention
+    )
     return dense(d_model, "o")(out.reshape(*out.shape[:2], inner))
 
 
@@ -182,12 +186,13 @@ class Block(nn.Module):
   dropout: float
   decoder: bool
   dtype: Any = None
+  fused_attention: bool = True
 
   @nn.compact
   def __call__(self, x, self_bias, memory=None, cross_bias=None, train=True):
     drop = nn.Dropout(self.dropout, deterministic=not train)
     attend = lambda name: Attention(  # noqa: E731
-      self.num_heads, self.d_kv, self.dtype, name=name
+      self.num_heads, self.d_kv, self.dtype, self.fused_attention, name=name
     )
     h = RMSNorm(name="self_attention_norm")(x)
     x = x + drop(attend("self_attention")(h, h, self_bias))
@@ -223,6 +228,8 @@ class Model(nn.Module):
   dropout: float = 0.1
   version: str = "1.0"
   dtype: Any = None  # Compute dtype (params stay float32).
+  # False: the explicit softmax (a reference); True: jax.nn's attention.
+  fused_attention: bool = True
 
   def _block(self, decoder, name):
     return Block(
@@ -233,6 +240,7 @@ class Model(nn.Module):
       dropout=self.dropout,
       decoder=decoder,
       dtype=self.dtype,
+      fused_attention=self.fused_attention,
       name=name,
     )
 

@@ -34,10 +34,14 @@ def _check_overhead(out):
 
 
 def _check_mfu(out):
-  assert [r["dtype"] for r in _load(out, "mfu")["rows"]] == [
-    "bfloat16",
-    "float32",
-  ]
+  rows = _load(out, "mfu")["rows"]
+  assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
+  for row in rows:
+    # tokens/s restated from the step time; MFU None on a CPU (no peak).
+    assert row["pipeline_tokens_per_s"] == pytest.approx(
+      row["tokens_per_step"] / (row["pipeline_ms"] / 1e3)
+    )
+    assert row["reference_mfu"] is None and row["size"] == "quick"
 
 
 def _check_memory(out):
