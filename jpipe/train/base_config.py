@@ -62,8 +62,9 @@ def _model_fields(c: ml_collections.ConfigDict) -> None:
 def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   """The optax optimizer, its learning-rate schedule and frozen params."""
   # Optimizer: optax.<name>: sgd (with momentum), adam, adamw (these three
-  # work with weight prediction and Gap-Aware), or any optax optimizer
-  # taking a learning_rate: adafactor, lamb, lion, rmsprop, lars, ...
+  # work with Gap-Aware), or any optax optimizer taking a learning_rate:
+  # adafactor, lamb, lion, rmsprop, lars, ... Weight prediction takes any
+  # (it replays the optimizer with zero future gradients).
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "sgd"
   c.optimizer.learning_rate = 0.05  # Peak learning rate.
@@ -85,7 +86,8 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear
   # decay to 0 at the last step); "rsqrt" (T5: the peak for warmup_steps,
   # then peak * sqrt(warmup_steps / step)); "multistep" (WRN, ResNet: the
-  # peak times decay_factor at each of decay_steps).
+  # peak times decay_factor at each of decay_steps, after a linear warm-up
+  # of warmup_steps where > 0).
   c.optimizer.schedule = "constant"
   c.optimizer.warmup_steps = 0  # Optimizer steps of warm-up.
   c.optimizer.decay_steps = ""  # multistep: optimizer steps, "3000,6000".
@@ -265,7 +267,9 @@ def _train_fields(c: ml_collections.ConfigDict) -> None:
   """The training loop: steps, logs, evaluations, checkpoints, checks."""
   # Training loop.
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 300  # Pipeline steps (each covers batch_size examples).
+  # Pipeline steps (each covers batch_size examples); 0: evaluation only
+  # (the workdir's checkpoint, else init_from's or the initial params).
+  c.train.steps = 300
   c.train.log_every = 25  # Steps between metric logs.
   c.train.eval_every = 100  # Steps between evaluations (and at the end).
   c.train.checkpoint_every = 100  # Steps between checkpoints (and at end).

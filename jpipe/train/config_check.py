@@ -146,7 +146,8 @@ def _check_pipeline(config, need) -> None:
 def _check_loop(config, need) -> None:
   """The learning-rate warm-up, the loop's counts and the init."""
   # Counts and their least values.
-  counts = {"optimizer.warmup_steps": 0, "train.steps": 1}
+  # train.steps 0: evaluation only (jpipe.train.evaluate_only).
+  counts = {"optimizer.warmup_steps": 0, "train.steps": 0}
   for key in (
     "keep_checkpoints",
     "log_every",
@@ -159,11 +160,12 @@ def _check_loop(config, need) -> None:
     need(config[section][key] >= least, path, f"must be >= {least}")
   opt = config.optimizer
   need(
-    opt.warmup_steps == 0 or opt.schedule not in ("constant", "multistep"),
+    opt.warmup_steps == 0 or opt.schedule != "constant",
     "optimizer.warmup_steps",
     f"{opt.warmup_steps} has no effect with optimizer.schedule="
-    f"{opt.schedule!r}: set --config.optimizer.schedule=warmup_cosine "
-    f"(or warmup_linear, rsqrt), or warmup_steps=0",
+    f"{opt.schedule!r}: set --config.optimizer.schedule=warmup_constant "
+    f"(or warmup_cosine, warmup_linear, rsqrt, multistep), or "
+    f"warmup_steps=0",
   )
   decay = [s.strip() for s in opt.decay_steps.split(",") if s.strip()]
   if opt.schedule != "multistep":
@@ -179,6 +181,12 @@ def _check_loop(config, need) -> None:
       "optimizer.decay_steps",
       f"{opt.decay_steps!r}: multistep needs rising optimizer steps, "
       'e.g. "3000,6000,8000"',
+    )
+    need(
+      not steps or steps[0] > opt.warmup_steps,
+      "optimizer.decay_steps",
+      f"{opt.decay_steps!r}: a decay inside the warm-up "
+      f"(optimizer.warmup_steps={opt.warmup_steps}); decay after it",
     )
   need(
     bool(config.init_from) or not config.init_keep,
@@ -213,13 +221,14 @@ def _check_staleness(config, need, problems) -> None:
     f"{' or '.join(map(repr, schedule_lib.STREAMS))} only "
     f"({config.schedule.name!r} steps once per call): set it to 1",
   )
+  # Weight prediction replays any optimizer (staleness.replay_predictor:
+  # Adafactor's too, FTPipe's T5); Gap-Aware reads its state.
   need(
-    not (st.prediction or st.gap_aware)
-    or opt.name in optimizers.STALENESS_AWARE,
+    not st.gap_aware or opt.name in optimizers.STALENESS_AWARE,
     "optimizer.name",
-    f"weight prediction and Gap-Aware read the state of "
-    f"{optimizers.STALENESS_AWARE}, not {opt.name!r}: use one of them or "
-    f"weight stashing alone",
+    f"Gap-Aware reads the state of {optimizers.STALENESS_AWARE}, not "
+    f"{opt.name!r}: use one of them, or weight prediction (any optimizer) "
+    f"or stashing",
   )
   need(
     not st.nesterov_last_stage or (opt.name == "sgd" and opt.momentum > 0),

@@ -196,7 +196,7 @@ def train(
   state = mode.init(task)
   start = 0
   if checkpoints.latest_step() is not None:
-    state, start = _restore(mode, state, checkpoints, run.fingerprint, say)
+    state, start = restore(mode, state, checkpoints, run.fingerprint, say)
   loop = _Loop(mode, task, config, run, checkpoints, lr, say, start)
   mode.announce(state, workdir, loop.main, say)
   loop.log = MetricLog(workdir, resume_step=start) if loop.main else _NoLog()
@@ -400,7 +400,7 @@ def format_evaluation(evaluation: dict | None) -> str:
   return ", ".join(f"eval {k} {v:.4f}" for k, v in evaluation.items())
 
 
-def _restore(mode, state, checkpoints, fingerprint, say):
+def restore(mode, state, checkpoints, fingerprint, say):
   """(state, step) of the latest checkpoint."""
   template, needed = mode.checkpoint_layout(state)
   saved, meta = checkpoints.restore(template, fingerprint, needed=needed)

@@ -23,6 +23,7 @@ from jpipe.train import (
   config_options,
   data_parallel_mode,
   dynamic_mode,
+  evaluate_only,
   hf_checkpoint,
   loop,
   optimizers,
@@ -65,10 +66,23 @@ def learning_rate(config):
     )
   if opt.schedule == "rsqrt":  # T5: the peak, then 1 / sqrt(step).
     return lambda step: peak * jnp.sqrt(warmup / jnp.maximum(step, warmup))
-  # multistep (WRN, ResNet): times decay_factor at each boundary.
+  # multistep (WRN, ResNet): times decay_factor at each boundary, after
+  # a linear warm-up where warmup_steps > 0 (Goyal et al.'s gradual one).
   boundaries = [int(b) for b in opt.decay_steps.split(",")]
-  return optax.piecewise_constant_schedule(
-    peak, {b: opt.decay_factor for b in boundaries}
+  if not opt.warmup_steps:
+    return optax.piecewise_constant_schedule(
+      peak, {b: opt.decay_factor for b in boundaries}
+    )
+  # join_schedules counts the second schedule's steps from the warm-up's
+  # end: its boundaries move back by it.
+  return optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, peak, warmup),
+      optax.piecewise_constant_schedule(
+        peak, {b - warmup: opt.decay_factor for b in boundaries}
+      ),
+    ],
+    [warmup],
   )
 
 
@@ -156,7 +170,7 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
   )
   saved_step = checkpoints.latest_step()
   checkpoints.check_fingerprint(run.fingerprint)
-  if saved_step is not None and saved_step >= run.steps:
+  if saved_step is not None and saved_step >= run.steps and run.steps:
     checkpoints.close()
     return _already_done(config, workdir, saved_step, say)
   fine_tune = bool(config.init_from) and saved_step is None
@@ -168,6 +182,13 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
   lr = learning_rate(config)
   tx = _frozen(config, task.params, build_optimizer(config, lr), say)
   mode = build_mode(run, config, task, tx, lr, say)
+  if not run.steps:  # Evaluation only.
+    source = (
+      f"init_from {config.init_from}" if fine_tune else "the initial params"
+    )
+    return evaluate_only.evaluate(
+      mode, task, run, checkpoints, workdir=workdir, source=source, say=say
+    )
   return loop.train(
     mode,
     task,

@@ -34,6 +34,9 @@ def _formula(schedule, step, peak=0.4, warmup=10, total=100):
     return peak * math.sqrt(warmup / max(step, warmup))
   if schedule == "multistep":  # WRN: x0.2 at 30, 60, 80
     return peak * 0.2 ** sum(step >= b for b in (30, 60, 80))
+  if schedule == "warmup_multistep":  # Goyal et al.: up, then the steps
+    up = min(step / warmup, 1.0) if warmup else 1.0
+    return peak * up * 0.2 ** sum(step >= b for b in (30, 60, 80))
   raise AssertionError(schedule)
 
 
@@ -56,13 +59,23 @@ def test_each_schedule_is_its_formula(schedule):
   assert max(values) <= 0.4 + 1e-7 and min(values) >= 0
 
 
+def test_multistep_with_a_warm_up_is_its_formula():
+  options = {"decay_steps": "30,60,80", "decay_factor": 0.2}
+  lr = train_lib.learning_rate(_config("multistep", warmup=10, **options))
+  for step in (0, 1, 5, 9, 10, 11, 29, 30, 31, 59, 60, 79, 80, 99, 100):
+    assert float(lr(step)) == pytest.approx(
+      _formula("warmup_multistep", step), rel=1e-5, abs=1e-7
+    ), step
+
+
 @pytest.mark.parametrize(
   "schedule, options, match",
   [
     ("multistep", {}, "multistep needs rising optimizer steps"),
     ("multistep", {"decay_steps": "60,30"}, "rising"),
     ("constant", {"decay_steps": "30"}, "applies to optimizer.schedule"),
-    ("multistep", {"decay_steps": "30", "warmup_steps": 5}, "no effect"),
+    ("constant", {"warmup_steps": 5}, "no effect"),
+    ("multistep", {"decay_steps": "5,30", "warmup_steps": 5}, "inside the"),
   ],
 )
 def test_bad_schedule_options_are_one_line(schedule, options, match):

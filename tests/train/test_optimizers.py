@@ -106,10 +106,10 @@ def test_an_optax_optimizer_by_name_is_that_optimizer(
       {
         "optimizer.name": "adafactor",
         "schedule.name": "async",
-        "staleness.prediction": "msnag",
+        "staleness.gap_aware": "ga",
         "pipeline.recompute": True,
       },
-      "weight prediction and Gap-Aware read the state of",
+      "Gap-Aware reads the state of",
     ),
     ({"optimizer.clip_norm": -1.0}, "clip_norm"),
   ],
@@ -118,3 +118,30 @@ def test_bad_optimizer_fields_are_named(fields, message):
   config = _config("sgd", **fields)
   with pytest.raises(UsageError, match=message):
     config_check.check(config)
+
+
+def test_adafactor_takes_weight_prediction_from_the_cli(tmp_path):
+  """FTPipe's T5 runs Adafactor under weight prediction: the CLI replays
+  it (staleness.replay_predictor). With momentum the prediction moves
+  the forward's weights, so the run differs from one without it."""
+  from tests.train.test_train import _config as small
+
+  def losses(prediction, workdir):
+    config = small(
+      **{
+        "optimizer.name": "adafactor",
+        "optimizer.learning_rate": 0.01,
+        "optimizer.args": "momentum=0.9",
+        "schedule.name": "async",
+        "staleness.prediction": prediction,
+        "train.steps": 4,
+      }
+    )
+    train_lib.train_and_evaluate(config, str(workdir))
+    rows = train_lib.read_metrics(str(workdir))
+    return [r["train/loss"] for r in rows if "train/loss" in r]
+
+  predicted = losses("msnag", tmp_path / "msnag")
+  plain = losses("", tmp_path / "plain")
+  assert len(predicted) == 4 and all(np.isfinite(predicted))
+  assert predicted != plain
