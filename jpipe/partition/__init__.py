@@ -33,6 +33,7 @@ from jpipe.partition._plan import (
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._report import plot_plan, print_plan_table
+from jpipe.partition._split import Split, SplitMismatch
 from jpipe.partition._stages import (
   Stages,
   StageSpec,
@@ -53,6 +54,8 @@ __all__ = [
   "NodeCosts",
   "Plan",
   "ProfileGraph",
+  "Split",
+  "SplitMismatch",
   "StageSpec",
   "Stages",
   "default_residual_own_bytes",

@@ -107,6 +107,14 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   # "pipedream_hybrid" (its DP with replicated, data-parallel stages; the
   # replicas of a stage must divide the microbatch).
   c.pipeline.partition = "contiguous"
+  # A plan given by hand instead of the partitioner's: nodes per stage in
+  # program order, e.g. "4,4,4,4" (SD-Pipe's), adding up to the node count
+  # of one depth (that depth is used); and/or devices per stage, e.g.
+  # "15,1" (PipeDream's VGG-16: a replicated stage runs data parallel,
+  # as replica_routing says; without split, the partitioner gives a
+  # replicated stage more nodes). num_stages must be their stage count.
+  c.pipeline.split = ""
+  c.pipeline.replicas = ""
   # How a replicated stage (pipedream_hybrid) shares its microbatches:
   # "split" (each split over the replicas; as one device) or
   # "round_robin" (PipeDream's 1F1B-RR: microbatch b whole on replica

@@ -116,9 +116,43 @@ def _check_user_code(config, need) -> None:
     tasks.model_kwargs(config)  # An unknown model.size stops here.
 
 
+def _check_split(config, need) -> None:
+  """``pipeline.split`` / ``pipeline.replicas``: counts per stage, as
+  many as ``num_stages``, in place of the partitioner."""
+  p = config.pipeline
+  try:
+    split = config_options.partition(config)
+  except ValueError as e:  # A count that is no number, or a bad Split.
+    need(False, "pipeline.split", f"{p.split!r} / replicas {p.replicas!r}: {e}")
+    return
+  if isinstance(split, str):
+    return
+  need(
+    split.num_stages == p.num_stages,
+    "pipeline.num_stages",
+    f"{p.num_stages}, but the split {split.describe()} has "
+    f"{split.num_stages} stages: set --config.pipeline.num_stages="
+    f"{split.num_stages}",
+  )
+  need(
+    p.partition == "contiguous",
+    "pipeline.partition",
+    f"{p.partition!r} with pipeline.split / replicas, which give the plan "
+    f"themselves: drop one",
+  )
+  need(
+    not config_options.v_shaped(config) and not config.dynamic.enabled,
+    "pipeline.split",
+    f"{split.describe()} cannot hold under schedule "
+    f"{config.schedule.name!r} or dynamic.enabled (they place or move "
+    f"stages themselves): drop it",
+  )
+
+
 def _check_pipeline(config, need) -> None:
   """The pipeline's partition, costs, stages and microbatches."""
   need.one_of("pipeline.partition", PARTITIONS)
+  _check_split(config, need)
   need(
     config.pipeline.bandwidth >= 0,
     "pipeline.bandwidth",

@@ -5,6 +5,7 @@ rest before any work."""
 
 import os
 
+from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
 from jpipe.runtime import Staleness
@@ -197,6 +198,26 @@ def written_schedule(config) -> schedule_lib.ScheduleKind | None:
   return kind
 
 
+def partition(config):
+  """``jpipe.Pipeline``'s ``partition``: the config's method, or the
+  ``jpipe.partition.Split`` its ``pipeline.split`` / ``pipeline.replicas``
+  give (config_check has checked them)."""
+  nodes, replicas = (
+    counts(config.pipeline.split),
+    counts(config.pipeline.replicas),
+  )
+  if nodes is None and replicas is None:
+    return config.pipeline.partition
+  return partition_lib.Split(nodes, replicas)
+
+
+def counts(text: str) -> tuple[int, ...] | None:
+  """ "4,4,4" -> (4, 4, 4); "" -> None. A ValueError names a bad one."""
+  if not text.strip():
+    return None
+  return tuple(int(x) for x in text.split(","))
+
+
 def pipeline_devices(config, devices) -> list:
   """The devices a pipeline's stages take, in the planner's order.
 
@@ -216,6 +237,9 @@ def pipeline_devices(config, devices) -> list:
     return list(devices)
   stages = config.pipeline.num_stages
   needed = (stages + 1) // 2 if v_shaped(config) else stages
+  split = partition(config)
+  if isinstance(split, partition_lib.Split):
+    needed = split.num_devices
   if needed < len(processes):
     raise UsageError(
       f"config.pipeline.num_stages: {stages} stages cannot give each of "

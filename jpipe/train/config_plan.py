@@ -13,7 +13,7 @@ import ml_collections
 from jpipe import partition as partition_lib
 from jpipe import runtime
 from jpipe import schedule as schedule_lib
-from jpipe.train import config_check, train_lib
+from jpipe.train import config_check, config_options, train_lib
 from jpipe.train.tasks import build_task
 
 
@@ -86,7 +86,10 @@ def trace_config(
     depth=config.pipeline.depth or 1,
     has_aux=task.model_state is not None,
   )
-  if not config.pipeline.depth:  # Chosen as jpipe.Pipeline chooses it.
+  split = config_options.partition(config)
+  if not config.pipeline.depth and isinstance(split, partition_lib.Split):
+    traced, _ = split.depth_of(traced)  # Where its node counts apply.
+  elif not config.pipeline.depth:  # Chosen as jpipe.Pipeline chooses it.
     stages = config.pipeline.num_stages
     if (method or config.pipeline.partition) != "mixed":
       stages = min(stages, num_devices or stages)

@@ -152,10 +152,20 @@ def _memory_limit(args, config) -> float | None:
 def _solve(args) -> _Solved:
   """The plan the command line asks for (ValueError: a bad argument)."""
   config = config_plan.load_config_file(args.config)
-  method = args.method or config.pipeline.partition
-  if method not in partition.METHODS:
+  given = config_options.partition(config)  # A method, or a Split.
+  split = given if args.method is None and not isinstance(given, str) else None
+  method = args.method or ("split" if split else config.pipeline.partition)
+  if split is None and method not in partition.METHODS:
     raise ValueError(f"unknown method {method!r}: one of {partition.METHODS}")
-  stages, devices, slots = _stage_slots(args, config, method)
+  if split is not None and (args.stages or args.devices):
+    raise ValueError(
+      f"--stages / --devices with the config's split {split.describe()}, "
+      "which gives both: drop them (or pass --method to solve instead)"
+    )
+  if split is not None:
+    stages, devices, slots = split.num_stages, split.num_devices, None
+  else:
+    stages, devices, slots = _stage_slots(args, config, method)
   with config.unlocked():  # The planned stages, as training gets them.
     config.pipeline.num_stages = stages
   cost_model = args.cost_model or config.pipeline.cost_model
@@ -165,7 +175,7 @@ def _solve(args) -> _Solved:
     config,
     cost_model,
     devices,
-    method,
+    "contiguous" if split else method,
     abstract=cost_model != "measured",
     with_last_stage_costs=True,
   )
@@ -179,16 +189,19 @@ def _solve(args) -> _Solved:
   elif memory is not None:  # (A V's per-device memory: checked when built.)
     budget = partition.MemoryBudget(limit=memory)
   start = time.perf_counter()
-  plan = partition.plan_traced(
-    traced,
-    costs,
-    devices,
-    method=method,
-    bandwidth=bandwidth or None,
-    memory=budget,
-    devices=slots,
-    last_stage_costs=last_stage_costs,
-  )
+  if split is not None:
+    plan = split.plan(traced, costs)
+  else:
+    plan = partition.plan_traced(
+      traced,
+      costs,
+      devices,
+      method=method,
+      bandwidth=bandwidth or None,
+      memory=budget,
+      devices=slots,
+      last_stage_costs=last_stage_costs,
+    )
   seconds = time.perf_counter() - start
   # Each stage's bytes under the whole model (the config's optimizer,
   # schedule and recomputation), whatever the method kept to.

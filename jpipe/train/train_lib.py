@@ -101,7 +101,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     num_stages=config.pipeline.num_stages,
     schedule=config_options.written_schedule(config) or config.schedule.name,
     num_microbatches=config.pipeline.num_microbatches,
-    partition=config.pipeline.partition,
+    partition=config_options.partition(config),
     depth=config.pipeline.depth or None,  # 0: automatic
     bandwidth=config.pipeline.bandwidth or None,
     cost_model=config.pipeline.cost_model,
@@ -210,6 +210,8 @@ def build_mode(run, config, task: Task, tx, lr, say) -> loop.Mode:
     return _modes(run, config, task, tx, lr, say)
   except partition_lib.TooFewNodes as e:
     raise UsageError(str(e)) from e
+  except partition_lib.SplitMismatch as e:
+    raise UsageError(f"config.pipeline.split: {e}") from e
 
 
 def _modes(run, config, task: Task, tx, lr, say) -> loop.Mode:

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from jpipe.partition import Split
 from jpipe.runtime.build.transport import TRANSPORTS
 
 # How a replicated stage shares its microbatches (``replica_routing``).
@@ -29,7 +30,9 @@ class Partitioning:
       the stages and their replicas).
     partition: "contiguous", "acyclic", "mixed", "pipedream",
       "pipedream_hybrid"
-      (see ``jpipe.partition.plan_traced``), or a jpipe.partition.Plan. A Plan
+      (see ``jpipe.partition.plan_traced``), a jpipe.partition.Split (nodes
+      and replicas per stage, given; num_stages must be its stage count),
+      or a jpipe.partition.Plan. A Plan
       may put a stage on several devices (``stage_devices[s]`` =
       ``(0, 1)``): the stage then runs data parallel over them, each
       microbatch split among the replicas (it must divide evenly), with
@@ -152,6 +155,13 @@ class Partitioning:
   def __post_init__(self):
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+    split = self.partition
+    if isinstance(split, Split) and split.num_stages != self.num_stages:
+      raise ValueError(
+        f"num_stages={self.num_stages} but the split "
+        f"{split.describe()} has {split.num_stages} stages: give "
+        f"num_stages={split.num_stages}"
+      )
     if self.own_buffer_bytes is not None and not self.own_buffer_bytes >= 0:
       raise ValueError(
         f"own_buffer_bytes must be a size in bytes >= 0 (0: pack nothing, "

@@ -416,6 +416,8 @@ def schedule_calls(stages, placed: Placed, request: Request) -> Scheduled:
 
 def _granularity(traced, partition, num_stages, num_devices, kind):
   """The trace cut at the automatic depth (see ``Pipeline``'s ``depth``)."""
+  if isinstance(partition, partition_lib.Split):
+    return partition.depth_of(traced)
   if isinstance(partition, partition_lib.Plan):
     for depth in range(1, traced.max_depth + 1):
       cut = traced.at_depth(depth)
@@ -437,6 +439,19 @@ def check_stage_count(num_stages, num_devices, partition, kind) -> None:
   (which names its devices) puts several stages on a device."""
   if num_stages < 1:
     raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+  if isinstance(partition, partition_lib.Split):
+    if kind.placement is not None:
+      raise ValueError(
+        f"schedule {kind.name!r} places its stages itself (2 per device): "
+        f"give it num_stages, not a Split"
+      )
+    if partition.num_devices > num_devices:
+      raise ValueError(
+        f"the split {partition.describe()} needs {partition.num_devices} "
+        f"devices, got {num_devices}: use fewer replicas or stages, or "
+        f"pass more devices"
+      )
+    return
   if kind.placement is not None and isinstance(partition, str):
     if partition != "contiguous" or num_stages % 2:
       raise ValueError(
@@ -466,6 +481,17 @@ def _make_plan(
   """The Plan given (checked against the model and devices) or solved."""
   if isinstance(partition, partition_lib.Plan):
     plan = partition
+  elif isinstance(partition, partition_lib.Split):
+    plan = partition.plan(
+      traced,
+      partition_lib.profile_nodes(
+        traced,
+        params,
+        micro,
+        method=options["cost_model"],
+        recompute=options["recompute"],
+      ),
+    )
   else:
     costs = partition_lib.profile_nodes(
       traced,
