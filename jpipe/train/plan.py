@@ -230,7 +230,8 @@ def _result(solved: _Solved) -> dict:
       node_seconds, last.forward_seconds + last.backward_seconds
     )
   lower_bound = node_seconds.sum() / solved.devices
-  if solved.method != "pipedream_hybrid":  # (Replicas split a node.)
+  replicated = any(len(d) > 1 for d in plan.stage_devices)
+  if not replicated:  # (Replicas split a node.)
     lower_bound = max(lower_bound, node_seconds.max())
   return {
     "method": solved.method,
@@ -283,7 +284,13 @@ def _print(args, solved: _Solved, result: dict) -> None:
   over = [
     d for d, b in result["device_memory_bytes"].items() if limit and b > limit
   ]
-  if over:  # PipeDream's DP keeps to its own (stash) memory model.
+  if over and solved.method == "split":  # Given, not solved.
+    print(
+      f"  over the limit by this model: devices {_ranges(over)}; the "
+      "config's pipeline.split / replicas are taken as given (training "
+      "checks the built pipeline and stops before the first step)"
+    )
+  elif over:  # PipeDream's DP keeps to its own (stash) memory model.
     print(
       f"  over the limit by this model: devices {_ranges(over)}; "
       f"{solved.method!r} keeps to PipeDream's own memory model -- "
