@@ -114,23 +114,30 @@ def test_the_users_task_across_processes_evaluates_through_the_stages(
       assert b[step] == pytest.approx(a[step], rel=1e-5), (key, step)
 
 
+def _launched_training(workdir, *overrides):
+  """The launcher's command of a long 2-process run of the default config
+  (small, 2 stages, no evaluation or checkpoint of its own)."""
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2", "--"]
+  command += [sys.executable, "-m", "jpipe.train", "--config"]
+  command += [os.path.join(ROOT, "configs", "default.py")]
+  return command + [
+    f"--workdir={workdir}",
+    "--config.model.kwargs.hidden=(32,32)",
+    "--config.pipeline.num_stages=2",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=100000",
+    "--config.train.checkpoint_every=100000",
+    *overrides,
+  ]
+
+
 def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(
   tmp_path, process_env
 ):
   """SIGTERM to the launcher of a healthy 2-process run: the processes
   agree on a step, save it together and exit 143; the same command
   resumes from that step."""
-  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2", "--"]
-  command += [sys.executable, "-m", "jpipe.train", "--config"]
-  command += [os.path.join(ROOT, "configs", "default.py")]
-  command += [
-    f"--workdir={tmp_path}",
-    "--config.model.kwargs.hidden=(32,32)",
-    "--config.pipeline.num_stages=2",
-    "--config.train.log_every=1",
-    "--config.train.eval_every=100000",
-    "--config.train.checkpoint_every=100000",
-  ]
+  command = _launched_training(tmp_path)
   lines = []
   with started(
     [*command, "--config.train.steps=100000"], process_env()
@@ -158,18 +165,7 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_each_process(
   a second 2-process run there exits at once with status 2, each process
   with the one line naming the first run's process 0; the first run
   trains on undisturbed."""
-  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2", "--"]
-  command += [sys.executable, "-m", "jpipe.train", "--config"]
-  command += [os.path.join(ROOT, "configs", "default.py")]
-  command += [
-    f"--workdir={tmp_path}",
-    "--config.model.kwargs.hidden=(32,32)",
-    "--config.pipeline.num_stages=2",
-    "--config.train.log_every=1",
-    "--config.train.eval_every=100000",
-    "--config.train.checkpoint_every=100000",
-    "--config.train.steps=100000",
-  ]
+  command = _launched_training(tmp_path, "--config.train.steps=100000")
   lines = []
   with started(command, process_env()) as first:
     read_until(first, "[p0] step 1/", lines, time.monotonic() + 180)

@@ -9,17 +9,13 @@ import sys
 
 import pytest
 
+from tests.distributed import processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 @pytest.mark.slow
 def test_measures_both_ways_of_saving(tmp_path):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-    and k != "XLA_FLAGS"
-  }
   done = subprocess.run(
     [
       sys.executable,
@@ -31,7 +27,7 @@ def test_measures_both_ways_of_saving(tmp_path):
       f"--out_dir={tmp_path}",
     ],
     cwd=ROOT,
-    env=dict(env, JAX_PLATFORMS="cpu"),
+    env=processes.environment(),
     capture_output=True,
     text=True,
     timeout=300,
