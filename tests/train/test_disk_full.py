@@ -85,7 +85,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_resumable(small_disk):
   done = _train(workdir, 30)
   assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
   output = (done.stdout + done.stderr).strip().splitlines()
-  last = output[-1]
+  last = output[-1].strip()  # (After a progress bar's carriage return.)
   assert last.startswith("error: no space left on the disk of "), last
   failed = int(last.split("while saving step ")[1].split(";")[0])
   assert f"step {failed - 1} is intact" in last
