@@ -1,5 +1,5 @@
-"""The schedules: seq, gpipe, 1f1b, eager1f1b, async, 2bw, interleaved and
-looped_bfs (zero-bubble ones: ``_zero_bubble.py``).
+"""The schedules: seq, gpipe, 1f1b, eager1f1b, async, 2bw, interleaved
+(Megatron's interleaved 1F1B) and looped_bfs (zero-bubble ones: ``_zero_bubble.py``).
 
 Each builder returns a :class:`Schedule` for ``num_stages`` stages (stage s
 on device s unless said otherwise) and ``num_microbatches`` microbatches.
@@ -181,19 +181,124 @@ def looped_bfs(stage_device, num_microbatches: int) -> Schedule:
   return make_schedule("looped_bfs", devices, stage_device, num_microbatches)
 
 
+def loop_placement(num_stages: int, num_devices: int) -> tuple[int, ...]:
+  """Megatron's virtual stages: stage s on device ``s % num_devices``,
+  so device d holds stages d, d + p, d + 2p, ... (its model chunks)."""
+  if num_devices < 1 or num_stages < num_devices:
+    raise ValueError(
+      f"a loop needs >= 1 device and >= 1 stage per device, got "
+      f"{num_stages} stages on {num_devices} devices"
+    )
+  return tuple(s % num_devices for s in range(num_stages))
+
+
+def interleaved_rounds(num_devices: int, num_microbatches: int) -> int | None:
+  """Microbatches per round of interleaved 1F1B on ``num_devices``
+  devices (torch's ``microbatches_per_round``; Megatron's
+  ``microbatch_group_size_per_vp_stage``): ``m / max(1, m // p)`` --
+  p where p divides m, m where m < p -- or None where ``m // p`` does not
+  divide m (torch refuses those m)."""
+  rounds = max(1, num_microbatches // num_devices)
+  if num_microbatches % rounds:
+    return None
+  return num_microbatches // rounds
+
+
 def interleaved(
   stage_device, num_microbatches: int, *, synchronous: bool = True
 ) -> Schedule:
-  """Several stages per device (FTPipe's mixed pipe, Megatron's virtual
-  stages), ordered by list scheduling on unit costs.
+  """Interleaved 1F1B: several stages per device.
 
-  Each device repeatedly runs its ready action with the highest priority:
-  a backward before a forward (1F1B), earlier microbatches first, and a
-  forward only while its stage has fewer than ``n - s`` microbatches in
-  flight (1F1B's activation bound). Synchronous: one step per stage at the
-  end; otherwise a step after every backward (asynchronous).
+  On the loop placement (stage s on device ``s % p``: Megatron's virtual
+  pipeline, v = ceil(n / p) model chunks per device): Megatron-LM's
+  ``forward_backward_pipelining_with_interleaving`` and torch's
+  ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021, section 2.2).
+  Forwards are taken in rounds of g microbatches (g = p where p divides
+  m; ``interleaved_rounds``) over the device's chunks, chunk 0 first;
+  backwards in the same rounds, last chunk first. Device d runs
+  ``min(2(p - 1 - d) + (v - 1) g, v m)`` warm-up forwards, then one
+  forward and one backward at a time, then the remaining backwards, so it
+  holds at most one more than its warm-up. With F = 1, B = 2 and free
+  transfers the bubble is Narayanan's ``(p - 1) / (v m + p - 1)``. One
+  chunk per device (v = 1): 1F1B (Megatron's schedule without virtual
+  stages). Where n is not a multiple of p, the last round of chunks is
+  short: the missing stages' actions are left out. Where ``m // p`` does
+  not divide m, the order of the next multiple of p with the extra
+  microbatches' actions left out. (Leaving actions out of a list that
+  runs keeps it running: what is left waits on a subset of what it did.)
+
+  Other placements (FTPipe's mixed pipe: any stage on any device): list
+  scheduling on unit costs -- each device repeatedly runs its ready
+  action with the highest priority: a backward before a forward (1F1B),
+  earlier microbatches first, and a forward only while its stage has
+  fewer than ``n - s`` microbatches in flight (1F1B's activation bound).
+
+  Synchronous: one step per stage at the end; otherwise a step after
+  every backward (asynchronous).
   """
   stage_device, num_devices = _devices(stage_device, num_microbatches)
+  num_stages = len(stage_device)
+  if tuple(stage_device) == tuple(s % num_devices for s in range(num_stages)):
+    devices = _interleaved_1f1b(num_stages, num_devices, num_microbatches)
+  else:
+    devices = _list_scheduled(stage_device, num_devices, num_microbatches)
+  for d, actions in enumerate(devices):
+    if synchronous:
+      stages = sorted({a.stage for a in actions})
+      actions += [Action(UPDATE, s, num_microbatches - 1) for s in stages]
+    else:
+      devices[d] = [
+        b
+        for a in actions
+        for b in (
+          [a, Action(UPDATE, a.stage, a.microbatch)]
+          if a.kind == BACKWARD
+          else [a]
+        )
+      ]
+  return make_schedule("interleaved", devices, stage_device, num_microbatches)
+
+
+def _interleaved_1f1b(num_stages, num_devices, num_microbatches):
+  """Forwards and backwards of interleaved 1F1B on the loop placement
+  (``interleaved``), per device."""
+  p, m = num_devices, num_microbatches
+  v = -(-num_stages // p)  # Chunks per device, the last round short.
+  group, padded = interleaved_rounds(p, m), m
+  if group is None:  # (One chunk: 1F1B, which takes any m.)
+    group = p
+    padded = m if v == 1 else -(-m // p) * p
+  # The k-th forward of a device: round k // (g v), chunk (k // g) % v.
+  order = [
+    (k // (group * v) * group + k % group, k // group % v)
+    for k in range(v * padded)
+  ]
+  devices = []
+  for d in range(p):
+    warm = p - 1 - d if v == 1 else 2 * (p - 1 - d) + (v - 1) * group
+    warm = min(warm, v * padded)
+
+    def forward(k, d=d):
+      microbatch, chunk = order[k]
+      return Action(FORWARD, chunk * p + d, microbatch)
+
+    def backward(k, d=d):
+      microbatch, chunk = order[k]
+      return Action(BACKWARD, (v - 1 - chunk) * p + d, microbatch)
+
+    actions = [forward(k) for k in range(warm)]
+    for i in range(v * padded - warm):
+      actions += [forward(warm + i), backward(i)]
+    actions += [backward(k) for k in range(v * padded - warm, v * padded)]
+    devices.append(
+      [a for a in actions if a.stage < num_stages and a.microbatch < m]
+    )
+  return devices
+
+
+def _list_scheduled(stage_device, num_devices, num_microbatches):
+  """Forwards and backwards of any placement by list scheduling on unit
+  costs (``interleaved``), per device."""
   num_stages = len(stage_device)
   done_f = np.zeros(num_stages, np.int64)  # forwards done per stage
   done_b = np.zeros(num_stages, np.int64)
@@ -234,9 +339,4 @@ def interleaved(
       done_f[action.stage] += 1
     else:
       done_b[action.stage] += 1
-      if not synchronous:
-        devices[d].append(Action(UPDATE, action.stage, action.microbatch))
-  if synchronous:
-    for s in range(num_stages):
-      devices[stage_device[s]].append(Action(UPDATE, s, num_microbatches - 1))
-  return make_schedule("interleaved", devices, stage_device, num_microbatches)
+  return devices

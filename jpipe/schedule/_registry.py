@@ -132,7 +132,8 @@ REGISTRY: dict[str, ScheduleKind] = {
     ScheduleKind(
       "interleaved",
       False,
-      "several stages per device (mixed pipe, virtual stages), 1F1B order",
+      "interleaved 1F1B (Megatron's virtual stages: stage s on device s "
+      "mod p); other placements (mixed pipe): 1F1B by list scheduling",
       _builders.interleaved,
       places_itself=True,
     ),

@@ -8,9 +8,11 @@ params any action uses."""
 import dataclasses
 
 import jax
+import optax
 import pytest
 
 import jpipe
+from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (
   _assert_tree_close,
@@ -100,3 +102,49 @@ def test_pipeline_matches_its_reference(case, placement):
   assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
   # A synchronous call flushes: nothing is in flight after it.
   assert state.in_flight is None
+
+
+# Megatron's virtual stages: 4 stages on 2 devices in a loop (stage s on
+# device s mod 2), gpt_tied's embedding shared by stage 0 (device 0) and
+# stage 3 (device 1). schedule, optimizer, recompute.
+LOOP_CASES = {
+  "interleaved-adam-recompute": ("interleaved", "adam", True),
+  "interleaved-sgd": ("interleaved", "sgd", False),
+}
+
+
+@pytest.mark.parametrize(
+  "case",
+  [c if i == 0 else slow(c) for i, c in enumerate(LOOP_CASES)],
+)
+def test_loop_placement_matches_one_device(case):
+  """Two chunks per device: two steps equal single-device accumulation,
+  and the call runs the schedule's own lists on the loop."""
+  schedule, optimizer, recompute = LOOP_CASES[case]
+  tx = {"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, momentum=0.9)}
+  tx = tx[optimizer]
+  loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
+  kwargs = dict(
+    num_stages=4,
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=tx,
+    recompute=recompute,
+  )
+  straight = jpipe.Pipeline(
+    loss_fn, params, batch, devices=jax.devices()[:4], **kwargs
+  )
+  loop = ((0,), (1,), (0,), (1,))
+  plan = dataclasses.replace(straight.plan, stage_devices=loop)
+  pipe = jpipe.Pipeline(
+    loss_fn, params, batch, partition=plan, devices=jax.devices()[:2], **kwargs
+  )
+  state = pipe.init(params)
+  for _ in range(2):
+    state, metrics = pipe.step(state, batch)
+  expected, loss = _reference_steps(loss_fn, params, batch, 4, tx, steps=2)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  lists = pipe.call_actions(state, 4)
+  built = jpipe.schedule.build(schedule, 4, 4, stage_device=[0, 1, 0, 1])
+  assert lists.device_actions == built.device_actions
