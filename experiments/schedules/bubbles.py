@@ -5,15 +5,17 @@
 microbatches, free transfers (``--comm`` to charge them). Every schedule
 runs the same model: a device's work per microbatch is F = 1, B = 2
 (I = W = 1 where the backward is split), so a schedule placing v stages
-per device (``interleaved`` and ``looped_bfs`` on the loop placement,
-v = ``--chunks``; ``zbv`` and ``dualpipev`` in a V, v = 2) costs each
+per device (``interleaved``, ``looped_bfs`` and ``interleaved_zb`` on the loop
+placement, v = ``--chunks``; ``zbv`` and ``dualpipev`` in a V, v = 2) costs each
 stage F = 1 / v, B = 2 / v. The bubble is ``1 - work / (p * makespan)``;
 "step" is the makespan over a device's work (1.0: no bubble). Closed
 forms, where the literature gives one (zero transfer time): GPipe, 1F1B
 and Eager 1F1B ``(p - 1) / (m + p - 1)``; interleaved 1F1B with v chunks
 ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021, m a multiple of p);
 ZB-H1 ``(p - 1)(F + I - W) / (m (F + I + W) + (p - 1)(F + I - W))`` (Qi
-et al. 2024, m >= p); seq ``1 - 1 / p``. "torch": the bubble of
+et al. 2024, m >= p); ZB-H2 ``(p - 1) F / (m (F + I + W) + (p - 1) F)``
+(a flushed step's least; at F = I = W any m, else m >= 2p - 1); seq
+``1 - 1 / p``. "torch": the bubble of
 torch.distributed.pipelining 2.13's Interleaved1F1B (2 stages per rank)
 as issue 63 measured it. "held": each device's most microbatch-stages
 between a forward and its weight gradient (B or W) -- the activations it
@@ -52,7 +54,7 @@ def formula(name, p, m, v=1):
     return (p - 1) / (m + p - 1)
   if name == "interleaved" and m % p == 0:
     return (p - 1) / (v * m + p - 1)
-  if name == "zbh1" and m >= p:
+  if (name == "zbh1" and m >= p) or name == "zbh2":
     return (p - 1) * 1 / (m * 3 + (p - 1) * 1)
   if name == "seq":
     return 1 - 1 / p

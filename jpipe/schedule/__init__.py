@@ -59,8 +59,10 @@ from jpipe.schedule._simulate import Timeline, ready_time, simulate
 from jpipe.schedule._stream import Stream, virtual_stage_warmups
 from jpipe.schedule._zero_bubble import (
   dual_pipe_v,
+  interleaved_zero_bubble,
   v_placement,
   zero_bubble_h1,
+  zero_bubble_h2,
   zero_bubble_v,
 )
 
@@ -117,6 +119,8 @@ __all__ = [
   "two_bw",
   "write_chrome_trace",
   "zero_bubble_h1",
+  "zero_bubble_h2",
+  "interleaved_zero_bubble",
   "zero_bubble_v",
   "dual_pipe_v",
   "v_placement",

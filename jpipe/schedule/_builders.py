@@ -10,7 +10,9 @@ import numpy as np
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
+  INPUT,
   UPDATE,
+  WEIGHT,
   Action,
   Schedule,
   make_schedule,
@@ -262,6 +264,20 @@ def interleaved(
 def _interleaved_1f1b(num_stages, num_devices, num_microbatches):
   """Forwards and backwards of interleaved 1F1B on the loop placement
   (``interleaved``), per device."""
+  return loop_lists(num_stages, num_devices, num_microbatches)
+
+
+def loop_lists(num_stages, num_devices, num_microbatches, *, split=False):
+  """Per device, the actions (no steps) of interleaved 1F1B on the loop
+  placement (stage s on device s % p; ``interleaved``'s docstring).
+
+  ``split``: torch's ScheduleInterleavedZeroBubble (Qi et al.'s ZB1P on
+  virtual stages): each backward runs as I, the warm-up is
+  ``(v - 1) g + p - 1 - d`` forwards (a backward's input gradient now
+  travels as fast as a forward), and device d keeps its last ``d``
+  weight gradients deferred: after the input gradient of its k-th
+  backward it runs the W of its (k - d)-th, the rest at the end.
+  """
   p, m = num_devices, num_microbatches
   v = -(-num_stages // p)  # Chunks per device, the last round short.
   group, padded = interleaved_rounds(p, m), m
@@ -273,23 +289,34 @@ def _interleaved_1f1b(num_stages, num_devices, num_microbatches):
     (k // (group * v) * group + k % group, k // group % v)
     for k in range(v * padded)
   ]
+  total = v * padded
   devices = []
   for d in range(p):
-    warm = p - 1 - d if v == 1 else 2 * (p - 1 - d) + (v - 1) * group
-    warm = min(warm, v * padded)
+    if v == 1 or split:
+      warm = (v - 1) * group + p - 1 - d
+    else:
+      warm = 2 * (p - 1 - d) + (v - 1) * group
+    warm = min(warm, total)
 
     def forward(k, d=d):
       microbatch, chunk = order[k]
       return Action(FORWARD, chunk * p + d, microbatch)
 
-    def backward(k, d=d):
+    def backward(k, kind=INPUT if split else BACKWARD, d=d):
       microbatch, chunk = order[k]
-      return Action(BACKWARD, (v - 1 - chunk) * p + d, microbatch)
+      return Action(kind, (v - 1 - chunk) * p + d, microbatch)
 
     actions = [forward(k) for k in range(warm)]
-    for i in range(v * padded - warm):
-      actions += [forward(warm + i), backward(i)]
-    actions += [backward(k) for k in range(v * padded - warm, v * padded)]
+    weights = 0
+    for k in range(total):
+      if warm + k < total:
+        actions.append(forward(warm + k))
+      actions.append(backward(k))
+      if split and k >= d:  # Keep d weight gradients deferred.
+        actions.append(backward(weights, WEIGHT))
+        weights += 1
+    if split:
+      actions += [backward(k, WEIGHT) for k in range(weights, total)]
     devices.append(
       [a for a in actions if a.stage < num_stages and a.microbatch < m]
     )

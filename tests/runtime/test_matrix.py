@@ -51,6 +51,7 @@ CASES = {
   "looped_bfs": ("looped_bfs", {"recompute": False}),
   "zbh1-recompute": ("zbh1", {"recompute": True}),
   "zbh1": ("zbh1", {"recompute": False}),
+  "zbh2": ("zbh2", {"recompute": False}),
 }
 
 
@@ -109,13 +110,15 @@ def test_pipeline_matches_its_reference(case, placement):
 # stage 3 (device 1). schedule, optimizer, recompute.
 LOOP_CASES = {
   "interleaved-adam-recompute": ("interleaved", "adam", True),
+  "interleaved_zb-sgd": ("interleaved_zb", "sgd", False),
   "interleaved-sgd": ("interleaved", "sgd", False),
+  "interleaved_zb-adam-recompute": ("interleaved_zb", "adam", True),
 }
 
 
 @pytest.mark.parametrize(
   "case",
-  [c if i == 0 else slow(c) for i, c in enumerate(LOOP_CASES)],
+  [c if i < 2 else slow(c) for i, c in enumerate(LOOP_CASES)],
 )
 def test_loop_placement_matches_one_device(case):
   """Two chunks per device: two steps equal single-device accumulation,
