@@ -241,30 +241,21 @@ def interleaved(
   stage_device, num_devices = _devices(stage_device, num_microbatches)
   num_stages = len(stage_device)
   if tuple(stage_device) == tuple(s % num_devices for s in range(num_stages)):
-    devices = _interleaved_1f1b(num_stages, num_devices, num_microbatches)
+    devices = loop_lists(num_stages, num_devices, num_microbatches)
   else:
     devices = _list_scheduled(stage_device, num_devices, num_microbatches)
-  for d, actions in enumerate(devices):
+  lists = []
+  for actions in devices:
+    with_steps = []
+    for a in actions:
+      with_steps.append(a)
+      if not synchronous and a.kind == BACKWARD:
+        with_steps.append(Action(UPDATE, a.stage, a.microbatch))
     if synchronous:
       stages = sorted({a.stage for a in actions})
-      actions += [Action(UPDATE, s, num_microbatches - 1) for s in stages]
-    else:
-      devices[d] = [
-        b
-        for a in actions
-        for b in (
-          [a, Action(UPDATE, a.stage, a.microbatch)]
-          if a.kind == BACKWARD
-          else [a]
-        )
-      ]
-  return make_schedule("interleaved", devices, stage_device, num_microbatches)
-
-
-def _interleaved_1f1b(num_stages, num_devices, num_microbatches):
-  """Forwards and backwards of interleaved 1F1B on the loop placement
-  (``interleaved``), per device."""
-  return loop_lists(num_stages, num_devices, num_microbatches)
+      with_steps += [Action(UPDATE, s, num_microbatches - 1) for s in stages]
+    lists.append(with_steps)
+  return make_schedule("interleaved", lists, stage_device, num_microbatches)
 
 
 def loop_lists(num_stages, num_devices, num_microbatches, *, split=False):
@@ -281,8 +272,8 @@ def loop_lists(num_stages, num_devices, num_microbatches, *, split=False):
   p, m = num_devices, num_microbatches
   v = -(-num_stages // p)  # Chunks per device, the last round short.
   group, padded = interleaved_rounds(p, m), m
-  if group is None:  # (One chunk: 1F1B, which takes any m.)
-    group = p
+  if group is None:  # An m torch refuses: pad to a multiple of p (v = 1:
+    group = p  # 1F1B, which takes any m as it is).
     padded = m if v == 1 else -(-m // p) * p
   # The k-th forward of a device: round k // (g v), chunk (k // g) % v.
   order = [

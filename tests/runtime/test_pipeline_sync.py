@@ -205,7 +205,7 @@ def test_no_recompilation_across_microbatches_and_steps(recompute, schedule):
     ("zbh1", 3, 3),
     ("zbv", 4, 2),
     slow("zbh2", 3, 3),
-    ("interleaved_zb", 4, 2),
+    slow("interleaved_zb", 4, 2),
   ],
 )
 def test_batchnorm_state_flows_like_one_device(schedule, stages, devices):
