@@ -5,6 +5,8 @@ from jpipe.schedule._builders import (
   eager_1f1b,
   gpipe,
   interleaved,
+  interleaved_rounds,
+  loop_placement,
   looped_bfs,
   one_f_one_b,
   seq,
@@ -57,8 +59,10 @@ from jpipe.schedule._simulate import Timeline, ready_time, simulate
 from jpipe.schedule._stream import Stream, virtual_stage_warmups
 from jpipe.schedule._zero_bubble import (
   dual_pipe_v,
+  interleaved_zero_bubble,
   v_placement,
   zero_bubble_h1,
+  zero_bubble_h2,
   zero_bubble_v,
 )
 
@@ -96,8 +100,10 @@ __all__ = [
   "fusable_pairs",
   "gpipe",
   "interleaved",
+  "interleaved_rounds",
   "issue_order",
   "lookup",
+  "loop_placement",
   "looped_bfs",
   "lower",
   "make_schedule",
@@ -113,6 +119,8 @@ __all__ = [
   "two_bw",
   "write_chrome_trace",
   "zero_bubble_h1",
+  "zero_bubble_h2",
+  "interleaved_zero_bubble",
   "zero_bubble_v",
   "dual_pipe_v",
   "v_placement",

@@ -1,5 +1,5 @@
-"""The schedules: seq, gpipe, 1f1b, eager1f1b, async, 2bw, interleaved and
-looped_bfs (zero-bubble ones: ``_zero_bubble.py``).
+"""The schedules: seq, gpipe, 1f1b, eager1f1b, async, 2bw, interleaved
+(Megatron's interleaved 1F1B) and looped_bfs (zero-bubble ones: ``_zero_bubble.py``).
 
 Each builder returns a :class:`Schedule` for ``num_stages`` stages (stage s
 on device s unless said otherwise) and ``num_microbatches`` microbatches.
@@ -10,7 +10,9 @@ import numpy as np
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
+  INPUT,
   UPDATE,
+  WEIGHT,
   Action,
   Schedule,
   make_schedule,
@@ -181,19 +183,140 @@ def looped_bfs(stage_device, num_microbatches: int) -> Schedule:
   return make_schedule("looped_bfs", devices, stage_device, num_microbatches)
 
 
+def loop_placement(num_stages: int, num_devices: int) -> tuple[int, ...]:
+  """Megatron's virtual stages: stage s on device ``s % num_devices``,
+  so device d holds stages d, d + p, d + 2p, ... (its model chunks)."""
+  if num_devices < 1 or num_stages < num_devices:
+    raise ValueError(
+      f"a loop needs >= 1 device and >= 1 stage per device, got "
+      f"{num_stages} stages on {num_devices} devices"
+    )
+  return tuple(s % num_devices for s in range(num_stages))
+
+
+def interleaved_rounds(num_devices: int, num_microbatches: int) -> int | None:
+  """Microbatches per round of interleaved 1F1B on ``num_devices``
+  devices (torch's ``microbatches_per_round``; Megatron's
+  ``microbatch_group_size_per_vp_stage``): ``m / max(1, m // p)`` --
+  p where p divides m, m where m < p -- or None where ``m // p`` does not
+  divide m (torch refuses those m)."""
+  rounds = max(1, num_microbatches // num_devices)
+  if num_microbatches % rounds:
+    return None
+  return num_microbatches // rounds
+
+
 def interleaved(
   stage_device, num_microbatches: int, *, synchronous: bool = True
 ) -> Schedule:
-  """Several stages per device (FTPipe's mixed pipe, Megatron's virtual
-  stages), ordered by list scheduling on unit costs.
+  """Interleaved 1F1B: several stages per device.
 
-  Each device repeatedly runs its ready action with the highest priority:
-  a backward before a forward (1F1B), earlier microbatches first, and a
-  forward only while its stage has fewer than ``n - s`` microbatches in
-  flight (1F1B's activation bound). Synchronous: one step per stage at the
-  end; otherwise a step after every backward (asynchronous).
+  On the loop placement (stage s on device ``s % p``: Megatron's virtual
+  pipeline, v = ceil(n / p) model chunks per device): Megatron-LM's
+  ``forward_backward_pipelining_with_interleaving`` and torch's
+  ``ScheduleInterleaved1F1B`` (Narayanan et al. 2021, section 2.2).
+  Forwards are taken in rounds of g microbatches (g = p where p divides
+  m; ``interleaved_rounds``) over the device's chunks, chunk 0 first;
+  backwards in the same rounds, last chunk first. Device d runs
+  ``min(2(p - 1 - d) + (v - 1) g, v m)`` warm-up forwards, then one
+  forward and one backward at a time, then the remaining backwards, so it
+  holds at most one more than its warm-up. With F = 1, B = 2 and free
+  transfers the bubble is Narayanan's ``(p - 1) / (v m + p - 1)``. One
+  chunk per device (v = 1): 1F1B (Megatron's schedule without virtual
+  stages). Where n is not a multiple of p, the last round of chunks is
+  short: the missing stages' actions are left out. Where ``m // p`` does
+  not divide m, the order of the next multiple of p with the extra
+  microbatches' actions left out. (Leaving actions out of a list that
+  runs keeps it running: what is left waits on a subset of what it did.)
+
+  Other placements (FTPipe's mixed pipe: any stage on any device): list
+  scheduling on unit costs -- each device repeatedly runs its ready
+  action with the highest priority: a backward before a forward (1F1B),
+  earlier microbatches first, and a forward only while its stage has
+  fewer than ``n - s`` microbatches in flight (1F1B's activation bound).
+
+  Synchronous: one step per stage at the end; otherwise a step after
+  every backward (asynchronous).
   """
   stage_device, num_devices = _devices(stage_device, num_microbatches)
+  num_stages = len(stage_device)
+  if tuple(stage_device) == tuple(s % num_devices for s in range(num_stages)):
+    devices = loop_lists(num_stages, num_devices, num_microbatches)
+  else:
+    devices = _list_scheduled(stage_device, num_devices, num_microbatches)
+  lists = []
+  for actions in devices:
+    with_steps = []
+    for a in actions:
+      with_steps.append(a)
+      if not synchronous and a.kind == BACKWARD:
+        with_steps.append(Action(UPDATE, a.stage, a.microbatch))
+    if synchronous:
+      stages = sorted({a.stage for a in actions})
+      with_steps += [Action(UPDATE, s, num_microbatches - 1) for s in stages]
+    lists.append(with_steps)
+  return make_schedule("interleaved", lists, stage_device, num_microbatches)
+
+
+def loop_lists(num_stages, num_devices, num_microbatches, *, split=False):
+  """Per device, the actions (no steps) of interleaved 1F1B on the loop
+  placement (stage s on device s % p; ``interleaved``'s docstring).
+
+  ``split``: torch's ScheduleInterleavedZeroBubble (Qi et al.'s ZB1P on
+  virtual stages): each backward runs as I, the warm-up is
+  ``(v - 1) g + p - 1 - d`` forwards (a backward's input gradient now
+  travels as fast as a forward), and device d keeps its last ``d``
+  weight gradients deferred: after the input gradient of its k-th
+  backward it runs the W of its (k - d)-th, the rest at the end.
+  """
+  p, m = num_devices, num_microbatches
+  v = -(-num_stages // p)  # Chunks per device, the last round short.
+  group, padded = interleaved_rounds(p, m), m
+  if group is None:  # An m torch refuses: pad to a multiple of p (v = 1:
+    group = p  # 1F1B, which takes any m as it is).
+    padded = m if v == 1 else -(-m // p) * p
+  # The k-th forward of a device: round k // (g v), chunk (k // g) % v.
+  order = [
+    (k // (group * v) * group + k % group, k // group % v)
+    for k in range(v * padded)
+  ]
+  total = v * padded
+  devices = []
+  for d in range(p):
+    if v == 1 or split:
+      warm = (v - 1) * group + p - 1 - d
+    else:
+      warm = 2 * (p - 1 - d) + (v - 1) * group
+    warm = min(warm, total)
+
+    def forward(k, d=d):
+      microbatch, chunk = order[k]
+      return Action(FORWARD, chunk * p + d, microbatch)
+
+    def backward(k, kind=INPUT if split else BACKWARD, d=d):
+      microbatch, chunk = order[k]
+      return Action(kind, (v - 1 - chunk) * p + d, microbatch)
+
+    actions = [forward(k) for k in range(warm)]
+    weights = 0
+    for k in range(total):
+      if warm + k < total:
+        actions.append(forward(warm + k))
+      actions.append(backward(k))
+      if split and k >= d:  # Keep d weight gradients deferred.
+        actions.append(backward(weights, WEIGHT))
+        weights += 1
+    if split:
+      actions += [backward(k, WEIGHT) for k in range(weights, total)]
+    devices.append(
+      [a for a in actions if a.stage < num_stages and a.microbatch < m]
+    )
+  return devices
+
+
+def _list_scheduled(stage_device, num_devices, num_microbatches):
+  """Forwards and backwards of any placement by list scheduling on unit
+  costs (``interleaved``), per device."""
   num_stages = len(stage_device)
   done_f = np.zeros(num_stages, np.int64)  # forwards done per stage
   done_b = np.zeros(num_stages, np.int64)
@@ -234,9 +357,4 @@ def interleaved(
       done_f[action.stage] += 1
     else:
       done_b[action.stage] += 1
-      if not synchronous:
-        devices[d].append(Action(UPDATE, action.stage, action.microbatch))
-  if synchronous:
-    for s in range(num_stages):
-      devices[stage_device[s]].append(Action(UPDATE, s, num_microbatches - 1))
-  return make_schedule("interleaved", devices, stage_device, num_microbatches)
+  return devices

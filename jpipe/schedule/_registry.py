@@ -132,7 +132,8 @@ REGISTRY: dict[str, ScheduleKind] = {
     ScheduleKind(
       "interleaved",
       False,
-      "several stages per device (mixed pipe, virtual stages), 1F1B order",
+      "interleaved 1F1B (Megatron's virtual stages: stage s on device s "
+      "mod p); other placements (mixed pipe): 1F1B by list scheduling",
       _builders.interleaved,
       places_itself=True,
     ),
@@ -150,6 +151,13 @@ REGISTRY: dict[str, ScheduleKind] = {
       _zero_bubble.zero_bubble_h1,
     ),
     ScheduleKind(
+      "zbh2",
+      False,
+      "zero-bubble ZB-H2: more warm-up forwards, no idle after the first "
+      "forward (stage s holds 2(n - s) - 1)",
+      _zero_bubble.zero_bubble_h2,
+    ),
+    ScheduleKind(
       "zbv",
       False,
       "zero-bubble ZB-V: 2 stages per device in a V, I and W split",
@@ -164,6 +172,14 @@ REGISTRY: dict[str, ScheduleKind] = {
       _zero_bubble.dual_pipe_v,
       places_itself=True,
       placement=_zero_bubble.v_placement,
+    ),
+    ScheduleKind(
+      "interleaved_zb",
+      False,
+      "interleaved zero bubble: Megatron's virtual stages (stage s on "
+      "device s mod p), I and W split, W deferred",
+      _zero_bubble.interleaved_zero_bubble,
+      places_itself=True,
     ),
   )
 }

@@ -7,6 +7,7 @@ stage waits for: it is on the critical path) and the weight gradient W
 would otherwise wait removes most of 1F1B's bubble.
 """
 
+from jpipe.schedule._builders import loop_lists
 from jpipe.schedule._schedule import (
   BACKWARD,
   FORWARD,
@@ -243,3 +244,72 @@ def dual_pipe_v(stage_device, num_microbatches: int) -> Schedule:
       e.input_gradient(lo)
     lists.append(e.finish((lo, hi)))
   return make_schedule("dualpipev", lists, v_placement(p), m)
+
+
+def zero_bubble_h2(num_stages: int, num_microbatches: int) -> Schedule:
+  """ZB-H2 (Qi et al.'s handcrafted schedule at more memory; Shardy
+  MPMD's ZeroBubbleH2ZeroTxLatency): stage s runs ``w = min(2(n - s) -
+  1, m)`` warm-up forwards (1F1B: n - s), then for each microbatch i its
+  input gradient I(i), the W of microbatch ``i - c + 1`` (if any), and,
+  while forwards remain, F(i + w); ``c = min(2s + 1, m - w + 1)`` (the
+  warm-up of stage n - 1 - s: "diagonally symmetric"); the remaining
+  W's at the end. Every stage then runs without a gap from its first
+  forward: with F = I = W the step takes ``m (F + I + W) + (n - 1) F``,
+  the least a flushed step can (the last stage cannot start sooner),
+  and with other costs too where m >= 2n - 1; with W < I that is less
+  than ZB-H1's idle ``(n - 1)(F + I - W)``. Stage s holds up to ``2(n -
+  s) - 1`` microbatches between F and I (1F1B: n - s) and every stage up
+  to ``2n - 1`` between F and W (the paper's 2p - 1; ZB-H1: n).
+  Synchronous: one step per stage at the end.
+  """
+  if num_stages < 1 or num_microbatches < 1:
+    raise ValueError(
+      f"need >= 1 stage and microbatch, got {num_stages} stages and "
+      f"{num_microbatches} microbatches"
+    )
+  n, m = num_stages, num_microbatches
+  lists = []
+  for s in range(n):
+    warm = min(2 * (n - s) - 1, m)
+    lag = min(2 * s + 1, m - warm + 1) - 1  # W(j) after I(j + lag).
+    actions = [Action(FORWARD, s, b) for b in range(warm)]
+    for i in range(m):
+      actions.append(Action(INPUT, s, i))
+      if i >= lag:
+        actions.append(Action(WEIGHT, s, i - lag))
+      if warm + i < m:
+        actions.append(Action(FORWARD, s, warm + i))
+    actions += [Action(WEIGHT, s, b) for b in range(max(m - lag, 0), m)]
+    actions.append(Action(UPDATE, s, m - 1))
+    lists.append(actions)
+  return make_schedule("zbh2", lists, list(range(n)), m)
+
+
+def interleaved_zero_bubble(stage_device, num_microbatches: int) -> Schedule:
+  """Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble, Qi
+  et al.'s ZB1P on Megatron's virtual stages): the loop placement (stage
+  s on device s % p, v stages per device), interleaved 1F1B's order with
+  each backward split into I and W, ``(v - 1) g + p - 1 - d`` warm-up
+  forwards on device d (g: ``interleaved_rounds``), and d weight
+  gradients kept deferred to fill the cool-down
+  (``_builders.loop_lists``). One stage per device: ZB-H1. At m = p it
+  idles less than ZB-V, at the same 2p microbatch-stages held per device.
+  Synchronous: one step per stage at the end.
+  """
+  stage_device = [int(d) for d in stage_device]
+  n = len(stage_device)
+  if n < 1 or num_microbatches < 1:
+    raise ValueError(
+      f"need >= 1 stage and microbatch, got {n} stages and "
+      f"{num_microbatches} microbatches"
+    )
+  p = max(stage_device) + 1
+  if stage_device != [s % p for s in range(n)]:
+    raise ValueError(
+      f"interleaved_zb runs stage s on device s % p (the loop); got stages "
+      f"on devices {stage_device}"
+    )
+  lists = loop_lists(n, p, num_microbatches, split=True)
+  for d, actions in enumerate(lists):
+    actions += [Action(UPDATE, s, num_microbatches - 1) for s in range(d, n, p)]
+  return make_schedule("interleaved_zb", lists, stage_device, num_microbatches)

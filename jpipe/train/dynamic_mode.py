@@ -218,7 +218,7 @@ def _check_run(config, need, inject) -> None:
     "set it to 'split' or 'weighted' (re-split by the replicas' speeds)",
   )
   need(
-    config.schedule.name != "interleaved"
+    config.schedule.name not in ("interleaved", "interleaved_zb")
     and not config_options.v_shaped(config),
     "schedule.name",
     f"re-partitioning needs one stage per device, not {config.schedule.name!r}",

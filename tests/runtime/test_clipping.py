@@ -39,6 +39,7 @@ SYNCHRONOUS = {
   "interleaved": ("interleaved", 4, 2, 4),  # (mixed: 2 stages a device)
   "looped_bfs": ("looped_bfs", 4, 2, 4),
   "zbh1": ("zbh1", 3, 3, 4),
+  "zbh2": ("zbh2", 3, 3, 4),
   "zbv": ("zbv", 4, 2, 4),
   "dualpipev": ("dualpipev", 4, 2, 4),
 }

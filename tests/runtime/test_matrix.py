@@ -8,9 +8,11 @@ params any action uses."""
 import dataclasses
 
 import jax
+import optax
 import pytest
 
 import jpipe
+from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (
   _assert_tree_close,
@@ -49,6 +51,7 @@ CASES = {
   "looped_bfs": ("looped_bfs", {"recompute": False}),
   "zbh1-recompute": ("zbh1", {"recompute": True}),
   "zbh1": ("zbh1", {"recompute": False}),
+  "zbh2": ("zbh2", {"recompute": False}),
 }
 
 
@@ -100,3 +103,65 @@ def test_pipeline_matches_its_reference(case, placement):
   assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
   # A synchronous call flushes: nothing is in flight after it.
   assert state.in_flight is None
+
+
+# Megatron's virtual stages: 4 stages on 2 devices in a loop (stage s on
+# device s mod 2), gpt_tied's embedding shared by stage 0 (device 0) and
+# stage 3 (device 1). schedule, optimizer, recompute.
+LOOP_CASES = {
+  "interleaved-sgd": ("interleaved", "sgd", False),
+  "interleaved_zb-sgd": ("interleaved_zb", "sgd", False),
+  "interleaved-adam-recompute": ("interleaved", "adam", True),
+  "interleaved_zb-adam-recompute": ("interleaved_zb", "adam", True),
+}
+
+
+def loop_plan(loss_fn, params, batch, stages, devices):
+  """A plan of ``stages`` even runs of the model's nodes (as traced on
+  the whole batch), stage s on device s mod ``devices``."""
+  traced = jpipe.partition.trace(loss_fn, params, batch)
+  costs = jpipe.partition.profile_nodes(
+    traced, params, batch, method="analytic"
+  )
+  n = traced.num_nodes
+  return jpipe.partition.plan_from_boundaries(
+    traced,
+    costs,
+    [n * s // stages for s in range(stages + 1)],
+    devices=[s % devices for s in range(stages)],
+  )
+
+
+@pytest.mark.parametrize(
+  "case",
+  [c if i < 2 else slow(c) for i, c in enumerate(LOOP_CASES)],
+)
+def test_loop_placement_matches_one_device(case):
+  """Two chunks per device: two steps equal single-device accumulation,
+  and the call runs the schedule's own lists on the loop."""
+  schedule, optimizer, recompute = LOOP_CASES[case]
+  tx = {"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, momentum=0.9)}
+  tx = tx[optimizer]
+  loss_fn, params, batch, _ = flax_models.CASES["gpt_tied"]()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=4,
+    devices=jax.devices()[:2],
+    schedule=schedule,
+    num_microbatches=4,
+    optimizer=tx,
+    recompute=recompute,
+    partition=loop_plan(loss_fn, params, batch, 4, 2),
+  )
+  assert pipe.plan.stage_devices == ((0,), (1,), (0,), (1,))
+  state = pipe.init(params)
+  for _ in range(2):
+    state, metrics = pipe.step(state, batch)
+  expected, loss = _reference_steps(loss_fn, params, batch, 4, tx, steps=2)
+  _assert_tree_close(pipe.gather_params(state), expected)
+  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  lists = pipe.call_actions(state, 4)
+  built = jpipe.schedule.build(schedule, 4, 4, stage_device=[0, 1, 0, 1])
+  assert lists.device_actions == built.device_actions

@@ -129,3 +129,20 @@ def test_every_phase_field_is_a_declared_read_only_attribute():
   assert again.partitioning.partition == pipe.plan
   assert again.plan.stage_of_node == pipe.plan.stage_of_node
   assert [d.id for d in again.devices] == [2, 3]
+
+
+@pytest.mark.parametrize("devices", [((0,), (1,)), ((0,), (1,), (2,), (0,))])
+def test_a_plan_whose_devices_do_not_match_its_stages_is_refused(devices):
+  """A Plan given with more or fewer stage devices than stages is a
+  one-line error naming the field, before anything is placed."""
+  plain, _, _ = _pipe(num_stages=3)
+  plan = dataclasses.replace(plain.plan, stage_devices=devices)
+  with pytest.raises(
+    ValueError,
+    match=rf"cuts its nodes into 3 stages .* stage_devices has "
+    rf"{len(devices)} entries: give one per stage$",
+  ):
+    _pipe(num_stages=3, partition=plan)
+  empty = dataclasses.replace(plain.plan, stage_devices=((0,), (), (1,)))
+  with pytest.raises(ValueError, match="stage 1 has no device"):
+    _pipe(num_stages=3, partition=empty)

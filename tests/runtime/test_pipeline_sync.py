@@ -1,5 +1,7 @@
 """Synchronous schedules = single-device gradient accumulation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,24 +199,45 @@ def test_no_recompilation_across_microbatches_and_steps(recompute, schedule):
 
 @pytest.mark.parametrize(
   "schedule, stages, devices",
-  [("gpipe", 3, 3), ("1f1b", 3, 3), ("zbh1", 3, 3), ("zbv", 4, 2)],
+  [
+    ("gpipe", 3, 3),
+    ("1f1b", 3, 3),
+    ("zbh1", 3, 3),
+    ("zbv", 4, 2),
+    slow("zbh2", 3, 3),
+    slow("interleaved_zb", 4, 2),
+  ],
 )
 def test_batchnorm_state_flows_like_one_device(schedule, stages, devices):
   """Each microbatch's forward reads the statistics the previous one left
-  (zbv: over a V, two stages per device); gradients and the final
-  statistics equal a single-device loop."""
+  (zbv: over a V, two stages per device; interleaved_zb: in a loop,
+  stage s on device s mod 2); gradients and the final statistics equal a
+  single-device loop."""
   loss_fn, params, stats, batch = flax_models.resnet_state_case(3, 8)
   m, tx = 4, optax.sgd(0.1)
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
+  kwargs = dict(
     num_stages=stages,
-    devices=jax.devices()[:devices],
     schedule=schedule,
     num_microbatches=m,
     optimizer=tx,
     model_state=stats,
+  )
+  partition = "contiguous"
+  if schedule == "interleaved_zb":  # The loop: a plan of 4 stages, moved.
+    straight = jpipe.Pipeline(
+      loss_fn, params, batch, devices=jax.devices()[:stages], **kwargs
+    )
+    partition = dataclasses.replace(
+      straight.plan,
+      stage_devices=tuple((s % devices,) for s in range(stages)),
+    )
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    devices=jax.devices()[:devices],
+    partition=partition,
+    **kwargs,
   )
   state = pipe.init(params, stats)
   state, metrics = pipe.step(state, batch)

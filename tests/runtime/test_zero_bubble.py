@@ -150,6 +150,8 @@ ADAM, SGD = optax.adam(1e-2), optax.sgd(0.1, momentum=0.9)
 SPLIT_CASES = {
   "zbh1-recompute-adam": ("zbh1", 3, 3, True, ADAM),
   "zbh1-adam": ("zbh1", 3, 3, False, ADAM),
+  "zbh2-recompute-adam": ("zbh2", 3, 3, True, ADAM),
+  "zbh2-sgd": ("zbh2", 3, 3, False, SGD),
   "zbv-recompute-adam": ("zbv", 4, 2, True, ADAM),
   "zbv-sgd": ("zbv", 4, 2, False, SGD),
   "dualpipev-recompute-sgd": ("dualpipev", 4, 2, True, SGD),

@@ -66,13 +66,17 @@ def test_lists_that_cannot_run_are_refused_naming_why(text, reason):
 @pytest.mark.parametrize("n, m", [(1, 1), (2, 5), (3, 3), (4, 8)])
 def test_every_built_in_schedule_passes_the_check(name, n, m):
   """n devices: a stage each, or two in a V (zbv, dualpipev: at least
-  the 2n microbatches DualPipeV needs)."""
+  the 2n microbatches DualPipeV needs); a schedule placing its stages
+  otherwise (interleaved, looped_bfs, interleaved_zb) also two per
+  device in a loop."""
   kind = sc.lookup(name)
   kwargs = {"minibatch": n} if name == "2bw" else {}
   stage_device = list(range(n))
   if kind.placement is not None:
     stage_device, m = list(kind.placement(n)), max(m, 2 * n)
   sc.check_schedule(kind.on_devices(stage_device, m, **kwargs))
+  if kind.places_itself and kind.placement is None:
+    sc.check_schedule(kind.on_devices(sc.loop_placement(2 * n, n), m))
 
 
 def test_a_microbatch_limit_names_the_stage_over_it():

@@ -199,3 +199,190 @@ def test_the_async_stream_idles_only_in_its_drain_which_split_flush_shortens(n):
     t.makespan - sc.simulate(split, 1.0, 2.0, input_seconds=1.0).makespan
   )
   assert shorter == max(n - 2, 0)
+
+
+def _device_held(schedule, d):
+  """Device d's most microbatch-stages between F and W (or B)."""
+  live = peak = 0
+  for a in schedule.device_actions[d]:
+    live += (a.kind == FORWARD) - (a.kind in ("B", WEIGHT))
+    peak = max(peak, live)
+  return peak
+
+
+def _shardy_h2_before(x, y, n):
+  """Shardy MPMD's ``zero_bubble_h2_schedule_predicate`` (zero transfer
+  latency), restated: whether action x must run before action y of the
+  same stage s, with ``init = 2(n - s) - 1`` warm-up forwards and its
+  complement ``2s + 1``."""
+  s = x.stage
+  init, complement = 2 * (n - s) - 1, 2 * s + 1
+  i, j = x.microbatch, y.microbatch
+  if x.kind == FORWARD and y.kind in (INPUT, WEIGHT) and i < init:
+    return True  # Clause 1: the warm-up forwards before any backward.
+  if x.kind == INPUT and y.kind == FORWARD and j >= init:
+    return j - i == init  # Clause 2: I(i) < F(i + init).
+  if x.kind == FORWARD and i >= init and y.kind == INPUT:
+    return i - j == init - 1  # Clause 3: F(i + init - 1) < I(i).
+  if x.kind == INPUT and y.kind == WEIGHT:
+    return i - j == complement - 1  # Clause 4: I(i + c - 1) < W(i).
+  if x.kind == WEIGHT and y.kind == INPUT:
+    return j - i == complement  # Clause 5: W(i) < I(i + c).
+  return False
+
+
+def test_zbh2_by_hand():
+  """3 stages, 6 microbatches: 5, 3 and 1 warm-up forwards; stage 0
+  runs each W right after its I, stage 1 two I's later, stage 2 four."""
+  lines = [
+    "F0.0 F0.1 F0.2 F0.3 F0.4 I0.0 W0.0 F0.5 I0.1 W0.1 I0.2 W0.2 I0.3 "
+    "W0.3 I0.4 W0.4 I0.5 W0.5 S0.5",
+    "F1.0 F1.1 F1.2 I1.0 F1.3 I1.1 F1.4 I1.2 W1.0 F1.5 I1.3 W1.1 I1.4 "
+    "W1.2 I1.5 W1.3 W1.4 W1.5 S1.5",
+    "F2.0 I2.0 F2.1 I2.1 F2.2 I2.2 F2.3 I2.3 F2.4 I2.4 W2.0 F2.5 I2.5 "
+    "W2.1 W2.2 W2.3 W2.4 W2.5 S2.5",
+  ]
+  zb = sc.zero_bubble_h2(3, 6)
+  assert zb.format().splitlines() == [
+    f"dev{d}: {line}" for d, line in enumerate(lines)
+  ]
+
+
+@pytest.mark.parametrize("n, m", [(2, 3), (3, 5), (4, 7), (4, 12), (6, 16)])
+def test_zbh2_keeps_shardys_order(n, m):
+  """m >= 2n - 1: every pair of a stage's actions in the order Shardy's
+  ZB-H2 predicate asks for."""
+  zb = sc.zero_bubble_h2(n, m)
+  sc.check_schedule(zb)
+  for s, acts in enumerate(zb.device_actions):
+    work = [a for a in acts if a.kind != UPDATE]
+    for a, x in enumerate(work):
+      for y in work[:a]:  # y runs before x
+        assert not _shardy_h2_before(x, y, n), (s, str(x), str(y))
+
+
+@pytest.mark.parametrize("n, m", [(2, 4), (3, 3), (4, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("f, i, w", [(1, 1, 1), (1, 1, 0.5), (2, 1, 1)])
+def test_zbh2_never_idles_after_its_first_forward(n, m, f, i, w):
+  """The least a flushed step can take, m (F + I + W) + (n - 1) F (the
+  last stage's first input comes after n - 1 forwards), at F = I = W
+  for any m and for other costs where m >= 2n - 1; never longer than
+  ZB-H1, at most 2(n - s) - 1 microbatches between F and I and 2n - 1
+  between F and W (Qi et al.'s 2p - 1)."""
+  zb, h1 = sc.zero_bubble_h2(n, m), sc.zero_bubble_h1(n, m)
+  costs = dict(input_seconds=i, weight_seconds=w)
+  t = sc.simulate(zb, f, i + w, **costs)
+  if (f, i, w) == (1, 1, 1) or m >= 2 * n - 1:
+    assert t.makespan == pytest.approx(m * (f + i + w) + (n - 1) * f)
+  assert t.makespan <= sc.simulate(h1, f, i + w, **costs).makespan + 1e-9
+  for s in range(n):
+    assert _between(zb, s, FORWARD, INPUT) == min(2 * (n - s) - 1, m)
+    assert _between(zb, s, FORWARD, WEIGHT) <= 2 * n - 1
+
+
+def _torch_interleaved_zb(p, v, m):
+  """torch.distributed.pipelining's ScheduleInterleavedZeroBubble (m a
+  multiple of p), restated from ``_get_1f1b_rank_ops(...,
+  enable_zero_bubble=True)``: rank d warms up with ``(v - 1) p + p - 1 -
+  d`` forwards; each later op is a forward (while any remain) and a
+  backward input, then -- once ``d`` backwards have run -- the weight
+  of the oldest backward not yet weighted; the rest at the end. The
+  op's stage is ``forward_stage_index`` / ``backward_stage_index``; each
+  stage takes its microbatches in order."""
+  lists = []
+  for rank in range(p):
+    warmup = min((v - 1) * p + (p - 1 - rank), m * v)
+    total = m * v
+
+    def fwd_stage(step, rank=rank):
+      return (step // p) % v * p + rank
+
+    def bwd_stage(step, rank=rank, warmup=warmup):
+      return (v - 1 - ((step - warmup) // p) % v) * p + rank
+
+    count = {}
+
+    def take(kind, stage, count=count):
+      mb = count.get((kind, stage), 0)
+      count[(kind, stage)] = mb + 1
+      return Action(kind, stage, mb)
+
+    ops, backward_ops, weighted = [], [], 0
+    for op in range(warmup + total):
+      if op < warmup:
+        ops.append(take(FORWARD, fwd_stage(op)))
+        continue
+      if op < total:
+        ops.append(take(FORWARD, fwd_stage(op)))
+      ops.append(take(INPUT, bwd_stage(op)))
+      backward_ops.append(op)
+      if op - warmup >= rank:
+        ops.append(take(WEIGHT, bwd_stage(backward_ops[weighted])))
+        weighted += 1
+    while weighted < len(backward_ops):
+      ops.append(take(WEIGHT, bwd_stage(backward_ops[weighted])))
+      weighted += 1
+    ops += [Action(UPDATE, c * p + rank, m - 1) for c in range(v)]
+    lists.append(tuple(ops))
+  return tuple(lists)
+
+
+@pytest.mark.parametrize(
+  "p, v, m", [(2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 2, 4), (4, 3, 8)]
+)
+def test_interleaved_zb_is_torchs(p, v, m):
+  s = sc.interleaved_zero_bubble(sc.loop_placement(v * p, p), m)
+  assert s.device_actions == _torch_interleaved_zb(p, v, m)
+  sc.check_schedule(s)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_interleaved_zb_beats_zbv_at_m_equal_p(p):
+  """Issue 63: with several stages per device, zero bubble at m = p idles
+  less than ZB-V, at the same 2p microbatch-stages per device; it never
+  idles more than interleaved 1F1B; one stage per device is ZB-H1."""
+  for m in (p, 2 * p):
+    izb = sc.interleaved_zero_bubble(sc.loop_placement(2 * p, p), m)
+    zbv = sc.zero_bubble_v(sc.v_placement(p), m)
+    il = sc.interleaved(sc.loop_placement(2 * p, p), m)
+    bubble = {
+      k: sc.simulate(x, 0.5, 1.0).bubble
+      for k, x in (("izb", izb), ("zbv", zbv), ("il", il))
+    }
+    assert bubble["izb"] <= bubble["zbv"] + 1e-9
+    if m == p > 2:
+      assert bubble["izb"] < bubble["zbv"] - 0.05
+    assert bubble["izb"] < bubble["il"]
+    for d in range(p):
+      for x in (izb, zbv):
+        assert _device_held(x, d) <= 2 * p
+  assert (
+    sc.interleaved_zero_bubble(range(p), 2 * p).device_actions
+    == sc.zero_bubble_h1(p, 2 * p).device_actions
+  )
+
+
+def test_interleaved_zb_runs_other_counts_and_refuses_other_placements():
+  for p, n, m in [(4, 8, 6), (4, 8, 9), (2, 3, 5), (4, 10, 3)]:
+    s = sc.interleaved_zero_bubble(sc.loop_placement(n, p), m)
+    sc.check_schedule(s)
+    assert {a.kind for acts in s.device_actions for a in acts} == set("FIWS")
+  with pytest.raises(
+    ValueError, match=r"s % p \(the loop\); got .*\[0, 1, 1, 0\]"
+  ):
+    sc.interleaved_zero_bubble([0, 1, 1, 0], 4)
+
+
+def test_timelines_of_the_new_zero_bubble_schedules_draw(tmp_path):
+  for name, schedule in (
+    ("zbh2", sc.zero_bubble_h2(3, 6)),
+    (
+      "interleaved_zb",
+      sc.build("interleaved_zb", 4, 4, stage_device=[0, 1, 0, 1]),
+    ),
+  ):
+    timeline = sc.simulate(schedule, 1.0, 2.0)
+    png = tmp_path / f"{name}.png"
+    sc.plot_timeline(timeline, str(png), title=name)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {a.kind for a in timeline.start} == set("FIWS")

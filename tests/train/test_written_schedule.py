@@ -96,3 +96,11 @@ def test_split_flush_reaches_the_pipeline_and_only_for_streams():
   config.pipeline.recompute = True
   config_check.check(config)
   assert config_options.staleness(config).split_flush
+
+
+@pytest.mark.parametrize("name", ["interleaved", "zbh2", "interleaved_zb"])
+def test_issue_63s_schedule_names_pass_the_config_checks(name):
+  config = default_config.get_config()
+  config.schedule.name = name
+  config_check.check(config)
+  assert config_options.schedule_kind(config).name == name

@@ -177,7 +177,8 @@ def _check_flush(kind, st: "Staleness") -> None:
     raise ValueError(
       f"split_flush splits the flush of a streaming schedule "
       f"{schedule_lib.STREAMS}; {kind.name!r} flushes every call: for its "
-      "backward split use schedule 'zbh1', 'zbv' or 'dualpipev'"
+      "backward split use schedule 'zbh1', 'zbh2', 'zbv', 'dualpipev' or "
+      "'interleaved_zb'"
     )
 
 

@@ -520,6 +520,7 @@ def _make_plan(
     )
   if plan.node_names != traced.node_names:
     raise ValueError("the Plan was made for a different model (nodes differ)")
+  check_plan_stages(plan)
   used = max(d for ds in plan.stage_devices for d in ds)
   if used >= num_devices:
     raise ValueError(
@@ -527,6 +528,28 @@ def _make_plan(
     )
   check_device_groups(plan.stage_devices)
   return plan
+
+
+def check_plan_stages(plan: partition_lib.Plan) -> None:
+  """A Plan's per-stage fields describe the stages its nodes are cut
+  into (``stage_of_node``: stages 0..k-1), and every stage has a device:
+  otherwise a one-line error naming the field (a Plan edited by hand, or
+  ``dataclasses.replace``'d with another pipeline's devices)."""
+  stages = max(plan.stage_of_node, default=-1) + 1
+  per_stage = {
+    "stage_devices": plan.stage_devices,
+    "stage_forward_seconds": plan.stage_forward_seconds,
+    "stage_backward_seconds": plan.stage_backward_seconds,
+  }
+  for field, values in per_stage.items():
+    if len(values) != stages:
+      raise ValueError(
+        f"the Plan cuts its nodes into {stages} stages (stage_of_node) but "
+        f"its {field} has {len(values)} entries: give one per stage"
+      )
+  for s, devices in enumerate(plan.stage_devices):
+    if not devices:
+      raise ValueError(f"the Plan's stage {s} has no device (stage_devices)")
 
 
 def _check_state_output(traced, state_treedef):
