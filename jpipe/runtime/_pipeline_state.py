@@ -19,7 +19,12 @@ import jax
 import numpy as np
 
 from jpipe.runtime._gather import trees_everywhere
-from jpipe.runtime._stacked import model_param_avals, split_keyed, stack_keyed
+from jpipe.runtime._stacked import (
+  model_names,
+  model_param_avals,
+  split_keyed,
+  stack_keyed,
+)
 from jpipe.runtime._state_dict import (
   merge_optimizer_states,
   on_host,
@@ -253,7 +258,7 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
       "model: it was saved from another model or configuration"
     )
   for name, saved, expected in zip(
-    _model_names(pipe),
+    model_names(pipe),
     jax.tree.leaves(params),
     model_param_avals(pipe),
     strict=True,
@@ -298,14 +303,3 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
   return pipe.drained_state(
     stage_params, opt_states, int(tree["step"]), base.model_state
   )
-
-
-def _model_names(pipe) -> list[str]:
-  """The model's param leaf names (a stacked leaf's: without ``[k]``)."""
-  layout = pipe.traced.param_layout
-  if layout is None:
-    return list(pipe.leaf_names)
-  names = [None] * layout.num_model_leaves
-  for name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True):
-    names[i] = name if r < 0 else name[: name.rindex("[")]
-  return names

@@ -32,7 +32,7 @@ def _rows(pipe) -> dict[str, tuple[str, int, int]]:
   if layout is None:
     return {}
   avals = model_param_avals(pipe)
-  names = _model_names(pipe)
+  names = model_names(pipe)
   return {
     row_name: (names[i], r, len(avals[i].shape))
     for row_name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True)
@@ -40,14 +40,27 @@ def _rows(pipe) -> dict[str, tuple[str, int, int]]:
   }
 
 
-def _model_names(pipe) -> list[str]:
-  """The model's leaf names (a row's name less its ``[k]``)."""
-  names = [None] * pipe.traced.param_layout.num_model_leaves
-  for name, (i, r) in zip(
-    pipe.leaf_names, pipe.traced.param_layout.source, strict=True
-  ):
+def model_names(pipe) -> list[str]:
+  """The model's param leaf names (a row's name less its ``[k]``)."""
+  layout = pipe.traced.param_layout
+  if layout is None:
+    return list(pipe.leaf_names)
+  names = [None] * layout.num_model_leaves
+  for name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True):
     names[i] = name if r < 0 else name[: name.rindex("[")]
   return names
+
+
+def join_rows(pipe, leaves: list) -> list:
+  """Traced param leaves (arrays, or abstract values for another
+  process's) -> the model's: a stacked leaf's rows joined by ``_join``."""
+  layout = pipe.traced.param_layout
+  if layout is None:
+    return list(leaves)
+  rows: list[list] = [[] for _ in range(layout.num_model_leaves)]
+  for (i, _), x in zip(layout.source, leaves, strict=True):
+    rows[i].append(x)
+  return [r[0] if len(r) == 1 else _join(r) for r in rows]
 
 
 def stack_keyed(pipe, tree):
@@ -101,7 +114,14 @@ def _join(parts: list) -> Any:
     return None
   first = parts[0]
   scalar = len(np.shape(first)) == 0
-  if any(isinstance(p, jax.ShapeDtypeStruct) for p in parts):
+  abstract = [isinstance(p, jax.ShapeDtypeStruct) for p in parts]
+  if any(abstract) and not all(abstract):
+    raise ValueError(
+      "a stacked leaf's layers are on stages of several processes, and a "
+      "per-process checkpoint writes whole leaves: save the gathered "
+      "state (Pipeline.state_dict) or keep each stacked leaf in one process"
+    )
+  if all(abstract):
     lead = len(parts) if scalar else sum(p.shape[0] for p in parts)
     rest = () if scalar else tuple(first.shape[1:])
     return jax.ShapeDtypeStruct((lead, *rest), first.dtype)
