@@ -138,3 +138,44 @@ def stack_unrolled(params):
     "head": params["head"],
     "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]),
   }
+
+
+def nnx_case(batch_size=4):
+  """NNX: ``LAYERS`` blocks made by ``nnx.vmap`` (stacked params), run by
+  ``nnx.scan``; used the functional way (``nnx.split``, ``nnx.merge``)."""
+  from flax import nnx
+
+  class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+      self.norm = nnx.LayerNorm(D, rngs=rngs)
+      self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+      self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+  class NnxLM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(V, D, rngs=rngs)
+
+      @nnx.split_rngs(splits=LAYERS)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return NnxBlock(rngs)
+
+      self.blocks = make(rngs)
+      self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run(x, block):
+        return block(x)
+
+      return self.head(run(self.embed(tokens), self.blocks))
+
+  graphdef, params = nnx.split(NnxLM(nnx.Rngs(0)))
+
+  def loss_fn(params, batch):
+    return _xent(nnx.merge(graphdef, params)(batch["x"]), batch["y"])
+
+  return loss_fn, params, _tokens(batch_size)

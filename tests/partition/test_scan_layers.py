@@ -14,8 +14,14 @@ CASES = {
   "nn.scan": lambda: scan_models.linen_case(),
   "nn.scan(nn.remat)": lambda: scan_models.linen_case(remat=True),
   "lax.scan": scan_models.plain_case,
+  "nnx.scan": scan_models.nnx_case,
 }
-BASE = {"nn.scan": "blocks", "nn.scan(nn.remat)": "blocks", "lax.scan": "scan"}
+BASE = {
+  "nn.scan": "blocks",
+  "nn.scan(nn.remat)": "blocks",
+  "lax.scan": "scan",
+  "nnx.scan": "scan",
+}
 
 
 def _plan(traced, params, batch, num_stages):

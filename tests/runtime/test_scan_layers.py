@@ -41,6 +41,7 @@ def _pipe(case, num_stages, **options):
     pytest.param(
       lambda: scan_models.linen_case(remat=True), id="nn.scan(nn.remat)"
     ),
+    pytest.param(scan_models.nnx_case, id="nnx.scan"),
   ],
 )
 def test_1f1b_step_equals_the_single_device_step(make):
