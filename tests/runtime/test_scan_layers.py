@@ -107,6 +107,22 @@ def test_state_dict_is_stacked_and_resumes_under_another_split():
   mu = saved["opt_state"][0].mu
   assert np.shape(mu["layers/w1"]) == params["layers"]["w1"].shape
   assert not any("[" in k for k in mu)
+  # A per-process checkpoint's parts (one process: all of it) alike.
+  _close(four.local_state_dict(state), saved)
+  layout, needed = four.state_dict_layout()
+  _close(
+    jax.tree.map(lambda x: np.zeros(x.shape), layout["params"]),
+    jax.tree.map(np.zeros_like, params),
+  )
+  assert all(jax.tree.leaves(needed["params"]))
+  # A metrics function cut by the plan reads the stages' rows.
+  loss_fn = case[0]
+  metrics = four.evaluate(
+    state, batch, lambda p, b: {"loss": loss_fn(p, b)}
+  )
+  np.testing.assert_allclose(
+    metrics["loss"] / 2, loss_fn(saved["params"], batch), rtol=1e-5
+  )
   two, _, _ = _pipe(case, 2, schedule="1f1b", optimizer=optax.adam(1e-2))
   resumed = two.load_state_dict(saved)
   _close(two.gather_params(resumed), saved["params"])
