@@ -119,25 +119,7 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
   """
   jaxpr = closed.jaxpr
   params = list(jaxpr.invars[:num_param_leaves])
-  readers: dict[Any, int] = {}
-  for eqn in jaxpr.eqns:
-    for v in eqn.invars:
-      if isinstance(v, jcore.Var):
-        readers[v] = readers.get(v, 0) + 1
-  for v in jaxpr.outvars:
-    if isinstance(v, jcore.Var):
-      readers[v] = readers.get(v, 0) + 2
-  stacked = {}  # param var -> its row vars
-  plans = {}  # eqn index -> the stacked param vars it scans
-  for i, eqn in enumerate(jaxpr.eqns):
-    rows = _stacked_params(eqn, set(params), readers)
-    if rows:
-      plans[i] = rows
-      for v in rows:
-        stacked[v] = [
-          _var((1, *v.aval.shape[1:]), v.aval.dtype)
-          for _ in range(v.aval.shape[0])
-        ]
+  plans, stacked = _layer_scans(jaxpr, params)
   source, invars = [], []
   for i, v in enumerate(params):
     if v in stacked:
@@ -174,6 +156,31 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
     tuple(iteration),
     tuple(slices),
   )
+
+
+def _layer_scans(jaxpr, params) -> tuple[dict, dict]:
+  """``({scan eqn index: the stacked param vars it scans}, {stacked param
+  var: fresh vars of its rows})``."""
+  readers: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if isinstance(v, jcore.Var):
+        readers[v] = readers.get(v, 0) + 1
+  for v in jaxpr.outvars:  # (A param returned is read whole.)
+    if isinstance(v, jcore.Var):
+      readers[v] = readers.get(v, 0) + 2
+  param_set = set(params)
+  plans, stacked = {}, {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    rows = _stacked_params(eqn, param_set, readers)
+    if rows:
+      plans[i] = rows
+      for v in rows:
+        stacked[v] = [
+          _var((1, *v.aval.shape[1:]), v.aval.dtype)
+          for _ in range(v.aval.shape[0])
+        ]
+  return plans, stacked
 
 
 def _stacked_params(eqn, params: set, readers) -> list:
