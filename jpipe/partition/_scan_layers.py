@@ -82,9 +82,20 @@ def _stack(rows):
     return None
   if isinstance(rows[0], jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((len(rows), *rows[0].shape[1:]), rows[0].dtype)
-  if all(isinstance(x, np.ndarray) for x in rows):
-    return np.concatenate(rows)
+  if all(isinstance(x, np.ndarray) for x in rows) or _on_several_devices(rows):
+    return np.concatenate([np.asarray(x) for x in rows])  # (On the host.)
   return jnp.concatenate(rows)
+
+
+def _on_several_devices(rows) -> bool:
+  """Whether ``rows`` are concrete arrays on different devices (rows that
+  several stages held): joined on the host."""
+  if any(isinstance(x, jax.core.Tracer) for x in rows):
+    return False
+  devices = {
+    frozenset(x.sharding.device_set) for x in rows if isinstance(x, jax.Array)
+  }
+  return len(devices) > 1
 
 
 @dataclasses.dataclass(frozen=True)
