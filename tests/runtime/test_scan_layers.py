@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jpipe
+from tests import tiers
 from tests.partition import scan_models
 
 SGD = optax.sgd(0.1)
@@ -57,18 +58,29 @@ def test_1f1b_step_equals_the_single_device_step(make):
   _close(pipe.gather_params(state), want)  # Stacked, as the model declares.
 
 
-def test_async_stashing_prediction_equals_the_unrolled_model():
-  """Asynchronous with weight stashing and prediction (SGD with momentum:
+@pytest.mark.parametrize(
+  "options",
+  [
+    pytest.param(
+      dict(optimizer=optax.sgd(0.1, momentum=0.9), prediction="msnag"),
+      id="ws+wp",
+    ),
+    tiers.slow(
+      dict(
+        optimizer=optax.sgd(0.1),
+        gap_aware="ga",
+        gap_aware_options={"optimizer": "sgd", "learning_rate": 0.1},
+      ),
+      id="ws+gap_aware",
+    ),
+  ],
+)
+def test_async_equals_the_unrolled_model(options):
+  """Asynchronous with weight stashing and prediction or Gap-Aware (SGD:
   Adam's normalisation would magnify summation-order noise in its tiny
-  gradients): the scanned
-  model's pipeline gives the unrolled model's, step for step (same split,
-  per-layer leaves both)."""
-  options = dict(
-    schedule="async",
-    optimizer=optax.sgd(0.1, momentum=0.9),
-    weight_stashing=True,
-    prediction="msnag",
-  )
+  gradients): the scanned model's pipeline gives the unrolled model's,
+  step for step (same split, per-layer leaves both)."""
+  options = dict(options, schedule="async", weight_stashing=True)
   scanned, params, batch = _pipe(
     scan_models.plain_case(batch_size=4), 4, **options
   )
@@ -117,9 +129,7 @@ def test_state_dict_is_stacked_and_resumes_under_another_split():
   assert all(jax.tree.leaves(needed["params"]))
   # A metrics function cut by the plan reads the stages' rows.
   loss_fn = case[0]
-  metrics = four.evaluate(
-    state, batch, lambda p, b: {"loss": loss_fn(p, b)}
-  )
+  metrics = four.evaluate(state, batch, lambda p, b: {"loss": loss_fn(p, b)})
   np.testing.assert_allclose(
     metrics["loss"] / 2, loss_fn(saved["params"], batch), rtol=1e-5
   )
