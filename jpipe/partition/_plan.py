@@ -40,6 +40,11 @@ def steady_state_delay(num_stages: int, stage: int) -> int:
   return num_stages - 1 - stage
 
 
+# A slowest stage of one node this many times the even share is reported
+# (``Plan.indivisible_note``): the ratio the tests hold balanced splits to.
+INDIVISIBLE_FACTOR = 1.3
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Which node goes to which stage, where stages run, what they cost.
@@ -89,6 +94,35 @@ class Plan:
   def predicted_speedup(self) -> float:
     """Sequential time over the bottleneck (ideal pipeline, steady state)."""
     return self.sequential_seconds / self.bottleneck_seconds
+
+  @property
+  def indivisible_note(self) -> str | None:
+    """One line when the slowest stage is a single node over
+    ``INDIVISIBLE_FACTOR`` times the even share (the model's time over the
+    stage count): no split is faster, the node itself must be cut. None
+    otherwise."""
+    n = self.num_stages
+    slowest = int(np.argmax(self.stage_seconds))
+    nodes = [
+      name
+      for name, s in zip(self.node_names, self.stage_of_node, strict=True)
+      if s == slowest
+    ]
+    share = self.sequential_seconds / n
+    if n < 2 or len(nodes) != 1 or share <= 0:
+      return None
+    ratio = self.stage_seconds[slowest] / share
+    if ratio <= INDIVISIBLE_FACTOR:
+      return None
+    node_seconds = (
+      self.stage_forward_seconds[slowest] + self.stage_backward_seconds[slowest]
+    )
+    return (
+      f"node {nodes[0]!r} alone is {node_seconds / self.sequential_seconds:.0%}"
+      f" of the model's time, {ratio:.1f}x the even share of {n} stages: "
+      "no split is faster; cut it into smaller modules (unroll its layers, "
+      "or scan them over stacked params) or use fewer stages"
+    )
 
   @property
   def stage_of(self) -> dict[str, int]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from jpipe.partition._backward_split import BackwardSplit, split_backward
 from jpipe.partition._eval import eval_eqn, read
+from jpipe.partition._scan_layers import eval_run, fuse_runs
 from jpipe.partition._state_updates import place_state_updates
 from jpipe.partition._trace import TracedModel
 
@@ -133,6 +134,13 @@ class Stages:
       )
     )
     self.specs = _specs(traced, self.eqn_stage, self.num_stages)
+    # A stage's iterations of a scan over layers run as one scan.
+    self._items = [
+      fuse_runs(spec.eqns, traced.eqn_iteration, traced.eqn_slices)
+      if traced.eqn_iteration
+      else list(spec.eqns)
+      for spec in self.specs
+    ]
     # Which stage inputs get cotangents (floating point values only).
     self._diff = [
       tuple(_inexact(v.aval.dtype) for v in spec.inputs) for spec in self.specs
@@ -169,8 +177,11 @@ class Stages:
       env[jaxpr.invars[n_params + i]] = x
     for v, x in zip(spec.inputs, acts, strict=True):
       env[v] = x
-    for i in spec.eqns:
-      eval_eqn(jaxpr.eqns[i], env)
+    for item in self._items[s]:
+      if isinstance(item, tuple):
+        eval_run([jaxpr.eqns[i] for i in item], env)
+      else:
+        eval_eqn(jaxpr.eqns[item], env)
     outputs = tuple(env[v] for v in spec.outputs)
     results = tuple(read(env, jaxpr.outvars[r]) for r in spec.results)
     return outputs, results
@@ -320,8 +331,9 @@ class Stages:
   # -- helpers for drivers and tests --------------------------------------
 
   def split_params(self, params) -> list[tuple]:
-    """The full params pytree as each stage's tuple of leaves."""
-    leaves = jax.tree.leaves(params)
+    """The full params pytree as each stage's tuple of leaves (a stacked
+    leaf scanned over layers: its rows, ``TracedModel.traced_params``)."""
+    leaves = self.traced.traced_params(params)
     return [tuple(leaves[i] for i in spec.param_leaves) for spec in self.specs]
 
   def split_batch(self, batch) -> list[tuple]:
@@ -335,11 +347,12 @@ class Stages:
     for spec, grads in zip(self.specs, stage_grads, strict=True):
       for i, g in zip(spec.param_leaves, grads, strict=True):
         leaves[i] = g if leaves[i] is None else leaves[i] + g
-    flat_params = jax.tree.leaves(params)
+    flat_params = self.traced.traced_params(params)
     leaves = [
       jnp.zeros_like(p) if g is None else g
       for g, p in zip(leaves, flat_params, strict=True)
     ]
+    leaves = self.traced.model_leaves(leaves)
     return jax.tree.unflatten(jax.tree.structure(params), leaves)
 
   def assemble_results(self, stage_results: Sequence[Sequence[Any]]):

@@ -11,9 +11,13 @@ program order is a topological order. Equations outside any module (input
 reshapes, the loss itself) join the run before them (or, at the very
 start, the run after them).
 
-``scan``, ``cond``, ``while`` and ``remat`` appear as single equations and
-so stay inside one node; to cut inside them, unroll the loop in the model
-or call the repeated module outside the control flow.
+A scan over layers (stacked params scanned by a ``scan`` whose carry
+flows layer to layer: linen's ``nn.scan``, ``jax.lax.scan`` over stacked
+params) becomes one node per iteration, each reading its rows of the
+stacked params (``_scan_layers``; ``param_layout`` maps the rows back to
+the model's leaves). Other ``scan``, ``cond``, ``while`` and ``remat``
+equations stay inside one node; to cut inside them, unroll the loop in the
+model or call the repeated module outside the control flow.
 """
 
 import dataclasses
@@ -27,6 +31,7 @@ import numpy as np
 
 from jpipe.partition import _flops
 from jpipe.partition._nnx_scopes import nnx_module_scopes
+from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,8 +43,10 @@ class TracedModel:
       leaves (params first).
     in_tree: treedef of ``(params, batch)``.
     out_tree: treedef of the loss function's output.
-    num_param_leaves: how many leading jaxpr inputs are parameters.
-    leaf_paths: ``jax.tree_util.keystr`` path of every input leaf.
+    num_param_leaves: how many leading jaxpr inputs are parameters (a
+      stacked leaf scanned over layers counts as its rows).
+    leaf_paths: ``jax.tree_util.keystr`` path of every input leaf (a row
+      of a stacked leaf: its path + ``[k]``).
     node_names: module path of each node, unique (repeated calls get
       ``#2``, ``#3``...).
     eqn_node: node index of every equation, non-decreasing.
@@ -49,6 +56,11 @@ class TracedModel:
       depth regroups without tracing again: ``at_depth``).
     returns_loss: whether the function's first output is a scalar loss
       (False: any pytree of arrays, a function run forward only).
+    param_layout: the traced param leaves as rows of the model's leaves
+      (None: the same leaves).
+    eqn_iteration: per equation, ``(scan, k)`` when it is iteration k of a
+      scan over layers (``_scan_layers``), else None; () without any.
+    eqn_slices: per equation, the scan it slices a scanned input for.
   """
 
   closed_jaxpr: jcore.ClosedJaxpr
@@ -62,6 +74,23 @@ class TracedModel:
   depth: int = 1
   eqn_scopes: tuple[tuple[str, ...], ...] = ()
   returns_loss: bool = True
+  param_layout: ParamLayout | None = None
+  eqn_iteration: tuple[tuple[int, int] | None, ...] = ()
+  eqn_slices: tuple[int | None, ...] = ()
+
+  def traced_params(self, params) -> list:
+    """The model's params pytree as the traced param leaves (rows of
+    stacked leaves sliced)."""
+    leaves = jax.tree.leaves(params)
+    if self.param_layout is None:
+      return leaves
+    return self.param_layout.to_traced(leaves)
+
+  def model_leaves(self, leaves) -> list:
+    """Traced param leaves -> the model's leaves (rows stacked)."""
+    if self.param_layout is None:
+      return list(leaves)
+    return self.param_layout.to_model(leaves)
 
   @property
   def num_nodes(self) -> int:
@@ -230,22 +259,36 @@ def trace(
   out_tree = jax.tree.structure(out_shape)
   if returns_loss:
     _check_loss(out_shape, has_aux)
-  scopes = _below_root([_scope(e) for e in closed.jaxpr.eqns])
+  split = split_layer_scans(closed, num_param_leaves, _scan_name)
+  closed = split.closed_jaxpr
+  scopes = _below_root(
+    [
+      own if own is not None else _scope(e)
+      for e, own in zip(closed.jaxpr.eqns, split.scopes, strict=True)
+    ]
+  )
   names, eqn_node = _group(scopes, depth)
   if not names:
     raise ValueError("loss_fn traced to no equations: nothing to partition")
+  paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
+  layout = None if split.layout.identity else split.layout
+  if layout is not None:
+    paths = [*layout.traced_names(paths), *paths[num_param_leaves:]]
   return TracedModel(
     closed_jaxpr=closed,
     in_tree=in_tree,
     out_tree=out_tree,
-    num_param_leaves=num_param_leaves,
-    leaf_paths=tuple(jax.tree_util.keystr(p) for p, _ in leaves_with_paths),
+    num_param_leaves=len(split.layout.source),
+    leaf_paths=tuple(paths),
     node_names=tuple(names),
     eqn_node=tuple(eqn_node),
     has_aux=has_aux,
     depth=depth,
     eqn_scopes=tuple(scopes),
     returns_loss=returns_loss,
+    param_layout=layout,
+    eqn_iteration=split.iteration if layout is not None else (),
+    eqn_slices=split.slices if layout is not None else (),
   )
 
 
@@ -283,6 +326,27 @@ def _scope(eqn) -> tuple[str, ...]:
     common = os.path.commonprefix(inner)
     outer = outer + tuple(common)
   return outer
+
+
+def _scan_name(eqn) -> tuple[tuple[str, ...], str]:
+  """``(outer path, base name)`` of a scan over layers' iterations: the
+  module the body runs in (``nn.scan``'s name), else ``"scan"``."""
+  outer = _components(eqn.source_info.name_stack)
+  inner = _body_scopes(eqn)
+  common = os.path.commonprefix(inner) if inner else ()
+  return outer, common[0] if common else "scan"
+
+
+def _body_scopes(eqn) -> list[tuple[str, ...]]:
+  """Module paths of the equations inside ``eqn``'s sub-jaxprs, nested
+  calls (a ``remat`` in the body) followed."""
+  out = []
+  for j in jcore.jaxprs_in_params(eqn.params):
+    for e in j.eqns:
+      own = _components(e.source_info.name_stack)
+      below = _body_scopes(e)
+      out.extend([own + b for b in below] or [own])
+  return out
 
 
 def _below_root(scopes: list[tuple[str, ...]]) -> list[tuple[str, ...]]:

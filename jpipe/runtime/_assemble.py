@@ -152,6 +152,8 @@ def build_runtime(
   for weighted in programs.weighted.values():
     weighted.prepare()  # A model that changes with the size fails here.
   names = tuple(leaf_names(params))
+  if traced.param_layout is not None:  # A stacked leaf's rows: "path[k]".
+    names = traced.param_layout.traced_names(names)
   stage_optimizers = _stage_optimizers(
     stages, tied, stream, names, grad_layouts, own_sizes, request
   )

@@ -19,6 +19,12 @@ import jax
 import numpy as np
 
 from jpipe.runtime._gather import trees_everywhere
+from jpipe.runtime._stacked import (
+  model_names,
+  model_param_avals,
+  split_keyed,
+  stack_keyed,
+)
 from jpipe.runtime._state_dict import (
   merge_optimizer_states,
   on_host,
@@ -146,6 +152,7 @@ def gather_params(pipe, state) -> Any:
     for i, v in zip(spec.param_leaves, values, strict=True):
       if leaves[i] is None:
         leaves[i] = v
+  leaves = pipe.traced.model_leaves(leaves)  # Stacked leaves as declared.
   return jax.tree.unflatten(pipe.params_treedef, leaves)
 
 
@@ -225,6 +232,7 @@ def state_dict(pipe, state) -> dict[str, Any]:
   if opt_states[0] is None:  # Outside this pipeline's processes.
     return None
   merged, gap = merge_optimizer_states(pipe.stage_optimizers, opt_states)
+  merged, gap = stack_keyed(pipe, merged), stack_keyed(pipe, gap)
   return {
     "params": gather_params(pipe, state),
     "opt_state": merged,
@@ -250,11 +258,9 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
       "model: it was saved from another model or configuration"
     )
   for name, saved, expected in zip(
-    pipe.leaf_names,
+    model_names(pipe),
     jax.tree.leaves(params),
-    jax.tree.leaves(pipe.traced.closed_jaxpr.in_avals)[
-      : pipe.traced.num_param_leaves
-    ],
+    model_param_avals(pipe),
     strict=True,
   ):
     if tuple(np.shape(saved)) != tuple(expected.shape):
@@ -281,6 +287,11 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
   stage_params = base.stage_params
   opt_states = list(base.opt_states)  # None where another process runs it
   owned = [s for s in range(len(opt_states)) if pipe.transport.owns(s)]
+  tree = {
+    **tree,
+    "opt_state": split_keyed(pipe, tree["opt_state"]),
+    "gap_aware": split_keyed(pipe, tree.get("gap_aware") or {}),
+  }
   loaded = select_optimizer_states(
     tree,
     [pipe.stage_optimizers[s] for s in owned],

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jpipe.runtime._pipeline_state import check_drained, stage_param_avals
+from jpipe.runtime._stacked import join_rows, model_param_avals, stack_keyed
 from jpipe.runtime._state_dict import merge_unpacked
 
 
@@ -73,9 +74,9 @@ def local_state_dict(pipe, state) -> dict[str, Any]:
   ]
   opt_state, gap = merge_unpacked(pipe.stage_optimizers, trees)
   return {
-    "params": jax.tree.unflatten(pipe.params_treedef, params),
-    "opt_state": opt_state,
-    "gap_aware": gap,
+    "params": jax.tree.unflatten(pipe.params_treedef, join_rows(pipe, params)),
+    "opt_state": stack_keyed(pipe, opt_state),
+    "gap_aware": stack_keyed(pipe, gap),
     "model_state": _local_model_state(pipe, state),
     "step": np.int64(state.step) if owns(0) else _step_aval(),
   }
@@ -106,13 +107,8 @@ def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
   owned = [s for s in range(len(pipe.stages.specs)) if pipe.transport.owns(s)]
   abstract = _abstract_opt_trees(pipe)
   opt_state, gap = merge_unpacked(pipe.stage_optimizers, abstract)
-  params_avals = jax.tree.leaves(pipe.traced.closed_jaxpr.in_avals)[
-    : pipe.traced.num_param_leaves
-  ]
-  params = jax.tree.unflatten(
-    pipe.params_treedef,
-    [_aval(a) for a in params_avals],
-  )
+  opt_state, gap = stack_keyed(pipe, opt_state), stack_keyed(pipe, gap)
+  params = jax.tree.unflatten(pipe.params_treedef, model_param_avals(pipe))
   model_state = None
   if pipe.state_treedef is not None:
     model_state = jax.tree.unflatten(
@@ -127,18 +123,31 @@ def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
     "step": _step_aval(),
   }
   used = {i for s in owned for i in pipe.stages.specs[s].param_leaves}
+  # (A stacked leaf is needed where any of its rows is.)
+  used_rows = [i in used for i in range(pipe.traced.num_param_leaves)]
+  if pipe.traced.param_layout is not None:
+    used_model = [False] * pipe.traced.param_layout.num_model_leaves
+    for (i, _), u in zip(
+      pipe.traced.param_layout.source, used_rows, strict=True
+    ):
+      used_model[i] = used_model[i] or u
+    used_rows = used_model
   local_opt = _paths(
-    [pipe.stage_optimizers[s].base_state(abstract[s]) for s in owned]
+    [
+      stack_keyed(pipe, pipe.stage_optimizers[s].base_state(abstract[s]))
+      for s in owned
+    ]
   )
   local_gap = _paths(
-    [abstract[s].sq_avg for s in owned if pipe.stage_optimizers[s].gap_aware]
+    [
+      stack_keyed(pipe, abstract[s].sq_avg)
+      for s in owned
+      if pipe.stage_optimizers[s].gap_aware
+    ]
   )
   any_gap = any(pipe.stage_optimizers[s].gap_aware for s in owned)
   needed = {
-    "params": jax.tree.unflatten(
-      pipe.params_treedef,
-      [i in used for i in range(pipe.traced.num_param_leaves)],
-    ),
+    "params": jax.tree.unflatten(pipe.params_treedef, used_rows),
     "opt_state": _marked(opt_state, local_opt),
     "gap_aware": {
       k: _marked(v, local_gap) if k == "sq_avg" else any_gap

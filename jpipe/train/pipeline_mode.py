@@ -129,6 +129,8 @@ def print_plan(pipe) -> None:
   )
   if pipe.granularity is not None:
     print(f"Nodes: {pipe.granularity.reason}.")
+  if plan.indivisible_note:
+    print(f"Warning: {plan.indivisible_note}.")
   if any(p.round_robin for p in pipe.placement):
     print(
       "Replicated stages take whole microbatches in turn: round-robin "

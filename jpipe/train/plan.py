@@ -269,6 +269,8 @@ def _print(args, solved: _Solved, result: dict) -> None:
     result,
     list(plan.stage_of_node),
   )
+  if plan.indivisible_note:
+    print(f"Warning: {plan.indivisible_note}.")
   limit = solved.memory_limit
   print(
     "predicted memory per device (partitioner's model)"

@@ -149,17 +149,25 @@ def test_bad_assignments_raise():
     trace(lambda p, b: jax.tree.leaves(p)[0], params, batch)
 
 
-def test_scan_is_one_node_and_dropout_rng_flows():
+def test_scan_is_one_node_per_layer_and_dropout_rng_flows():
+  """A scan over stacked params (its ys stacked too) is one node per
+  layer; the layers on one stage, or spread over two, compute what the
+  model does."""
   loss_fn, params, batch, _ = flax_models.dropout_scan_case()
   traced = trace(loss_fn, params, batch)
-  assert traced.node_names == ("inp", "drop", "scan", "drop2", "head")
-  scan_node = traced.node_names.index("scan")
-  prims = [
-    traced.jaxpr.eqns[i].primitive.name for i in traced.node_eqns(scan_node)
-  ]
-  assert "scan" in prims
+  layers = ("scan[0]", "scan[1]", "scan[2]")
+  assert traced.node_names == ("inp", "drop", *layers, "drop2", "head")
+  for layer in layers:
+    prims = [
+      traced.jaxpr.eqns[i].primitive.name
+      for i in traced.node_eqns(traced.node_names.index(layer))
+    ]
+    assert prims.count("scan") == 1
+  want = jax.value_and_grad(loss_fn)(params, batch)
+  for stage_of_node in ([0, 0, 1, 1, 1, 2, 2], [0, 0, 0, 1, 1, 2, 2]):
+    stages = Stages(traced, stage_of_node)
+    _assert_tree_close(stages.run_forward_backward(params, batch), want)
   # The dropout key reaches two stages; masks are the same as unsplit.
-  stages = Stages(traced, [0, 0, 1, 2, 2])
   key_leaf = [i for i, p in enumerate(traced.leaf_paths) if "rng" in p][
     0
   ] - traced.num_param_leaves

@@ -176,9 +176,9 @@ def cut_function(pipe, fn: Callable, example_batch, what: str):
   )
   avals = pipe.traced.closed_jaxpr.in_avals
   n_params = pipe.traced.num_param_leaves
+  rows = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals[:n_params]]
   params = jax.tree.unflatten(
-    pipe.params_treedef,
-    [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals[:n_params]],
+    pipe.params_treedef, pipe.traced.model_leaves(rows)
   )
   num_batch_leaves = len(jax.tree.leaves(micro))
   traced_fn, inputs = fn, micro
@@ -194,6 +194,11 @@ def cut_function(pipe, fn: Callable, example_batch, what: str):
   traced = partition_lib.trace(
     traced_fn, params, inputs, depth=pipe.traced.depth, returns_loss=False
   )
+  if traced.param_layout != pipe.traced.param_layout:
+    raise ValueError(
+      f"{what} runs the model's stacked layers otherwise than loss_fn (a "
+      "scan over layers in one, not the other): scan them alike in both"
+    )
   stage_of_node = partition_lib.follow_plan(
     traced, pipe.traced, pipe.stages.stage_of_node
   )

@@ -1,0 +1,148 @@
+"""The model's own layout of stacked params in what the user reads.
+
+A scan over layers is traced with its stacked param leaves split into
+rows (``partition._scan_layers``): the stages, their optimizers and their
+states hold rows (``leaf[k:k+1]``, named ``"path[k]"``). What leaves the
+pipeline -- ``gather_params``, ``state_dict``, checkpoints -- holds the
+stacked arrays as the model declares them, and what comes in is split
+again, so a checkpoint resumes under any split. Each function reads the
+pipeline's ``traced`` and ``leaf_names`` (the rows' names).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def model_param_avals(pipe) -> list[jax.ShapeDtypeStruct]:
+  """The model's param leaves' shapes and dtypes (stacked)."""
+  n = pipe.traced.num_param_leaves
+  rows = [
+    jax.ShapeDtypeStruct(a.shape, a.dtype)
+    for a in pipe.traced.closed_jaxpr.in_avals[:n]
+  ]
+  return pipe.traced.model_leaves(rows)
+
+
+def _rows(pipe) -> dict[str, tuple[str, int, int]]:
+  """Row name -> (model leaf name, row, model leaf's ndim)."""
+  layout = pipe.traced.param_layout
+  if layout is None:
+    return {}
+  avals = model_param_avals(pipe)
+  names = model_names(pipe)
+  return {
+    row_name: (names[i], r, len(avals[i].shape))
+    for row_name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True)
+    if r >= 0
+  }
+
+
+def model_names(pipe) -> list[str]:
+  """The model's param leaf names (a row's name less its ``[k]``)."""
+  layout = pipe.traced.param_layout
+  if layout is None:
+    return list(pipe.leaf_names)
+  names = [None] * layout.num_model_leaves
+  for name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True):
+    names[i] = name if r < 0 else name[: name.rindex("[")]
+  return names
+
+
+def join_rows(pipe, leaves: list) -> list:
+  """Traced param leaves (arrays, or abstract values for another
+  process's) -> the model's: a stacked leaf's rows joined by ``_join``."""
+  layout = pipe.traced.param_layout
+  if layout is None:
+    return list(leaves)
+  rows: list[list] = [[] for _ in range(layout.num_model_leaves)]
+  for (i, _), x in zip(layout.source, leaves, strict=True):
+    rows[i].append(x)
+  return [r[0] if len(r) == 1 else _join(r) for r in rows]
+
+
+def stack_keyed(pipe, tree):
+  """``tree`` (an optimizer state or Gap-Aware statistics keyed by leaf
+  name) with every dict's rows of a stacked leaf joined under the leaf's
+  name, in the model's layout. Rows missing (another process's): the
+  leaf is None, or its abstract value when all rows are abstract."""
+  rows = _rows(pipe)
+  if not rows:
+    return tree
+  return _map_dicts(tree, lambda d: _stack_dict(d, rows))
+
+
+def split_keyed(pipe, tree):
+  """``stack_keyed``'s inverse: every dict's stacked leaves as rows."""
+  rows = _rows(pipe)
+  if not rows:
+    return tree
+  by_model = {}
+  for row_name, (name, r, ndim) in rows.items():
+    by_model.setdefault(name, []).append((row_name, r, ndim))
+  return _map_dicts(tree, lambda d: _split_dict(d, by_model))
+
+
+def _map_dicts(tree, fn):
+  if isinstance(tree, Mapping):
+    return fn({k: _map_dicts(v, fn) for k, v in tree.items()})
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    return type(tree)(*(_map_dicts(x, fn) for x in tree))
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(_map_dicts(x, fn) for x in tree)
+  return tree
+
+
+def _stack_dict(d: dict, rows) -> dict:
+  out, groups = {}, {}
+  for k, v in d.items():
+    if k in rows:
+      name, r, _ = rows[k]
+      groups.setdefault(name, {})[r] = v
+      out.setdefault(name, None)
+    else:
+      out[k] = v
+  for name, parts in groups.items():
+    out[name] = _join([parts[r] for r in sorted(parts)])
+  return out
+
+
+def _join(parts: list) -> Any:
+  if any(p is None for p in parts):
+    return None
+  first = parts[0]
+  scalar = len(np.shape(first)) == 0
+  abstract = [isinstance(p, jax.ShapeDtypeStruct) for p in parts]
+  if any(abstract) and not all(abstract):
+    raise ValueError(
+      "a stacked leaf's layers are on stages of several processes, and a "
+      "per-process checkpoint writes whole leaves: save the gathered "
+      "state (Pipeline.state_dict) or keep each stacked leaf in one process"
+    )
+  if all(abstract):
+    lead = len(parts) if scalar else sum(p.shape[0] for p in parts)
+    rest = () if scalar else tuple(first.shape[1:])
+    return jax.ShapeDtypeStruct((lead, *rest), first.dtype)
+  host = [np.asarray(p) for p in parts]
+  return np.stack(host) if scalar else np.concatenate(host)
+
+
+def _split_dict(d: dict, by_model) -> dict:
+  out = {}
+  for k, v in d.items():
+    if k not in by_model:
+      out[k] = v
+      continue
+    for row_name, r, ndim in by_model[k]:
+      out[row_name] = _row(v, r, ndim)
+  return out
+
+
+def _row(x, r: int, ndim: int):
+  per_row_scalar = len(np.shape(x)) < ndim  # Stacked from scalars.
+  if isinstance(x, jax.ShapeDtypeStruct):
+    shape = () if per_row_scalar else (1, *x.shape[1:])
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return x[r] if per_row_scalar else x[r : r + 1]

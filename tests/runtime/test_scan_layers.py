@@ -1,0 +1,142 @@
+"""Pipelines of models whose layers run under a scan: each stage holds its
+rows of the stacked params, and what leaves the pipeline is stacked."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from tests import tiers
+from tests.partition import scan_models
+
+SGD = optax.sgd(0.1)
+
+
+def _close(a, b, rtol=2e-5, atol=1e-6):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb, strict=True):
+    assert np.shape(x) == np.shape(y)
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+def _pipe(case, num_stages, **options):
+  loss_fn, params, batch = case
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=num_stages,
+    devices=jax.devices()[:num_stages],
+    num_microbatches=2,
+    **options,
+  )
+  return pipe, params, batch
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    scan_models.plain_case,
+    pytest.param(
+      lambda: scan_models.linen_case(remat=True), id="nn.scan(nn.remat)"
+    ),
+    pytest.param(scan_models.nnx_case, id="nnx.scan"),
+  ],
+)
+def test_1f1b_step_equals_the_single_device_step(make):
+  loss_fn, params, batch = make()
+  pipe, _, _ = _pipe(
+    (loss_fn, params, batch), 4, schedule="1f1b", optimizer=SGD
+  )
+  layer_stages = {s for n, s in pipe.plan.stage_of.items() if "[" in n}
+  assert len(layer_stages) == 4  # The layers spread over every stage.
+  state, _ = pipe.step(pipe.init(params), batch)
+  grads = jax.grad(loss_fn)(params, batch)
+  want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  _close(pipe.gather_params(state), want)  # Stacked, as the model declares.
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    pytest.param(
+      dict(optimizer=optax.sgd(0.1, momentum=0.9), prediction="msnag"),
+      id="ws+wp",
+    ),
+    tiers.slow(
+      dict(
+        optimizer=optax.sgd(0.1),
+        gap_aware="ga",
+        gap_aware_options={"optimizer": "sgd", "learning_rate": 0.1},
+      ),
+      id="ws+gap_aware",
+    ),
+  ],
+)
+def test_async_equals_the_unrolled_model(options):
+  """Asynchronous with weight stashing and prediction or Gap-Aware (SGD:
+  Adam's normalisation would magnify summation-order noise in its tiny
+  gradients): the scanned model's pipeline gives the unrolled model's,
+  step for step (same split, per-layer leaves both)."""
+  options = dict(options, schedule="async", weight_stashing=True)
+  scanned, params, batch = _pipe(
+    scan_models.plain_case(batch_size=4), 4, **options
+  )
+  loss_fn, uparams, _ = scan_models.unrolled_case()
+  unrolled = jpipe.Pipeline(
+    loss_fn,
+    uparams,
+    batch,
+    partition=scanned.plan,
+    num_stages=4,
+    devices=jax.devices()[:4],
+    num_microbatches=2,
+    **options,
+  )
+  a, b = scanned.init(params), unrolled.init(uparams)
+  for _ in range(3):
+    a, ma = scanned.step(a, batch)
+    b, mb = unrolled.step(b, batch)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
+  a, _ = scanned.flush(a)
+  b, _ = unrolled.flush(b)
+  _close(
+    scanned.gather_params(a),
+    scan_models.stack_unrolled(unrolled.gather_params(b)),
+    rtol=1e-4,
+  )
+
+
+def test_state_dict_is_stacked_and_resumes_under_another_split():
+  case = scan_models.plain_case()
+  four, params, batch = _pipe(
+    case, 4, schedule="1f1b", optimizer=optax.adam(1e-2)
+  )
+  state, _ = four.step(four.init(params), batch)
+  saved = four.state_dict(state)
+  mu = saved["opt_state"][0].mu
+  assert np.shape(mu["layers/w1"]) == params["layers"]["w1"].shape
+  assert not any("[" in k for k in mu)
+  # A per-process checkpoint's parts (one process: all of it) alike.
+  _close(four.local_state_dict(state), saved)
+  layout, needed = four.state_dict_layout()
+  _close(
+    jax.tree.map(lambda x: np.zeros(x.shape), layout["params"]),
+    jax.tree.map(np.zeros_like, params),
+  )
+  assert all(jax.tree.leaves(needed["params"]))
+  # A metrics function cut by the plan reads the stages' rows.
+  loss_fn = case[0]
+  metrics = four.evaluate(state, batch, lambda p, b: {"loss": loss_fn(p, b)})
+  np.testing.assert_allclose(
+    metrics["loss"] / 2, loss_fn(saved["params"], batch), rtol=1e-5
+  )
+  two, _, _ = _pipe(case, 2, schedule="1f1b", optimizer=optax.adam(1e-2))
+  resumed = two.load_state_dict(saved)
+  _close(two.gather_params(resumed), saved["params"])
+  a, _ = four.step(state, batch)
+  b, _ = two.step(resumed, batch)
+  _close(four.gather_params(a), two.gather_params(b), rtol=1e-5)
+  _close(four.state_dict(a)["opt_state"], two.state_dict(b)["opt_state"])
