@@ -59,6 +59,9 @@ class Checkpoints:
     distributed.quiet("checkpoint")
     args = {process_arrays.ITEM if per_process else "state": item}
     intact = self.latest_step()
+    # Before the writes start: a failed write's siblings may print while
+    # the failure is on its way to the except clause below.
+    quiet_late_reads()
     try:
       with _orbax_errors_unlogged():
         self._manager.save(
@@ -68,7 +71,6 @@ class Checkpoints:
         )
         self._manager.wait_until_finished()
     except Exception as e:
-      quiet_late_reads()  # (The failed writes' siblings end late.)
       raise CheckpointError(
         _save_failed(self.directory, step, intact, e)
       ) from e
@@ -242,6 +244,9 @@ def _abstract(template):
   )
 
 
+_late_reads_quiet = False  # quiet_late_reads' hooks are installed.
+
+
 def quiet_late_reads() -> None:
   """After a failed restore, the reads still under way finish into the
   closed event loop of the restore, and each would print a 6-line
@@ -250,7 +255,13 @@ def quiet_late_reads() -> None:
   ``threading.excepthook`` (a read's callback on another thread; CI
   once saw one begin before the error reached the CLI, so this is
   installed before a restore starts). Those (only those) are dropped
-  from then on; a restore that succeeds raises none."""
+  from then on; a restore that succeeds raises none. A failed save's
+  writes end the same way. Installed once per process (later calls do
+  nothing)."""
+  global _late_reads_quiet
+  if _late_reads_quiet:
+    return
+  _late_reads_quiet = True
 
   def late(value) -> bool:
     return (
