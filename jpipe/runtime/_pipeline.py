@@ -440,6 +440,8 @@ class Pipeline:
     *,
     max_new_tokens: int,
     eos_id: int | None = None,
+    prefill_fn: Callable[..., Any] | None = None,
+    start_id: int = 0,
   ) -> jax.Array:
     """Greedy continuations of ``prompts`` (int [B, P], B a multiple of
     the microbatch size) through the stages, each layer's key/value
@@ -450,7 +452,10 @@ class Pipeline:
     position of tokens[:, 0]), "cache": ...}``, e.g. ``models.gpt2.
     decode_fn(model)``; it is cut by the plan as ``predict_fn`` is.
     ``empty_cache(b, length)``: the cache's zeros (shapes only are used;
-    each stage makes its own on its device).
+    each stage makes its own on its device). An encoder-decoder gives
+    ``prefill_fn`` too (e.g. ``models.t5_v1.decode_fns(model)``): the
+    prompts are then its sources, the batch's "inputs", the encoder runs
+    once in the prefill, and the decoder starts from ``start_id``.
 
     Returns:
       int32 [B, n] on the last stage's device, n <= max_new_tokens:
@@ -458,7 +463,15 @@ class Pipeline:
       decoding stops once every sequence has ended.
     """
     return _generation.generate(
-      self, state, prompts, decode_fn, empty_cache, max_new_tokens, eos_id
+      self,
+      state,
+      prompts,
+      decode_fn,
+      empty_cache,
+      max_new_tokens,
+      eos_id,
+      prefill_fn,
+      start_id,
     )
 
   def flush(self, state: PipelineState, *, profile: bool = False):

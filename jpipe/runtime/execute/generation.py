@@ -9,7 +9,12 @@ as forward-only evaluation cuts it (``forward_only.cut_function``): each
 layer's cache leaves are batch inputs read, and written back as results,
 by the stage holding that layer, and the argmax joins the last stage.
 Two programs: the prefill (the prompts, L = P, at index 0) and the step
-(one token, L = 1, at index P + t - 1).
+(one token, L = 1, at index P + t - 1). An encoder-decoder's prefill
+(``prefill_fn``) runs the encoder too and fills each decoder block's
+cross-attention cache, which its steps read and return unchanged: a
+cache leaf a function returns as it got it is dropped from that
+function's outputs (found by tracing it once), so it stays where it is
+rather than joining the last stage's results.
 
 Between steps nothing is gathered: a stage's new cache leaves stay on
 its device and are its next step's batch inputs for the same
@@ -40,23 +45,37 @@ from jpipe.runtime.execute import forward_only
 
 
 @dataclasses.dataclass(frozen=True)
+class _Program:
+  """One of the two programs and the cache leaves (their positions in
+  the cache's flatten order) it writes: its results 1, 2, ..."""
+
+  program: forward_only.ForwardProgram
+  written: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Decoder:
   """The prefill and step programs and the batch leaves' indices."""
 
-  prefill: forward_only.ForwardProgram
-  step: forward_only.ForwardProgram
+  prefill: _Program
+  step: _Program
   tokens: int  # The "tokens" batch leaf.
   index: int  # The "index" batch leaf.
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
+  inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
 
 
 @functools.lru_cache(maxsize=32)
-def _greedy(decode_fn: Callable) -> Callable:
-  """``decode_fn`` with its logits replaced by their argmax (int32 [b])."""
+def _greedy(decode_fn: Callable, written: tuple[int, ...]) -> Callable:
+  """``decode_fn`` returning its logits' argmax (int32 [b]) and only the
+  cache leaves at ``written``."""
 
   def greedy(params, batch):
     logits, cache = decode_fn(params, batch)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+    leaves = jax.tree.leaves(cache)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), [
+      leaves[k] for k in written
+    ]
 
   return greedy
 
@@ -69,28 +88,32 @@ def generate(
   empty_cache: Callable,
   max_new_tokens: int,
   eos_id: int | None = None,
+  prefill_fn: Callable | None = None,
+  start_id: int = 0,
 ) -> jax.Array:
   """``Pipeline.generate``: greedy continuations int32 [B, n] of the
-  prompts int [B, P], n <= max_new_tokens (fewer when every sequence
-  finished early), on the last stage's device."""
+  prompts int [B, P] (an encoder-decoder's sources when ``prefill_fn``
+  is given: the decoder starts from ``start_id``), n <= max_new_tokens
+  (fewer when every sequence finished early), on the last stage's
+  device."""
   prompts = np.asarray(prompts)
   _check(pipe, prompts, max_new_tokens)
-  mb = pipe.microbatch_size
-  m, length = len(prompts) // mb, prompts.shape[1]
-  cache = jax.eval_shape(
-    functools.partial(empty_cache, mb, length + max_new_tokens - 1)
+  feeds = _Feeds(
+    pipe.microbatch_size, prompts, prefill_fn is not None, start_id
   )
-  dec = _decoder(pipe, decode_fn, cache, length)
-  batches = _first_batches(dec, prompts, jax.tree.leaves(cache), m)
-  results = forward_only.run_placed(dec.prefill, state, batches, m)
-  tokens, done = results[0], None
+  m, length = feeds.m, feeds.first.shape[1]
+  cache = jax.eval_shape(
+    functools.partial(empty_cache, feeds.mb, length + max_new_tokens - 1)
+  )
+  dec = _decoder(pipe, prefill_fn or decode_fn, decode_fn, cache, feeds)
+  feeds.avals = jax.tree.leaves(cache)
+  tokens = feeds.run(dec, dec.prefill, state, 0, None)
+  done = None
   if eos_id is not None:
     tokens, done = _mark_ends([None] * m, tokens, eos_id)
   steps = [tokens]
   for t in range(1, max_new_tokens):
-    batches = _step_batches(dec, results, tokens, length + t - 1, m)
-    results = forward_only.run_placed(dec.step, state, batches, m)
-    tokens = results[0]
+    tokens = feeds.run(dec, dec.step, state, length + t - 1, tokens)
     if done is not None:
       # Read after the step is dispatched: the stages keep working.
       if all(bool(jnp.all(d)) for d in done):
@@ -100,6 +123,68 @@ def generate(
   return jnp.concatenate(
     [jnp.stack([s[b] for s in steps], axis=1) for b in range(m)]
   )
+
+
+class _Feeds:
+  """A generation's batch leaves, placed per microbatch where the stages
+  read them: the first tokens (the prompts, or the decoder's start),
+  the sources (placed once), the position, the caches (each leaf's
+  latest value per microbatch, on the device of the stage writing it;
+  zeros made there before the first write)."""
+
+  def __init__(self, mb, prompts, encoder_decoder, start_id):
+    self.mb, self.m = mb, len(prompts) // mb
+    self.source = prompts if encoder_decoder else None
+    self.first = (
+      np.full((len(prompts), 1), start_id, np.int32)
+      if encoder_decoder
+      else prompts.astype(np.int32)
+    )
+    self.avals = None  # The cache's leaves' shapes.
+    self.cache = {}  # Cache leaf -> its value per microbatch.
+    self._sources = {}  # (placement, microbatch) -> its placed source.
+
+  def run(self, dec, step: _Program, state, position, tokens) -> list:
+    """``step``'s program at ``position`` on every microbatch (``tokens``
+    None: the first tokens; else each one's last); its new tokens per
+    microbatch, its cache leaves kept."""
+    batches = self._placed(dec, step.program, position, tokens)
+    results = forward_only.run_placed(step.program, state, batches, self.m)
+    for j, k in enumerate(step.written):
+      self.cache[k] = results[1 + j]
+    return results[0]
+
+  def _placed(self, dec, program, position, tokens) -> dict:
+    """``program``'s batch leaves per placement and microbatch."""
+    index = np.full(self.mb, position, np.int32)
+    rows = lambda x, b: x[b * self.mb : (b + 1) * self.mb]  # noqa: E731
+    out = {}
+    for place, wanted in program.batch_leaves.items():
+      device, out[place] = place.device, {}
+      for b in range(self.m):
+        leaves = {}
+        for i in wanted:
+          if i == dec.tokens:
+            x = rows(self.first, b) if tokens is None else tokens[b][:, None]
+            leaves[i] = jax.device_put(x, device)
+          elif i == dec.index:
+            leaves[i] = jax.device_put(index, device)
+          elif i == dec.inputs:
+            key = (place, b)
+            if key not in self._sources:
+              self._sources[key] = jax.device_put(rows(self.source, b), device)
+            leaves[i] = self._sources[key]
+          else:
+            k = dec.cache.index(i)
+            leaves[i] = (
+              self.cache[k][b]
+              if k in self.cache
+              else jnp.zeros(
+                self.avals[k].shape, self.avals[k].dtype, device=device
+              )
+            )
+        out[place][b] = leaves
+    return out
 
 
 def _check(pipe, prompts, max_new_tokens) -> None:
@@ -132,96 +217,85 @@ def _check(pipe, prompts, max_new_tokens) -> None:
     )
 
 
-def _decoder(pipe, decode_fn, cache, length) -> _Decoder:
-  """The two programs of ``decode_fn`` (cached by the pipeline per
+def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
+  """The prefill's and step's programs (cached by the pipeline per
   function and shapes), checked to keep each cache leaf on one stage."""
   mb = pipe.microbatch_size
 
   def example(n):
-    return {
+    batch = {
       "cache": cache,
       "index": jax.ShapeDtypeStruct((mb,), np.int32),
       "tokens": jax.ShapeDtypeStruct((mb, n), np.int32),
     }
+    if feeds.source is not None:
+      batch["inputs"] = jax.ShapeDtypeStruct(
+        (mb, feeds.source.shape[1]), feeds.source.dtype
+      )
+    return batch
 
-  fn = _greedy(decode_fn)
-  programs = [
-    forward_only.program_for(pipe, fn, example(n), "decode_fn")
-    for n in (length, 1)
-  ]
+  steps = []
+  for fn, n, what in (
+    (prefill_fn, feeds.first.shape[1], "prefill_fn"),
+    (decode_fn, 1, "decode_fn"),
+  ):
+    written = _written(pipe, fn, example(n), what)
+    program = forward_only.program_for(
+      pipe, _greedy(fn, written), example(n), what
+    )
+    steps.append(_Program(program, written))
   paths = [p[0].key for p, _ in jax.tree.flatten_with_path(example(1))[0]]
   dec = _Decoder(
-    *programs,
+    *steps,
     paths.index("tokens"),
     paths.index("index"),
     tuple(i for i, key in enumerate(paths) if key == "cache"),
+    paths.index("inputs") if "inputs" in paths else None,
   )
-  want = jax.tree.structure((0, cache))
-  for program in programs:
-    if program.stages.traced.out_tree != want:
-      raise ValueError(
-        "decode_fn must return (logits [batch, vocab], the cache in "
-        "batch['cache']'s structure)"
-      )
-    _check_cache_stages(program, dec.cache)
+  _check_cache_stages(dec)
   return dec
 
 
-def _check_cache_stages(program, cache_leaves) -> None:
-  """Each cache leaf is read and rewritten by one placement."""
-  for k, leaf in enumerate(cache_leaves):
-    s = program.stage_of_result.get(1 + k)
-    readers = {p for p, w in program.batch_leaves.items() if leaf in w}
-    if s is None or readers != {program.placement[s]}:
+def _written(pipe, fn, example, what) -> tuple[int, ...]:
+  """The cache leaves ``fn`` returns changed (not as it got them), from
+  one abstract trace (cached per function and shapes)."""
+  key = ("written", fn, jax.tree.structure(example), str(example))
+  if key not in pipe.forward_programs:
+    avals = pipe.traced.closed_jaxpr.in_avals[: pipe.traced.num_param_leaves]
+    params = jax.tree.unflatten(
+      pipe.params_treedef,
+      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals],
+    )
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(params, example)
+    if jax.tree.structure(out) != jax.tree.structure((0, example["cache"])):
       raise ValueError(
-        f"decode_fn's cache leaf {k} is not read and written by one stage: "
-        "read and update each layer's cache inside that layer's module"
+        f"{what} must return (logits [batch, vocab], the cache in "
+        "batch['cache']'s structure)"
       )
+    jaxpr = closed.jaxpr
+    inputs = {id(v) for v in jaxpr.invars}
+    pipe.forward_programs[key] = tuple(
+      k for k, v in enumerate(jaxpr.outvars[1:]) if id(v) not in inputs
+    )
+  return pipe.forward_programs[key]
 
 
-def _first_batches(dec, prompts, cache_avals, m) -> dict:
-  """The prefill's placed microbatches: the prompts, index 0, zero
-  caches made on their stages' devices."""
-  mb = len(prompts) // m
-  out = {}
-  for place, wanted in dec.prefill.batch_leaves.items():
-    out[place] = {}
-    for b in range(m):
-      leaves = {}
-      for i in wanted:
-        if i == dec.tokens:
-          leaves[i] = jax.device_put(
-            prompts[b * mb : (b + 1) * mb], place.device
-          )
-        elif i == dec.index:
-          leaves[i] = jax.device_put(np.zeros(mb, np.int32), place.device)
-        else:
-          aval = cache_avals[dec.cache.index(i)]
-          leaves[i] = jnp.zeros(aval.shape, aval.dtype, device=place.device)
-      out[place][b] = leaves
-  return out
-
-
-def _step_batches(dec, results, tokens, position, m) -> dict:
-  """A step's placed microbatches: each one's last tokens moved to the
-  stages reading them, the position, the caches where they are."""
-  out = {}
-  for place, wanted in dec.step.batch_leaves.items():
-    out[place] = {}
-    for b in range(m):
-      mb = tokens[b].shape[0]
-      leaves = {}
-      for i in wanted:
-        if i == dec.tokens:
-          leaves[i] = jax.device_put(tokens[b][:, None], place.device)
-        elif i == dec.index:
-          leaves[i] = jax.device_put(
-            np.full(mb, position, np.int32), place.device
-          )
-        else:
-          leaves[i] = results[1 + dec.cache.index(i)][b]
-      out[place][b] = leaves
-  return out
+def _check_cache_stages(dec) -> None:
+  """Each cache leaf is written by one placement, and read only there."""
+  for k, leaf in enumerate(dec.cache):
+    writers, readers = set(), set()
+    for step in (dec.prefill, dec.step):
+      program = step.program
+      if k in step.written:
+        s = program.stage_of_result.get(1 + step.written.index(k))
+        writers.add(None if s is None else program.placement[s])
+      readers |= {p for p, w in program.batch_leaves.items() if leaf in w}
+    if len(writers) > 1 or None in writers or not readers <= writers:
+      raise ValueError(
+        f"the decoding functions' cache leaf {k} is not read and written "
+        "by one stage: read and update each layer's cache inside that "
+        "layer's module"
+      )
 
 
 def _mark_ends(done, tokens, eos_id) -> tuple[list, list]:
