@@ -11,6 +11,7 @@ pipeline the modules are the embeddings, every block, the final norm;
 the tied head makes the first and last stages share ``wte``.
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -162,6 +163,8 @@ def empty_cache(model: Model, batch_size: int, length: int) -> dict:
   }
 
 
+# One function per model: the pipeline compiles its programs per function.
+@functools.lru_cache(maxsize=16)
 def decode_fn(model: Model):
   """The model's decoding step for ``Pipeline.generate``: ``(params,
   batch) -> (next-token logits float32 [B, vocab] after the last of

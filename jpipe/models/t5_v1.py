@@ -18,6 +18,7 @@ each stack's position bias, every block and each stack's final norm; the
 position bias [1, heads, Lq, Lk] travels with the activations.
 """
 
+import functools
 import math
 from typing import Any
 
@@ -379,6 +380,8 @@ def empty_cache(
   }
 
 
+# One function per model: the pipeline compiles its programs per function.
+@functools.lru_cache(maxsize=16)
 def decode_fns(model: Model):
   """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``:
   ``(params, batch) -> (next-token logits float32 [B, vocab], the new

@@ -87,6 +87,10 @@ def test_generate_through_stages_equals_recomputing_greedy(stages):
   want = _greedy_recomputing(model, params, prompts, 8)
   assert got.shape == (4, 8)
   np.testing.assert_array_equal(got, want)
+  # Again: the same programs (one decode function per model), no new ones.
+  programs = len(pipe.forward_programs)
+  np.testing.assert_array_equal(_generate(pipe, state, model, prompts, 8), want)
+  assert len(pipe.forward_programs) == programs
   # The continuations differ across prompts: a real decode, not a constant.
   assert len({tuple(row) for row in got}) > 1
 
