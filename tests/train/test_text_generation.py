@@ -1,0 +1,122 @@
+"""Generated-text metrics of the text-to-text tasks (T5 v1): through the
+pipeline's stages they equal the one-device greedy loop's; the true
+targets score 100."""
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe.data import text_examples
+from jpipe.train import (
+  evaluation,
+  input_pipeline,
+  tasks,
+  text_generation,
+  text_metrics,
+)
+from tests.tiers import slow
+from tests.train.test_text_tasks import _config, _mock, _translation_records
+
+GENERATED = {
+  "classification": {"generated_accuracy"},
+  "qa": {"generated_exact_match", "generated_f1"},
+  "translation": {"bleu"},
+}
+
+
+def _t5_config(fmt):
+  c = _config(fmt, "t5_v1")
+  c.data.target_length = 8
+  c.model.kwargs = ml_collections.ConfigDict(
+    dict(
+      vocab_size=257,
+      d_model=32,
+      d_kv=8,
+      d_ff=32,
+      num_layers=2,
+      num_heads=2,
+      dropout=0.0,
+      version="1.1",  # (v1.0's tied head continues one token at init.)
+    )
+  )
+  return c
+
+
+@pytest.mark.parametrize(
+  "fmt", ["qa", slow("translation"), slow("classification")]
+)
+def test_generated_metrics_through_stages_equal_one_device(fmt):
+  config = _t5_config(fmt)
+  with _mock(fmt, train=16, test=12):
+    task = tasks.build_task(config)
+  params = task.params
+  one = task.evaluation.on_one_device(params, None)
+  assert GENERATED[fmt] <= set(one)
+  pipe = jpipe.Pipeline(
+    task.loss_fn,
+    task.params,
+    task.batch_at(0),
+    num_stages=2,
+    num_microbatches=2,
+    optimizer=optax.sgd(0.0),
+    devices=jax.devices()[:2],
+  )
+  state = pipe.init(params)
+  staged = evaluation.through_pipeline(pipe, state, task.evaluation)
+  for name in GENERATED[fmt]:
+    assert math.isfinite(staged[name])
+    assert staged[name] == pytest.approx(one[name], abs=1e-9), name
+  # The generated tokens themselves (an untrained model scores about 0
+  # both ways): the same rows, and varied.
+  rows = []
+  capture = dataclasses.replace(
+    task.evaluation.generation, score=lambda r: rows.append(r) or {}
+  )
+  capture.on_one_device(params)
+  capture.through_pipeline(pipe, state)
+  np.testing.assert_array_equal(rows[0], rows[1])
+  assert rows[0].shape[0] == 12 and len(np.unique(rows[0])) > 2
+
+
+def _true_targets(config, fmt):
+  with _mock(fmt, train=16, test=12):
+    task = tasks.build_task(config)
+  generation = task.evaluation.generation
+  targets = np.concatenate([b["targets"] for b in task.evaluation.batches()])
+  return generation, targets[: len(generation.prompts)]
+
+
+@pytest.mark.parametrize("fmt", ["qa", "classification"])
+def test_the_true_targets_score_100(fmt):
+  """The score of the targets' own ids (as the decoder would write them,
+  end included): the decoding of ids to text and the metric agree."""
+  config = _t5_config(fmt)
+  config.data.target_length = 16  # Whole targets: nothing cut.
+  generation, targets = _true_targets(config, fmt)
+  scores = generation.score(targets)
+  assert set(scores) == GENERATED[fmt]
+  assert all(v == pytest.approx(100.0) for v in scores.values()), scores
+  # And an empty answer (the end first) lowers them.
+  wrong = targets.copy()
+  wrong[0] = generation.eos_id
+  assert min(generation.score(wrong).values()) < 100.0
+
+
+def test_translation_targets_decode_to_the_references():
+  """BLEU's input: the targets' ids decode to the records' English (the
+  mock's sentences have 3 words, too short for BLEU-4 to score), and
+  BLEU of the decoded targets against those references is BLEU of the
+  references against themselves."""
+  config = _t5_config("translation")
+  config.data.target_length = 16
+  generation, targets = _true_targets(config, "translation")
+  encoder = text_examples.Encoder(input_pipeline.tokenizer(config))
+  want = [r["en"] for r in _translation_records(12, 1)]
+  assert [text_generation.text_of(encoder, row) for row in targets] == want
+  assert generation.score(targets) == text_metrics.bleu(want, want)
