@@ -14,11 +14,13 @@ import pytest
 import jpipe
 from jpipe.data import text_examples
 from jpipe.train import (
+  config_plan,
   evaluation,
   input_pipeline,
   tasks,
   text_generation,
   text_metrics,
+  train_lib,
 )
 from tests.tiers import slow
 from tests.train.test_text_tasks import _config, _mock, _translation_records
@@ -120,3 +122,28 @@ def test_translation_targets_decode_to_the_references():
   want = [r["en"] for r in _translation_records(12, 1)]
   assert [text_generation.text_of(encoder, row) for row in targets] == want
   assert generation.score(targets) == text_metrics.bleu(want, want)
+
+
+@pytest.mark.slow
+def test_ftpipe_t5_squad_seed_reports_generated_exact_match_and_f1(tmp_path):
+  """ftpipe_t5_3b.py:squad's own path (T5 v1 text-to-text, the mixed
+  pipe, async) at a size for 2 CPU cores on mock SQuAD records: its
+  evaluation reports SQuAD's exact match and F1 of generated answers."""
+  config = config_plan.load_config_file("configs/seeds/ftpipe_t5_3b.py:squad")
+  config.unlock()
+  config.model.size = ""
+  config.model.kwargs = _t5_config("qa").model.kwargs
+  config.data.sequence_length = 48
+  config.data.target_length = 8
+  config.data.batch_size = 8
+  config.pipeline.num_stages = 2
+  config.pipeline.num_microbatches = 2
+  config.pipeline.memory_limit = ""
+  config.train.steps = 2
+  config.train.eval_every = 2
+  config.train.checkpoint_every = 2
+  config.train.profile_last_step = False
+  with _mock("qa", train=16, test=12):
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  for name in ("generated_exact_match", "generated_f1"):
+    assert 0.0 <= summary["eval"][name] <= 100.0
