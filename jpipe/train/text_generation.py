@@ -1,6 +1,7 @@
 """Generated-text metrics of the text-to-text tasks: T5 (``jpipe.models.
-t5_v1``) continues each held-out source greedily and the text it writes
-is scored as the papers score it (``text_metrics``).
+t5_v1``) or GNMT (``jpipe.models.gnmt``) continues each held-out source
+greedily and the text it writes is scored as the papers score it
+(``text_metrics``).
 
 - classification (GLUE RTE, BoolQ, WiC): ``generated_accuracy``, the
   generated text is the label word;
@@ -18,7 +19,7 @@ import functools
 import numpy as np
 
 from jpipe.data import text_examples
-from jpipe.models import t5_v1
+from jpipe.models import gnmt, t5_v1
 from jpipe.train import evaluation as evaluation_lib
 from jpipe.train import input_pipeline, text_metrics
 
@@ -27,23 +28,24 @@ def generation(
   config, model, encoder: text_examples.Encoder, records: list, held_out: dict
 ) -> evaluation_lib.Generation | None:
   """The held-out ``Generation`` of a text-to-text task (None for a model
-  without a decoding step: only ``t5_v1.Model`` has one).
+  without a decoding step: ``t5_v1.Model`` and ``gnmt.Model`` have one).
 
   Args:
     records: the held-out records, in order.
     held_out: their arrays ("inputs": the sources, "targets").
   """
-  if not isinstance(model, t5_v1.Model):
+  module = {t5_v1.Model: t5_v1, gnmt.Model: gnmt}.get(type(model))
+  if module is None:
     return None
   data = config.data
-  prefill_fn, decode_fn = t5_v1.decode_fns(model)
+  prefill_fn, decode_fn = module.decode_fns(model)
   source_length = held_out["inputs"].shape[1]
   return evaluation_lib.Generation(
     prompts=held_out["inputs"],
     decode_fn=decode_fn,
     prefill_fn=prefill_fn,
     empty_cache=functools.partial(
-      t5_v1.empty_cache, model, source_length=source_length
+      module.empty_cache, model, source_length=source_length
     ),
     eos_id=encoder.end,
     start_id=0,

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jpipe
-from jpipe.models import t5_v1
+from jpipe.models import gnmt, t5_v1
 from tests.models import hf_loading
 from tests.models.test_t5_v1 import TINY
 from tests.tiers import slow
@@ -119,3 +119,30 @@ def test_t5_cached_steps_equal_the_full_model():
     }
     logits, cache = (prefill_fn if i == 0 else decode_fn)(params, batch)
     np.testing.assert_allclose(logits, full[:, i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stages", [2, slow(4, id="4")])
+def test_gnmt_through_stages_equals_recomputing_greedy(stages):
+  """GNMT: each decoder LSTM's state and the attention's encoder outputs
+  cached on their stages (an LSTM's cache is its last state)."""
+  model = gnmt.Model(vocab_size=40, hidden=16, num_layers=3, dropout=0.0)
+  rng = np.random.RandomState(0)
+  sources = rng.randint(1, 40, (4, 9)).astype(np.int32)
+  sources[1, 6:] = 0
+  targets = rng.randint(1, 40, (2, 5)).astype(np.int32)
+  params = model.init(jax.random.key(0), sources, targets[[0, 1, 0, 1]])
+  params = params["params"]
+  pipe, state = _pipeline(model, params, sources, targets, stages)
+  assert len(pipe.stages.specs) == stages
+  prefill_fn, decode_fn = gnmt.decode_fns(model)
+  got = pipe.generate(
+    state,
+    sources,
+    decode_fn,
+    functools.partial(gnmt.empty_cache, model, source_length=9),
+    max_new_tokens=6,
+    prefill_fn=prefill_fn,
+  )
+  want = _greedy_recomputing(model, params, sources, 6)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert len({tuple(row) for row in want}) == 4

@@ -14,7 +14,10 @@ Two programs: the prefill (the prompts, L = P, at index 0) and the step
 cross-attention cache, which its steps read and return unchanged: a
 cache leaf a function returns as it got it is dropped from that
 function's outputs (found by tracing it once), so it stays where it is
-rather than joining the last stage's results.
+rather than joining the last stage's results. A cache leaf made on
+another stage than the one reading it (GNMT's attention keeps the
+encoder's outputs, made on the encoder's last stage) is moved to its
+reader after each write: once, in the prefill.
 
 Between steps nothing is gathered: a stage's new cache leaves stay on
 its device and are its next step's batch inputs for the same
@@ -63,6 +66,8 @@ class _Decoder:
   index: int  # The "index" batch leaf.
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
   inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
+  # Per cache leaf, the placement reading it (None: none reads it).
+  home: tuple = ()
 
 
 @functools.lru_cache(maxsize=32)
@@ -149,9 +154,16 @@ class _Feeds:
     None: the first tokens; else each one's last); its new tokens per
     microbatch, its cache leaves kept."""
     batches = self._placed(dec, step.program, position, tokens)
-    results = forward_only.run_placed(step.program, state, batches, self.m)
+    program = step.program
+    results = forward_only.run_placed(program, state, batches, self.m)
     for j, k in enumerate(step.written):
-      self.cache[k] = results[1 + j]
+      values, home = results[1 + j], dec.home[k]
+      made = program.placement[program.stage_of_result[1 + j]]
+      if home is not None and made != home:
+        # Made elsewhere (e.g. the encoder's outputs an attention keeps):
+        # moved to its reader once per write.
+        values = [jax.device_put(v, home.device) for v in values]
+      self.cache[k] = values
     return results[0]
 
   def _placed(self, dec, program, position, tokens) -> dict:
@@ -252,8 +264,7 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     tuple(i for i, key in enumerate(paths) if key == "cache"),
     paths.index("inputs") if "inputs" in paths else None,
   )
-  _check_cache_stages(dec)
-  return dec
+  return dataclasses.replace(dec, home=_homes(dec))
 
 
 def _written(pipe, fn, example, what) -> tuple[int, ...]:
@@ -280,22 +291,22 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
   return pipe.forward_programs[key]
 
 
-def _check_cache_stages(dec) -> None:
-  """Each cache leaf is written by one placement, and read only there."""
+def _homes(dec) -> tuple:
+  """Each cache leaf's one reading placement (None: unread); a
+  ValueError where several stages read one leaf."""
+  homes = []
   for k, leaf in enumerate(dec.cache):
-    writers, readers = set(), set()
+    readers = set()
     for step in (dec.prefill, dec.step):
-      program = step.program
-      if k in step.written:
-        s = program.stage_of_result.get(1 + step.written.index(k))
-        writers.add(None if s is None else program.placement[s])
-      readers |= {p for p, w in program.batch_leaves.items() if leaf in w}
-    if len(writers) > 1 or None in writers or not readers <= writers:
+      items = step.program.batch_leaves.items()
+      readers |= {p for p, w in items if leaf in w}
+    if len(readers) > 1:
       raise ValueError(
-        f"the decoding functions' cache leaf {k} is not read and written "
-        "by one stage: read and update each layer's cache inside that "
-        "layer's module"
+        f"the decoding functions' cache leaf {k} is read by several "
+        "stages: read each layer's cache inside that layer's module"
       )
+    homes.append(next(iter(readers), None))
+  return tuple(homes)
 
 
 def _mark_ends(done, tokens, eos_id) -> tuple[list, list]:
