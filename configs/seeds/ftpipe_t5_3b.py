@@ -19,6 +19,14 @@ under two minutes: a 2+2-layer T5 v1.0 on the embedded text's span
 corruption (T5's own objective; no TFDS dataset needed), the mixed pipe
 with 4 stages on 2 devices, Adafactor, warm-up then constant, stale.
 
+Metrics as FTPipe reports them: the held-out sources are continued by
+greedy decoding through the stages (``Pipeline.generate``: the encoder
+once, each decoder block's key/value cache on its stage) and scored --
+RTE / BoolQ / WiC by ``generated_accuracy`` (the label word), SQuAD by
+``generated_exact_match`` and ``generated_f1`` (SQuAD's normalisation),
+in percent -- beside the teacher-forced accuracy / exact match, token
+loss and perplexity. ("small" trains on span corruption: loss only.)
+
 Plan it at full size on any machine (abstract: nothing of 3B is held):
   python -m jpipe.train.plan --config configs/seeds/ftpipe_t5_3b.py
 On the real hardware (8 x 11 GiB; T5's spiece.model and the HuggingFace

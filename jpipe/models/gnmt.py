@@ -22,6 +22,8 @@ inputs int [B, S], targets int [B, T] (0 pads) -> logits float32 [B, T,
 vocab].
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,8 +42,17 @@ class Lstm(nn.Module):
   hidden: int
 
   @nn.compact
-  def __call__(self, x):
-    return nn.RNN(nn.OptimizedLSTMCell(self.hidden, name="cell"))(x)
+  def __call__(self, x, carry=None):
+    """With ``carry`` (the cell's (c, h), each [B, hidden]): from that
+    state, and ``(outputs, the last carry)`` returned."""
+    rnn = nn.RNN(
+      nn.OptimizedLSTMCell(self.hidden, name="cell"),
+      return_carry=carry is not None,
+    )
+    if carry is None:
+      return rnn(x)
+    carry, y = rnn(x, initial_carry=tuple(carry))
+    return y, carry
 
 
 class BidirectionalLstm(nn.Module):
@@ -68,9 +79,15 @@ class BahdanauAttention(nn.Module):
   hidden: int
 
   @nn.compact
-  def __call__(self, query, keys, mask):
+  def __call__(self, query, keys, mask, cache=None):
+    """With ``cache`` (``{"memory", "keys"}``: the keys and their
+    projection, [B, S, hidden]): written from ``keys`` when given, else
+    read; ``(context, the cache)`` returned."""
     q = nn.Dense(self.hidden, use_bias=False, name="query")(query)
-    k = nn.Dense(self.hidden, use_bias=False, name="key")(keys)
+    if cache is None or keys is not None:
+      k = nn.Dense(self.hidden, use_bias=False, name="key")(keys)
+    else:
+      keys, k = cache["memory"], cache["keys"]
     bias = self.param("bias", nn.initializers.zeros, (self.hidden,))
     v = self.param(
       "v", nn.initializers.uniform(0.1), (self.hidden,)
@@ -87,7 +104,8 @@ class BahdanauAttention(nn.Module):
     scores = jnp.einsum("btsh,h->bts", hidden, v)
     scores = jnp.where(mask[:, None, :], scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bts,bsh->bth", weights, keys)
+    context = jnp.einsum("bts,bsh->bth", weights, keys)
+    return context if cache is None else (context, {"memory": keys, "keys": k})
 
 
 class Model(nn.Module):
@@ -99,29 +117,96 @@ class Model(nn.Module):
   dropout: float = 0.2
 
   @nn.compact
-  def __call__(self, inputs, targets, train: bool = True):
+  def __call__(
+    self, inputs, targets, train: bool = True, cache=None, encode=True
+  ):
+    """With ``cache`` (``empty_cache``'s layout): incremental decoding --
+    ``targets`` are the decoder's next input tokens (not shifted; the
+    first is the start token 0), the encoder runs only when ``encode``
+    (its outputs go into the attention's cache), and ``(logits, the new
+    cache: each decoder LSTM's last state)`` is returned."""
     if self.num_layers < 2:
       raise ValueError(f"GNMT needs num_layers >= 2, got {self.num_layers}")
     drop = nn.Dropout(self.dropout, deterministic=not train)
     # One embedding for both sides (MLPerf's share_embedding).
     embed = nn.Embed(self.vocab_size, self.hidden, name="embedding")
-    x = drop(embed(inputs))
-    x = BidirectionalLstm(self.hidden, name="encoder_0")(x)
+    memory = None
+    if cache is None or encode:
+      x = drop(embed(inputs))
+      x = BidirectionalLstm(self.hidden, name="encoder_0")(x)
+      for i in range(1, self.num_layers):
+        y = Lstm(self.hidden, name=f"encoder_{i}")(drop(x))
+        x = y + x if i >= 2 else y
+      memory = x
+    if cache is None:
+      y = drop(embed(jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]))
+    else:
+      y = drop(embed(targets))
+    new = {}
+
+    def run(module, name, *args):
+      if cache is None:
+        return module(*args)
+      out, new[name] = module(*args, cache[name])
+      return out
+
+    y = run(Lstm(self.hidden, name="decoder_0"), "decoder_0", y)
+    attention = BahdanauAttention(self.hidden, name="attention")
+    context = run(attention, "attention", y, memory, inputs > 0)
     for i in range(1, self.num_layers):
-      y = Lstm(self.hidden, name=f"encoder_{i}")(drop(x))
-      x = y + x if i >= 2 else y
-    memory = x
-    shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
-    y = drop(embed(shifted))
-    y = Lstm(self.hidden, name="decoder_0")(y)
-    context = BahdanauAttention(self.hidden, name="attention")(
-      y, memory, inputs > 0
-    )
-    for i in range(1, self.num_layers):
-      z = Lstm(self.hidden, name=f"decoder_{i}")(
-        drop(jnp.concatenate([y, context], axis=-1))
+      name = f"decoder_{i}"
+      z = run(
+        Lstm(self.hidden, name=name),
+        name,
+        drop(jnp.concatenate([y, context], axis=-1)),
       )
       y = z + y if i >= 2 else z
-    return nn.Dense(self.vocab_size, name="classifier")(drop(y)).astype(
-      jnp.float32
+    logits = nn.Dense(self.vocab_size, name="classifier")(drop(y))
+    logits = logits.astype(jnp.float32)
+    return logits if cache is None else (logits, new)
+
+
+def empty_cache(
+  model: Model, batch_size: int, length: int, source_length: int
+) -> dict:
+  """The decoding state of ``batch_size`` sequences over sources of
+  ``source_length`` tokens: each decoder LSTM's (c, h) [batch, hidden]
+  and the attention's ``{"memory", "keys"}`` [batch, source_length,
+  hidden], zeros (float32). ``length`` is not needed (an LSTM's state
+  does not grow); taken for ``Pipeline.generate``'s signature."""
+  del length
+  state = jnp.zeros((batch_size, model.hidden), jnp.float32)
+  keys = jnp.zeros((batch_size, source_length, model.hidden), jnp.float32)
+  cache = {f"decoder_{i}": (state, state) for i in range(model.num_layers)}
+  cache["attention"] = {"memory": keys, "keys": keys}
+  return cache
+
+
+# One function per model: the pipeline compiles its programs per function.
+@functools.lru_cache(maxsize=16)
+def decode_fns(model: Model):
+  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``:
+  ``(params, batch) -> (next-token logits float32 [B, vocab], the new
+  cache)``; batch: "inputs" int [B, S] (the source), "tokens" int [B, 1]
+  (the decoder's input), "index" (unused: the LSTMs carry the
+  position), "cache" (``empty_cache``'s layout). The prefill runs the
+  encoder too."""
+
+  def step(params, batch, encode):
+    logits, cache = model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["tokens"],
+      train=False,
+      cache=batch["cache"],
+      encode=encode,
     )
+    return logits[:, -1], cache
+
+  def prefill_fn(params, batch):
+    return step(params, batch, True)
+
+  def decode_fn(params, batch):
+    return step(params, batch, False)
+
+  return prefill_fn, decode_fn

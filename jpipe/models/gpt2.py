@@ -11,6 +11,7 @@ pipeline the modules are the embeddings, every block, the final norm;
 the tied head makes the first and last stages share ``wte``.
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -39,7 +40,11 @@ class Block(nn.Module):
   fused_attention: bool = True  # False: the explicit softmax (a reference).
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, cache=None, index=None):
+    """x [B, L, d] -> [B, L, d]; with ``cache`` (``{"k", "v"}``, each
+    [B, T, heads, width]) the keys and values of positions ``index ..
+    index + L - 1`` written into it, attention over its first ``index +
+    L`` positions, and ``(x, the new cache)`` returned."""
     d = x.shape[-1]
     width = d // self.num_heads
     drop = nn.Dropout(self.dropout, deterministic=not train)
@@ -52,17 +57,30 @@ class Block(nn.Module):
     def heads(y):
       return y.reshape(*y.shape[:2], self.num_heads, width)
 
+    k, v = heads(k), heads(v)
+    length, mask = x.shape[1], None
+    if cache is not None:  # Query i is at index + i; the cache holds index + L.
+      k, v = (
+        jax.lax.dynamic_update_slice(c, y.astype(c.dtype), (0, index, 0, 0))
+        for c, y in ((cache["k"], k), (cache["v"], v))
+      )
+      cache = {"k": k, "v": v}
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      at = index + jnp.arange(length)
+      mask = (jnp.arange(k.shape[1])[None] <= at[:, None])[None, None]
     attended = dot_product_attention(
       heads(q),
-      heads(k),
-      heads(v),
-      causal=True,
+      k,
+      v,
+      mask=mask,
+      causal=cache is None,
       dropout=drop if train and self.dropout else None,
       fused=self.fused_attention,
     )
     x = x + drop(dense(d, "attn_c_proj")(attended.reshape(x.shape)))
     h = jax.nn.gelu(dense(4 * d, "c_fc")(norm("ln_2")(x)), approximate=True)
-    return x + drop(dense(d, "mlp_c_proj")(h))
+    x = x + drop(dense(d, "mlp_c_proj")(h))
+    return x if cache is None else (x, cache)
 
 
 class Model(nn.Module):
@@ -80,7 +98,12 @@ class Model(nn.Module):
   fused_attention: bool = True
 
   @nn.compact
-  def __call__(self, tokens, train: bool = True):
+  def __call__(self, tokens, train: bool = True, cache=None, index=None):
+    """tokens int [B, L] -> logits float32 [B, L, vocab]. With ``cache``
+    (``empty_cache``'s layout, T positions) and ``index`` (int scalar: the
+    position of ``tokens[:, 0]``; index + L <= T): the tokens continue
+    the cached prefix, and ``(logits, the cache with their keys and
+    values written)`` is returned (incremental decoding)."""
     wte = nn.Embed(
       self.vocab_size,
       self.d_model,
@@ -91,25 +114,80 @@ class Model(nn.Module):
     wpe = self.param(
       "wpe", nn.initializers.normal(0.01), (self.n_positions, self.d_model)
     )
-    positions = wpe[None, : tokens.shape[1]]
+    if cache is None:
+      positions = wpe[None, : tokens.shape[1]]
+    else:
+      positions = jax.lax.dynamic_slice_in_dim(wpe, index, tokens.shape[1])[
+        None
+      ]
     if self.dtype is not None:
       positions = positions.astype(self.dtype)
     x = nn.Dropout(self.dropout, deterministic=not train)(
       wte(tokens) + positions
     )
+    new_cache = {}
     for i in range(self.num_layers):
-      x = Block(
+      block = Block(
         self.num_heads,
         self.dropout,
         self.layer_norm_eps,
         self.dtype,
         self.fused_attention,
         name=f"block_{i}",
-      )(x, train)
+      )
+      if cache is None:
+        x = block(x, train)
+      else:
+        x, new_cache[f"block_{i}"] = block(x, train, cache[f"block_{i}"], index)
     x = nn.LayerNorm(
       epsilon=self.layer_norm_eps, dtype=self.dtype, name="ln_f"
     )(x)
-    return wte.attend(x).astype(jnp.float32)
+    logits = wte.attend(x).astype(jnp.float32)
+    return logits if cache is None else (logits, new_cache)
+
+
+def empty_cache(model: Model, batch_size: int, length: int) -> dict:
+  """The key/value cache of ``batch_size`` sequences of up to ``length``
+  positions: ``{"block_i": {"k", "v"}}``, zeros [batch, length, heads,
+  d_model / heads] in the compute dtype (float32 by default)."""
+  if length > model.n_positions:
+    raise ValueError(
+      f"a cache of {length} positions exceeds the model's n_positions="
+      f"{model.n_positions}: generate fewer tokens or shorten the prompts"
+    )
+  shape = (
+    batch_size,
+    length,
+    model.num_heads,
+    model.d_model // model.num_heads,
+  )
+  dtype = model.dtype or jnp.float32
+  return {
+    f"block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    for i in range(model.num_layers)
+  }
+
+
+# One function per model: the pipeline compiles its programs per function.
+@functools.lru_cache(maxsize=16)
+def decode_fn(model: Model):
+  """The model's decoding step for ``Pipeline.generate``: ``(params,
+  batch) -> (next-token logits float32 [B, vocab] after the last of
+  batch["tokens"], the cache with the tokens' keys and values)``; batch:
+  "tokens" int [B, L], "index" int [B] (the position of ``tokens[:, 0]``,
+  the same for every example), "cache" (``empty_cache``'s layout)."""
+
+  def decode(params, batch):
+    logits, cache = model.apply(
+      {"params": params},
+      batch["tokens"],
+      train=False,
+      cache=batch["cache"],
+      index=batch["index"][0],
+    )
+    return logits[:, -1], cache
+
+  return decode
 
 
 def hf_names(model: Model) -> dict[str, tuple[tuple[str, ...], bool]]:

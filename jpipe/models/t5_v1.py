@@ -18,6 +18,7 @@ each stack's position bias, every block and each stack's final norm; the
 position bias [1, heads, Lq, Lk] travels with the activations.
 """
 
+import functools
 import math
 from typing import Any
 
@@ -107,15 +108,15 @@ class PositionBias(nn.Module):
   max_distance: int = 128
 
   @nn.compact
-  def __call__(self, query_length: int, key_length: int):
+  def __call__(self, query_length: int, key_length: int, query_offset=0):
+    """The bias of queries at ``query_offset ..`` over keys at ``0 ..``."""
     table = self.param(
       "relative_attention_bias",
       nn.initializers.normal(1.0),
       (self.num_buckets, self.num_heads),
     )
-    offsets = (
-      jnp.arange(key_length)[None, :] - jnp.arange(query_length)[:, None]
-    )
+    queries = query_offset + jnp.arange(query_length)
+    offsets = jnp.arange(key_length)[None, :] - queries[:, None]
     buckets = relative_position_bucket(
       offsets, self.bidirectional, self.num_buckets, self.max_distance
     )
@@ -131,7 +132,12 @@ class Attention(nn.Module):
   fused_attention: bool = True
 
   @nn.compact
-  def __call__(self, x, memory, bias):
+  def __call__(self, x, memory, bias, cache=None, index=None):
+    """x [B, Lq, d] attends to memory [B, Lk, d]. With ``cache``
+    (``{"k", "v"}`` [B, T, heads, d_kv]), ``(out, new cache)``: self-
+    attention (``index`` given) writes this call's keys and values at
+    ``index``; cross-attention computes them from ``memory`` when given,
+    else reads them from the cache."""
     inner = self.num_heads * self.d_kv
     d_model = x.shape[-1]
     dense = lambda n, name: nn.Dense(  # noqa: E731
@@ -141,16 +147,28 @@ class Attention(nn.Module):
     def heads(y):
       return y.reshape(*y.shape[:2], self.num_heads, self.d_kv)
 
-    q, k, v = (
-      heads(dense(inner, "q")(x)),
-      heads(dense(inner, "k")(memory)),
-      heads(dense(inner, "v")(memory)),
-    )
+    q = heads(dense(inner, "q")(x))
+    if cache is None or memory is not None:
+      k = heads(dense(inner, "k")(memory))
+      v = heads(dense(inner, "v")(memory))
+    if cache is not None:
+      if index is not None:  # Self-attention: this call's positions.
+        k, v = (
+          jax.lax.dynamic_update_slice(c, y.astype(c.dtype), (0, index, 0, 0))
+          for c, y in ((cache["k"], k), (cache["v"], v))
+        )
+      elif memory is not None:  # Cross-attention's first call.
+        k, v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
+      else:
+        k, v = cache["k"], cache["v"]
+      cache = {"k": k, "v": v}
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
     # T5 does not scale the scores (its init does).
     out = dot_product_attention(
       q, k, v, bias=bias, scale=1.0, fused=self.fused_attention
     )
-    return dense(d_model, "o")(out.reshape(*out.shape[:2], inner))
+    out = dense(d_model, "o")(out.reshape(*out.shape[:2], inner))
+    return out if cache is None else (out, cache)
 
 
 class FeedForward(nn.Module):
@@ -189,21 +207,43 @@ class Block(nn.Module):
   fused_attention: bool = True
 
   @nn.compact
-  def __call__(self, x, self_bias, memory=None, cross_bias=None, train=True):
+  def __call__(
+    self,
+    x,
+    self_bias,
+    memory=None,
+    cross_bias=None,
+    train=True,
+    cache=None,
+    index=None,
+  ):
+    """With ``cache`` (``{"self", "cross"}``, ``Attention``'s each; a
+    decoder's) and ``index``: ``(x, the new cache)``."""
     drop = nn.Dropout(self.dropout, deterministic=not train)
     attend = lambda name: Attention(  # noqa: E731
       self.num_heads, self.d_kv, self.dtype, self.fused_attention, name=name
     )
+    new = {}
+
+    def attention(name, y, memory, bias, index=None):
+      if cache is None:
+        return attend(name)(y, memory, bias)
+      out, new[name.split("_")[0]] = attend(name)(
+        y, memory, bias, cache[name.split("_")[0]], index
+      )
+      return out
+
     h = RMSNorm(name="self_attention_norm")(x)
-    x = x + drop(attend("self_attention")(h, h, self_bias))
+    x = x + drop(attention("self_attention", h, h, self_bias, index))
     if self.decoder:
       h = RMSNorm(name="cross_attention_norm")(x)
-      x = x + drop(attend("cross_attention")(h, memory, cross_bias))
+      x = x + drop(attention("cross_attention", h, memory, cross_bias))
     h = RMSNorm(name="feed_forward_norm")(x)
     ff = FeedForward(
       self.d_ff, self.gated, self.dropout, self.dtype, name="feed_forward"
     )
-    return x + drop(ff(h, train))
+    x = x + drop(ff(h, train))
+    return x if cache is None else (x, new)
 
 
 def _mask_bias(keep):
@@ -254,7 +294,23 @@ class Model(nn.Module):
     )
 
   @nn.compact
-  def __call__(self, inputs, targets, train: bool = True):
+  def __call__(
+    self,
+    inputs,
+    targets,
+    train: bool = True,
+    cache=None,
+    index=None,
+    encode: bool = True,
+  ):
+    """(inputs int [B, Ls], targets int [B, Lt]) -> logits float32 [B,
+    Lt, vocab]. With ``cache`` (``empty_cache``'s layout) and ``index``
+    (int scalar): incremental decoding -- ``targets`` are the decoder's
+    input tokens at positions ``index ..`` (not shifted; the first is
+    the start token 0), the encoder runs only when ``encode`` (the first
+    call: each decoder block's cross-attention keys and values go into
+    the cache, read by later calls), and ``(logits, the new cache)`` is
+    returned."""
     if self.version not in ("1.0", "1.1"):
       raise ValueError(f"T5 version {self.version!r}: use '1.0' or '1.1'")
     drop = nn.Dropout(self.dropout, deterministic=not train)
@@ -266,26 +322,41 @@ class Model(nn.Module):
       name="shared",
     )
     source_keep = inputs > 0
-    x = drop(embed(inputs))
-    bias = self._bias(True, "encoder_position_bias")(
-      inputs.shape[1], inputs.shape[1]
-    )
-    bias = bias + _mask_bias(source_keep[:, None, :])
-    for i in range(self.num_layers):
-      x = self._block(False, f"encoder_block_{i}")(x, bias, train=train)
-    memory = drop(RMSNorm(name="encoder_norm")(x))
+    memory = None
+    if cache is None or encode:
+      x = drop(embed(inputs))
+      bias = self._bias(True, "encoder_position_bias")(
+        inputs.shape[1], inputs.shape[1]
+      )
+      bias = bias + _mask_bias(source_keep[:, None, :])
+      for i in range(self.num_layers):
+        x = self._block(False, f"encoder_block_{i}")(x, bias, train=train)
+      memory = drop(RMSNorm(name="encoder_norm")(x))
 
-    shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
     length = targets.shape[1]
-    y = drop(embed(shifted))
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    self_bias = self._bias(False, "decoder_position_bias")(length, length)
+    if cache is None:
+      y = drop(embed(jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]))
+      keys, queries = jnp.arange(length), jnp.arange(length)
+    else:
+      y = drop(embed(targets))
+      keys = jnp.arange(cache["decoder_block_0"]["self"]["k"].shape[1])
+      queries = index + jnp.arange(length)
+    causal = keys[None, :] <= queries[:, None]
+    self_bias = self._bias(False, "decoder_position_bias")(
+      length, len(keys), 0 if cache is None else index
+    )
     self_bias = self_bias + _mask_bias(causal[None])
     cross_bias = _mask_bias(source_keep[:, None, :])
+    new_cache = {}
     for i in range(self.num_decoder_layers or self.num_layers):
-      y = self._block(True, f"decoder_block_{i}")(
-        y, self_bias, memory, cross_bias, train=train
-      )
+      name = f"decoder_block_{i}"
+      block = self._block(True, name)
+      if cache is None:
+        y = block(y, self_bias, memory, cross_bias, train=train)
+      else:
+        y, new_cache[name] = block(
+          y, self_bias, memory, cross_bias, train, cache[name], index
+        )
     y = drop(RMSNorm(name="decoder_norm")(y))
     if self.version == "1.0":  # Tied, rescaled (Mesh TF's convention).
       logits = embed.attend(y * self.d_model**-0.5)
@@ -293,7 +364,58 @@ class Model(nn.Module):
       logits = nn.Dense(
         self.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head"
       )(y)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return logits if cache is None else (logits, new_cache)
+
+
+def empty_cache(
+  model: Model, batch_size: int, length: int, source_length: int
+) -> dict:
+  """Each decoder block's cache for ``batch_size`` sequences of up to
+  ``length`` decoder positions over sources of ``source_length`` tokens:
+  ``{"decoder_block_i": {"self": {"k", "v"}, "cross": {"k", "v"}}}``,
+  zeros [batch, length or source_length, heads, d_kv] in the compute
+  dtype (float32 by default)."""
+  dtype = model.dtype or jnp.float32
+
+  def zeros(n):
+    shape = (batch_size, n, model.num_heads, model.d_kv)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+  return {
+    f"decoder_block_{i}": {"self": zeros(length), "cross": zeros(source_length)}
+    for i in range(model.num_decoder_layers or model.num_layers)
+  }
+
+
+# One function per model: the pipeline compiles its programs per function.
+@functools.lru_cache(maxsize=16)
+def decode_fns(model: Model):
+  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``:
+  ``(params, batch) -> (next-token logits float32 [B, vocab], the new
+  cache)``; batch: "inputs" int [B, Ls] (the source), "tokens" int
+  [B, L] (the decoder's input at positions "index" int [B]), "cache"
+  (``empty_cache``'s layout). The prefill runs the encoder too."""
+
+  def step(params, batch, encode):
+    logits, cache = model.apply(
+      {"params": params},
+      batch["inputs"],
+      batch["tokens"],
+      train=False,
+      cache=batch["cache"],
+      index=batch["index"][0],
+      encode=encode,
+    )
+    return logits[:, -1], cache
+
+  def prefill_fn(params, batch):
+    return step(params, batch, True)
+
+  def decode_fn(params, batch):
+    return step(params, batch, False)
+
+  return prefill_fn, decode_fn
 
 
 def hf_names(model: Model) -> dict[str, tuple[str | tuple[str, ...], bool]]:

@@ -45,6 +45,7 @@ from jpipe.runtime.build.pipeline_memory import (
   predict_pipeline_memory,
 )
 from jpipe.runtime.execute import forward_only as _forward_only
+from jpipe.runtime.execute import generation as _generation
 from jpipe.runtime.execute.hooks import DriverHooks
 from jpipe.runtime.execute.in_flight import InFlight
 
@@ -429,6 +430,49 @@ class Pipeline:
     their leading axis; returns them concatenated over the microbatches
     (the batch's order), on every process."""
     return _forward_only.predict(self, state, batch, predict_fn)
+
+  def generate(
+    self,
+    state: PipelineState,
+    prompts: Any,
+    decode_fn: Callable[..., Any],
+    empty_cache: Callable[[int, int], Any],
+    *,
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    prefill_fn: Callable[..., Any] | None = None,
+    start_id: int = 0,
+  ) -> jax.Array:
+    """Greedy continuations of ``prompts`` (int [B, P], B a multiple of
+    the microbatch size) through the stages, each layer's key/value
+    cache on the stage that runs it (``execute/generation.py``).
+
+    ``decode_fn(params, batch) -> (next-token logits [b, vocab], new
+    cache)``, batch ``{"tokens": int [b, L], "index": int [b] (the
+    position of tokens[:, 0]), "cache": ...}``, e.g. ``models.gpt2.
+    decode_fn(model)``; it is cut by the plan as ``predict_fn`` is.
+    ``empty_cache(b, length)``: the cache's zeros (shapes only are used;
+    each stage makes its own on its device). An encoder-decoder gives
+    ``prefill_fn`` too (e.g. ``models.t5_v1.decode_fns(model)``): the
+    prompts are then its sources, the batch's "inputs", the encoder runs
+    once in the prefill, and the decoder starts from ``start_id``.
+
+    Returns:
+      int32 [B, n] on the last stage's device, n <= max_new_tokens:
+      after a sequence's ``eos_id`` its tokens are ``eos_id``, and
+      decoding stops once every sequence has ended.
+    """
+    return _generation.generate(
+      self,
+      state,
+      prompts,
+      decode_fn,
+      empty_cache,
+      max_new_tokens,
+      eos_id,
+      prefill_fn,
+      start_id,
+    )
 
   def flush(self, state: PipelineState, *, profile: bool = False):
     """Drains an asynchronous pipeline: every pending backward and step

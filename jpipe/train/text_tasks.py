@@ -34,7 +34,12 @@ import numpy as np
 
 from jpipe.data import text_examples
 from jpipe.train import evaluation as evaluation_lib
-from jpipe.train import input_pipeline, model_calls, stand_in_data
+from jpipe.train import (
+  input_pipeline,
+  model_calls,
+  stand_in_data,
+  text_generation,
+)
 from jpipe.train.errors import UsageError
 from jpipe.train.task import Task
 
@@ -145,7 +150,15 @@ def build(config, model, abstract: bool = False) -> Task:
     None,
     batch_at,
     evaluation=evaluation_lib.held_out(
-      sums_fn, held_out, data.batch_size, posing.metrics
+      sums_fn,
+      held_out,
+      data.batch_size,
+      posing.metrics,
+      text_generation.generation(
+        config, model, encoder, [test[i] for i in range(count)], held_out
+      )
+      if posing.name == "text_to_text" and not abstract
+      else None,
     ),
   )
 

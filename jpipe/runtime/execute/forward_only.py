@@ -296,10 +296,19 @@ def run(program: ForwardProgram, state, batch) -> tuple[dict, int]:
       f"{micro}: pass a multiple of {micro}"
     )
   m = size // micro
-  call = _ForwardCall(program, state)
-  call.batches = place_microbatches(
+  batches = place_microbatches(
     jax.tree.leaves(batch), program.batch_leaves, m, 0
   )
+  return run_placed(program, state, batches, m), m
+
+
+def run_placed(program: ForwardProgram, state, batches: dict, m: int) -> dict:
+  """``run`` of m microbatches already placed: ``batches`` is
+  ``{placement: {b: {batch leaf index: array on its device(s)}}}`` (as
+  ``place_microbatches`` makes it); returns ``{result: [its value per
+  microbatch]}``."""
+  call = _ForwardCall(program, state)
+  call.batches = batches
   methods = {
     FORWARD: call.forward,
     SEND: call.send,
@@ -314,7 +323,7 @@ def run(program: ForwardProgram, state, batch) -> tuple[dict, int]:
     raise RuntimeError(
       f"activations left unread: {sorted(map(str, call.values))[:4]}"
     )
-  return call.results, m
+  return call.results
 
 
 def combined(program: ForwardProgram, results: dict, m: int, combine):
@@ -442,11 +451,11 @@ def evaluate(pipe, state, batch, metrics_fn=None):
   """``Pipeline.evaluate``: the loss's mean over the batch's
   microbatches, or ``metrics_fn``'s outputs summed over them."""
   if metrics_fn is None:
-    program = _program(pipe, None, batch, "")
+    program = program_for(pipe, None, batch, "")
     results, m = run(program, state, batch)
     # Result 0: the loss (the others: new model state, dropped).
     return {"loss": combined_result(program, results, 0, m, mean)}
-  program = _program(pipe, metrics_fn, batch, "metrics_fn")
+  program = program_for(pipe, metrics_fn, batch, "metrics_fn")
   results, m = run(program, state, batch)
   return combined(program, results, m, total)
 
@@ -454,12 +463,12 @@ def evaluate(pipe, state, batch, metrics_fn=None):
 def predict(pipe, state, batch, predict_fn):
   """``Pipeline.predict``: ``predict_fn``'s outputs of every microbatch,
   concatenated in batch order."""
-  program = _program(pipe, predict_fn, batch, "predict_fn")
+  program = program_for(pipe, predict_fn, batch, "predict_fn")
   results, m = run(program, state, batch)
   return combined(program, results, m, concatenated)
 
 
-def _program(pipe, fn, batch, what) -> ForwardProgram:
+def program_for(pipe, fn, batch, what) -> ForwardProgram:
   """``fn`` cut by the pipeline (None: the loss on its own stages),
   cached per function and per-example shapes of the batch."""
   examples = tuple(

@@ -1,0 +1,324 @@
+"""Greedy decoding through a pipeline's stages, each layer's key/value
+cache kept on the stage that runs the layer.
+
+The model's decoding step -- ``decode_fn(params, batch) -> (next-token
+logits [b, vocab], new cache)`` with ``batch = {"tokens": int [b, L],
+"index": int [b], "cache": ...}`` -- is a function of the params like
+``Pipeline.predict``'s, so it is traced and cut by the pipeline's plan
+as forward-only evaluation cuts it (``forward_only.cut_function``): each
+layer's cache leaves are batch inputs read, and written back as results,
+by the stage holding that layer, and the argmax joins the last stage.
+Two programs: the prefill (the prompts, L = P, at index 0) and the step
+(one token, L = 1, at index P + t - 1). An encoder-decoder's prefill
+(``prefill_fn``) runs the encoder too and fills each decoder block's
+cross-attention cache, which its steps read and return unchanged: a
+cache leaf a function returns as it got it is dropped from that
+function's outputs (found by tracing it once), so it stays where it is
+rather than joining the last stage's results. A cache leaf made on
+another stage than the one reading it (GNMT's attention keeps the
+encoder's outputs, made on the encoder's last stage) is moved to its
+reader after each write: once, in the prefill.
+
+Between steps nothing is gathered: a stage's new cache leaves stay on
+its device and are its next step's batch inputs for the same
+microbatch; only each microbatch's next tokens ([b] ints) move from the
+last stage to the first. The batch's microbatches run as a forward-only
+call's (each stage in turn, dispatched asynchronously), and microbatch
+b's next step depends only on its own tokens, so the stages work on
+several sequences at once.
+
+Stopping: a sequence is finished after it produced ``eos_id``; its later
+tokens are ``eos_id``. The host reads whether every sequence has
+finished one step late (after dispatching the next step) so that reading
+does not stall the stages; at most one step is computed and dropped.
+
+Limits: one process, one device per stage (no replica groups), no model
+state, prompts of one length (the cache index is shared by a batch).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpipe.runtime.execute import forward_only
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """One of the two programs and the cache leaves (their positions in
+  the cache's flatten order) it writes: its results 1, 2, ..."""
+
+  program: forward_only.ForwardProgram
+  written: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoder:
+  """The prefill and step programs and the batch leaves' indices."""
+
+  prefill: _Program
+  step: _Program
+  tokens: int  # The "tokens" batch leaf.
+  index: int  # The "index" batch leaf.
+  cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
+  inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
+  # Per cache leaf, the placement reading it (None: none reads it).
+  home: tuple = ()
+
+
+@functools.lru_cache(maxsize=32)
+def _greedy(decode_fn: Callable, written: tuple[int, ...]) -> Callable:
+  """``decode_fn`` returning its logits' argmax (int32 [b]) and only the
+  cache leaves at ``written``."""
+
+  def greedy(params, batch):
+    logits, cache = decode_fn(params, batch)
+    leaves = jax.tree.leaves(cache)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), [
+      leaves[k] for k in written
+    ]
+
+  return greedy
+
+
+def generate(
+  pipe,
+  state,
+  prompts,
+  decode_fn: Callable,
+  empty_cache: Callable,
+  max_new_tokens: int,
+  eos_id: int | None = None,
+  prefill_fn: Callable | None = None,
+  start_id: int = 0,
+) -> jax.Array:
+  """``Pipeline.generate``: greedy continuations int32 [B, n] of the
+  prompts int [B, P] (an encoder-decoder's sources when ``prefill_fn``
+  is given: the decoder starts from ``start_id``), n <= max_new_tokens
+  (fewer when every sequence finished early), on the last stage's
+  device."""
+  prompts = np.asarray(prompts)
+  _check(pipe, prompts, max_new_tokens)
+  feeds = _Feeds(
+    pipe.microbatch_size, prompts, prefill_fn is not None, start_id
+  )
+  m, length = feeds.m, feeds.first.shape[1]
+  cache = jax.eval_shape(
+    functools.partial(empty_cache, feeds.mb, length + max_new_tokens - 1)
+  )
+  dec = _decoder(pipe, prefill_fn or decode_fn, decode_fn, cache, feeds)
+  feeds.avals = jax.tree.leaves(cache)
+  tokens = feeds.run(dec, dec.prefill, state, 0, None)
+  done = None
+  if eos_id is not None:
+    tokens, done = _mark_ends([None] * m, tokens, eos_id)
+  steps = [tokens]
+  for t in range(1, max_new_tokens):
+    tokens = feeds.run(dec, dec.step, state, length + t - 1, tokens)
+    if done is not None:
+      # Read after the step is dispatched: the stages keep working.
+      if all(bool(jnp.all(d)) for d in done):
+        break
+      tokens, done = _mark_ends(done, tokens, eos_id)
+    steps.append(tokens)
+  return jnp.concatenate(
+    [jnp.stack([s[b] for s in steps], axis=1) for b in range(m)]
+  )
+
+
+class _Feeds:
+  """A generation's batch leaves, placed per microbatch where the stages
+  read them: the first tokens (the prompts, or the decoder's start),
+  the sources (placed once), the position, the caches (each leaf's
+  latest value per microbatch, on the device of the stage writing it;
+  zeros made there before the first write)."""
+
+  def __init__(self, mb, prompts, encoder_decoder, start_id):
+    self.mb, self.m = mb, len(prompts) // mb
+    self.source = prompts if encoder_decoder else None
+    self.first = (
+      np.full((len(prompts), 1), start_id, np.int32)
+      if encoder_decoder
+      else prompts.astype(np.int32)
+    )
+    self.avals = None  # The cache's leaves' shapes.
+    self.cache = {}  # Cache leaf -> its value per microbatch.
+    self._sources = {}  # (placement, microbatch) -> its placed source.
+
+  def run(self, dec, step: _Program, state, position, tokens) -> list:
+    """``step``'s program at ``position`` on every microbatch (``tokens``
+    None: the first tokens; else each one's last); its new tokens per
+    microbatch, its cache leaves kept."""
+    batches = self._placed(dec, step.program, position, tokens)
+    program = step.program
+    results = forward_only.run_placed(program, state, batches, self.m)
+    for j, k in enumerate(step.written):
+      values, home = results[1 + j], dec.home[k]
+      made = program.placement[program.stage_of_result[1 + j]]
+      if home is not None and made != home:
+        # Made elsewhere (e.g. the encoder's outputs an attention keeps):
+        # moved to its reader once per write.
+        values = [jax.device_put(v, home.device) for v in values]
+      self.cache[k] = values
+    return results[0]
+
+  def _placed(self, dec, program, position, tokens) -> dict:
+    """``program``'s batch leaves per placement and microbatch."""
+    index = np.full(self.mb, position, np.int32)
+    rows = lambda x, b: x[b * self.mb : (b + 1) * self.mb]  # noqa: E731
+    out = {}
+    for place, wanted in program.batch_leaves.items():
+      device, out[place] = place.device, {}
+      for b in range(self.m):
+        leaves = {}
+        for i in wanted:
+          if i == dec.tokens:
+            x = rows(self.first, b) if tokens is None else tokens[b][:, None]
+            leaves[i] = jax.device_put(x, device)
+          elif i == dec.index:
+            leaves[i] = jax.device_put(index, device)
+          elif i == dec.inputs:
+            key = (place, b)
+            if key not in self._sources:
+              self._sources[key] = jax.device_put(rows(self.source, b), device)
+            leaves[i] = self._sources[key]
+          else:
+            k = dec.cache.index(i)
+            leaves[i] = (
+              self.cache[k][b]
+              if k in self.cache
+              else jnp.zeros(
+                self.avals[k].shape, self.avals[k].dtype, device=device
+              )
+            )
+        out[place][b] = leaves
+    return out
+
+
+def _check(pipe, prompts, max_new_tokens) -> None:
+  """One-line ValueErrors for what ``generate`` cannot run."""
+  if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
+    raise ValueError(
+      f"prompts must be int tokens [batch, length], got {prompts.dtype} "
+      f"{prompts.shape}"
+    )
+  if len(prompts) % pipe.microbatch_size:
+    raise ValueError(
+      f"{len(prompts)} prompts do not split into microbatches of "
+      f"{pipe.microbatch_size}: pass a multiple of {pipe.microbatch_size}"
+    )
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if pipe.transport.multiprocess:
+    raise ValueError(
+      "generate runs in one process: call it without jax.distributed"
+    )
+  grouped = [s for s, p in enumerate(pipe.placement) if len(p.devices) > 1]
+  if grouped:
+    raise ValueError(
+      f"generate runs each stage on one device; stage {grouped[0]} is a "
+      "replica group: build the pipeline without replicas to generate"
+    )
+  if pipe.state_treedef is not None:
+    raise ValueError(
+      "generate does not take model state: use a model without it"
+    )
+
+
+def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
+  """The prefill's and step's programs (cached by the pipeline per
+  function and shapes), checked to keep each cache leaf on one stage."""
+  mb = pipe.microbatch_size
+
+  def example(n):
+    batch = {
+      "cache": cache,
+      "index": jax.ShapeDtypeStruct((mb,), np.int32),
+      "tokens": jax.ShapeDtypeStruct((mb, n), np.int32),
+    }
+    if feeds.source is not None:
+      batch["inputs"] = jax.ShapeDtypeStruct(
+        (mb, feeds.source.shape[1]), feeds.source.dtype
+      )
+    return batch
+
+  steps = []
+  for fn, n, what in (
+    (prefill_fn, feeds.first.shape[1], "prefill_fn"),
+    (decode_fn, 1, "decode_fn"),
+  ):
+    written = _written(pipe, fn, example(n), what)
+    program = forward_only.program_for(
+      pipe, _greedy(fn, written), example(n), what
+    )
+    steps.append(_Program(program, written))
+  paths = [p[0].key for p, _ in jax.tree.flatten_with_path(example(1))[0]]
+  dec = _Decoder(
+    *steps,
+    paths.index("tokens"),
+    paths.index("index"),
+    tuple(i for i, key in enumerate(paths) if key == "cache"),
+    paths.index("inputs") if "inputs" in paths else None,
+  )
+  return dataclasses.replace(dec, home=_homes(dec))
+
+
+def _written(pipe, fn, example, what) -> tuple[int, ...]:
+  """The cache leaves ``fn`` returns changed (not as it got them), from
+  one abstract trace (cached per function and shapes)."""
+  key = ("written", fn, jax.tree.structure(example), str(example))
+  if key not in pipe.forward_programs:
+    avals = pipe.traced.closed_jaxpr.in_avals[: pipe.traced.num_param_leaves]
+    params = jax.tree.unflatten(
+      pipe.params_treedef,
+      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals],
+    )
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(params, example)
+    if jax.tree.structure(out) != jax.tree.structure((0, example["cache"])):
+      raise ValueError(
+        f"{what} must return (logits [batch, vocab], the cache in "
+        "batch['cache']'s structure)"
+      )
+    jaxpr = closed.jaxpr
+    inputs = {id(v) for v in jaxpr.invars}
+    pipe.forward_programs[key] = tuple(
+      k for k, v in enumerate(jaxpr.outvars[1:]) if id(v) not in inputs
+    )
+  return pipe.forward_programs[key]
+
+
+def _homes(dec) -> tuple:
+  """Each cache leaf's one reading placement (None: unread); a
+  ValueError where several stages read one leaf."""
+  homes = []
+  for k, leaf in enumerate(dec.cache):
+    readers = set()
+    for step in (dec.prefill, dec.step):
+      items = step.program.batch_leaves.items()
+      readers |= {p for p, w in items if leaf in w}
+    if len(readers) > 1:
+      raise ValueError(
+        f"the decoding functions' cache leaf {k} is read by several "
+        "stages: read each layer's cache inside that layer's module"
+      )
+    homes.append(next(iter(readers), None))
+  return tuple(homes)
+
+
+def _mark_ends(done, tokens, eos_id) -> tuple[list, list]:
+  """Per microbatch, ``_finished``: (its tokens, its ends so far)."""
+  pairs = [_finished(d, x, eos_id) for d, x in zip(done, tokens, strict=True)]
+  return [x for x, _ in pairs], [d for _, d in pairs]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _finished(done, tokens, eos_id):
+  """(tokens with eos_id after a sequence's end, the ends so far)."""
+  if done is None:
+    return tokens, tokens == eos_id
+  tokens = jnp.where(done, eos_id, tokens)
+  return tokens, done | (tokens == eos_id)
