@@ -149,9 +149,9 @@ def _memory_limit(args, config) -> float | None:
   return memory
 
 
-def _solve(args) -> _Solved:
-  """The plan the command line asks for (ValueError: a bad argument)."""
-  config = config_plan.load_config_file(args.config)
+def _method(args, config) -> tuple[str, partition.Split | None]:
+  """(The method planned with, the config's Split where it gives one and
+  ``--method`` does not replace it: method "split")."""
   given = config_options.partition(config)  # A method, or a Split.
   split = given if args.method is None and not isinstance(given, str) else None
   method = args.method or ("split" if split else config.pipeline.partition)
@@ -162,6 +162,13 @@ def _solve(args) -> _Solved:
       f"--stages / --devices with the config's split {split.describe()}, "
       "which gives both: drop them (or pass --method to solve instead)"
     )
+  return method, split
+
+
+def _solve(args) -> _Solved:
+  """The plan the command line asks for (ValueError: a bad argument)."""
+  config = config_plan.load_config_file(args.config)
+  method, split = _method(args, config)
   if split is not None:
     stages, devices, slots = split.num_stages, split.num_devices, None
   else:
