@@ -111,9 +111,17 @@ def test_gpt_bfloat16_compute_keeps_float32_params_and_logits():
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
   logits = mixed.apply(params, tokens)
   assert logits.dtype == jnp.float32
-  # Its matmuls run in bfloat16 ...
+  # Its matmuls run in bfloat16 (the attention scores accumulate in
+  # float32 for the softmax, as jax.nn.dot_product_attention makes them:
+  # one such product per layer) ...
   jaxpr = jax.make_jaxpr(mixed.apply)(params, tokens)
   dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert dots and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dots)
+  assert dots and all(
+    v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars
+  )
+  wide = [e for e in dots if e.outvars[0].aval.dtype != jnp.bfloat16]
+  assert len(wide) == 2 and all(
+    e.params["preferred_element_type"] == jnp.float32 for e in wide
+  )
   # ... and agree with float32 to bfloat16's precision.
   np.testing.assert_allclose(logits, full.apply(params, tokens), atol=0.1)
