@@ -27,8 +27,6 @@ anyway.
 
 import dataclasses
 import math
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -251,7 +249,6 @@ class _Loop:
     first, units = self.start // per_unit, math.ceil(steps / per_unit)
     for unit in range(first, units):
       state, timed, row = self._train(state, unit, first)
-      _die_for_test(self.start, (unit + 1) * per_unit)
       state = self._evaluate_and_save(state, unit, units, timed, row)
     self.bar.close()
 
@@ -382,16 +379,6 @@ class _Loop:
     head = f"Done: {self.run.steps} steps; {evaluation}; {speed}."
     print("\n".join([head, *lines]))
     return {"examples_per_second": per_second, "eval": self.evaluation} | more
-
-
-# Tests only: ``JPIPE_TEST_DIE=PROCESS:STEP`` makes process PROCESS of a
-# run that did not resume kill itself (SIGKILL: no clean-up) once step
-# STEP is done: a process dying mid-run, for the launcher's restarts
-# (the restarted run resumes, so it does not die again).
-def _die_for_test(start: int, done: int) -> None:
-  spec = os.environ.get("JPIPE_TEST_DIE")
-  if spec and not start and spec == f"{jax.process_index()}:{done}":
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def format_evaluation(evaluation: dict | None) -> str:

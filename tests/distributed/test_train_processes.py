@@ -24,11 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 pytestmark = pytest.mark.slow
 
 
-def _train(workdir, steps, nprocs, env, *overrides, launcher=()):
+def _train(workdir, steps, nprocs, env, *overrides, launcher=(), die=None):
   """The default config (2 stages, small) to ``steps``; nprocs None: one
   process without the launcher (8 fake CPU devices); ``launcher``: its
-  flags."""
+  flags; ``die``: "PROCESS:STEP" kills that process after that step
+  (tests/distributed/die_at_step.py)."""
   command = [sys.executable, "-m", "jpipe.train"]
+  if die:
+    command[2:2] = ["tests.distributed.die_at_step", die]
   command += ["--config", os.path.join(ROOT, "configs", "default.py")]
   command += [
     f"--workdir={workdir}",
@@ -230,9 +233,10 @@ def test_a_process_killed_mid_run_restarts_from_the_last_checkpoint(
     killed,
     8,
     2,
-    dict(env, JPIPE_TEST_DIE="1:5"),
+    env,
     *flags,
     launcher=("--max_restarts=1",),
+    die="1:5",
   )
   assert "[launch] process 1 exited with signal SIGKILL" in out, out[-4000:]
   before, restart, after = out.partition("; restart 1 of 1, 2 processes: ")
@@ -269,6 +273,7 @@ def test_a_restart_goes_on_in_fewer_processes_with_a_new_plan(
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2"]
   command += ["--devices-per-process=2", "--max_restarts=1", "--min_nprocs=1"]
   command += ["--", "sh", "-c", _GONE, "sh", sys.executable, "-m"]
+  command += ["tests.distributed.die_at_step", "1:5"]
   command += ["jpipe.train", "--config", "configs/default.py"]
   command += [
     f"--workdir={tmp_path}",
@@ -279,7 +284,7 @@ def test_a_restart_goes_on_in_fewer_processes_with_a_new_plan(
     "--config.train.checkpoint_every=2",
     "--config.train.steps=6",
   ]
-  env = process_env(JPIPE_TEST_DIE="1:5", WORKDIR=str(tmp_path))
+  env = process_env(WORKDIR=str(tmp_path))
   out = _run_command(command, env)
   assert "[p0] 4 stages on devices [0, 1, 2, 3]" in out, out[-4000:]
   _, shrink, after = out.partition(
