@@ -200,6 +200,17 @@ def _holders(pipe):
   return list(pipe.transport.stage_process)
 
 
+def stage_opt_avals(pipe) -> list:
+  """Per stage, its optimizer state's abstract values as its ``init``
+  lays them out (nothing allocated)."""
+  return [
+    jax.eval_shape(opt.init, avals)
+    for opt, avals in zip(
+      pipe.stage_optimizers, stage_param_avals(pipe), strict=True
+    )
+  ]
+
+
 def stage_param_avals(pipe) -> list[tuple[Any, ...]]:
   """Per stage, the abstract values (shape, dtype) of its param leaves."""
   avals = pipe.traced.closed_jaxpr.in_avals
@@ -222,13 +233,9 @@ def state_dict(pipe, state) -> dict[str, Any]:
     microbatch needs saving.
   """
   check_drained(state, "state_dict")
-  opt_avals = [
-    jax.eval_shape(opt.init, avals)
-    for opt, avals in zip(
-      pipe.stage_optimizers, stage_param_avals(pipe), strict=True
-    )
-  ]
-  opt_states = trees_everywhere(state.opt_states, opt_avals, _holders(pipe))
+  opt_states = trees_everywhere(
+    state.opt_states, stage_opt_avals(pipe), _holders(pipe)
+  )
   if opt_states[0] is None:  # Outside this pipeline's processes.
     return None
   merged, gap = merge_optimizer_states(pipe.stage_optimizers, opt_states)

@@ -21,7 +21,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpipe.runtime._pipeline_state import check_drained, stage_param_avals
+from jpipe.runtime._pipeline_state import (
+  check_drained,
+  stage_opt_avals,
+  stage_param_avals,
+)
 from jpipe.runtime._stacked import join_rows, model_param_avals, stack_keyed
 from jpipe.runtime._state_dict import merge_unpacked
 
@@ -29,9 +33,9 @@ from jpipe.runtime._state_dict import merge_unpacked
 def _abstract_opt_trees(pipe) -> list:
   """Per stage, its optimizer state as optax's tree of abstract values."""
   return [
-    jax.eval_shape(lambda a, opt=opt: opt.state_tree(opt.init(a)), avals)
+    jax.eval_shape(opt.state_tree, avals)
     for opt, avals in zip(
-      pipe.stage_optimizers, stage_param_avals(pipe), strict=True
+      pipe.stage_optimizers, stage_opt_avals(pipe), strict=True
     )
   ]
 
