@@ -1,0 +1,108 @@
+"""``Pipeline``'s methods over its state: init, the drained state's
+views (params, model state, norms) and the partition-independent state
+dict; each delegates to ``_pipeline_state`` / ``_process_state``, where
+the functions live."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jpipe.runtime import _pipeline_state, _process_state
+from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.execute.in_flight import InFlight
+
+
+class PipelineStateMethods:
+  """A base of ``Pipeline``: what reads, writes and converts its state
+  (``PipelineState``), given the built pipeline's parts."""
+
+  def init(self, params: Any, model_state: Any = None) -> PipelineState:
+    """Splits ``params`` per stage, places them, builds optimizer states.
+
+    ``model_state``: the initial model state (required when the pipeline
+    was built with one).
+    """
+    return _pipeline_state.init_state(self, params, model_state)
+
+  def with_stage_params(
+    self, state: PipelineState, stage_params: Sequence[Any]
+  ) -> PipelineState:
+    """The drained ``state`` with other params per stage (each stage's
+    leaves, placed as ``state.stage_params`` are): an asynchronous stream
+    starts anew from them. E.g. a replica's params after a sync."""
+    _pipeline_state.check_drained(state, "with_stage_params")
+    flight = InFlight.start(stage_params) if self.stream else None
+    return state._replace(stage_params=tuple(stage_params), in_flight=flight)
+
+  def gradient_avals(self, stage: int, params: Sequence[Any]) -> Any:
+    """Shapes and dtypes of stage ``stage``'s gradient as its optimizer
+    step receives it (small leaves packed into one buffer) for its param
+    leaves ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
+    return jax.eval_shape(self.programs.grad_layouts[stage].pack, params)
+
+  def drained_state(self, stage_params, opt_states, step, model_state):
+    """A drained state: a new stream for asynchronous schedules."""
+    flight = InFlight.start(stage_params) if self.stream else None
+    return PipelineState(
+      tuple(stage_params), tuple(opt_states), step, tuple(model_state), flight
+    )
+
+  def gather_model_state(self, state: PipelineState) -> Any:
+    """The model state pytree (host arrays), or None without one. Needs a
+    drained pipeline (``flush``). Across processes every process must
+    call it; each gets the whole state (None: a process that runs none
+    of this pipeline's stages, where another process runs them all)."""
+    return _pipeline_state.gather_model_state(self, state)
+
+  def gather_params(self, state: PipelineState) -> Any:
+    """The full params pytree (host arrays). Needs a drained pipeline
+    (``flush``): mid-stream, every stage is at another step. Across
+    processes every process must call it; each gets the whole pytree
+    (None: a process that runs none of this pipeline's stages, where
+    another process runs them all, as in data parallel)."""
+    return _pipeline_state.gather_params(self, state)
+
+  def nonfinite_params(self, state: PipelineState) -> dict[int, str]:
+    """``{stage: path of its first param leaf holding a NaN or an
+    infinity}`` for every such stage (empty when all are finite). Works
+    mid-stream. Across processes every process must call it."""
+    return _pipeline_state.nonfinite_params(self, state)
+
+  def param_norms(self, state: PipelineState) -> list[float]:
+    """Each stage's parameter L2 norm (all its leaves together). Across
+    processes every process must call it; each gets every stage's."""
+    return _pipeline_state.param_norms(self, state)
+
+  def stage_param_avals(self) -> list[tuple[Any, ...]]:
+    """Per stage, the abstract values (shape, dtype) of its param leaves."""
+    return _pipeline_state.stage_param_avals(self)
+
+  def state_dict(self, state: PipelineState) -> dict[str, Any]:
+    """The whole training state, independent of the partition (host
+    arrays): ``{"params", "opt_state" (laid out as ``optimizer.init``
+    does for the whole model, params-shaped parts keyed by global leaf
+    path), "gap_aware", "model_state", "step"}``
+    (``_pipeline_state.state_dict``). Needs a drained pipeline. Across
+    processes as ``gather_params`` (None where it gives None)."""
+    return _pipeline_state.state_dict(self, state)
+
+  def local_state_dict(self, state: PipelineState) -> dict[str, Any]:
+    """``state_dict``'s structure without gathering (no collective): the
+    leaves this process writes to a checkpoint as arrays, each written by
+    exactly one process, the others as ``jax.ShapeDtypeStruct``
+    (``_process_state``). Needs a drained pipeline."""
+    return _process_state.local_state_dict(self, state)
+
+  def state_dict_layout(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``state_dict``'s structure as ``jax.ShapeDtypeStruct`` leaves, the
+    same of booleans: whether this process's stages use each leaf).
+    ``load_state_dict`` takes a state dict holding only the used leaves
+    (the others as the layout's ``ShapeDtypeStruct``)."""
+    return _process_state.state_dict_layout(self)
+
+  def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
+    """A PipelineState from ``state_dict``'s output (any partition).
+    Gap-Aware statistics of leaves that were not on a Gap-Aware stage when
+    saved start fresh (zeros), as they do at initialisation."""
+    return _pipeline_state.load_state_dict(self, tree)
