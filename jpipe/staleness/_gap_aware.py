@@ -132,95 +132,60 @@ def gap_aware(
         "gap_aware needs stale_params=: the params the gradient's forward "
         "ran with (pass params itself when there is no delay)"
       )
-    grads = updates
     count = optax.safe_increment(state.count)
     lam = jnp.asarray(weight_decay, jnp.float32)
-    max_lr = state.max_learning_rate
-
     if optimizer == "sgd":
-      trace = _common.find_one_state(
-        state.inner_state, optax.TraceState, "momentum buffer"
-      )
-      before = grads if trace is None else trace.trace
-      sq_avg = jax.tree.map(
-        lambda a, v: (beta * a + (1 - beta) * jnp.square(v)).astype(a.dtype),
-        state.sq_avg,
-        before,
-      )
-      eta = _common.value_at(max_learning_rate, state.count)
-      max_lr = jnp.maximum(max_lr, eta.astype(jnp.float32))
-      bias = 1.0 - jnp.asarray(beta, jnp.float32) ** count.astype(jnp.float32)
-      scale = jax.tree.map(
-        lambda a: max_lr * (jnp.sqrt(a.astype(jnp.float32) / bias) + eps),
-        sq_avg,
+      eta_max = _common.value_at(max_learning_rate, state.count)
+      sq_avg, scale, max_lr = _sgd_scale(
+        updates, state, count, eta_max, beta, eps
       )
     else:
-      sq_avg = state.sq_avg
-      scale = jax.tree.map(
-        lambda a: jnp.sqrt(a.astype(jnp.float32)) + eps, sq_avg
-      )
-
+      sq_avg, max_lr = state.sq_avg, state.max_learning_rate
+      scale = jax.tree.map(lambda a: jnp.sqrt(_f32(a)) + eps, sq_avg)
     penalty = jax.tree.map(
-      lambda p, s, c: (
-        1.0 + jnp.abs(p.astype(jnp.float32) - s.astype(jnp.float32)) / c
-      ),
+      lambda p, s, c: 1.0 + jnp.abs(_f32(p) - _f32(s)) / c,
       params,
       stale_params,
       scale,
     )
-
-    def penalise(g, p, pen):
-      out = g.astype(jnp.float32) / pen
-      if optimizer != "adamw":
-        out = out + lam * p.astype(jnp.float32) * (1.0 - pen) / pen
-      return out.astype(g.dtype)
-
-    new_grads = jax.tree.map(penalise, grads, params, penalty)
-
-    step_params = params
-    if optimizer == "adamw" and learning_rate is not None:
-      eta = _common.value_at(learning_rate, state.count).astype(jnp.float32)
+    l2 = None if optimizer == "adamw" else lam
+    new_grads = jax.tree.map(
+      lambda g, p, pen: _penalised(g, p, pen, l2), updates, params, penalty
+    )
+    decoupled = optimizer == "adamw" and learning_rate is not None
+    step_params, eta = params, None
+    if decoupled:  # The decoupled decay penalised through the params.
+      eta = _f32(_common.value_at(learning_rate, state.count))
       step_params = jax.tree.map(
-        lambda p, pen: (
-          p.astype(jnp.float32) * (1.0 - lam * eta * (1.0 - pen) / pen)
-        ).astype(p.dtype),
+        lambda p, pen: (_f32(p) * (1.0 - lam * eta * (1.0 - pen) / pen)).astype(
+          p.dtype
+        ),
         params,
         penalty,
       )
-
     new_updates, inner_state = base_tx.update(
       new_grads, state.inner_state, step_params, **extra_args
     )
-
     if optimizer != "sgd":
       applied = new_updates
-      if optimizer == "adamw" and learning_rate is not None:
+      if decoupled:  # S records the update without its decay part.
         applied = jax.tree.map(
-          lambda u, p: (
-            u.astype(jnp.float32) + eta * lam * p.astype(jnp.float32)
-          ),
-          new_updates,
-          step_params,
+          lambda u, p: _f32(u) + eta * lam * _f32(p), new_updates, step_params
         )
       sq_avg = jax.tree.map(
-        lambda a, u: (
-          beta * a + (1 - beta) * jnp.square(u.astype(jnp.float32))
-        ).astype(a.dtype),
+        lambda a, u: (beta * a + (1 - beta) * jnp.square(_f32(u))).astype(
+          a.dtype
+        ),
         sq_avg,
         applied,
       )
-      if optimizer == "adamw" and learning_rate is not None:
+      if decoupled:  # The params' scaling returned inside the updates.
         new_updates = jax.tree.map(
-          lambda u, sp, p: (
-            u.astype(jnp.float32)
-            + sp.astype(jnp.float32)
-            - p.astype(jnp.float32)
-          ).astype(u.dtype),
+          lambda u, sp, p: (_f32(u) + _f32(sp) - _f32(p)).astype(u.dtype),
           new_updates,
           step_params,
           params,
         )
-
     return new_updates, GapAwareState(
       count=count,
       max_learning_rate=max_lr,
@@ -229,3 +194,41 @@ def gap_aware(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _f32(x: jax.Array) -> jax.Array:
+  return x.astype(jnp.float32)
+
+
+def _sgd_scale(grads, state: GapAwareState, count, eta_max, beta, eps):
+  """SGD's C per leaf: (new sq_avg, C, new running max learning rate).
+
+  ``A <- beta A + (1 - beta) v^2`` with v the momentum buffer before this
+  step (the gradient without one); ``C = eta_max (sqrt(A / (1 - beta^n))
+  + eps)``.
+  """
+  trace = _common.find_one_state(
+    state.inner_state, optax.TraceState, "momentum buffer"
+  )
+  before = grads if trace is None else trace.trace
+  sq_avg = jax.tree.map(
+    lambda a, v: (beta * a + (1 - beta) * jnp.square(v)).astype(a.dtype),
+    state.sq_avg,
+    before,
+  )
+  max_lr = jnp.maximum(state.max_learning_rate, _f32(eta_max))
+  bias = 1.0 - jnp.asarray(beta, jnp.float32) ** _f32(count)
+  scale = jax.tree.map(
+    lambda a: max_lr * (jnp.sqrt(_f32(a) / bias) + eps), sq_avg
+  )
+  return sq_avg, scale, max_lr
+
+
+def _penalised(g, p, penalty, l2):
+  """``g / P``, plus ``l2 * p * (1 - P) / P`` with L2 decay (``l2`` not
+  None), so that the decayed gradient ``g + l2 p`` is divided by P as a
+  whole."""
+  out = _f32(g) / penalty
+  if l2 is not None:
+    out = out + l2 * _f32(p) * (1.0 - penalty) / penalty
+  return out.astype(g.dtype)
