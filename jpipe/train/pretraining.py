@@ -68,6 +68,25 @@ def build(config, model, tokenizer, train, test, abstract=False) -> Task:
     ),
   )
 
+  batches = max(1, -(-data.eval_sequences // data.batch_size))
+  held = [examples_at(k, test, config.seed + 1) for k in range(batches)]
+  held_out = {k: np.concatenate([h[k] for h in held]) for k in held[0]}
+  return Task(
+    "masked_lm",
+    _loss_fn(model, rngs_of, train_kw),
+    params,
+    None,
+    batch_at,
+    evaluation=evaluation_lib.held_out(
+      _sums_fn(model, eval_kw), held_out, data.batch_size, _metrics
+    ),
+  )
+
+
+def _loss_fn(model, rngs_of, train_kw):
+  """``loss(params, batch)``: HF ``BertForPreTraining``'s, the mean cross
+  entropy over the chosen tokens plus the mean next-sentence one."""
+
   def loss_fn(params, batch):
     mlm, nsp = model.apply(
       {"params": params},
@@ -81,6 +100,13 @@ def build(config, model, tokenizer, train, test, abstract=False) -> Task:
     )
     nsp_loss = model_calls.cross_entropy(nsp, batch["nsp_labels"]).mean()
     return mlm_loss + nsp_loss
+
+  return loss_fn
+
+
+def _sums_fn(model, eval_kw):
+  """``sums(params, batch)``: a held-out batch's weighted totals (token
+  loss sums, masked-LM and next-sentence hits, examples)."""
 
   def sums(params, batch):
     mlm, nsp = model.apply(
@@ -97,26 +123,16 @@ def build(config, model, tokenizer, train, test, abstract=False) -> Task:
       "count": jnp.sum(weight),
     }
 
-  def metrics(totals):
-    return {
-      "mlm_accuracy": totals["mlm_correct"] / totals["tokens"],
-      **{f"mlm_{k}": v for k, v in evaluation_lib.token_loss(totals).items()},
-      "nsp_accuracy": totals["nsp_correct"] / totals["count"],
-    }
+  return sums
 
-  batches = max(1, -(-data.eval_sequences // data.batch_size))
-  held = [examples_at(k, test, config.seed + 1) for k in range(batches)]
-  held_out = {k: np.concatenate([h[k] for h in held]) for k in held[0]}
-  return Task(
-    "masked_lm",
-    loss_fn,
-    params,
-    None,
-    batch_at,
-    evaluation=evaluation_lib.held_out(
-      sums, held_out, data.batch_size, metrics
-    ),
-  )
+
+def _metrics(totals: dict) -> dict:
+  """Masked-LM accuracy, loss and perplexity; next-sentence accuracy."""
+  return {
+    "mlm_accuracy": totals["mlm_correct"] / totals["tokens"],
+    **{f"mlm_{k}": v for k, v in evaluation_lib.token_loss(totals).items()},
+    "nsp_accuracy": totals["nsp_correct"] / totals["count"],
+  }
 
 
 def _check_outputs(config, out, shape) -> None:
