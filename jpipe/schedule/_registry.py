@@ -36,6 +36,10 @@ class ScheduleKind:
       devices, where the schedule fixes it (``zbv``, ``dualpipev``: 2p
       stages in a V); the pipeline then cuts that many stages and places
       them so. None: any placement.
+    loops: given more stages than devices, stage s goes on device
+      ``s mod p`` (Megatron's virtual stages: ``interleaved``,
+      ``interleaved_zb``, ``looped_bfs``); the stage count must then be a
+      multiple of the devices.
     stale: a backward may differentiate at newer params than its
       forward's (PipeDream's ``async``): the staleness mitigations
       (stashing, prediction, Gap-Aware, delay corrections) apply.
@@ -55,13 +59,27 @@ class ScheduleKind:
   places_itself: bool = False
   written: Schedule | None = None
   placement: Callable[[int], tuple[int, ...]] | None = None
+  loops: bool = False
   stale: bool = False
   two_versions: bool = False
 
-  def stage_devices(self, num_stages: int) -> tuple[int, ...] | None:
+  def stage_devices(
+    self, num_stages: int, num_devices: int | None = None
+  ) -> tuple[int, ...] | None:
     """The device of each of ``num_stages`` stages where the schedule
-    places them (``placement`` on num_stages / 2 devices), or None: it
-    does not, or cannot place that many (an odd count in a V)."""
+    places them: ``placement`` on num_stages / 2 devices (a V), or, for a
+    loop on ``num_devices`` devices fewer than the stages, stage s on
+    device s mod p. None: it does not, or cannot place that many (an odd
+    count in a V). A loop over a stage count that is not a multiple of
+    the devices: ValueError."""
+    if self.loops and num_devices is not None and num_stages > num_devices:
+      if num_stages % num_devices:
+        raise ValueError(
+          f"schedule {self.name!r} loops stages over devices (stage s on "
+          f"device s mod p): {num_stages} stages on {num_devices} devices "
+          f"is uneven; use a multiple of {num_devices} stages"
+        )
+      return _builders.loop_placement(num_stages, num_devices)
     if self.placement is None or num_stages % 2:
       return None
     return tuple(self.placement(num_stages // 2))
@@ -136,6 +154,7 @@ REGISTRY: dict[str, ScheduleKind] = {
       "mod p); other placements (mixed pipe): 1F1B by list scheduling",
       _builders.interleaved,
       places_itself=True,
+      loops=True,
     ),
     ScheduleKind(
       "looped_bfs",
@@ -143,6 +162,7 @@ REGISTRY: dict[str, ScheduleKind] = {
       "breadth-first: a device's stages one after another, all microbatches",
       _builders.looped_bfs,
       places_itself=True,
+      loops=True,
     ),
     ScheduleKind(
       "zbh1",
@@ -180,6 +200,7 @@ REGISTRY: dict[str, ScheduleKind] = {
       "device s mod p), I and W split, W deferred",
       _zero_bubble.interleaved_zero_bubble,
       places_itself=True,
+      loops=True,
     ),
   )
 }

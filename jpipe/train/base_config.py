@@ -103,6 +103,10 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.num_stages = 4  # Stages (devices used: min(stages, devices)).
   c.pipeline.num_microbatches = 4  # Microbatches per step; divides batch.
+  # Stages per device in a loop (Megatron's virtual stages, stage s on
+  # device s mod p) for schedule interleaved, interleaved_zb or
+  # looped_bfs: num_stages / stages_per_device devices.
+  c.pipeline.stages_per_device = 1
   # "contiguous", "mixed", "pipedream" (PipeDream's DP, straight) or
   # "pipedream_hybrid" (its DP with replicated, data-parallel stages; the
   # replicas of a stage must divide the microbatch).

@@ -160,6 +160,7 @@ def _check_pipeline(config, need) -> None:
   )
   need.one_of("pipeline.cost_model", COST_MODELS)
   need(config.pipeline.num_stages >= 1, "pipeline.num_stages", "must be >= 1")
+  _check_loop_placement(config, need)
   need(
     config.pipeline.depth >= 0,
     "pipeline.depth",
@@ -175,6 +176,41 @@ def _check_pipeline(config, need) -> None:
       f"{m} does not divide data.batch_size={config.data.batch_size}: use "
       f"a divisor of it",
     )
+
+
+def _check_loop_placement(config, need) -> None:
+  """pipeline.stages_per_device: a loop schedule, contiguous stages, a
+  divisor of the stage count."""
+  k, p = config.pipeline.stages_per_device, config.pipeline
+  need(k >= 1, "pipeline.stages_per_device", "must be >= 1")
+  if k <= 1:
+    return
+  kind = config_options.schedule_kind(config)
+  need(
+    kind is not None and kind.loops,
+    "pipeline.stages_per_device",
+    f"{k} stages per device need a loop schedule (interleaved, "
+    f"interleaved_zb or looped_bfs), not {config.schedule.name!r}",
+  )
+  need(
+    p.num_stages % k == 0 and p.num_stages > k,
+    "pipeline.stages_per_device",
+    f"{k} must divide pipeline.num_stages={p.num_stages} and leave >= 2 "
+    f"devices (stage s on device s mod num_stages / {k})",
+  )
+  need(
+    p.partition == "contiguous" and not p.split and not p.replicas,
+    "pipeline.stages_per_device",
+    f"{k} loops contiguous stages: use pipeline.partition='contiguous' "
+    "without pipeline.split / replicas",
+  )
+  need(
+    not data_parallel_mode.uses_data_parallel(config)
+    and not config.dynamic.enabled,
+    "pipeline.stages_per_device",
+    f"{k} stages per device run in one pipeline: not with data_parallel "
+    "pipelines or dynamic.enabled (use 1)",
+  )
 
 
 def _check_loop(config, need) -> None:
@@ -382,9 +418,7 @@ def check_devices(config, devices) -> None:
     )
   if config.pipeline.partition == "mixed":
     return
-  n, stages = len(devices), config.pipeline.num_stages
-  if config_options.v_shaped(config):
-    stages = (stages + 1) // 2
+  n, stages = len(devices), config_options.stage_devices_needed(config)
   kind = devices[0].platform if devices else "no"
   p = (
     config.data_parallel.pipelines

@@ -69,6 +69,18 @@ def v_shaped(config) -> bool:
   return kind is not None and kind.placement is not None
 
 
+def stage_devices_needed(config) -> int:
+  """Devices one pipeline's stages take: one per stage; half under a V
+  schedule; num_stages / stages_per_device in a loop; a Split's own."""
+  split = partition(config)
+  if isinstance(split, partition_lib.Split):
+    return split.num_devices
+  stages = config.pipeline.num_stages
+  if v_shaped(config):
+    return (stages + 1) // 2
+  return -(-stages // max(1, config.pipeline.stages_per_device))
+
+
 def steps_per_call(config) -> int:
   """Optimizer steps one pipeline step takes."""
   kind, m = schedule_kind(config), config.pipeline.num_microbatches
@@ -221,7 +233,8 @@ def counts(text: str) -> tuple[int, ...] | None:
 def pipeline_devices(config, devices) -> list:
   """The devices a pipeline's stages take, in the planner's order.
 
-  In one process: ``devices``. Across processes, where the stages need
+  In one process: ``devices`` (a loop, ``stages_per_device`` > 1: its
+  first num_stages / stages_per_device). Across processes, where the stages need
   fewer devices than there are (one per stage; half under a V schedule),
   the first ones of every process, as evenly as they go: the planner
   fills devices in order, so ``jax.devices()`` as it is would leave the
@@ -230,16 +243,14 @@ def pipeline_devices(config, devices) -> list:
   Raises UsageError when there are fewer stages than processes.
   """
   processes = sorted({getattr(d, "process_index", 0) for d in devices})
+  if len(processes) == 1 and config.pipeline.stages_per_device > 1:
+    return list(devices)[: stage_devices_needed(config)]  # The loop's p.
   if len(processes) == 1 or config.pipeline.partition in (
     "mixed",
     "pipedream_hybrid",
   ):
     return list(devices)
-  stages = config.pipeline.num_stages
-  needed = (stages + 1) // 2 if v_shaped(config) else stages
-  split = partition(config)
-  if isinstance(split, partition_lib.Split):
-    needed = split.num_devices
+  stages, needed = config.pipeline.num_stages, stage_devices_needed(config)
   if needed < len(processes):
     raise UsageError(
       f"config.pipeline.num_stages: {stages} stages cannot give each of "

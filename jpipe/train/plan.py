@@ -123,15 +123,18 @@ class _Solved:
 
 def _stage_slots(args, config, method):
   """``(stages, devices, slots)`` the command line plans: ``slots`` the
-  device of each stage where a V schedule places two per device (the
-  contiguous method only), else None."""
+  device of each stage where a V schedule places two per device or a
+  loop schedule several (the contiguous method only), else None."""
   stages = config.pipeline.num_stages if args.stages is None else args.stages
-  devices = stages if args.devices is None else args.devices
+  loop = max(1, config.pipeline.stages_per_device)
+  devices = -(-stages // loop) if args.devices is None else args.devices
   for name, value in (("--stages", stages), ("--devices", devices)):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   devices = min(stages, devices)  # What training plans on.
-  slots = schedule_lib.lookup(config.schedule.name).stage_devices(stages)
+  slots = schedule_lib.lookup(config.schedule.name).stage_devices(
+    stages, devices if method == "contiguous" else None
+  )
   if slots is not None and method == "contiguous":
     return stages, stages, slots
   return stages, devices, None

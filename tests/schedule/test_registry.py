@@ -81,3 +81,53 @@ def test_stale_and_two_version_kinds_stream():
       assert kind.asynchronous, kind.name
     assert not (kind.stale and kind.two_versions)
   assert set(sc.STREAMS) == {"async", "2bw"}
+
+
+@pytest.mark.parametrize(
+  "name", ["interleaved", "interleaved_zb", "looped_bfs"]
+)
+def test_a_loop_kind_places_more_stages_than_devices_in_a_loop(name):
+  """Megatron's virtual stages: stage s on device s mod p, only given
+  more stages than devices; an uneven count is one line."""
+  kind = sc.lookup(name)
+  assert kind.loops
+  assert kind.stage_devices(6, 3) == (0, 1, 2, 0, 1, 2)
+  assert kind.stage_devices(3, 3) is None and kind.stage_devices(6) is None
+  with pytest.raises(ValueError, match="5 stages on 2 devices is uneven"):
+    kind.stage_devices(5, 2)
+  for other in ("1f1b", "zbh1", "zbv"):
+    assert not sc.lookup(other).loops
+
+
+def test_pipeline_loops_an_interleaved_schedule_over_its_devices():
+  """``interleaved`` with 4 stages on 2 devices: stages 0, 2 on device 0
+  and 1, 3 on device 1 (no Plan needed); 1f1b refuses the same, naming
+  the loop schedules; 3 stages on 2 devices is uneven."""
+  params = {f"w{i}": jax.numpy.eye(4) for i in range(4)}
+  batch = {"x": jax.numpy.ones((4, 4))}
+
+  def loss_fn(params, batch):
+    x = batch["x"]
+    for i in range(4):
+      with jax.named_scope(f"layer{i}"):
+        x = jax.numpy.tanh(x @ params[f"w{i}"])
+    return x.sum()
+
+  def build(schedule, stages):
+    return jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      devices=jax.devices()[:2],
+      num_stages=stages,
+      schedule=schedule,
+      num_microbatches=2,
+      optimizer=optax.sgd(0.1),
+    )
+
+  pipe = build("interleaved", 4)
+  assert pipe.plan.stage_devices == ((0,), (1,), (0,), (1,))
+  with pytest.raises(ValueError, match="or a loop schedule"):
+    build("1f1b", 4)
+  with pytest.raises(ValueError, match="3 stages on 2 devices is uneven"):
+    build("interleaved", 3)

@@ -6,8 +6,9 @@ import os
 import jax
 import pytest
 
-from jpipe.train import config_plan, tasks, train_lib
+from jpipe.train import config_check, config_plan, tasks, train_lib
 from jpipe.train import plan as plan_cli
+from jpipe.train.errors import UsageError
 from tests.tiers import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -205,3 +206,41 @@ def test_a_weighted_groups_re_split_is_one_printed_line():
     "of each microbatch (measured 812, 271 examples/s; predicted 1.46x "
     "faster)"
   )
+
+
+_LOOP_CONFIG = """
+from configs import default
+
+
+def get_config():
+  c = default.get_config()
+  c.schedule.name = "interleaved"
+  c.pipeline.num_stages = 4
+  c.pipeline.stages_per_device = 2
+  return c
+"""
+
+
+def test_stages_per_device_loops_the_stages_in_plan_and_training(
+  capsys, tmp_path
+):
+  """pipeline.stages_per_device=2 with 4 stages: 2 devices, stage s on
+  device s mod 2 (Megatron's virtual stages), in the plan CLI and in the
+  pipeline training builds; without a loop schedule: one line."""
+  path = tmp_path / "loop.py"
+  path.write_text(_LOOP_CONFIG)
+  code, out, err = _run(capsys, "--config", str(path), "--json")
+  assert code == 0, err
+  assert json.loads(out)["plan"]["stage_devices"] == [[0], [1], [0], [1]]
+  config = config_plan.load_config_file(str(path))
+  task = tasks.build_task(config)
+  lr = train_lib.learning_rate(config)
+  pipe = train_lib.build_pipeline(
+    config, task, task.batch_at(0), train_lib.build_optimizer(config, lr), lr
+  )
+  assert pipe.plan.stage_devices == ((0,), (1,), (0,), (1,))
+  assert list(pipe.devices) == jax.devices()[:2]
+  with config.unlocked():
+    config.schedule.name = "1f1b"
+  with pytest.raises(UsageError, match="need a loop schedule"):
+    config_check.check(config)

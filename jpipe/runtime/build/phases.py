@@ -194,7 +194,9 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   partitioning, staleness = request.partitioning, request.staleness
   partition, num_stages = partitioning.partition, partitioning.num_stages
   num_devices = len(request.devices)
-  slots = request.schedule_kind.stage_devices(num_stages)
+  slots = request.schedule_kind.stage_devices(
+    num_stages, num_devices if partition == "contiguous" else None
+  )
   plan = _make_plan(
     cut.traced,
     params,
@@ -428,14 +430,15 @@ def _granularity(traced, partition, num_stages, num_devices, kind):
       "the Plan was made for a different model: no depth of this model "
       "has its nodes"
     )
-  several = partition == "mixed" or kind.placement is not None
+  several = partition == "mixed" or kind.placement is not None or kind.loops
   stages = num_stages if several else min(num_stages, num_devices)
   return partition_lib.choose_depth(traced, stages)
 
 
 def check_stage_count(num_stages, num_devices, partition, kind) -> None:
   """One device per stage unless FTPipe's mixed pipe, a schedule that
-  places its stages (``zbv``: two per device in a V) or a given Plan
+  places its stages (``zbv``: two per device in a V; ``interleaved``:
+  stage s on device s mod p) or a given Plan
   (which names its devices) puts several stages on a device."""
   if num_stages < 1:
     raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -466,12 +469,17 @@ def check_stage_count(num_stages, num_devices, partition, kind) -> None:
         f"use at most {2 * num_devices} stages"
       )
     return
+  if kind.loops and partition == "contiguous" and num_stages > num_devices:
+    kind.stage_devices(num_stages, num_devices)  # Uneven: one line.
+    return
   if isinstance(partition, str) and partition != "mixed":
     if num_stages > num_devices:
       raise ValueError(
         f"{num_stages} stages need {num_stages} devices, got "
         f"{num_devices}: use at most {num_devices} stages, pass more "
-        f"devices, or partition='mixed' (several stages per device)"
+        f"devices, partition='mixed' (several stages per device), or a "
+        f"loop schedule ('interleaved', 'interleaved_zb', 'looped_bfs': "
+        f"a multiple of the devices, stage s on device s mod p)"
       )
 
 
