@@ -47,6 +47,7 @@ import time
 
 from experiments.distributed import bubble
 from experiments.schedules import bubbles
+from jpipe import schedule as sc
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 TOLERANCE = 0.05  # Issue 63: measured within 5 % (absolute) of simulated.
@@ -107,12 +108,19 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.unit_ms <= 0 or args.steps < 1:
     raise SystemExit("--unit_ms must be > 0 and --steps >= 1")
+  schedules = args.schedules.split(",")
+  for name in schedules:  # Checked before any launch.
+    if name not in sc.SYNCHRONOUS:
+      raise SystemExit(
+        f"--schedules: {name!r} is not a flushed schedule; give some of "
+        f"{', '.join(sc.SYNCHRONOUS)}"
+      )
   os.makedirs(args.out_dir, exist_ok=True)
   tmp = os.path.join(args.out_dir, f"_{args.name}_run.json")
   rows = []
   for p in map(int, args.devices.split(",")):
     for m in map(int, args.microbatches.split(",")):
-      for schedule in args.schedules.split(","):
+      for schedule in schedules:
         rows.append(
           measure(
             schedule, p, m, unit_ms=args.unit_ms, steps=args.steps, tmp=tmp

@@ -38,6 +38,11 @@ def test_analysing_a_simulated_timeline_gives_its_bubble(schedule):
   assert row["transfer_ms"] == 0.0
 
 
+def test_a_streaming_schedule_is_refused_before_any_launch(tmp_path):
+  with pytest.raises(SystemExit, match="'async' is not a flushed schedule"):
+    measured_bubbles.main(["--schedules=1f1b,async", f"--out_dir={tmp_path}"])
+
+
 @pytest.mark.slow
 def test_interleaved_measured_within_five_points_of_the_simulator(tmp_path):
   """Interleaved 1F1B on the loop (2 processes, 4 stages, 4 microbatches,
