@@ -1,5 +1,7 @@
 """Measured pipeline bubble on several processes against the simulator's
-prediction: 1F1B, ZB-H1 and ZB-V (issue 33's evidence).
+prediction: 1F1B, ZB-H1 and ZB-V (issue 33's evidence), and interleaved
+1F1B on the loop placement (issue 63, item 4:
+``experiments.schedules.measured_bubbles``).
 
 One device per process (``jax.distributed`` over 127.0.0.1, the pull
 transport). Each stage's compute is simulated on the host: before an
@@ -7,7 +9,8 @@ action's program is dispatched, a driver hook (``SimulatedCompute``)
 waits for the action's inputs -- activations or cotangents arriving from
 the other processes -- and then sleeps the action's cost (``--forward_ms``,
 ``--input_ms``, ``--weight_ms`` per stage; a whole backward B sleeps I + W;
-a V schedule's 2p chunks cost half as much each, so every device has the
+a schedule placing 2p stages on p devices -- ZB-V's V, interleaved's
+loop ``s mod p`` -- costs half as much per stage, so every device has the
 same work). The real programs (a small MLP) are tiny beside the sleeps,
 so a process is busy exactly while it sleeps or runs one, and the
 device is free to serve transfers -- a CPU device serves none while it
@@ -92,9 +95,22 @@ def _hooks_class():
   return SimulatedCompute
 
 
-def _costs(args, v_shaped):
-  """Seconds per action kind (a V's chunks: half)."""
-  share = 0.5 if v_shaped else 1.0
+def stage_devices(schedule, p):
+  """Each stage's device (process) for ``schedule`` on p devices: 2p
+  stages where the schedule places several per device (a V, or the loop
+  ``s mod p`` of interleaved, looped_bfs and interleaved_zb), else p."""
+  from jpipe import schedule as sc
+
+  kind = sc.lookup(schedule)
+  if not kind.places_itself:
+    return tuple(range(p))
+  return kind.stage_devices(2 * p) or sc.loop_placement(2 * p, p)
+
+
+def _costs(args, chunks):
+  """Seconds per action kind of one stage (``chunks`` stages per device
+  share a device's work)."""
+  share = 1.0 / chunks
   f, i, w = (
     share * x / 1e3 for x in (args.forward_ms, args.input_ms, args.weight_ms)
   )
@@ -106,7 +122,6 @@ def worker(args, out):
   from jpipe import distributed
 
   distributed.initialize()
-  import flax.linen as nn
   import jax
   import optax
   from jax.experimental import multihost_utils
@@ -114,26 +129,15 @@ def worker(args, out):
   import jpipe
 
   schedule, p, m = args.schedule, jax.process_count(), int(args.microbatches)
-  kind = jpipe.schedule.lookup(schedule)
-  v_shaped = kind.placement is not None
-  stages = 2 * p if v_shaped else p
-
-  class Mlp(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for i in range(stages):
-        x = nn.tanh(nn.Dense(WIDTH, name=f"dense_{i}")(x))
-      return x
-
-  model = Mlp()
-  x = jax.random.normal(jax.random.key(0), (ROWS * m, WIDTH))
-  batch = {"x": x, "y": jax.numpy.tanh(x[:, ::-1])}
-  params = model.init(jax.random.key(1), x[:1])
-
-  def loss_fn(params, batch):
-    return ((model.apply(params, batch["x"]) - batch["y"]) ** 2).mean()
-
-  hooks = _hooks_class()(_costs(args, v_shaped))
+  placed = stage_devices(schedule, p)
+  stages = len(placed)
+  loss_fn, params, batch = _mlp(stages, m)
+  hooks = _hooks_class()(_costs(args, stages // p))
+  # Several stages per device, not in a V: the loop, through a Plan.
+  loop = stages > p and jpipe.schedule.lookup(schedule).placement is None
+  placing = (
+    {"partition": _loop_plan(loss_fn, params, batch, placed)} if loop else {}
+  )
   pipe = jpipe.Pipeline(
     loss_fn,
     params,
@@ -145,6 +149,7 @@ def worker(args, out):
     recompute=False,
     fuse_last_stage=False,  # Every action sleeps its own cost.
     hooks=hooks,
+    **placing,
   )
   if sorted(pipe.plan.stage_of_node) != list(range(stages)):
     raise SystemExit(f"expected {stages} one-layer stages: {pipe.plan}")
@@ -169,6 +174,43 @@ def worker(args, out):
     )
 
 
+def _mlp(layers, m):
+  """A small MLP of ``layers`` dense layers (one per stage): its loss,
+  params and a batch of ``ROWS`` rows per microbatch, m microbatches."""
+  import flax.linen as nn
+  import jax
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(layers):
+        x = nn.tanh(nn.Dense(WIDTH, name=f"dense_{i}")(x))
+      return x
+
+  model = Mlp()
+  x = jax.random.normal(jax.random.key(0), (ROWS * m, WIDTH))
+  batch = {"x": x, "y": jax.numpy.tanh(x[:, ::-1])}
+  params = model.init(jax.random.key(1), x[:1])
+
+  def loss_fn(params, batch):
+    return ((model.apply(params, batch["x"]) - batch["y"]) ** 2).mean()
+
+  return loss_fn, params, batch
+
+
+def _loop_plan(loss_fn, params, batch, placed):
+  """One layer per stage, stage s on device ``placed[s]``."""
+  import jpipe
+
+  traced = jpipe.partition.trace(loss_fn, params, batch)
+  costs = jpipe.partition.profile_nodes(
+    traced, params, batch, method="analytic"
+  )
+  return jpipe.partition.plan_from_boundaries(
+    traced, costs, range(len(placed) + 1), devices=placed
+  )
+
+
 def _producer(action, num_stages):
   """The action whose output ``action`` reads from another stage, or
   None: F(s) reads F(s - 1), B / I(s) the input gradient of s + 1."""
@@ -191,7 +233,7 @@ def analyse(schedule, p, m, steps, stage_device):
   from jpipe import schedule as sc
 
   n = len(stage_device)
-  lists = sc.build(schedule, n, m)
+  lists = sc.build(schedule, n, m, stage_device=list(stage_device))
   measured, costs, waits = [], {}, []
   for spans in steps:
     spans = {_parse(k): v for k, v in spans.items()}
