@@ -10,6 +10,7 @@ from jpipe.runtime._slowdown import (
   Slowdown,
   parse_slowdowns,
 )
+from jpipe.runtime._stacked import HeldRows
 from jpipe.runtime.build.memory import (
   MemoryLimitError,
   StageMemory,
@@ -37,6 +38,7 @@ __all__ = [
   "DeviceSlowdowns",
   "DriverHooks",
   "GAP_AWARE_POLICIES",
+  "HeldRows",
   "MemoryLimitError",
   "Partitioning",
   "Pipeline",

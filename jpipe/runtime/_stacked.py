@@ -5,10 +5,13 @@ rows (``partition._scan_layers``): the stages, their optimizers and their
 states hold rows (``leaf[k:k+1]``, named ``"path[k]"``). What leaves the
 pipeline -- ``gather_params``, ``state_dict``, checkpoints -- holds the
 stacked arrays as the model declares them, and what comes in is split
-again, so a checkpoint resumes under any split. Each function reads the
+again, so a checkpoint resumes under any split (a process holding some
+of a stacked leaf's rows gives them as ``HeldRows``, for a per-process
+checkpoint). Each function reads the
 pipeline's ``traced`` and ``leaf_names`` (the rows' names).
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -109,23 +112,49 @@ def _stack_dict(d: dict, rows) -> dict:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldRows:
+  """The rows of a stacked leaf this process holds, where other
+  processes hold the others (their stages run those layers): ``aval``
+  the whole leaf; ``pieces`` ``(first row, host array of consecutive
+  rows)``. A per-process checkpoint writes each piece
+  (``jpipe.train.process_arrays``); a pytree leaf, not a node."""
+
+  aval: jax.ShapeDtypeStruct
+  pieces: tuple[tuple[int, np.ndarray], ...]
+
+
 def _join(parts: list) -> Any:
+  """A stacked leaf from its rows (arrays; another process's as
+  ``ShapeDtypeStruct``): an array, its abstract value when no row is
+  here, ``HeldRows`` when some are."""
   if any(p is None for p in parts):
     return None
   first = parts[0]
-  scalar = len(np.shape(first)) == 0
+  scalar = len(np.shape(first)) == 0  # Rows stacked from scalars.
+  sizes = [1 if scalar else p.shape[0] for p in parts]
   abstract = [isinstance(p, jax.ShapeDtypeStruct) for p in parts]
-  if any(abstract) and not all(abstract):
-    raise ValueError(
-      "a stacked leaf's layers are on stages of several processes, and a "
-      "per-process checkpoint writes whole leaves: save the gathered "
-      "state (Pipeline.state_dict) or keep each stacked leaf in one process"
-    )
+  rest = () if scalar else tuple(first.shape[1:])
+  aval = jax.ShapeDtypeStruct((sum(sizes), *rest), first.dtype)
   if all(abstract):
-    lead = len(parts) if scalar else sum(p.shape[0] for p in parts)
-    rest = () if scalar else tuple(first.shape[1:])
-    return jax.ShapeDtypeStruct((lead, *rest), first.dtype)
-  host = [np.asarray(p) for p in parts]
+    return aval
+  if not any(abstract):
+    return _stacked([np.asarray(p) for p in parts], scalar)
+  pieces, run, start, row = [], [], 0, 0
+  for p, size, gone in zip(parts, sizes, abstract, strict=True):
+    if gone and run:
+      pieces.append((start, _stacked(run, scalar)))
+      run = []
+    elif not gone:
+      start = start if run else row
+      run.append(np.asarray(p))
+    row += size
+  if run:
+    pieces.append((start, _stacked(run, scalar)))
+  return HeldRows(aval, tuple(pieces))
+
+
+def _stacked(host: list, scalar: bool) -> np.ndarray:
   return np.stack(host) if scalar else np.concatenate(host)
 
 

@@ -15,7 +15,11 @@ has finished, rotation and the barriers between processes.
 
 A leaf held by another process is given as a ``jax.ShapeDtypeStruct``
 (``write_arrays`` skips it); ``read_arrays`` returns the template's
-``ShapeDtypeStruct`` for a leaf not needed here.
+``ShapeDtypeStruct`` for a leaf not needed here. A scanned model's
+stacked leaf whose rows (layers) are on stages of several processes is
+given as ``jpipe.runtime.HeldRows``: each process writes its rows, the
+index entry lists the pieces (``"pieces": [{"rows": [a, b], "file",
+"crc32"}]``), and a read joins them, checking every row is there once.
 """
 
 import dataclasses
@@ -28,6 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jpipe.runtime import HeldRows
 
 __all__ = [
   "ProcessArraysRestore",
@@ -50,30 +56,44 @@ def write_arrays(directory: str, process: int, tree: Any) -> None:
   for n, (path, leaf) in enumerate(flat):
     if isinstance(leaf, jax.ShapeDtypeStruct):
       continue  # Another process holds it and writes it.
-    # One leaf on the host at a time.
-    host = np.require(jax.device_get(leaf), requirements="C")  # (0-d kept)
-    if host.dtype == object:
-      raise TypeError(
-        f"{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
-        "array: a checkpoint holds arrays"
-      )
-    name = f"p{process}_{n}.npy"
-    # .npy has no bfloat16 / float8: such leaves go as unsigned integers
-    # of their width, their dtype in the index.
-    stored = (
-      host.view(f"u{host.dtype.itemsize}") if host.dtype.kind == "V" else host
-    )
-    np.save(os.path.join(directory, name), stored, allow_pickle=False)
-    index[jax.tree_util.keystr(path)] = {
-      "file": name,
-      "keys": [_key(k) for k in path],
-      "shape": list(host.shape),
-      "dtype": str(host.dtype),
-      "crc32": _crc32(host),
-    }
-    del host, stored
+    entry = {"keys": [_key(k) for k in path]}
+    if isinstance(leaf, HeldRows):  # Rows of a leaf several processes hold.
+      entry |= {"shape": list(leaf.aval.shape), "dtype": str(leaf.aval.dtype)}
+      entry["pieces"] = [
+        {"rows": [a, a + len(rows)]}
+        | _write(directory, f"p{process}_{n}_{a}.npy", rows)
+        for a, rows in leaf.pieces
+      ]
+    else:  # One leaf on the host at a time.
+      host = np.require(jax.device_get(leaf), requirements="C")  # (0-d kept)
+      if host.dtype == object:
+        raise TypeError(
+          f"{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not "
+          "an array: a checkpoint holds arrays"
+        )
+      entry |= _write(directory, f"p{process}_{n}.npy", host)
+      del host
+    index[jax.tree_util.keystr(path)] = entry
   with open(os.path.join(directory, f"index_p{process}.json"), "w") as f:
     json.dump(index, f)
+
+
+def _write(directory: str, name: str, host: np.ndarray) -> dict:
+  """Writes one host array as ``name``; its index fields (file, shape,
+  dtype, CRC-32)."""
+  host = np.require(host, requirements="C")
+  # .npy has no bfloat16 / float8: such leaves go as unsigned integers
+  # of their width, their dtype in the index.
+  stored = (
+    host.view(f"u{host.dtype.itemsize}") if host.dtype.kind == "V" else host
+  )
+  np.save(os.path.join(directory, name), stored, allow_pickle=False)
+  return {
+    "file": name,
+    "shape": list(host.shape),
+    "dtype": str(host.dtype),
+    "crc32": _crc32(host),
+  }
 
 
 def _key(k) -> str | int:
@@ -105,15 +125,44 @@ def read_index(directory: str) -> dict[str, dict]:
     except (OSError, ValueError) as e:
       raise ValueError(f"{name} is unreadable ({e})") from e
     for path, entry in index.items():
-      if path in merged:
+      if path in merged and "pieces" in entry and "pieces" in merged[path]:
+        pieces = merged[path]["pieces"] + entry["pieces"]
+        merged[path] = dict(entry, pieces=pieces)  # Rows of several.
+      elif path in merged:
         raise ValueError(f"{path} is written twice ({name} and another index)")
-      merged[path] = entry
+      else:
+        merged[path] = entry
   return merged
 
 
 def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
   """One saved leaf, checked against its index entry (shape, dtype,
-  CRC-32); a ValueError names the file and the leaf."""
+  CRC-32; a leaf written in rows by several processes: every row once);
+  a ValueError names the file and the leaf."""
+  if "pieces" not in entry:
+    return _read_file(directory, path, entry, entry["shape"])
+  shape, dtype = entry["shape"], jax.numpy.dtype(entry["dtype"])
+  value, row = np.empty(shape, dtype), 0
+  for piece in sorted(entry["pieces"], key=lambda p: p["rows"]):
+    a, b = piece["rows"]
+    if a != row:
+      raise ValueError(
+        f"{path}'s rows {min(a, row)}..{max(a, row) - 1} are "
+        f"{'in no' if a > row else 'in two'} processes' files: an "
+        "incomplete or mixed save"
+      )
+    value[a:b] = _read_file(directory, path, piece, [b - a, *shape[1:]])
+    row = b
+  if row != shape[0]:
+    raise ValueError(
+      f"{path}'s rows {row}..{shape[0] - 1} are in no process's files: an "
+      "incomplete save"
+    )
+  return value
+
+
+def _read_file(directory: str, path: str, entry: dict, shape) -> np.ndarray:
+  """One saved array, checked: ``shape``, the entry's dtype and CRC-32."""
   where = os.path.join(directory, entry["file"])
   try:
     stored = np.load(where, allow_pickle=False)
@@ -121,10 +170,10 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
     value = stored.view(dtype) if dtype.kind == "V" else stored
   except (OSError, ValueError, TypeError, EOFError) as e:
     raise ValueError(f"{where} ({path}) is unreadable ({e})") from e
-  if list(value.shape) != entry["shape"] or str(value.dtype) != entry["dtype"]:
+  if list(value.shape) != list(shape) or str(value.dtype) != entry["dtype"]:
     raise ValueError(
       f"{where} ({path}) holds {value.dtype}{list(value.shape)}, its index "
-      f"says {entry['dtype']}{entry['shape']}"
+      f"says {entry['dtype']}{list(shape)}"
     )
   if _crc32(value) != entry["crc32"]:
     raise ValueError(

@@ -6,7 +6,9 @@ reference): trains a few configurations, writes what they produced.
 Each configuration (a dict): "case" (a tests/partition/flax_models case),
 "stages", "calls" (microbatch counts or "flush"), "forward_only" (after
 training, also evaluate the loss and a metrics function and predict,
-forward through the stages), "profile_calls" (indices of calls run with
+forward through the stages), "per_process_save" (after training, each process writes its part of
+the state dict, ``process_arrays``, to OUT.npz.arrays<config>),
+"profile_calls" (indices of calls run with
 ``profile=True``: each process writes their actions on its clock,
 ``experiments.distributed.device_waits.records``, its clock before and
 after each, and its ``TransferTimes`` events of the whole run to
@@ -39,9 +41,11 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "partition"))
 import flax_models  # noqa: E402
+import scan_models  # noqa: E402
 
 import jpipe  # noqa: E402
 from experiments.distributed import device_waits  # noqa: E402
+from jpipe.train import process_arrays  # noqa: E402
 
 OPTIMIZERS = {
   "sgd": optax.sgd(0.2, momentum=0.9),
@@ -56,12 +60,15 @@ def run(config, index, out, path_of_out):
     loss_fn, params, model_state, batch = flax_models.resnet_state_case(
       num_blocks=3, batch_size=8
     )
+  elif case == "scan_plain":  # 8 layers under a lax.scan, stacked params
+    loss_fn, params, batch = scan_models.plain_case()
   else:
     loss_fn, params, batch, _ = flax_models.CASES[case]()
   stages = config.pop("stages")
   calls = config.pop("calls")
   forward_only = config.pop("forward_only", False)
   profile_calls = config.pop("profile_calls", ())
+  per_process_save = config.pop("per_process_save", False)
   micro = config.pop("num_microbatches", 4)
   # Replica groups: stage s on devices s*r .. s*r + r - 1.
   replicas = config.pop("replicas", 1)
@@ -123,6 +130,12 @@ def run(config, index, out, path_of_out):
     with open(f"{path_of_out}.profile{index}.p{jax.process_index()}", "w") as f:
       json.dump({"calls": profiled, "transfers": transfers}, f)
   state, _ = pipe.flush(state)
+  if per_process_save:  # Each process its own leaves (and rows).
+    process_arrays.write_arrays(
+      f"{path_of_out}.arrays{index}",
+      jax.process_index(),
+      pipe.local_state_dict(state),
+    )
   tree = pipe.state_dict(state)
   leaves = {
     f"{index}/params/{i}": np.asarray(x)

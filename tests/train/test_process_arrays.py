@@ -14,8 +14,9 @@ import optax
 import pytest
 
 import jpipe
+from jpipe.runtime import _stacked
 from jpipe.train import checkpoint, process_arrays
-from tests.partition import flax_models
+from tests.partition import flax_models, scan_models
 from tests.tiers import slow
 
 
@@ -195,3 +196,74 @@ def test_a_pipelines_own_part_is_its_state_dict(tmp_path, gap_aware):
   )
   _assert_equal(pipe.state_dict(back), whole)
   assert jnp.isfinite(pipe.step(back, batch)[1]["loss"])
+
+
+def _rows_of(leaf, held):
+  """A stacked leaf as one process gives it: the rows ``held`` (its
+  stages' layers), the others as another process's abstract values."""
+  rows = [
+    leaf[k] if leaf.ndim == 1 else leaf[k : k + 1] for k in range(len(leaf))
+  ]
+  return _stacked._join(
+    [
+      r if k in held else jax.ShapeDtypeStruct(np.shape(r), r.dtype)
+      for k, r in enumerate(rows)
+    ]
+  )
+
+
+def test_a_stacked_leaf_written_in_rows_by_two_processes(tmp_path):
+  """A scanned model's stacked leaf whose layers sit in two processes:
+  each writes its rows (pieces), a read joins them; a row in no file or
+  in two is one line naming the leaf."""
+  w = np.arange(24, dtype=np.float32).reshape(4, 2, 3)
+  count = np.arange(4).astype(ml_dtypes.bfloat16)  # Rows of scalars.
+  held = {0: (0, 3), 1: (1, 2)}  # Process 0: layers 0 and 3; 1: 1, 2.
+  for process, rows in held.items():
+    part = {"w": _rows_of(w, rows), "count": _rows_of(count, rows)}
+    assert isinstance(part["w"], jpipe.runtime.HeldRows)
+    process_arrays.write_arrays(str(tmp_path), process, part)
+  want = {"w": w, "count": count}
+  everything = jax.tree.map(lambda _: True, want)
+  got = process_arrays.read_arrays(str(tmp_path), _abstract(want), everything)
+  _assert_equal(jax.tree.map(np.asarray, got), want)
+  _assert_equal(process_arrays.read_tree(str(tmp_path)), want)
+  # Nothing of process 1 (rows 1, 2 missing); twice (process 2 too).
+  lost = tmp_path / "lost"
+  process_arrays.write_arrays(str(lost), 0, {"w": _rows_of(w, (0, 3))})
+  _refused(lost, {"w": w}, r"\['w'\]'s rows 1\.\.2 are in no processes' files")
+  process_arrays.write_arrays(str(tmp_path), 2, {"w": _rows_of(w, (2,))})
+  _refused(tmp_path, {"w": w}, r"\['w'\]'s rows 2\.\.2 are in two")
+
+
+def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
+  tmp_path, monkeypatch
+):
+  """A scanned model's 4 stages as if stages 0-1 and 2-3 ran in two
+  processes (``transport.owns``): each process's ``local_state_dict``
+  holds its layers' rows of every stacked leaf, params and Adam's
+  moments; written per process and read back whole, they are the
+  gathered state dict, and it loads."""
+  loss_fn, params, batch = scan_models.plain_case()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=4,
+    devices=jax.devices()[:4],
+    num_microbatches=2,
+    optimizer=optax.adam(1e-2),
+  )
+  state, _ = pipe.step(pipe.init(params), batch)
+  whole = pipe.state_dict(state)
+  for process in (0, 1):
+    mine = {2 * process, 2 * process + 1}
+    monkeypatch.setattr(pipe.transport, "owns", lambda s, mine=mine: s in mine)
+    part = pipe.local_state_dict(state)
+    assert isinstance(part["params"]["layers"]["w1"], jpipe.runtime.HeldRows)
+    process_arrays.write_arrays(str(tmp_path), process, part)
+  monkeypatch.undo()
+  layout, needed = pipe.state_dict_layout()
+  back = process_arrays.read_arrays(str(tmp_path), layout, needed)
+  _assert_equal(jax.tree.map(np.asarray, back), whole)
+  _assert_equal(pipe.state_dict(pipe.load_state_dict(back)), whole)
