@@ -10,6 +10,7 @@ from jpipe.runtime._slowdown import (
   Slowdown,
   parse_slowdowns,
 )
+from jpipe.runtime.build.auto_schedule import auto_plan, rank_for_plan
 from jpipe.runtime.build.memory import (
   MemoryLimitError,
   StageMemory,
@@ -47,6 +48,8 @@ __all__ = [
   "Slowdown",
   "StageMemory",
   "Staleness",
+  "auto_plan",
+  "rank_for_plan",
   "check_staleness_options",
   "even_rows",
   "format_bytes",

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from jpipe import partition as partition_lib
+from jpipe.runtime.build.auto_schedule import choose_schedule
 from jpipe.runtime.build.flat import FlatLayout
 from jpipe.runtime.build.options import Staleness, staleness_from_keywords
 from jpipe.runtime.build.partitioning import (
@@ -329,6 +330,7 @@ def build_pipeline(
   construction phase in order, for a checked ``request``."""
   cut = cut_model(loss_fn, params, example_batch, model_state, request)
   parts = partition_model(cut, params, request)
+  request = choose_schedule(parts, cut, params, request)  # (auto only)
   placed = place_stages(parts, cut, request)
   scheduled = schedule_calls(parts.stages, placed, request)
   runtime = build_runtime(

@@ -70,7 +70,10 @@ class Pipeline:
     optimizer: an optax transformation, applied per stage.
     devices: the devices to use; default ``jax.devices()``.
     schedule: a name from ``jpipe.schedule.SCHEDULES`` or its
-      ``jpipe.schedule.ScheduleKind`` (``jpipe.schedule.REGISTRY``).
+      ``jpipe.schedule.ScheduleKind`` (``jpipe.schedule.REGISTRY``), or
+      "auto": the synchronous schedule the solved plan runs fastest in
+      the event simulator within ``memory_limit`` (planned as for 1f1b;
+      ``schedule_choice`` holds the table; ``build/auto_schedule.py``).
     num_microbatches: microbatches per ``step`` call of the example batch
       (it fixes the microbatch size; a call may pass a batch of another
       multiple of it).
@@ -120,6 +123,10 @@ class Pipeline:
   partitioning = _part("request", "partitioning")
   schedule_kind = _part("request", "schedule_kind")
   schedule_name = _part("request", "schedule_name")
+  # schedule="auto": asked for, and the ranked table it chose from (else
+  # False and None).
+  auto_schedule = _part("request", "auto_schedule")
+  schedule_choice = _part("request", "schedule_choice")
   num_microbatches = _part("request", "num_microbatches")
   microbatch_size = _part("request", "microbatch_size")
   devices = _part("request", "devices")

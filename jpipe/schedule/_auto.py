@@ -11,8 +11,8 @@ candidate that cannot run there -- a V schedule off the V, the loop
 schedule off the loop -- is skipped with the builder's reason), run
 through the event simulator for the step time and bubble, and walked
 action by action for each device's peak bytes: its stages' fixed bytes,
-the most kept bytes held at once (a microbatch is held from its forward
-to its weight gradient, B or W, as the partitioner counts it), and its
+the most bytes its microbatches keep at once (from a forward to its
+backward, B or I; from I to W what the weight gradients read), and its
 largest working buffer once. The fastest that fits wins; equal times go
 to the smaller peak. Only synchronous schedules are candidates: a stream
 (``async``, ``2bw``) trains with stale weights, another computation.
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpipe.schedule._registry import REGISTRY, SYNCHRONOUS, ScheduleKind
-from jpipe.schedule._schedule import FORWARD, INPUT, WEIGHT_GRADIENT
+from jpipe.schedule._schedule import BACKWARD, FORWARD, INPUT, WEIGHT
 from jpipe.schedule._simulate import simulate
 
 AUTO = "auto"
@@ -57,12 +57,16 @@ class StageCosts:
 class StageMemoryTerms:
   """Bytes per stage [S]: ``fixed`` held all along (params, gradients,
   optimizer state), ``kept`` per microbatch between its forward and its
-  weight gradient, ``working`` one program's buffers (a device counts its
-  stages' largest once: it runs one program at a time)."""
+  backward (B, or I where it splits), ``working`` one program's buffers
+  (a device counts its stages' largest once: it runs one program at a
+  time), ``weight_kept`` per microbatch between a split backward's I and
+  its W (what the weight gradients read: each layer's input and output
+  gradient; None: ``kept``)."""
 
   fixed: tuple[float, ...]
   kept: tuple[float, ...]
   working: tuple[float, ...]
+  weight_kept: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +272,7 @@ def _check_lengths(n, costs: StageCosts, memory: StageMemoryTerms) -> None:
     "memory.fixed": memory.fixed,
     "memory.kept": memory.kept,
     "memory.working": memory.working,
+    "memory.weight_kept": memory.weight_kept or [0] * n,
   }
   for name, values in fields.items():
     if len(values) != n:
@@ -292,24 +297,28 @@ def _simulate(lists, costs: StageCosts):
 def device_peak_bytes(
   lists, memory: StageMemoryTerms, fused_last: bool = False
 ) -> tuple[float, ...]:
-  """Per schedule device: its stages' fixed bytes, the most kept bytes
-  held at once in its action order (a microbatch from F to B or W), and
-  its stages' largest working buffer."""
+  """Per schedule device: its stages' fixed bytes, the most bytes its
+  microbatches keep at once in its action order (``kept`` from F to B or
+  I, ``weight_kept`` from I to W), and its stages' largest working
+  buffer."""
   n = lists.num_stages
-  kept = np.asarray(memory.kept, np.float64)
+  kept = np.array(memory.kept, np.float64)
+  weight_kept = kept if memory.weight_kept is None else memory.weight_kept
   last = lists.device_actions[lists.stage_device[n - 1]]
   if fused_last and not any(a.kind == INPUT and a.stage == n - 1 for a in last):
-    kept = kept.copy()
     kept[n - 1] = 0.0  # Its backward runs in its forward's program.
+  change = {
+    FORWARD: lambda s: kept[s],
+    BACKWARD: lambda s: -kept[s],
+    INPUT: lambda s: weight_kept[s] - kept[s],
+    WEIGHT: lambda s: -weight_kept[s],
+  }
   out = []
   for d, actions in enumerate(lists.device_actions):
     stages = [s for s in range(n) if lists.stage_device[s] == d]
     held = peak = 0.0
     for a in actions:
-      if a.kind == FORWARD:
-        held += kept[a.stage]
-      elif a.kind in WEIGHT_GRADIENT:
-        held -= kept[a.stage]
+      held += change[a.kind](a.stage) if a.kind in change else 0.0
       peak = max(peak, held)
     fixed = sum(memory.fixed[s] for s in stages)
     working = max((memory.working[s] for s in stages), default=0.0)

@@ -64,18 +64,24 @@ def _step_seconds(lists, forward, backward, inp, comm):
   return makespan, 1 - busy / (lists.num_devices * makespan)
 
 
-def _peaks(lists, fixed, kept, working):
-  """Per device: fixed bytes, the most kept bytes of microbatches between
-  F and their weight gradient at any point of its order, largest working."""
+def _peaks(lists, fixed, kept, working, weight_kept=None):
+  """Per device: fixed bytes, the most bytes microbatches keep at any
+  point of its order (``kept`` between F and B or I, ``weight_kept``
+  between I and W), largest working."""
+  weight_kept = kept if weight_kept is None else weight_kept
   out = []
   for d, actions in enumerate(lists.device_actions):
     stages = [s for s, x in enumerate(lists.stage_device) if x == d]
     worst = 0.0
     for i in range(len(actions) + 1):
-      done = actions[:i]
-      opened = {(a.stage, a.microbatch) for a in done if a.kind == FWD}
-      closed = {(a.stage, a.microbatch) for a in done if a.kind in (BWD, WGT)}
-      worst = max(worst, sum(kept[s] for s, _ in opened - closed))
+      done = {(a.kind, a.stage, a.microbatch) for a in actions[:i]}
+      held = 0.0
+      for kind, s, m in done:
+        if kind == FWD and not {(BWD, s, m), (INP, s, m)} & done:
+          held += kept[s]
+        if kind == INP and (WGT, s, m) not in done:
+          held += weight_kept[s]
+      worst = max(worst, held)
     out.append(
       sum(fixed[s] for s in stages) + worst + max(working[s] for s in stages)
     )
@@ -201,6 +207,8 @@ def test_random_costs_choose_as_the_brute_force(seed):
   i = b * rng.uniform(0.2, 0.8, n)
   comm = rng.uniform(0, 0.5, n - 1)
   mem = (rng.uniform(5, 10, n), rng.uniform(0, 2, n), rng.uniform(0, 1, n))
+  if seed % 3 == 0:  # What W reads apart from what F keeps for I.
+    mem = (*mem, rng.uniform(0, 3, n))
   limit = float(rng.uniform(8, 20)) if seed % 2 else None
   names = [k.name for k in sc.candidates()]
   try:
