@@ -93,17 +93,19 @@ class ScheduleRow:
 @dataclasses.dataclass(frozen=True)
 class ScheduleChoice:
   """The ranked table (fitting rows first, fastest first), the chosen
-  name, the limit (bytes per device, or None) and why the candidates not
-  in the table were left out."""
+  name, the limit (bytes per device, or None), why the candidates not
+  in the table were left out, and the schedule devices' names (None:
+  "device d")."""
 
   rows: tuple[ScheduleRow, ...]
   chosen: str
   limit: float | None
   skipped: tuple[tuple[str, str], ...] = ()
+  device_names: tuple[str, ...] | None = None
 
   def to_dict(self, device_names: Sequence[str] | None = None) -> dict:
     """A JSON-ready record (``plan.json``'s ``schedule_choice``)."""
-    name = _namer(device_names)
+    name = _namer(device_names or self.device_names)
     return {
       "chosen": self.chosen,
       "memory_limit": self.limit,
@@ -124,7 +126,7 @@ class ScheduleChoice:
 
   def table(self, device_names: Sequence[str] | None = None) -> list[str]:
     """The table as printed lines."""
-    name = _namer(device_names)
+    name = _namer(device_names or self.device_names)
     lines = [
       f"schedule=auto chose {self.chosen!r} from (limit "
       + ("none" if self.limit is None else size(self.limit))
@@ -182,6 +184,7 @@ def rank_schedules(
   limit: float | None = None,
   *,
   fused_last: bool = False,
+  device_names: Sequence[str] | None = None,
 ) -> ScheduleChoice:
   """Every applicable schedule of ``kinds`` simulated and ranked.
 
@@ -194,6 +197,8 @@ def rank_schedules(
     limit: bytes per device, or None (every candidate fits).
     fused_last: the last stage runs each microbatch's backward with its
       forward where its backward is not split (keeps nothing in flight).
+    device_names: each schedule device's name in the table and errors
+      (None: "device d").
 
   Returns:
     The choice: the fastest that fits (equal times: the smaller peak).
@@ -246,16 +251,17 @@ def rank_schedules(
       order[r.name],
     )
   )
+  names = None if device_names is None else tuple(device_names)
   if not rows[0].fits:
     least = min(rows, key=lambda r: r.peak_bytes)
     raise NoScheduleFits(
       f"schedule='auto': no schedule fits the memory limit of "
       f"{size(limit)} per device; the smallest need is {least.name!r} at "
-      f"{size(least.peak_bytes)} (device {least.peak_device}): raise the "
+      f"{size(least.peak_bytes)} ({_namer(names)(least.peak_device)}): raise the "
       "limit, or use more stages, "
       "recomputation or more microbatches"
     )
-  return ScheduleChoice(tuple(rows), rows[0].name, limit, tuple(skipped))
+  return ScheduleChoice(tuple(rows), rows[0].name, limit, tuple(skipped), names)
 
 
 def _rounded(seconds: float) -> float:

@@ -29,6 +29,7 @@ import numpy as np
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.memory import partitioner_memory_model
+from jpipe.runtime.build.placement import device_name
 
 
 def provisional_kind() -> schedule_lib.ScheduleKind:
@@ -112,6 +113,7 @@ def rank_for_plan(
   """
   firsts = sorted({ds[0] for ds in plan.stage_devices})
   stage_device = [firsts.index(ds[0]) for ds in plan.stage_devices]
+  groups = {ds[0]: ds for ds in plan.stage_devices}
   return schedule_lib.rank_schedules(
     [k for k in schedule_lib.candidates() if allowed(k)],
     stage_device,
@@ -120,6 +122,7 @@ def rank_for_plan(
     memory_terms(plan, traced, params, optimizer, num_microbatches, recompute),
     limit,
     fused_last=fused_last,
+    device_names=[device_name(groups[f]) for f in firsts],
   )
 
 
