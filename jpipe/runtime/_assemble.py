@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from jpipe import partition as partition_lib
+from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.auto_schedule import choose_schedule
 from jpipe.runtime.build.flat import FlatLayout
 from jpipe.runtime.build.options import Staleness, staleness_from_keywords
@@ -345,3 +346,18 @@ def build_pipeline(
     stages_at=parts.stages_at,
   )
   return PipelineParts(request, cut, parts, placed, scheduled, runtime)
+
+
+def with_schedule(parts: PipelineParts, choice) -> PipelineParts:
+  """``parts`` running ``choice.chosen`` (a synchronous schedule, as
+  ``schedule="auto"`` picks) instead of theirs: of a synchronous
+  pipeline only the request and the calls depend on which."""
+  kind = schedule_lib.REGISTRY[choice.chosen]
+  request = dataclasses.replace(
+    parts.request,
+    schedule_kind=kind,
+    schedule_name=kind.name,
+    schedule_choice=choice,
+  )
+  scheduled = schedule_calls(parts.partitioned.stages, parts.placed, request)
+  return dataclasses.replace(parts, request=request, scheduled=scheduled)

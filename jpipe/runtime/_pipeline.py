@@ -34,7 +34,11 @@ import optax
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import _pipeline_state, _process_state, _step
-from jpipe.runtime._assemble import build_pipeline, options_from_keywords
+from jpipe.runtime._assemble import (
+  build_pipeline,
+  options_from_keywords,
+  with_schedule,
+)
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime.build.memory import StageMemory, device_totals
 from jpipe.runtime.build.options import Staleness
@@ -200,7 +204,25 @@ class Pipeline:
     # (function, batch structure, per-example shapes) -> ForwardProgram.
     self.forward_programs = {}
     if self.memory_limit is not None:
+      if self.auto_schedule:
+        self._fit_auto_schedule()
       check_memory_limit(self, self.memory_limit)
+
+  def _fit_auto_schedule(self) -> None:
+    """``schedule="auto"``: where this pipeline's own prediction (finer
+    than the partitioner's model auto ranked with) puts the chosen
+    schedule over the limit, the next row of auto's table that fits by
+    both; none: as chosen (the memory check then names the fixes)."""
+    first, over = self.parts, []
+    for row in first.request.schedule_choice.rows:
+      if not row.fits:
+        break
+      choice = first.request.schedule_choice.moved_to(row.name, over)
+      self.parts, self._memory = with_schedule(first, choice), None
+      if max(self.device_memory.values()) <= self.memory_limit:
+        return
+      over.append(row.name)
+    self.parts, self._memory = first, None
 
   # -- Memory ----------------------------------------------------------------
 

@@ -94,14 +94,22 @@ class ScheduleRow:
 class ScheduleChoice:
   """The ranked table (fitting rows first, fastest first), the chosen
   name, the limit (bytes per device, or None), why the candidates not
-  in the table were left out, and the schedule devices' names (None:
-  "device d")."""
+  in the table were left out, the schedule devices' names (None:
+  "device d"), and the fitting rows a built pipeline's own prediction
+  then put over the limit (``jpipe.Pipeline`` moves down the table past
+  them)."""
 
   rows: tuple[ScheduleRow, ...]
   chosen: str
   limit: float | None
   skipped: tuple[tuple[str, str], ...] = ()
   device_names: tuple[str, ...] | None = None
+  over_when_built: tuple[str, ...] = ()
+
+  def moved_to(self, name: str, over: Sequence[str]) -> "ScheduleChoice":
+    """This choice with ``name`` chosen instead, the rows ``over`` found
+    over the limit by the built pipeline's own (finer) prediction."""
+    return dataclasses.replace(self, chosen=name, over_when_built=tuple(over))
 
   def to_dict(self, device_names: Sequence[str] | None = None) -> dict:
     """A JSON-ready record (``plan.json``'s ``schedule_choice``)."""
@@ -122,6 +130,7 @@ class ScheduleChoice:
         for r in self.rows
       ],
       "skipped": dict(self.skipped),
+      "over_when_built": list(self.over_when_built),
     }
 
   def table(self, device_names: Sequence[str] | None = None) -> list[str]:
@@ -138,6 +147,11 @@ class ScheduleChoice:
         f"  {r.name:<15}{duration(r.step_seconds):>10}{r.bubble:>8.3f}  "
         f"{size(r.peak_bytes)} on {name(r.peak_device)}"
         + ("" if r.fits else "  (over the limit)")
+        + (
+          "  (over the limit as built)"
+          if r.name in self.over_when_built
+          else ""
+        )
         + ("  <- chosen" if r.name == self.chosen else "")
       )
     if self.skipped:
@@ -254,12 +268,12 @@ def rank_schedules(
   names = None if device_names is None else tuple(device_names)
   if not rows[0].fits:
     least = min(rows, key=lambda r: r.peak_bytes)
+    where = _namer(names)(least.peak_device)
     raise NoScheduleFits(
       f"schedule='auto': no schedule fits the memory limit of "
       f"{size(limit)} per device; the smallest need is {least.name!r} at "
-      f"{size(least.peak_bytes)} ({_namer(names)(least.peak_device)}): raise the "
-      "limit, or use more stages, "
-      "recomputation or more microbatches"
+      f"{size(least.peak_bytes)} ({where}): raise the limit, or use more "
+      "stages, recomputation or more microbatches"
     )
   return ScheduleChoice(tuple(rows), rows[0].name, limit, tuple(skipped), names)
 

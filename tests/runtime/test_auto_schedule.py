@@ -129,6 +129,25 @@ def test_a_limit_picks_the_fastest_schedule_that_fits_it():
   assert max(pipe.device_memory.values()) <= limit
 
 
+def test_the_built_pipelines_prediction_moves_auto_down_its_table():
+  # (2 stages, no recomputation: the partitioner's model predicts less
+  # than the built pipeline for this MLP's zero-bubble schedules.)
+  free, _, _ = _pipe(num_stages=2, recompute=False)
+  top = free.schedule_choice.rows[0]
+  assert top.peak_bytes < max(free.device_memory.values())
+  pipe, _, _ = _pipe(num_stages=2, recompute=False, memory_limit=top.peak_bytes)
+  choice = pipe.schedule_choice
+  assert top.name in choice.over_when_built
+  assert pipe.schedule_name == choice.chosen != top.name
+  assert pipe.schedule.name == choice.chosen
+  assert max(pipe.device_memory.values()) <= top.peak_bytes
+  ranked = [r.name for r in choice.rows]
+  # Every row ranked above the chosen one was over, by either model.
+  for row in choice.rows[: ranked.index(choice.chosen)]:
+    assert not row.fits or row.name in choice.over_when_built
+  assert "(over the limit as built)" in "\n".join(choice.table())
+
+
 def test_stale_options_are_refused_in_one_line():
   with pytest.raises(ValueError, match="schedule='auto' chooses among the"):
     _pipe(weight_stashing=True)

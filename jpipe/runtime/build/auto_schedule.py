@@ -20,7 +20,10 @@ that runs on the plan's placement, each at:
   backward's I and W, the stage's activations) under the limit.
 
 The built pipeline is then checked with its own, finer prediction
-(``Pipeline.memory``), as any schedule's is.
+(``Pipeline.memory``), as any schedule's is; where that puts auto's
+choice over the limit, the pipeline moves down the table to the next
+row that fits by both (``ScheduleChoice.over_when_built`` names the
+rows passed over).
 """
 
 import dataclasses
