@@ -137,6 +137,7 @@ class Plan:
   def from_json(cls, text: str) -> "Plan":
     data = json.loads(text)
     data.pop("predicted_speedup", None)
+    data.pop("schedule_choice", None)  # A training run's plan.json.
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
     if unknown or names - set(data):

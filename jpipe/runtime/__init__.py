@@ -11,6 +11,7 @@ from jpipe.runtime._slowdown import (
   parse_slowdowns,
 )
 from jpipe.runtime._stacked import HeldRows
+from jpipe.runtime.build.auto_schedule import auto_plan, rank_for_plan
 from jpipe.runtime.build.memory import (
   MemoryLimitError,
   StageMemory,
@@ -49,6 +50,8 @@ __all__ = [
   "Slowdown",
   "StageMemory",
   "Staleness",
+  "auto_plan",
+  "rank_for_plan",
   "check_staleness_options",
   "even_rows",
   "format_bytes",

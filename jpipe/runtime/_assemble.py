@@ -18,6 +18,8 @@ from typing import Any
 import jax
 
 from jpipe import partition as partition_lib
+from jpipe import schedule as schedule_lib
+from jpipe.runtime.build.auto_schedule import choose_schedule
 from jpipe.runtime.build.flat import FlatLayout
 from jpipe.runtime.build.options import Staleness, staleness_from_keywords
 from jpipe.runtime.build.partitioning import (
@@ -329,6 +331,7 @@ def build_pipeline(
   construction phase in order, for a checked ``request``."""
   cut = cut_model(loss_fn, params, example_batch, model_state, request)
   parts = partition_model(cut, params, request)
+  request = choose_schedule(parts, cut, params, request)  # (auto only)
   placed = place_stages(parts, cut, request)
   scheduled = schedule_calls(parts.stages, placed, request)
   runtime = build_runtime(
@@ -343,3 +346,18 @@ def build_pipeline(
     stages_at=parts.stages_at,
   )
   return PipelineParts(request, cut, parts, placed, scheduled, runtime)
+
+
+def with_schedule(parts: PipelineParts, choice) -> PipelineParts:
+  """``parts`` running ``choice.chosen`` (a synchronous schedule, as
+  ``schedule="auto"`` picks) instead of theirs: of a synchronous
+  pipeline only the request and the calls depend on which."""
+  kind = schedule_lib.REGISTRY[choice.chosen]
+  request = dataclasses.replace(
+    parts.request,
+    schedule_kind=kind,
+    schedule_name=kind.name,
+    schedule_choice=choice,
+  )
+  scheduled = schedule_calls(parts.partitioned.stages, parts.placed, request)
+  return dataclasses.replace(parts, request=request, scheduled=scheduled)

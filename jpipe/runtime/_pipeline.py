@@ -34,7 +34,11 @@ import optax
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import _step
-from jpipe.runtime._assemble import build_pipeline, options_from_keywords
+from jpipe.runtime._assemble import (
+  build_pipeline,
+  options_from_keywords,
+  with_schedule,
+)
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._pipeline_state_methods import PipelineStateMethods
 from jpipe.runtime.build.memory import StageMemory, device_totals
@@ -70,7 +74,10 @@ class Pipeline(PipelineStateMethods):
     optimizer: an optax transformation, applied per stage.
     devices: the devices to use; default ``jax.devices()``.
     schedule: a name from ``jpipe.schedule.SCHEDULES`` or its
-      ``jpipe.schedule.ScheduleKind`` (``jpipe.schedule.REGISTRY``).
+      ``jpipe.schedule.ScheduleKind`` (``jpipe.schedule.REGISTRY``), or
+      "auto": the synchronous schedule the solved plan runs fastest in
+      the event simulator within ``memory_limit`` (planned as for 1f1b;
+      ``schedule_choice`` holds the table; ``build/auto_schedule.py``).
     num_microbatches: microbatches per ``step`` call of the example batch
       (it fixes the microbatch size; a call may pass a batch of another
       multiple of it).
@@ -120,6 +127,10 @@ class Pipeline(PipelineStateMethods):
   partitioning = _part("request", "partitioning")
   schedule_kind = _part("request", "schedule_kind")
   schedule_name = _part("request", "schedule_name")
+  # schedule="auto": asked for, and the ranked table it chose from (else
+  # False and None).
+  auto_schedule = _part("request", "auto_schedule")
+  schedule_choice = _part("request", "schedule_choice")
   num_microbatches = _part("request", "num_microbatches")
   microbatch_size = _part("request", "microbatch_size")
   devices = _part("request", "devices")
@@ -193,7 +204,25 @@ class Pipeline(PipelineStateMethods):
     # (function, batch structure, per-example shapes) -> ForwardProgram.
     self.forward_programs = {}
     if self.memory_limit is not None:
+      if self.auto_schedule:
+        self._fit_auto_schedule()
       check_memory_limit(self, self.memory_limit)
+
+  def _fit_auto_schedule(self) -> None:
+    """``schedule="auto"``: where this pipeline's own prediction (finer
+    than the partitioner's model auto ranked with) puts the chosen
+    schedule over the limit, the next row of auto's table that fits by
+    both; none: as chosen (the memory check then names the fixes)."""
+    first, over = self.parts, []
+    for row in first.request.schedule_choice.rows:
+      if not row.fits:
+        break
+      choice = first.request.schedule_choice.moved_to(row.name, over)
+      self.parts, self._memory = with_schedule(first, choice), None
+      if max(self.device_memory.values()) <= self.memory_limit:
+        return
+      over.append(row.name)
+    self.parts, self._memory = first, None
 
   # -- Memory ----------------------------------------------------------------
 

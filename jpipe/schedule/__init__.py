@@ -1,5 +1,16 @@
 """Pipeline schedules as data, and an event simulator for them."""
 
+from jpipe.schedule._auto import (
+  AUTO,
+  NoScheduleFits,
+  ScheduleChoice,
+  ScheduleRow,
+  StageCosts,
+  StageMemoryTerms,
+  candidates,
+  device_peak_bytes,
+  rank_schedules,
+)
 from jpipe.schedule._builders import (
   async_1f1b,
   eager_1f1b,
@@ -67,6 +78,15 @@ from jpipe.schedule._zero_bubble import (
 )
 
 __all__ = [
+  "AUTO",
+  "NoScheduleFits",
+  "ScheduleChoice",
+  "ScheduleRow",
+  "StageCosts",
+  "StageMemoryTerms",
+  "candidates",
+  "device_peak_bytes",
+  "rank_schedules",
   "BACKWARD",
   "FORWARD",
   "INPUT",

@@ -50,7 +50,7 @@ def simulate(
   forward_seconds: Sequence[float] | float,
   backward_seconds: Sequence[float] | float,
   *,
-  comm_seconds: float = 0.0,
+  comm_seconds: Sequence[float] | float = 0.0,
   step_seconds: float = 0.0,
   input_seconds: Sequence[float] | float | None = None,
   weight_seconds: Sequence[float] | float | None = None,
@@ -66,7 +66,8 @@ def simulate(
     schedule: the schedule (or a segment of a stream).
     forward_seconds, backward_seconds: per stage (or one for all).
     comm_seconds: transfer time of an activation or gradient between
-      devices.
+      devices: one for every cut, or per cut [S - 1] (the value crossing
+      between stages s and s + 1 takes ``comm_seconds[s]``).
     step_seconds: duration of an optimizer step.
     input_seconds, weight_seconds: per stage (or one for all), the two
       halves of a backward run as I and W; default half the backward
@@ -83,6 +84,11 @@ def simulate(
   wgt = bwd - inp if weight_seconds is None else weight_seconds
   wgt = np.broadcast_to(np.asarray(wgt, np.float64), (n,))
   costs = {FORWARD: fwd, BACKWARD: bwd, INPUT: inp, WEIGHT: wgt}
+  comm = np.asarray(comm_seconds, np.float64)
+  if comm.ndim and comm.shape != (n - 1,):
+    raise ValueError(
+      f"comm_seconds needs one per cut ({n - 1}), got {comm.shape}"
+    )
   dev = schedule.stage_device
   start, end, device_of = {}, {}, {}
   position = [0] * schedule.num_devices
@@ -95,7 +101,7 @@ def simulate(
     for d, actions in enumerate(schedule.device_actions):
       while position[d] < len(actions):
         action = actions[position[d]]
-        ready = ready_time(action, end, dev, comm_seconds, pending_b, n, listed)
+        ready = ready_time(action, end, dev, comm, pending_b, n, listed)
         if ready is None:
           break
         t0 = max(clock[d], ready)
@@ -133,7 +139,8 @@ def ready_time(action: Action, end, dev, comm, pending_b, n, listed):
     action: the action.
     end: end time of every action that ran so far.
     dev: the device of every stage.
-    comm: seconds a value takes to cross devices.
+    comm: seconds a value takes to cross devices (a scalar, or per cut:
+      ``comm[s]`` between stages s and s + 1).
     pending_b: per stage, backwards its next step applies.
     n: stages.
     listed: the actions of the lists being run; inputs from actions
@@ -146,7 +153,11 @@ def ready_time(action: Action, end, dev, comm, pending_b, n, listed):
       return 0.0
     if src not in end:
       return None
-    return end[src] + (comm if dev[src_stage] != dev[s] else 0.0)
+    if dev[src_stage] == dev[s]:
+      return end[src]
+    return end[src] + float(
+      comm if np.ndim(comm) == 0 else comm[min(s, src_stage)]
+    )
 
   if action.kind == FORWARD:
     return 0.0 if s == 0 else arrival(Action(FORWARD, s - 1, m), s - 1)

@@ -163,7 +163,9 @@ def _schedule_fields(c: ml_collections.ConfigDict) -> None:
   # Schedule: a name from jpipe.schedule.SCHEDULES (synchronous: seq,
   # gpipe, 1f1b, eager1f1b, interleaved, looped_bfs, zero-bubble zbh1,
   # zbh2, interleaved_zb; zbv and dualpipev place 2 stages per device in
-  # a V: num_stages = 2 x devices; streaming: async, 2bw).
+  # a V: num_stages = 2 x devices; streaming: async, 2bw), or "auto": the
+  # synchronous one the plan runs fastest in simulation within
+  # pipeline.memory_limit (its table printed and kept in plan.json).
   c.schedule = ml_collections.ConfigDict()
   c.schedule.name = "1f1b"
   # async: backwards per step; 2bw: microbatches per minibatch (>= stages).

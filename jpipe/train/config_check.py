@@ -68,7 +68,7 @@ class _Needs:
 
 def _check_names(config, need) -> None:
   """Names the config chooses from a list, and the learning rate."""
-  need.one_of("schedule.name", schedule_lib.SCHEDULES)
+  need.one_of("schedule.name", (*schedule_lib.SCHEDULES, schedule_lib.AUTO))
   _check_v_placement(config, need)
   _check_user_code(config, need)
   if config.data.get("tokenizer"):  # Read now: a bad file stops here.
@@ -319,6 +319,15 @@ def _check_staleness(config, need, problems) -> None:
       config_options.staleness(config).check(config.schedule.name)
     except ValueError as e:
       problems.append(f"config.staleness / config.schedule: {e}")
+  elif len(problems) == before and config.schedule.name == schedule_lib.AUTO:
+    try:  # Auto chooses among synchronous schedules: 1f1b's rules.
+      config_options.staleness(config).check("1f1b")
+    except ValueError as e:
+      problems.append(
+        "config.schedule.name: 'auto' chooses among the synchronous "
+        f"schedules, which do not take these staleness options ({e}): "
+        "name a schedule to use them"
+      )
 
 
 def _check_delay_nesterov(config, need) -> None:

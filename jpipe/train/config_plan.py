@@ -123,21 +123,28 @@ def prices_last_stage(config) -> bool:
 
 
 def memory_budget(
-  config, params, stages: int, limit
+  config, params, stages: int, limit, kind=None
 ) -> partition_lib.MemoryBudget:
   """``jpipe.partition.plan_traced``'s memory for the config, as
   ``jpipe.Pipeline`` gives it when training: the limit (None: none), the
-  config's optimizer's state per param byte, its schedule's in-flight and
-  stash counts over ``stages`` stages, recomputation."""
-  optimizer = train_lib.build_optimizer(config, train_lib.learning_rate(config))
+  config's optimizer's state per param byte, its schedule's (or
+  ``kind``'s; auto: 1f1b's) in-flight and stash counts over ``stages``
+  stages, recomputation."""
+  if kind is None:
+    kind = schedule_lib.REGISTRY.get(config.schedule.name)
   return runtime.partitioner_memory_model(
     limit,
-    optimizer,
+    optimizer_of(config),
     params,
-    schedule_lib.lookup(config.schedule.name),
+    kind or schedule_lib.REGISTRY["1f1b"],
     config.pipeline.num_microbatches,
     stages,
     recompute=config.pipeline.recompute,
     stashes=config.staleness.stashing,
     fused_last=config.pipeline.fuse_last_stage,
   )
+
+
+def optimizer_of(config):
+  """The config's optax optimizer, as training builds it."""
+  return train_lib.build_optimizer(config, train_lib.learning_rate(config))

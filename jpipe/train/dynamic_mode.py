@@ -224,6 +224,13 @@ def _check_run(config, need, inject) -> None:
     f"re-partitioning needs one stage per device, not {config.schedule.name!r}",
   )
   need(
+    config.schedule.name != "auto",
+    "schedule.name",
+    "'auto' chooses a schedule for one plan and re-partitioning changes "
+    "the plan: name a schedule (auto's choice for the first plan is in "
+    "a run without dynamic.enabled's plan.json)",
+  )
+  need(
     not dyn.predictor or dyn.policy != "static",
     "dynamic.predictor",
     "the static policy never re-plans, so a predictor would go unused: "

@@ -9,6 +9,7 @@ stages whose params hold NaN or inf, and, with
 step (``timeline.png`` and a Perfetto trace in the workdir).
 """
 
+import json
 import os
 
 import jax
@@ -127,6 +128,8 @@ def print_plan(pipe) -> None:
     f"{pipe.schedule_name}, {pipe.num_microbatches} microbatches; "
     f"predicted speed-up {plan.predicted_speedup:.2f}"
   )
+  if pipe.schedule_choice is not None:
+    print("\n".join(pipe.schedule_choice.table(pipe.device_names)))
   if pipe.granularity is not None:
     print(f"Nodes: {pipe.granularity.reason}.")
   if plan.indivisible_note:
@@ -163,7 +166,19 @@ def write_run_files(workdir, config, pipe) -> None:
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
   with open(os.path.join(workdir, "plan.json"), "w") as f:
-    f.write(pipe.plan.to_json() + "\n")
+    f.write(plan_json(pipe) + "\n")
+
+
+def plan_json(pipe) -> str:
+  """The plan as JSON; with ``schedule="auto"``, its ``schedule_choice``
+  too: the chosen schedule and the table it was chosen from (which
+  ``jpipe.partition.Plan.from_json`` reads past)."""
+  choice = getattr(pipe, "schedule_choice", None)
+  if choice is None:
+    return pipe.plan.to_json()
+  data = json.loads(pipe.plan.to_json())
+  data["schedule_choice"] = choice.to_dict(pipe.device_names)
+  return json.dumps(data, indent=1)
 
 
 def draw_timeline(pipe, profiled, config, workdir) -> tuple[dict, list[str]]:

@@ -3,7 +3,7 @@
   python -m jpipe.train.plan --config configs/X.py[:VARIANT]
       [--stages K] [--devices N]
       [--method contiguous|mixed|pipedream|pipedream_hybrid]
-      [--bandwidth B] [--memory SIZE]
+      [--bandwidth B] [--memory SIZE] [--schedule NAME|auto]
       [--cost-model analytic|xla|measured] [--json] [--png FILE]
 
 Traces the config's model on one microbatch of its data and costs its nodes
@@ -18,7 +18,9 @@ too), then prints the plan for ``--stages`` stages
 plans on min(stages, devices) devices (a config whose schedule is ``zbv``
 or ``dualpipev``: stages / 2 devices, two stages each, placed in a V).
 ``pipedream`` is straight and
-``pipedream_hybrid`` may replicate stages. ``--json`` adds ``plan`` (the
+``pipedream_hybrid`` may replicate stages. ``--schedule auto`` (or a
+config whose ``schedule.name`` is ``auto``) also prints the table
+training's ``auto`` chooses its schedule from. ``--json`` adds ``plan`` (the
 full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
 (For a PipeDream profile: ``python -m jpipe.partition``.)
 """
@@ -71,6 +73,13 @@ def _parser():
     "pipeline.memory_limit)",
   )
   parser.add_argument(
+    "--schedule",
+    default=None,
+    help="default: the config's schedule.name; 'auto' also ranks every "
+    "synchronous schedule on the plan (step time, bubble, peak memory) "
+    "and names the one training would run",
+  )
+  parser.add_argument(
     "--json", action="store_true", help="print one JSON object"
   )
   parser.add_argument("--png", default=None, help="write a stage-cost PNG")
@@ -119,6 +128,8 @@ class _Solved:
   memory_limit: float | None
   # The nodes' costs on the last stage (no recomputation), or None.
   last_stage_costs: partition.NodeCosts | None = None
+  # schedule "auto": the ranked table and the choice, else None.
+  choice: schedule_lib.ScheduleChoice | None = None
 
 
 def _stage_slots(args, config, method):
@@ -132,9 +143,12 @@ def _stage_slots(args, config, method):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   devices = min(stages, devices)  # What training plans on.
-  slots = schedule_lib.lookup(config.schedule.name).stage_devices(
-    stages, devices if method == "contiguous" else None
-  )
+  kind = schedule_lib.REGISTRY.get(config.schedule.name)  # (None: auto)
+  slots = None
+  if kind is not None:
+    slots = kind.stage_devices(
+      stages, devices if method == "contiguous" else None
+    )
   if slots is not None and method == "contiguous":
     return stages, stages, slots
   return stages, devices, None
@@ -171,6 +185,9 @@ def _method(args, config) -> tuple[str, partition.Split | None]:
 def _solve(args) -> _Solved:
   """The plan the command line asks for (ValueError: a bad argument)."""
   config = config_plan.load_config_file(args.config)
+  if args.schedule is not None:
+    with config.unlocked():
+      config.schedule.name = args.schedule
   method, split = _method(args, config)
   if split is not None:
     stages, devices, slots = split.num_stages, split.num_devices, None
@@ -193,16 +210,11 @@ def _solve(args) -> _Solved:
   if args.bandwidth is not None:
     bandwidth = args.bandwidth
   memory = _memory_limit(args, config)
-  budget = None
-  if memory is not None and slots is None:
-    budget = config_plan.memory_budget(config, params, devices, memory)
-  elif memory is not None:  # (A V's per-device memory: checked when built.)
-    budget = partition.MemoryBudget(limit=memory)
-  start = time.perf_counter()
-  if split is not None:
-    plan = split.plan(traced, costs)
-  else:
-    plan = partition.plan_traced(
+
+  def plan_for(budget):
+    if split is not None:
+      return split.plan(traced, costs)
+    return partition.plan_traced(
       traced,
       costs,
       devices,
@@ -212,11 +224,30 @@ def _solve(args) -> _Solved:
       devices=slots,
       last_stage_costs=last_stage_costs,
     )
+
+  def budget_for(kind=None):
+    if memory is None:
+      return None
+    if slots is not None:  # (A V's per-device memory: checked when built.)
+      return partition.MemoryBudget(limit=memory)
+    return config_plan.memory_budget(config, params, devices, memory, kind)
+
+  start = time.perf_counter()
+  choice = None
+  if config.schedule.name == schedule_lib.AUTO:
+    plan = runtime.auto_plan(plan_for, budget_for)
+    choice = _rank(config, plan, traced, params, bandwidth, memory)
+  else:
+    plan = plan_for(budget_for())
   seconds = time.perf_counter() - start
   # Each stage's bytes under the whole model (the config's optimizer,
-  # schedule and recomputation), whatever the method kept to.
+  # schedule -- auto's choice -- and recomputation), whatever the method
+  # kept to.
+  kind = choice and schedule_lib.REGISTRY[choice.chosen]
   stage_bytes = partition.stage_memory_bytes(
-    traced, plan, config_plan.memory_budget(config, params, devices, memory)
+    traced,
+    plan,
+    config_plan.memory_budget(config, params, devices, memory, kind),
   )
   return _Solved(
     plan,
@@ -227,6 +258,22 @@ def _solve(args) -> _Solved:
     stage_bytes,
     memory,
     last_stage_costs,
+    choice,
+  )
+
+
+def _rank(config, plan, traced, params, bandwidth, memory):
+  """Auto's ranked table on ``plan``, as training ranks it."""
+  return runtime.rank_for_plan(
+    plan,
+    traced,
+    params,
+    config_plan.optimizer_of(config),
+    config.pipeline.num_microbatches,
+    recompute=config.pipeline.recompute,
+    bandwidth=bandwidth or None,
+    limit=memory,
+    fused_last=config.pipeline.fuse_last_stage,
   )
 
 
@@ -265,6 +312,7 @@ def _result(solved: _Solved) -> dict:
     ),
     "memory_limit": solved.memory_limit,
     "plan": json.loads(plan.to_json()),
+    "schedule_choice": solved.choice and solved.choice.to_dict(),
   }
 
 
@@ -281,6 +329,8 @@ def _print(args, solved: _Solved, result: dict) -> None:
   )
   if plan.indivisible_note:
     print(f"Warning: {plan.indivisible_note}.")
+  if solved.choice is not None:
+    print("\n".join(solved.choice.table()))
   limit = solved.memory_limit
   print(
     "predicted memory per device (partitioner's model)"

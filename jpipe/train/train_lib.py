@@ -17,6 +17,7 @@ import optax
 
 import jpipe
 from jpipe import partition as partition_lib
+from jpipe import schedule as schedule_lib
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import (
   config_check,
@@ -130,6 +131,8 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
       optimizer=tx,
       **options,
     )
+  except schedule_lib.NoScheduleFits as e:  # schedule "auto"
+    raise UsageError(f"config.pipeline.memory_limit: {e}") from e
   except ValueError as e:
     if "memory_limit" not in str(e):
       raise

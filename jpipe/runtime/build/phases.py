@@ -19,6 +19,7 @@ import jax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.distributed import text_from_process_zero
+from jpipe.runtime.build.auto_schedule import auto_plan, provisional_kind
 from jpipe.runtime.build.batches import batch_size
 from jpipe.runtime.build.calls import CallActions
 from jpipe.runtime.build.flat import own_buffer_bytes
@@ -52,6 +53,11 @@ class Request:
       resolved), or None.
     clip_global_norm: the largest global gradient norm a step applies
       (over every stage's gradient together), or None.
+    auto_schedule: ``schedule="auto"`` was asked for: the schedule is
+      chosen once the plan is solved (``build/auto_schedule.py``); until
+      then ``schedule_kind`` is the one auto plans as (1f1b).
+    schedule_choice: the ``jpipe.schedule.ScheduleChoice`` auto made (its
+      table), or None.
   """
 
   optimizer: Any
@@ -64,6 +70,8 @@ class Request:
   devices: tuple[Any, ...]
   memory_limit: float | None
   clip_global_norm: float | None = None
+  auto_schedule: bool = False
+  schedule_choice: Any = None
 
 
 def check_request(
@@ -85,8 +93,17 @@ def check_request(
       f"clip_global_norm must be > 0 (or None: no clipping), got "
       f"{clip_global_norm}"
     )
-  kind = schedule_lib.lookup(schedule)
-  staleness.check(kind, optimizer, params)
+  auto = isinstance(schedule, str) and schedule == schedule_lib.AUTO
+  kind = provisional_kind() if auto else schedule_lib.lookup(schedule)
+  try:
+    staleness.check(kind, optimizer, params)
+  except ValueError as e:
+    if not auto:
+      raise
+    raise ValueError(
+      f"schedule='auto' chooses among the synchronous schedules, which do "
+      f"not take these options ({e}); name a schedule to use them"
+    ) from None
   micro = _microbatch_size(example_batch, num_microbatches)
   devices = tuple(jax.devices() if devices is None else devices)
   check_stage_count(
@@ -104,6 +121,7 @@ def check_request(
     devices,
     limit,
     clip_global_norm,
+    auto_schedule=auto,
   )
 
 
@@ -197,24 +215,35 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   slots = request.schedule_kind.stage_devices(
     num_stages, num_devices if partition == "contiguous" else None
   )
-  plan = _make_plan(
-    cut.traced,
-    params,
-    cut.micro,
-    partition,
-    num_stages,
-    num_devices,
-    bandwidth=partitioning.bandwidth,
-    cost_model=partitioning.cost_model,
-    recompute=staleness.recompute,
-    price_last_stage=partitioning.fuse_last_stage
-    and partitioning.price_last_stage,
+
+  def plan_for(memory):
+    return _make_plan(
+      cut.traced,
+      params,
+      cut.micro,
+      partition,
+      num_stages,
+      num_devices,
+      bandwidth=partitioning.bandwidth,
+      cost_model=partitioning.cost_model,
+      recompute=staleness.recompute,
+      price_last_stage=partitioning.fuse_last_stage
+      and partitioning.price_last_stage,
+      slots=slots,
+      memory=memory,
+    )
+
+  if request.auto_schedule:
+    plan = auto_plan(
+      plan_for, lambda kind: _memory_budget(request, params, kind)
+    )
+  else:
     # Where the schedule places the stages (zbv's V: several per device,
     # which the partitioner's per-device memory model does not know), the
     # memory is checked on the built pipeline instead.
-    slots=slots,
-    memory=None if slots is not None else _memory_budget(request, params),
-  )
+    plan = plan_for(
+      None if slots is not None else _memory_budget(request, params)
+    )
   if jax.process_count() > 1 and not isinstance(partition, partition_lib.Plan):
     # A measured cost model may solve differently in each process.
     plan = partition_lib.Plan.from_json(text_from_process_zero(plan.to_json()))
@@ -247,9 +276,9 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
   return Partitioned(plan, stages_of(cut.traced), stages_at)
 
 
-def _memory_budget(request: Request, params):
-  """The partitioner's ``MemoryBudget`` for the request's schedule,
-  optimizer and limit (None without a limit)."""
+def _memory_budget(request: Request, params, kind=None):
+  """The partitioner's ``MemoryBudget`` for the request's schedule (or
+  ``kind``), optimizer and limit (None without a limit)."""
   if request.memory_limit is None:
     return None
   partitioning, staleness = request.partitioning, request.staleness
@@ -257,7 +286,7 @@ def _memory_budget(request: Request, params):
     request.memory_limit,
     request.optimizer,
     params,
-    request.schedule_kind,
+    kind or request.schedule_kind,
     request.num_microbatches,
     min(partitioning.num_stages, len(request.devices)),
     recompute=staleness.recompute,
