@@ -187,10 +187,10 @@ def _check_loop_placement(config, need) -> None:
     return
   kind = config_options.schedule_kind(config)
   need(
-    kind is not None and kind.loops,
+    (kind is not None and kind.loops) or config.schedule.name == "auto",
     "pipeline.stages_per_device",
     f"{k} stages per device need a loop schedule (interleaved, "
-    f"interleaved_zb or looped_bfs), not {config.schedule.name!r}",
+    f"interleaved_zb or looped_bfs) or auto, not {config.schedule.name!r}",
   )
   need(
     p.num_stages % k == 0 and p.num_stages > k,

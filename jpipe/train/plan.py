@@ -143,12 +143,14 @@ def _stage_slots(args, config, method):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
   devices = min(stages, devices)  # What training plans on.
-  kind = schedule_lib.REGISTRY.get(config.schedule.name)  # (None: auto)
-  slots = None
-  if kind is not None:
-    slots = kind.stage_devices(
-      stages, devices if method == "contiguous" else None
-    )
+  # auto plans as interleaved does where that loops (more stages than
+  # devices), else with one stage per device.
+  kind = schedule_lib.REGISTRY.get(
+    config.schedule.name, schedule_lib.REGISTRY["interleaved"]
+  )
+  slots = kind.stage_devices(
+    stages, devices if method == "contiguous" else None
+  )
   if slots is not None and method == "contiguous":
     return stages, stages, slots
   return stages, devices, None

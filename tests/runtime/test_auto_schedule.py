@@ -51,6 +51,30 @@ def test_auto_builds_and_runs_the_first_of_its_table():
   assert named.plan == pipe.plan  # Auto plans as 1f1b does.
 
 
+def test_more_stages_than_devices_rank_schedules_on_the_loop():
+  """4 contiguous stages on 2 devices: auto plans the loop (stage s on
+  device s mod 2) and ranks every schedule there, the loop schedules
+  among them; the chosen one trains."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    devices=jax.devices()[:2],
+    schedule="auto",
+    num_stages=4,
+    num_microbatches=4,
+    optimizer=optax.adam(0.1),
+  )
+  assert pipe.plan.stage_devices == ((0,), (1,), (0,), (1,))
+  choice = pipe.schedule_choice
+  names = [r.name for r in choice.rows]
+  assert {"interleaved", "interleaved_zb", "1f1b"} <= set(names)
+  assert pipe.schedule_name == choice.chosen == names[0]
+  _, metrics = pipe.step(pipe.init(params), batch)
+  assert np.isfinite(float(metrics["loss"]))
+
+
 def test_stage_costs_are_the_plans_with_transfers_over_the_bandwidth():
   pipe, _, _ = _pipe()
   plan, traced = pipe.plan, pipe.traced

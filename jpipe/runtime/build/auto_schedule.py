@@ -4,7 +4,8 @@ choosing; this module gives it the plan's numbers).
 
 Auto plans as for ``1f1b`` (its depth, its in-flight counts in the
 partitioner's memory model, one stage per device unless the partition is
-mixed or a given Plan), then ranks every synchronous built-in schedule
+mixed or a given Plan; more contiguous stages than devices: as for
+``interleaved``, in a loop), then ranks every synchronous built-in schedule
 that runs on the plan's placement, each at:
 
 - the plan's stage times (the cost model's, or measured ones where the
@@ -35,8 +36,14 @@ from jpipe.runtime.build.memory import partitioner_memory_model
 from jpipe.runtime.build.placement import device_name
 
 
-def provisional_kind() -> schedule_lib.ScheduleKind:
-  """The schedule auto plans as: 1f1b."""
+def provisional_kind(
+  num_stages: int, num_devices: int, partition
+) -> schedule_lib.ScheduleKind:
+  """The schedule auto plans as: 1f1b; with more contiguous stages than
+  devices, interleaved (its loop: stage s on device s mod p, where every
+  schedule is then ranked)."""
+  if partition == "contiguous" and num_stages > num_devices:
+    return schedule_lib.REGISTRY["interleaved"]
   return schedule_lib.REGISTRY["1f1b"]
 
 
@@ -166,7 +173,7 @@ def memory_terms(
     None,
     optimizer,
     params,
-    provisional_kind(),
+    schedule_lib.REGISTRY["1f1b"],  # (Terms per microbatch: any kind.)
     num_microbatches,
     n,
     recompute=recompute,

@@ -94,7 +94,14 @@ def check_request(
       f"{clip_global_norm}"
     )
   auto = isinstance(schedule, str) and schedule == schedule_lib.AUTO
-  kind = provisional_kind() if auto else schedule_lib.lookup(schedule)
+  devices = tuple(jax.devices() if devices is None else devices)
+  kind = (
+    provisional_kind(
+      partitioning.num_stages, len(devices), partitioning.partition
+    )
+    if auto
+    else schedule_lib.lookup(schedule)
+  )
   try:
     staleness.check(kind, optimizer, params)
   except ValueError as e:
@@ -105,7 +112,6 @@ def check_request(
       f"not take these options ({e}); name a schedule to use them"
     ) from None
   micro = _microbatch_size(example_batch, num_microbatches)
-  devices = tuple(jax.devices() if devices is None else devices)
   check_stage_count(
     partitioning.num_stages, len(devices), partitioning.partition, kind
   )
