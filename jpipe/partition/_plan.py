@@ -163,6 +163,7 @@ def plan_traced(
   stage_slowdown: Sequence[float] | None = None,
   acyclic_options: Mapping[str, Any] | None = None,
   last_stage_costs: NodeCosts | None = None,
+  mixed_blocks: Sequence[int] | None = None,
 ) -> Plan:
   """Partitions a traced model onto ``num_devices`` devices.
 
@@ -213,11 +214,16 @@ def plan_traced(
       solvers price the last stage so); PipeDream's DP is solved again
       until the last stage's nodes are those it was priced with (at most
       10 solves; otherwise the fastest plan seen, with a warning).
+    mixed_blocks: "mixed" only: the block counts L it tries (FTPipe's
+      ``--L``; ``solve_mixed``'s ``block_counts``: the stages are at most
+      L); None: its default, P to 16P.
 
   Returns:
     The plan.
   """
   _check_method_options(method, acyclic_options, stage_slowdown)
+  if mixed_blocks is not None and method != "mixed":
+    raise ValueError(f"mixed_blocks are for method 'mixed', not {method!r}")
   memory = MemoryBudget() if memory is None else memory
   if last_stage_costs is not None and method.startswith("pipedream"):
     return _price_last_stage_plain(
@@ -256,7 +262,14 @@ def plan_traced(
     last_stage_compute=last_compute,
   )
   stage_of, stage_devices, stage_seconds = _solve_graph(
-    traced, graph, memory, devices, method, stage_slowdown, acyclic_options
+    traced,
+    graph,
+    memory,
+    devices,
+    method,
+    stage_slowdown,
+    acyclic_options,
+    mixed_blocks,
   )
   plan = _finish(traced, costs, method, stage_of, stage_devices, stage_seconds)
   return _priced_last_stage(plan, costs, last_stage_costs)
@@ -276,7 +289,14 @@ def _check_method_options(method, acyclic_options, stage_slowdown) -> None:
 
 
 def _solve_graph(
-  traced, graph, memory, devices, method, stage_slowdown, acyclic_options
+  traced,
+  graph,
+  memory,
+  devices,
+  method,
+  stage_slowdown,
+  acyclic_options,
+  mixed_blocks=None,
 ):
   """``(stage of each node, devices of each stage, stage seconds)`` by
   the "contiguous", "acyclic" or "mixed" solver."""
@@ -290,6 +310,7 @@ def _solve_graph(
       memory=dataclasses.replace(
         model, in_flight=None, param_versions=None, stashing=memory.stashing
       ),
+      block_counts=mixed_blocks,
     )
     stage_devices = [(devices[d],) for d in mixed.stage_device]
     return mixed.stage_of_node(), stage_devices, mixed.stage_seconds

@@ -119,6 +119,8 @@ class _Solved:
   memory_limit: float | None
   # The nodes' costs on the last stage (no recomputation), or None.
   last_stage_costs: partition.NodeCosts | None = None
+  cost_model: str = "analytic"  # How the nodes were costed.
+  paper_plan: str = ""  # The config's pipeline.paper_plan.
 
 
 def _stage_slots(args, config, method):
@@ -208,6 +210,11 @@ def _solve(args) -> _Solved:
       memory=budget,
       devices=slots,
       last_stage_costs=last_stage_costs,
+      # (The config's block counts are the mixed pipe's: --method other
+      # than mixed plans without them.)
+      mixed_blocks=config_options.mixed_blocks(config)
+      if method == "mixed"
+      else None,
     )
   seconds = time.perf_counter() - start
   # Each stage's bytes under the whole model (the config's optimizer,
@@ -224,6 +231,8 @@ def _solve(args) -> _Solved:
     stage_bytes,
     memory,
     last_stage_costs,
+    cost_model,
+    config.pipeline.paper_plan,
   )
 
 
@@ -254,6 +263,16 @@ def _result(solved: _Solved) -> dict:
     "bottleneck": plan.bottleneck_seconds,
     "lower_bound": float(lower_bound),
     "sequential": plan.sequential_seconds,
+    # Over one device without recomputation (FTPipe's "vs seq no
+    # recomp"), and the stages' own work, as priced, over the bottleneck
+    # (its "expected speedup": at most the devices).
+    "speedup": plan.sequential_seconds / plan.bottleneck_seconds,
+    "speedup_at_stage_costs": float(
+      np.sum(plan.stage_forward_seconds) + np.sum(plan.stage_backward_seconds)
+    )
+    / plan.bottleneck_seconds,
+    "cost_model": solved.cost_model,
+    "paper_plan": solved.paper_plan,
     "solve_seconds": solved.seconds,
     "stage_memory_bytes": solved.stage_bytes.total.tolist(),
     "stage_working_bytes": solved.stage_bytes.working.tolist(),
@@ -276,6 +295,14 @@ def _print(args, solved: _Solved, result: dict) -> None:
     result,
     list(plan.stage_of_node),
   )
+  print(
+    f"cost model {solved.cost_model!r}: speed-up "
+    f"{result['speedup']:.2f}x over one device without recomputation, "
+    f"{result['speedup_at_stage_costs']:.2f}x the stages' work as priced "
+    "over the bottleneck"
+  )
+  if solved.paper_plan:
+    print(f"the paper: {solved.paper_plan}")
   if plan.indivisible_note:
     print(f"Warning: {plan.indivisible_note}.")
   limit = solved.memory_limit

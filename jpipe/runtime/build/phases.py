@@ -212,6 +212,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     # memory is checked on the built pipeline instead.
     slots=slots,
     memory=None if slots is not None else _memory_budget(request, params),
+    mixed_blocks=partitioning.mixed_blocks,
   )
   if jax.process_count() > 1 and not isinstance(partition, partition_lib.Plan):
     # A measured cost model may solve differently in each process.
@@ -517,6 +518,7 @@ def _make_plan(
       devices=slots,
       last_stage_costs=last_stage_costs,
       memory=options["memory"],
+      mixed_blocks=options["mixed_blocks"],
     )
   if plan.node_names != traced.node_names:
     raise ValueError("the Plan was made for a different model (nodes differ)")
