@@ -582,6 +582,13 @@ def plan_from_pipedream(
   )
 
 
+def traced_profile_graph(traced, costs) -> ProfileGraph:
+  """A traced model and its node costs as a PipeDream profile graph
+  (what "pipedream" / "pipedream_hybrid" solve): a node's activation is
+  the bytes of its distinct outputs read by other nodes."""
+  return _traced_graph(traced, costs)
+
+
 def _traced_graph(traced, costs) -> ProfileGraph:
   """A traced model as a profile graph: a node's activation is the bytes
   of its distinct outputs read by other nodes."""

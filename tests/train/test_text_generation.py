@@ -140,7 +140,6 @@ def test_ftpipe_t5_squad_seed_reports_generated_exact_match_and_f1(tmp_path):
   config.pipeline.num_stages = 2
   config.pipeline.num_microbatches = 2
   config.pipeline.memory_limit = ""
-  config.pipeline.mixed_blocks = ""  # (32 blocks: more than its nodes.)
   config.train.steps = 2
   config.train.eval_every = 2
   config.train.checkpoint_every = 2
