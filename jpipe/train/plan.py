@@ -17,9 +17,13 @@ too), then prints the plan for ``--stages`` stages
 ``--devices`` devices (default: as many as stages); training, like this,
 plans on min(stages, devices) devices (a config whose schedule is ``zbv``
 or ``dualpipev``: stages / 2 devices, two stages each, placed in a V).
-``pipedream`` is straight and
-``pipedream_hybrid`` may replicate stages. ``--json`` adds ``plan`` (the
-full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
+``pipedream`` is straight and ``pipedream_hybrid`` may replicate stages;
+``mixed`` cuts the config's ``pipeline.mixed_blocks`` (FTPipe's L) when
+it gives them. It prints the cost model, the speed-up over one device
+without recomputation and the stages' work over the bottleneck (FTPipe's
+two figures), and the config's ``pipeline.paper_plan`` beside them.
+``--json`` adds ``plan`` (the full ``jpipe.partition.Plan``); ``--png``
+draws per-stage cost and memory.
 (For a PipeDream profile: ``python -m jpipe.partition``.)
 """
 
