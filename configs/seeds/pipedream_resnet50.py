@@ -10,8 +10,8 @@ epochs (spec: pipedream_dynpipe_sdpipe.md, A5). The same DP
 (a ResNet-16 on the embedded digits, small:VARIANT).
 
 Why ws and not PipeDream's 1F1B-RR (ws+rr) by default: here the DP
-replicates stages (9 stages on 16 devices, unlike PipeDream's own pure
-data parallelism), and round-robin replicas refuse model state today
+replicates some stages of a pipeline (unlike PipeDream's own pure data
+parallelism), and round-robin replicas refuse model state today
 (ResNet's batch statistics are one value per stage, not per replica:
 ``jpipe.Pipeline`` says so in one line). ws splits each microbatch over
 a stage's replicas instead, with the same delays as one device. Across

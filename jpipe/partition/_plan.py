@@ -585,7 +585,8 @@ def plan_from_pipedream(
 def traced_profile_graph(traced, costs) -> ProfileGraph:
   """A traced model and its node costs as a PipeDream profile graph
   (what "pipedream" / "pipedream_hybrid" solve): a node's activation is
-  the bytes of its distinct outputs read by other nodes."""
+  the bytes of its distinct outputs read by other nodes, each edge's
+  bytes those of the values it carries (``ProfileGraph.edge_bytes``)."""
   return _traced_graph(traced, costs)
 
 
@@ -602,6 +603,7 @@ def _traced_graph(traced, costs) -> ProfileGraph:
     float(sum(np.prod(v.aval.shape) * v.aval.dtype.itemsize for v in vs))
     for vs in sent
   ]
+  edges = traced.edges()
   return ProfileGraph(
     names=traced.node_names,
     descriptions=traced.node_names,
@@ -609,5 +611,8 @@ def _traced_graph(traced, costs) -> ProfileGraph:
     backward_seconds=np.asarray(costs.backward_seconds, np.float64),
     activation_bytes=np.array(acts),
     parameter_bytes=traced.node_param_bytes(),
-    edges=tuple(sorted(traced.edges())),
+    edges=tuple(sorted(edges)),
+    # A cut is charged what crosses it: a node may hand a large value to
+    # its successor and a small one (an RNG key) to a far node.
+    edge_bytes=tuple(float(edges[e]) for e in sorted(edges)),
   )
