@@ -7,7 +7,10 @@ Seed 001 (PipeDream): VGG-16 (138M parameters) on ImageNet, 4 servers x
 and reports 5.28x over data parallelism (Cluster B, 8 x V100 NVLink, 25
 Gbps: 2.98x); SGD lr 0.01 at batch 64 per GPU, momentum 0.9, weight
 decay 5e-4 (spec: pipedream_dynpipe_sdpipe.md, A5). Here the same DP
-(``pipedream_hybrid``) plans the 16 devices at the 10 Gbps link.
+(``pipedream_hybrid``) plans the 16 devices at the 10 Gbps link: 14-1-1
+(15-1 from 4e9 bytes/s; PipeDream's own DP on its profile picks 15-1
+only as one flat level at 3e9 to 1.6e10 bytes/s: experiments/RESULTS.md,
+"The seeds as the papers ran them").
 Variants: ws+rr (PipeDream's runtime, 1F1B-RR: default), ws (weight
 stashing, each microbatch split over a stage's replicas), stale, 1f1b,
 2bw, gpipe; "small" is configs/pipedream_vgg.py (a 6-conv VGG on the
