@@ -9,7 +9,9 @@ parallelism on 4 x 4 V100 (Cluster A, 10 Gbps), 3.14x on 2 x 8 (Cluster
 B); GNMT-8 straight on 4 GPUs: 1.5x (spec: pipedream_dynpipe_sdpipe.md,
 A5). Optimizer as MLPerf's GNMT reference (Adam 2e-3 with warm-up),
 sentences of up to 50 tokens, 64 per GPU. Variants: ws (PipeDream,
-default), stale, 1f1b, 2bw, gpipe; "small" runs the same code path
+default: on this straight plan PipeDream's 1F1B-RR, ws+rr, has no
+replicas to deal microbatches to and is the same run), stale, 1f1b,
+2bw, gpipe; "small" runs the same code path
 (GNMT's architecture at width 64, PipeDream's straight partitioner,
 async 1F1B with stashing, Adam) on the embedded text's span corruption
 (a seq2seq task that needs no download) in under a minute on 2 CPU cores.

@@ -9,6 +9,15 @@ epochs (spec: pipedream_dynpipe_sdpipe.md, A5). The same DP
 (default), stale, 1f1b, 2bw, gpipe; "small" is configs/pipedream_resnet.py
 (a ResNet-16 on the embedded digits, small:VARIANT).
 
+Why ws and not PipeDream's 1F1B-RR (ws+rr) by default: here the DP
+replicates some stages of a pipeline (unlike PipeDream's own pure data
+parallelism), and round-robin replicas refuse model state today
+(ResNet's batch statistics are one value per stage, not per replica:
+``jpipe.Pipeline`` says so in one line). ws splits each microbatch over
+a stage's replicas instead, with the same delays as one device. Across
+processes (4 servers) neither routing runs yet: a replica group must lie
+in one process.
+
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_resnet50.py
 Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,
 cropped and resized to 224 x 224):

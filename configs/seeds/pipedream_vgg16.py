@@ -1,5 +1,5 @@
 r"""PipeDream's VGG-16 on ImageNet: its optimizer's hybrid 15-1 split on 16
-GPUs, asynchronous 1F1B with weight stashing.
+GPUs, asynchronous 1F1B-RR (weight stashing, round-robin replicas).
 
 Seed 001 (PipeDream): VGG-16 (138M parameters) on ImageNet, 4 servers x
 4 V100 (Cluster A, 10 Gbps between servers): PipeDream's optimizer picks
@@ -7,10 +7,24 @@ Seed 001 (PipeDream): VGG-16 (138M parameters) on ImageNet, 4 servers x
 and reports 5.28x over data parallelism (Cluster B, 8 x V100 NVLink, 25
 Gbps: 2.98x); SGD lr 0.01 at batch 64 per GPU, momentum 0.9, weight
 decay 5e-4 (spec: pipedream_dynpipe_sdpipe.md, A5). Here the same DP
-(``pipedream_hybrid``) plans the 16 devices at the 10 Gbps link.
-Variants: ws (PipeDream, default), stale, 1f1b, 2bw, gpipe; "small" is
-configs/pipedream_vgg.py (a 6-conv VGG on the embedded digits,
-small:VARIANT).
+(``pipedream_hybrid``) plans the 16 devices at the 10 Gbps link: 14-1-1
+(15-1 from 4e9 bytes/s; PipeDream's own DP on its profile picks 15-1
+only as one flat level at 3e9 to 1.6e10 bytes/s: experiments/RESULTS.md,
+"The seeds as the papers ran them").
+Variants: ws+rr (PipeDream's runtime, 1F1B-RR: default), ws (weight
+stashing, each microbatch split over a stage's replicas), stale, 1f1b,
+2bw, gpipe; "small" is configs/pipedream_vgg.py (a 6-conv VGG on the
+embedded digits, straight 4 stages, where 1F1B-RR is 1F1B with
+stashing: small defaults to ws; small:VARIANT, e.g. small:ws+rr with
+--config.pipeline.partition=contiguous --config.pipeline.replicas=2,1,1).
+
+1F1B-RR (``pipeline.replica_routing = "round_robin"``): microbatch b runs
+whole on replica b mod r of a replicated stage, as PipeDream's runtime
+does. Not yet across processes: a replica group (either routing) must
+lie in one process today (``jpipe.Pipeline`` refuses it in one line), so
+on 4 servers x 4 GPUs this config plans but does not train until replica
+groups span processes; where each replicated stage's devices lie in one
+process (one 16-device host) it trains.
 
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_vgg16.py
 Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,
@@ -27,7 +41,7 @@ def _small(variant: str):
   return pipedream_vgg.get_config(variant or "ws")
 
 
-def get_config(variant: str = "ws"):
+def get_config(variant: str = "ws+rr"):
   if variant.split(":")[0] == "small":
     return _small(variant.partition(":")[2])
   c = base_config()

@@ -22,6 +22,7 @@ from jpipe.partition._graph_txt import (
 )
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
+from jpipe.partition._pipedream_memory import pipedream_stage_memory
 from jpipe.partition._plan import (
   METHODS,
   Plan,
@@ -30,6 +31,7 @@ from jpipe.partition._plan import (
   plan_traced,
   stage_memory_bytes,
   steady_state_delay,
+  traced_profile_graph,
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._report import plot_plan, print_plan_table
@@ -67,6 +69,8 @@ __all__ = [
   "plan_from_boundaries",
   "plan_from_pipedream",
   "plan_traced",
+  "pipedream_stage_memory",
+  "traced_profile_graph",
   "StageBytes",
   "TooFewNodes",
   "stage_memory_bytes",

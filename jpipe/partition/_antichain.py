@@ -269,10 +269,35 @@ def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
     activation_bytes=done_rows @ graph.activation_bytes,
     parameter_bytes=done_rows @ graph.parameter_bytes,
     output_bytes=np.array(
-      [float(graph.activation_bytes[list(a)].sum()) for a in augmented]
+      [
+        _crossing_bytes(graph, a, m)
+        for a, m in zip(augmented, done, strict=True)
+      ]
     ),
     removed_inputs=inputs,
     removed_sinks=sinks,
+  )
+
+
+def _crossing_bytes(graph: ProfileGraph, antichain, done: int) -> float:
+  """Bytes crossing the cut after ``done`` (a bit mask of nodes) from the
+  augmented ``antichain``: PipeDream's sum of its nodes' activations, or
+  with ``graph.edge_bytes`` each node's edges to nodes beyond the cut
+  (at most its activation: a value read twice there crosses once; a node
+  without edges, whose output leaves the graph, its activation)."""
+  act = graph.activation_bytes
+  if graph.edge_bytes is None:
+    return float(act[list(antichain)].sum())
+  members = set(antichain)
+  out = dict.fromkeys(members, 0.0)
+  has_edges = set()
+  for (u, v), w in zip(graph.edges, graph.edge_bytes, strict=True):
+    if u in members:
+      has_edges.add(u)
+      if not done >> v & 1:
+        out[u] += w
+  return float(
+    sum(min(act[u], b) if u in has_edges else act[u] for u, b in out.items())
   )
 
 

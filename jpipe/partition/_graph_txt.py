@@ -30,7 +30,10 @@ class ProfileGraph:
   """A profiled layer graph: seconds and bytes per node, directed edges.
 
   Arrays are float64 [num_nodes], in file order; ``edges`` are (src, dst)
-  node indices.
+  node indices. ``edge_bytes`` (optional, one per edge): the bytes of the
+  values each edge carries, where a node has several outputs (a traced
+  model's); None: a node's whole ``activation_bytes`` cross any cut it
+  has an edge across (a profile's one output per layer).
   """
 
   names: tuple[str, ...]
@@ -40,6 +43,7 @@ class ProfileGraph:
   activation_bytes: np.ndarray
   parameter_bytes: np.ndarray
   edges: tuple[tuple[int, int], ...]
+  edge_bytes: tuple[float, ...] | None = None
 
   @property
   def num_nodes(self) -> int:

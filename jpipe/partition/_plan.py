@@ -164,6 +164,7 @@ def plan_traced(
   stage_slowdown: Sequence[float] | None = None,
   acyclic_options: Mapping[str, Any] | None = None,
   last_stage_costs: NodeCosts | None = None,
+  mixed_blocks: Sequence[int] | None = None,
 ) -> Plan:
   """Partitions a traced model onto ``num_devices`` devices.
 
@@ -214,11 +215,16 @@ def plan_traced(
       solvers price the last stage so); PipeDream's DP is solved again
       until the last stage's nodes are those it was priced with (at most
       10 solves; otherwise the fastest plan seen, with a warning).
+    mixed_blocks: "mixed" only: the block counts L it tries (FTPipe's
+      ``--L``; ``solve_mixed``'s ``block_counts``: the stages are at most
+      L); None: its default, P to 16P.
 
   Returns:
     The plan.
   """
   _check_method_options(method, acyclic_options, stage_slowdown)
+  if mixed_blocks is not None and method != "mixed":
+    raise ValueError(f"mixed_blocks are for method 'mixed', not {method!r}")
   memory = MemoryBudget() if memory is None else memory
   if last_stage_costs is not None and method.startswith("pipedream"):
     return _price_last_stage_plain(
@@ -257,7 +263,14 @@ def plan_traced(
     last_stage_compute=last_compute,
   )
   stage_of, stage_devices, stage_seconds = _solve_graph(
-    traced, graph, memory, devices, method, stage_slowdown, acyclic_options
+    traced,
+    graph,
+    memory,
+    devices,
+    method,
+    stage_slowdown,
+    acyclic_options,
+    mixed_blocks,
   )
   plan = _finish(traced, costs, method, stage_of, stage_devices, stage_seconds)
   return _priced_last_stage(plan, costs, last_stage_costs)
@@ -277,7 +290,14 @@ def _check_method_options(method, acyclic_options, stage_slowdown) -> None:
 
 
 def _solve_graph(
-  traced, graph, memory, devices, method, stage_slowdown, acyclic_options
+  traced,
+  graph,
+  memory,
+  devices,
+  method,
+  stage_slowdown,
+  acyclic_options,
+  mixed_blocks=None,
 ):
   """``(stage of each node, devices of each stage, stage seconds)`` by
   the "contiguous", "acyclic" or "mixed" solver."""
@@ -291,6 +311,7 @@ def _solve_graph(
       memory=dataclasses.replace(
         model, in_flight=None, param_versions=None, stashing=memory.stashing
       ),
+      block_counts=mixed_blocks,
     )
     stage_devices = [(devices[d],) for d in mixed.stage_device]
     return mixed.stage_of_node(), stage_devices, mixed.stage_seconds
@@ -562,6 +583,14 @@ def plan_from_pipedream(
   )
 
 
+def traced_profile_graph(traced, costs) -> ProfileGraph:
+  """A traced model and its node costs as a PipeDream profile graph
+  (what "pipedream" / "pipedream_hybrid" solve): a node's activation is
+  the bytes of its distinct outputs read by other nodes, each edge's
+  bytes those of the values it carries (``ProfileGraph.edge_bytes``)."""
+  return _traced_graph(traced, costs)
+
+
 def _traced_graph(traced, costs) -> ProfileGraph:
   """A traced model as a profile graph: a node's activation is the bytes
   of its distinct outputs read by other nodes."""
@@ -575,6 +604,7 @@ def _traced_graph(traced, costs) -> ProfileGraph:
     float(sum(np.prod(v.aval.shape) * v.aval.dtype.itemsize for v in vs))
     for vs in sent
   ]
+  edges = traced.edges()
   return ProfileGraph(
     names=traced.node_names,
     descriptions=traced.node_names,
@@ -582,5 +612,8 @@ def _traced_graph(traced, costs) -> ProfileGraph:
     backward_seconds=np.asarray(costs.backward_seconds, np.float64),
     activation_bytes=np.array(acts),
     parameter_bytes=traced.node_param_bytes(),
-    edges=tuple(sorted(traced.edges())),
+    edges=tuple(sorted(edges)),
+    # A cut is charged what crosses it: a node may hand a large value to
+    # its successor and a small one (an RNG key) to a far node.
+    edge_bytes=tuple(float(edges[e]) for e in sorted(edges)),
   )

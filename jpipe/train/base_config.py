@@ -119,6 +119,12 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   # replicated stage more nodes). num_stages must be their stage count.
   c.pipeline.split = ""
   c.pipeline.replicas = ""
+  # "mixed" only: the block counts L its solver tries, e.g. "32" (FTPipe's
+  # --L; at most L stages); "": P, 2P, 3P, 4P (6P-16P with a memory limit).
+  c.pipeline.mixed_blocks = ""
+  # The paper's own prediction for this plan (free text), which the plan
+  # CLI prints beside its own; "" for none.
+  c.pipeline.paper_plan = ""
   # How a replicated stage (pipedream_hybrid) shares its microbatches:
   # "split" (each split over the replicas; as one device) or
   # "round_robin" (PipeDream's 1F1B-RR: microbatch b whole on replica

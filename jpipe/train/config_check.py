@@ -149,10 +149,33 @@ def _check_split(config, need) -> None:
   )
 
 
+def _check_mixed_blocks(config, need) -> None:
+  """``pipeline.mixed_blocks``: block counts >= 1, for the mixed pipe."""
+  p = config.pipeline
+  try:
+    blocks = config_options.mixed_blocks(config)
+  except ValueError:
+    blocks = (0,)
+  if blocks is None:
+    return
+  need(
+    min(blocks) >= 1,
+    "pipeline.mixed_blocks",
+    f"{p.mixed_blocks!r}: give block counts >= 1, e.g. '32' or '16,32'",
+  )
+  need(
+    p.partition == "mixed",
+    "pipeline.mixed_blocks",
+    f"{p.mixed_blocks!r} is for pipeline.partition 'mixed', not "
+    f"{p.partition!r}: drop it",
+  )
+
+
 def _check_pipeline(config, need) -> None:
   """The pipeline's partition, costs, stages and microbatches."""
   need.one_of("pipeline.partition", PARTITIONS)
   _check_split(config, need)
+  _check_mixed_blocks(config, need)
   need(
     config.pipeline.bandwidth >= 0,
     "pipeline.bandwidth",

@@ -223,6 +223,12 @@ def partition(config):
   return partition_lib.Split(nodes, replicas)
 
 
+def mixed_blocks(config) -> tuple[int, ...] | None:
+  """``config.pipeline.mixed_blocks`` as ``jpipe.Pipeline`` takes it:
+  "" -> None, "16,32" -> (16, 32) (config_check has checked it)."""
+  return counts(config.pipeline.mixed_blocks)
+
+
 def counts(text: str) -> tuple[int, ...] | None:
   """ "4,4,4" -> (4, 4, 4); "" -> None. A ValueError names a bad one."""
   if not text.strip():

@@ -17,11 +17,15 @@ too), then prints the plan for ``--stages`` stages
 ``--devices`` devices (default: as many as stages); training, like this,
 plans on min(stages, devices) devices (a config whose schedule is ``zbv``
 or ``dualpipev``: stages / 2 devices, two stages each, placed in a V).
-``pipedream`` is straight and
-``pipedream_hybrid`` may replicate stages. ``--schedule auto`` (or a
-config whose ``schedule.name`` is ``auto``) also prints the table
-training's ``auto`` chooses its schedule from. ``--json`` adds ``plan`` (the
-full ``jpipe.partition.Plan``); ``--png`` draws per-stage cost and memory.
+``pipedream`` is straight and ``pipedream_hybrid`` may replicate stages;
+``mixed`` cuts the config's ``pipeline.mixed_blocks`` (FTPipe's L) when
+it gives them. It prints the cost model, the speed-up over one device
+without recomputation and the stages' work over the bottleneck (FTPipe's
+two figures), and the config's ``pipeline.paper_plan`` beside them.
+``--schedule auto`` (or a config whose ``schedule.name`` is ``auto``)
+also prints the table training's ``auto`` chooses its schedule from.
+``--json`` adds ``plan`` (the full ``jpipe.partition.Plan``); ``--png``
+draws per-stage cost and memory.
 (For a PipeDream profile: ``python -m jpipe.partition``.)
 """
 
@@ -130,6 +134,8 @@ class _Solved:
   last_stage_costs: partition.NodeCosts | None = None
   # schedule "auto": the ranked table and the choice, else None.
   choice: schedule_lib.ScheduleChoice | None = None
+  cost_model: str = "analytic"  # How the nodes were costed.
+  paper_plan: str = ""  # The config's pipeline.paper_plan.
 
 
 def _stage_slots(args, config, method):
@@ -225,6 +231,11 @@ def _solve(args) -> _Solved:
       memory=budget,
       devices=slots,
       last_stage_costs=last_stage_costs,
+      # (The config's block counts are the mixed pipe's: --method other
+      # than mixed plans without them.)
+      mixed_blocks=config_options.mixed_blocks(config)
+      if method == "mixed"
+      else None,
     )
 
   def budget_for(kind=None):
@@ -261,6 +272,8 @@ def _solve(args) -> _Solved:
     memory,
     last_stage_costs,
     choice,
+    cost_model,
+    config.pipeline.paper_plan,
   )
 
 
@@ -306,6 +319,16 @@ def _result(solved: _Solved) -> dict:
     "bottleneck": plan.bottleneck_seconds,
     "lower_bound": float(lower_bound),
     "sequential": plan.sequential_seconds,
+    # Over one device without recomputation (FTPipe's "vs seq no
+    # recomp"), and the stages' own work, as priced, over the bottleneck
+    # (its "expected speedup": at most the devices).
+    "speedup": plan.sequential_seconds / plan.bottleneck_seconds,
+    "speedup_at_stage_costs": float(
+      np.sum(plan.stage_forward_seconds) + np.sum(plan.stage_backward_seconds)
+    )
+    / plan.bottleneck_seconds,
+    "cost_model": solved.cost_model,
+    "paper_plan": solved.paper_plan,
     "solve_seconds": solved.seconds,
     "stage_memory_bytes": solved.stage_bytes.total.tolist(),
     "stage_working_bytes": solved.stage_bytes.working.tolist(),
@@ -329,6 +352,14 @@ def _print(args, solved: _Solved, result: dict) -> None:
     result,
     list(plan.stage_of_node),
   )
+  print(
+    f"cost model {solved.cost_model!r}: speed-up "
+    f"{result['speedup']:.2f}x over one device without recomputation, "
+    f"{result['speedup_at_stage_costs']:.2f}x the stages' work as priced "
+    "over the bottleneck"
+  )
+  if solved.paper_plan:
+    print(f"the paper: {solved.paper_plan}")
   if plan.indivisible_note:
     print(f"Warning: {plan.indivisible_note}.")
   if solved.choice is not None:

@@ -114,6 +114,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     ),
     transport=config.pipeline.transport,
     replica_routing=config.pipeline.replica_routing,
+    mixed_blocks=config_options.mixed_blocks(config),
     memory_limit=config_options.memory_limit(config.pipeline.memory_limit),
     clip_global_norm=config.optimizer.clip_norm or None,
     **kwargs,

@@ -546,3 +546,56 @@ def test_straight_pipedream_never_loses_to_one_order(n):
   ).bottleneck_seconds
   ours = partition.solve_pipedream(comp, n, straight=True)
   assert ours.bottleneck_seconds <= contiguous * (1 + 1e-12)
+
+
+def test_edge_bytes_charge_a_cut_what_crosses_it():
+  """A traced node may hand a large value to its successor and an 8-byte
+  one (an RNG key) to a far node: with ``edge_bytes`` a cut after the
+  successor is charged the key, not the node's whole activation."""
+  import dataclasses
+
+  acts = [1e9, 2e6, 3e6, 0.0]
+  graph = _graph(
+    [1.0] * 4, [(0, 1), (0, 3), (1, 2), (2, 3)], acts=acts, params=[0.0] * 4
+  )
+  whole = _antichain.antichain_dag(graph)
+  cut = dataclasses.replace(graph, edge_bytes=(1e9, 8.0, 2e6, 3e6))
+  per_edge = _antichain.antichain_dag(cut)
+  assert whole.antichains == per_edge.antichains
+  by_state = dict(zip(per_edge.antichains, per_edge.output_bytes, strict=True))
+  assert by_state[(0, 1)] == 8.0 + 2e6  # The key and node 1's output.
+  assert by_state[(0,)] == 1e9  # Node 0's output to node 1 crosses too.
+  assert (
+    dict(zip(whole.antichains, whole.output_bytes, strict=True))[(0, 1)]
+    == 1e9 + 2e6
+  )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_edge_bytes_of_whole_activations_bound_pipedreams(seed):
+  """Each edge carrying its source's whole activation (one output per
+  layer, a profile's case): no cut is charged more than PipeDream's sum
+  over the augmented antichain (which also counts a node whose every
+  edge lands behind the cut, inside another member's predecessors), and
+  on a chain exactly as much."""
+  import dataclasses
+
+  def whole(graph):
+    return dataclasses.replace(
+      graph,
+      edge_bytes=tuple(
+        float(graph.activation_bytes[u]) for u, _ in graph.edges
+      ),
+    )
+
+  graph = _random_dag(np.random.default_rng(seed), 8)
+  a, b = _antichain.antichain_dag(graph), _antichain.antichain_dag(whole(graph))
+  assert a.antichains == b.antichains
+  assert np.all(b.output_bytes <= a.output_bytes * (1 + 1e-12))
+  chain = _graph(
+    [1.0] * 6, [(i, i + 1) for i in range(5)], acts=[5.0, 4, 3, 2, 1, 0]
+  )
+  np.testing.assert_array_equal(
+    _antichain.antichain_dag(chain).output_bytes,
+    _antichain.antichain_dag(whole(chain)).output_bytes,
+  )

@@ -116,3 +116,22 @@ def test_mixed_plan_puts_several_stages_on_a_device_and_builds():
     jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True
   ):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_blocks_bound_the_mixed_pipes_stages(mlp):
+  """``mixed_blocks`` (FTPipe's L): the mixed solver cuts L blocks, so a
+  plan has at most L stages (same-device runs merge), never slower than
+  the straight split; other methods refuse it in one line."""
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch)
+  straight = partition.plan_traced(traced, costs, 2)
+  for blocks in range(2, traced.num_nodes + 1):
+    plan = partition.plan_traced(
+      traced, costs, 2, method="mixed", mixed_blocks=(blocks,)
+    )
+    assert 2 <= plan.num_stages <= blocks
+    assert plan.bottleneck_seconds <= straight.bottleneck_seconds * (1 + 1e-12)
+  with pytest.raises(ValueError, match="mixed_blocks are for method 'mixed'"):
+    partition.plan_traced(traced, costs, 2, mixed_blocks=(4,))
+  with pytest.raises(ValueError, match="block count 1 must lie in"):
+    partition.plan_traced(traced, costs, 2, method="mixed", mixed_blocks=(1,))

@@ -146,3 +146,23 @@ def test_a_plan_whose_devices_do_not_match_its_stages_is_refused(devices):
   empty = dataclasses.replace(plain.plan, stage_devices=((0,), (), (1,)))
   with pytest.raises(ValueError, match="stage 1 has no device"):
     _pipe(num_stages=3, partition=empty)
+
+
+def test_mixed_blocks_reach_the_mixed_solver_and_nothing_else():
+  """``mixed_blocks`` bounds the built pipeline's mixed-pipe stages;
+  another partition refuses it; a solved Plan put in its place (data
+  parallel and re-partitioning runs) leaves it out."""
+  from jpipe.runtime import with_partition
+
+  pipe, _, _ = _pipe(num_stages=2, partition="mixed", mixed_blocks=(3,))
+  assert 2 <= pipe.plan.num_stages <= 3
+  assert pipe.partitioning.mixed_blocks == (3,)
+  with pytest.raises(ValueError, match="is for partition='mixed'"):
+    Partitioning(2, mixed_blocks=(3,))
+  value = Partitioning(2, partition="mixed", mixed_blocks=(3,))
+  solved = with_partition({"partitioning": value}, pipe.plan)
+  assert solved["partitioning"].mixed_blocks is None
+  kept = with_partition({"partitioning": value}, "mixed")
+  assert kept["partitioning"].mixed_blocks == (3,)
+  keywords = with_partition({"mixed_blocks": (3,)}, pipe.plan)
+  assert keywords == {"partition": pipe.plan, "mixed_blocks": None}

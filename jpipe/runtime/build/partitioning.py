@@ -136,6 +136,10 @@ class Partitioning:
       residuals keep their bits, but an optimizer's moments stored in a
       shared buffer may round differently in the last bits (XLA fuses
       the update otherwise): 0 keeps every bit of unpacked leaves.
+    mixed_blocks: ``partition="mixed"`` only: the block counts L its
+      solver tries, the best kept (FTPipe's ``--L``; at most L stages
+      after same-device runs merge). None (default): P, 2P, 3P, 4P (and
+      6P to 16P with a memory limit) for P devices.
   """
 
   num_stages: int
@@ -151,6 +155,7 @@ class Partitioning:
   gpu_command_buffers: bool | None = None
   replica_routing: str = "split"
   own_buffer_bytes: float | None = None
+  mixed_blocks: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.num_stages < 1:
@@ -167,6 +172,11 @@ class Partitioning:
         f"own_buffer_bytes must be a size in bytes >= 0 (0: pack nothing, "
         f"math.inf: pack everything) or None for the platform's default, "
         f"got {self.own_buffer_bytes!r}"
+      )
+    if self.mixed_blocks is not None and self.partition != "mixed":
+      raise ValueError(
+        f"mixed_blocks={self.mixed_blocks} is for partition='mixed', not "
+        f"{self.partition!r}: drop it or use the mixed pipe"
       )
     if self.replica_routing not in REPLICA_ROUTINGS:
       raise ValueError(
@@ -219,12 +229,16 @@ def with_partition(options: Mapping[str, Any], partition) -> dict:
   """``jpipe.Pipeline``'s keyword ``options`` with ``partition`` (e.g. a
   solved Plan) as their partition, in the spelling they use."""
   options = dict(options)
+  # The mixed solver's block counts go with it (a Plan has its stages).
+  blocks = {} if partition == "mixed" else {"mixed_blocks": None}
   if options.get("partitioning") is not None:
     options["partitioning"] = dataclasses.replace(
-      options["partitioning"], partition=partition
+      options["partitioning"], partition=partition, **blocks
     )
   else:
     options["partition"] = partition
+    if "mixed_blocks" in options:
+      options.update(blocks)
   return options
 
 

@@ -237,6 +237,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
       and partitioning.price_last_stage,
       slots=slots,
       memory=memory,
+      mixed_blocks=partitioning.mixed_blocks,
     )
 
   if request.auto_schedule:
@@ -560,6 +561,7 @@ def _make_plan(
       devices=slots,
       last_stage_costs=last_stage_costs,
       memory=options["memory"],
+      mixed_blocks=options["mixed_blocks"],
     )
   if plan.node_names != traced.node_names:
     raise ValueError("the Plan was made for a different model (nodes differ)")
