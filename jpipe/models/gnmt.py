@@ -22,11 +22,11 @@ inputs int [B, S], targets int [B, T] (0 pads) -> logits float32 [B, T,
 vocab].
 """
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jpipe.models import decoding
 
 # PipeDream's gnmt (GNMT-8) and gnmt_large (GNMT-16): LSTM layers per
 # side.
@@ -182,31 +182,9 @@ def empty_cache(
   return cache
 
 
-# One function per model: the pipeline compiles its programs per function.
-@functools.lru_cache(maxsize=16)
 def decode_fns(model: Model):
-  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``:
-  ``(params, batch) -> (next-token logits float32 [B, vocab], the new
-  cache)``; batch: "inputs" int [B, S] (the source), "tokens" int [B, 1]
-  (the decoder's input), "index" (unused: the LSTMs carry the
-  position), "cache" (``empty_cache``'s layout). The prefill runs the
-  encoder too."""
-
-  def step(params, batch, encode):
-    logits, cache = model.apply(
-      {"params": params},
-      batch["inputs"],
-      batch["tokens"],
-      train=False,
-      cache=batch["cache"],
-      encode=encode,
-    )
-    return logits[:, -1], cache
-
-  def prefill_fn(params, batch):
-    return step(params, batch, True)
-
-  def decode_fn(params, batch):
-    return step(params, batch, False)
-
-  return prefill_fn, decode_fn
+  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``
+  (``decoding.encoder_decoder_fns``: "inputs" the sources, "tokens" the
+  decoder's input, "index" unused -- the LSTMs carry the position --,
+  "cache" ``empty_cache``'s layout; the prefill runs the encoder too)."""
+  return decoding.encoder_decoder_fns(model, with_index=False)
