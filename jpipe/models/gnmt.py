@@ -56,18 +56,21 @@ class Lstm(nn.Module):
 
 
 class BidirectionalLstm(nn.Module):
-  """Forward and backward LSTMs, outputs concatenated: [B, L, 2 hidden]."""
+  """Forward and backward LSTMs, outputs concatenated: [B, L, 2 hidden].
+  The backward one starts at each row's last token (``lengths`` int [B]),
+  as MLPerf's packed sequences do: a source's outputs do not depend on
+  its trailing padding (the forward one's never do)."""
 
   hidden: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, lengths):
     forward = nn.RNN(nn.OptimizedLSTMCell(self.hidden, name="forward"))(x)
     backward = nn.RNN(
       nn.OptimizedLSTMCell(self.hidden, name="backward"),
       reverse=True,
       keep_order=True,
-    )(x)
+    )(x, seq_lengths=lengths)
     return jnp.concatenate([forward, backward], axis=-1)
 
 
@@ -108,6 +111,12 @@ class BahdanauAttention(nn.Module):
     return context if cache is None else (context, {"memory": keys, "keys": k})
 
 
+def _lengths(inputs):
+  """int32 [B]: each source's tokens up to its last non-padding one."""
+  at = jnp.arange(1, inputs.shape[1] + 1, dtype=jnp.int32)
+  return jnp.max(jnp.where(inputs > 0, at, 0), axis=1)
+
+
 class Model(nn.Module):
   """GNMT (see the module docstring); sizes by name in ``SIZES``."""
 
@@ -133,7 +142,7 @@ class Model(nn.Module):
     memory = None
     if cache is None or encode:
       x = drop(embed(inputs))
-      x = BidirectionalLstm(self.hidden, name="encoder_0")(x)
+      x = BidirectionalLstm(self.hidden, name="encoder_0")(x, _lengths(inputs))
       for i in range(1, self.num_layers):
         y = Lstm(self.hidden, name=f"encoder_{i}")(drop(x))
         x = y + x if i >= 2 else y

@@ -97,6 +97,8 @@ class Generation:
       }
       if self.prefill_fn is not None:
         batch["inputs"] = jnp.asarray(prompts)
+      else:  # Prompts of one length: no left padding.
+        batch["pad"] = jnp.zeros(b, jnp.int32)
       logits, batch["cache"] = prefill(params, batch)
       tokens = [jnp.argmax(logits, -1).astype(jnp.int32)]
       for t in range(1, self.max_new_tokens):

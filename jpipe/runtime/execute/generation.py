@@ -3,7 +3,7 @@ cache kept on the stage that runs the layer.
 
 The model's decoding step -- ``decode_fn(params, batch) -> (next-token
 logits [b, vocab], new cache)`` with ``batch = {"tokens": int [b, L],
-"index": int [b], "cache": ...}`` -- is a function of the params like
+"index": int [b], "pad": int [b], "cache": ...}`` -- is a function of the params like
 ``Pipeline.predict``'s, so it is traced and cut by the pipeline's plan
 as forward-only evaluation cuts it (``forward_only.cut_function``): each
 layer's cache leaves are batch inputs read, and written back as results,
@@ -32,8 +32,16 @@ tokens are ``eos_id``. The host reads whether every sequence has
 finished one step late (after dispatching the next step) so that reading
 does not stall the stages; at most one step is computed and dropped.
 
+Prompts of different lengths (a list of 1-D token arrays): a
+decoder-only model's are left-padded to the longest, so that the cache
+slot written stays one per batch; "pad" says how many slots each row's
+padding takes (its position 0 is at that slot; the model masks the
+padding slots out: ``models.gpt2``). An encoder-decoder's sources are
+right-padded with 0, which its encoder masks (no "pad": every decoder
+starts at slot 0).
+
 Limits: one process, one device per stage (no replica groups), no model
-state, prompts of one length (the cache index is shared by a batch).
+state.
 """
 
 import dataclasses
@@ -66,6 +74,7 @@ class _Decoder:
   index: int  # The "index" batch leaf.
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
   inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
+  pad: int | None  # The "pad" batch leaf (decoder-only).
   # Per cache leaf, the placement reading it (None: none reads it).
   home: tuple = ()
 
@@ -97,20 +106,24 @@ def generate(
   start_id: int = 0,
 ) -> jax.Array:
   """``Pipeline.generate``: greedy continuations int32 [B, n] of the
-  prompts int [B, P] (an encoder-decoder's sources when ``prefill_fn``
-  is given: the decoder starts from ``start_id``), n <= max_new_tokens
-  (fewer when every sequence finished early), on the last stage's
-  device."""
-  prompts = np.asarray(prompts)
+  prompts (int [B, P], or B 1-D int arrays of any lengths; an
+  encoder-decoder's sources when ``prefill_fn`` is given: the decoder
+  starts from ``start_id``), n <= max_new_tokens (fewer when every
+  sequence finished early), on the last stage's device."""
+  encoder_decoder = prefill_fn is not None
+  prompts, pad = padded_prompts(prompts, encoder_decoder)
   _check(pipe, prompts, max_new_tokens)
-  feeds = _Feeds(
-    pipe.microbatch_size, prompts, prefill_fn is not None, start_id
-  )
+  feeds = _Feeds(pipe.microbatch_size, prompts, pad, start_id)
   m, length = feeds.m, feeds.first.shape[1]
   cache = jax.eval_shape(
     functools.partial(empty_cache, feeds.mb, length + max_new_tokens - 1)
   )
   dec = _decoder(pipe, prefill_fn or decode_fn, decode_fn, cache, feeds)
+  if pad is not None and pad.any() and not _reads(dec, dec.pad):
+    raise ValueError(
+      "prompts of different lengths are left-padded: decode_fn must read "
+      "batch['pad'] (each row's padding slots, e.g. models.gpt2.decode_fn)"
+    )
   feeds.avals = jax.tree.leaves(cache)
   tokens = feeds.run(dec, dec.prefill, state, 0, None)
   done = None
@@ -130,6 +143,29 @@ def generate(
   )
 
 
+def padded_prompts(prompts, encoder_decoder: bool):
+  """(int [B, P], each row's left padding int32 [B] or None): ``prompts``
+  as one array -- 1-D arrays of different lengths padded with 0, on the
+  left (decoder-only) or the right (an encoder-decoder's sources)."""
+  if isinstance(prompts, (list, tuple)) and prompts:
+    rows = [np.asarray(p) for p in prompts]
+    if any(r.ndim != 1 or not len(r) for r in rows):
+      raise ValueError(
+        "prompts of different lengths must be non-empty 1-D token arrays, "
+        f"got shapes {[r.shape for r in rows]}"
+      )
+    width = max(len(r) for r in rows)
+    pads = np.array([width - len(r) for r in rows], np.int32)
+    side = (lambda n: (0, n)) if encoder_decoder else (lambda n: (n, 0))
+    prompts = np.stack(
+      [np.pad(r, side(n)) for r, n in zip(rows, pads, strict=True)]
+    )
+  else:
+    prompts = np.asarray(prompts)
+    pads = np.zeros(len(prompts), np.int32)
+  return prompts, None if encoder_decoder else pads
+
+
 class _Feeds:
   """A generation's batch leaves, placed per microbatch where the stages
   read them: the first tokens (the prompts, or the decoder's start),
@@ -137,9 +173,11 @@ class _Feeds:
   latest value per microbatch, on the device of the stage writing it;
   zeros made there before the first write)."""
 
-  def __init__(self, mb, prompts, encoder_decoder, start_id):
+  def __init__(self, mb, prompts, pad, start_id):
     self.mb, self.m = mb, len(prompts) // mb
+    encoder_decoder = pad is None
     self.source = prompts if encoder_decoder else None
+    self.pad = pad
     self.first = (
       np.full((len(prompts), 1), start_id, np.int32)
       if encoder_decoder
@@ -181,6 +219,8 @@ class _Feeds:
             leaves[i] = jax.device_put(x, device)
           elif i == dec.index:
             leaves[i] = jax.device_put(index, device)
+          elif i == dec.pad:
+            leaves[i] = jax.device_put(rows(self.pad, b), device)
           elif i == dec.inputs:
             key = (place, b)
             if key not in self._sources:
@@ -244,6 +284,8 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
       batch["inputs"] = jax.ShapeDtypeStruct(
         (mb, feeds.source.shape[1]), feeds.source.dtype
       )
+    else:
+      batch["pad"] = jax.ShapeDtypeStruct((mb,), np.int32)
     return batch
 
   steps = []
@@ -263,6 +305,7 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     paths.index("index"),
     tuple(i for i, key in enumerate(paths) if key == "cache"),
     paths.index("inputs") if "inputs" in paths else None,
+    paths.index("pad") if "pad" in paths else None,
   )
   return dataclasses.replace(dec, home=_homes(dec))
 
@@ -289,6 +332,15 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
       k for k, v in enumerate(jaxpr.outvars[1:]) if id(v) not in inputs
     )
   return pipe.forward_programs[key]
+
+
+def _reads(dec, leaf) -> bool:
+  """Whether a stage of the prefill or step program reads batch ``leaf``."""
+  return any(
+    leaf in wanted
+    for step in (dec.prefill, dec.step)
+    for wanted in step.program.batch_leaves.values()
+  )
 
 
 def _homes(dec) -> tuple:
