@@ -459,6 +459,9 @@ class Pipeline:
     prompts are then its sources, the batch's "inputs", the encoder runs
     once in the prefill, and the decoder starts from ``start_id``
     (sources of different lengths are right-padded with 0; no "pad").
+    With model state both take it as ``predict_fn`` does:
+    ``decode_fn(params, model_state, batch)``. Stages on replica groups
+    decode as they predict; across processes it is refused.
 
     Returns:
       int32 [B, n] on the last stage's device, n <= max_new_tokens:

@@ -40,8 +40,15 @@ padding slots out: ``models.gpt2``). An encoder-decoder's sources are
 right-padded with 0, which its encoder masks (no "pad": every decoder
 starts at slot 0).
 
-Limits: one process, one device per stage (no replica groups), no model
-state.
+A stage on a replica group reads a microbatch's feeds as its other
+work does: split over the group, whole on the first device (weighted),
+or on the microbatch's replica (round robin); its cache stays so.
+
+With model state (e.g. BatchNorm statistics) the decoding functions
+take it as ``predict_fn`` does -- ``decode_fn(params, model_state,
+batch)`` -- and read it on the stages that keep it (not updated).
+
+Limits: one process.
 """
 
 import dataclasses
@@ -84,8 +91,8 @@ def _greedy(decode_fn: Callable, written: tuple[int, ...]) -> Callable:
   """``decode_fn`` returning its logits' argmax (int32 [b]) and only the
   cache leaves at ``written``."""
 
-  def greedy(params, batch):
-    logits, cache = decode_fn(params, batch)
+  def greedy(params, *state_and_batch):
+    logits, cache = decode_fn(params, *state_and_batch)
     leaves = jax.tree.leaves(cache)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), [
       leaves[k] for k in written
@@ -138,8 +145,14 @@ def generate(
         break
       tokens, done = _mark_ends(done, tokens, eos_id)
     steps.append(tokens)
+  # Each microbatch's [mb, n] tokens (on the last stage's group or
+  # replica) together on that stage's first device.
+  last = pipe.placement[-1].device
   return jnp.concatenate(
-    [jnp.stack([s[b] for s in steps], axis=1) for b in range(m)]
+    [
+      jax.device_put(jnp.stack([s[b] for s in steps], axis=1), last)
+      for b in range(m)
+    ]
   )
 
 
@@ -200,7 +213,7 @@ class _Feeds:
       if home is not None and made != home:
         # Made elsewhere (e.g. the encoder's outputs an attention keeps):
         # moved to its reader once per write.
-        values = [jax.device_put(v, home.device) for v in values]
+        values = [_put(home, b, v) for b, v in enumerate(values)]
       self.cache[k] = values
     return results[0]
 
@@ -210,33 +223,43 @@ class _Feeds:
     rows = lambda x, b: x[b * self.mb : (b + 1) * self.mb]  # noqa: E731
     out = {}
     for place, wanted in program.batch_leaves.items():
-      device, out[place] = place.device, {}
+      out[place] = {}
       for b in range(self.m):
         leaves = {}
+        put = functools.partial(_put, place, b)
         for i in wanted:
           if i == dec.tokens:
             x = rows(self.first, b) if tokens is None else tokens[b][:, None]
-            leaves[i] = jax.device_put(x, device)
+            leaves[i] = put(x)
           elif i == dec.index:
-            leaves[i] = jax.device_put(index, device)
+            leaves[i] = put(index)
           elif i == dec.pad:
-            leaves[i] = jax.device_put(rows(self.pad, b), device)
+            leaves[i] = put(rows(self.pad, b))
           elif i == dec.inputs:
             key = (place, b)
             if key not in self._sources:
-              self._sources[key] = jax.device_put(rows(self.source, b), device)
+              self._sources[key] = put(rows(self.source, b))
             leaves[i] = self._sources[key]
           else:
             k = dec.cache.index(i)
+            aval = self.avals[k]
             leaves[i] = (
               self.cache[k][b]
               if k in self.cache
-              else jnp.zeros(
-                self.avals[k].shape, self.avals[k].dtype, device=device
-              )
+              else put(np.zeros(aval.shape, aval.dtype))
             )
         out[place][b] = leaves
     return out
+
+
+def _put(place, b: int, x):
+  """Microbatch b's value ``x`` (leading axis: its examples) where
+  ``place`` reads it: on its device; a replica group's split over the
+  group, on its first device (weighted), or on b's replica (round
+  robin)."""
+  if place.round_robin:
+    return jax.device_put(x, place.replica(b).device)
+  return place.put_values(x)
 
 
 def _check(pipe, prompts, max_new_tokens) -> None:
@@ -256,16 +279,6 @@ def _check(pipe, prompts, max_new_tokens) -> None:
   if pipe.transport.multiprocess:
     raise ValueError(
       "generate runs in one process: call it without jax.distributed"
-    )
-  grouped = [s for s, p in enumerate(pipe.placement) if len(p.devices) > 1]
-  if grouped:
-    raise ValueError(
-      f"generate runs each stage on one device; stage {grouped[0]} is a "
-      "replica group: build the pipeline without replicas to generate"
-    )
-  if pipe.state_treedef is not None:
-    raise ValueError(
-      "generate does not take model state: use a model without it"
     )
 
 
@@ -315,12 +328,16 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
   one abstract trace (cached per function and shapes)."""
   key = ("written", fn, jax.tree.structure(example), str(example))
   if key not in pipe.forward_programs:
-    avals = pipe.traced.closed_jaxpr.in_avals[: pipe.traced.num_param_leaves]
-    params = jax.tree.unflatten(
-      pipe.params_treedef,
-      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals],
-    )
-    closed, out = jax.make_jaxpr(fn, return_shape=True)(params, example)
+    avals = [
+      jax.ShapeDtypeStruct(a.shape, a.dtype)
+      for a in pipe.traced.closed_jaxpr.in_avals
+    ]
+    n = pipe.traced.num_param_leaves
+    args = [jax.tree.unflatten(pipe.params_treedef, avals[:n])]
+    if pipe.state_treedef is not None:  # fn(params, model_state, batch).
+      state = avals[n + pipe.num_batch_leaves :]
+      args.append(jax.tree.unflatten(pipe.state_treedef, state))
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(*args, example)
     if jax.tree.structure(out) != jax.tree.structure((0, example["cache"])):
       raise ValueError(
         f"{what} must return (logits [batch, vocab], the cache in "
