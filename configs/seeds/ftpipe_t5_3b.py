@@ -25,9 +25,10 @@ the stages' work over the bottleneck (FTPipe's "expected speedup":
 
 Variants: "" (default) RTE; "boolq", "wic", "squad" the other tasks;
 "small" the same code path at a size that trains on 2 CPU cores in
-under two minutes: a 2+2-layer T5 v1.0 on the embedded text's span
-corruption (T5's own objective; no TFDS dataset needed), the mixed pipe
-with 4 stages on 2 devices, Adafactor, warm-up then constant, stale.
+a few minutes: a 2+2-layer T5 v1.0 on the embedded SQuAD-style task
+(``stdlib_qa``: a standard-library function's signature and docstring
+line as context, what it does -- the line -- the answer; no download), the mixed pipe with
+4 stages on 2 devices, Adafactor, warm-up then constant, stale.
 
 Metrics as FTPipe reports them: the held-out sources are continued by
 greedy decoding through the stages (``Pipeline.generate``: the encoder
@@ -35,7 +36,7 @@ once, each decoder block's key/value cache on its stage) and scored --
 RTE / BoolQ / WiC by ``generated_accuracy`` (the label word), SQuAD by
 ``generated_exact_match`` and ``generated_f1`` (SQuAD's normalisation),
 in percent -- beside the teacher-forced accuracy / exact match, token
-loss and perplexity. ("small" trains on span corruption: loss only.)
+loss and perplexity ("small": exact match and F1 on stdlib_qa).
 
 Plan it at full size on any machine (abstract: nothing of 3B is held):
   python -m jpipe.train.plan --config configs/seeds/ftpipe_t5_3b.py
@@ -53,7 +54,6 @@ from jpipe.train.base_config import (
   base_config,
   qa_data,
   text_classification_data,
-  text_data,
 )
 
 TASKS = {
@@ -82,10 +82,13 @@ def get_config(variant: str = ""):
   c.schedule.supremum_staleness = "auto"
   c.pipeline.recompute = True  # FTPipe's default (nr: False).
   if variant == "small":
-    c.data = text_data("stdlib_text", span_corruption=True)
+    c.data = qa_data("stdlib_qa")  # Embedded: built on first use.
+    c.data.eval_split = "test"
+    c.data.eval_examples = 64  # Held-out questions answered per evaluation.
     c.data.batch_size = 16
-    c.data.sequence_length = 64
-    c.model.kwargs.vocab_size = 257 + 32  # Bytes + span sentinels.
+    c.data.sequence_length = 192  # Bytes of question + context.
+    c.data.target_length = 64  # Bytes of the answer (<= 60) and its end.
+    c.model.kwargs.vocab_size = 257  # Bytes (+ padding).
     c.model.kwargs.d_model = 64
     c.model.kwargs.d_kv = 16
     c.model.kwargs.d_ff = 128

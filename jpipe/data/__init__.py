@@ -1,13 +1,17 @@
 """Datasets as local TFDS builders over data that ships with packages."""
 
-from jpipe.data._local_tfds import split_names
+from jpipe.data._local_tfds import prepared_source, split_names
 from jpipe.data.digits import SklearnDigits, load_digits
+from jpipe.data.stdlib_tasks import StdlibQa, StdlibTranslation
 from jpipe.data.text import StdlibText, load_stdlib_text
 
 __all__ = [
   "SklearnDigits",
+  "StdlibQa",
   "StdlibText",
+  "StdlibTranslation",
   "load_digits",
   "load_stdlib_text",
+  "prepared_source",
   "split_names",
 ]

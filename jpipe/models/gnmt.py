@@ -22,11 +22,11 @@ inputs int [B, S], targets int [B, T] (0 pads) -> logits float32 [B, T,
 vocab].
 """
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jpipe.models import decoding
 
 # PipeDream's gnmt (GNMT-8) and gnmt_large (GNMT-16): LSTM layers per
 # side.
@@ -56,18 +56,21 @@ class Lstm(nn.Module):
 
 
 class BidirectionalLstm(nn.Module):
-  """Forward and backward LSTMs, outputs concatenated: [B, L, 2 hidden]."""
+  """Forward and backward LSTMs, outputs concatenated: [B, L, 2 hidden].
+  The backward one starts at each row's last token (``lengths`` int [B]),
+  as MLPerf's packed sequences do: a source's outputs do not depend on
+  its trailing padding (the forward one's never do)."""
 
   hidden: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, lengths):
     forward = nn.RNN(nn.OptimizedLSTMCell(self.hidden, name="forward"))(x)
     backward = nn.RNN(
       nn.OptimizedLSTMCell(self.hidden, name="backward"),
       reverse=True,
       keep_order=True,
-    )(x)
+    )(x, seq_lengths=lengths)
     return jnp.concatenate([forward, backward], axis=-1)
 
 
@@ -108,6 +111,12 @@ class BahdanauAttention(nn.Module):
     return context if cache is None else (context, {"memory": keys, "keys": k})
 
 
+def _lengths(inputs):
+  """int32 [B]: each source's tokens up to its last non-padding one."""
+  at = jnp.arange(1, inputs.shape[1] + 1, dtype=jnp.int32)
+  return jnp.max(jnp.where(inputs > 0, at, 0), axis=1)
+
+
 class Model(nn.Module):
   """GNMT (see the module docstring); sizes by name in ``SIZES``."""
 
@@ -133,7 +142,7 @@ class Model(nn.Module):
     memory = None
     if cache is None or encode:
       x = drop(embed(inputs))
-      x = BidirectionalLstm(self.hidden, name="encoder_0")(x)
+      x = BidirectionalLstm(self.hidden, name="encoder_0")(x, _lengths(inputs))
       for i in range(1, self.num_layers):
         y = Lstm(self.hidden, name=f"encoder_{i}")(drop(x))
         x = y + x if i >= 2 else y
@@ -182,31 +191,9 @@ def empty_cache(
   return cache
 
 
-# One function per model: the pipeline compiles its programs per function.
-@functools.lru_cache(maxsize=16)
 def decode_fns(model: Model):
-  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``:
-  ``(params, batch) -> (next-token logits float32 [B, vocab], the new
-  cache)``; batch: "inputs" int [B, S] (the source), "tokens" int [B, 1]
-  (the decoder's input), "index" (unused: the LSTMs carry the
-  position), "cache" (``empty_cache``'s layout). The prefill runs the
-  encoder too."""
-
-  def step(params, batch, encode):
-    logits, cache = model.apply(
-      {"params": params},
-      batch["inputs"],
-      batch["tokens"],
-      train=False,
-      cache=batch["cache"],
-      encode=encode,
-    )
-    return logits[:, -1], cache
-
-  def prefill_fn(params, batch):
-    return step(params, batch, True)
-
-  def decode_fn(params, batch):
-    return step(params, batch, False)
-
-  return prefill_fn, decode_fn
+  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``
+  (``decoding.encoder_decoder_fns``: "inputs" the sources, "tokens" the
+  decoder's input, "index" unused -- the LSTMs carry the position --,
+  "cache" ``empty_cache``'s layout; the prefill runs the encoder too)."""
+  return decoding.encoder_decoder_fns(model, with_index=False)

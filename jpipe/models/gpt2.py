@@ -40,11 +40,12 @@ class Block(nn.Module):
   fused_attention: bool = True  # False: the explicit softmax (a reference).
 
   @nn.compact
-  def __call__(self, x, train: bool, cache=None, index=None):
+  def __call__(self, x, train: bool, cache=None, index=None, pad=None):
     """x [B, L, d] -> [B, L, d]; with ``cache`` (``{"k", "v"}``, each
-    [B, T, heads, width]) the keys and values of positions ``index ..
-    index + L - 1`` written into it, attention over its first ``index +
-    L`` positions, and ``(x, the new cache)`` returned."""
+    [B, T, heads, width]) the keys and values of slots ``index .. index +
+    L - 1`` written into it, attention over its first ``index + L`` slots
+    less each row's first ``pad`` (int [B], or None: none), and ``(x, the
+    new cache)`` returned."""
     d = x.shape[-1]
     width = d // self.num_heads
     drop = nn.Dropout(self.dropout, deterministic=not train)
@@ -66,8 +67,7 @@ class Block(nn.Module):
       )
       cache = {"k": k, "v": v}
       k, v = k.astype(q.dtype), v.astype(q.dtype)
-      at = index + jnp.arange(length)
-      mask = (jnp.arange(k.shape[1])[None] <= at[:, None])[None, None]
+      mask = _cache_mask(index + jnp.arange(length), k.shape[1], pad)
     attended = dot_product_attention(
       heads(q),
       k,
@@ -81,6 +81,18 @@ class Block(nn.Module):
     h = jax.nn.gelu(dense(4 * d, "c_fc")(norm("ln_2")(x)), approximate=True)
     x = x + drop(dense(d, "mlp_c_proj")(h))
     return x if cache is None else (x, cache)
+
+
+def _cache_mask(at, slots: int, pad):
+  """bool [B or 1, 1, L, slots]: query i (at slot ``at[i]``) attends the
+  slots up to its own, less a row's ``pad`` first ones (a padding query
+  attends only itself, so that no softmax row is empty)."""
+  key = jnp.arange(slots)[None]
+  keep = key <= at[:, None]
+  if pad is None:
+    return keep[None, None]
+  real = (key[None] >= pad[:, None, None]) | (key == at[:, None])[None]
+  return (keep[None] & real)[:, None]
 
 
 class Model(nn.Module):
@@ -98,12 +110,16 @@ class Model(nn.Module):
   fused_attention: bool = True
 
   @nn.compact
-  def __call__(self, tokens, train: bool = True, cache=None, index=None):
+  def __call__(
+    self, tokens, train: bool = True, cache=None, index=None, pad=None
+  ):
     """tokens int [B, L] -> logits float32 [B, L, vocab]. With ``cache``
-    (``empty_cache``'s layout, T positions) and ``index`` (int scalar: the
-    position of ``tokens[:, 0]``; index + L <= T): the tokens continue
-    the cached prefix, and ``(logits, the cache with their keys and
-    values written)`` is returned (incremental decoding)."""
+    (``empty_cache``'s layout, T slots) and ``index`` (int scalar: the
+    slot of ``tokens[:, 0]``; index + L <= T): the tokens continue the
+    cached prefix, and ``(logits, the cache with their keys and values
+    written)`` is returned (incremental decoding). ``pad`` (int [B];
+    None: zeros): each row's left padding, slots never attended, the
+    row's position 0 at slot ``pad`` (prompts of different lengths)."""
     wte = nn.Embed(
       self.vocab_size,
       self.d_model,
@@ -116,10 +132,13 @@ class Model(nn.Module):
     )
     if cache is None:
       positions = wpe[None, : tokens.shape[1]]
-    else:
+    elif pad is None:
       positions = jax.lax.dynamic_slice_in_dim(wpe, index, tokens.shape[1])[
         None
       ]
+    else:  # A padding slot's position is clipped to 0 (never attended).
+      slots = index + jnp.arange(tokens.shape[1])
+      positions = wpe[jnp.maximum(slots[None] - pad[:, None], 0)]
     if self.dtype is not None:
       positions = positions.astype(self.dtype)
     x = nn.Dropout(self.dropout, deterministic=not train)(
@@ -138,7 +157,9 @@ class Model(nn.Module):
       if cache is None:
         x = block(x, train)
       else:
-        x, new_cache[f"block_{i}"] = block(x, train, cache[f"block_{i}"], index)
+        x, new_cache[f"block_{i}"] = block(
+          x, train, cache[f"block_{i}"], index, pad
+        )
     x = nn.LayerNorm(
       epsilon=self.layer_norm_eps, dtype=self.dtype, name="ln_f"
     )(x)
@@ -174,8 +195,10 @@ def decode_fn(model: Model):
   """The model's decoding step for ``Pipeline.generate``: ``(params,
   batch) -> (next-token logits float32 [B, vocab] after the last of
   batch["tokens"], the cache with the tokens' keys and values)``; batch:
-  "tokens" int [B, L], "index" int [B] (the position of ``tokens[:, 0]``,
-  the same for every example), "cache" (``empty_cache``'s layout)."""
+  "tokens" int [B, L], "index" int [B] (the cache slot of ``tokens[:,
+  0]``, the same for every example), "pad" int [B] (each row's left
+  padding: its position 0 is at that slot), "cache" (``empty_cache``'s
+  layout)."""
 
   def decode(params, batch):
     logits, cache = model.apply(
@@ -184,6 +207,7 @@ def decode_fn(model: Model):
       train=False,
       cache=batch["cache"],
       index=batch["index"][0],
+      pad=batch["pad"],
     )
     return logits[:, -1], cache
 

@@ -18,7 +18,6 @@ each stack's position bias, every block and each stack's final norm; the
 position bias [1, heads, Lq, Lk] travels with the activations.
 """
 
-import functools
 import math
 from typing import Any
 
@@ -26,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe.models import decoding
 from jpipe.models.attention import dot_product_attention
 
 # HuggingFace's configs of Google's checkpoints: t5-small ... t5-11b
@@ -388,34 +388,12 @@ def empty_cache(
   }
 
 
-# One function per model: the pipeline compiles its programs per function.
-@functools.lru_cache(maxsize=16)
 def decode_fns(model: Model):
-  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``:
-  ``(params, batch) -> (next-token logits float32 [B, vocab], the new
-  cache)``; batch: "inputs" int [B, Ls] (the source), "tokens" int
-  [B, L] (the decoder's input at positions "index" int [B]), "cache"
-  (``empty_cache``'s layout). The prefill runs the encoder too."""
-
-  def step(params, batch, encode):
-    logits, cache = model.apply(
-      {"params": params},
-      batch["inputs"],
-      batch["tokens"],
-      train=False,
-      cache=batch["cache"],
-      index=batch["index"][0],
-      encode=encode,
-    )
-    return logits[:, -1], cache
-
-  def prefill_fn(params, batch):
-    return step(params, batch, True)
-
-  def decode_fn(params, batch):
-    return step(params, batch, False)
-
-  return prefill_fn, decode_fn
+  """The model's ``(prefill_fn, decode_fn)`` for ``Pipeline.generate``
+  (``decoding.encoder_decoder_fns``: "inputs" the sources, "tokens" the
+  decoder's input, at positions "index", "cache" ``empty_cache``'s
+  layout; the prefill runs the encoder too)."""
+  return decoding.encoder_decoder_fns(model, with_index=True)
 
 
 def hf_names(model: Model) -> dict[str, tuple[str | tuple[str, ...], bool]]:

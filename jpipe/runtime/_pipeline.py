@@ -380,19 +380,25 @@ class Pipeline(PipelineStateMethods):
     prefill_fn: Callable[..., Any] | None = None,
     start_id: int = 0,
   ) -> jax.Array:
-    """Greedy continuations of ``prompts`` (int [B, P], B a multiple of
-    the microbatch size) through the stages, each layer's key/value
-    cache on the stage that runs it (``execute/generation.py``).
+    """Greedy continuations of ``prompts`` (int [B, P], or B 1-D int
+    arrays of different lengths; B a multiple of the microbatch size)
+    through the stages, each layer's key/value cache on the stage that
+    runs it (``execute/generation.py``).
 
     ``decode_fn(params, batch) -> (next-token logits [b, vocab], new
-    cache)``, batch ``{"tokens": int [b, L], "index": int [b] (the
-    position of tokens[:, 0]), "cache": ...}``, e.g. ``models.gpt2.
+    cache)``, batch ``{"tokens": int [b, L], "index": int [b] (the cache
+    slot of tokens[:, 0]), "pad": int [b] (each row's left padding, the
+    slots before its first token), "cache": ...}``, e.g. ``models.gpt2.
     decode_fn(model)``; it is cut by the plan as ``predict_fn`` is.
     ``empty_cache(b, length)``: the cache's zeros (shapes only are used;
     each stage makes its own on its device). An encoder-decoder gives
     ``prefill_fn`` too (e.g. ``models.t5_v1.decode_fns(model)``): the
     prompts are then its sources, the batch's "inputs", the encoder runs
-    once in the prefill, and the decoder starts from ``start_id``.
+    once in the prefill, and the decoder starts from ``start_id``
+    (sources of different lengths are right-padded with 0; no "pad").
+    With model state both take it as ``predict_fn`` does:
+    ``decode_fn(params, model_state, batch)``. Stages on replica groups
+    decode as they predict; across processes it is refused.
 
     Returns:
       int32 [B, n] on the last stage's device, n <= max_new_tokens:

@@ -20,8 +20,8 @@ prompts greedily (through the stages by ``Pipeline.generate``, each
 layer's key/value cache on its stage; on one device by the same decoding
 functions) and scores the generated tokens, e.g. SQuAD's exact match
 and F1, accuracy of label words, BLEU (``text_metrics``). Through a
-pipeline that ``Pipeline.generate`` cannot run (across processes, with
-replica groups) the generated metrics are left out.
+pipeline that ``Pipeline.generate`` cannot run (across processes) the
+generated metrics are left out.
 """
 
 import dataclasses
@@ -97,6 +97,8 @@ class Generation:
       }
       if self.prefill_fn is not None:
         batch["inputs"] = jnp.asarray(prompts)
+      else:  # Prompts of one length: no left padding.
+        batch["pad"] = jnp.zeros(b, jnp.int32)
       logits, batch["cache"] = prefill(params, batch)
       tokens = [jnp.argmax(logits, -1).astype(jnp.int32)]
       for t in range(1, self.max_new_tokens):
@@ -109,10 +111,8 @@ class Generation:
 
   def through_pipeline(self, pipe, state) -> dict:
     """The scores of ``Pipeline.generate`` (nothing gathered); ``{}``
-    where it cannot run (across processes, replica groups)."""
-    if pipe.transport.multiprocess or any(
-      len(p.devices) > 1 for p in pipe.placement
-    ):
+    where it cannot run (across processes)."""
+    if pipe.transport.multiprocess:
       return {}
     out = [
       pipe.generate(

@@ -17,7 +17,14 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jpipe.data import digits, split_names, text, tokenizers
+from jpipe.data import (
+  digits,
+  prepared_source,
+  split_names,
+  stdlib_tasks,
+  text,
+  tokenizers,
+)
 from jpipe.train.errors import UsageError
 
 
@@ -286,7 +293,8 @@ def load_tokens(config, tokens: tokenizers.Tokenizer, need: int = 1):
   return streams
 
 
-EMBEDDED = ("digits", "stdlib_text")  # Built from files on this machine.
+# Built from files on this machine (the text tasks': stdlib_tasks.BUILDERS).
+EMBEDDED = ("digits", "stdlib_text", *stdlib_tasks.BUILDERS)
 
 
 def check_splits(data) -> None:
@@ -412,7 +420,11 @@ def image_batch_at(
 def records(config, split: str):
   """The examples of a TFDS ``split`` of ``config.data``: a random-access
   sequence of dicts (a ``tfds`` data source; nothing is read until
-  indexed), or a UsageError saying how to prepare the dataset."""
+  indexed), or a UsageError saying how to prepare the dataset. An
+  embedded task (``stdlib_tasks``) is built on first use."""
+  builder = stdlib_tasks.BUILDERS.get(config.data.name)
+  if builder is not None:
+    return prepared_source(builder, split, config.data.data_dir or None)
   return _tfds_source(config.data, split, embedded="stdlib_text")
 
 

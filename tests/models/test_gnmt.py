@@ -1,5 +1,6 @@
 """GNMT: a tiny model's logits against a NumPy restatement (LSTM gates,
-bidirectional first layer, residuals from the third layer, normalised
+bidirectional first layer -- the backward LSTM from each source's last
+token --, residuals from the third layer, normalised
 Bahdanau attention with padding masked), its size against MLPerf's, and
 each LSTM one partitioner node."""
 
@@ -39,6 +40,15 @@ def _lstm(x, p, reverse=False):
   return out
 
 
+def _backward(x, p, lengths):
+  """The backward LSTM of each row from its last token (padding after
+  it: zeros, masked out of the attention)."""
+  out = np.zeros(x.shape[:2] + (p["hi"]["kernel"].shape[0],))
+  for b, n in enumerate(lengths):
+    out[b, :n] = _lstm(x[b : b + 1, :n], p, reverse=True)[0]
+  return out
+
+
 def _attention(query, keys, mask, p):
   v = p["g"] * p["v"] / np.linalg.norm(p["v"])
   q = query @ p["query"]["kernel"]
@@ -57,7 +67,7 @@ def _reference(p, inputs, targets, layers):
   x = np.concatenate(
     [
       _lstm(x, p["encoder_0"]["forward"]),
-      _lstm(x, p["encoder_0"]["backward"], reverse=True),
+      _backward(x, p["encoder_0"]["backward"], (inputs > 0).sum(1)),
     ],
     -1,
   )

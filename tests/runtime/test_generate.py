@@ -167,10 +167,12 @@ def test_decoding_step_with_cache_equals_full_forward():
   full = model.apply({"params": params}, seq, train=False)
   decode = jax.jit(gpt2.decode_fn(model))
   cache = gpt2.empty_cache(model, 4, seq.shape[1])
-  batch = {"tokens": seq[:, :5], "index": jnp.zeros(4, jnp.int32)}
+  pad = {"pad": jnp.zeros(4, jnp.int32)}
+  batch = {"tokens": seq[:, :5], "index": jnp.zeros(4, jnp.int32)} | pad
   logits, cache = decode(params, batch | {"cache": cache})
   np.testing.assert_allclose(logits, full[:, 4], atol=1e-5)
   for i in range(5, seq.shape[1]):
     batch = {"tokens": seq[:, i : i + 1], "index": jnp.full(4, i, jnp.int32)}
+    batch |= pad
     logits, cache = decode(params, batch | {"cache": cache})
     np.testing.assert_allclose(logits, full[:, i], atol=1e-5)

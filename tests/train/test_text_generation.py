@@ -130,20 +130,9 @@ def test_ftpipe_t5_squad_seed_reports_generated_exact_match_and_f1(tmp_path):
   """ftpipe_t5_3b.py:squad's own path (T5 v1 text-to-text, the mixed
   pipe, async) at a size for 2 CPU cores on mock SQuAD records: its
   evaluation reports SQuAD's exact match and F1 of generated answers."""
-  config = config_plan.load_config_file("configs/seeds/ftpipe_t5_3b.py:squad")
-  config.unlock()
-  config.model.size = ""
-  config.model.kwargs = _t5_config("qa").model.kwargs
-  config.data.sequence_length = 48
-  config.data.target_length = 8
-  config.data.batch_size = 8
-  config.pipeline.num_stages = 2
-  config.pipeline.num_microbatches = 2
-  config.pipeline.memory_limit = ""
-  config.train.steps = 2
-  config.train.eval_every = 2
-  config.train.checkpoint_every = 2
-  config.train.profile_last_step = False
+  config = _shrunk_seed(
+    "configs/seeds/ftpipe_t5_3b.py:squad", _t5_config("qa").model.kwargs, 48, 8
+  )
   with _mock("qa", train=16, test=12):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
   for name in ("generated_exact_match", "generated_f1"):
@@ -155,22 +144,12 @@ def test_pipedream_gnmt16_seed_reports_bleu(tmp_path):
   """pipedream_gnmt16.py's own path (GNMT, PipeDream's straight split,
   async 1F1B with stashing) at a small size on mock WMT16 records: its
   evaluation reports BLEU of the generated translations."""
-  config = config_plan.load_config_file("configs/seeds/pipedream_gnmt16.py")
-  config.unlock()
-  config.model.size = ""
-  config.model.kwargs = ml_collections.ConfigDict(
-    dict(vocab_size=257, hidden=32, num_layers=2, dropout=0.0)
+  config = _shrunk_seed(
+    "configs/seeds/pipedream_gnmt16.py",
+    dict(vocab_size=257, hidden=32, num_layers=2, dropout=0.0),
+    32,
+    16,
   )
-  config.data.sequence_length = 32
-  config.data.target_length = 16
-  config.data.batch_size = 8
-  config.pipeline.num_stages = 2
-  config.pipeline.num_microbatches = 2
-  config.pipeline.memory_limit = ""
-  config.train.steps = 2
-  config.train.eval_every = 2
-  config.train.checkpoint_every = 2
-  config.train.profile_last_step = False
   rng = np.random.default_rng(0)
   words = "red green blue cyan gold pink gray jade".split()
 
@@ -191,3 +170,24 @@ def test_pipedream_gnmt16_seed_reports_bleu(tmp_path):
   with tfds.testing.mock_data(as_data_source_fn=as_data_source):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert 0.0 <= summary["eval"]["bleu"] <= 100.0
+
+
+def _shrunk_seed(path, model_kwargs, sequence_length, target_length):
+  """The seed config at ``path`` (its own task, schedule and partition) at
+  a size for 2 CPU cores: the given model, 8 examples a step in 2
+  microbatches over 2 stages, two steps then an evaluation."""
+  config = config_plan.load_config_file(path)
+  config.unlock()
+  config.model.size = ""
+  config.model.kwargs = ml_collections.ConfigDict(dict(model_kwargs))
+  config.data.sequence_length = sequence_length
+  config.data.target_length = target_length
+  config.data.batch_size = 8
+  config.pipeline.num_stages = 2
+  config.pipeline.num_microbatches = 2
+  config.pipeline.memory_limit = ""
+  config.train.steps = 2
+  config.train.eval_every = 2
+  config.train.checkpoint_every = 2
+  config.train.profile_last_step = False
+  return config

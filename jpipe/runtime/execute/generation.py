@@ -3,7 +3,7 @@ cache kept on the stage that runs the layer.
 
 The model's decoding step -- ``decode_fn(params, batch) -> (next-token
 logits [b, vocab], new cache)`` with ``batch = {"tokens": int [b, L],
-"index": int [b], "cache": ...}`` -- is a function of the params like
+"index": int [b], "pad": int [b], "cache": ...}`` -- is a function of the params like
 ``Pipeline.predict``'s, so it is traced and cut by the pipeline's plan
 as forward-only evaluation cuts it (``forward_only.cut_function``): each
 layer's cache leaves are batch inputs read, and written back as results,
@@ -32,8 +32,23 @@ tokens are ``eos_id``. The host reads whether every sequence has
 finished one step late (after dispatching the next step) so that reading
 does not stall the stages; at most one step is computed and dropped.
 
-Limits: one process, one device per stage (no replica groups), no model
-state, prompts of one length (the cache index is shared by a batch).
+Prompts of different lengths (a list of 1-D token arrays): a
+decoder-only model's are left-padded to the longest, so that the cache
+slot written stays one per batch; "pad" says how many slots each row's
+padding takes (its position 0 is at that slot; the model masks the
+padding slots out: ``models.gpt2``). An encoder-decoder's sources are
+right-padded with 0, which its encoder masks (no "pad": every decoder
+starts at slot 0).
+
+A stage on a replica group reads a microbatch's feeds as its other
+work does: split over the group, whole on the first device (weighted),
+or on the microbatch's replica (round robin); its cache stays so.
+
+With model state (e.g. BatchNorm statistics) the decoding functions
+take it as ``predict_fn`` does -- ``decode_fn(params, model_state,
+batch)`` -- and read it on the stages that keep it (not updated).
+
+Limits: one process.
 """
 
 import dataclasses
@@ -66,6 +81,7 @@ class _Decoder:
   index: int  # The "index" batch leaf.
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
   inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
+  pad: int | None  # The "pad" batch leaf (decoder-only).
   # Per cache leaf, the placement reading it (None: none reads it).
   home: tuple = ()
 
@@ -75,8 +91,8 @@ def _greedy(decode_fn: Callable, written: tuple[int, ...]) -> Callable:
   """``decode_fn`` returning its logits' argmax (int32 [b]) and only the
   cache leaves at ``written``."""
 
-  def greedy(params, batch):
-    logits, cache = decode_fn(params, batch)
+  def greedy(params, *state_and_batch):
+    logits, cache = decode_fn(params, *state_and_batch)
     leaves = jax.tree.leaves(cache)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), [
       leaves[k] for k in written
@@ -97,20 +113,24 @@ def generate(
   start_id: int = 0,
 ) -> jax.Array:
   """``Pipeline.generate``: greedy continuations int32 [B, n] of the
-  prompts int [B, P] (an encoder-decoder's sources when ``prefill_fn``
-  is given: the decoder starts from ``start_id``), n <= max_new_tokens
-  (fewer when every sequence finished early), on the last stage's
-  device."""
-  prompts = np.asarray(prompts)
+  prompts (int [B, P], or B 1-D int arrays of any lengths; an
+  encoder-decoder's sources when ``prefill_fn`` is given: the decoder
+  starts from ``start_id``), n <= max_new_tokens (fewer when every
+  sequence finished early), on the last stage's device."""
+  encoder_decoder = prefill_fn is not None
+  prompts, pad = padded_prompts(prompts, encoder_decoder)
   _check(pipe, prompts, max_new_tokens)
-  feeds = _Feeds(
-    pipe.microbatch_size, prompts, prefill_fn is not None, start_id
-  )
+  feeds = _Feeds(pipe.microbatch_size, prompts, pad, start_id)
   m, length = feeds.m, feeds.first.shape[1]
   cache = jax.eval_shape(
     functools.partial(empty_cache, feeds.mb, length + max_new_tokens - 1)
   )
   dec = _decoder(pipe, prefill_fn or decode_fn, decode_fn, cache, feeds)
+  if pad is not None and pad.any() and not _reads(dec, dec.pad):
+    raise ValueError(
+      "prompts of different lengths are left-padded: decode_fn must read "
+      "batch['pad'] (each row's padding slots, e.g. models.gpt2.decode_fn)"
+    )
   feeds.avals = jax.tree.leaves(cache)
   tokens = feeds.run(dec, dec.prefill, state, 0, None)
   done = None
@@ -125,9 +145,38 @@ def generate(
         break
       tokens, done = _mark_ends(done, tokens, eos_id)
     steps.append(tokens)
+  # Each microbatch's [mb, n] tokens (on the last stage's group or
+  # replica) together on that stage's first device.
+  last = pipe.placement[-1].device
   return jnp.concatenate(
-    [jnp.stack([s[b] for s in steps], axis=1) for b in range(m)]
+    [
+      jax.device_put(jnp.stack([s[b] for s in steps], axis=1), last)
+      for b in range(m)
+    ]
   )
+
+
+def padded_prompts(prompts, encoder_decoder: bool):
+  """(int [B, P], each row's left padding int32 [B] or None): ``prompts``
+  as one array -- 1-D arrays of different lengths padded with 0, on the
+  left (decoder-only) or the right (an encoder-decoder's sources)."""
+  if isinstance(prompts, (list, tuple)) and prompts:
+    rows = [np.asarray(p) for p in prompts]
+    if any(r.ndim != 1 or not len(r) for r in rows):
+      raise ValueError(
+        "prompts of different lengths must be non-empty 1-D token arrays, "
+        f"got shapes {[r.shape for r in rows]}"
+      )
+    width = max(len(r) for r in rows)
+    pads = np.array([width - len(r) for r in rows], np.int32)
+    side = (lambda n: (0, n)) if encoder_decoder else (lambda n: (n, 0))
+    prompts = np.stack(
+      [np.pad(r, side(n)) for r, n in zip(rows, pads, strict=True)]
+    )
+  else:
+    prompts = np.asarray(prompts)
+    pads = np.zeros(len(prompts), np.int32)
+  return prompts, None if encoder_decoder else pads
 
 
 class _Feeds:
@@ -137,9 +186,11 @@ class _Feeds:
   latest value per microbatch, on the device of the stage writing it;
   zeros made there before the first write)."""
 
-  def __init__(self, mb, prompts, encoder_decoder, start_id):
+  def __init__(self, mb, prompts, pad, start_id):
     self.mb, self.m = mb, len(prompts) // mb
+    encoder_decoder = pad is None
     self.source = prompts if encoder_decoder else None
+    self.pad = pad
     self.first = (
       np.full((len(prompts), 1), start_id, np.int32)
       if encoder_decoder
@@ -162,7 +213,7 @@ class _Feeds:
       if home is not None and made != home:
         # Made elsewhere (e.g. the encoder's outputs an attention keeps):
         # moved to its reader once per write.
-        values = [jax.device_put(v, home.device) for v in values]
+        values = [_put(home, b, v) for b, v in enumerate(values)]
       self.cache[k] = values
     return results[0]
 
@@ -172,31 +223,43 @@ class _Feeds:
     rows = lambda x, b: x[b * self.mb : (b + 1) * self.mb]  # noqa: E731
     out = {}
     for place, wanted in program.batch_leaves.items():
-      device, out[place] = place.device, {}
+      out[place] = {}
       for b in range(self.m):
         leaves = {}
+        put = functools.partial(_put, place, b)
         for i in wanted:
           if i == dec.tokens:
             x = rows(self.first, b) if tokens is None else tokens[b][:, None]
-            leaves[i] = jax.device_put(x, device)
+            leaves[i] = put(x)
           elif i == dec.index:
-            leaves[i] = jax.device_put(index, device)
+            leaves[i] = put(index)
+          elif i == dec.pad:
+            leaves[i] = put(rows(self.pad, b))
           elif i == dec.inputs:
             key = (place, b)
             if key not in self._sources:
-              self._sources[key] = jax.device_put(rows(self.source, b), device)
+              self._sources[key] = put(rows(self.source, b))
             leaves[i] = self._sources[key]
           else:
             k = dec.cache.index(i)
+            aval = self.avals[k]
             leaves[i] = (
               self.cache[k][b]
               if k in self.cache
-              else jnp.zeros(
-                self.avals[k].shape, self.avals[k].dtype, device=device
-              )
+              else put(np.zeros(aval.shape, aval.dtype))
             )
         out[place][b] = leaves
     return out
+
+
+def _put(place, b: int, x):
+  """Microbatch b's value ``x`` (leading axis: its examples) where
+  ``place`` reads it: on its device; a replica group's split over the
+  group, on its first device (weighted), or on b's replica (round
+  robin)."""
+  if place.round_robin:
+    return jax.device_put(x, place.replica(b).device)
+  return place.put_values(x)
 
 
 def _check(pipe, prompts, max_new_tokens) -> None:
@@ -217,16 +280,6 @@ def _check(pipe, prompts, max_new_tokens) -> None:
     raise ValueError(
       "generate runs in one process: call it without jax.distributed"
     )
-  grouped = [s for s, p in enumerate(pipe.placement) if len(p.devices) > 1]
-  if grouped:
-    raise ValueError(
-      f"generate runs each stage on one device; stage {grouped[0]} is a "
-      "replica group: build the pipeline without replicas to generate"
-    )
-  if pipe.state_treedef is not None:
-    raise ValueError(
-      "generate does not take model state: use a model without it"
-    )
 
 
 def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
@@ -244,6 +297,8 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
       batch["inputs"] = jax.ShapeDtypeStruct(
         (mb, feeds.source.shape[1]), feeds.source.dtype
       )
+    else:
+      batch["pad"] = jax.ShapeDtypeStruct((mb,), np.int32)
     return batch
 
   steps = []
@@ -263,6 +318,7 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     paths.index("index"),
     tuple(i for i, key in enumerate(paths) if key == "cache"),
     paths.index("inputs") if "inputs" in paths else None,
+    paths.index("pad") if "pad" in paths else None,
   )
   return dataclasses.replace(dec, home=_homes(dec))
 
@@ -272,12 +328,16 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
   one abstract trace (cached per function and shapes)."""
   key = ("written", fn, jax.tree.structure(example), str(example))
   if key not in pipe.forward_programs:
-    avals = pipe.traced.closed_jaxpr.in_avals[: pipe.traced.num_param_leaves]
-    params = jax.tree.unflatten(
-      pipe.params_treedef,
-      [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals],
-    )
-    closed, out = jax.make_jaxpr(fn, return_shape=True)(params, example)
+    avals = [
+      jax.ShapeDtypeStruct(a.shape, a.dtype)
+      for a in pipe.traced.closed_jaxpr.in_avals
+    ]
+    n = pipe.traced.num_param_leaves
+    args = [jax.tree.unflatten(pipe.params_treedef, avals[:n])]
+    if pipe.state_treedef is not None:  # fn(params, model_state, batch).
+      state = avals[n + pipe.num_batch_leaves :]
+      args.append(jax.tree.unflatten(pipe.state_treedef, state))
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(*args, example)
     if jax.tree.structure(out) != jax.tree.structure((0, example["cache"])):
       raise ValueError(
         f"{what} must return (logits [batch, vocab], the cache in "
@@ -289,6 +349,15 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
       k for k, v in enumerate(jaxpr.outvars[1:]) if id(v) not in inputs
     )
   return pipe.forward_programs[key]
+
+
+def _reads(dec, leaf) -> bool:
+  """Whether a stage of the prefill or step program reads batch ``leaf``."""
+  return any(
+    leaf in wanted
+    for step in (dec.prefill, dec.step)
+    for wanted in step.program.batch_leaves.values()
+  )
 
 
 def _homes(dec) -> tuple:
