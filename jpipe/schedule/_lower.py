@@ -82,7 +82,10 @@ def lower(
     order: every process's actions in the global issue order.
     transfers: ``action -> (before, after)``: the transfers the action
       needs before it runs and those it makes after.
-    stage_process: the process of each stage.
+    stage_process: the process of each stage, or its processes (a tuple:
+      a stage across processes runs in each of them; a process that
+      holds one end of a transfer and not the other SENDs or RECVs,
+      whatever else holds them).
     process: the process whose list this is.
     made_by: ``(action, transfer) -> the action that makes the value``
       of a ``before`` transfer, or None. Given (a transport whose ends
@@ -97,6 +100,9 @@ def lower(
     the action itself where its stage is this process's, then the moves
     of its ``after`` transfers.
   """
+  stage_process = [
+    tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in stage_process
+  ]
   position = {a: i for i, a in enumerate(order)}
   seqs: dict[tuple[int, int], int] = {}
   placed: list[list[Action | Move]] = [[] for _ in order]
@@ -111,7 +117,7 @@ def lower(
         early[maker].append(move)
       else:
         placed[i].append(move)
-    if stage_process[action.stage] == process:
+    if process in stage_process[action.stage]:
       placed[i].append(action)
     placed[i] += _ends(action, after, stage_process, process, seqs)
   out = []
@@ -124,7 +130,13 @@ def lower(
 def _ends(action, transfers, stage_process, process, seqs) -> list[Move]:
   moves = []
   for t in transfers:
-    src, dst = stage_process[t.src], stage_process[t.dst]
+    srcs, dsts = stage_process[t.src], stage_process[t.dst]
+    if len(srcs) > 1 or len(dsts) > 1:  # A group across processes.
+      kind = _group_end(process, srcs, dsts)
+      if kind is not None:
+        moves.append(Move(kind, action, t))
+      continue
+    (src,), (dst,) = srcs, dsts
     if src == dst == process:
       moves.append(Move(MoveKind.MOVE, action, t))
       continue
@@ -137,3 +149,12 @@ def _ends(action, transfers, stage_process, process, seqs) -> list[Move]:
     kind = MoveKind.SEND if src == process else MoveKind.RECV
     moves.append(Move(kind, action, t, seq))
   return moves
+
+
+def _group_end(process, srcs, dsts) -> MoveKind | None:
+  """A process's end of a transfer where a stage spans processes (no
+  ``seq``: such ends meet by order): MOVE where it holds both stages,
+  SEND or RECV where it holds one, None where neither."""
+  if process in srcs:
+    return MoveKind.MOVE if process in dsts else MoveKind.SEND
+  return MoveKind.RECV if process in dsts else None

@@ -63,8 +63,14 @@ def run(config, index, out, path_of_out):
   forward_only = config.pop("forward_only", False)
   profile_calls = config.pop("profile_calls", ())
   micro = config.pop("num_microbatches", 4)
-  # Replica groups: stage s on devices s*r .. s*r + r - 1.
+  # Replica groups: stage s on devices s*r .. s*r + r - 1, or on the
+  # global devices "groups"[s] (groups that may span processes).
   replicas = config.pop("replicas", 1)
+  groups = config.pop("groups", None)
+  count = stages * replicas
+  if groups is not None:
+    groups = tuple(tuple(g) for g in groups)
+    count = 1 + max(max(g) for g in groups)
   size = jax.tree.leaves(batch)[0].shape[0] // micro
 
   def build(partition):
@@ -73,7 +79,7 @@ def run(config, index, out, path_of_out):
       params,
       batch,
       num_stages=stages,
-      devices=jax.devices()[: stages * replicas],
+      devices=jax.devices()[:count],
       num_microbatches=micro,
       optimizer=OPTIMIZERS[config.get("optimizer", "sgd")],
       model_state=model_state,
@@ -81,11 +87,11 @@ def run(config, index, out, path_of_out):
       **{k: v for k, v in config.items() if k != "optimizer"},
     )
 
-  if replicas == 1:
+  if replicas == 1 and groups is None:
     pipe = build("contiguous")
   else:
     plan = build("contiguous").plan
-    groups = tuple(
+    groups = groups or tuple(
       tuple(range(s * replicas, (s + 1) * replicas)) for s in range(stages)
     )
     pipe = build(dataclasses.replace(plan, stage_devices=groups))

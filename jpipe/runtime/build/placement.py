@@ -43,6 +43,35 @@ from jax.sharding import (
 )
 
 
+def spans_processes(sharding) -> bool:
+  """Whether ``sharding`` names devices of other processes than this one
+  (a replica group across processes: its arrays are global, each process
+  holds its devices' shards)."""
+  return not sharding.is_fully_addressable
+
+
+def put_global(x, sharding):
+  """``x`` (whole in this process: a host or local array) as a global
+  array over ``sharding``, which spans processes: each of this process's
+  devices takes its slice of ``x``. Every process of the sharding passes
+  the same value; no process waits for another."""
+  shape = np.shape(x)
+  shards = [
+    jax.device_put(x[index], device)
+    for device, index in sharding.addressable_devices_indices_map(shape).items()
+  ]
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def local_copy(x):
+  """A replicated array's copy on one of this process's devices (``x``
+  itself where every device is this process's): what a process can read
+  of a global array whole."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return x.addressable_shards[0].data
+  return x
+
+
 def _in_place(x, sharding) -> bool:
   """Whether ``x`` is an array committed where ``sharding`` puts it."""
   return isinstance(x, jax.Array) and x.committed and x.sharding == sharding
@@ -56,7 +85,11 @@ def put(x, where):
   ~1.5 µs."""
   if isinstance(where, jax.Device):
     where = SingleDeviceSharding(where)
-  return x if _in_place(x, where) else jax.device_put(x, where)
+  if _in_place(x, where):
+    return x
+  if spans_processes(where):
+    return put_global(x, where)
+  return jax.device_put(x, where)
 
 
 def put_tree(tree, sharding):
@@ -64,7 +97,10 @@ def put_tree(tree, sharding):
   ``device_put`` (batched, as placing a whole state at once was)."""
   leaves, treedef = jax.tree.flatten(tree)
   away = [i for i, x in enumerate(leaves) if not _in_place(x, sharding)]
-  if away:
+  if away and spans_processes(sharding):
+    for i in away:
+      leaves[i] = put_global(leaves[i], sharding)
+  elif away:
     placed = jax.device_put([leaves[i] for i in away], sharding)
     for i, x in zip(away, placed, strict=True):
       leaves[i] = x
@@ -242,7 +278,7 @@ class StagePlacement:
     Returns m tuples of arrays, one per leaf.
     """
     stacked = [x.reshape(m, -1, *x.shape[1:]) for x in leaves]
-    return self._unstack(tuple(jax.device_put(stacked, self._stacked)), m)
+    return self._unstack(tuple(put_tree(stacked, self._stacked)), m)
 
 
 def even_rows(n: int, k: int) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ from jax.sharding import (
 )
 
 from jpipe import distributed
-from jpipe.runtime.build.placement import StagePlacement
+from jpipe.runtime.build.placement import StagePlacement, local_copy
 
 TRANSPORTS = ("pull", "collective")
 
@@ -52,8 +52,10 @@ class Transport:
     placement: each stage's ``StagePlacement`` (devices of any process).
     kind: across processes, "pull" or "collective" (module docstring).
 
-  A stage belongs to the process of its devices; a stage whose devices
-  span processes is an error (a replica group runs SPMD in one process).
+  A stage belongs to the processes of its devices. A replica group may
+  span processes (split routing only): its programs then run SPMD over
+  all its devices, every process of the group dispatching each of them,
+  and the group's values are global arrays (``move``).
   """
 
   def __init__(self, placement: Sequence[StagePlacement], kind: str = "pull"):
@@ -62,24 +64,35 @@ class Transport:
     self.kind = kind
     self.placement = tuple(placement)
     self.process = jax.process_index()
-    self.stage_process = []
-    for s, place in enumerate(self.placement):
-      owners = {d.process_index for d in place.devices}
-      if len(owners) > 1:
+    # Per stage: its processes, and its lead (its first device's): the
+    # one that sends the stage's values to other processes.
+    self.stage_processes = tuple(
+      tuple(sorted({d.process_index for d in place.devices}))
+      for place in self.placement
+    )
+    self.stage_process = tuple(p.device.process_index for p in self.placement)
+    self.spanning = tuple(
+      s for s, ps in enumerate(self.stage_processes) if len(ps) > 1
+    )
+    for s in self.spanning:
+      place = self.placement[s]
+      if place.round_robin or place.weighted:
+        routing = "round_robin" if place.round_robin else "weighted"
         raise ValueError(
-          f"stage {s} is placed on devices of processes {sorted(owners)}: "
-          "a stage's replica group must lie in one process; give each "
-          "stage devices of one process (a process's devices are "
-          "jax.local_devices() there)"
+          f"stage {s}'s replica group spans processes "
+          f"{list(self.stage_processes[s])} with the {routing!r} routing: "
+          "across processes only the 'split' routing is supported; use "
+          "routing='split' or give the group devices of one process"
         )
-      self.stage_process.append(owners.pop())
-    self.stage_process = tuple(self.stage_process)
     # The processes this pipeline runs in (a data-parallel run's other
     # pipelines may run in others: they take no part in its transfers).
-    self.processes = tuple(sorted(set(self.stage_process)))
+    self.processes = tuple(
+      sorted({q for ps in self.stage_processes for q in ps})
+    )
     self.multiprocess = len(self.processes) > 1
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
+    self._gathers: dict[NamedSharding, Any] = {}
     self._pulls = PullLinks() if self.multiprocess and kind == "pull" else None
     # Whether a received value is waited for, on the host, before the
     # program that reads it is dispatched (``wait_for_arrivals``).
@@ -92,7 +105,9 @@ class Transport:
     transfer then meet by the call and the transfer's ``seq``
     (``jpipe.schedule.lower``) instead of by order -- "pull" does; a
     collective's two ends must run in the same order."""
-    return self._pulls is not None
+    # (Not where a group spans processes: its processes must gather a
+    # value off the group at the same place in the order.)
+    return self._pulls is not None and not self.spanning
 
   def begin_call(self) -> None:
     """Every process, at the start of each driver call."""
@@ -106,9 +121,14 @@ class Transport:
     if not self.multiprocess:
       return
     distributed.barrier("connect")
-    firsts = [p.device for p in self.placement]
-    # Each of the pipeline's processes receives the loss (``share``) on
-    # the pipeline's first device there.
+    # A stage's first device in each of its processes (where its values
+    # arrive and leave); each of the pipeline's processes receives the
+    # loss (``share``) on the pipeline's first device there.
+    firsts = [
+      _first_in(p, q)
+      for p, ps in zip(self.placement, self.stage_processes, strict=True)
+      for q in ps
+    ]
     firsts += [self._device_of(q) for q in self.processes]
     links = sorted(
       {
@@ -148,7 +168,14 @@ class Transport:
     self.waits_for_arrivals = True
 
   def owns(self, s: int) -> bool:
-    """Whether this process runs stage s."""
+    """Whether this process runs stage s (or its share of it: a replica
+    group across processes)."""
+    return self.process in self.stage_processes[s]
+
+  def leads(self, s: int) -> bool:
+    """Whether this process is stage s's lead (its first device's): the
+    one that sends and writes what the stage holds, where it spans
+    processes."""
     return self.stage_process[s] == self.process
 
   def move(
@@ -181,6 +208,10 @@ class Transport:
         replica of a round-robin group that runs the microbatch).
     """
     place = place or self.placement[dst]
+    if self.spanning and (
+      len(self.stage_processes[src]) > 1 or len(self.stage_processes[dst]) > 1
+    ):
+      return self._move_groups(x, src, dst, aval, replicated, place)
     put = place.put_replicated if replicated else place.put_values
     here_src, here_dst = self.owns(src), self.owns(dst)
     if self.stage_process[src] == self.stage_process[dst]:
@@ -196,12 +227,57 @@ class Transport:
       jax.block_until_ready(y)
     return put(y) if len(place.devices) > 1 else y
 
+  def _move_groups(self, x, src, dst, aval, replicated, place):
+    """``move`` where stage src or dst spans processes. Every process of
+    src takes the value whole (a split value gathered over src's group:
+    one all-gather program, all of them together); src's lead sends it
+    to each process of dst that has none; each process of dst places it
+    on its devices of dst, a global array where dst spans processes."""
+    here_src, here_dst = self.owns(src), self.owns(dst)
+    if not (here_src or here_dst):
+      return None
+    from_place = self.placement[src]
+    if here_src:
+      if not replicated and len(self.stage_processes[src]) > 1:
+        x = self._gather(from_place)(x)
+      x = local_copy(x)
+    lead = self.stage_process[src]
+    for q in self.stage_processes[dst]:
+      if q in self.stage_processes[src] or self.process not in (lead, q):
+        continue
+      a, b = _first_in(from_place, lead), _first_in(place, q)
+      y = self._pair(x if self.process == lead else None, a, b, aval)
+      if self.process == q:
+        x = y
+    if not here_dst:
+      return None
+    if self.waits_for_arrivals:
+      jax.block_until_ready(x)
+    return place.put_replicated(x) if replicated else place.put_values(x)
+
+  def _gather(self, place: StagePlacement):
+    """A program that makes a group's split value whole on every device
+    of the group (an all-gather across its processes)."""
+    return self._whole_on(place.replicated)
+
+  def _whole(self, x):
+    """A global array of a group across processes, whole on each of its
+    devices (every process of the group calls it)."""
+    return self._whole_on(NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+
+  def _whole_on(self, replicated: NamedSharding):
+    if replicated not in self._gathers:
+      self._gathers[replicated] = jax.jit(lambda x: x, out_shardings=replicated)
+    return self._gathers[replicated]
+
   def share(self, x, src: int, aval):
     """Value ``x`` of stage src on every process of this pipeline (on a
     device of its own): the process of src passes ``x`` and gets it
     back, the others pass None. Every process calls it, in the same
     order; a process outside the pipeline gets None."""
     owner = self.stage_process[src]
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = local_copy(self._whole(x))
     for q in sorted(set(self.processes) - {owner}):
       if self.process not in (owner, q):
         continue
@@ -242,9 +318,7 @@ class Transport:
     arriving behind that pipeline's averaging collective would tie the
     two pipelines' progress together (and hung such runs)."""
     return next(
-      p.device
-      for p, q in zip(self.placement, self.stage_process, strict=True)
-      if q == process
+      d for p in self.placement for d in p.devices if d.process_index == process
     )
 
   def _pair(self, x, a, b, aval, key=None):
@@ -409,6 +483,11 @@ class TransferTimes:
       except Exception:  # noqa: BLE001 -- a failed transfer: no stamp
         continue
       self.events.append((what, uuid, time.perf_counter()))
+
+
+def _first_in(place: StagePlacement, process: int):
+  """The first device of ``place`` in ``process``."""
+  return next(d for d in place.devices if d.process_index == process)
 
 
 def _shard_shape(shape):

@@ -165,7 +165,7 @@ class Driver:
       ops = schedule_lib.lower(
         base.order,
         self._transfers,
-        self.transport.stage_process,
+        self.transport.stage_processes,
         self.transport.process,
         made_by=_made_by if self.transport.sends_early else None,
       )

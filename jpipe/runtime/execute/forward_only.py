@@ -102,7 +102,7 @@ class ForwardProgram:
       ops = self._lowered[m] = schedule_lib.lower(
         _forward_order(len(self.stages.specs), self.schedule_device, m),
         self._transfers,
-        transport.stage_process,
+        transport.stage_processes,
         transport.process,
         made_by=_maker if transport.sends_early else None,
       )
