@@ -237,9 +237,10 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
   if not any(p.round_robin or p.weighted for p in placed.placement):
     return
   staleness = request.staleness
+  weighted = any(p.weighted for p in placed.placement)
   refused = {
-    "a pipeline spanning processes (a group's replicas run in one "
-    "process)": placed.transport.multiprocess,
+    "a pipeline spanning processes (a weighted group slices each "
+    "microbatch in one process)": weighted and placed.transport.multiprocess,
     "tied params (their exchange between stages is per stage, not per "
     "replica)": bool(tied.stages),
     "model state such as batch statistics (one value per stage, not per "

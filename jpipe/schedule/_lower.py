@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
-from jpipe.schedule._schedule import Action
+from jpipe.schedule._schedule import BACKWARD, UPDATE, WEIGHT, Action
 
 
 class MoveKind(enum.StrEnum):
@@ -32,6 +32,10 @@ class MoveKind(enum.StrEnum):
   SEND = "SEND"  # It holds the source stage; another holds the destination.
   RECV = "RECV"  # It holds the destination; another holds the source.
   MOVE = "MOVE"  # It holds both (a copy between its own devices).
+  # It holds a round-robin group whose replica in another process runs
+  # the action (a backward): it notes it, as the group's steps apply
+  # every replica's backwards (its ``transfer`` moves nothing).
+  ELSEWHERE = "ELSEWHERE"
 
 
 class Transfer(NamedTuple):
@@ -75,6 +79,8 @@ def lower(
   process: int,
   *,
   made_by: Callable[[Action, Transfer], Action | None] | None = None,
+  replica_process: Sequence[Sequence[int] | None] | None = None,
+  shift: int = 0,
 ) -> tuple[Action | Move, ...]:
   """Process ``process``'s actions and moves, in issue order.
 
@@ -93,6 +99,14 @@ def lower(
       right after the action that makes it, when that action is in the
       order: it then travels while the sender goes on, instead of
       waiting for the sender to reach its reader's place in the order.
+    replica_process: per stage, None or (a round-robin group across
+      processes) the process of each of its k replicas: microbatch b's
+      actions of the stage but its steps, and the ends of b's transfers
+      there, are those of replica (b + shift) mod k's process alone (the
+      group's other processes note its backwards: ``ELSEWHERE``); its
+      steps run in all of ``stage_process``'s.
+    shift: added to the order's microbatches to pick their replicas (a
+      call lowered once and shifted, as ``shift``'s ``Call``).
 
   Returns:
     For each action of ``order``: the moves of its ``before`` transfers
@@ -103,13 +117,25 @@ def lower(
   stage_process = [
     tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in stage_process
   ]
+  replicas = replica_process or [None] * len(stage_process)
+
+  def processes(s: int, b: int, kind=None) -> tuple[int, ...]:
+    """Where stage s runs microbatch b (an action of ``kind``)."""
+    r = replicas[s]
+    if r is None or kind == UPDATE:
+      return stage_process[s]
+    return (r[(b + shift) % len(r)],)
+
   position = {a: i for i, a in enumerate(order)}
   seqs: dict[tuple[int, int], int] = {}
   placed: list[list[Action | Move]] = [[] for _ in order]
   early: list[list[Move]] = [[] for _ in order]  # Sends after order[i].
   for i, action in enumerate(order):
     before, after = transfers(action)
-    for move in _ends(action, before, stage_process, process, seqs):
+    ends = stage_process
+    if replica_process is not None:
+      ends = [processes(s, action.microbatch) for s in range(len(replicas))]
+    for move in _ends(action, before, ends, process, seqs):
       maker = None
       if made_by is not None and move.kind == MoveKind.SEND:
         maker = position.get(made_by(action, move.transfer))
@@ -117,9 +143,13 @@ def lower(
         early[maker].append(move)
       else:
         placed[i].append(move)
-    if process in stage_process[action.stage]:
+    s = action.stage
+    if process in processes(s, action.microbatch, action.kind):
       placed[i].append(action)
-    placed[i] += _ends(action, after, stage_process, process, seqs)
+    elif process in stage_process[s] and action.kind in (BACKWARD, WEIGHT):
+      note = Transfer("elsewhere", s, s, None)
+      placed[i].append(Move(MoveKind.ELSEWHERE, action, note))
+    placed[i] += _ends(action, after, ends, process, seqs)
   out = []
   for ops, sends in zip(placed, early, strict=True):
     out += ops

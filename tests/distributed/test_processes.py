@@ -261,10 +261,13 @@ def test_replica_groups_across_processes(tmp_path, process_env):
 @pytest.mark.slow
 def test_replica_groups_spanning_processes(tmp_path, process_env):
   """2 processes x 2 devices, a stage's replicas on devices of both
-  (first, middle or last stage; split routing): synchronous, clipped
-  and weight-stashing runs, their evaluation and predictions equal the
-  one-process results on 4 devices; the routings and parts that do not
-  span processes are refused in one line."""
+  (first, middle or last stage): synchronous, clipped and
+  weight-stashing runs with the split routing, synchronous and
+  weight-stashing 1F1B-RR (round robin: microbatch b on replica b mod 2,
+  in its process), their evaluation and predictions equal the
+  one-process results on 4 devices; what does not span processes
+  (weighted groups, a round-robin last stage, tied params, model state)
+  is refused in one line."""
   split = {"case": "mlp", "calls": [2, 3]}
   spans = [[1, 2], [3]]
   configs = json.dumps(
@@ -278,9 +281,17 @@ def test_replica_groups_spanning_processes(tmp_path, process_env):
       {**split, "stages": 2, "groups": [[0], [1, 2]],
        "calls": [2, 5, "flush", 3], "schedule": "async",
        "weight_stashing": True, "forward_only": True},
-      {**split, "stages": 2, "groups": spans,
+      {**split, "stages": 2, "groups": spans, "schedule": "1f1b",
+       "replica_routing": "round_robin"},
+      {**split, "stages": 3, "groups": [[0], [1, 2], [3]],
+       "calls": [2, 5, "flush", 3], "schedule": "async",
+       "weight_stashing": True, "replica_routing": "round_robin",
+       "forward_only": True},
+      {**split, "stages": 2, "groups": spans, "replica_routing": "weighted",
+       "refused": "with the 'weighted' routing"},
+      {**split, "stages": 2, "groups": [[0], [1, 2]],
        "replica_routing": "round_robin",
-       "refused": "only the 'split' routing is supported"},
+       "refused": "the last stage's round-robin replica group spans"},
       {"case": "gpt_tied", "stages": 2, "groups": spans, "calls": [1],
        "num_microbatches": 2, "refused": "with params tied between stages"},
       {"case": "resnet_state", "stages": 2, "groups": spans, "calls": [1],
@@ -293,7 +304,7 @@ def test_replica_groups_spanning_processes(tmp_path, process_env):
     2, "pipeline_worker.py", got, configs, env=process_env(), devices=2
   )
   assert done.returncode == 0, done.stdout[-6000:]
-  assert done.stdout.count("refused: ") == 3 * 2, done.stdout[-6000:]
+  assert done.stdout.count("refused: ") == 4 * 2, done.stdout[-6000:]
   want, have = np.load(ref), np.load(got)
   assert set(want) == set(have) and len(want) > 100
   for key in want:

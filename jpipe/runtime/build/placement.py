@@ -242,14 +242,30 @@ class StagePlacement:
     each leaf's shard on that device."""
     return self.on_device(tree, self.replica_index(b))
 
-  def sum_replicas(self, trees):
+  def sum_replicas(self, trees, like=None):
     """The sum of the replicas' pytrees (``trees[j]`` on replica j's
     device, or None where replica j holds nothing: zeros), replicated
-    over the group: one all-reduce program."""
-    present = next(t for t in trees if t is not None)
+    over the group: one all-reduce program. Across processes each
+    process passes its replicas' (``like``: their shapes and dtypes,
+    for a process none of whose replicas holds anything)."""
+    # (Across processes each process adds its own replicas' trees: the
+    # others are not here, and the program sums over all.)
+    here = jax.process_index()
+    mine = [
+      (device, t)
+      for device, t in zip(self.devices, trees, strict=True)
+      if device.process_index == here
+    ]
+    present = next((t for _, t in mine if t is not None), like)
+    if present is None:
+      raise ValueError(
+        "a round-robin group's step found no gradient on this process's "
+        "replicas (none of them ran a microbatch since its last step): "
+        "use at least as many microbatches per step as replicas"
+      )
     leaves, treedef = jax.tree.flatten(present)
     per_replica = []
-    for device, t in zip(self.devices, trees, strict=True):
+    for device, t in mine:
       if t is None:
         t = [jnp.zeros(x.shape, x.dtype, device=device) for x in leaves]
       per_replica.append(jax.tree.leaves(t))

@@ -76,14 +76,28 @@ class Transport:
     )
     for s in self.spanning:
       place = self.placement[s]
-      if place.round_robin or place.weighted:
-        routing = "round_robin" if place.round_robin else "weighted"
+      if place.weighted:
         raise ValueError(
           f"stage {s}'s replica group spans processes "
-          f"{list(self.stage_processes[s])} with the {routing!r} routing: "
-          "across processes only the 'split' routing is supported; use "
-          "routing='split' or give the group devices of one process"
+          f"{list(self.stage_processes[s])} with the 'weighted' routing: "
+          "across processes use 'split' or 'round_robin', or give the "
+          "group devices of one process"
         )
+      if place.round_robin and s == len(self.placement) - 1:
+        raise ValueError(
+          f"the last stage's round-robin replica group spans processes "
+          f"{list(self.stage_processes[s])} (its replicas' losses would "
+          "meet in no process): give it devices of one process, or use "
+          "replica_routing='split'"
+        )
+    # Per stage: for a round-robin group across processes, the process
+    # of each replica (microbatch b runs in that of replica b mod k).
+    self.replica_processes = tuple(
+      tuple(d.process_index for d in p.devices)
+      if s in self.spanning and p.round_robin
+      else None
+      for s, p in enumerate(self.placement)
+    )
     # The processes this pipeline runs in (a data-parallel run's other
     # pipelines may run in others: they take no part in its transfers).
     self.processes = tuple(
@@ -188,6 +202,7 @@ class Transport:
     replicated: bool = False,
     seq=-1,
     place: StagePlacement | None = None,
+    microbatch: int | None = None,
   ):
     """Value ``x`` (held by stage src) onto stage dst's devices.
 
@@ -206,19 +221,26 @@ class Transport:
         order). With ``sends_early`` the ends meet by it.
       place: where on dst it goes, if not dst's placement (the one
         replica of a round-robin group that runs the microbatch).
+      microbatch: the microbatch the value belongs to: a round-robin
+        end's replica is that microbatch's (given for F and B values).
     """
-    place = place or self.placement[dst]
-    if self.spanning and (
-      len(self.stage_processes[src]) > 1 or len(self.stage_processes[dst]) > 1
-    ):
-      return self._move_groups(x, src, dst, aval, replicated, place)
+    a_place = self.placement[src]
+    if microbatch is not None and a_place.round_robin:
+      a_place = a_place.replica(microbatch)
+    if place is None:
+      place = self.placement[dst]
+      if microbatch is not None and place.round_robin:
+        place = place.replica(microbatch)
+    pa, pb = _processes(a_place), _processes(place)
+    if len(pa) > 1 or len(pb) > 1:
+      return self._move_groups(x, a_place, place, aval, replicated)
     put = place.put_replicated if replicated else place.put_values
-    here_src, here_dst = self.owns(src), self.owns(dst)
-    if self.stage_process[src] == self.stage_process[dst]:
+    here_src, here_dst = pa[0] == self.process, pb[0] == self.process
+    if pa == pb:
       return put(x) if here_dst and self.placement[src] != place else x
     if not (here_src or here_dst):
       return None
-    a, b = self.placement[src].device, place.device
+    a, b = a_place.device, place.device
     key = (self.calls, seq) if self.sends_early and seq >= 0 else None
     y = self._pair(x if here_src else None, a, b, aval, key)
     if here_src:
@@ -227,23 +249,24 @@ class Transport:
       jax.block_until_ready(y)
     return put(y) if len(place.devices) > 1 else y
 
-  def _move_groups(self, x, src, dst, aval, replicated, place):
-    """``move`` where stage src or dst spans processes. Every process of
-    src takes the value whole (a split value gathered over src's group:
-    one all-gather program, all of them together); src's lead sends it
-    to each process of dst that has none; each process of dst places it
-    on its devices of dst, a global array where dst spans processes."""
-    here_src, here_dst = self.owns(src), self.owns(dst)
+  def _move_groups(self, x, from_place, place, aval, replicated):
+    """``move`` where an end's devices span processes (a split group).
+    Every process of the source takes the value whole (a split value
+    gathered over its group: one all-gather program, all of them
+    together); the source's lead sends it to each process of the
+    destination that has none; each process there places it on its
+    devices, a global array where they span processes."""
+    srcs, dsts = _processes(from_place), _processes(place)
+    here_src, here_dst = self.process in srcs, self.process in dsts
     if not (here_src or here_dst):
       return None
-    from_place = self.placement[src]
     if here_src:
-      if not replicated and len(self.stage_processes[src]) > 1:
+      if not replicated and len(srcs) > 1:
         x = self._gather(from_place)(x)
       x = local_copy(x)
-    lead = self.stage_process[src]
-    for q in self.stage_processes[dst]:
-      if q in self.stage_processes[src] or self.process not in (lead, q):
+    lead = from_place.device.process_index
+    for q in dsts:
+      if q in srcs or self.process not in (lead, q):
         continue
       a, b = _first_in(from_place, lead), _first_in(place, q)
       y = self._pair(x if self.process == lead else None, a, b, aval)
@@ -483,6 +506,11 @@ class TransferTimes:
       except Exception:  # noqa: BLE001 -- a failed transfer: no stamp
         continue
       self.events.append((what, uuid, time.perf_counter()))
+
+
+def _processes(place: StagePlacement) -> tuple[int, ...]:
+  """The processes of ``place``'s devices, in order."""
+  return tuple(sorted({d.process_index for d in place.devices}))
 
 
 def _first_in(place: StagePlacement, process: int):

@@ -34,7 +34,11 @@ from jpipe.runtime.execute.stage_work import local_inputs
 from jpipe.runtime.execute.transfer_ends import TransferEnds
 
 FORWARD = schedule_lib.ActionKind.FORWARD
-SEND, RECV, MOVE = schedule_lib.MoveKind
+SEND, RECV, MOVE = (
+  schedule_lib.MoveKind.SEND,
+  schedule_lib.MoveKind.RECV,
+  schedule_lib.MoveKind.MOVE,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,6 +109,7 @@ class ForwardProgram:
         transport.stage_processes,
         transport.process,
         made_by=_maker if transport.sends_early else None,
+        replica_process=transport.replica_processes,
       )
     return ops
 
