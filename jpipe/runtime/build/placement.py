@@ -27,6 +27,11 @@ copy of the params (``on_device``), and a step sums the replicas'
 gradients like round robin. The values between stages live whole on the
 group's first device (``device``), which slices them out to the replicas
 and gathers their results (``jpipe.runtime.build.weighted``).
+
+A split or round-robin group may span processes (``jpipe.runtime.build.
+transport``): its shardings are then global, each process placing only
+its own devices' shards (``put_global``) and reading a replicated value
+through its own copy (``local_copy``).
 """
 
 from collections.abc import Sequence

@@ -20,6 +20,19 @@ own neither end do nothing. Two ways to carry a value:
   sender (measured on CPU: 1.2x instead of 1.9x for streaming async over
   2 processes, experiments/distributed/throughput.py). NCCL's bandwidth
   may still win for large activations on GPUs.
+
+A replica group may span processes. Split routing: the group's programs
+run SPMD over all its devices, each of its processes dispatching every
+one of them (XLA sums the gradient over the replicas across processes);
+its values are global arrays. A value leaving such a group is gathered
+whole in each of its processes (one all-gather program, all of them at
+the same place in the order: so no early sends), and the group's lead
+(the process of its first device) sends it to each process of the
+destination that lacks it; each process there places its rows. Round
+robin (1F1B-RR): microbatch b runs on replica b mod k in that replica's
+process alone (``jpipe.schedule.lower``'s ``replica_process``), so its
+values move as a one-device stage's; the group's steps, an all-reduce
+over every process's own replicas, run in all of its processes.
 """
 
 import queue
