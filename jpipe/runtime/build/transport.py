@@ -66,9 +66,7 @@ class Transport:
     kind: across processes, "pull" or "collective" (module docstring).
 
   A stage belongs to the processes of its devices. A replica group may
-  span processes (split routing only): its programs then run SPMD over
-  all its devices, every process of the group dispatching each of them,
-  and the group's values are global arrays (``move``).
+  span processes (split or round-robin routing; module docstring).
   """
 
   def __init__(self, placement: Sequence[StagePlacement], kind: str = "pull"):
@@ -237,14 +235,19 @@ class Transport:
       microbatch: the microbatch the value belongs to: a round-robin
         end's replica is that microbatch's (given for F and B values).
     """
-    a_place = self.placement[src]
+    # The ends' placements and processes (a round-robin group's: the
+    # microbatch's replica); a stage's own processes are known already.
+    a_place, pa = self.placement[src], self.stage_processes[src]
     if microbatch is not None and a_place.round_robin:
       a_place = a_place.replica(microbatch)
+      pa = (a_place.device.process_index,)
     if place is None:
-      place = self.placement[dst]
+      place, pb = self.placement[dst], self.stage_processes[dst]
       if microbatch is not None and place.round_robin:
         place = place.replica(microbatch)
-    pa, pb = _processes(a_place), _processes(place)
+        pb = (place.device.process_index,)
+    else:
+      pb = _processes(place)
     if len(pa) > 1 or len(pb) > 1:
       return self._move_groups(x, a_place, place, aval, replicated)
     put = place.put_replicated if replicated else place.put_values
