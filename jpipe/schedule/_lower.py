@@ -117,24 +117,14 @@ def lower(
   stage_process = [
     tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in stage_process
   ]
-  replicas = replica_process or [None] * len(stage_process)
-
-  def processes(s: int, b: int, kind=None) -> tuple[int, ...]:
-    """Where stage s runs microbatch b (an action of ``kind``)."""
-    r = replicas[s]
-    if r is None or kind == UPDATE:
-      return stage_process[s]
-    return (r[(b + shift) % len(r)],)
-
+  where = _Where(stage_process, replica_process, shift)
   position = {a: i for i, a in enumerate(order)}
   seqs: dict[tuple[int, int], int] = {}
   placed: list[list[Action | Move]] = [[] for _ in order]
   early: list[list[Move]] = [[] for _ in order]  # Sends after order[i].
   for i, action in enumerate(order):
     before, after = transfers(action)
-    ends = stage_process
-    if replica_process is not None:
-      ends = [processes(s, action.microbatch) for s in range(len(replicas))]
+    ends = where.ends(action.microbatch)
     for move in _ends(action, before, ends, process, seqs):
       maker = None
       if made_by is not None and move.kind == MoveKind.SEND:
@@ -143,18 +133,46 @@ def lower(
         early[maker].append(move)
       else:
         placed[i].append(move)
-    s = action.stage
-    if process in processes(s, action.microbatch, action.kind):
-      placed[i].append(action)
-    elif process in stage_process[s] and action.kind in (BACKWARD, WEIGHT):
-      note = Transfer("elsewhere", s, s, None)
-      placed[i].append(Move(MoveKind.ELSEWHERE, action, note))
+    placed[i] += where.runs(action, process)
     placed[i] += _ends(action, after, ends, process, seqs)
   out = []
   for ops, sends in zip(placed, early, strict=True):
     out += ops
     out += sends
   return tuple(out)
+
+
+class _Where(NamedTuple):
+  """Which processes run a stage's actions and make its transfers' ends
+  (``lower``'s arguments of that name)."""
+
+  stage_process: Sequence[tuple[int, ...]]
+  replica_process: Sequence[Sequence[int] | None] | None
+  shift: int
+
+  def processes(self, s: int, b: int, kind=None) -> tuple[int, ...]:
+    """Where stage s runs microbatch b (an action of ``kind``)."""
+    r = self.replica_process[s] if self.replica_process else None
+    if r is None or kind == UPDATE:
+      return self.stage_process[s]
+    return (r[(b + self.shift) % len(r)],)
+
+  def ends(self, b: int) -> Sequence[tuple[int, ...]]:
+    """Per stage, the processes of microbatch b's transfer ends there."""
+    if self.replica_process is None:
+      return self.stage_process
+    return [self.processes(s, b) for s in range(len(self.stage_process))]
+
+  def runs(self, action: Action, process: int) -> list:
+    """What ``process`` makes of ``action``: the action, a note that
+    another process's replica ran its backward (ELSEWHERE), or nothing."""
+    s, b = action.stage, action.microbatch
+    if process in self.processes(s, b, action.kind):
+      return [action]
+    if process in self.stage_process[s] and action.kind in (BACKWARD, WEIGHT):
+      note = Transfer("elsewhere", s, s, None)
+      return [Move(MoveKind.ELSEWHERE, action, note)]
+    return []
 
 
 def _ends(action, transfers, stage_process, process, seqs) -> list[Move]:
