@@ -85,22 +85,7 @@ class Transport:
     self.spanning = tuple(
       s for s, ps in enumerate(self.stage_processes) if len(ps) > 1
     )
-    for s in self.spanning:
-      place = self.placement[s]
-      if place.weighted:
-        raise ValueError(
-          f"stage {s}'s replica group spans processes "
-          f"{list(self.stage_processes[s])} with the 'weighted' routing: "
-          "across processes use 'split' or 'round_robin', or give the "
-          "group devices of one process"
-        )
-      if place.round_robin and s == len(self.placement) - 1:
-        raise ValueError(
-          f"the last stage's round-robin replica group spans processes "
-          f"{list(self.stage_processes[s])} (its replicas' losses would "
-          "meet in no process): give it devices of one process, or use "
-          "replica_routing='split'"
-        )
+    _check_spanning(self.placement, self.stage_processes)
     # Per stage: for a round-robin group across processes, the process
     # of each replica (microbatch b runs in that of replica b mod k).
     self.replica_processes = tuple(
@@ -117,7 +102,7 @@ class Transport:
     self.multiprocess = len(self.processes) > 1
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
-    self._gathers: dict[NamedSharding, Any] = {}
+    self._gathers = _Gathers()
     self._pulls = PullLinks() if self.multiprocess and kind == "pull" else None
     # Whether a received value is waited for, on the host, before the
     # program that reads it is dispatched (``wait_for_arrivals``).
@@ -278,7 +263,7 @@ class Transport:
       return None
     if here_src:
       if not replicated and len(srcs) > 1:
-        x = self._gather(from_place)(x)
+        x = self._gathers.whole(x, from_place.replicated)
       x = local_copy(x)
     lead = from_place.device.process_index
     for q in dsts:
@@ -294,21 +279,6 @@ class Transport:
       jax.block_until_ready(x)
     return place.put_replicated(x) if replicated else place.put_values(x)
 
-  def _gather(self, place: StagePlacement):
-    """A program that makes a group's split value whole on every device
-    of the group (an all-gather across its processes)."""
-    return self._whole_on(place.replicated)
-
-  def _whole(self, x):
-    """A global array of a group across processes, whole on each of its
-    devices (every process of the group calls it)."""
-    return self._whole_on(NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
-
-  def _whole_on(self, replicated: NamedSharding):
-    if replicated not in self._gathers:
-      self._gathers[replicated] = jax.jit(lambda x: x, out_shardings=replicated)
-    return self._gathers[replicated]
-
   def share(self, x, src: int, aval):
     """Value ``x`` of stage src on every process of this pipeline (on a
     device of its own): the process of src passes ``x`` and gets it
@@ -316,7 +286,7 @@ class Transport:
     order; a process outside the pipeline gets None."""
     owner = self.stage_process[src]
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      x = local_copy(self._whole(x))
+      x = local_copy(self._gathers.whole(x))
     for q in sorted(set(self.processes) - {owner}):
       if self.process not in (owner, q):
         continue
@@ -393,6 +363,46 @@ class Transport:
         jnp.zeros(_shard_shape(shape), dtype), device
       )
     return self._blanks[key]
+
+
+def _check_spanning(placement, stage_processes) -> None:
+  """Refuses, in one line, the replica groups across processes that do
+  not run there: weighted ones, and a round-robin last stage."""
+  for s, (place, ps) in enumerate(zip(placement, stage_processes, strict=True)):
+    if len(ps) == 1:
+      continue
+    if place.weighted:
+      raise ValueError(
+        f"stage {s}'s replica group spans processes {list(ps)} with the "
+        "'weighted' routing: across processes use 'split' or "
+        "'round_robin', or give the group devices of one process"
+      )
+    if place.round_robin and s == len(placement) - 1:
+      raise ValueError(
+        f"the last stage's round-robin replica group spans processes "
+        f"{list(ps)} (its replicas' losses would meet in no process): give "
+        "it devices of one process, or use replica_routing='split'"
+      )
+
+
+class _Gathers:
+  """Programs that make a value of a replica group across processes
+  whole on every device of the group (an all-gather; every process of
+  the group calls it), one per group."""
+
+  def __init__(self):
+    self._programs: dict[NamedSharding, Any] = {}
+
+  def whole(self, x, replicated: NamedSharding | None = None):
+    """``x`` (a global array) replicated over its group (``replicated``:
+    the group's replicated sharding; None: ``x``'s mesh's)."""
+    if replicated is None:
+      replicated = NamedSharding(x.sharding.mesh, PartitionSpec())
+    if replicated not in self._programs:
+      self._programs[replicated] = jax.jit(
+        lambda v: v, out_shardings=replicated
+      )
+    return self._programs[replicated](x)
 
 
 class PullLinks:
