@@ -151,6 +151,7 @@ def build_runtime(
     for s, (spec, own) in enumerate(zip(stages.specs, own_sizes, strict=True))
   )
   _check_replica_routing(placed, tied, cut, request)
+  _check_spanning_groups(placed, tied, cut)
   for weighted in programs.weighted.values():
     weighted.prepare()  # A model that changes with the size fails here.
   names = tuple(leaf_names(params))
@@ -204,6 +205,31 @@ def build_runtime(
   )
 
 
+def _check_spanning_groups(placed, tied, cut) -> None:
+  """A replica group across processes runs the split routing on params
+  and activations alone: what moves between stages per process (a tied
+  leaf's value and gradient, a model-state leaf) goes to one process of
+  a group, not to each."""
+  transport = placed.transport
+  if not transport.spanning:
+    return
+  s = transport.spanning[0]
+  where = (
+    f"stage {s}'s replica group spans processes "
+    f"{list(transport.stage_processes[s])}"
+  )
+  if tied.stages:
+    raise ValueError(
+      f"{where}, with params tied between stages: not supported; give the "
+      "group devices of one process, or untie the params"
+    )
+  if cut.num_state_leaves > 0:
+    raise ValueError(
+      f"{where}, with model state (e.g. batch statistics): not supported; "
+      "give the group devices of one process"
+    )
+
+
 def _check_replica_routing(placed, tied, cut, request) -> None:
   """Round-robin (1F1B-RR) and weighted replicas where they are built
   for: a replica runs a microbatch (or its slice) on its own copies of
@@ -213,9 +239,10 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
   if not any(p.round_robin or p.weighted for p in placed.placement):
     return
   staleness = request.staleness
+  weighted = any(p.weighted for p in placed.placement)
   refused = {
-    "a pipeline spanning processes (a group's replicas run in one "
-    "process)": placed.transport.multiprocess,
+    "a pipeline spanning processes (a weighted group slices each "
+    "microbatch in one process)": weighted and placed.transport.multiprocess,
     "tied params (their exchange between stages is per stage, not per "
     "replica)": bool(tied.stages),
     "model state such as batch statistics (one value per stage, not per "

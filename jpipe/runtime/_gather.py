@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jpipe import distributed
+from jpipe.runtime.build.placement import local_copy
 
 
 def trees_everywhere(
@@ -44,16 +45,22 @@ def trees_everywhere(
   ):
     if holders[0] != me:
       return [None] * len(trees)
-    return [jax.device_get(t) for t in trees]
+    return [jax.device_get(_local(t)) for t in trees]
   out = []
   for tree, template, holder in zip(trees, templates, holders, strict=True):
     here = holder == me
     if here:
-      local = jax.device_get(tree)
+      local = jax.device_get(_local(tree))
     else:
       local = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template)
     out.append(_broadcast(local, here))
   return out
+
+
+def _local(tree):
+  """``tree`` readable in this process: a replica group's global arrays
+  (across processes) as their copies here."""
+  return jax.tree.map(local_copy, tree)
 
 
 def _broadcast(tree, is_source):

@@ -143,7 +143,10 @@ def gather_params(pipe, state) -> Any:
   processes every process must call it; each gets the whole pytree."""
   check_drained(state, "gather_params")
   stage_params = trees_everywhere(
-    state.stage_params, stage_param_avals(pipe), _holders(pipe)
+    state.stage_params,
+    stage_param_avals(pipe),
+    _holders(pipe),
+    to_every_process=bool(pipe.transport.spanning),
   )
   if stage_params[0] is None:  # Outside this pipeline's processes.
     return None
@@ -192,11 +195,18 @@ def _per_stage_scalar(pipe, state, fn, dtype) -> list:
     for leaves in state.stage_params
   ]
   template = jax.ShapeDtypeStruct((), dtype)
-  return trees_everywhere(values, [template] * len(values), _holders(pipe))
+  return trees_everywhere(
+    values,
+    [template] * len(values),
+    _holders(pipe),
+    to_every_process=bool(pipe.transport.spanning),
+  )
 
 
 def _holders(pipe):
-  """Per stage, the process that runs it."""
+  """Per stage, the process that runs it (its lead, where it spans
+  processes: every process of a pipeline with such a stage takes part
+  in gathering its trees, ``to_every_process``)."""
   return list(pipe.transport.stage_process)
 
 
@@ -234,7 +244,10 @@ def state_dict(pipe, state) -> dict[str, Any]:
   """
   check_drained(state, "state_dict")
   opt_states = trees_everywhere(
-    state.opt_states, stage_opt_avals(pipe), _holders(pipe)
+    state.opt_states,
+    stage_opt_avals(pipe),
+    _holders(pipe),
+    to_every_process=bool(pipe.transport.spanning),
   )
   if opt_states[0] is None:  # Outside this pipeline's processes.
     return None

@@ -28,6 +28,7 @@ from jpipe.runtime._pipeline_state import (
 )
 from jpipe.runtime._stacked import join_rows, model_param_avals, stack_keyed
 from jpipe.runtime._state_dict import merge_unpacked
+from jpipe.runtime.build.placement import local_copy
 
 
 def _abstract_opt_trees(pipe) -> list:
@@ -63,15 +64,20 @@ def local_state_dict(pipe, state) -> dict[str, Any]:
   arrays, the others as ``jax.ShapeDtypeStruct``. Needs a drained
   pipeline; no collective."""
   check_drained(state, "local_state_dict")
-  owns = pipe.transport.owns
+  # (A replica group across processes: its lead writes it.)
+  owns = pipe.transport.leads
   avals = stage_param_avals(pipe)
   params = []
   for i, s in enumerate(_first_holders(pipe)):
     j = pipe.stages.specs[s].param_leaves.index(i)
-    params.append(state.stage_params[s][j] if owns(s) else _aval(avals[s][j]))
+    params.append(
+      local_copy(state.stage_params[s][j]) if owns(s) else _aval(avals[s][j])
+    )
   abstract = _abstract_opt_trees(pipe)
   trees = [
-    opt.state_tree(jax.device_get(state.opt_states[s]))
+    opt.state_tree(
+      jax.device_get(jax.tree.map(local_copy, state.opt_states[s]))
+    )
     if owns(s)
     else abstract[s]
     for s, opt in enumerate(pipe.stage_optimizers)
@@ -95,7 +101,7 @@ def _local_model_state(pipe, state):
     r: s for s, spec in enumerate(pipe.stages.specs) for r in spec.results
   }
   leaves = [
-    x if pipe.transport.owns(producer.get(i + 1, 0)) else _aval(aval)
+    x if pipe.transport.leads(producer.get(i + 1, 0)) else _aval(aval)
     for i, (x, aval) in enumerate(
       zip(state.model_state, pipe.driver.state_avals, strict=True)
     )

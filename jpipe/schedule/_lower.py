@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
-from jpipe.schedule._schedule import Action
+from jpipe.schedule._schedule import BACKWARD, UPDATE, WEIGHT, Action
 
 
 class MoveKind(enum.StrEnum):
@@ -32,6 +32,10 @@ class MoveKind(enum.StrEnum):
   SEND = "SEND"  # It holds the source stage; another holds the destination.
   RECV = "RECV"  # It holds the destination; another holds the source.
   MOVE = "MOVE"  # It holds both (a copy between its own devices).
+  # It holds a round-robin group whose replica in another process runs
+  # the action (a backward): it notes it, as the group's steps apply
+  # every replica's backwards (its ``transfer`` moves nothing).
+  ELSEWHERE = "ELSEWHERE"
 
 
 class Transfer(NamedTuple):
@@ -75,6 +79,8 @@ def lower(
   process: int,
   *,
   made_by: Callable[[Action, Transfer], Action | None] | None = None,
+  replica_process: Sequence[Sequence[int] | None] | None = None,
+  shift: int = 0,
 ) -> tuple[Action | Move, ...]:
   """Process ``process``'s actions and moves, in issue order.
 
@@ -82,7 +88,10 @@ def lower(
     order: every process's actions in the global issue order.
     transfers: ``action -> (before, after)``: the transfers the action
       needs before it runs and those it makes after.
-    stage_process: the process of each stage.
+    stage_process: the process of each stage, or its processes (a tuple:
+      a stage across processes runs in each of them; a process that
+      holds one end of a transfer and not the other SENDs or RECVs,
+      whatever else holds them).
     process: the process whose list this is.
     made_by: ``(action, transfer) -> the action that makes the value``
       of a ``before`` transfer, or None. Given (a transport whose ends
@@ -90,6 +99,14 @@ def lower(
       right after the action that makes it, when that action is in the
       order: it then travels while the sender goes on, instead of
       waiting for the sender to reach its reader's place in the order.
+    replica_process: per stage, None or (a round-robin group across
+      processes) the process of each of its k replicas: microbatch b's
+      actions of the stage but its steps, and the ends of b's transfers
+      there, are those of replica (b + shift) mod k's process alone (the
+      group's other processes note its backwards: ``ELSEWHERE``); its
+      steps run in all of ``stage_process``'s.
+    shift: added to the order's microbatches to pick their replicas (a
+      call lowered once and shifted, as ``shift``'s ``Call``).
 
   Returns:
     For each action of ``order``: the moves of its ``before`` transfers
@@ -97,13 +114,18 @@ def lower(
     the action itself where its stage is this process's, then the moves
     of its ``after`` transfers.
   """
+  stage_process = [
+    tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in stage_process
+  ]
+  where = _Where(stage_process, replica_process, shift)
   position = {a: i for i, a in enumerate(order)}
   seqs: dict[tuple[int, int], int] = {}
   placed: list[list[Action | Move]] = [[] for _ in order]
   early: list[list[Move]] = [[] for _ in order]  # Sends after order[i].
   for i, action in enumerate(order):
     before, after = transfers(action)
-    for move in _ends(action, before, stage_process, process, seqs):
+    ends = where.ends(action.microbatch)
+    for move in _ends(action, before, ends, process, seqs):
       maker = None
       if made_by is not None and move.kind == MoveKind.SEND:
         maker = position.get(made_by(action, move.transfer))
@@ -111,9 +133,8 @@ def lower(
         early[maker].append(move)
       else:
         placed[i].append(move)
-    if stage_process[action.stage] == process:
-      placed[i].append(action)
-    placed[i] += _ends(action, after, stage_process, process, seqs)
+    placed[i] += where.runs(action, process)
+    placed[i] += _ends(action, after, ends, process, seqs)
   out = []
   for ops, sends in zip(placed, early, strict=True):
     out += ops
@@ -121,10 +142,49 @@ def lower(
   return tuple(out)
 
 
+class _Where(NamedTuple):
+  """Which processes run a stage's actions and make its transfers' ends
+  (``lower``'s arguments of that name)."""
+
+  stage_process: Sequence[tuple[int, ...]]
+  replica_process: Sequence[Sequence[int] | None] | None
+  shift: int
+
+  def processes(self, s: int, b: int, kind=None) -> tuple[int, ...]:
+    """Where stage s runs microbatch b (an action of ``kind``)."""
+    r = self.replica_process[s] if self.replica_process else None
+    if r is None or kind == UPDATE:
+      return self.stage_process[s]
+    return (r[(b + self.shift) % len(r)],)
+
+  def ends(self, b: int) -> Sequence[tuple[int, ...]]:
+    """Per stage, the processes of microbatch b's transfer ends there."""
+    if self.replica_process is None:
+      return self.stage_process
+    return [self.processes(s, b) for s in range(len(self.stage_process))]
+
+  def runs(self, action: Action, process: int) -> list:
+    """What ``process`` makes of ``action``: the action, a note that
+    another process's replica ran its backward (ELSEWHERE), or nothing."""
+    s, b = action.stage, action.microbatch
+    if process in self.processes(s, b, action.kind):
+      return [action]
+    if process in self.stage_process[s] and action.kind in (BACKWARD, WEIGHT):
+      note = Transfer("elsewhere", s, s, None)
+      return [Move(MoveKind.ELSEWHERE, action, note)]
+    return []
+
+
 def _ends(action, transfers, stage_process, process, seqs) -> list[Move]:
   moves = []
   for t in transfers:
-    src, dst = stage_process[t.src], stage_process[t.dst]
+    srcs, dsts = stage_process[t.src], stage_process[t.dst]
+    if len(srcs) > 1 or len(dsts) > 1:  # A group across processes.
+      kind = _group_end(process, srcs, dsts)
+      if kind is not None:
+        moves.append(Move(kind, action, t))
+      continue
+    (src,), (dst,) = srcs, dsts
     if src == dst == process:
       moves.append(Move(MoveKind.MOVE, action, t))
       continue
@@ -137,3 +197,12 @@ def _ends(action, transfers, stage_process, process, seqs) -> list[Move]:
     kind = MoveKind.SEND if src == process else MoveKind.RECV
     moves.append(Move(kind, action, t, seq))
   return moves
+
+
+def _group_end(process, srcs, dsts) -> MoveKind | None:
+  """A process's end of a transfer where a stage spans processes (no
+  ``seq``: such ends meet by order): MOVE where it holds both stages,
+  SEND or RECV where it holds one, None where neither."""
+  if process in srcs:
+    return MoveKind.MOVE if process in dsts else MoveKind.SEND
+  return MoveKind.RECV if process in dsts else None

@@ -16,6 +16,9 @@ OUT.npz.profile<config>.p<process>), and Pipeline keyword arguments. Started by 
 on global device s); without the launcher's environment it is the
 one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
 gathered params, the state dict's optimizer state and every call's loss.
+"groups" places stage s on global devices groups[s] (a replica group
+may span processes); with "refused" (across processes only) building
+must fail with a one-line ValueError containing that text.
 """
 
 import dataclasses
@@ -70,8 +73,15 @@ def run(config, index, out, path_of_out):
   profile_calls = config.pop("profile_calls", ())
   per_process_save = config.pop("per_process_save", False)
   micro = config.pop("num_microbatches", 4)
-  # Replica groups: stage s on devices s*r .. s*r + r - 1.
+  # Replica groups: stage s on devices s*r .. s*r + r - 1, or on the
+  # global devices "groups"[s] (groups that may span processes).
   replicas = config.pop("replicas", 1)
+  groups = config.pop("groups", None)
+  refused = config.pop("refused", None)
+  count = stages * replicas
+  if groups is not None:
+    groups = tuple(tuple(g) for g in groups)
+    count = 1 + max(max(g) for g in groups)
   size = jax.tree.leaves(batch)[0].shape[0] // micro
 
   def build(partition):
@@ -80,7 +90,7 @@ def run(config, index, out, path_of_out):
       params,
       batch,
       num_stages=stages,
-      devices=jax.devices()[: stages * replicas],
+      devices=jax.devices()[:count],
       num_microbatches=micro,
       optimizer=OPTIMIZERS[config.get("optimizer", "sgd")],
       model_state=model_state,
@@ -88,11 +98,15 @@ def run(config, index, out, path_of_out):
       **{k: v for k, v in config.items() if k != "optimizer"},
     )
 
-  if replicas == 1:
+  if refused is not None:  # Across processes: the one line it must say.
+    if jax.process_count() > 1:
+      _check_refused(build, groups, refused, index)
+    return
+  if replicas == 1 and groups is None:
     pipe = build("contiguous")
   else:
     plan = build("contiguous").plan
-    groups = tuple(
+    groups = groups or tuple(
       tuple(range(s * replicas, (s + 1) * replicas)) for s in range(stages)
     )
     pipe = build(dataclasses.replace(plan, stage_devices=groups))
@@ -163,6 +177,19 @@ def run(config, index, out, path_of_out):
     + ("" if pipe.reads_batch else ", read no data")
   )
   out.update(leaves)
+
+
+def _check_refused(build, groups, refused, index):
+  """Building on ``groups`` raises a ValueError saying ``refused``."""
+  plan = build("contiguous").plan
+  try:
+    build(dataclasses.replace(plan, stage_devices=groups))
+  except ValueError as e:
+    assert refused in str(e), str(e)
+    assert "\n" not in str(e), str(e)
+    print(f"config {index}: refused: {e}")
+    return
+  raise AssertionError(f"config {index} was not refused")
 
 
 def _logits_fn(case):

@@ -261,6 +261,59 @@ def test_replica_groups_across_processes(tmp_path, process_env):
 
 
 @pytest.mark.slow
+def test_replica_groups_spanning_processes(tmp_path, process_env):
+  """2 processes x 2 devices, a stage's replicas on devices of both
+  (first, middle or last stage): synchronous, clipped and
+  weight-stashing runs with the split routing, synchronous and
+  weight-stashing 1F1B-RR (round robin: microbatch b on replica b mod 2,
+  in its process), their evaluation and predictions equal the
+  one-process results on 4 devices; what does not span processes
+  (weighted groups, a round-robin last stage, tied params, model state)
+  is refused in one line."""
+  split = {"case": "mlp", "calls": [2, 3]}
+  spans = [[1, 2], [3]]
+  configs = json.dumps(
+    [
+      {**split, "stages": 2, "groups": spans, "schedule": "gpipe",
+       "forward_only": True},
+      {**split, "stages": 2, "groups": spans, "schedule": "1f1b",
+       "clip_global_norm": 0.05},
+      {**split, "stages": 3, "groups": [[0], [1, 2], [3]],
+       "calls": [2, 5, 3], "schedule": "async", "weight_stashing": True},
+      {**split, "stages": 2, "groups": [[0], [1, 2]],
+       "calls": [2, 5, "flush", 3], "schedule": "async",
+       "weight_stashing": True, "forward_only": True},
+      {**split, "stages": 2, "groups": spans, "schedule": "1f1b",
+       "replica_routing": "round_robin"},
+      {**split, "stages": 3, "groups": [[0], [1, 2], [3]],
+       "calls": [2, 5, "flush", 3], "schedule": "async",
+       "weight_stashing": True, "replica_routing": "round_robin",
+       "forward_only": True},
+      {**split, "stages": 2, "groups": spans, "replica_routing": "weighted",
+       "refused": "with the 'weighted' routing"},
+      {**split, "stages": 2, "groups": [[0], [1, 2]],
+       "replica_routing": "round_robin",
+       "refused": "the last stage's round-robin replica group spans"},
+      {"case": "gpt_tied", "stages": 2, "groups": spans, "calls": [1],
+       "num_microbatches": 2, "refused": "with params tied between stages"},
+      {"case": "resnet_state", "stages": 2, "groups": spans, "calls": [1],
+       "refused": "with model state"},
+    ]
+  )  # fmt: skip
+  ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
+  _reference(4, ref, configs, process_env)
+  done = _launch(
+    2, "pipeline_worker.py", got, configs, env=process_env(), devices=2
+  )
+  assert done.returncode == 0, done.stdout[-6000:]
+  assert done.stdout.count("refused: ") == 4 * 2, done.stdout[-6000:]
+  want, have = np.load(ref), np.load(got)
+  assert set(want) == set(have) and len(want) > 100
+  for key in want:
+    np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_killed_or_hung_process_stops_the_run(sig, process_env):
   """A process killed (SIGKILL) or hung (SIGSTOP) mid-run: the launcher

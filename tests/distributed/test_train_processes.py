@@ -300,3 +300,59 @@ def test_a_restart_goes_on_in_fewer_processes_with_a_new_plan(
   ]
   assert logged == [5, 6] and "[p0] Done: 6 steps" in after, out[-4000:]
   assert "[p1]" not in after
+
+
+@pytest.mark.parametrize(
+  "variant, routing",
+  [("1f1b", "split"), ("ws", "split"), ("ws", "round_robin")],
+)
+def test_vgg_with_a_replica_group_across_processes_is_one_process(
+  tmp_path, process_env, variant, routing
+):
+  """Issue 65's evidence: ``pipedream_vgg16:small`` on a 2-1-1 plan over
+  4 processes of one device each, stage 0's replicas in processes 0 and
+  1: synchronous 1F1B after 3 steps, asynchronous 1F1B with weight
+  stashing (its stream) after 4, split or round robin (PipeDream's
+  1F1B-RR), log one process's losses at every step and checkpoint its
+  params and optimizer state bit for bit (CRC-32 of every array); the
+  synchronous run resumed from its per-process checkpoint too."""
+  steps = 3 if variant == "1f1b" else 4
+  command = [sys.executable, "-m", "jpipe.train", "--config"]
+  command += [
+    os.path.join(ROOT, "configs", "seeds", "pipedream_vgg16.py")
+    + f":small:{variant}",
+    "--config.pipeline.partition=contiguous",
+    "--config.pipeline.num_stages=3",
+    "--config.pipeline.replicas=2,1,1",
+    f"--config.pipeline.replica_routing={routing}",
+    f"--config.train.steps={steps}",
+    f"--config.train.checkpoint_every={steps}",
+    "--config.train.log_every=1",
+    "--config.train.eval_every=1000",
+  ]
+  env = process_env()
+  one, four = tmp_path / "one", tmp_path / "four"
+  launch = [sys.executable, "-m", "jpipe.launch", "--nprocs=4", "--"]
+  out = _run_command([*launch, *command, f"--workdir={four}"], env)
+  assert "3 stages on devices [[0, 1], 2, 3]" in out, out[-3000:]
+  assert ("(1F1B-RR)" in out) == (routing == "round_robin"), out[-3000:]
+  flags = with_quick_compiles("--xla_force_host_platform_device_count=8")
+  _run_command([*command, f"--workdir={one}"], dict(env, XLA_FLAGS=flags))
+  a, b = _losses(one), _losses(four)
+  assert sorted(a) == list(range(1, steps + 1)) and a == b
+  sums = _final_checksums(four, steps)
+  assert len(sums) > 30 and sums == _final_checksums(one, steps)
+  if variant != "1f1b":
+    return
+  # Resumed from its per-process checkpoint (each process reads the
+  # group's leaves it uses), 2 steps more: still one process's.
+  more = [
+    *command,
+    "--config.train.steps=5",
+    "--config.train.checkpoint_every=5",
+  ]
+  out = _run_command([*launch, *more, f"--workdir={four}"], env)
+  assert "[p0] Resuming from step 3" in out, out[-3000:]
+  _run_command([*more, f"--workdir={one}"], dict(env, XLA_FLAGS=flags))
+  assert _losses(one) == _losses(four)
+  assert _final_checksums(four, 5) == _final_checksums(one, 5)

@@ -161,3 +161,111 @@ def test_early_sends_follow_their_maker_and_meet_their_receive_by_seq(
     ]
     assert [seq for seq, _ in receives] == list(range(len(receives)))
     assert sends == dict(receives)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async"])
+@pytest.mark.parametrize(
+  "stage_processes", [((0, 1), (2,)), ((0,), (0, 1), (1,)), ((0, 1), (1, 2))]
+)
+def test_a_stage_across_processes_runs_in_each_and_its_ends_match(
+  schedule, stage_processes
+):
+  """A stage on several processes (a replica group across processes):
+  against a plain restatement, each of its processes holds its actions
+  and makes every transfer's end -- MOVE where it holds both stages,
+  SEND or RECV where one; and any two processes meet the transfers they
+  share in the same order (a group's all-gather and its lead's sends
+  pair up by order)."""
+  n = len(stage_processes)
+  order = _order(schedule, n, 4)
+  transfers = _chain_transfers(n)
+  processes = sorted({q for ps in stage_processes for q in ps})
+  lowered = {
+    q: schedule_lib.lower(order, transfers, stage_processes, q)
+    for q in processes
+  }
+  for q in processes:
+    expected = []
+    for action in order:
+      before, after = transfers(action)
+      for t in before:
+        expected += _group_end(q, t, action, stage_processes)
+      if q in stage_processes[action.stage]:
+        expected.append(action)
+      for t in after:
+        expected += _group_end(q, t, action, stage_processes)
+    # (A transfer between two single processes keeps its seq: the other
+    # tests check those.)
+    assert [_unnumbered(op) for op in lowered[q]] == expected
+  for p, q in itertools.combinations(processes, 2):
+    ends = [
+      [(op.action, op.transfer) for op in lowered[r] if isinstance(op, Move)]
+      for r in (p, q)
+    ]
+    shared = set(ends[0]) & set(ends[1])
+    assert [e for e in ends[0] if e in shared] == [
+      e for e in ends[1] if e in shared
+    ]
+
+
+def _group_end(q, t, action, stage_processes) -> list:
+  """q's end of transfer t at action (stage_processes: of each stage)."""
+  srcs, dsts = stage_processes[t.src], stage_processes[t.dst]
+  if q in srcs and q in dsts:
+    return [Move(MoveKind.MOVE, action, t)]
+  if q in srcs:
+    return [Move(MoveKind.SEND, action, t)]
+  return [Move(MoveKind.RECV, action, t)] if q in dsts else []
+
+
+def _unnumbered(op):
+  return op._replace(seq=-1) if isinstance(op, Move) else op
+
+
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_a_round_robin_group_across_processes_runs_b_on_its_replica(shift):
+  """1F1B-RR with stage 1's replicas in processes 0 and 1: against a
+  plain restatement, F and B of microbatch b run in replica (b + shift)
+  mod 2's process alone (the other notes B as ELSEWHERE), steps in both,
+  and b's transfers end there."""
+  stage_processes = ((0,), (0, 1), (2,))
+  replica_process = (None, (0, 1), None)
+  order = _order("async", 3, 4)
+  transfers = _chain_transfers(3)
+
+  def where(s, b, kind=None):
+    if s != 1 or kind == UPDATE:
+      return stage_processes[s]
+    return (replica_process[1][(b + shift) % 2],)
+
+  for q in (0, 1, 2):
+    ops = schedule_lib.lower(
+      order,
+      transfers,
+      stage_processes,
+      q,
+      replica_process=replica_process,
+      shift=shift,
+    )
+    expected = []
+    for action in order:
+      b = action.microbatch
+      ends = [where(s, b) for s in range(3)]
+      before, after = transfers(action)
+      for t in before:
+        expected += _group_end(q, t, action, ends)
+      if q in where(action.stage, b, action.kind):
+        expected.append(action)
+      elif q in stage_processes[action.stage] and action.kind == BACKWARD:
+        note = Transfer("elsewhere", 1, 1, None)
+        expected.append(Move(MoveKind.ELSEWHERE, action, note))
+      for t in after:
+        expected += _group_end(q, t, action, ends)
+    assert [_unnumbered(op) for op in ops] == expected
+    if q in (0, 1):  # Every step of the group, in both of its processes.
+      steps = [a for a in order if a.stage == 1 and a.kind == UPDATE]
+      assert (
+        steps
+        and [op for op in ops if op in steps and not isinstance(op, Move)]
+        == steps
+      )

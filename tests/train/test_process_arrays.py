@@ -240,10 +240,10 @@ def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
   tmp_path, monkeypatch
 ):
   """A scanned model's 4 stages as if stages 0-1 and 2-3 ran in two
-  processes (``transport.owns``): each process's ``local_state_dict``
-  holds its layers' rows of every stacked leaf, params and Adam's
-  moments; written per process and read back whole, they are the
-  gathered state dict, and it loads."""
+  processes (``transport.leads``: the process that writes a stage):
+  each process's ``local_state_dict`` holds its layers' rows of every
+  stacked leaf, params and Adam's moments; written per process and read
+  back whole, they are the gathered state dict, and it loads."""
   loss_fn, params, batch = scan_models.plain_case()
   pipe = jpipe.Pipeline(
     loss_fn,
@@ -258,7 +258,7 @@ def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
   whole = pipe.state_dict(state)
   for process in (0, 1):
     mine = {2 * process, 2 * process + 1}
-    monkeypatch.setattr(pipe.transport, "owns", lambda s, mine=mine: s in mine)
+    monkeypatch.setattr(pipe.transport, "leads", lambda s, mine=mine: s in mine)
     part = pipe.local_state_dict(state)
     assert isinstance(part["params"]["layers"]["w1"], jpipe.runtime.HeldRows)
     process_arrays.write_arrays(str(tmp_path), process, part)

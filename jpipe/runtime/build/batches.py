@@ -44,6 +44,8 @@ def place_microbatches(leaves, wanted_by_placement, m: int, first: int):
     if place.round_robin:  # Microbatch b whole on replica b mod k.
       out[place] = {}
       for j, replica in enumerate(place.replicas):
+        if replica.device.process_index != jax.process_index():
+          continue  # (Another process's replica: it places its own.)
         parts = split_microbatches(tuple(replica.put_replicated(chosen)), m)
         out[place].update(
           (first + k, dict(zip(wanted, part, strict=True)))

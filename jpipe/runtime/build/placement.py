@@ -27,6 +27,11 @@ copy of the params (``on_device``), and a step sums the replicas'
 gradients like round robin. The values between stages live whole on the
 group's first device (``device``), which slices them out to the replicas
 and gathers their results (``jpipe.runtime.build.weighted``).
+
+A split or round-robin group may span processes (``jpipe.runtime.build.
+transport``): its shardings are then global, each process placing only
+its own devices' shards (``put_global``) and reading a replicated value
+through its own copy (``local_copy``).
 """
 
 from collections.abc import Sequence
@@ -43,6 +48,35 @@ from jax.sharding import (
 )
 
 
+def spans_processes(sharding) -> bool:
+  """Whether ``sharding`` names devices of other processes than this one
+  (a replica group across processes: its arrays are global, each process
+  holds its devices' shards)."""
+  return not sharding.is_fully_addressable
+
+
+def put_global(x, sharding):
+  """``x`` (whole in this process: a host or local array) as a global
+  array over ``sharding``, which spans processes: each of this process's
+  devices takes its slice of ``x``. Every process of the sharding passes
+  the same value; no process waits for another."""
+  shape = np.shape(x)
+  shards = [
+    jax.device_put(x[index], device)
+    for device, index in sharding.addressable_devices_indices_map(shape).items()
+  ]
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def local_copy(x):
+  """A replicated array's copy on one of this process's devices (``x``
+  itself where every device is this process's): what a process can read
+  of a global array whole."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return x.addressable_shards[0].data
+  return x
+
+
 def _in_place(x, sharding) -> bool:
   """Whether ``x`` is an array committed where ``sharding`` puts it."""
   return isinstance(x, jax.Array) and x.committed and x.sharding == sharding
@@ -56,7 +90,11 @@ def put(x, where):
   ~1.5 µs."""
   if isinstance(where, jax.Device):
     where = SingleDeviceSharding(where)
-  return x if _in_place(x, where) else jax.device_put(x, where)
+  if _in_place(x, where):
+    return x
+  if spans_processes(where):
+    return put_global(x, where)
+  return jax.device_put(x, where)
 
 
 def put_tree(tree, sharding):
@@ -64,7 +102,10 @@ def put_tree(tree, sharding):
   ``device_put`` (batched, as placing a whole state at once was)."""
   leaves, treedef = jax.tree.flatten(tree)
   away = [i for i, x in enumerate(leaves) if not _in_place(x, sharding)]
-  if away:
+  if away and spans_processes(sharding):
+    for i in away:
+      leaves[i] = put_global(leaves[i], sharding)
+  elif away:
     placed = jax.device_put([leaves[i] for i in away], sharding)
     for i, x in zip(away, placed, strict=True):
       leaves[i] = x
@@ -206,14 +247,30 @@ class StagePlacement:
     each leaf's shard on that device."""
     return self.on_device(tree, self.replica_index(b))
 
-  def sum_replicas(self, trees):
+  def sum_replicas(self, trees, like=None):
     """The sum of the replicas' pytrees (``trees[j]`` on replica j's
     device, or None where replica j holds nothing: zeros), replicated
-    over the group: one all-reduce program."""
-    present = next(t for t in trees if t is not None)
+    over the group: one all-reduce program. Across processes each
+    process passes its replicas' (``like``: their shapes and dtypes,
+    for a process none of whose replicas holds anything)."""
+    # (Across processes each process adds its own replicas' trees: the
+    # others are not here, and the program sums over all.)
+    here = jax.process_index()
+    mine = [
+      (device, t)
+      for device, t in zip(self.devices, trees, strict=True)
+      if device.process_index == here
+    ]
+    present = next((t for _, t in mine if t is not None), like)
+    if present is None:
+      raise ValueError(
+        "a round-robin group's step found no gradient on this process's "
+        "replicas (none of them ran a microbatch since its last step): "
+        "use at least as many microbatches per step as replicas"
+      )
     leaves, treedef = jax.tree.flatten(present)
     per_replica = []
-    for device, t in zip(self.devices, trees, strict=True):
+    for device, t in mine:
       if t is None:
         t = [jnp.zeros(x.shape, x.dtype, device=device) for x in leaves]
       per_replica.append(jax.tree.leaves(t))
@@ -242,7 +299,7 @@ class StagePlacement:
     Returns m tuples of arrays, one per leaf.
     """
     stacked = [x.reshape(m, -1, *x.shape[1:]) for x in leaves]
-    return self._unstack(tuple(jax.device_put(stacked, self._stacked)), m)
+    return self._unstack(tuple(put_tree(stacked, self._stacked)), m)
 
 
 def even_rows(n: int, k: int) -> tuple[int, ...]:

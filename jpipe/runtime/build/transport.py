@@ -20,6 +20,19 @@ own neither end do nothing. Two ways to carry a value:
   sender (measured on CPU: 1.2x instead of 1.9x for streaming async over
   2 processes, experiments/distributed/throughput.py). NCCL's bandwidth
   may still win for large activations on GPUs.
+
+A replica group may span processes. Split routing: the group's programs
+run SPMD over all its devices, each of its processes dispatching every
+one of them (XLA sums the gradient over the replicas across processes);
+its values are global arrays. A value leaving such a group is gathered
+whole in each of its processes (one all-gather program, all of them at
+the same place in the order: so no early sends), and the group's lead
+(the process of its first device) sends it to each process of the
+destination that lacks it; each process there places its rows. Round
+robin (1F1B-RR): microbatch b runs on replica b mod k in that replica's
+process alone (``jpipe.schedule.lower``'s ``replica_process``), so its
+values move as a one-device stage's; the group's steps, an all-reduce
+over every process's own replicas, run in all of its processes.
 """
 
 import queue
@@ -40,7 +53,7 @@ from jax.sharding import (
 )
 
 from jpipe import distributed
-from jpipe.runtime.build.placement import StagePlacement
+from jpipe.runtime.build.placement import StagePlacement, local_copy
 
 TRANSPORTS = ("pull", "collective")
 
@@ -52,8 +65,8 @@ class Transport:
     placement: each stage's ``StagePlacement`` (devices of any process).
     kind: across processes, "pull" or "collective" (module docstring).
 
-  A stage belongs to the process of its devices; a stage whose devices
-  span processes is an error (a replica group runs SPMD in one process).
+  A stage belongs to the processes of its devices. A replica group may
+  span processes (split or round-robin routing; module docstring).
   """
 
   def __init__(self, placement: Sequence[StagePlacement], kind: str = "pull"):
@@ -62,24 +75,34 @@ class Transport:
     self.kind = kind
     self.placement = tuple(placement)
     self.process = jax.process_index()
-    self.stage_process = []
-    for s, place in enumerate(self.placement):
-      owners = {d.process_index for d in place.devices}
-      if len(owners) > 1:
-        raise ValueError(
-          f"stage {s} is placed on devices of processes {sorted(owners)}: "
-          "a stage's replica group must lie in one process; give each "
-          "stage devices of one process (a process's devices are "
-          "jax.local_devices() there)"
-        )
-      self.stage_process.append(owners.pop())
-    self.stage_process = tuple(self.stage_process)
+    # Per stage: its processes, and its lead (its first device's): the
+    # one that sends the stage's values to other processes.
+    self.stage_processes = tuple(
+      tuple(sorted({d.process_index for d in place.devices}))
+      for place in self.placement
+    )
+    self.stage_process = tuple(p.device.process_index for p in self.placement)
+    self.spanning = tuple(
+      s for s, ps in enumerate(self.stage_processes) if len(ps) > 1
+    )
+    _check_spanning(self.placement, self.stage_processes)
+    # Per stage: for a round-robin group across processes, the process
+    # of each replica (microbatch b runs in that of replica b mod k).
+    self.replica_processes = tuple(
+      tuple(d.process_index for d in p.devices)
+      if s in self.spanning and p.round_robin
+      else None
+      for s, p in enumerate(self.placement)
+    )
     # The processes this pipeline runs in (a data-parallel run's other
     # pipelines may run in others: they take no part in its transfers).
-    self.processes = tuple(sorted(set(self.stage_process)))
+    self.processes = tuple(
+      sorted({q for ps in self.stage_processes for q in ps})
+    )
     self.multiprocess = len(self.processes) > 1
     self._pairs: dict[tuple, Any] = {}
     self._blanks: dict[tuple, jax.Array] = {}
+    self._gathers = _Gathers()
     self._pulls = PullLinks() if self.multiprocess and kind == "pull" else None
     # Whether a received value is waited for, on the host, before the
     # program that reads it is dispatched (``wait_for_arrivals``).
@@ -92,7 +115,9 @@ class Transport:
     transfer then meet by the call and the transfer's ``seq``
     (``jpipe.schedule.lower``) instead of by order -- "pull" does; a
     collective's two ends must run in the same order."""
-    return self._pulls is not None
+    # (Not where a group spans processes: its processes must gather a
+    # value off the group at the same place in the order.)
+    return self._pulls is not None and not self.spanning
 
   def begin_call(self) -> None:
     """Every process, at the start of each driver call."""
@@ -106,9 +131,14 @@ class Transport:
     if not self.multiprocess:
       return
     distributed.barrier("connect")
-    firsts = [p.device for p in self.placement]
-    # Each of the pipeline's processes receives the loss (``share``) on
-    # the pipeline's first device there.
+    # A stage's first device in each of its processes (where its values
+    # arrive and leave); each of the pipeline's processes receives the
+    # loss (``share``) on the pipeline's first device there.
+    firsts = [
+      _first_in(p, q)
+      for p, ps in zip(self.placement, self.stage_processes, strict=True)
+      for q in ps
+    ]
     firsts += [self._device_of(q) for q in self.processes]
     links = sorted(
       {
@@ -148,7 +178,14 @@ class Transport:
     self.waits_for_arrivals = True
 
   def owns(self, s: int) -> bool:
-    """Whether this process runs stage s."""
+    """Whether this process runs stage s (or its share of it: a replica
+    group across processes)."""
+    return self.process in self.stage_processes[s]
+
+  def leads(self, s: int) -> bool:
+    """Whether this process is stage s's lead (its first device's): the
+    one that sends and writes what the stage holds, where it spans
+    processes."""
     return self.stage_process[s] == self.process
 
   def move(
@@ -161,6 +198,7 @@ class Transport:
     replicated: bool = False,
     seq=-1,
     place: StagePlacement | None = None,
+    microbatch: int | None = None,
   ):
     """Value ``x`` (held by stage src) onto stage dst's devices.
 
@@ -179,15 +217,31 @@ class Transport:
         order). With ``sends_early`` the ends meet by it.
       place: where on dst it goes, if not dst's placement (the one
         replica of a round-robin group that runs the microbatch).
+      microbatch: the microbatch the value belongs to: a round-robin
+        end's replica is that microbatch's (given for F and B values).
     """
-    place = place or self.placement[dst]
+    # The ends' placements and processes (a round-robin group's: the
+    # microbatch's replica); a stage's own processes are known already.
+    a_place, pa = self.placement[src], self.stage_processes[src]
+    if microbatch is not None and a_place.round_robin:
+      a_place = a_place.replica(microbatch)
+      pa = (a_place.device.process_index,)
+    if place is None:
+      place, pb = self.placement[dst], self.stage_processes[dst]
+      if microbatch is not None and place.round_robin:
+        place = place.replica(microbatch)
+        pb = (place.device.process_index,)
+    else:
+      pb = _processes(place)
+    if len(pa) > 1 or len(pb) > 1:
+      return self._move_groups(x, a_place, place, aval, replicated)
     put = place.put_replicated if replicated else place.put_values
-    here_src, here_dst = self.owns(src), self.owns(dst)
-    if self.stage_process[src] == self.stage_process[dst]:
+    here_src, here_dst = pa[0] == self.process, pb[0] == self.process
+    if pa == pb:
       return put(x) if here_dst and self.placement[src] != place else x
     if not (here_src or here_dst):
       return None
-    a, b = self.placement[src].device, place.device
+    a, b = a_place.device, place.device
     key = (self.calls, seq) if self.sends_early and seq >= 0 else None
     y = self._pair(x if here_src else None, a, b, aval, key)
     if here_src:
@@ -196,12 +250,43 @@ class Transport:
       jax.block_until_ready(y)
     return put(y) if len(place.devices) > 1 else y
 
+  def _move_groups(self, x, from_place, place, aval, replicated):
+    """``move`` where an end's devices span processes (a split group).
+    Every process of the source takes the value whole (a split value
+    gathered over its group: one all-gather program, all of them
+    together); the source's lead sends it to each process of the
+    destination that has none; each process there places it on its
+    devices, a global array where they span processes."""
+    srcs, dsts = _processes(from_place), _processes(place)
+    here_src, here_dst = self.process in srcs, self.process in dsts
+    if not (here_src or here_dst):
+      return None
+    if here_src:
+      if not replicated and len(srcs) > 1:
+        x = self._gathers.whole(x, from_place.replicated)
+      x = local_copy(x)
+    lead = from_place.device.process_index
+    for q in dsts:
+      if q in srcs or self.process not in (lead, q):
+        continue
+      a, b = _first_in(from_place, lead), _first_in(place, q)
+      y = self._pair(x if self.process == lead else None, a, b, aval)
+      if self.process == q:
+        x = y
+    if not here_dst:
+      return None
+    if self.waits_for_arrivals:
+      jax.block_until_ready(x)
+    return place.put_replicated(x) if replicated else place.put_values(x)
+
   def share(self, x, src: int, aval):
     """Value ``x`` of stage src on every process of this pipeline (on a
     device of its own): the process of src passes ``x`` and gets it
     back, the others pass None. Every process calls it, in the same
     order; a process outside the pipeline gets None."""
     owner = self.stage_process[src]
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = local_copy(self._gathers.whole(x))
     for q in sorted(set(self.processes) - {owner}):
       if self.process not in (owner, q):
         continue
@@ -242,9 +327,7 @@ class Transport:
     arriving behind that pipeline's averaging collective would tie the
     two pipelines' progress together (and hung such runs)."""
     return next(
-      p.device
-      for p, q in zip(self.placement, self.stage_process, strict=True)
-      if q == process
+      d for p in self.placement for d in p.devices if d.process_index == process
     )
 
   def _pair(self, x, a, b, aval, key=None):
@@ -280,6 +363,46 @@ class Transport:
         jnp.zeros(_shard_shape(shape), dtype), device
       )
     return self._blanks[key]
+
+
+def _check_spanning(placement, stage_processes) -> None:
+  """Refuses, in one line, the replica groups across processes that do
+  not run there: weighted ones, and a round-robin last stage."""
+  for s, (place, ps) in enumerate(zip(placement, stage_processes, strict=True)):
+    if len(ps) == 1:
+      continue
+    if place.weighted:
+      raise ValueError(
+        f"stage {s}'s replica group spans processes {list(ps)} with the "
+        "'weighted' routing: across processes use 'split' or "
+        "'round_robin', or give the group devices of one process"
+      )
+    if place.round_robin and s == len(placement) - 1:
+      raise ValueError(
+        f"the last stage's round-robin replica group spans processes "
+        f"{list(ps)} (its replicas' losses would meet in no process): give "
+        "it devices of one process, or use replica_routing='split'"
+      )
+
+
+class _Gathers:
+  """Programs that make a value of a replica group across processes
+  whole on every device of the group (an all-gather; every process of
+  the group calls it), one per group."""
+
+  def __init__(self):
+    self._programs: dict[NamedSharding, Any] = {}
+
+  def whole(self, x, replicated: NamedSharding | None = None):
+    """``x`` (a global array) replicated over its group (``replicated``:
+    the group's replicated sharding; None: ``x``'s mesh's)."""
+    if replicated is None:
+      replicated = NamedSharding(x.sharding.mesh, PartitionSpec())
+    if replicated not in self._programs:
+      self._programs[replicated] = jax.jit(
+        lambda v: v, out_shardings=replicated
+      )
+    return self._programs[replicated](x)
 
 
 class PullLinks:
@@ -409,6 +532,16 @@ class TransferTimes:
       except Exception:  # noqa: BLE001 -- a failed transfer: no stamp
         continue
       self.events.append((what, uuid, time.perf_counter()))
+
+
+def _processes(place: StagePlacement) -> tuple[int, ...]:
+  """The processes of ``place``'s devices, in order."""
+  return tuple(sorted({d.process_index for d in place.devices}))
+
+
+def _first_in(place: StagePlacement, process: int):
+  """The first device of ``place`` in ``process``."""
+  return next(d for d in place.devices if d.process_index == process)
 
 
 def _shard_shape(shape):

@@ -4,7 +4,7 @@
 import jax
 import jax.numpy as jnp
 
-from jpipe.runtime.build.placement import put
+from jpipe.runtime.build.placement import local_copy, put
 from jpipe.runtime.execute.hooks import DriverHooks
 
 
@@ -21,14 +21,15 @@ def global_clip_factors(d, grads: dict) -> dict:
   steps: ``min(1, clip / global norm)``, the norm over every stage's
   gradient (``grads``: this process's, reduced), summed per process and
   then over processes (every process calls it, in step order)."""
-  if not grads:
+  # Every process of a group across processes computes its norm (a
+  # program over the group); its lead alone adds it.
+  norms = {s: grad_sq_norm(d, s, g) for s, g in sorted(grads.items())}
+  led = [s for s in norms if d.transport.leads(s)]
+  if not led:
     partial = None
   else:
-    first = min(grads)
-    device = d.placement[first].device
-    partial = sum(
-      put(grad_sq_norm(d, s, g), device) for s, g in sorted(grads.items())
-    )
+    device = d.placement[led[0]].device
+    partial = sum(put(local_copy(norms[s]), device) for s in led)
   total = d.transport.all_sum(partial)
   return {s: clip_factor(d, s, total) for s in grads}
 

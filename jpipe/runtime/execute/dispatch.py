@@ -12,7 +12,7 @@ from jpipe.runtime.execute.stage_work import call_result, stage_works
 from jpipe.runtime.execute.updates import UpdateRunner
 
 FORWARD, BACKWARD, UPDATE, INPUT, WEIGHT = schedule_lib.ActionKind
-SEND, RECV, MOVE = schedule_lib.MoveKind
+SEND, RECV, MOVE, ELSEWHERE = schedule_lib.MoveKind
 
 
 def run_call(
@@ -100,6 +100,10 @@ def _handlers(driver, ctx, stages, updates, deferred_steps) -> dict:
     SEND: ctx.send,
     RECV: ctx.receive,
     MOVE: ctx.move,
+    # Another process's replica ran it: its step applies it too.
+    ELSEWHERE: lambda op: stages[op.action.stage].pending.append(
+      op.action.microbatch
+    ),
   }
 
 

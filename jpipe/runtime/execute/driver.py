@@ -29,6 +29,7 @@ microbatches -- is returned in an ``InFlight`` and picked up by the next
 call.
 """
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -48,7 +49,11 @@ from jpipe.runtime.execute.dispatch import run_call
 from jpipe.runtime.execute.hooks import DriverHooks
 
 FORWARD, BACKWARD, UPDATE, INPUT, WEIGHT = schedule_lib.ActionKind
-SEND, RECV, MOVE = schedule_lib.MoveKind
+SEND, RECV, MOVE = (
+  schedule_lib.MoveKind.SEND,
+  schedule_lib.MoveKind.RECV,
+  schedule_lib.MoveKind.MOVE,
+)
 Transfer = schedule_lib.Transfer
 
 
@@ -110,7 +115,14 @@ class Driver:
     self.num_batch_leaves = num_batch_leaves
     self.record_params = record_params
     self.hooks = hooks or DriverHooks()
-    self._lowered = {}  # id(base call) -> (base call, ops, makes a loss)
+    # (id(base call), its shift's residue) -> (base call, ops, makes a
+    # loss, late owners' backwards).
+    self._lowered = {}
+    # The shifts that lower alike: those equal modulo every round-robin
+    # group across processes' replica count.
+    self._replica_period = math.lcm(
+      *(len(r) for r in transport.replica_processes if r is not None)
+    )
     self._scalars = {}  # (stage, type, number) -> it on the stage's devices
     specs = stages.specs
     self.producer = {v: s for s, spec in enumerate(specs) for v in spec.outputs}
@@ -143,31 +155,39 @@ class Driver:
     call's ``base`` is cached (a stream repeats a few orders, shifted by
     its position): a shifted call gets the base's ops shifted, which
     costs ~1 µs an op against ~15 µs an op to lower."""
-    ops, makes_loss, _ = self._lowered_base(call.base)
+    ops, makes_loss, _ = self._lowered_base(call.base, call.shift)
     return shifted_ops(ops, call.shift), makes_loss
 
   def fused_steps(self, call) -> frozenset:
     """``call.fused_steps`` less a tied leaf owner's backwards that some
     holder's gradient (a "tied_grad" move or receive, which the owner's
     step adds) reaches only after them in this process's ops."""
-    _, _, late = self._lowered_base(call.base)
+    _, _, late = self._lowered_base(call.base, call.shift)
     if not late:
       return call.fused_steps
     shift = call.shift
     return call.fused_steps - {(s, b + shift) for s, b in late}
 
-  def _lowered_base(self, base):
-    """(ops, makes a loss, late owners' backwards) of a base call."""
+  def _lowered_base(self, base, shift=0):
+    """(ops, makes a loss, late owners' backwards) of a base call, to be
+    shifted by ``shift`` microbatches (which matters only modulo the
+    replicas of round-robin groups across processes: their replica of a
+    microbatch runs it in its own process)."""
+    residue = shift % self._replica_period
     # Keyed by identity (a call's hash would go through its whole order);
     # the entry holds its base, so the id stays its own.
-    cached = self._lowered.get(id(base))
+    cached = self._lowered.get((id(base), residue))
     if cached is None:
       ops = schedule_lib.lower(
         base.order,
         self._transfers,
-        self.transport.stage_process,
+        self.transport.stage_processes,
         self.transport.process,
         made_by=_made_by if self.transport.sends_early else None,
+        replica_process=(
+          self.transport.replica_processes if self._replica_period > 1 else None
+        ),
+        shift=residue,
       )
       last = len(self.stages.specs) - 1
       makes_loss = any(
@@ -175,7 +195,12 @@ class Driver:
       )
       ops = [op for op in ops if not self._moves_in_place(op)]
       late = _late_tied_grads(ops, base.fused)
-      cached = self._lowered[id(base)] = (base, ops, makes_loss, late)
+      cached = self._lowered[(id(base), residue)] = (
+        base,
+        ops,
+        makes_loss,
+        late,
+      )
     return cached[1:]
 
   def device_scalar(self, s, number):

@@ -34,7 +34,11 @@ from jpipe.runtime.execute.stage_work import local_inputs
 from jpipe.runtime.execute.transfer_ends import TransferEnds
 
 FORWARD = schedule_lib.ActionKind.FORWARD
-SEND, RECV, MOVE = schedule_lib.MoveKind
+SEND, RECV, MOVE = (
+  schedule_lib.MoveKind.SEND,
+  schedule_lib.MoveKind.RECV,
+  schedule_lib.MoveKind.MOVE,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,9 +106,10 @@ class ForwardProgram:
       ops = self._lowered[m] = schedule_lib.lower(
         _forward_order(len(self.stages.specs), self.schedule_device, m),
         self._transfers,
-        transport.stage_process,
+        transport.stage_processes,
         transport.process,
         made_by=_maker if transport.sends_early else None,
+        replica_process=transport.replica_processes,
       )
     return ops
 

@@ -4,6 +4,8 @@ and what its microbatches leave between them."""
 import dataclasses
 from typing import Any
 
+import jax
+
 from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.held_params import HeldParams
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
@@ -308,8 +310,20 @@ class StageWork:
       return place.sum_replicas(list(self.grads))
     if not place.round_robin:
       return self.grads
-    accs = self.grads
-    return place.sum_replicas([accs.get(j) for j in range(len(place.devices))])
+    accs = self.grads or {}  # (None: no replica here ran one.)
+    return place.sum_replicas(
+      [accs.get(j) for j in range(len(place.devices))], self._gradient_like()
+    )
+
+  def _gradient_like(self):
+    """The accumulator's shapes and dtypes (its packed param leaves')."""
+    d = self.d
+    avals = d.stages.traced.closed_jaxpr.in_avals
+    leaves = [
+      jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype)
+      for i in d.stages.specs[self.s].param_leaves
+    ]
+    return jax.eval_shape(d.programs.grad_layouts[self.s].pack, leaves)
 
 
 def stage_works(driver, ctx, flight, stage_params, opt_states):

@@ -31,13 +31,15 @@ class TransferEnds:
     """Sends a value of this process's stage to another process."""
     t = op.transfer
     self.d.transport.move(
-      self._take(op), t.src, t.dst, seq=op.seq, **self._aval(t)
+      self._take(op), t.src, t.dst, seq=op.seq, **self._aval(t, op)
     )
 
   def receive(self, op):
     """Receives a value for this process's stage from another process."""
     t = op.transfer
-    y = self.d.transport.move(None, t.src, t.dst, seq=op.seq, **self._aval(t))
+    y = self.d.transport.move(
+      None, t.src, t.dst, seq=op.seq, **self._aval(t, op)
+    )
     self._put(op, y)
 
   def move(self, op):
@@ -49,13 +51,15 @@ class TransferEnds:
     place = self.d.placement[t.dst]
     place = place.replica(op.action.microbatch) if place.round_robin else None
     self._put(
-      op, self.d.transport.move(x, t.src, t.dst, place=place, **self._aval(t))
+      op,
+      self.d.transport.move(x, t.src, t.dst, place=place, **self._aval(t, op)),
     )
 
-  def _aval(self, t) -> dict:
-    """``Transport.move``'s shape and placement arguments for ``t``."""
+  def _aval(self, t, op) -> dict:
+    """``Transport.move``'s shape and placement arguments for ``t`` (made
+    at ``op``: a round-robin end's replica is its microbatch's)."""
     if t.what in ("F", "B"):  # Split like the microbatch.
-      return {"aval": t.value.aval}
+      return {"aval": t.value.aval, "microbatch": op.action.microbatch}
     if t.what == "state":
       return {"aval": self.d.state_avals[t.value], "replicated": True}
     return {"aval": self.d.tied.avals[t.value], "replicated": True}
