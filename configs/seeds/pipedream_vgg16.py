@@ -20,11 +20,11 @@ stashing: small defaults to ws; small:VARIANT, e.g. small:ws+rr with
 
 1F1B-RR (``pipeline.replica_routing = "round_robin"``): microbatch b runs
 whole on replica b mod r of a replicated stage, as PipeDream's runtime
-does. Not yet across processes: a replica group (either routing) must
-lie in one process today (``jpipe.Pipeline`` refuses it in one line), so
-on 4 servers x 4 GPUs this config plans but does not train until replica
-groups span processes; where each replicated stage's devices lie in one
-process (one 16-device host) it trains.
+does. On 4 servers x 4 GPUs (a process per GPU or per server) the
+replicated stage's group spans processes, as in the paper: both routings
+run there (a round-robin last stage across processes is refused in one
+line; the plans here end in one device), equal to one process
+(tests/distributed/test_train_processes.py: 2-1-1 over 4 processes).
 
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_vgg16.py
 Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,
