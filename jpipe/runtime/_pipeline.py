@@ -39,6 +39,7 @@ from jpipe.runtime._assemble import (
   options_from_keywords,
   with_schedule,
 )
+from jpipe.runtime._pipeline_inference import PipelineInferenceMethods
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._pipeline_state_methods import PipelineStateMethods
 from jpipe.runtime.build.memory import StageMemory, device_totals
@@ -49,8 +50,6 @@ from jpipe.runtime.build.pipeline_memory import (
   check_memory_limit,
   predict_pipeline_memory,
 )
-from jpipe.runtime.execute import forward_only as _forward_only
-from jpipe.runtime.execute import generation as _generation
 from jpipe.runtime.execute.hooks import DriverHooks
 
 
@@ -63,7 +62,7 @@ def _part(phase: str, name: str) -> property:
   )
 
 
-class Pipeline(PipelineStateMethods):
+class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   """A model split into pipeline stages, trained by a schedule.
 
   Args:
@@ -320,102 +319,6 @@ class Pipeline(PipelineStateMethods):
       "used_params".
     """
     return _step.step(self, state, batch, profile)
-
-  def evaluate(
-    self,
-    state: PipelineState,
-    batch: Any,
-    metrics_fn: Callable[..., Any] | None = None,
-  ) -> Any:
-    """The loss, or ``metrics_fn``'s metrics, of ``batch`` at the state's
-    params, forward through the stages: each stage runs its forward on
-    its own devices and passes its activations on, as in training, and
-    nothing is gathered to one device (a model too big for one device
-    evaluates so). Nothing is saved for a backward and the state is not
-    changed (model state, e.g. BatchNorm statistics, is read, not
-    updated).
-
-    ``metrics_fn(params, batch)`` (with model state ``metrics_fn(params,
-    model_state, batch)``) returns a pytree of per-microbatch sums, e.g.
-    ``{"correct": ..., "count": ...}``. It is traced on one microbatch
-    and cut by the pipeline's plan: each of its module calls runs on the
-    stage that runs the same module in ``loss_fn`` (call the model as
-    ``loss_fn`` does, in inference mode if you like; equations outside
-    modules join the call before them). Traced once per function and
-    per-example shapes.
-
-    Mid-stream (asynchronous schedules between flushes) each stage's
-    params are its newest: the stages are then at different steps; flush
-    first to evaluate the params of one step. Across processes every
-    process calls it with the same batch size (as ``step``).
-
-    Returns:
-      Without ``metrics_fn``: ``{"loss": the mean of the microbatches'
-      losses}`` (``loss_fn`` at these params, as ``step``'s "loss" is at
-      the params each forward used). With it: its pytree, each leaf
-      summed over the microbatches. Arrays, on every process.
-    """
-    return _forward_only.evaluate(self, state, batch, metrics_fn)
-
-  def predict(
-    self, state: PipelineState, batch: Any, predict_fn: Callable[..., Any]
-  ) -> Any:
-    """``predict_fn(params, batch)`` (with model state ``predict_fn(params,
-    model_state, batch)``) of ``batch`` at the state's params, forward
-    through the stages as ``evaluate`` runs ``metrics_fn``: e.g. logits
-    or class indices. Its outputs have the microbatch's examples on
-    their leading axis; returns them concatenated over the microbatches
-    (the batch's order), on every process."""
-    return _forward_only.predict(self, state, batch, predict_fn)
-
-  def generate(
-    self,
-    state: PipelineState,
-    prompts: Any,
-    decode_fn: Callable[..., Any],
-    empty_cache: Callable[[int, int], Any],
-    *,
-    max_new_tokens: int,
-    eos_id: int | None = None,
-    prefill_fn: Callable[..., Any] | None = None,
-    start_id: int = 0,
-  ) -> jax.Array:
-    """Greedy continuations of ``prompts`` (int [B, P], or B 1-D int
-    arrays of different lengths; B a multiple of the microbatch size)
-    through the stages, each layer's key/value cache on the stage that
-    runs it (``execute/generation.py``).
-
-    ``decode_fn(params, batch) -> (next-token logits [b, vocab], new
-    cache)``, batch ``{"tokens": int [b, L], "index": int [b] (the cache
-    slot of tokens[:, 0]), "pad": int [b] (each row's left padding, the
-    slots before its first token), "cache": ...}``, e.g. ``models.gpt2.
-    decode_fn(model)``; it is cut by the plan as ``predict_fn`` is.
-    ``empty_cache(b, length)``: the cache's zeros (shapes only are used;
-    each stage makes its own on its device). An encoder-decoder gives
-    ``prefill_fn`` too (e.g. ``models.t5_v1.decode_fns(model)``): the
-    prompts are then its sources, the batch's "inputs", the encoder runs
-    once in the prefill, and the decoder starts from ``start_id``
-    (sources of different lengths are right-padded with 0; no "pad").
-    With model state both take it as ``predict_fn`` does:
-    ``decode_fn(params, model_state, batch)``. Stages on replica groups
-    decode as they predict; across processes it is refused.
-
-    Returns:
-      int32 [B, n] on the last stage's device, n <= max_new_tokens:
-      after a sequence's ``eos_id`` its tokens are ``eos_id``, and
-      decoding stops once every sequence has ended.
-    """
-    return _generation.generate(
-      self,
-      state,
-      prompts,
-      decode_fn,
-      empty_cache,
-      max_new_tokens,
-      eos_id,
-      prefill_fn,
-      start_id,
-    )
 
   def flush(self, state: PipelineState, *, profile: bool = False):
     """Drains an asynchronous pipeline: every pending backward and step
