@@ -50,11 +50,8 @@ def functions(test: bool):
       yield f"{base}:{node.lineno}", node.name, args, line
 
 
-class StdlibQa(tfds.core.GeneratorBasedBuilder):
+class StdlibQa(text.StdlibBuilder):
   """SQuAD-style records: question, context, answers {text, answer_start}."""
-
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -71,13 +68,6 @@ class StdlibQa(tfds.core.GeneratorBasedBuilder):
       ),
     )
 
-  def _split_generators(self, dl_manager):
-    del dl_manager  # The data ships with Python: nothing to download.
-    return {
-      "train": self._generate_examples(False),
-      "test": self._generate_examples(True),
-    }
-
   def _generate_examples(self, test: bool):
     for key, name, args, line in functions(test):
       signature = f"def {name}({', '.join(args)}): "
@@ -91,11 +81,8 @@ class StdlibQa(tfds.core.GeneratorBasedBuilder):
       )
 
 
-class StdlibTranslation(tfds.core.GeneratorBasedBuilder):
+class StdlibTranslation(text.StdlibBuilder):
   """Translation records: source (a line), target (its words reversed)."""
-
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -105,13 +92,6 @@ class StdlibTranslation(tfds.core.GeneratorBasedBuilder):
         {"source": tfds.features.Text(), "target": tfds.features.Text()}
       ),
     )
-
-  def _split_generators(self, dl_manager):
-    del dl_manager  # The data ships with Python: nothing to download.
-    return {
-      "train": self._generate_examples(False),
-      "test": self._generate_examples(True),
-    }
 
   def _generate_examples(self, test: bool):
     for key, _, _, line in functions(test):

@@ -35,11 +35,24 @@ def is_test_file(name: str) -> bool:
   return zlib.crc32(os.path.basename(name).encode()) % 10 == 0
 
 
-class StdlibText(tfds.core.GeneratorBasedBuilder):
-  """One example per source file: ``text`` (its bytes) and ``name``."""
+class StdlibBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A data set made from what ships with Python: a train and a test
+  split, nothing to download. Subclasses give ``_info`` and
+  ``_generate_examples(test)``."""
 
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # The data ships with Python: nothing to download.
+    return {
+      "train": self._generate_examples(test=False),
+      "test": self._generate_examples(test=True),
+    }
+
+
+class StdlibText(StdlibBuilder):
+  """One example per source file: ``text`` (its bytes) and ``name``."""
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -50,13 +63,6 @@ class StdlibText(tfds.core.GeneratorBasedBuilder):
       ),
       homepage="https://docs.python.org/3/library/",
     )
-
-  def _split_generators(self, dl_manager):
-    del dl_manager  # The data ships with Python: nothing to download.
-    return {
-      "train": self._generate_examples(test=False),
-      "test": self._generate_examples(test=True),
-    }
 
   def _generate_examples(self, test: bool):
     for path in stdlib_files():
