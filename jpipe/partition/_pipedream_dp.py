@@ -17,15 +17,34 @@ import math
 import numpy as np
 
 
-def range_table(per_state: np.ndarray) -> np.ndarray:
-  """(S+1, S): row 0 = per_state; row i >= 1 = per_state[j] -
-  per_state[i-1] for j >= i, NaN below (PipeDream's None)."""
-  s = per_state.shape[0]
-  table = np.full((s + 1, s), np.nan)
-  table[0] = per_state
-  upper = np.arange(s)[None, :] >= np.arange(1, s + 1)[:, None]
-  table[1:] = np.where(upper, per_state[None, :] - per_state[:, None], np.nan)
-  return table
+class RangeTable:
+  """PipeDream's range table of per-state sums, entries made when indexed.
+
+  ``T[0][j]`` is the sum of ``parts`` at state j; ``T[i][j]`` for i >= 1
+  is that less the sum at state i-1 (states i..j), ``fill`` where j < i
+  (PipeDream's None). Indexed like the dense (S+1, S) array would be (a
+  row ``T[i]``, or ``T[rows, cols]``) without building it: a one-level DP
+  reads row 0 and one entry per split pair. Several parts are differenced
+  one by one and then added, in order (the stash is act + params).
+  """
+
+  def __init__(self, parts: tuple[np.ndarray, ...], fill: float):
+    self.parts = parts
+    self.fill = fill
+    self.num_states = parts[0].shape[0]
+
+  def __getitem__(self, index) -> np.ndarray:
+    if isinstance(index, tuple):
+      rows, cols = (np.asarray(x) for x in index)
+    else:
+      cols = np.arange(self.num_states)
+      rows = np.full(self.num_states, index)
+    before = np.maximum(rows - 1, 0)
+    total = None
+    for part in self.parts:
+      diff = part[cols] - np.where(rows > 0, part[before], 0.0)
+      total = diff if total is None else total + diff
+    return np.where(cols >= rows, total, self.fill)
 
 
 class Model:
@@ -48,13 +67,9 @@ class Model:
     self.fewer = fewer
     self.rc = rc
     self.num_states = s = dag.num_states
-    compute = range_table(dag.compute_seconds)
-    self.valid = ~np.isnan(compute)
-    self.compute = np.where(self.valid, compute, np.inf)
-    par = range_table(dag.parameter_bytes)
-    act = range_table(dag.activation_bytes)
-    self.par = np.where(self.valid, par, 0.0)
-    self.stash = np.where(self.valid, act + par, 0.0)
+    self.compute = RangeTable((dag.compute_seconds,), np.inf)
+    self.par = RangeTable((dag.parameter_bytes,), 0.0)
+    self.stash = RangeTable((dag.activation_bytes, dag.parameter_bytes), 0.0)
     # Pairs (k, j), k a predecessor of j, sorted by j then k.
     self.pair_j, self.pair_k = np.nonzero(dag.ancestors)
     self.first_pair = np.searchsorted(self.pair_j, np.arange(s + 1))
@@ -78,7 +93,7 @@ class Model:
     """
     out = []
     time_table = self.compute
-    need_table = np.where(self.valid, 0.0, np.inf)
+    need_table = RangeTable((np.zeros(self.num_states),), np.inf)
     g = 1
     for level, m in enumerate(self.machines):
       final = level == len(self.machines) - 1
