@@ -32,13 +32,18 @@ class RangeTable:
     self.parts = parts
     self.fill = fill
     self.num_states = parts[0].shape[0]
+    self._rows = {}  # The DP and its backtrack read a few rows often.
 
   def __getitem__(self, index) -> np.ndarray:
     if isinstance(index, tuple):
-      rows, cols = (np.asarray(x) for x in index)
-    else:
-      cols = np.arange(self.num_states)
-      rows = np.full(self.num_states, index)
+      return self._entries(*(np.asarray(x) for x in index))
+    if index not in self._rows:
+      self._rows[index] = self._entries(
+        np.full(self.num_states, index), np.arange(self.num_states)
+      )
+    return self._rows[index]
+
+  def _entries(self, rows, cols):
     before = np.maximum(rows - 1, 0)
     total = None
     for part in self.parts:
@@ -120,6 +125,7 @@ class LevelCosts:
     self.need = need
     self.time = time_table
     self.need_table = need_table
+    self._base = {}
     rows, cols = model.pair_k + 1, model.pair_j  # T[k+1][j] per pair
     self.stash_p = model.stash[rows, cols]
     if need:
@@ -140,6 +146,13 @@ class LevelCosts:
     return (1,) if self.model.straight else range(1, m + 1)
 
   def base(self, i):
+    """``make_base(i)``, kept (read-only): the backtrack asks for the same
+    few rows at each of its steps."""
+    if i not in self._base:
+      self._base[i] = self.make_base(i)
+    return self._base[i]
+
+  def make_base(self, i):
     """[S, M]: states i..j as one stage on r = m+1 machines."""
     model, m_total = self.model, self.m_total
     r = np.arange(1, len(self.replicas()) + 1, dtype=np.float64)
@@ -193,7 +206,7 @@ def level_dp(costs, rows):
   s, m_total = model.num_states, costs.m_total
   a = np.full((len(rows), s, m_total), np.inf)
   for ri, i in enumerate(rows):
-    a[ri] = costs.base(i)
+    a[ri] = costs.make_base(i)
     if i + 1 >= s:
       continue
     p0 = model.first_pair[i + 1]
