@@ -131,27 +131,36 @@ class Model(nn.Module):
     x = nn.Dropout(self.dropout, deterministic=not train)(
       wte(tokens) + positions
     )
-    new_cache = {}
     if self.scan_layers:
-      x = _scanned_blocks(self, x, train, cache)
-    for i in range(0 if self.scan_layers else self.num_layers):
-      block = Block(
-        self.num_heads,
-        self.dropout,
-        self.layer_norm_eps,
-        self.dtype,
-        self.fused_attention,
-        name=f"block_{i}",
-      )
-      if cache is None:
-        x = block(x, train)
-      else:
-        x, new_cache[f"block_{i}"] = block(x, train, cache[f"block_{i}"], index)
+      x, new_cache = _scanned_blocks(self, x, train, cache), None
+    else:
+      x, new_cache = _blocks(self, x, train, cache, index)
     x = nn.LayerNorm(
       epsilon=self.layer_norm_eps, dtype=self.dtype, name="ln_f"
     )(x)
     logits = wte.attend(x).astype(jnp.float32)
     return logits if cache is None else (logits, new_cache)
+
+
+def _blocks(model: Model, x, train: bool, cache, index):
+  """x [B, L, d] through the blocks ``block_0`` .. (each its own params),
+  made inside ``Model.__call__`` (its children): (x, the new cache, {}
+  without one)."""
+  new_cache = {}
+  for i in range(model.num_layers):
+    block = Block(
+      model.num_heads,
+      model.dropout,
+      model.layer_norm_eps,
+      model.dtype,
+      model.fused_attention,
+      name=f"block_{i}",
+    )
+    if cache is None:
+      x = block(x, train)
+    else:
+      x, new_cache[f"block_{i}"] = block(x, train, cache[f"block_{i}"], index)
+  return x, new_cache
 
 
 def _scanned_blocks(model: Model, x, train: bool, cache):
