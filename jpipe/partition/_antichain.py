@@ -96,9 +96,6 @@ class _Dag:
         self.succ[u].append(v)
         self.indeg[v] += 1
     self.out = [sum(1 << v for v in set(s)) for s in self.succ]
-    # Only a node with two or more successors can have an out-edge leaving
-    # the ancestors of a node it precedes (one successor lies on the path).
-    self.branching = sum(1 << u for u, o in enumerate(self.out) if o & o - 1)
     order = _kahn(num_nodes, self.succ, keep)
     self.pred = [0] * num_nodes  # strict ancestors
     for u in order:
@@ -108,17 +105,10 @@ class _Dag:
     for u in reversed(order):
       for v in self.succ[u]:
         self.desc[u] |= self.desc[v] | (1 << v)
-    self._frontier = {}
+    self._frontier = _frontiers(num_nodes, self.succ, self.out, self.desc)
 
   def frontier(self, a: int) -> int:
     """Predecessors of ``a`` with an out-edge leaving pred(a) + {a}."""
-    if a not in self._frontier:
-      inside = self.pred[a] | (1 << a)
-      self._frontier[a] = sum(
-        1 << p
-        for p in bits(self.pred[a] & self.branching)
-        if self.out[p] & ~inside
-      )
     return self._frontier[a]
 
   def augment(self, antichain):
@@ -159,6 +149,31 @@ class _Dag:
           continue
         result.append(((rest | 1 << v) & ~(others | pred[v]), u, v))
     return result
+
+
+def _frontiers(num_nodes, succ, out, desc) -> list[int]:
+  """Per node a, the bitset of its predecessors p with an out-edge
+  leaving pred(a) + {a}.
+
+  Turned around: a successor v of p is in pred(a) + {a} exactly when a
+  is in desc(v) + {v}, so p is in a's frontier for the a in desc(p) less
+  the intersection of desc(v) + {v} over p's successors. Only a p with
+  two or more successors has such a's (one successor lies on the path to
+  a). Those sets, one per p, are transposed as a bit matrix.
+  """
+  owners = [u for u, o in enumerate(out) if o & o - 1]
+  if not owners:
+    return [0] * num_nodes
+  covered = []
+  for p in owners:
+    both = -1
+    for v in set(succ[p]):
+      both &= desc[v] | (1 << v)
+    covered.append(desc[p] & ~both)
+  matrix = np.zeros((num_nodes, num_nodes), bool)  # [a, p]
+  matrix[:, owners] = bitset_rows(covered, num_nodes).T
+  rows = np.packbits(matrix, axis=1, bitorder="little")
+  return [int.from_bytes(row.tobytes(), "little") for row in rows]
 
 
 def listed(aug, u, v, mask):
