@@ -151,7 +151,7 @@ class _Dag:
     return result
 
 
-def _frontiers(num_nodes, succ, out, desc) -> list[int]:
+def _frontiers(num_nodes, succ, out, desc, block_bytes=2**24) -> list[int]:
   """Per node a, the bitset of its predecessors p with an out-edge
   leaving pred(a) + {a}.
 
@@ -159,7 +159,8 @@ def _frontiers(num_nodes, succ, out, desc) -> list[int]:
   is in desc(v) + {v}, so p is in a's frontier for the a in desc(p) less
   the intersection of desc(v) + {v} over p's successors. Only a p with
   two or more successors has such a's (one successor lies on the path to
-  a). Those sets, one per p, are transposed as a bit matrix.
+  a). Those sets, one per p, are transposed as a bit matrix, a block of
+  ``block_bytes`` at a time.
   """
   owners = [u for u, o in enumerate(out) if o & o - 1]
   if not owners:
@@ -170,10 +171,16 @@ def _frontiers(num_nodes, succ, out, desc) -> list[int]:
     for v in set(succ[p]):
       both &= desc[v] | (1 << v)
     covered.append(desc[p] & ~both)
-  matrix = np.zeros((num_nodes, num_nodes), bool)  # [a, p]
-  matrix[:, owners] = bitset_rows(covered, num_nodes).T
-  rows = np.packbits(matrix, axis=1, bitorder="little")
-  return [int.from_bytes(row.tobytes(), "little") for row in rows]
+  by_owner = bitset_rows(covered, num_nodes)  # [owner, a]
+  out = []
+  step = max(1, block_bytes // num_nodes)  # Rows of a at a time.
+  for start in range(0, num_nodes, step):
+    block = by_owner[:, start : start + step]
+    matrix = np.zeros((block.shape[1], num_nodes), bool)  # [a, p]
+    matrix[:, owners] = block.T
+    rows = np.packbits(matrix, axis=1, bitorder="little")
+    out += [int.from_bytes(row.tobytes(), "little") for row in rows]
+  return out
 
 
 def listed(aug, u, v, mask):

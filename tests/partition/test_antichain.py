@@ -149,3 +149,14 @@ def test_range_table_equals_the_dense_table():
     np.testing.assert_array_equal(table[i], want[i])
   rows, cols = rng.integers(0, s + 1, 50), rng.integers(0, s, 50)
   np.testing.assert_array_equal(table[rows, cols], want[rows, cols])
+
+
+def test_frontiers_the_same_in_blocks():
+  graph = load_pipedream_profile("resnet18")
+  keep, _, _ = _antichain.optimizer_nodes(graph)
+  dag = _antichain._Dag(graph.num_nodes, graph.edges, keep)
+  n = graph.num_nodes
+  whole = [dag.frontier(a) for a in range(n)]
+  assert any(whole)
+  blocks = _antichain._frontiers(n, dag.succ, dag.out, dag.desc, 3 * n)
+  assert blocks == whole
