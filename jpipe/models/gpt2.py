@@ -38,6 +38,7 @@ class Block(nn.Module):
   eps: float
   dtype: Any = None
   fused_attention: bool = True  # False: the explicit softmax (a reference).
+  scanned: bool = False  # Return (x, None): the body of nn.scan.
 
   @nn.compact
   def __call__(self, x, train: bool, cache=None, index=None, pad=None):
@@ -80,6 +81,8 @@ class Block(nn.Module):
     x = x + drop(dense(d, "attn_c_proj")(attended.reshape(x.shape)))
     h = jax.nn.gelu(dense(4 * d, "c_fc")(norm("ln_2")(x)), approximate=True)
     x = x + drop(dense(d, "mlp_c_proj")(h))
+    if self.scanned:
+      return x, None
     return x if cache is None else (x, cache)
 
 
@@ -108,6 +111,9 @@ class Model(nn.Module):
   dtype: Any = None  # Compute dtype (params stay float32).
   # False: the explicit softmax (a reference); True: jax.nn's attention.
   fused_attention: bool = True
+  # True: the blocks run under nn.scan, their params stacked on a leading
+  # axis under "blocks" (MaxText's and T5X's scan_layers); no KV cache.
+  scan_layers: bool = False
 
   @nn.compact
   def __call__(
@@ -144,27 +150,65 @@ class Model(nn.Module):
     x = nn.Dropout(self.dropout, deterministic=not train)(
       wte(tokens) + positions
     )
-    new_cache = {}
-    for i in range(self.num_layers):
-      block = Block(
-        self.num_heads,
-        self.dropout,
-        self.layer_norm_eps,
-        self.dtype,
-        self.fused_attention,
-        name=f"block_{i}",
-      )
-      if cache is None:
-        x = block(x, train)
-      else:
-        x, new_cache[f"block_{i}"] = block(
-          x, train, cache[f"block_{i}"], index, pad
-        )
+    if self.scan_layers:
+      x, new_cache = _scanned_blocks(self, x, train, cache), None
+    else:
+      x, new_cache = _blocks(self, x, train, cache, index, pad)
     x = nn.LayerNorm(
       epsilon=self.layer_norm_eps, dtype=self.dtype, name="ln_f"
     )(x)
     logits = wte.attend(x).astype(jnp.float32)
     return logits if cache is None else (logits, new_cache)
+
+
+def _blocks(model: Model, x, train: bool, cache, index, pad):
+  """x [B, L, d] through the blocks ``block_0`` .. (each its own params),
+  made inside ``Model.__call__`` (its children): (x, the new cache, {}
+  without one); ``index``, ``pad`` as ``Block``'s."""
+  new_cache = {}
+  for i in range(model.num_layers):
+    block = Block(
+      model.num_heads,
+      model.dropout,
+      model.layer_norm_eps,
+      model.dtype,
+      model.fused_attention,
+      name=f"block_{i}",
+    )
+    if cache is None:
+      x = block(x, train)
+    else:
+      x, new_cache[f"block_{i}"] = block(
+        x, train, cache[f"block_{i}"], index, pad
+      )
+  return x, new_cache
+
+
+def _scanned_blocks(model: Model, x, train: bool, cache):
+  """x [B, L, d] through the model's blocks as one nn.scan (params
+  stacked under "blocks"), made inside ``Model.__call__`` (its child)."""
+  if cache is not None:
+    raise ValueError(
+      "gpt2.Model(scan_layers=True) has no KV cache: decode with "
+      "scan_layers=False (the same weights, unstacked)"
+    )
+  blocks = nn.scan(
+    Block,
+    variable_axes={"params": 0},
+    split_rngs={"params": True, "dropout": True},
+    in_axes=nn.broadcast,
+    length=model.num_layers,
+  )
+  x, _ = blocks(
+    model.num_heads,
+    model.dropout,
+    model.layer_norm_eps,
+    model.dtype,
+    model.fused_attention,
+    scanned=True,
+    name="blocks",
+  )(x, train)
+  return x
 
 
 def empty_cache(model: Model, batch_size: int, length: int) -> dict:
@@ -218,7 +262,8 @@ def hf_names(model: Model) -> dict[str, tuple[tuple[str, ...], bool]]:
   """Our param path -> (HuggingFace names to try: ``GPT2LMHeadModel``'s
   "transformer.*", then ``GPT2Model``'s as OpenAI's checkpoints on the
   Hub have them; transposed: never -- GPT-2's Conv1D weights are already
-  [in, out])."""
+  [in, out]). With ``scan_layers`` a stacked leaf maps to a list of such
+  names, one per layer (``h.0...``, ``h.1...``), stacked on axis 0."""
 
   def both(name):
     return ((f"transformer.{name}", name), False)
@@ -237,9 +282,15 @@ def hf_names(model: Model) -> dict[str, tuple[tuple[str, ...], bool]]:
     "c_fc": "mlp.c_fc",
     "mlp_c_proj": "mlp.c_proj",
   }
-  for i in range(model.num_layers):
-    for ours, theirs in parts.items():
-      weight = "scale" if ours.startswith("ln") else "kernel"
-      names[f"block_{i}/{ours}/{weight}"] = both(f"h.{i}.{theirs}.weight")
-      names[f"block_{i}/{ours}/bias"] = both(f"h.{i}.{theirs}.bias")
+  for ours, theirs in parts.items():
+    weight = "scale" if ours.startswith("ln") else "kernel"
+    for leaf, suffix in ((weight, "weight"), ("bias", "bias")):
+      layers = [
+        both(f"h.{i}.{theirs}.{suffix}") for i in range(model.num_layers)
+      ]
+      if model.scan_layers:  # One stacked leaf: a list, a row per layer.
+        names[f"blocks/{ours}/{leaf}"] = ([n for n, _ in layers], False)
+      else:
+        for i, name in enumerate(layers):
+          names[f"block_{i}/{ours}/{leaf}"] = name
   return names

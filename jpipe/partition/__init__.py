@@ -19,6 +19,7 @@ from jpipe.partition._graph_txt import (
   PIPEDREAM_PROFILES,
   ProfileGraph,
   load_pipedream_profile,
+  profile_path,
 )
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
@@ -77,6 +78,7 @@ __all__ = [
   "plot_plan",
   "print_plan_table",
   "profile_nodes",
+  "profile_path",
   "solve_acyclic",
   "solve_contiguous",
   "solve_mixed",

@@ -20,6 +20,8 @@ References:
 
 import collections
 import dataclasses
+import itertools
+import operator
 
 import numpy as np
 
@@ -63,6 +65,10 @@ class AntichainDag:
 
 def bits(mask: int) -> list[int]:
   """Indices of the set bits of a bitset, ascending."""
+  if mask.bit_count() > 8:  # one pass over the bytes beats a loop per bit
+    raw = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+    flags = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")
+    return np.flatnonzero(flags).tolist()
   out = []
   while mask:
     low = mask & -mask
@@ -99,15 +105,10 @@ class _Dag:
     for u in reversed(order):
       for v in self.succ[u]:
         self.desc[u] |= self.desc[v] | (1 << v)
-    self._frontier = {}
+    self._frontier = _frontiers(num_nodes, self.succ, self.out, self.desc)
 
   def frontier(self, a: int) -> int:
     """Predecessors of ``a`` with an out-edge leaving pred(a) + {a}."""
-    if a not in self._frontier:
-      inside = self.pred[a] | (1 << a)
-      self._frontier[a] = sum(
-        1 << p for p in bits(self.pred[a]) if self.out[p] & ~inside
-      )
     return self._frontier[a]
 
   def augment(self, antichain):
@@ -117,25 +118,74 @@ class _Dag:
     # PipeDream: list(extra_nodes) + antichain (extra in set order).
     return bits(extra) + list(antichain)
 
-  def deaugment(self, nodes):
-    mask = sum(1 << x for x in set(nodes))
-    out = []
-    for x in nodes:
-      if not self.desc[x] & mask and x not in out:
-        out.append(x)
-    return out
+  def next_antichains(self, antichain, aug):
+    """PipeDream's next antichains of ``antichain``, in its order, as
+    (bitset, u, v): ``aug`` (its augmented antichain) with node u replaced
+    by a successor v, less every node with a descendant in that set
+    (PipeDream's ``deaugment``; ``listed`` gives its node order).
 
-  def next_antichains(self, antichain):
-    aug = self.augment(antichain)
+    ``aug`` repeats no node (the frontier precedes the antichain, whose
+    nodes are unordered) and v is not in it, so a replacement is the
+    bitset ``aug - u + v`` and its nodes with a descendant in it are those
+    in the ancestors of its other nodes: the union of ``pred`` over ``aug``
+    less u (prefix and suffix unions) and ``pred[v]``.
+    """
+    pred, desc = self.pred, self.desc
     aug_mask = sum(1 << x for x in aug)
-    current = set(antichain)
+    current = sum(1 << x for x in antichain)
+    before = list(itertools.accumulate((pred[x] for x in aug), operator.or_))
+    after = list(
+      itertools.accumulate((pred[x] for x in reversed(aug)), operator.or_)
+    )
+    last = len(aug) - 1
     result = []
-    for u in aug:
+    for i, u in enumerate(aug):
+      others = (before[i - 1] if i else 0) | (
+        after[last - i - 1] if i < last else 0
+      )
+      rest = aug_mask ^ (1 << u)
       for v in self.succ[u]:
-        if v in current or self.desc[v] & aug_mask:
+        if current >> v & 1 or desc[v] & aug_mask:
           continue
-        result.append(self.deaugment([v if x == u else x for x in aug]))
+        result.append(((rest | 1 << v) & ~(others | pred[v]), u, v))
     return result
+
+
+def _frontiers(num_nodes, succ, out, desc, block_bytes=2**24) -> list[int]:
+  """Per node a, the bitset of its predecessors p with an out-edge
+  leaving pred(a) + {a}.
+
+  Turned around: a successor v of p is in pred(a) + {a} exactly when a
+  is in desc(v) + {v}, so p is in a's frontier for the a in desc(p) less
+  the intersection of desc(v) + {v} over p's successors. Only a p with
+  two or more successors has such a's (one successor lies on the path to
+  a). Those sets, one per p, are transposed as a bit matrix, a block of
+  ``block_bytes`` at a time.
+  """
+  owners = [u for u, o in enumerate(out) if o & o - 1]
+  if not owners:
+    return [0] * num_nodes
+  covered = []
+  for p in owners:
+    both = -1
+    for v in set(succ[p]):
+      both &= desc[v] | (1 << v)
+    covered.append(desc[p] & ~both)
+  by_owner = bitset_rows(covered, num_nodes)  # [owner, a]
+  out = []
+  step = max(1, block_bytes // num_nodes)  # Rows of a at a time.
+  for start in range(0, num_nodes, step):
+    block = by_owner[:, start : start + step]
+    matrix = np.zeros((block.shape[1], num_nodes), bool)  # [a, p]
+    matrix[:, owners] = block.T
+    rows = np.packbits(matrix, axis=1, bitorder="little")
+    out += [int.from_bytes(row.tobytes(), "little") for row in rows]
+  return out
+
+
+def listed(aug, u, v, mask):
+  """The nodes of bitset ``mask`` in ``aug``'s order, v in u's place."""
+  return [w for w in (v if x == u else x for x in aug) if mask >> w & 1]
 
 
 def _kahn(num_nodes, succ, keep):
@@ -216,19 +266,19 @@ def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
     i for i in range(graph.num_nodes) if keep[i] and not dag.indeg[i]
   )
   start = [source]
-  ids = {frozenset(start): 0}
+  ids = {1 << source: 0}  # an antichain's bitset -> its state
   found = [start]
   out_edges = [[]]
-  queue = collections.deque([start])
-  expanded = set()
+  # BFS over states, each queued once, when first reached, and expanded
+  # from the list it was first reached as (PipeDream queues every visit,
+  # but a later one is popped after the first and skipped); that list's
+  # order fixes the order of its next antichains.
+  queue = collections.deque([0])
+  augmented = {}  # state -> its augmented antichain, made when expanded
   while queue:
-    antichain = queue.popleft()
-    key = frozenset(antichain)
-    if key in expanded:
-      continue
-    expanded.add(key)
-    for nxt in dag.next_antichains(antichain):
-      nkey = frozenset(nxt)
+    key = queue.popleft()
+    aug = augmented[key] = dag.augment(found[key])
+    for nkey, u, v in dag.next_antichains(found[key], aug):
       if nkey not in ids:
         if len(found) >= max_states:
           raise ValueError(
@@ -238,20 +288,20 @@ def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
             "raise max_states"
           )
         ids[nkey] = len(found)
-        found.append(nxt)
+        found.append(listed(aug, u, v, nkey))
         out_edges.append([])
-      out_edges[ids[key]].append(ids[nkey])
-      queue.append(nxt)
+        queue.append(ids[nkey])
+      out_edges[key].append(ids[nkey])
   order = _dfs_topological(out_edges)
-  position = np.empty(len(order), np.int64)
-  position[order] = np.arange(len(order))
   # Ancestors per state (PipeDream's antichain_gr.predecessors).
   anc = [0] * len(order)
-  for k in order:
+  for here, k in enumerate(order):  # here: k's position in the order
+    mine = anc[k] | (1 << here)
     for j in out_edges[k]:
-      anc[j] |= anc[k] | (1 << int(position[k]))
+      anc[j] |= mine
   ancestors = bitset_rows([anc[k] for k in order], len(order))
-  augmented = [dag.augment(found[k]) for k in order]
+  # The first list a state was reached by is the one it was expanded from.
+  augmented = [augmented[k] for k in order]
   done = []
   for aug in augmented:
     mask = 0

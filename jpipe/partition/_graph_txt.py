@@ -23,6 +23,7 @@ _NODE = re.compile(
   r"parameter_size=(?P<p>[^,\s]+)(?: -- stage_id=(?P<stage>\d+))?\s*$"
 )
 _EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+_INPUT = re.compile(r"Input\d*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +74,7 @@ class ProfileGraph:
 
   def is_input(self, node: int) -> bool:
     """PipeDream's data-loading source nodes (``Input``, ``Input0``...)."""
-    return re.fullmatch(r"Input\d*", self.descriptions[node]) is not None
+    return _INPUT.fullmatch(self.descriptions[node]) is not None
 
   def ordered(self):
     """(order, compute seconds, edges as {(pos_u, pos_v): bytes}) in a

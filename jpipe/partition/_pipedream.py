@@ -236,13 +236,14 @@ def _assign(graph, dag, stages):
     stage[_antichain.bits(new)] = s
     assigned |= new
   stage[list(dag.removed_inputs)] = 0
-  producers = [[] for _ in range(graph.num_nodes)]
-  for u, v in graph.edges:
-    producers[v].append(u)
-  for v in graph.topological_order():
-    if stage[v] < 0:
-      known = [stage[u] for u in producers[v] if stage[u] >= 0]
-      stage[v] = max(known) if known else 0
+  if (stage < 0).any():  # producers before consumers: any order will do
+    producers = [[] for _ in range(graph.num_nodes)]
+    for u, v in graph.edges:
+      producers[v].append(u)
+    for v in graph.topological_order():
+      if stage[v] < 0:
+        known = [stage[u] for u in producers[v] if stage[u] >= 0]
+        stage[v] = max(known) if known else 0
   return {name: int(s) for name, s in zip(graph.names, stage, strict=True)}
 
 

@@ -17,15 +17,39 @@ import math
 import numpy as np
 
 
-def range_table(per_state: np.ndarray) -> np.ndarray:
-  """(S+1, S): row 0 = per_state; row i >= 1 = per_state[j] -
-  per_state[i-1] for j >= i, NaN below (PipeDream's None)."""
-  s = per_state.shape[0]
-  table = np.full((s + 1, s), np.nan)
-  table[0] = per_state
-  upper = np.arange(s)[None, :] >= np.arange(1, s + 1)[:, None]
-  table[1:] = np.where(upper, per_state[None, :] - per_state[:, None], np.nan)
-  return table
+class RangeTable:
+  """PipeDream's range table of per-state sums, entries made when indexed.
+
+  ``T[0][j]`` is the sum of ``parts`` at state j; ``T[i][j]`` for i >= 1
+  is that less the sum at state i-1 (states i..j), ``fill`` where j < i
+  (PipeDream's None). Indexed like the dense (S+1, S) array would be (a
+  row ``T[i]``, or ``T[rows, cols]``) without building it: a one-level DP
+  reads row 0 and one entry per split pair. Several parts are differenced
+  one by one and then added, in order (the stash is act + params).
+  """
+
+  def __init__(self, parts: tuple[np.ndarray, ...], fill: float):
+    self.parts = parts
+    self.fill = fill
+    self.num_states = parts[0].shape[0]
+    self._rows = {}  # The DP and its backtrack read a few rows often.
+
+  def __getitem__(self, index) -> np.ndarray:
+    if isinstance(index, tuple):
+      return self._entries(*(np.asarray(x) for x in index))
+    if index not in self._rows:
+      self._rows[index] = self._entries(
+        np.full(self.num_states, index), np.arange(self.num_states)
+      )
+    return self._rows[index]
+
+  def _entries(self, rows, cols):
+    before = np.maximum(rows - 1, 0)
+    total = None
+    for part in self.parts:
+      diff = part[cols] - np.where(rows > 0, part[before], 0.0)
+      total = diff if total is None else total + diff
+    return np.where(cols >= rows, total, self.fill)
 
 
 class Model:
@@ -48,13 +72,9 @@ class Model:
     self.fewer = fewer
     self.rc = rc
     self.num_states = s = dag.num_states
-    compute = range_table(dag.compute_seconds)
-    self.valid = ~np.isnan(compute)
-    self.compute = np.where(self.valid, compute, np.inf)
-    par = range_table(dag.parameter_bytes)
-    act = range_table(dag.activation_bytes)
-    self.par = np.where(self.valid, par, 0.0)
-    self.stash = np.where(self.valid, act + par, 0.0)
+    self.compute = RangeTable((dag.compute_seconds,), np.inf)
+    self.par = RangeTable((dag.parameter_bytes,), 0.0)
+    self.stash = RangeTable((dag.activation_bytes, dag.parameter_bytes), 0.0)
     # Pairs (k, j), k a predecessor of j, sorted by j then k.
     self.pair_j, self.pair_k = np.nonzero(dag.ancestors)
     self.first_pair = np.searchsorted(self.pair_j, np.arange(s + 1))
@@ -78,7 +98,7 @@ class Model:
     """
     out = []
     time_table = self.compute
-    need_table = np.where(self.valid, 0.0, np.inf)
+    need_table = RangeTable((np.zeros(self.num_states),), np.inf)
     g = 1
     for level, m in enumerate(self.machines):
       final = level == len(self.machines) - 1
@@ -105,6 +125,7 @@ class LevelCosts:
     self.need = need
     self.time = time_table
     self.need_table = need_table
+    self._base = {}
     rows, cols = model.pair_k + 1, model.pair_j  # T[k+1][j] per pair
     self.stash_p = model.stash[rows, cols]
     if need:
@@ -125,6 +146,13 @@ class LevelCosts:
     return (1,) if self.model.straight else range(1, m + 1)
 
   def base(self, i):
+    """``make_base(i)``, kept (read-only): the backtrack asks for the same
+    few rows at each of its steps."""
+    if i not in self._base:
+      self._base[i] = self.make_base(i)
+    return self._base[i]
+
+  def make_base(self, i):
     """[S, M]: states i..j as one stage on r = m+1 machines."""
     model, m_total = self.model, self.m_total
     r = np.arange(1, len(self.replicas()) + 1, dtype=np.float64)
@@ -178,7 +206,7 @@ def level_dp(costs, rows):
   s, m_total = model.num_states, costs.m_total
   a = np.full((len(rows), s, m_total), np.inf)
   for ri, i in enumerate(rows):
-    a[ri] = costs.base(i)
+    a[ri] = costs.make_base(i)
     if i + 1 >= s:
       continue
     p0 = model.first_pair[i + 1]

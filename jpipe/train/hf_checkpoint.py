@@ -327,16 +327,59 @@ class LazyTensor:
     return f"LazyTensor({self.name!r}, {self.shape}, {self.dtype})"
 
 
+class LazyStack:
+  """Per-layer checkpoint tensors stacked on a new leading axis when
+  read (a scanned model's stacked leaf from ``h.0...``, ``h.1...``): a
+  ``LazyTensor`` whose shape is (layers, *a layer's shape)."""
+
+  def __init__(self, rows: list[LazyTensor], dtype=None):
+    self.rows = rows
+    self.shape = (len(rows), *rows[0].shape)
+    self.dtype = np.dtype(dtype or rows[0].dtype)
+    self.ndim = len(self.shape)
+    self.size = int(np.prod(self.shape))
+    self.name = rows[0].name
+
+  @property
+  def reads(self) -> int:
+    return sum(row.reads for row in self.rows)
+
+  def astype(self, dtype) -> "LazyStack":
+    """The same stack, cast to ``dtype`` when read."""
+    return LazyStack(self.rows, dtype)
+
+  def __getitem__(self, rows: slice) -> "LazyStack":
+    """Rows ``rows`` (a slice), still unread: a stage reads only its own
+    layers."""
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+      raise TypeError(f"a LazyStack takes a slice of rows, got {rows!r}")
+    picked = self.rows[rows]
+    if not picked:
+      raise IndexError(f"{rows!r} selects no row of {len(self.rows)}")
+    return LazyStack(picked, self.dtype)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # A read is always a new array.
+    return np.stack(
+      [np.asarray(r, dtype=dtype or self.dtype) for r in self.rows]
+    )
+
+  def __repr__(self):
+    return f"LazyStack({self.name!r}.., {self.shape}, {self.dtype})"
+
+
 def params(path: str, names: dict) -> dict:
   """``{our path: LazyTensor}`` of the checkpoint at ``path`` by the model's
-  name map (our path -> (a name, or names tried in order; transposed));
-  a UsageError naming the first name the checkpoint lacks. Names the map
+  name map (our path -> (a name, or names tried in order; transposed), or
+  for a scanned model's stacked leaf (a list of such names, one per row;
+  transposed): a ``LazyStack`` of them, whose rows must share a shape); a
+  UsageError naming the first name the checkpoint lacks. Names the map
   does not use (e.g. HuggingFace's tied copies
   ``encoder.embed_tokens.weight``) are ignored."""
   tensors = open_checkpoint(path)
   have = set(tensors.names())
-  out = {}
-  for ours, (candidates, transposed) in names.items():
+
+  def lazy(ours, candidates, transposed):
     if isinstance(candidates, str):
       candidates = (candidates,)
     found = [n for n in candidates if n in have]
@@ -346,5 +389,20 @@ def params(path: str, names: dict) -> dict:
         "it a checkpoint of this architecture and version? It has e.g. "
         f"{sorted(have)[:3]}"
       )
-    out[ours] = LazyTensor(tensors, found[0], transposed)
+    return LazyTensor(tensors, found[0], transposed)
+
+  out = {}
+  for ours, (candidates, transposed) in names.items():
+    if not isinstance(candidates, list):
+      out[ours] = lazy(ours, candidates, transposed)
+      continue
+    rows = [lazy(ours, c, transposed) for c in candidates]
+    odd = next((r for r in rows if r.shape != rows[0].shape), None)
+    if odd is not None:
+      raise UsageError(
+        f"{PREFIX}{path}: {odd.name!r} has shape {odd.shape} but "
+        f"{rows[0].name!r} {rows[0].shape}: the layers stacked into "
+        f"{ours!r} must share one shape"
+      )
+    out[ours] = LazyStack(rows)
   return out

@@ -189,7 +189,8 @@ def load_params(
       leaves.append(like)
       continue
     value = got[path]
-    if isinstance(value, hf_checkpoint.LazyTensor):  # Read when placed.
+    if isinstance(value, hf_checkpoint.LazyTensor | hf_checkpoint.LazyStack):
+      # Read when placed.
       shape, cast = value.shape, value.astype
     else:
       shape = np.shape(value)

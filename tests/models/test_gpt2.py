@@ -2,6 +2,7 @@
 a tiny random model, read through ``hf:PATH`` by the name map, gives its
 logits (reference written by tests/models/make_hf_reference.py)."""
 
+import json
 import os
 
 import jax
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from jpipe.models import gpt2
+from jpipe.train import hf_checkpoint, pretrained
+from jpipe.train.errors import UsageError
 from tests.models import hf_loading
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "hf_reference", "gpt2")
@@ -75,3 +78,108 @@ def test_the_pretrained_model_through_two_stages_keeps_its_loss():
     float(loss_fn(whole, batch)),
     rtol=1e-5,
   )
+
+
+def test_scanned_layers_load_huggingface_layers_stacked():
+  """scan_layers=True: HF's per-layer h.0..., h.1... stacked into the
+  scanned leaves (row i = layer i of the unrolled model's load), and the
+  logits are HuggingFace's."""
+  ref = np.load(os.path.join(REFERENCE, "reference.npz"))
+  scanned = gpt2.Model(**GPT2_TINY, dropout=0.0, scan_layers=True)
+  names = gpt2.hf_names(scanned)
+  params = hf_loading.load(scanned, names, REFERENCE, ref["tokens"], lazy=True)
+  leaf = params["blocks"]["c_attn"]["kernel"]
+  assert isinstance(leaf, hf_checkpoint.LazyStack) and leaf.reads == 0
+  params = jax.tree.map(np.asarray, params)
+  unrolled = gpt2.Model(**GPT2_TINY, dropout=0.0)
+  flat = hf_loading.load(
+    unrolled, gpt2.hf_names(unrolled), REFERENCE, ref["tokens"]
+  )
+  for i in range(GPT2_TINY["num_layers"]):
+    jax.tree.map(
+      lambda s, u, i=i: np.testing.assert_array_equal(s[i], u),
+      params["blocks"],
+      flat[f"block_{i}"],
+    )
+  logits = scanned.apply({"params": params}, ref["tokens"], train=False)
+  np.testing.assert_allclose(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_layers_past_the_checkpoints_are_one_line(tmp_path):
+  """A scan longer than the checkpoint's layers: the missing layer's name
+  and the stacked leaf it was for; rows of different shapes refused."""
+  ref = np.load(os.path.join(REFERENCE, "reference.npz"))
+  deeper = gpt2.Model(**{**GPT2_TINY, "num_layers": 3}, scan_layers=True)
+  template = hf_loading.abstract_params(deeper, ref["tokens"])
+  with pytest.raises(UsageError, match=r"no tensor 'transformer\.h\.2\.") as e:
+    pretrained.load_params(
+      f"hf:{REFERENCE}", template, hf_names=gpt2.hf_names(deeper)
+    )
+  assert "'blocks/" in str(e.value) and "\n" not in str(e.value)
+  path = tmp_path / "odd.safetensors"
+  _write_safetensors(
+    path, {"a.0": np.zeros((2, 3), np.float32), "a.1": np.zeros(3, np.float32)}
+  )
+  with pytest.raises(UsageError, match="'a.1' has shape .3,. but 'a.0'"):
+    hf_checkpoint.params(str(path), {"stack/w": (["a.0", "a.1"], False)})
+
+
+def _write_safetensors(path, tensors):
+  """A float32 safetensors file (8-byte header size, JSON header, data)."""
+  header, offset = {}, 0
+  for name, array in tensors.items():
+    end = offset + array.nbytes
+    header[name] = {
+      "dtype": "F32",
+      "shape": list(array.shape),
+      "data_offsets": [offset, end],
+    }
+    offset = end
+  text = json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(len(text).to_bytes(8, "little") + text)
+    f.write(b"".join(a.tobytes() for a in tensors.values()))
+
+
+@pytest.mark.slow
+def test_scanned_pretrained_model_through_two_stages_keeps_its_loss():
+  """The scanned GPT-2 from HuggingFace's per-layer weights (stacked as
+  placed), one layer per stage: the pipeline's loss is one device's."""
+  import optax
+
+  import jpipe
+
+  ref = np.load(os.path.join(REFERENCE, "reference.npz"))
+  model = gpt2.Model(**GPT2_TINY, dropout=0.0, scan_layers=True)
+  params = hf_loading.load(
+    model, gpt2.hf_names(model), REFERENCE, ref["tokens"], lazy=True
+  )
+
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["x"], train=False)
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1], batch["x"][:, 1:]
+    ).mean()
+
+  batch = {"x": np.concatenate([ref["tokens"]] * 2)}
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    schedule="1f1b",
+    num_microbatches=2,
+    optimizer=optax.sgd(0.0),
+    devices=jax.devices()[:2],
+  )
+  state = pipe.init(params)
+  # Each layer read once, by the stage that holds it.
+  assert [r.reads for r in params["blocks"]["c_fc"]["kernel"].rows] == [1, 1]
+  whole = jax.tree.map(np.asarray, params)
+  np.testing.assert_allclose(
+    float(pipe.evaluate(state, batch)["loss"]),
+    float(loss_fn(whole, batch)),
+    rtol=1e-5,
+  )
+  stacked = pipe.gather_params(state)["blocks"]["c_attn"]["kernel"]
+  np.testing.assert_array_equal(stacked, whole["blocks"]["c_attn"]["kernel"])

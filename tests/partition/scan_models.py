@@ -179,3 +179,80 @@ def nnx_case(batch_size=4):
     return _xent(nnx.merge(graphdef, params)(batch["x"]), batch["y"])
 
   return loss_fn, params, _tokens(batch_size)
+
+
+EXPERTS, HEADS = 4, 2
+# The checkpoint policy the body keeps in every stage's scan.
+POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def body_params(moe=False, layers=LAYERS):
+  """Stacked layer params of ``body_case``: attention (q, k, v, o), then
+  an MLP or ``EXPERTS`` stacked experts and their router."""
+  k = iter(jax.random.split(jax.random.key(2), 12))
+
+  def w(*shape):
+    return jax.random.normal(next(k), (layers, *shape)) * 0.3
+
+  stack = {"g": 1.0 + 0.1 * w(D), **{n: w(D, D) for n in ("q", "k", "v", "o")}}
+  if moe:
+    stack.update(router=w(D, EXPERTS), up=w(EXPERTS, D, 2 * D))
+    stack.update(down=w(EXPERTS, 2 * D, D))
+  else:
+    stack.update(w1=w(D, 2 * D), w2=w(2 * D, D))
+  return {
+    "emb": jax.random.normal(next(k), (V, D)) * 0.3,
+    "layers": stack,
+    "head": jax.random.normal(next(k), (D, V)) * 0.3,
+  }
+
+
+def _experts(x, p, moe):
+  """x [B, T, D] through the layer's experts, mixed by the router: "soft"
+  (softmax weights) or "top1" (the best expert, at its weight)."""
+  gates = jax.nn.softmax(x @ p["router"], -1)  # [B, T, E]
+  if moe == "top1":
+    gates = gates * jax.nn.one_hot(jnp.argmax(gates, -1), EXPERTS)
+  hidden = jax.nn.gelu(jnp.einsum("btd,edf->btef", x, p["up"]))
+  out = jnp.einsum("btef,efd->bted", hidden, p["down"])
+  return jnp.einsum("bte,bted->btd", gates, out)
+
+
+def body_layer(moe=None, fused=False):
+  """The scan body: causal attention (``jax.nn.dot_product_attention``
+  when ``fused``, else the explicit softmax), then the MLP or experts."""
+
+  def layer(x, p):
+    h = x * p["g"][None, None]
+    b, t, _ = h.shape
+    q, k, v = (
+      (h @ p[n]).reshape(b, t, HEADS, D // HEADS) for n in ("q", "k", "v")
+    )
+    if fused:
+      att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    else:
+      s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // HEADS)
+      s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+      att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    x = x + att.reshape(b, t, D) @ p["o"]
+    if moe:
+      return x + _experts(x, p, moe), None
+    return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"], None
+
+  return layer
+
+
+def body_case(moe=None, fused=False, policy=None, batch_size=4, layers=LAYERS):
+  """A plain-JAX LM whose ``jax.lax.scan`` body holds attention (fused or
+  not) and an MLP or a mixture of experts (``moe``: "soft" / "top1"),
+  under ``jax.checkpoint(policy=policy)`` when a policy is given."""
+  layer = body_layer(moe, fused)
+  if policy is not None:
+    layer = jax.checkpoint(layer, policy=policy)
+
+  def loss_fn(params, batch):
+    x = params["emb"][batch["x"]]
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    return _xent(x @ params["head"], batch["y"])
+
+  return loss_fn, body_params(bool(moe), layers), _tokens(batch_size)

@@ -2,12 +2,14 @@
 each run their layers as one scan (``partition._scan_layers``)."""
 
 import jax
+import jax.extend
 import numpy as np
 import pytest
 
 from jpipe import partition
 from jpipe.partition._flops import eqn_flops
 from jpipe.partition._plan import INDIVISIBLE_FACTOR
+from tests import tiers
 from tests.partition import scan_models
 
 CASES = {
@@ -145,3 +147,65 @@ def test_a_shared_scan_stays_one_node_and_the_plan_says_so():
   assert share > INDIVISIBLE_FACTOR
   assert note is not None and "'blocks'" in note and f"{share:.1f}x" in note
   assert "\n" not in note
+
+
+BODIES = {
+  "moe soft": dict(moe="soft"),
+  "moe top1 + dot_product_attention": dict(moe="top1", fused=True),
+  "checkpoint policy": dict(policy=scan_models.POLICY),
+}
+
+
+def _checkpoints(jaxpr):
+  """The checkpoint (remat) equations anywhere in ``jaxpr``, with the
+  scans they sit in: [(policy, inside a scan)]."""
+  found = []
+
+  def walk(jaxpr, in_scan):
+    for e in jaxpr.eqns:
+      if e.primitive.name in ("checkpoint", "remat2"):  # (jax's name)
+        found.append((e.params["policy"], in_scan))
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        walk(sub, in_scan or e.primitive.name == "scan")
+
+  walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr, False)
+  return found
+
+
+@pytest.mark.parametrize(
+  "body",
+  [
+    tiers.slow("moe soft", id="moe soft"),
+    "moe top1 + dot_product_attention",
+    "checkpoint policy",
+  ],
+)
+def test_scan_bodies_split_per_layer(body):
+  """Experts under a router, fused attention, a checkpoint policy in the
+  body: one node per layer, 4 balanced stages, each stage's gradients
+  the model's; the policy stays on the body of every stage's scan."""
+  loss_fn, params, batch = scan_models.body_case(**BODIES[body])
+  traced = partition.trace(loss_fn, params, batch)
+  layers = [f"scan[{k}]" for k in range(scan_models.LAYERS)]
+  assert [n for n in traced.node_names if n in layers] == layers
+  plan = _plan(traced, params, batch, 4)
+  seconds = np.asarray(plan.stage_seconds)
+  assert seconds.max() / seconds.mean() <= INDIVISIBLE_FACTOR
+  stages = partition.Stages(traced, plan.stage_of_node)
+  want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+  loss, grads = stages.run_forward_backward(params, batch, recompute=False)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  for a, b in zip(
+    jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  if "policy" not in BODIES[body]:
+    return
+  stage_params = stages.split_params(params)
+  stage_batch = stages.split_batch(batch)
+  acts = _stage_inputs(stages, stage_params, stage_batch)
+  for s in range(4):
+    jaxpr = jax.make_jaxpr(lambda p, b, a, s=s: stages.forward(s, p, b, a))(
+      stage_params[s], stage_batch[s], acts[s]
+    )
+    assert _checkpoints(jaxpr) == [(scan_models.POLICY, True)]
