@@ -30,6 +30,10 @@ from jpipe.train.base_config import base_config, text_data
 def get_config(variant: str = ""):
   c = base_config()
   c.model.name = "gpt2"
+  # True: the blocks run under one nn.scan, params stacked as MaxText /
+  # T5X's scan_layers (the partitioner still splits per layer; hf: loads
+  # stack the checkpoint's per-layer tensors).
+  c.model.kwargs.scan_layers = False
   c.optimizer.name = "adamw"
   c.optimizer.schedule = "warmup_linear"
   c.pipeline.partition = "mixed"

@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import default as default_config
-from jpipe.train import config_plan, metric_log, tasks, train_lib
+from jpipe.train import config_plan, metric_log, pretrained, tasks, train_lib
 from jpipe.train import plan as plan_cli
 from tests.tiers import slow
 from tests.train.test_text_tasks import _by_name, _squad_records
@@ -365,3 +365,35 @@ def test_pipedream_vgg16_small_trains_with_round_robin_replicas(tmp_path):
     if "train/loss" in row
   ]
   assert np.mean(loss[-5:]) < 0.98 * np.mean(loss[:5]), loss
+
+
+@pytest.mark.slow
+def test_gpt2_xl_small_trains_with_scanned_layers(tmp_path):
+  """ftpipe_gpt2_xl's :small with model.kwargs.scan_layers=True (its 2
+  blocks under one nn.scan, as production JAX code stacks them): the plan
+  splits the scan per layer (a stage per block), it trains, and the
+  checkpoint keeps the stacked layout."""
+  config = config_plan.load_config_file("configs/seeds/ftpipe_gpt2_xl.py:small")
+  config.unlock()
+  config.model.kwargs.scan_layers = True
+  config.pipeline.partition = "contiguous"
+  config.schedule.name = "1f1b"
+  config.train.steps = 2
+  config.train.eval_every = 2
+  config.train.checkpoint_every = 2
+  config.train.profile_last_step = False
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  plan = json.loads(open(tmp_path / "plan.json").read())
+  names = plan["node_names"]
+  assert [n for n in names if n.startswith("blocks[")] == [
+    "blocks[0]",
+    "blocks[1]",
+  ]
+  stage = dict(zip(names, plan["stage_of_node"], strict=True))
+  assert stage["blocks[0]"] != stage["blocks[1]"]
+  assert np.isfinite(metric_log.read_metrics(str(tmp_path))[-1]["eval/loss"])
+  # The checkpoint holds the stacked leaves as the model declares them.
+  template = tasks.build_task(config).params
+  saved = pretrained.load_params(str(tmp_path), template)
+  stacked = [x.shape[0] for x in jax.tree.leaves(saved["blocks"])]
+  assert stacked and set(stacked) == {2}
