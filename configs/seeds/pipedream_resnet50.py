@@ -2,22 +2,28 @@ r"""PipeDream's ResNet-50 on ImageNet: its optimizer's choice on 16 GPUs.
 
 Seed 001 (PipeDream): ResNet-50 (25.6M parameters) on ImageNet, 4 x 4
 V100 (Cluster A, 10 Gbps): PipeDream's optimizer chooses plain data
-parallelism (1x over it: the activations are large, the weights small);
-SGD lr 0.1 at batch 256, momentum 0.9, weight decay 1e-4, x0.1 every 30
-epochs (spec: pipedream_dynpipe_sdpipe.md, A5). The same DP
-(``pipedream_hybrid``) plans the 16 devices here. Variants: ws
-(default), stale, 1f1b, 2bw, gpipe; "small" is configs/pipedream_resnet.py
-(a ResNet-16 on the embedded digits, small:VARIANT).
+parallelism (1x over it: the activations are large, the weights
+small); SGD lr 0.1 at batch 256, momentum 0.9, weight decay 1e-4, x0.1
+every 30 epochs (spec: pipedream_dynpipe_sdpipe.md, A5). The same DP
+(``pipedream_hybrid``) plans the 16 devices here. Variants: ws+rr
+(PipeDream's runtime, 1F1B-RR: default), ws (weight stashing, each
+microbatch split over a stage's replicas), stale, 1f1b, 2bw, gpipe;
+"small" is configs/pipedream_resnet.py (a ResNet-16 on the embedded
+digits, straight 4 stages, where 1F1B-RR is 1F1B with stashing: small
+defaults to ws; small:VARIANT, e.g. small:ws+rr with
+--config.pipeline.partition=contiguous --config.pipeline.replicas=2,1,1).
 
-Why ws and not PipeDream's 1F1B-RR (ws+rr) by default: here the DP
-replicates some stages of a pipeline (unlike PipeDream's own pure data
-parallelism), and round-robin replicas refuse model state today
-(ResNet's batch statistics are one value per stage, not per replica:
-``jpipe.Pipeline`` says so in one line). ws splits each microbatch over
-a stage's replicas instead, with the same delays as one device. Across
-processes (4 servers) a replica group holding model state is refused in
-one line today (VGG-16's, without, runs), so this config trains where
-each replicated stage lies in one process.
+1F1B-RR (``pipeline.replica_routing = "round_robin"``): microbatch b runs
+whole on replica b mod r of a replicated stage, as PipeDream's runtime
+does, and each replica keeps its own BatchNorm statistics, updated only
+by the microbatches it runs (PipeDream's replicas are separate model
+copies: torch DDP without SyncBatchNorm); checkpoints and evaluation
+read replica 0's, as PipeDream saves and evaluates from each stage's
+first rank. Across processes (4 servers) 1F1B-RR with model state is
+refused in one line today (a replica's statistics stay in one process):
+there, run ws (each microbatch split over a stage's replicas, with the
+same delays as one device), where each replicated stage lies in one
+process.
 
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_resnet50.py
 Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,
@@ -36,7 +42,7 @@ def _small(variant: str):
   return pipedream_resnet.get_config(variant or "ws")
 
 
-def get_config(variant: str = "ws"):
+def get_config(variant: str = "ws+rr"):
   if variant.split(":")[0] == "small":
     return _small(variant.partition(":")[2])
   c = base_config()

@@ -234,7 +234,8 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
   """Round-robin (1F1B-RR) and weighted replicas where they are built
   for: a replica runs a microbatch (or its slice) on its own copies of
   the params, and its group steps on the replicas' summed gradients, in
-  one process."""
+  one process. A round-robin replica keeps its own model state
+  (``execute.replica_state``), in one process."""
   routing = request.partitioning.replica_routing
   if not any(p.round_robin or p.weighted for p in placed.placement):
     return
@@ -246,7 +247,11 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
     "tied params (their exchange between stages is per stage, not per "
     "replica)": bool(tied.stages),
     "model state such as batch statistics (one value per stage, not per "
-    "replica)": cut.num_state_leaves > 0,
+    "replica)": cut.num_state_leaves > 0 and weighted,
+    "model state such as batch statistics across processes (a replica's "
+    "own statistics stay in one process)": (
+      cut.num_state_leaves > 0 and placed.transport.multiprocess
+    ),
     "weight prediction (it predicts from the group's state, not a "
     "replica's)": staleness.prediction is not None,
     "Gap-Aware (its step reads a replica's stashed params)": (

@@ -28,7 +28,8 @@ class PipelineInferenceMethods:
     nothing is gathered to one device (a model too big for one device
     evaluates so). Nothing is saved for a backward and the state is not
     changed (model state, e.g. BatchNorm statistics, is read, not
-    updated).
+    updated; a round-robin replica group's is its replica 0's, on every
+    replica, as PipeDream evaluates from each stage's first rank).
 
     ``metrics_fn(params, batch)`` (with model state ``metrics_fn(params,
     model_state, batch)``) returns a pytree of per-microbatch sums, e.g.

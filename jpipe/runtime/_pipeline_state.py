@@ -44,6 +44,11 @@ class PipelineState(NamedTuple):
   stream (microbatches between their forward and their step); None for
   synchronous ones. A state is consumed by ``step`` / ``flush`` (its
   gradient buffers are donated): continue from the one they return.
+
+  A round-robin replica group (1F1B-RR) keeps a model-state leaf per
+  replica, as PipeDream's replicas (each its own model copy) do:
+  ``model_state`` holds replica 0's copy, ``replica_model_state`` the
+  others' (``jpipe.runtime.execute.replica_state``).
   """
 
   stage_params: tuple[tuple[jax.Array, ...], ...]
@@ -52,6 +57,9 @@ class PipelineState(NamedTuple):
   # Leaves of the model state (BatchNorm statistics), when there is one.
   model_state: tuple[jax.Array, ...] = ()
   in_flight: InFlight | None = None
+  # Per model-state leaf of a round-robin stage, its replicas 1..k-1's
+  # own copies (replica_state); empty: every replica at model_state's.
+  replica_model_state: tuple = ()
 
 
 def init_state(
@@ -106,7 +114,9 @@ def check_drained(state, what: str) -> None:
 def gather_model_state(pipe, state) -> Any:
   """The model state pytree (host arrays), or None without one. Needs a
   drained pipeline (``flush``). Across processes every process must
-  call it; each gets the whole state."""
+  call it; each gets the whole state. A round-robin group's leaves are
+  its replica 0's copies (PipeDream saves and evaluates from each
+  stage's first rank)."""
   check_drained(state, "gather_model_state")
   if pipe.state_treedef is None:
     return None

@@ -52,7 +52,9 @@ class PipelineStateMethods:
     """The model state pytree (host arrays), or None without one. Needs a
     drained pipeline (``flush``). Across processes every process must
     call it; each gets the whole state (None: a process that runs none
-    of this pipeline's stages, where another process runs them all)."""
+    of this pipeline's stages, where another process runs them all). A
+    round-robin replica group's leaves are its replica 0's (PipeDream
+    saves and evaluates from each stage's first rank)."""
     return _pipeline_state.gather_model_state(self, state)
 
   def gather_params(self, state: PipelineState) -> Any:
@@ -84,7 +86,8 @@ class PipelineStateMethods:
     does for the whole model, params-shaped parts keyed by global leaf
     path), "gap_aware", "model_state", "step"}``
     (``_pipeline_state.state_dict``). Needs a drained pipeline. Across
-    processes as ``gather_params`` (None where it gives None)."""
+    processes as ``gather_params`` (None where it gives None). A
+    round-robin group's model state is its replica 0's."""
     return _pipeline_state.state_dict(self, state)
 
   def local_state_dict(self, state: PipelineState) -> dict[str, Any]:
@@ -104,5 +107,6 @@ class PipelineStateMethods:
   def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
     """A PipelineState from ``state_dict``'s output (any partition).
     Gap-Aware statistics of leaves that were not on a Gap-Aware stage when
-    saved start fresh (zeros), as they do at initialisation."""
+    saved start fresh (zeros), as they do at initialisation. Every
+    replica of a round-robin group starts at the saved model state."""
     return _pipeline_state.load_state_dict(self, tree)

@@ -55,6 +55,7 @@ def _run(pipe, state, fed, m, batches, profile):
     stage_params=state.stage_params,
     opt_states=state.opt_states,
     model_state=state.model_state,
+    replica_model_state=state.replica_model_state,
     in_flight=flight,
     batches=batches,
     loss_cotangent=cotangent,
@@ -83,5 +84,6 @@ def _run(pipe, state, fed, m, batches, profile):
     state.step + (m is not None),
     tuple(out.model_state),
     flight,
+    out.replica_model_state,
   )
   return new, metrics

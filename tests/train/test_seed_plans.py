@@ -324,29 +324,33 @@ def test_ftpipe_t5_3b_is_the_capped_mixed_pipe():
 
 
 def test_pipedream_seeds_default_to_their_runtime():
-  """pipedream_vgg16 (replicated 15-1-like plans) defaults to PipeDream's
-  1F1B-RR: the stale stream, weight stashing, round-robin replicas;
-  resnet50 keeps split replicas (round robin refuses batch statistics),
+  """pipedream_vgg16 and pipedream_resnet50 (replicated plans) default to
+  PipeDream's 1F1B-RR: the stale stream, weight stashing, round-robin
+  replicas (ResNet's with a BatchNorm statistics copy per replica);
   gnmt16's straight plan has none to route."""
-  vgg = config_plan.load_config_file("configs/seeds/pipedream_vgg16.py")
-  assert vgg.pipeline.replica_routing == "round_robin"
-  assert vgg.staleness.stashing and vgg.schedule.step_every == 1
-  assert vgg.pipeline.partition == "pipedream_hybrid"
-  split = config_plan.load_config_file("configs/seeds/pipedream_vgg16.py:ws")
-  assert split.pipeline.replica_routing == "split" and split.staleness.stashing
-  for name in ("pipedream_resnet50.py", "pipedream_gnmt16.py"):
-    other = config_plan.load_config_file(f"configs/seeds/{name}")
-    assert other.pipeline.replica_routing == "split", name
+  for name in ("pipedream_vgg16.py", "pipedream_resnet50.py"):
+    rr = config_plan.load_config_file(f"configs/seeds/{name}")
+    assert rr.pipeline.replica_routing == "round_robin", name
+    assert rr.staleness.stashing and rr.schedule.step_every == 1
+    assert rr.pipeline.partition == "pipedream_hybrid"
+    split = config_plan.load_config_file(f"configs/seeds/{name}:ws")
+    assert (
+      split.pipeline.replica_routing == "split" and split.staleness.stashing
+    )
+  gnmt = config_plan.load_config_file("configs/seeds/pipedream_gnmt16.py")
+  assert gnmt.pipeline.replica_routing == "split"
 
 
 @pytest.mark.slow
-def test_pipedream_vgg16_small_trains_with_round_robin_replicas(tmp_path):
-  """pipedream_vgg16.py:small:ws+rr on a 2-1-1 plan (stage 0 on two
-  devices, microbatches dealt round robin): its training loss falls
-  over 30 steps, and plan.json records the replicated stage."""
-  config = config_plan.load_config_file(
-    "configs/seeds/pipedream_vgg16.py:small:ws+rr"
-  )
+@pytest.mark.parametrize(
+  "seed", ["pipedream_vgg16.py", "pipedream_resnet50.py"]
+)
+def test_pipedream_small_trains_with_round_robin_replicas(tmp_path, seed):
+  """The seed's :small:ws+rr on a 2-1-1 plan (stage 0 on two devices,
+  microbatches dealt round robin; ResNet's with each replica's own
+  BatchNorm statistics): its training loss falls over 30 steps, and
+  plan.json records the replicated stage."""
+  config = config_plan.load_config_file(f"configs/seeds/{seed}:small:ws+rr")
   config.unlock()
   config.pipeline.partition = "contiguous"
   config.pipeline.num_stages = 3

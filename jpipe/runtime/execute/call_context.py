@@ -21,7 +21,8 @@ class CallContext(TransferEnds):
       stage's next step (``Driver.fused_steps``).
     loss_cotangent: each microbatch's loss cotangent.
     profiler: records when each action ran, or None.
-    model_state: the model-state leaves (each forward's new ones).
+    model_state: the model-state leaves (each forward's new ones; of a
+      round-robin stage's leaf, replica 0's copy).
     cots: ``(b, var) ->`` a cotangent waiting for its stage's backward.
     tied: ``(leaf, b) ->`` the tied leaf value the owner's F(b) used.
     tied_grads: ``(leaf, b) ->`` holders' gradients for the owner's step.
@@ -32,6 +33,8 @@ class CallContext(TransferEnds):
       another stage (B's input cotangents, a step's tied gradients).
     losses: the losses of the call's last-stage forwards, in order.
     used: ``(kind, s, b) -> params`` F and B used (None: not recorded).
+    replica_state: ``(leaf, j) ->`` replica j's (>= 1) copy of a
+      round-robin stage's model-state leaf (``replica_state`` module).
   """
 
   d: Any
@@ -50,6 +53,18 @@ class CallContext(TransferEnds):
   inbox: dict = dataclasses.field(default_factory=dict)
   outbox: dict = dataclasses.field(default_factory=dict)
   losses: list = dataclasses.field(default_factory=list)
+  replica_state: dict = dataclasses.field(default_factory=dict)
+
+  def state_leaf(self, i: int, j: int):
+    """Model-state leaf i as replica j of its stage holds it."""
+    return self.model_state[i] if j == 0 else self.replica_state[(i, j)]
+
+  def keep_state(self, i: int, j: int, x) -> None:
+    """Replica j's new value of model-state leaf i."""
+    if j == 0:
+      self.model_state[i] = x
+    else:
+      self.replica_state[(i, j)] = x
 
   def record(self, kind, s, b, theta) -> None:
     """Notes the params ``theta`` that ``kind`` (F or B) of (s, b) used,

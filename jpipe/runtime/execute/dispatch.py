@@ -5,6 +5,7 @@
 import jax
 
 from jpipe import schedule as schedule_lib
+from jpipe.runtime.execute import replica_state
 from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
 from jpipe.runtime.execute.profiler import ActionProfiler
@@ -22,6 +23,7 @@ def run_call(
   stage_params,
   opt_states,
   model_state,
+  replica_model_state=(),
   in_flight: InFlight,
   batches: dict,
   loss_cotangent: float,
@@ -33,7 +35,8 @@ def run_call(
     work: the call's work (a ``Call`` or ``ShiftedCall``): its actions
       in issue order (every process's) and the ``(stage, b)`` pairs
       whose backward may run with the forward.
-    stage_params, opt_states, model_state: the state before the call.
+    stage_params, opt_states, model_state, replica_model_state: the
+      state before the call.
     in_flight: the stream's state (``InFlight.start`` for a call of a
       synchronous schedule).
     batches: ``{placement: {b: {batch leaf index: array}}}``: the
@@ -54,6 +57,9 @@ def run_call(
     dict(in_flight.tied),
     dict(in_flight.tied_grads),
     {} if driver.record_params else None,
+  )
+  ctx.replica_state = replica_state.unpack(
+    replica_model_state, model_state, driver.state_replicas
   )
   stages = stage_works(driver, ctx, in_flight, stage_params, opt_states)
   updates = UpdateRunner(driver, ctx, stages)

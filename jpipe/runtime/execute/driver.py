@@ -44,7 +44,7 @@ from jpipe.runtime.build.stored_params import StoredParams
 from jpipe.runtime.build.tied import TiedParams
 from jpipe.runtime.build.transport import Transport
 from jpipe.runtime.build.versions import VersionPolicy
-from jpipe.runtime.execute import routes
+from jpipe.runtime.execute import replica_state, routes
 from jpipe.runtime.execute.dispatch import run_call
 from jpipe.runtime.execute.hooks import DriverHooks
 
@@ -147,6 +147,10 @@ class Driver:
     self.state_avals = avals[first_state:]
     self.state_readers = routes.state_readers(
       stages, transport, num_batch_leaves
+    )
+    # Model-state leaf -> replicas, of the leaves held per replica.
+    self.state_replicas = replica_state.round_robin_leaves(
+      specs, self.placement, num_batch_leaves
     )
 
   def lower(self, call) -> tuple[Sequence, bool]:

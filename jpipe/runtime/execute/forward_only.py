@@ -403,6 +403,13 @@ class _ForwardCall(TransferEnds):
         if program.transport.owns(owner):
           self.tied[(leaf, 0)] = self.params[owner][owner_pos]
 
+  def state_leaf(self, i: int, j: int):
+    """Model-state leaf i: replica 0's copy for every replica j of a
+    round-robin group (PipeDream evaluates from each stage's first
+    rank)."""
+    del j
+    return self.model_state[i]
+
   def forward(self, action):
     """F(s, b): stage s's part of the function on microbatch b."""
     d, s, b = self.d, action.stage, action.microbatch
@@ -420,7 +427,7 @@ class _ForwardCall(TransferEnds):
       params = place.on_replica(params, b)
     elif place.weighted:  # Whole on the first replica: forward only,
       params = place.on_device(params, 0)  # nothing to balance per step.
-    local = local_inputs(self, spec, self.batches[place][b], place)
+    local = local_inputs(self, spec, self.batches[place][b], place, b)
     outputs, results = d.stages.jitted("forward", s)(tuple(params), local, acts)
     for v, x in zip(spec.outputs, outputs, strict=True):
       self.values[(b, v)] = x

@@ -92,7 +92,8 @@ class CallResult:
   """What one call of the driver produced.
 
   Attributes:
-    stage_params, opt_states, model_state: the new values.
+    stage_params, opt_states, model_state, replica_model_state: the new
+      values.
     in_flight: the stream's state for the next call.
     loss: the mean loss of the microbatches whose forward ran in the
       call, on every process (None if no forward ran).
@@ -112,3 +113,4 @@ class CallResult:
   param_versions: list
   param_bytes: list
   used_params: dict | None
+  replica_model_state: tuple = ()

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from jpipe.runtime.execute import replica_state
 from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.held_params import HeldParams
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
@@ -91,7 +92,7 @@ class StageWork:
     )
     if ctx.profiler and d.transport.multiprocess:
       ctx.record_remote(action, acts, d.remote_inputs[s][0])
-    local = local_inputs(ctx, spec, ctx.batches[place][b], place)
+    local = local_inputs(ctx, spec, ctx.batches[place][b], place, b)
     d.hooks.before_compute(action, (theta, local, acts))
     if (s, b) in ctx.fused and d.policy.same_backward_params(own, self.params):
       # Its backward needs only this forward: run both as one program.
@@ -125,6 +126,7 @@ class StageWork:
     """A forward's outputs of microbatch b, kept for their readers; its
     loss; its new model-state leaves (the next forward reads them)."""
     ctx = self.ctx
+    j = self.d.placement[self.s].replica_index(b)  # Its replica's state.
     values, reads_left = ctx.values, ctx.reads_left
     for (v, readers), x in zip(
       self.d.outputs_read[self.s], outputs, strict=True
@@ -135,7 +137,7 @@ class StageWork:
       if r == 0:
         ctx.losses.append(x)
       else:
-        ctx.model_state[r - 1] = x
+        ctx.keep_state(r - 1, j, x)
 
   def backward(self, action):
     b = action.microbatch
@@ -394,6 +396,9 @@ def call_result(driver, ctx, stages, fed, loss) -> CallResult:
     [w.peak for w in stages],
     [w.peak_bytes for w in stages],
     ctx.used,
+    replica_state.pack(
+      ctx.replica_state, len(ctx.model_state), driver.state_replicas
+    ),
   )
 
 
@@ -414,16 +419,20 @@ def predictor(work: StageWork):
   return predict
 
 
-def local_inputs(call, spec, batch_leaves, place):
-  """A stage's batch inputs on its device(s) in ``call`` (a driver's or a
-  forward-only run's: ``call.d.num_batch_leaves``, ``call.model_state``):
-  microbatch leaves (already there), then model-state leaves (placed
-  here, whole)."""
+def local_inputs(call, spec, batch_leaves, place, b):
+  """A stage's batch inputs of microbatch b on its device(s) in ``call``
+  (a driver's or a forward-only run's: ``call.d.num_batch_leaves``,
+  ``call.state_leaf``): microbatch leaves (already there), then
+  model-state leaves (placed here, whole; a round-robin group's on the
+  replica that runs b, its own copy)."""
   nb = call.d.num_batch_leaves
   leaves = spec.batch_leaves
   if not leaves or leaves[-1] < nb:  # (Sorted: model state last.)
     return tuple([batch_leaves[i] for i in leaves])
-  state = [call.model_state[i - nb] for i in leaves if i >= nb]
+  j = place.replica_index(b)
+  if place.round_robin:
+    place = place.replica(b)
+  state = [call.state_leaf(i - nb, j) for i in leaves if i >= nb]
   state = iter(place.put_replicated(state) if state else ())
   return tuple(
     batch_leaves[i] if i < nb else next(state) for i in spec.batch_leaves
