@@ -150,6 +150,8 @@ class DynamicPipeline:
     self.switch = self._first_switch(_priced_alike(build))
     first = self.switch.pipeline
     self.schedule_name = first.schedule_name
+    # (Re-planning keeps the named schedule: schedule="auto" is refused.)
+    self.schedule_choice = first.schedule_choice
     self.num_microbatches = first.num_microbatches
     self._calibrate(build, cost_model, predictor)
     self.balances = policy != "static"  # Re-split weighted groups by speed.
