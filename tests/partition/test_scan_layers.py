@@ -68,7 +68,7 @@ def test_one_node_per_layer_with_its_rows(case):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("num_stages", [2, tiers.slow(4)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_stages_run_their_layers_as_one_scan(case, num_stages):
   loss_fn, params, batch = CASES[case]()

@@ -402,7 +402,9 @@ def test_delay_corrections_are_checked():
     )
 
 
-@pytest.mark.parametrize("name", list(FTPIPE_OPTIONS))
+@pytest.mark.parametrize(
+  "name", [slow("nag"), *list(FTPIPE_OPTIONS)[1:]]
+)  # (nag: also in nag-aggmsnag-ws and nesterov-last.)
 def test_ftpipe_options_stream_like_the_reference(name):
   """FTPipe's nag_with_predictor, nesterov_set_for_last_partition and
   partial step_every windows (lr x r / se), over calls and flushes that

@@ -39,7 +39,7 @@ def _pipe(case, num_stages, **options):
   "make",
   [
     scan_models.plain_case,
-    pytest.param(
+    tiers.slow(  # (nn.scan(nn.remat) splits in tests/partition too.)
       lambda: scan_models.linen_case(remat=True), id="nn.scan(nn.remat)"
     ),
     pytest.param(scan_models.nnx_case, id="nnx.scan"),

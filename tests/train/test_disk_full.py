@@ -80,6 +80,7 @@ def _train(workdir, steps):
   )
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_resumable(small_disk):
   workdir = small_disk / "run"
   done = _train(workdir, 30)
