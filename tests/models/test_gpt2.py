@@ -39,17 +39,18 @@ def test_sizes_have_the_published_parameter_counts():
     assert total == count, (size, total)
 
 
-@pytest.mark.slow
-def test_the_pretrained_model_through_two_stages_keeps_its_loss():
-  """The tied embedding on the first and last stages, from HuggingFace's
-  weights (read as they are placed): the loss through the pipeline is
-  the loss on one device."""
+def _pretrained_through_two_stages(after_init=None, **kwargs):
+  """HuggingFace's tiny GPT-2 (``gpt2.Model(**kwargs)``), its weights read
+  as they are placed, through a 2-stage pipeline: (pipe, state, the params
+  on the host); the pipeline's loss is checked equal to one device's.
+  ``after_init(lazy params)`` runs once they are placed, before the host
+  reads them again."""
   import optax
 
   import jpipe
 
   ref = np.load(os.path.join(REFERENCE, "reference.npz"))
-  model = gpt2.Model(**GPT2_TINY, dropout=0.0)
+  model = gpt2.Model(**GPT2_TINY, dropout=0.0, **kwargs)
   params = hf_loading.load(
     model, gpt2.hf_names(model), REFERENCE, ref["tokens"], lazy=True
   )
@@ -72,12 +73,23 @@ def test_the_pretrained_model_through_two_stages_keeps_its_loss():
     devices=jax.devices()[:2],
   )
   state = pipe.init(params)
+  if after_init is not None:
+    after_init(params)
   whole = jax.tree.map(np.asarray, params)
   np.testing.assert_allclose(
     float(pipe.evaluate(state, batch)["loss"]),
     float(loss_fn(whole, batch)),
     rtol=1e-5,
   )
+  return pipe, state, whole
+
+
+@pytest.mark.slow
+def test_the_pretrained_model_through_two_stages_keeps_its_loss():
+  """The tied embedding on the first and last stages, from HuggingFace's
+  weights (read as they are placed): the loss through the pipeline is
+  the loss on one device."""
+  _pretrained_through_two_stages()
 
 
 def test_scanned_layers_load_huggingface_layers_stacked():
@@ -144,42 +156,16 @@ def _write_safetensors(path, tensors):
 @pytest.mark.slow
 def test_scanned_pretrained_model_through_two_stages_keeps_its_loss():
   """The scanned GPT-2 from HuggingFace's per-layer weights (stacked as
-  placed), one layer per stage: the pipeline's loss is one device's."""
-  import optax
+  placed), one layer per stage: the pipeline's loss is one device's,
+  each layer read once (by the stage that holds it), and the gathered
+  params are stacked as the model declares them."""
 
-  import jpipe
+  def each_layer_read_once(params):
+    rows = params["blocks"]["c_fc"]["kernel"].rows
+    assert [r.reads for r in rows] == [1, 1]
 
-  ref = np.load(os.path.join(REFERENCE, "reference.npz"))
-  model = gpt2.Model(**GPT2_TINY, dropout=0.0, scan_layers=True)
-  params = hf_loading.load(
-    model, gpt2.hf_names(model), REFERENCE, ref["tokens"], lazy=True
-  )
-
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"], train=False)
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits[:, :-1], batch["x"][:, 1:]
-    ).mean()
-
-  batch = {"x": np.concatenate([ref["tokens"]] * 2)}
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=2,
-    schedule="1f1b",
-    num_microbatches=2,
-    optimizer=optax.sgd(0.0),
-    devices=jax.devices()[:2],
-  )
-  state = pipe.init(params)
-  # Each layer read once, by the stage that holds it.
-  assert [r.reads for r in params["blocks"]["c_fc"]["kernel"].rows] == [1, 1]
-  whole = jax.tree.map(np.asarray, params)
-  np.testing.assert_allclose(
-    float(pipe.evaluate(state, batch)["loss"]),
-    float(loss_fn(whole, batch)),
-    rtol=1e-5,
+  pipe, state, whole = _pretrained_through_two_stages(
+    each_layer_read_once, scan_layers=True
   )
   stacked = pipe.gather_params(state)["blocks"]["c_attn"]["kernel"]
   np.testing.assert_array_equal(stacked, whole["blocks"]["c_attn"]["kernel"])
