@@ -447,7 +447,10 @@ def _solve_named(traced, *args, solver=solve_contiguous, **kwargs):
 
 
 def stage_memory_bytes(
-  traced: TracedModel, plan: Plan, memory: MemoryBudget | None = None
+  traced: TracedModel,
+  plan: Plan,
+  memory: MemoryBudget | None = None,
+  replica_routing: str = "split",
 ) -> StageBytes:
   """Each stage's predicted bytes under the partitioner's model (the one
   ``plan_traced`` keeps to; ``memory``'s limit plays no part): params,
@@ -456,12 +459,43 @@ def stage_memory_bytes(
   plan has that many stages, else S - s; a recomputing stage keeps its
   inputs) -- persistent -- and one microbatch's working memory
   (``StageBytes``: ``.total`` per stage, ``.per_device(plan.stage_devices)``
-  what each device holds)."""
+  what each device holds).
+
+  A stage on r replicas holds per replica: with ``replica_routing``
+  "split" (or "weighted", taken as even), 1/r of each microbatch's
+  activations and working values, every param version; with
+  "round_robin" (1F1B-RR), whole microbatches, PipeDream's runtime
+  count of them (``(R - 1 - replicas before s) // r + 1``, R the
+  replicas of all stages; S - s on a straight plan), and at most as
+  many stashed versions."""
   memory = MemoryBudget() if memory is None else memory
   model = memory.per_stage_counts_for(plan.num_stages).model(
     traced.node_param_bytes(), traced.node_intermediate_bytes()
   )
-  return model.bytes_of(plan.stage_of_node, traced.edges())
+  replicas = np.array([len(ds) for ds in plan.stage_devices], np.float64)
+  edges = traced.edges()
+  if np.all(replicas == 1):
+    return model.bytes_of(plan.stage_of_node, edges)
+  flight = model.flight(plan.num_stages)
+  if replica_routing != "round_robin":
+    whole = model.bytes_of(plan.stage_of_node, edges, flight / replicas)
+    values = np.bincount(
+      plan.stage_of_node,
+      weights=np.asarray(traced.node_intermediate_bytes(), np.float64),
+      minlength=plan.num_stages,
+    )  # The working bytes' activations, split like the kept ones.
+    return StageBytes(
+      whole.persistent, whole.working - values * (1.0 - 1.0 / replicas)
+    )
+  # PipeDream's runtime counts (jpipe's round-robin stream alike): with R
+  # replicas in all, (R - 1 - replicas before s) // r_s + 1 per replica.
+  before = np.concatenate([[0.0], np.cumsum(replicas)[:-1]])
+  per_replica = (replicas.sum() - 1 - before) // replicas + 1
+  versions = model.versions(plan.num_stages, flight)
+  model = dataclasses.replace(
+    model, param_versions=np.minimum(versions, per_replica)
+  )
+  return model.bytes_of(plan.stage_of_node, edges, per_replica)
 
 
 def plan_from_boundaries(

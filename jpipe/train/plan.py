@@ -261,6 +261,7 @@ def _solve(args) -> _Solved:
     traced,
     plan,
     config_plan.memory_budget(config, params, devices, memory, kind),
+    config.pipeline.replica_routing,
   )
   return _Solved(
     plan,

@@ -135,3 +135,36 @@ def test_mixed_blocks_bound_the_mixed_pipes_stages(mlp):
     partition.plan_traced(traced, costs, 2, mixed_blocks=(4,))
   with pytest.raises(ValueError, match="block count 1 must lie in"):
     partition.plan_traced(traced, costs, 2, method="mixed", mixed_blocks=(1,))
+
+
+@pytest.mark.parametrize("routing", ["split", "round_robin"])
+def test_a_replicated_stage_holds_its_share_of_the_microbatches(mlp, routing):
+  """Stage 0 of 4 (4 microbatches in flight, 4 stashed versions) on 3
+  replicas: split holds 1/3 of each microbatch's activations (and of the
+  working values) but every version; 1F1B-RR whole microbatches,
+  PipeDream's (6 - 1 - 0) // 3 + 1 = 2 of them, and as many versions.
+  Restated from the model's terms; the other stages as in the straight
+  plan (its S - s is PipeDream's count there)."""
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch, method="analytic")
+  straight = partition.plan_traced(traced, costs, 4)
+  plan = dataclasses.replace(
+    straight, stage_devices=((0, 1, 2), (3,), (4,), (5,))
+  )
+  budget = partition.MemoryBudget(param_versions=(4, 3, 2, 1))
+  got = partition.stage_memory_bytes(traced, plan, budget, routing)
+  one = partition.stage_memory_bytes(traced, straight, budget)
+  of = np.asarray(plan.stage_of_node)
+  p0 = np.bincount(of, weights=traced.node_param_bytes(), minlength=4)[0]
+  v0 = np.bincount(of, weights=traced.node_intermediate_bytes(), minlength=4)[0]
+  if routing == "split":
+    kept, versions, working = 4 / 3, 4, p0 + v0 / 3
+  else:
+    kept, versions, working = 2, 2, p0 + v0
+  # Params, gradients and Adam's two moments; stashed copies; activations.
+  want = 4 * p0 + (versions - 1) * p0 + kept * v0
+  np.testing.assert_allclose(got.persistent[0], want, rtol=1e-12)
+  np.testing.assert_allclose(got.working[0], working, rtol=1e-12)
+  np.testing.assert_allclose(got.persistent[1:], one.persistent[1:])
+  np.testing.assert_allclose(got.working[1:], one.working[1:])
+  assert got.total[0] < one.total[0]
