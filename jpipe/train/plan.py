@@ -190,8 +190,9 @@ def _method(args, config) -> tuple[str, partition.Split | None]:
   return method, split
 
 
-def _solve(args) -> _Solved:
-  """The plan the command line asks for (ValueError: a bad argument)."""
+def _planned_config(args):
+  """``(config, method, split, devices, slots)``: the config with the
+  command line's schedule and stage count, as training gets them."""
   config = config_plan.load_config_file(args.config)
   if args.schedule is not None:
     with config.unlocked():
@@ -201,8 +202,14 @@ def _solve(args) -> _Solved:
     stages, devices, slots = split.num_stages, split.num_devices, None
   else:
     stages, devices, slots = _stage_slots(args, config, method)
-  with config.unlocked():  # The planned stages, as training gets them.
+  with config.unlocked():
     config.pipeline.num_stages = stages
+  return config, method, split, devices, slots
+
+
+def _solve(args) -> _Solved:
+  """The plan the command line asks for (ValueError: a bad argument)."""
+  config, method, split, devices, slots = _planned_config(args)
   cost_model = args.cost_model or config.pipeline.cost_model
   # On shapes (nothing of the model's size allocated, the dataset not
   # read) unless the costs are measured by running the nodes.
@@ -254,22 +261,19 @@ def _solve(args) -> _Solved:
     plan = plan_for(budget_for())
   seconds = time.perf_counter() - start
   # Each stage's bytes under the whole model (the config's optimizer,
-  # schedule -- auto's choice -- and recomputation), whatever the method
-  # kept to.
+  # schedule -- auto's choice -- recomputation and replica routing),
+  # whatever the method kept to.
   kind = choice and schedule_lib.REGISTRY[choice.chosen]
-  stage_bytes = partition.stage_memory_bytes(
-    traced,
-    plan,
-    config_plan.memory_budget(config, params, devices, memory, kind),
-    config.pipeline.replica_routing,
-  )
+  budget = config_plan.memory_budget(config, params, devices, memory, kind)
   return _Solved(
     plan,
     costs,
     method,
     devices,
     seconds,
-    stage_bytes,
+    partition.stage_memory_bytes(
+      traced, plan, budget, config.pipeline.replica_routing
+    ),
     memory,
     last_stage_costs,
     choice,
