@@ -100,6 +100,7 @@ class Driver:
     partial_window: str = "mean",
     param_storage: Sequence[StoredParams],
   ):
+    """Holds the parts (Args above) and derives the routes."""
     self.clip_global_norm = clip_global_norm
     self.param_storage = tuple(param_storage)
     self.partial_window = partial_window
@@ -124,6 +125,13 @@ class Driver:
       *(len(r) for r in transport.replica_processes if r is not None)
     )
     self._scalars = {}  # (stage, type, number) -> it on the stage's devices
+    self._derive_routes(stages, transport, stream, num_batch_leaves)
+
+  def _derive_routes(self, stages, transport, stream, num_batch_leaves):
+    """What the actions read, fixed by the stages and their placement:
+    producers, remote and placed inputs, read outputs, which steps run
+    with their backward, tied replicas, model-state readers and
+    per-replica model-state leaves."""
     specs = stages.specs
     self.producer = {v: s for s, spec in enumerate(specs) for v in spec.outputs}
     self.remote_inputs = routes.remote_inputs(specs, self.producer, transport)
@@ -134,13 +142,13 @@ class Driver:
     self.steps_with_backward = routes.steps_with_backward(
       self.placement,
       stream is not None,
-      plain=clip_global_norm is None
+      plain=self.clip_global_norm is None
       and type(self.hooks).reduce_gradient is DriverHooks.reduce_gradient,
     )
     # Per stage: (position, leaf) of the tied leaves it holds a replica
     # of (read at every step).
     self.replica_leaves = tuple(
-      tuple(tied.replica_leaves(s)) for s in range(len(specs))
+      tuple(self.tied.replica_leaves(s)) for s in range(len(specs))
     )
     avals = stages.traced.closed_jaxpr.in_avals
     first_state = stages.traced.num_param_leaves + num_batch_leaves
