@@ -139,17 +139,7 @@ def build_runtime(
     stages_at,
   )
   tied = TiedParams(stages, placed.transport)
-  # Params stored packed alike while the driver runs; tied leaves apart
-  # (swapped one by one).
-  param_storage = tuple(
-    StoredParams(
-      [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
-      own,
-      tied.positions(s),
-      stages.compiler_options,
-    )
-    for s, (spec, own) in enumerate(zip(stages.specs, own_sizes, strict=True))
-  )
+  param_storage = _param_storage(traced, stages, own_sizes, tied)
   _check_replica_routing(placed, tied, cut, request)
   _check_spanning_groups(placed, tied, cut)
   for weighted in programs.weighted.values():
@@ -171,13 +161,7 @@ def build_runtime(
       {stages.num_stages - 1} if staleness.last_stage_optimizer else ()
     ),
   )
-  if request.clip_global_norm and stream and placed.transport.multiprocess:
-    raise ValueError(
-      "clip_global_norm with a streaming schedule needs every stage in "
-      "one process (each step reads the other stages' latest gradient "
-      "norms, which no transfer carries between processes); use a "
-      "synchronous schedule or one process"
-    )
+  _check_stream_clipping(request, stream, placed)
   driver = Driver(
     stages,
     programs,
@@ -203,6 +187,34 @@ def build_runtime(
     policy,
     driver,
   )
+
+
+def _param_storage(traced, stages, own_sizes, tied) -> tuple[StoredParams, ...]:
+  """Per stage, its params stored packed while the driver runs (leaves
+  of ``own_sizes[s]`` bytes or more apart, as the gradients are; tied
+  leaves apart: swapped one by one)."""
+  avals = traced.closed_jaxpr.in_avals
+  return tuple(
+    StoredParams(
+      [avals[i] for i in spec.param_leaves],
+      own,
+      tied.positions(s),
+      stages.compiler_options,
+    )
+    for s, (spec, own) in enumerate(zip(stages.specs, own_sizes, strict=True))
+  )
+
+
+def _check_stream_clipping(request, stream, placed) -> None:
+  """Global-norm clipping of a stream reads every stage's latest norm:
+  one process only."""
+  if request.clip_global_norm and stream and placed.transport.multiprocess:
+    raise ValueError(
+      "clip_global_norm with a streaming schedule needs every stage in "
+      "one process (each step reads the other stages' latest gradient "
+      "norms, which no transfer carries between processes); use a "
+      "synchronous schedule or one process"
+    )
 
 
 def _check_spanning_groups(placed, tied, cut) -> None:
