@@ -186,6 +186,7 @@ def _shrunk_seed(path, model_kwargs, sequence_length, target_length):
   config.pipeline.num_stages = 2
   config.pipeline.num_microbatches = 2
   config.pipeline.memory_limit = ""
+  config.pipeline.mixed_blocks = ""  # (The full size's 32 blocks.)
   config.train.steps = 2
   config.train.eval_every = 2
   config.train.checkpoint_every = 2
