@@ -133,11 +133,6 @@ def worker(args, out):
   stages = len(placed)
   loss_fn, params, batch = _mlp(stages, m)
   hooks = _hooks_class()(_costs(args, stages // p))
-  # Several stages per device, not in a V: the loop, through a Plan.
-  loop = stages > p and jpipe.schedule.lookup(schedule).placement is None
-  placing = (
-    {"partition": _loop_plan(loss_fn, params, batch, placed)} if loop else {}
-  )
   pipe = jpipe.Pipeline(
     loss_fn,
     params,
@@ -148,11 +143,12 @@ def worker(args, out):
     optimizer=optax.sgd(1e-3),
     recompute=False,
     fuse_last_stage=False,  # Every action sleeps its own cost.
-    hooks=hooks,
-    **placing,
+    hooks=hooks,  # Several stages per device: the schedule places them.
   )
   if sorted(pipe.plan.stage_of_node) != list(range(stages)):
     raise SystemExit(f"expected {stages} one-layer stages: {pipe.plan}")
+  if pipe.plan.stage_devices != tuple((d,) for d in placed):
+    raise SystemExit(f"expected stages on devices {placed}: {pipe.plan}")
   state = pipe.init(params)
   steps = []
   for step in range(2 + args.steps):
@@ -196,19 +192,6 @@ def _mlp(layers, m):
     return ((model.apply(params, batch["x"]) - batch["y"]) ** 2).mean()
 
   return loss_fn, params, batch
-
-
-def _loop_plan(loss_fn, params, batch, placed):
-  """One layer per stage, stage s on device ``placed[s]``."""
-  import jpipe
-
-  traced = jpipe.partition.trace(loss_fn, params, batch)
-  costs = jpipe.partition.profile_nodes(
-    traced, params, batch, method="analytic"
-  )
-  return jpipe.partition.plan_from_boundaries(
-    traced, costs, range(len(placed) + 1), devices=placed
-  )
 
 
 def _producer(action, num_stages):

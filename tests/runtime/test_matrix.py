@@ -116,22 +116,6 @@ LOOP_CASES = {
 }
 
 
-def loop_plan(loss_fn, params, batch, stages, devices):
-  """A plan of ``stages`` even runs of the model's nodes (as traced on
-  the whole batch), stage s on device s mod ``devices``."""
-  traced = jpipe.partition.trace(loss_fn, params, batch)
-  costs = jpipe.partition.profile_nodes(
-    traced, params, batch, method="analytic"
-  )
-  n = traced.num_nodes
-  return jpipe.partition.plan_from_boundaries(
-    traced,
-    costs,
-    [n * s // stages for s in range(stages + 1)],
-    devices=[s % devices for s in range(stages)],
-  )
-
-
 @pytest.mark.parametrize(
   "case",
   [c if i < 2 else slow(c) for i, c in enumerate(LOOP_CASES)],
@@ -152,8 +136,7 @@ def test_loop_placement_matches_one_device(case):
     schedule=schedule,
     num_microbatches=4,
     optimizer=tx,
-    recompute=recompute,
-    partition=loop_plan(loss_fn, params, batch, 4, 2),
+    recompute=recompute,  # The schedule loops the 4 stages over 2 devices.
   )
   assert pipe.plan.stage_devices == ((0,), (1,), (0,), (1,))
   state = pipe.init(params)
