@@ -125,6 +125,9 @@ def gap_aware(
   def update_fn(
     updates, state, params=None, *, stale_params=None, **extra_args
   ):
+    """The gradient penalised by the gap |params - stale_params| / C per
+    element, then ``base_tx``'s update; C from S (adam, adamw) or from
+    SGD's running statistic."""
     if params is None:
       raise ValueError(_common.NO_PARAMS_MSG)
     if stale_params is None:
@@ -156,36 +159,14 @@ def gap_aware(
     step_params, eta = params, None
     if decoupled:  # The decoupled decay penalised through the params.
       eta = _f32(_common.value_at(learning_rate, state.count))
-      step_params = jax.tree.map(
-        lambda p, pen: (_f32(p) * (1.0 - lam * eta * (1.0 - pen) / pen)).astype(
-          p.dtype
-        ),
-        params,
-        penalty,
-      )
+      step_params = _decay_penalised_params(params, penalty, lam, eta)
     new_updates, inner_state = base_tx.update(
       new_grads, state.inner_state, step_params, **extra_args
     )
     if optimizer != "sgd":
-      applied = new_updates
-      if decoupled:  # S records the update without its decay part.
-        applied = jax.tree.map(
-          lambda u, p: _f32(u) + eta * lam * _f32(p), new_updates, step_params
-        )
-      sq_avg = jax.tree.map(
-        lambda a, u: (beta * a + (1 - beta) * jnp.square(_f32(u))).astype(
-          a.dtype
-        ),
-        sq_avg,
-        applied,
+      sq_avg, new_updates = _adam_statistic(
+        sq_avg, new_updates, step_params, params, beta, lam, eta
       )
-      if decoupled:  # The params' scaling returned inside the updates.
-        new_updates = jax.tree.map(
-          lambda u, sp, p: (_f32(u) + _f32(sp) - _f32(p)).astype(u.dtype),
-          new_updates,
-          step_params,
-          params,
-        )
     return new_updates, GapAwareState(
       count=count,
       max_learning_rate=max_lr,
@@ -194,6 +175,45 @@ def gap_aware(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decay_penalised_params(params, penalty, lam, eta):
+  """AdamW's decoupled decay penalised alike: the params AdamW steps
+  from, p (1 - lam eta (1 - G) / G) with G the penalty, so that its
+  decay term lam eta p becomes lam eta p / G."""
+  return jax.tree.map(
+    lambda p, pen: (_f32(p) * (1.0 - lam * eta * (1.0 - pen) / pen)).astype(
+      p.dtype
+    ),
+    params,
+    penalty,
+  )
+
+
+def _adam_statistic(sq_avg, updates, step_params, params, beta, lam, eta):
+  """(S, updates) after an adam/adamw step: S's EMA of the squared
+  updates applied (without the decoupled decay part, ``eta`` not None),
+  and the updates with the params' scaling
+  (``_decay_penalised_params``) returned inside them."""
+  decoupled = eta is not None
+  applied = updates
+  if decoupled:  # S records the update without its decay part.
+    applied = jax.tree.map(
+      lambda u, p: _f32(u) + eta * lam * _f32(p), updates, step_params
+    )
+  sq_avg = jax.tree.map(
+    lambda a, u: (beta * a + (1 - beta) * jnp.square(_f32(u))).astype(a.dtype),
+    sq_avg,
+    applied,
+  )
+  if decoupled:  # The params' scaling returned inside the updates.
+    updates = jax.tree.map(
+      lambda u, sp, p: (_f32(u) + _f32(sp) - _f32(p)).astype(u.dtype),
+      updates,
+      step_params,
+      params,
+    )
+  return sq_avg, updates
 
 
 def _f32(x: jax.Array) -> jax.Array:

@@ -448,14 +448,15 @@ def _tokens(config, abstract: bool, need: int):
   return tokenizer, input_pipeline.load_tokens(config, tokenizer, need)
 
 
-def _seq2seq(config, model, abstract=False) -> Task:
-  need = config.data.sequence_length  # One window, corrupted.
-  tokenizer, (train, test) = _tokens(config, abstract, need)
+def _span_corruption(config, tokenizer, model) -> dict:
+  """T5's span-corruption settings (``sequences.seq2seq_batch_at``'s
+  keywords) for ``tokenizer``'s ids, checked against the model's
+  vocabulary: ids shifted so that 0 is padding only, the span sentinels
+  after the vocabulary."""
   data = config.data
   _, num_spans, _, _ = sequences.span_lengths(
     data.sequence_length, data.noise_density, data.mean_span_length
   )
-  # Ids shifted so that 0 is padding only; sentinels after the vocabulary.
   offset = tokenizer.seq2seq_offset
   first_sentinel = tokenizer.vocab_size + offset
   need = first_sentinel + num_spans
@@ -465,12 +466,22 @@ def _seq2seq(config, model, abstract=False) -> Task:
       f"{first_sentinel} token ids ({tokenizer.name}) and {num_spans} span "
       f"sentinels: use >= {need}"
     )
-  spans = dict(
+  return dict(
     noise_density=data.noise_density,
     mean_span_length=data.mean_span_length,
     offset=offset,
     first_sentinel=first_sentinel,
   )
+
+
+def _seq2seq(config, model, abstract=False) -> Task:
+  """T5-style span corruption on the configured text: the encoder reads
+  a window with spans replaced by sentinels, the decoder writes the
+  spans; held-out token loss."""
+  need = config.data.sequence_length  # One window, corrupted.
+  tokenizer, (train, test) = _tokens(config, abstract, need)
+  data = config.data
+  spans = _span_corruption(config, tokenizer, model)
 
   def batch_at(step):
     return sequences.seq2seq_batch_at(
