@@ -10,6 +10,8 @@ stage already holds and nothing moves but activations.
 
 from collections.abc import Sequence
 
+import jax.extend.core as jcore
+
 from jpipe.partition._trace import TracedModel
 
 
@@ -29,7 +31,10 @@ def follow_plan(
   3. a node reading params goes to a stage of a reference node reading
      one of them (the first at or after the previous node's stage);
   4. otherwise it stays with the node before it (the first node: with
-     the first that has a stage).
+     the first that has a stage);
+
+  then a node reading no params moves to the latest stage of the nodes
+  whose values it reads, where that is later.
   """
   if reference.depth != traced.depth:
     raise ValueError(
@@ -72,6 +77,34 @@ def follow_plan(
   for stage in found:
     previous = previous if stage is None else stage
     stages.append(previous)
+  return _after_inputs(traced, stages)
+
+
+def _after_inputs(traced: TracedModel, stages: list[int]) -> list[int]:
+  """``stages`` with each node that reads no params at or after the
+  stages of the nodes it reads from (in node order, so such a node's
+  readers follow it).
+
+  Why: a module's code between its submodules' calls is named by call
+  count (``attention#2``...), and a function that skips a submodule call
+  the loss makes shifts those counts -- a cached decoding step's cross-
+  attention reads its keys and values instead of projecting them, so
+  its ``attention#2`` (the heads merged after the attention) takes the
+  loss's ``attention#2`` (between the key and value projections): an
+  earlier stage than the attention it reads, where the plan cuts inside
+  the module. Such code holds no params, so its inputs decide; a node
+  reading params stays with them (reading a later stage's value there
+  is the function's own order, which ``Stages`` refuses)."""
+  producers = traced.producers()
+  reads_params = [bool(leaves) for leaves in traced.node_param_leaves()]
+  stages = list(stages)
+  for eqn, node in zip(traced.jaxpr.eqns, traced.eqn_node, strict=True):
+    if reads_params[node]:
+      continue
+    for v in eqn.invars:
+      source = None if isinstance(v, jcore.Literal) else producers.get(v)
+      if source is not None and source != node:
+        stages[node] = max(stages[node], stages[source])
   return stages
 
 

@@ -240,6 +240,73 @@ def test_a_module_the_loss_never_calls_stays_with_the_node_before_it():
   assert got == [0, 1, 2, 2, 1]
 
 
+class _Mix(nn.Module):
+  """Attention's weights and sum, a module without params."""
+
+  @nn.compact
+  def __call__(self, s, k, v):
+    return jax.nn.softmax(s * k) * v
+
+
+class _CachedNet(nn.Module):
+  """An attention whose cached call reads its keys and values instead of
+  projecting them (as a decoder's cross-attention does)."""
+
+  @nn.compact
+  def __call__(self, x, cache=None):
+    x = nn.Dense(4, name="embed")(x)
+    return nn.Dense(4, name="head")(_Attention(name="attention")(x, cache))
+
+
+class _Attention(nn.Module):
+  @nn.compact
+  def __call__(self, x, cache):
+    s = jnp.tanh(nn.Dense(4, name="q")(x))
+    if cache is None:
+      k = 2 * nn.Dense(4, name="k")(x)
+      v = nn.Dense(4, name="v")(x)
+    else:
+      k, v = cache
+    h = _Mix(name="mix")(s, k, v)
+    return nn.Dense(4, name="o")(h + 1)
+
+
+def test_code_between_submodule_calls_follows_what_it_reads():
+  """A cached call skips the k and v projections, so the attention's own
+  code after ``mix`` is ``attention#2`` there, ``attention#3`` in the
+  loss; by name it would take the loss's ``attention#2`` (stage 0)
+  before the ``mix`` it reads (stage 1). It reads no params: it goes
+  after its input; the rest keep their names' stages."""
+  net = _CachedNet()
+  x = jnp.ones((2, 4))
+  params = net.init(jax.random.key(0), x)
+  ref = jpipe.partition.trace(
+    lambda p, b: net.apply(p, b).sum(), params, x, depth=2
+  )
+  batch = {"x": x, "k": x, "v": x}
+  cached = jpipe.partition.trace(
+    lambda p, b: net.apply(p, b["x"], (b["k"], b["v"])),
+    params,
+    batch,
+    depth=2,
+    returns_loss=False,
+  )
+  assert ref.node_names[5:8] == ("attention/v", "attention/mix", "attention#3")
+  assert cached.node_names == (
+    "embed",
+    "attention/q",
+    "attention",
+    "attention/mix",
+    "attention#2",
+    "attention/o",
+    "head",
+  )
+  got = jpipe.partition.follow_plan(cached, ref, [0] * 6 + [1] * 4)
+  assert got == [0, 0, 0, 1, 1, 1, 1]
+  stages = jpipe.partition.Stages(cached, got, num_stages=2)  # Data flow.
+  assert [len(spec.param_leaves) for spec in stages.specs] == [4, 4]
+
+
 @pytest.mark.slow
 def test_streaming_tied_replicas_read_the_owners_value():
   """Asynchronous: a tied embedding's holder never steps its own copy;

@@ -128,8 +128,9 @@ def test_translation_targets_decode_to_the_references():
 @pytest.mark.slow
 def test_ftpipe_t5_squad_seed_reports_generated_exact_match_and_f1(tmp_path):
   """ftpipe_t5_3b.py:squad's own path (T5 v1 text-to-text, the mixed
-  pipe, async) at a size for 2 CPU cores on mock SQuAD records: its
-  evaluation reports SQuAD's exact match and F1 of generated answers."""
+  pipe with its 32 blocks -- 14 stages on 2 devices, cut inside layers --,
+  async) at a size for 2 CPU cores on mock SQuAD records: its evaluation
+  reports SQuAD's exact match and F1 of generated answers."""
   config = _shrunk_seed(
     "configs/seeds/ftpipe_t5_3b.py:squad", _t5_config("qa").model.kwargs, 48, 8
   )
@@ -186,7 +187,6 @@ def _shrunk_seed(path, model_kwargs, sequence_length, target_length):
   config.pipeline.num_stages = 2
   config.pipeline.num_microbatches = 2
   config.pipeline.memory_limit = ""
-  config.pipeline.mixed_blocks = ""  # (The full size's 32 blocks.)
   config.train.steps = 2
   config.train.eval_every = 2
   config.train.checkpoint_every = 2
