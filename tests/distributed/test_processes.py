@@ -266,9 +266,10 @@ def test_replica_groups_spanning_processes(tmp_path, process_env):
   (first, middle or last stage): synchronous, clipped and
   weight-stashing runs with the split routing, synchronous and
   weight-stashing 1F1B-RR (round robin: microbatch b on replica b mod 2,
-  in its process), their evaluation and predictions, and a streaming run
-  with params tied between the group and another stage (the tied leaf's
-  value and gradient to and from each process of the group) equal the
+  in its process), their evaluation and predictions, and streaming runs
+  with params tied between the group and another stage (the group owns
+  the tied leaf: the holder's gradient crosses to the group's other
+  process; the group holds it: the owner's value does) equal the
   one-process results on 4 devices; what does not span processes
   (weighted groups, a round-robin last stage) is refused in one line.
   (Model state: ``test_model_state_in_a_group_spanning_processes``.)"""
@@ -298,6 +299,9 @@ def test_replica_groups_spanning_processes(tmp_path, process_env):
        "refused": "the last stage's round-robin replica group spans"},
       {"case": "gpt_tied", "stages": 2, "groups": spans, "calls": [2, 3],
        "num_microbatches": 2, "schedule": "async", "weight_stashing": True},
+      {"case": "gpt_tied", "stages": 2, "groups": [[0], [1, 2]],
+       "calls": [2, 3], "num_microbatches": 2, "schedule": "async",
+       "weight_stashing": True},
     ]
   )  # fmt: skip
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
