@@ -19,11 +19,11 @@ does, and each replica keeps its own BatchNorm statistics, updated only
 by the microbatches it runs (PipeDream's replicas are separate model
 copies: torch DDP without SyncBatchNorm); checkpoints and evaluation
 read replica 0's, as PipeDream saves and evaluates from each stage's
-first rank. Across processes (4 servers) 1F1B-RR with model state is
-refused in one line today (a replica's statistics stay in one process):
-there, run ws (each microbatch split over a stage's replicas, with the
-same delays as one device), where each replicated stage lies in one
-process.
+first rank. Across processes (4 servers) a replica group may span
+them: 1F1B-RR keeps each replica's statistics in its own process; ws
+(each microbatch split over a stage's replicas, with the same delays as
+one device) keeps the group's statistics of the whole microbatch in each
+of its processes.
 
 Plan:   python -m jpipe.train.plan --config configs/seeds/pipedream_resnet50.py
 Train (16 GPUs; tfds build imagenet2012 --data_dir DATA: read per batch,

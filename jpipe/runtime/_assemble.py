@@ -141,7 +141,6 @@ def build_runtime(
   tied = TiedParams(stages, placed.transport)
   param_storage = _param_storage(traced, stages, own_sizes, tied)
   _check_replica_routing(placed, tied, cut, request)
-  _check_spanning_groups(placed, tied, cut)
   for weighted in programs.weighted.values():
     weighted.prepare()  # A model that changes with the size fails here.
   names = tuple(leaf_names(params))
@@ -217,37 +216,13 @@ def _check_stream_clipping(request, stream, placed) -> None:
     )
 
 
-def _check_spanning_groups(placed, tied, cut) -> None:
-  """A replica group across processes runs the split routing on params
-  and activations alone: what moves between stages per process (a tied
-  leaf's value and gradient, a model-state leaf) goes to one process of
-  a group, not to each."""
-  transport = placed.transport
-  if not transport.spanning:
-    return
-  s = transport.spanning[0]
-  where = (
-    f"stage {s}'s replica group spans processes "
-    f"{list(transport.stage_processes[s])}"
-  )
-  if tied.stages:
-    raise ValueError(
-      f"{where}, with params tied between stages: not supported; give the "
-      "group devices of one process, or untie the params"
-    )
-  if cut.num_state_leaves > 0:
-    raise ValueError(
-      f"{where}, with model state (e.g. batch statistics): not supported; "
-      "give the group devices of one process"
-    )
-
-
 def _check_replica_routing(placed, tied, cut, request) -> None:
   """Round-robin (1F1B-RR) and weighted replicas where they are built
   for: a replica runs a microbatch (or its slice) on its own copies of
-  the params, and its group steps on the replicas' summed gradients, in
-  one process. A round-robin replica keeps its own model state
-  (``execute.replica_state``), in one process."""
+  the params, and its group steps on the replicas' summed gradients. A
+  round-robin replica keeps its own model state
+  (``execute.replica_state``), in its own process where the group spans
+  processes."""
   routing = request.partitioning.replica_routing
   if not any(p.round_robin or p.weighted for p in placed.placement):
     return
@@ -260,10 +235,6 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
     "replica)": bool(tied.stages),
     "model state such as batch statistics (one value per stage, not per "
     "replica)": cut.num_state_leaves > 0 and weighted,
-    "model state such as batch statistics across processes (a replica's "
-    "own statistics stay in one process)": (
-      cut.num_state_leaves > 0 and placed.transport.multiprocess
-    ),
     "weight prediction (it predicts from the group's state, not a "
     "replica's)": staleness.prediction is not None,
     "Gap-Aware (its step reads a replica's stashed params)": (

@@ -141,6 +141,7 @@ def gather_model_state(pipe, state) -> Any:
     ],
     pipe.driver.state_avals,
     holders,
+    to_every_process=bool(pipe.transport.spanning),
   )
   if leaves and leaves[0] is None:  # Outside this pipeline's processes.
     return None

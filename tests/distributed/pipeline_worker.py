@@ -8,14 +8,20 @@ Each configuration (a dict): "case" (a tests/partition/flax_models case),
 training, also evaluate the loss and a metrics function and predict,
 forward through the stages), "per_process_save" (after training, each process writes its part of
 the state dict, ``process_arrays``, to OUT.npz.arrays<config>),
-"profile_calls" (indices of calls run with
+"resume_at" (before that call: flush, each process writes its part
+of the state dict to OUT.npz.resume<config> and the run goes on from a
+state read back from there), "profile_calls" (indices of calls run with
 ``profile=True``: each process writes their actions on its clock,
 ``experiments.distributed.device_waits.records``, its clock before and
 after each, and its ``TransferTimes`` events of the whole run to
-OUT.npz.profile<config>.p<process>), and Pipeline keyword arguments. Started by ``jpipe.launch`` it runs across processes (stage s
-on global device s); without the launcher's environment it is the
-one-process reference on JPIPE_CPU_DEVICES devices. Process 0 writes the
-gathered params, the state dict's optimizer state and every call's loss.
+OUT.npz.profile<config>.p<process>), and Pipeline keyword arguments.
+With a round-robin group's per-replica model state, each process writes
+its ``replica_model_state`` (key "leaf/replica") to
+OUT.npz.replicas<config>.p<process>.npz. Started by ``jpipe.launch`` it
+runs across processes (stage s on global device s); without the
+launcher's environment it is the one-process reference on
+JPIPE_CPU_DEVICES devices. Process 0 writes the gathered params, the
+state dict's optimizer state and every call's loss.
 "groups" places stage s on global devices groups[s] (a replica group
 may span processes); with "refused" (across processes only) building
 must fail with a one-line ValueError containing that text.
@@ -72,6 +78,7 @@ def run(config, index, out, path_of_out):
   forward_only = config.pop("forward_only", False)
   profile_calls = config.pop("profile_calls", ())
   per_process_save = config.pop("per_process_save", False)
+  resume_at = config.pop("resume_at", None)
   micro = config.pop("num_microbatches", 4)
   # Replica groups: stage s on devices s*r .. s*r + r - 1, or on the
   # global devices "groups"[s] (groups that may span processes).
@@ -116,6 +123,8 @@ def run(config, index, out, path_of_out):
   profiled = []
   times = pipe.transport.time_transfers() if profile_calls else None
   for i, call in enumerate(calls):
+    if i == resume_at:
+      state = _resumed(pipe, state, f"{path_of_out}.resume{index}")
     if call == "flush":
       state, _ = pipe.flush(state)
       continue
@@ -150,6 +159,15 @@ def run(config, index, out, path_of_out):
       jax.process_index(),
       pipe.local_state_dict(state),
     )
+  if state.replica_model_state:  # 1F1B-RR: replicas 1..k-1's own copies.
+    np.savez(
+      f"{path_of_out}.replicas{index}.p{jax.process_index()}",
+      **{
+        f"{i}/{j}": np.asarray(x)
+        for i, copies in enumerate(state.replica_model_state)
+        for j, x in enumerate(copies, 1)
+      },
+    )
   tree = pipe.state_dict(state)
   leaves = {
     f"{index}/params/{i}": np.asarray(x)
@@ -177,6 +195,18 @@ def run(config, index, out, path_of_out):
     + ("" if pipe.reads_batch else ", read no data")
   )
   out.update(leaves)
+
+
+def _resumed(pipe, state, directory):
+  """``state`` flushed, written by each process (its part) to
+  ``directory`` and read back as a checkpoint restore reads it."""
+  state, _ = pipe.flush(state)
+  process_arrays.write_arrays(
+    directory, jax.process_index(), pipe.local_state_dict(state)
+  )
+  distributed.barrier("resume")
+  tree = process_arrays.read_arrays(directory, *pipe.state_dict_layout())
+  return pipe.load_state_dict(tree)
 
 
 def _check_refused(build, groups, refused, index):

@@ -111,10 +111,12 @@ class Partitioning:
       replica runs PipeDream's warm-up, (R - 1 - sum of the replicas of
       the stages before) // r forwards, a stage steps once per round of
       its r replicas on their mean gradient, at PipeDream's rate per
-      stage, the optimizer's times r_s / r_0). One process only; not
-      with tied params, model state (batch statistics), weight
-      prediction or Gap-Aware. (The partitioner plans replicas as split;
-      the built pipeline's memory check counts whole microbatches.) Or
+      stage, the optimizer's times r_s / r_0). Each replica keeps its
+      own model state (batch statistics), in its own process where the
+      group spans processes (not the last stage's); not with tied
+      params, weight prediction or Gap-Aware. (The partitioner plans
+      replicas as split; the built pipeline's memory check counts whole
+      microbatches.) Or
       "weighted" (DynPipe's DP-stage load balancing): each microbatch
       split unevenly, replica j taking ``rows[j]`` of its examples (even
       at first; ``Pipeline.set_replica_rows``, or ``DynamicPipeline``

@@ -28,7 +28,9 @@ its values are global arrays. A value leaving such a group is gathered
 whole in each of its processes (one all-gather program, all of them at
 the same place in the order: so no early sends), and the group's lead
 (the process of its first device) sends it to each process of the
-destination that lacks it; each process there places its rows. Round
+destination that lacks it; each process there places its rows (a
+replicated value -- a model-state leaf, a tied leaf or its gradient --
+is whole in each process already: no gather). Round
 robin (1F1B-RR): microbatch b runs on replica b mod k in that replica's
 process alone (``jpipe.schedule.lower``'s ``replica_process``), so its
 values move as a one-device stage's; the group's steps, an all-reduce

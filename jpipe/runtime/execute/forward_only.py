@@ -391,7 +391,7 @@ class _ForwardCall(TransferEnds):
   def __init__(self, program: ForwardProgram, state):
     self.d = program
     self.params = state.stage_params
-    self.model_state = state.model_state
+    self.model_state = _replica0_state(program, state.model_state)
     self.batches = {}
     self.values, self.reads_left, self.inbox = {}, {}, {}
     self.results = {}  # result -> [value per microbatch, in order]
@@ -434,6 +434,28 @@ class _ForwardCall(TransferEnds):
       self.reads_left[(b, v)] = d.readers[v]
     for r, x in zip(spec.results, results, strict=True):
       self.results.setdefault(r, []).append(x)
+
+
+def _replica0_state(program: ForwardProgram, model_state) -> list:
+  """``model_state`` with the leaves a round-robin group across processes
+  reads at replica 0's copy in every process: only replica 0's process
+  (the group's lead) keeps that copy current (each replica's forwards
+  update their own, ``replica_state``), so it is shared from there,
+  every process in the same order."""
+  transport, nb = program.transport, program.num_batch_leaves
+  out = list(model_state)
+  for s in transport.spanning:
+    if not program.placement[s].round_robin:
+      continue
+    for i in program.stages.specs[s].batch_leaves:
+      if i < nb:
+        continue
+      x = out[i - nb]
+      aval = jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+      y = transport.share(x if transport.leads(s) else None, s, aval)
+      if y is not None:  # (None: a process outside the pipeline.)
+        out[i - nb] = y
+  return out
 
 
 def _maker(action, transfer):

@@ -37,7 +37,9 @@ def remote_inputs(specs, producer, transport) -> tuple:
 def state_readers(stages, transport, num_batch_leaves) -> list[tuple]:
   """Per model-state leaf: per process other than its producer's, the
   first stage there that reads it (it is sent there whenever the
-  producer updates it)."""
+  producer updates it), each stage once. A replica group across
+  processes is in each of its processes: a reader group gets the leaf
+  in every one of them that lacks it, a producer group has it in all."""
   producer_of_result = {
     r: s for s, spec in enumerate(stages.specs) for r in spec.results
   }
@@ -50,10 +52,13 @@ def state_readers(stages, transport, num_batch_leaves) -> list[tuple]:
     readers = {}
     for s, spec in enumerate(stages.specs):
       if num_batch_leaves + i in spec.batch_leaves:
-        readers.setdefault(transport.stage_process[s], s)
+        for q in transport.stage_processes[s]:
+          readers.setdefault(q, s)
     if src is not None:
-      readers.pop(transport.stage_process[src], None)
-    out.append(tuple(readers.values()))
+      for q in transport.stage_processes[src]:
+        readers.pop(q, None)
+    # (A move into a group reaches each of its processes: one a stage.)
+    out.append(tuple(dict.fromkeys(readers.values())))
   return out
 
 
