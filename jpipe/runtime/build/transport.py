@@ -44,17 +44,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import transfer
 from jax.sharding import (
-  Mesh,
   NamedSharding,
   PartitionSpec,
   SingleDeviceSharding,
 )
 
 from jpipe import distributed
+from jpipe.runtime.build.collective_pairs import CollectivePairs
 from jpipe.runtime.build.placement import StagePlacement, local_copy
 
 TRANSPORTS = ("pull", "collective")
@@ -102,8 +101,7 @@ class Transport:
       sorted({q for ps in self.stage_processes for q in ps})
     )
     self.multiprocess = len(self.processes) > 1
-    self._pairs: dict[tuple, Any] = {}
-    self._blanks: dict[tuple, jax.Array] = {}
+    self._collective = CollectivePairs()
     self._gathers = _Gathers()
     self._pulls = PullLinks() if self.multiprocess and kind == "pull" else None
     # Whether a received value is waited for, on the host, before the
@@ -339,32 +337,7 @@ class Transport:
     (None: by order)."""
     if self._pulls is not None:
       return self._pulls.transfer(x, a, b, aval, key)
-    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
-    key = (a, b, shape, dtype)
-    if key not in self._pairs:
-      self._pairs[key] = _pair_program(a, b)
-    program, sharding = self._pairs[key]
-    if x is not None:  # (A replica group's value: gathered onto a.)
-      shard = jnp.reshape(jax.device_put(x, a), _shard_shape(shape))
-    else:
-      shard = self._blank(b, shape, dtype)
-    out = program(
-      jax.make_array_from_single_device_arrays(
-        _global_shape(shape), sharding, [shard]
-      )
-    )
-    if x is not None:
-      return None
-    return out.addressable_shards[0].data.reshape(shape)
-
-  def _blank(self, device, shape, dtype):
-    """The receiver's (unused) input shard, allocated once per shape."""
-    key = (device, shape, dtype)
-    if key not in self._blanks:
-      self._blanks[key] = jax.device_put(
-        jnp.zeros(_shard_shape(shape), dtype), device
-      )
-    return self._blanks[key]
+    return self._collective.send(x, a, b, aval)
 
 
 def _check_spanning(placement, stage_processes) -> None:
@@ -544,27 +517,3 @@ def _processes(place: StagePlacement) -> tuple[int, ...]:
 def _first_in(place: StagePlacement, process: int):
   """The first device of ``place`` in ``process``."""
   return next(d for d in place.devices if d.process_index == process)
-
-
-def _shard_shape(shape):
-  """A value's shard in the pair array: axis 0 stacks sender, receiver."""
-  return shape if shape else (1,)
-
-
-def _global_shape(shape):
-  s = _shard_shape(shape)
-  return (2 * s[0], *s[1:])
-
-
-def _pair_program(a, b):
-  """A jitted send from device a to device b: (program, input sharding)."""
-  mesh = Mesh(np.array([a, b]), ("pair",))
-  spec = PartitionSpec("pair")
-
-  def send(x):
-    return jax.lax.ppermute(x, "pair", [(0, 1)])
-
-  program = jax.jit(
-    jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec)
-  )
-  return program, NamedSharding(mesh, spec)
