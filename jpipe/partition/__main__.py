@@ -47,6 +47,7 @@ METHODS = ("pipedream", "contiguous", "acyclic", "mixed")
 
 
 def _parser():
+  """The command's flags (module docstring)."""
   parser = argparse.ArgumentParser(
     prog="python -m jpipe.partition", description=__doc__.splitlines()[0]
   )
@@ -92,6 +93,17 @@ def _parser():
     help="bytes per device (contiguous, acyclic, mixed; pipedream's -s with "
     "--use-memory-constraint, default 16e9)",
   )
+  _add_pipedream_options(parser)
+  _add_acyclic_options(parser)
+  parser.add_argument(
+    "--json", action="store_true", help="print one JSON object"
+  )
+  parser.add_argument("--png", default=None, help="write a stage-cost PNG")
+  return parser
+
+
+def _add_pipedream_options(parser) -> None:
+  """PipeDream's optimizer's own flags (its names)."""
   parser.add_argument(
     "--use-memory-constraint",
     action="store_true",
@@ -113,6 +125,10 @@ def _parser():
     action="store_true",
     help="pipedream: merge single-in/single-out chains first",
   )
+
+
+def _add_acyclic_options(parser) -> None:
+  """FTPipe's acyclic partitioner's flags."""
   parser.add_argument(
     "--objective",
     default="stage_time",
@@ -136,14 +152,10 @@ def _parser():
     action="store_true",
     help="acyclic: refine a coarsened graph first",
   )
-  parser.add_argument(
-    "--json", action="store_true", help="print one JSON object"
-  )
-  parser.add_argument("--png", default=None, help="write a stage-cost PNG")
-  return parser
 
 
 def main(argv=None) -> int:
+  """The command (module docstring); returns its exit status."""
   parser = _parser()
   if argv is None:
     argv = sys.argv[1:]
@@ -166,31 +178,9 @@ def main(argv=None) -> int:
     graph = load_pipedream_profile(args.pipedream_profile)
     order, compute, edges = graph.ordered()
     start = time.perf_counter()
-    extra = {}
-    if args.method == "pipedream":
-      solution = _pipedream(graph, machines, args)
-      stage_of = solution.stage_of
-      stage_time = list(solution.stage_seconds)
-      bottleneck = solution.bottleneck_seconds
-      starts = np.concatenate([[0], np.cumsum(solution.replicas)])
-      devices = [
-        list(range(int(a), int(b)))
-        for a, b in zip(starts[:-1], starts[1:], strict=True)
-      ]
-      bound = compute.sum() / int(np.prod(machines))
-      if args.straight:
-        bound = max(bound, compute.max())
-      extra = {
-        "replicas": list(solution.replicas),
-        "data_parallel_seconds": solution.data_parallel_seconds,
-        "speedup_vs_data_parallel": solution.speedup_vs_data_parallel,
-        "num_states": solution.num_states,
-      }
-    else:
-      stage_of, stage_time, bottleneck, devices = _one_order(
-        graph, order, compute, edges, machines[0], args
-      )
-      bound = max(compute.sum() / machines[0], compute.max())
+    stage_of, stage_time, bottleneck, devices, bound, extra = _solve(
+      graph, (order, compute, edges), machines, args
+    )
     solve_seconds = time.perf_counter() - start
   except ValueError as error:
     print(f"error: {error}", file=sys.stderr)
@@ -223,6 +213,43 @@ def main(argv=None) -> int:
       )
     plot_plan(costs, stage_time, args.png, memory)
   return 0
+
+
+def _solve(graph, ordered, machines, args):
+  """The method's plan (``ordered``: ``graph.ordered()``): (stage_of
+  {name: stage}, stage seconds, the bottleneck's seconds, each stage's
+  devices, the lower bound on the bottleneck, the method's extra
+  figures)."""
+  order, compute, edges = ordered
+  if args.method != "pipedream":
+    stage_of, stage_time, bottleneck, devices = _one_order(
+      graph, order, compute, edges, machines[0], args
+    )
+    bound = max(compute.sum() / machines[0], compute.max())
+    return stage_of, stage_time, bottleneck, devices, bound, {}
+  solution = _pipedream(graph, machines, args)
+  starts = np.concatenate([[0], np.cumsum(solution.replicas)])
+  devices = [
+    list(range(int(a), int(b)))
+    for a, b in zip(starts[:-1], starts[1:], strict=True)
+  ]
+  bound = compute.sum() / int(np.prod(machines))
+  if args.straight:
+    bound = max(bound, compute.max())
+  extra = {
+    "replicas": list(solution.replicas),
+    "data_parallel_seconds": solution.data_parallel_seconds,
+    "speedup_vs_data_parallel": solution.speedup_vs_data_parallel,
+    "num_states": solution.num_states,
+  }
+  return (
+    solution.stage_of,
+    list(solution.stage_seconds),
+    solution.bottleneck_seconds,
+    devices,
+    bound,
+    extra,
+  )
 
 
 def _machines(parser, args) -> list[int]:
