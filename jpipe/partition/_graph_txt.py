@@ -12,6 +12,7 @@ several outputs, summed here).
 
 import dataclasses
 import heapq
+import itertools
 import os
 import re
 
@@ -23,6 +24,13 @@ _NODE = re.compile(
   r"parameter_size=(?P<p>[^,\s]+)(?: -- stage_id=(?P<stage>\d+))?\s*$"
 )
 _EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+_SPACE = re.compile(r"\s")
+_FIELDS = (
+  "forward_compute_time=",
+  "backward_compute_time=",
+  "activation_size=",
+  "parameter_size=",
+)
 _INPUT = re.compile(r"Input\d*")
 
 
@@ -128,26 +136,84 @@ def load_pipedream_profile(path: str) -> ProfileGraph:
       f"no PipeDream profile at {path!r} (a graph.txt, its folder, or one "
       f"of the shipped {', '.join(PIPEDREAM_PROFILES)})"
     )
+  with open(path) as f:
+    text = f.read()
+  return _parse_text(text) or _parse_lines(path, text)
+
+
+def _parse_text(text: str) -> ProfileGraph | None:
+  """A well-formed file's graph, split on its separators column by column;
+  None where a line is not exactly what ``_NODE`` or ``_EDGE`` reads the
+  same way (another " -- ", a stage_id, a missing field, a bad number, an
+  unknown node...): the line by line parse then reads it, or names the
+  bad line."""
+  lines = text.split("\n")
+  rows = [x.split(" -- ") for x in lines if x and x[0] != "\t"]
+  edge_rows = [x[1:].rstrip().split(" -- ") for x in lines if x[:1] == "\t"]
+  try:
+    names, descs, fields = zip(*rows, strict=True)
+    columns = list(zip(*[x.rstrip().split(", ") for x in fields], strict=True))
+    src, dst = zip(*edge_rows, strict=True) if edge_rows else ((), ())
+  except ValueError:  # a line with other separators
+    return None
+  if len(columns) != len(_FIELDS):
+    return None
+  values = []
+  for col, prefix in zip(columns, _FIELDS, strict=True):
+    if not all(map(str.startswith, col, itertools.repeat(prefix))):
+      return None
+    values.append([x[len(prefix) :] for x in col])
+  f, b, a, p = values
+  tokens = (*names, *src, *dst, *p)
+  if (
+    not all(tokens)
+    or not all(a)
+    or _SPACE.search("".join(tokens))
+    or "," in "".join((*f, *b, *p))
+  ):
+    return None
+  index = {n: i for i, n in enumerate(names)}
+  try:
+    edges = tuple(
+      zip(map(index.__getitem__, src), map(index.__getitem__, dst), strict=True)
+    )
+    graph = ProfileGraph(
+      names=names,
+      descriptions=descs,
+      forward_seconds=np.array(list(map(float, f))) / 1e3,
+      backward_seconds=np.array(list(map(float, b))) / 1e3,
+      activation_bytes=np.array(
+        [_bytes(x) if "[" in x else float(x) for x in a]
+      ),
+      parameter_bytes=np.array(list(map(float, p))),
+      edges=edges,
+    )
+  except (KeyError, ValueError):  # an unknown node, a bad number
+    return None
+  return graph if len(index) == len(names) else None
+
+
+def _parse_lines(path: str, text: str) -> ProfileGraph:
+  """The graph, line by line: a bad line raises naming it."""
   names, descs, f, b, a, p, raw_edges = [], [], [], [], [], [], []
-  with open(path) as lines:
-    for number, line in enumerate(lines, start=1):
-      if not line.strip():
-        continue
-      edge = _EDGE.match(line)
-      if edge:
-        raw_edges.append((edge["src"], edge["dst"], number))
-        continue
-      node = _NODE.match(line)
-      if not node:
-        raise ValueError(
-          f"{path}:{number}: not a node or edge line: {line.strip()[:80]!r}"
-        )
-      names.append(node["name"])
-      descs.append(node["desc"])
-      f.append(float(node["f"]) / 1e3)
-      b.append(float(node["b"]) / 1e3)
-      a.append(_bytes(node["a"]))
-      p.append(float(node["p"]))
+  for number, line in enumerate(text.split("\n"), start=1):
+    if not line.strip():
+      continue
+    edge = _EDGE.match(line)
+    if edge:
+      raw_edges.append((edge["src"], edge["dst"], number))
+      continue
+    node = _NODE.match(line)
+    if not node:
+      raise ValueError(
+        f"{path}:{number}: not a node or edge line: {line.strip()[:80]!r}"
+      )
+    names.append(node["name"])
+    descs.append(node["desc"])
+    f.append(float(node["f"]) / 1e3)
+    b.append(float(node["b"]) / 1e3)
+    a.append(_bytes(node["a"]))
+    p.append(float(node["p"]))
   index = {n: i for i, n in enumerate(names)}
   if len(index) != len(names):
     raise ValueError(f"{path}: duplicate node names")

@@ -43,6 +43,15 @@ class RangeTable:
       )
     return self._rows[index]
 
+  def pairs(self, k, j):
+    """``T[k+1][j]`` for split pairs (each k < j), as ``T[k+1, j]`` would
+    give them: a part's difference at j and k, the parts then added."""
+    total = None
+    for part in self.parts:
+      diff = part[j] - part[k]
+      total = diff if total is None else total + diff
+    return total
+
   def _entries(self, rows, cols):
     before = np.maximum(rows - 1, 0)
     total = None
@@ -76,7 +85,7 @@ class Model:
     self.par = RangeTable((dag.parameter_bytes,), 0.0)
     self.stash = RangeTable((dag.activation_bytes, dag.parameter_bytes), 0.0)
     # Pairs (k, j), k a predecessor of j, sorted by j then k.
-    self.pair_j, self.pair_k = np.nonzero(dag.ancestors)
+    self.pair_j, self.pair_k = np.divmod(np.flatnonzero(dag.ancestors), s)
     self.first_pair = np.searchsorted(self.pair_j, np.arange(s + 1))
     self.out = dag.output_bytes
     self.not_last = np.arange(s) < s - 1
@@ -126,16 +135,29 @@ class LevelCosts:
     self.time = time_table
     self.need_table = need_table
     self._base = {}
-    rows, cols = model.pair_k + 1, model.pair_j  # T[k+1][j] per pair
-    self.stash_p = model.stash[rows, cols]
+    self._x = {}  # m' -> last-stage time per pair (no memory mask)
+    self._stash_p = None
     if need:
-      self.need_p = need_table[rows, cols]
-      return
-    t_p = time_table[rows, cols]
-    par_p = model.par[rows, cols]
-    self.x = {}  # m' -> last-stage time per pair (no memory mask)
-    for mp in range(1, self.m_total):
-      self.x[mp] = (t_p + (4 * (mp - 1) * par_p) / (self.b * mp)) / mp
+      self.need_p = _pair_values(model, need_table)
+    else:
+      self.t_p = _pair_values(model, time_table)
+
+  def stash_p(self):
+    """Stashed bytes of the last stage, per pair (made when first used:
+    only memory constraints read it)."""
+    if self._stash_p is None:
+      self._stash_p = _pair_values(self.model, self.model.stash)
+    return self._stash_p
+
+  def x(self, mp):
+    """Last-stage time per pair on m' machines (no memory mask)."""
+    if mp not in self._x:
+      if mp == 1:  # no all-reduce: 4 (m'-1) P is 0
+        self._x[mp] = self.t_p
+      else:
+        par_p = _pair_values(self.model, self.model.par)
+        self._x[mp] = (self.t_p + (4 * (mp - 1) * par_p) / (self.b * mp)) / mp
+    return self._x[mp]
 
   def replicas(self):
     """Replica counts a single stage may have at this level."""
@@ -170,14 +192,13 @@ class LevelCosts:
 
   def last(self, m, mp, sl):
     """Last stage on m' of m+1 machines, for the pairs in slice ``sl``."""
-    mult = math.ceil((self.m_total - (m + 1)) / mp)
-    stash = self.stash_p[sl] * mult
-    if self.need:
-      return np.maximum(stash, self.need_p[sl])
-    x = self.x[mp][sl]
-    if self.model.memory is not None:
-      x = np.where(stash <= self.model.memory, x, np.inf)
-    return x
+    if self.need or self.model.memory is not None:
+      mult = math.ceil((self.m_total - (m + 1)) / mp)
+      stash = self.stash_p()[sl] * mult
+      if self.need:
+        return np.maximum(stash, self.need_p[sl])
+      return np.where(stash <= self.model.memory, self.x(mp)[sl], np.inf)
+    return self.x(mp)[sl]
 
   def floors(self, mp):
     """(per k, per j) transfer times that bound a split, or (None, None)."""
@@ -198,6 +219,13 @@ class LevelCosts:
     if k_floor is not None:
       prev = np.maximum(prev, k_floor)
     return prev
+
+
+def _pair_values(model, table):
+  """``table[k+1][j]`` per split pair: a RangeTable's, or a level's A."""
+  if isinstance(table, RangeTable):
+    return table.pairs(model.pair_k, model.pair_j)
+  return table[model.pair_k + 1, model.pair_j]
 
 
 def level_dp(costs, rows):
