@@ -24,7 +24,6 @@ _NODE = re.compile(
   r"parameter_size=(?P<p>[^,\s]+)(?: -- stage_id=(?P<stage>\d+))?\s*$"
 )
 _EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
-_SPACE = re.compile(r"\s")
 _FIELDS = (
   "forward_compute_time=",
   "backward_compute_time=",
@@ -142,55 +141,76 @@ def load_pipedream_profile(path: str) -> ProfileGraph:
 
 
 def _parse_text(text: str) -> ProfileGraph | None:
-  """A well-formed file's graph, split on its separators column by column;
-  None where a line is not exactly what ``_NODE`` or ``_EDGE`` reads the
-  same way (another " -- ", a stage_id, a missing field, a bad number, an
-  unknown node...): the line by line parse then reads it, or names the
-  bad line."""
+  """A well-formed file's graph, split on its separators a column at a
+  time; None where a line is not exactly what ``_NODE`` or ``_EDGE`` reads
+  the same way (another " -- ", a stage_id, a missing field, trailing
+  space, a bad number, an unknown node...): the line by line parse then
+  reads it, or names the bad line."""
   lines = text.split("\n")
   rows = [x.split(" -- ") for x in lines if x and x[0] != "\t"]
-  edge_rows = [x[1:].rstrip().split(" -- ") for x in lines if x[:1] == "\t"]
+  edge_lines = [x for x in lines if x[:1] == "\t"]
   try:
     names, descs, fields = zip(*rows, strict=True)
-    columns = list(zip(*[x.rstrip().split(", ") for x in fields], strict=True))
-    src, dst = zip(*edge_rows, strict=True) if edge_rows else ((), ())
+    columns = list(zip(*[x.split(", ") for x in fields], strict=True))
   except ValueError:  # a line with other separators
     return None
   if len(columns) != len(_FIELDS):
     return None
-  values = []
-  for col, prefix in zip(columns, _FIELDS, strict=True):
-    if not all(map(str.startswith, col, itertools.repeat(prefix))):
-      return None
-    values.append([x[len(prefix) :] for x in col])
-  f, b, a, p = values
-  tokens = (*names, *src, *dst, *p)
-  if (
-    not all(tokens)
-    or not all(a)
-    or _SPACE.search("".join(tokens))
-    or "," in "".join((*f, *b, *p))
-  ):
+  f, b, a, p = map(_values, columns, _FIELDS)
+  edges = _edge_names(edge_lines)
+  # Names are \S+; a number with a comma or space fails float() below.
+  if None in (f, b, a, p, edges) or not _names(names):
     return None
   index = {n: i for i, n in enumerate(names)}
   try:
-    edges = tuple(
-      zip(map(index.__getitem__, src), map(index.__getitem__, dst), strict=True)
-    )
+    ends = list(map(index.__getitem__, edges))
+    a = a.split("\n")
     graph = ProfileGraph(
       names=names,
       descriptions=descs,
-      forward_seconds=np.array(list(map(float, f))) / 1e3,
-      backward_seconds=np.array(list(map(float, b))) / 1e3,
+      forward_seconds=np.array(list(map(float, f.split("\n")))) / 1e3,
+      backward_seconds=np.array(list(map(float, b.split("\n")))) / 1e3,
       activation_bytes=np.array(
         [_bytes(x) if "[" in x else float(x) for x in a]
+        if "[" in "".join(a)
+        else list(map(float, a))
       ),
-      parameter_bytes=np.array(list(map(float, p))),
-      edges=edges,
+      parameter_bytes=np.array(list(map(float, p.split("\n")))),
+      edges=tuple(zip(ends[::2], ends[1::2], strict=True)),
     )
   except (KeyError, ValueError):  # an unknown node, a bad number
     return None
   return graph if len(index) == len(names) else None
+
+
+def _values(column, prefix: str) -> str | None:
+  """The items of ``column`` less ``prefix``, joined by newlines; None
+  unless each starts with it and holds it once."""
+  joined = "\n".join(column)
+  if (
+    not joined.startswith(prefix)
+    or joined.count(prefix) != len(column)
+    or joined.count("\n" + prefix) != len(column) - 1
+  ):
+    return None
+  return joined.replace(prefix, "")
+
+
+def _edge_names(lines) -> list[str] | None:
+  """Source and destination names of "\\tsrc -- dst" lines, alternating;
+  None unless each line has one separator (a name that is not a node's
+  fails the lookup)."""
+  if not lines:
+    return []
+  if set(map(str.count, lines, itertools.repeat(" -- "))) != {1}:
+    return None
+  joined = "\n".join(lines)[1:].replace("\n\t", "\n")
+  return joined.replace(" -- ", "\n").split("\n")
+
+
+def _names(names) -> bool:
+  """Whether each name is ``\\S+``: not empty, no white space."""
+  return all(names) and len(" ".join(names).split()) == len(names)
 
 
 def _parse_lines(path: str, text: str) -> ProfileGraph:
