@@ -173,10 +173,12 @@ def solve_pipedream(
   if not np.isfinite(objective):
     raise ValueError(_why_infeasible(model, memory_bytes))
   stages = _dp.backtrack(model, levels)
-  names_stage = _assign(graph, dag, stages)
+  of = _assign(graph, dag, stages)
+  names_stage = dict(zip(graph.names, of.tolist(), strict=True))
   if compressed is not None:
     names_stage = compressed.expand(names_stage, original)
-  sol = _finish(original, model, stages, names_stage, objective)
+    of = np.array([names_stage[n] for n in original.names])
+  sol = _finish(original, model, stages, of, names_stage, objective)
   return dataclasses.replace(sol, solve_seconds=time.perf_counter() - start)
 
 
@@ -225,7 +227,7 @@ def _why_infeasible(model, memory):
 
 
 def _assign(graph, dag, stages):
-  """Stage of every node: PipeDream's first-come assignment by the
+  """Stage of every node, [N]: PipeDream's first-come assignment by the
   predecessors of each stage's last antichain; removed inputs go to stage 0
   and removed sinks (and anything unreached) to their producers' stage."""
   ranges, _ = stages
@@ -244,13 +246,18 @@ def _assign(graph, dag, stages):
       if stage[v] < 0:
         known = [stage[u] for u in producers[v] if stage[u] >= 0]
         stage[v] = max(known) if known else 0
-  return {name: int(s) for name, s in zip(graph.names, stage, strict=True)}
+  return stage
 
 
-def _finish(graph, model, stages, names_stage, objective):
+def _finish(graph, model, stages, of, names_stage, objective):
+  """The solution; ``of``: the stage of each node, [N]."""
   ranges, printed = stages
-  of = np.array([names_stage[n] for n in graph.names])
-  inputs = np.array([graph.is_input(i) for i in range(graph.num_nodes)])
+  inputs = np.array(
+    [
+      d[:5] == "Input" and graph.is_input(i)
+      for i, d in enumerate(graph.descriptions)
+    ]
+  )
   compute = np.where(
     inputs, 0.0, graph.forward_seconds + graph.backward_seconds
   )

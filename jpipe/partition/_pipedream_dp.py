@@ -43,12 +43,14 @@ class RangeTable:
       )
     return self._rows[index]
 
-  def pairs(self, k, j):
+  def pairs(self, k, counts):
     """``T[k+1][j]`` for split pairs (each k < j), as ``T[k+1, j]`` would
-    give them: a part's difference at j and k, the parts then added."""
+    give them: a part's difference at j and k, the parts then added.
+    ``counts[j]`` pairs end at each j, in order."""
     total = None
     for part in self.parts:
-      diff = part[j] - part[k]
+      diff = np.repeat(part, counts)  # part[j] per pair
+      diff -= part[k]
       total = diff if total is None else total + diff
     return total
 
@@ -84,9 +86,12 @@ class Model:
     self.compute = RangeTable((dag.compute_seconds,), np.inf)
     self.par = RangeTable((dag.parameter_bytes,), 0.0)
     self.stash = RangeTable((dag.activation_bytes, dag.parameter_bytes), 0.0)
-    # Pairs (k, j), k a predecessor of j, sorted by j then k.
-    self.pair_j, self.pair_k = np.divmod(np.flatnonzero(dag.ancestors), s)
-    self.first_pair = np.searchsorted(self.pair_j, np.arange(s + 1))
+    # Pairs (k, j), k a predecessor of j, sorted by j then k: pair_k, and
+    # where each j's pairs start (j itself only where a level needs it).
+    flat = np.flatnonzero(dag.ancestors)  # j * s + k
+    self.first_pair = np.searchsorted(flat, np.arange(s + 1) * s)
+    flat -= np.repeat(np.arange(0, s * s, s), np.diff(self.first_pair))
+    self.pair_k = flat
     self.out = dag.output_bytes
     self.not_last = np.arange(s) < s - 1
 
@@ -95,7 +100,7 @@ class Model:
     total = 0.0
     for level, m in enumerate(self.machines):
       final = level == len(self.machines) - 1
-      pairs = self.pair_j.size * (1 if final else self.num_states / 3)
+      pairs = self.pair_k.size * (1 if final else self.num_states / 3)
       total += pairs * m * (m - 1) / 2 + self.num_states * m
     return total
 
@@ -178,7 +183,8 @@ class LevelCosts:
     """[S, M]: states i..j as one stage on r = m+1 machines."""
     model, m_total = self.model, self.m_total
     r = np.arange(1, len(self.replicas()) + 1, dtype=np.float64)
-    mem = np.ceil((m_total - r) / r)[None, :] * model.stash[i][:, None]
+    if self.need or model.memory is not None:
+      mem = np.ceil((m_total - r) / r)[None, :] * model.stash[i][:, None]
     if self.need:
       vals = np.maximum(mem, self.need_table[i][:, None])
     else:
@@ -223,9 +229,10 @@ class LevelCosts:
 
 def _pair_values(model, table):
   """``table[k+1][j]`` per split pair: a RangeTable's, or a level's A."""
+  counts = np.diff(model.first_pair)
   if isinstance(table, RangeTable):
-    return table.pairs(model.pair_k, model.pair_j)
-  return table[model.pair_k + 1, model.pair_j]
+    return table.pairs(model.pair_k, counts)
+  return table[model.pair_k + 1, np.repeat(np.arange(model.num_states), counts)]
 
 
 def level_dp(costs, rows):
@@ -238,7 +245,7 @@ def level_dp(costs, rows):
     if i + 1 >= s:
       continue
     p0 = model.first_pair[i + 1]
-    sl = slice(p0, model.pair_j.size)
+    sl = slice(p0, model.pair_k.size)
     ks = model.pair_k[sl]
     starts = model.first_pair[i + 1 : s] - p0  # every j >= 1 has pairs
     for m in range(1, m_total):
@@ -247,8 +254,10 @@ def level_dp(costs, rows):
         best = np.minimum(best, a[ri, i + 1 :, m - 1])
       for mp in costs.splits(m):
         prev = costs.previous(a[ri], i, m, mp)
-        vals = np.maximum(prev[ks], costs.last(m, mp, sl))
-        v = np.minimum.reduceat(vals, starts)
+        vals = prev[ks]
+        v = np.minimum.reduceat(
+          np.maximum(vals, costs.last(m, mp, sl), out=vals), starts
+        )
         _, j_floor = costs.floors(mp)
         if j_floor is not None:
           v = np.maximum(v, j_floor[i + 1 :])
