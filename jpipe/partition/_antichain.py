@@ -95,7 +95,7 @@ class _Dag:
       if keep[u] and keep[v]:
         succ[u].append(v)
         self.indeg[v] += 1
-    order = _kahn(num_nodes, succ, keep, list(self.indeg))
+    order = topological_order(succ, list(self.indeg), keep)
     self.pred = pred = [0] * num_nodes  # strict ancestors
     self.down = [1 << u for u in range(num_nodes)]  # pred + self
     for u in order:
@@ -230,12 +230,12 @@ def _frontiers(
   return out
 
 
-def _kahn(num_nodes, succ, keep, indeg):
-  """A topological order of the kept nodes (``indeg``: their in-degrees,
-  consumed)."""
-  ready = collections.deque(
-    u for u in range(num_nodes) if keep[u] and not indeg[u]
-  )
+def topological_order(succ, indeg, keep=None) -> list[int]:
+  """Kahn's order of the nodes (the kept ones: ``keep``, a flag per node);
+  ``indeg``: their in-degrees, consumed."""
+  n = len(succ)
+  keep = keep or [True] * n
+  ready = collections.deque(u for u in range(n) if keep[u] and not indeg[u])
   order = []
   while ready:
     u = ready.popleft()
@@ -352,8 +352,9 @@ def _output_bytes(graph: ProfileGraph, augmented, done) -> np.ndarray:
   rows = np.repeat(np.arange(len(augmented)), lengths)
   out = np.bincount(rows, act[nodes], minlength=len(augmented))
   long = np.flatnonzero(lengths >= 8)
-  exact = np.all(act == np.round(act)) and np.abs(act).sum() < 2**53
-  if long.size and not exact:
+  if long.size and not (
+    np.all(act == np.round(act)) and np.abs(act).sum() < 2**53
+  ):
     for s in long.tolist():
       out[s] = act[list(augmented[s])].sum()
   return out

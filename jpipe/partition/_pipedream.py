@@ -239,10 +239,17 @@ def _assign(graph, dag, stages):
     assigned |= new
   stage[list(dag.removed_inputs)] = 0
   if (stage < 0).any():  # producers before consumers: any order will do
-    producers = [[] for _ in range(graph.num_nodes)]
+    n = graph.num_nodes
+    producers, succ, indeg = (
+      [[] for _ in range(n)],
+      [[] for _ in range(n)],
+      [0] * n,
+    )
     for u, v in graph.edges:
       producers[v].append(u)
-    for v in graph.topological_order():
+      succ[u].append(v)
+      indeg[v] += 1
+    for v in _antichain.topological_order(succ, indeg):
       if stage[v] < 0:
         known = [stage[u] for u in producers[v] if stage[u] >= 0]
         stage[v] = max(known) if known else 0
