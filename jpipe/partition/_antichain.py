@@ -95,22 +95,25 @@ class _Dag:
       if keep[u] and keep[v]:
         succ[u].append(v)
         self.indeg[v] += 1
-    order = topological_order(succ, list(self.indeg), keep)
+    # Kahn's order, each node's ancestors complete when it is reached.
     self.pred = pred = [0] * num_nodes  # strict ancestors
-    self.down = [1 << u for u in range(num_nodes)]  # pred + self
-    for u in order:
-      here = self.down[u] = pred[u] | (1 << u)
+    self.down = down = [1 << u for u in range(num_nodes)]  # pred + self
+    left = list(self.indeg)
+    order = [u for u in range(num_nodes) if keep[u] and not left[u]]
+    for u in order:  # extended while read
+      here = down[u] = pred[u] | down[u]
       for v in succ[u]:
         pred[v] |= here
-    self.desc = desc = [0] * num_nodes  # strict descendants
-    below = [1 << u for u in range(num_nodes)]  # desc + self
+        left[v] -= 1
+        if not left[v]:
+          order.append(v)
+    if len(order) != sum(map(bool, keep)):
+      raise ValueError("the profile graph has a cycle")
+    self.below = below = [1 << u for u in range(num_nodes)]  # desc + self
     for u in reversed(order):
-      mask = 0
       for v in succ[u]:
-        mask |= below[v]
-      desc[u] = mask
-      below[u] = mask | (1 << u)
-    self._frontier = _frontiers(num_nodes, succ, desc)
+        below[u] |= below[v]
+    self._frontier = _frontiers(num_nodes, succ, below)
 
   def frontier(self, a: int) -> int:
     """Predecessors of ``a`` with an out-edge leaving pred(a) + {a}."""
@@ -132,9 +135,8 @@ def _states(dag: _Dag, source: int, max_states: int):
   v), in that list's order with v in u's place: before all of the
   antichain when u is a frontier node. The new done set is
   ``done | pred(v) | v``; it names the state (a downset has one
-  antichain), so a v met again from another u is the same state (not
-  listed twice: PipeDream's repeated edge changes neither the DAG's order
-  nor its ancestors).
+  antichain), so a v met again from another u is the same state (listed
+  again, as PipeDream's repeated edge).
   """
   pred, down, succ, frontier = dag.pred, dag.down, dag.succ, dag._frontier
   ids = {down[source]: 0}  # a state's done set -> its index
@@ -153,17 +155,19 @@ def _states(dag: _Dag, source: int, max_states: int):
     return k
 
   augmented, out_edges = [], []
+  fronts = [bits(f) if f else [] for f in frontier]  # frontier of one node
   for anti, here in zip(found, done, strict=True):  # add() extends both
-    extra = 0
-    for a in anti:
-      extra |= frontier[a]
-    front = bits(extra) if extra else []
+    if len(anti) == 1:
+      front = fronts[anti[0]]
+    else:
+      extra = 0
+      for a in anti:
+        extra |= frontier[a]
+      front = bits(extra)
     nexts = []
-    seen = here
     for u in front:
       for v in succ[u]:
-        if not seen >> v & 1:
-          seen |= 1 << v
+        if not here >> v & 1:
           mask = here | down[v]
           k = ids.get(mask)
           if k is None:
@@ -172,8 +176,7 @@ def _states(dag: _Dag, source: int, max_states: int):
           nexts.append(k)
     for u in anti:
       for v in succ[u]:
-        if not seen >> v & 1:
-          seen |= 1 << v
+        if not here >> v & 1:
           mask = here | down[v]
           k = ids.get(mask)
           if k is None:
@@ -185,33 +188,34 @@ def _states(dag: _Dag, source: int, max_states: int):
               ],
             )
           nexts.append(k)
-    augmented.append(front + anti)
+    augmented.append((*front, *anti))
     out_edges.append(nexts)
   return found, done, augmented, out_edges
 
 
 def _frontiers(
-  num_nodes, succ, desc, block_bytes=2**24, bits_per_node=16
+  num_nodes, succ, below, block_bytes=2**24, bits_per_node=16
 ) -> list[int]:
   """Per node a, the bitset of its predecessors p with an out-edge
-  leaving pred(a) + {a}.
+  leaving pred(a) + {a} (``below``: each node's descendants and itself).
 
   Turned around: a successor v of p is in pred(a) + {a} exactly when a
-  is in desc(v) + {v}, so p is in a's frontier for the a in desc(p) less
-  the intersection of desc(v) + {v} over p's successors. Only a p with
-  two or more successors has such a's (one successor lies on the path to
-  a). Those sets, one per p, are transposed: bit by bit when they hold
-  at most ``bits_per_node`` bits per node in all, else as a bit matrix,
-  a block of ``block_bytes`` at a time.
+  is in below(v), so p is in a's frontier for the a in desc(p) (the union
+  of below(v) over p's successors) less the intersection of those. Only a
+  p with two or more successors has such a's. Those sets, one per p, are
+  transposed: bit by bit when they hold at most ``bits_per_node`` bits
+  per node in all, else as a bit matrix, a block of ``block_bytes`` at a
+  time.
   """
   owners, covered = [], []
   for p, s in enumerate(succ):
     if len(s) > 1 and len(set(s)) > 1:
-      both = -1
+      either, both = 0, -1
       for v in s:
-        both &= desc[v] | (1 << v)
+        either |= below[v]
+        both &= below[v]
       owners.append(p)
-      covered.append(desc[p] & ~both)
+      covered.append(either & ~both)
   out = [0] * num_nodes
   if sum(c.bit_count() for c in covered) <= bits_per_node * num_nodes:
     for p, c in zip(owners, covered, strict=True):
@@ -320,7 +324,7 @@ def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
   # Removed inputs are zeroed by PipeDream and never in ``done``.
   compute = graph.forward_seconds + graph.backward_seconds
   return AntichainDag(
-    antichains=tuple(tuple(a) for a in augmented),
+    antichains=tuple(augmented),
     done=tuple(done),
     ancestors=ancestors,
     compute_seconds=done_rows @ compute,
