@@ -164,36 +164,38 @@ def _parse_text(text: str) -> ProfileGraph | None:
   index = {n: i for i, n in enumerate(names)}
   try:
     ends = list(map(index.__getitem__, edges))
-    a = a.split("\n")
-    graph = ProfileGraph(
-      names=names,
-      descriptions=descs,
-      forward_seconds=np.array(list(map(float, f.split("\n")))) / 1e3,
-      backward_seconds=np.array(list(map(float, b.split("\n")))) / 1e3,
-      activation_bytes=np.array(
-        [_bytes(x) if "[" in x else float(x) for x in a]
-        if "[" in "".join(a)
-        else list(map(float, a))
-      ),
-      parameter_bytes=np.array(list(map(float, p.split("\n")))),
-      edges=tuple(zip(ends[::2], ends[1::2], strict=True)),
-    )
+    pairs = tuple(zip(ends[::2], ends[1::2], strict=True))
+    if "[" in a:  # outputs listed: summed
+      a = "\n".join(str(_bytes(x)) if "[" in x else x for x in a.split("\n"))
+    numbers = np.array(list(map(float, f"{f}\n{b}\n{a}\n{p}".split("\n"))))
   except (KeyError, ValueError):  # an unknown node, a bad number
     return None
-  return graph if len(index) == len(names) else None
+  if len(index) != len(names):  # a name twice
+    return None
+  f, b, a, p = numbers.reshape(4, len(names))
+  return ProfileGraph(
+    names=names,
+    descriptions=descs,
+    forward_seconds=f / 1e3,
+    backward_seconds=b / 1e3,
+    activation_bytes=a.copy(),
+    parameter_bytes=p.copy(),
+    edges=pairs,
+  )
 
 
 def _values(column, prefix: str) -> str | None:
   """The items of ``column`` less ``prefix``, joined by newlines; None
   unless each starts with it and holds it once."""
   joined = "\n".join(column)
+  values = joined.replace(prefix, "")
   if (
     not joined.startswith(prefix)
-    or joined.count(prefix) != len(column)
-    or joined.count("\n" + prefix) != len(column) - 1
+    or joined.count("\n" + prefix) != len(column) - 1  # each starts with it
+    or len(values) != len(joined) - len(column) * len(prefix)  # once
   ):
     return None
-  return joined.replace(prefix, "")
+  return values
 
 
 def _edge_names(lines) -> list[str] | None:
