@@ -258,35 +258,24 @@ def optimizer_nodes(graph: ProfileGraph):
 
   Sources whose description starts with ``Input`` are removed (their time
   is data loading; they go back to stage 0), then sinks whose description
-  starts with ``__getitem__``.
+  starts with ``__getitem__`` (an input is no edge's destination, so its
+  removal leaves every other node's out-degree as it was).
   """
   n = graph.num_nodes
-  indeg, outdeg = [0] * n, [0] * n
-  for u, v in graph.edges:
-    outdeg[u] += 1
-    indeg[v] += 1
-  inputs = [
-    i
-    for i in range(n)
-    if not indeg[i] and graph.descriptions[i].startswith("Input")
-  ]
+  sources, sinks = set(range(n)), set(range(n))
+  sinks.difference_update(u for u, _ in graph.edges)
+  sources.difference_update(v for _, v in graph.edges)
+  descs = graph.descriptions
+  inputs = tuple(i for i in sorted(sources) if descs[i].startswith("Input"))
   keep = [True] * n
   for i in inputs:
     keep[i] = False
-  outdeg = [0] * n
-  for u, v in graph.edges:
-    if keep[u] and keep[v]:
-      outdeg[u] += 1
-  sinks = [
-    i
-    for i in range(n)
-    if keep[i]
-    and not outdeg[i]
-    and graph.descriptions[i].startswith("__getitem__")
-  ]
+  sinks = tuple(
+    i for i in sorted(sinks) if keep[i] and descs[i].startswith("__getitem__")
+  )
   for i in sinks:
     keep[i] = False
-  return keep, tuple(inputs), tuple(sinks)
+  return keep, inputs, sinks
 
 
 def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
