@@ -146,9 +146,16 @@ def _parse_text(text: str) -> ProfileGraph | None:
   the same way (another " -- ", a stage_id, a missing field, trailing
   space, a bad number, an unknown node...): the line by line parse then
   reads it, or names the bad line."""
-  lines = text.split("\n")
-  rows = [x.split(" -- ") for x in lines if x and x[0] != "\t"]
-  edge_lines = [x for x in lines if x[:1] == "\t"]
+  body = text.rstrip("\n")
+  k = body.find("\n\t")
+  if k >= 0 and body.count("\n", k) == body.count("\n\t", k):
+    # PipeDream's layout: node lines, then edge lines only.
+    rows = [x.split(" -- ") for x in body[:k].split("\n")]
+    edge_text = body[k + 2 :]
+  else:
+    lines = text.split("\n")
+    rows = [x.split(" -- ") for x in lines if x and x[0] != "\t"]
+    edge_text = "\n".join(x for x in lines if x[:1] == "\t")[1:]
   try:
     names, descs, fields = zip(*rows, strict=True)
     columns = list(zip(*[x.split(", ") for x in fields], strict=True))
@@ -157,7 +164,7 @@ def _parse_text(text: str) -> ProfileGraph | None:
   if len(columns) != len(_FIELDS):
     return None
   f, b, a, p = map(_values, columns, _FIELDS)
-  edges = _edge_names(edge_lines)
+  edges = _edge_names(edge_text)
   # Names are \S+; a number with a comma or space fails float() below.
   if None in (f, b, a, p, edges) or not _names(names):
     return None
@@ -198,16 +205,16 @@ def _values(column, prefix: str) -> str | None:
   return values
 
 
-def _edge_names(lines) -> list[str] | None:
-  """Source and destination names of "\\tsrc -- dst" lines, alternating;
-  None unless each line has one separator (a name that is not a node's
-  fails the lookup)."""
-  if not lines:
+def _edge_names(text: str) -> list[str] | None:
+  """Source and destination names of edge lines ("src -- dst", joined by
+  a newline and a tab), alternating; None unless each line has one
+  separator (a name that is not a node's fails the lookup)."""
+  if not text:
     return []
+  lines = text.split("\n\t")
   if set(map(str.count, lines, itertools.repeat(" -- "))) != {1}:
     return None
-  joined = "\n".join(lines)[1:].replace("\n\t", "\n")
-  return joined.replace(" -- ", "\n").split("\n")
+  return text.replace("\n\t", " -- ").split(" -- ")
 
 
 def _names(names) -> bool:
