@@ -113,7 +113,7 @@ class _Dag:
     for u in reversed(order):
       for v in succ[u]:
         below[u] |= below[v]
-    self._frontier = _frontiers(num_nodes, succ, below)
+    self._frontier, self.front_lists = _frontiers(num_nodes, succ, below)
 
   def frontier(self, a: int) -> int:
     """Predecessors of ``a`` with an out-edge leaving pred(a) + {a}."""
@@ -155,7 +155,7 @@ def _states(dag: _Dag, source: int, max_states: int):
     return k
 
   augmented, out_edges = [], []
-  fronts = [bits(f) if f else [] for f in frontier]  # frontier of one node
+  fronts = dag.front_lists  # frontier of one node
   for anti, here in zip(found, done, strict=True):  # add() extends both
     if len(anti) == 1:
       front = fronts[anti[0]]
@@ -193,11 +193,10 @@ def _states(dag: _Dag, source: int, max_states: int):
   return found, done, augmented, out_edges
 
 
-def _frontiers(
-  num_nodes, succ, below, block_bytes=2**24, bits_per_node=16
-) -> list[int]:
-  """Per node a, the bitset of its predecessors p with an out-edge
-  leaving pred(a) + {a} (``below``: each node's descendants and itself).
+def _frontiers(num_nodes, succ, below, block_bytes=2**24, bits_per_node=16):
+  """Per node a, its predecessors p with an out-edge leaving pred(a) + {a}
+  (``below``: each node's descendants and itself), as (bitsets, ascending
+  lists).
 
   Turned around: a successor v of p is in pred(a) + {a} exactly when a
   is in below(v), so p is in a's frontier for the a in desc(p) (the union
@@ -216,12 +215,13 @@ def _frontiers(
         both &= below[v]
       owners.append(p)
       covered.append(either & ~both)
-  out = [0] * num_nodes
+  out, lists = [0] * num_nodes, [[] for _ in range(num_nodes)]
   if sum(c.bit_count() for c in covered) <= bits_per_node * num_nodes:
-    for p, c in zip(owners, covered, strict=True):
+    for p, c in zip(owners, covered, strict=True):  # p ascending
       for a in bits(c):
         out[a] |= 1 << p
-    return out
+        lists[a].append(p)
+    return out, lists
   by_owner = bitset_rows(covered, num_nodes)  # [owner, a]
   out = []
   step = max(1, block_bytes // num_nodes)  # Rows of a at a time.
@@ -231,7 +231,7 @@ def _frontiers(
     matrix[:, owners] = block.T
     rows = np.packbits(matrix, axis=1, bitorder="little")
     out += [int.from_bytes(row.tobytes(), "little") for row in rows]
-  return out
+  return out, [bits(f) if f else [] for f in out]
 
 
 def topological_order(succ, indeg, keep=None) -> list[int]:

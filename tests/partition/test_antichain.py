@@ -158,5 +158,6 @@ def test_frontiers_the_same_in_blocks():
   n = graph.num_nodes
   whole = [dag.frontier(a) for a in range(n)]
   assert any(whole)
-  blocks = _antichain._frontiers(n, dag.succ, dag.below, 3 * n, 0)
+  blocks, lists = _antichain._frontiers(n, dag.succ, dag.below, 3 * n, 0)
   assert blocks == whole  # the bit matrix, in blocks, as bit by bit
+  assert lists == dag.front_lists == [_antichain.bits(f) for f in whole]
