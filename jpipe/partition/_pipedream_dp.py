@@ -285,7 +285,7 @@ def choose(costs, a_row, i, j, m):
     _, j_floor = costs.floors(mp)
     if j_floor is not None:
       vals = np.maximum(vals, j_floor[j])
-    idx = int(np.argmin(vals))
+    idx = int(vals.argmin())
     if vals[idx] < best:
       best = vals[idx]
       choice = (int(ks[idx]), m - mp, mp)
