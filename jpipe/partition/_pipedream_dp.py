@@ -141,7 +141,7 @@ class LevelCosts:
     self.need_table = need_table
     self._base = {}
     self._x = {}  # m' -> last-stage time per pair (no memory mask)
-    self._stash_p = None
+    self._stash_p = self._par_p = None  # per pair, made when first read
     if need:
       self.need_p = _pair_values(model, need_table)
     else:
@@ -160,8 +160,10 @@ class LevelCosts:
       if mp == 1:  # no all-reduce: 4 (m'-1) P is 0
         self._x[mp] = self.t_p
       else:
-        par_p = _pair_values(self.model, self.model.par)
-        self._x[mp] = (self.t_p + (4 * (mp - 1) * par_p) / (self.b * mp)) / mp
+        if self._par_p is None:
+          self._par_p = _pair_values(self.model, self.model.par)
+        dp = (4 * (mp - 1) * self._par_p) / (self.b * mp)
+        self._x[mp] = (self.t_p + dp) / mp
     return self._x[mp]
 
   def replicas(self):
