@@ -20,9 +20,9 @@ transfers ignored):
 
 Times are CPU seconds of the process (``time.process_time``: the machine
 is shared, and wall time counts the other users' work), each side's best
-of ``--repeats`` runs. The two must agree on
-the bottleneck (PipeDream's "Time per stage in pipeline"); a mismatch
-stops the run.
+of ``--repeats`` runs, the two sides' runs taken in turns. The two must
+agree on the bottleneck (PipeDream's "Time per stage in pipeline"); a
+mismatch stops the run.
 
 Usage: python -m experiments.partition.pipedream_speed \
   --pipedream_dir DIR [--out DIR] [--repeats 2]
@@ -114,9 +114,17 @@ def jpipe_seconds(name, n):
 
 
 def case(pipedream_dir, name, n, repeats):
-  """One row: best-of-``repeats`` seconds of each side, checked to agree."""
-  ours = [jpipe_seconds(name, n) for _ in range(repeats)]
-  theirs = [pipedream_seconds(pipedream_dir, name, n) for _ in range(repeats)]
+  """One row: best-of-``repeats`` seconds of each side, checked to agree.
+
+  The runs alternate (jpipe's, then PipeDream's, ``repeats`` times), so
+  both sides sample the same seconds of a shared machine: jpipe's runs
+  take milliseconds, and back to back they could all fall in one busy
+  moment that PipeDream's longer runs average out.
+  """
+  ours, theirs = [], []
+  for _ in range(repeats):
+    ours.append(jpipe_seconds(name, n))
+    theirs.append(pipedream_seconds(pipedream_dir, name, n))
   ms, pd_ms = 1e3 * ours[0][1], 1e3 * theirs[0][2]
   if not np.isclose(ms, pd_ms, rtol=1e-6):
     raise SystemExit(f"{name} n={n}: jpipe {ms} ms, PipeDream {pd_ms} ms")
