@@ -24,6 +24,7 @@ None) is +inf here, so ``use_fewer_machines`` never compares None.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -269,8 +270,8 @@ def _finish(graph, model, stages, of, names_stage, objective):
     inputs, 0.0, graph.forward_seconds + graph.backward_seconds
   )
   n = len(ranges)
-  comp = np.bincount(of, compute, minlength=n)
-  par = np.bincount(of, graph.parameter_bytes, minlength=n)
+  comp = np.bincount(of, compute, minlength=n).tolist()
+  par = np.bincount(of, graph.parameter_bytes, minlength=n).tolist()
   dag = model.dag
   stage_seconds = []
   for s, ((start, end), factors) in enumerate(ranges):
@@ -292,8 +293,8 @@ def _finish(graph, model, stages, of, names_stage, objective):
     g = m
   return PipeDreamSolution(
     stage_of=names_stage,
-    replicas=tuple(int(np.prod(f)) for _, f in ranges),
-    stage_compute_seconds=tuple(float(c) for c in comp),
+    replicas=tuple(math.prod(f) for _, f in ranges),
+    stage_compute_seconds=tuple(comp),
     stage_seconds=tuple(stage_seconds),
     bottleneck_seconds=objective,
     sequential_seconds=total,
