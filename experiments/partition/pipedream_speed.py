@@ -20,12 +20,13 @@ transfers ignored):
 
 Times are CPU seconds of the process (``time.process_time``: the machine
 is shared, and wall time counts the other users' work), each side's best
-of ``--repeats`` runs. The two must agree on
-the bottleneck (PipeDream's "Time per stage in pipeline"); a mismatch
-stops the run.
+of ``--repeats`` runs (``--interleave``: the two sides' runs taken in
+turns, so that each of jpipe's starts cold). The two must agree on the
+bottleneck (PipeDream's "Time per stage in pipeline"); a mismatch stops
+the run.
 
 Usage: python -m experiments.partition.pipedream_speed \
-  --pipedream_dir DIR [--out DIR] [--repeats 2]
+  --pipedream_dir DIR [--out DIR] [--repeats 2] [--interleave]
 """
 
 import argparse
@@ -113,10 +114,22 @@ def jpipe_seconds(name, n):
   return time.process_time() - start, sol.bottleneck_seconds
 
 
-def case(pipedream_dir, name, n, repeats):
-  """One row: best-of-``repeats`` seconds of each side, checked to agree."""
-  ours = [jpipe_seconds(name, n) for _ in range(repeats)]
-  theirs = [pipedream_seconds(pipedream_dir, name, n) for _ in range(repeats)]
+def case(pipedream_dir, name, n, repeats, interleave=False):
+  """One row: best-of-``repeats`` seconds of each side, checked to agree.
+
+  jpipe's runs back to back, then PipeDream's; with ``interleave``, one of
+  each in turn: jpipe's then always start after a PipeDream process has
+  filled the caches (a cold start, as a first call in a session), and its
+  millisecond runs spread over the same seconds as PipeDream's.
+  """
+  if interleave:
+    ours, theirs = [], []
+    for _ in range(repeats):
+      ours.append(jpipe_seconds(name, n))
+      theirs.append(pipedream_seconds(pipedream_dir, name, n))
+  else:
+    ours = [jpipe_seconds(name, n) for _ in range(repeats)]
+    theirs = [pipedream_seconds(pipedream_dir, name, n) for _ in range(repeats)]
   ms, pd_ms = 1e3 * ours[0][1], 1e3 * theirs[0][2]
   if not np.isclose(ms, pd_ms, rtol=1e-6):
     raise SystemExit(f"{name} n={n}: jpipe {ms} ms, PipeDream {pd_ms} ms")
@@ -159,11 +172,14 @@ def main(argv=None):
   parser.add_argument("--out", default=OUT)
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--models", nargs="*", default=CASES)
+  parser.add_argument("--interleave", action="store_true")
   args = parser.parse_args(argv)
   records = []
   for name in args.models:
     for n in MACHINES:
-      records.append(case(args.pipedream_dir, name, n, args.repeats))
+      records.append(
+        case(args.pipedream_dir, name, n, args.repeats, args.interleave)
+      )
       print(_row(records[-1]), flush=True)
   table = (
     "| profile | n | bottleneck ms | jpipe ms | PipeDream solve ms | "

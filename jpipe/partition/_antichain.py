@@ -21,7 +21,6 @@ References:
 import collections
 import dataclasses
 import itertools
-import operator
 
 import numpy as np
 
@@ -82,95 +81,147 @@ def bitset_rows(masks, width: int) -> np.ndarray:
   nbytes = (width + 7) // 8
   raw = b"".join(m.to_bytes(nbytes, "little") for m in masks)
   flat = np.frombuffer(raw, np.uint8).reshape(len(masks), nbytes)
-  return np.unpackbits(flat, axis=1, bitorder="little")[:, :width].astype(bool)
+  rows = np.unpackbits(flat, axis=1, count=width, bitorder="little")
+  return rows.view(bool)
 
 
 class _Dag:
   """Adjacency of the kept nodes, with transitive closures as bitsets."""
 
   def __init__(self, num_nodes, edges, keep):
-    self.succ = [[] for _ in range(num_nodes)]
+    self.succ = succ = [[] for _ in range(num_nodes)]
     self.indeg = [0] * num_nodes
     for u, v in edges:
       if keep[u] and keep[v]:
-        self.succ[u].append(v)
+        succ[u].append(v)
         self.indeg[v] += 1
-    self.out = [sum(1 << v for v in set(s)) for s in self.succ]
-    order = _kahn(num_nodes, self.succ, keep)
-    self.pred = [0] * num_nodes  # strict ancestors
-    for u in order:
-      for v in self.succ[u]:
-        self.pred[v] |= self.pred[u] | (1 << u)
-    self.desc = [0] * num_nodes  # strict descendants
+    # Kahn's order, each node's ancestors complete when it is reached.
+    self.pred = pred = [0] * num_nodes  # strict ancestors
+    self.down = down = [1 << u for u in range(num_nodes)]  # pred + self
+    left = list(self.indeg)
+    order = [u for u in range(num_nodes) if keep[u] and not left[u]]
+    for u in order:  # extended while read
+      here = down[u] = pred[u] | down[u]
+      for v in succ[u]:
+        pred[v] |= here
+        left[v] -= 1
+        if not left[v]:
+          order.append(v)
+    if len(order) != sum(map(bool, keep)):
+      raise ValueError("the profile graph has a cycle")
+    self.below = below = [1 << u for u in range(num_nodes)]  # desc + self
     for u in reversed(order):
-      for v in self.succ[u]:
-        self.desc[u] |= self.desc[v] | (1 << v)
-    self._frontier = _frontiers(num_nodes, self.succ, self.out, self.desc)
+      for v in succ[u]:
+        below[u] |= below[v]
+    self._frontier, self.front_lists = _frontiers(num_nodes, succ, below)
 
   def frontier(self, a: int) -> int:
     """Predecessors of ``a`` with an out-edge leaving pred(a) + {a}."""
     return self._frontier[a]
 
-  def augment(self, antichain):
-    extra = 0
-    for a in antichain:
-      extra |= self.frontier(a)
-    # PipeDream: list(extra_nodes) + antichain (extra in set order).
-    return bits(extra) + list(antichain)
 
-  def next_antichains(self, antichain, aug):
-    """PipeDream's next antichains of ``antichain``, in its order, as
-    (bitset, u, v): ``aug`` (its augmented antichain) with node u replaced
-    by a successor v, less every node with a descendant in that set
-    (PipeDream's ``deaugment``; ``listed`` gives its node order).
+def _states(dag: _Dag, source: int, max_states: int):
+  """PipeDream's states from ``source``: per state, its antichain (a list),
+  its done set, its augmented antichain and its next states, by index.
 
-    ``aug`` repeats no node (the frontier precedes the antichain, whose
-    nodes are unordered) and v is not in it, so a replacement is the
-    bitset ``aug - u + v`` and its nodes with a descendant in it are those
-    in the ancestors of its other nodes: the union of ``pred`` over ``aug``
-    less u (prefix and suffix unions) and ``pred[v]``.
-    """
-    pred, desc = self.pred, self.desc
-    aug_mask = sum(1 << x for x in aug)
-    current = sum(1 << x for x in antichain)
-    before = list(itertools.accumulate((pred[x] for x in aug), operator.or_))
-    after = list(
-      itertools.accumulate((pred[x] for x in reversed(aug)), operator.or_)
-    )
-    last = len(aug) - 1
-    result = []
-    for i, u in enumerate(aug):
-      others = (before[i - 1] if i else 0) | (
-        after[last - i - 1] if i < last else 0
+  States are expanded once, in the order first reached (as PipeDream pops
+  them; it queues every visit, but a later one is skipped), from the list
+  they were first reached as: that list's order fixes the order of its
+  next antichains. PipeDream replaces a node u of the augmented antichain
+  (the frontier of the antichain, ascending, then the antichain) by a
+  successor v outside the done set, and keeps the nodes with no
+  descendant in the result. Those are v and the antichain's nodes outside
+  pred(v) (every frontier node precedes a kept node, or u, which precedes
+  v), in that list's order with v in u's place: before all of the
+  antichain when u is a frontier node. The new done set is
+  ``done | pred(v) | v``; it names the state (a downset has one
+  antichain), so a v met again from another u is the same state (listed
+  again, as PipeDream's repeated edge).
+  """
+  pred, down, succ, frontier = dag.pred, dag.down, dag.succ, dag._frontier
+  ids = {down[source]: 0}  # a state's done set -> its index
+  found, done = [[source]], [down[source]]
+
+  def add(mask, antichain):
+    if len(found) >= max_states:
+      raise ValueError(
+        f"the antichain DAG has more than {max_states} states; "
+        "compress the graph's branches first (compress_branches=True, "
+        "--compress-branches) or raise max_states"
       )
-      rest = aug_mask ^ (1 << u)
-      for v in self.succ[u]:
-        if current >> v & 1 or desc[v] & aug_mask:
-          continue
-        result.append(((rest | 1 << v) & ~(others | pred[v]), u, v))
-    return result
+    k = ids[mask] = len(found)
+    found.append(antichain)
+    done.append(mask)
+    return k
+
+  augmented, out_edges = [], []
+  fronts = dag.front_lists  # frontier of one node
+  for anti, here in zip(found, done, strict=True):  # add() extends both
+    if len(anti) == 1:
+      front = fronts[anti[0]]
+    else:
+      extra = 0
+      for a in anti:
+        extra |= frontier[a]
+      front = bits(extra)
+    nexts = []
+    for u in front:
+      for v in succ[u]:
+        if not here >> v & 1:
+          mask = here | down[v]
+          k = ids.get(mask)
+          if k is None:
+            above = pred[v]
+            k = add(mask, [v] + [x for x in anti if not above >> x & 1])
+          nexts.append(k)
+    for u in anti:
+      for v in succ[u]:
+        if not here >> v & 1:
+          mask = here | down[v]
+          k = ids.get(mask)
+          if k is None:
+            above = pred[v]
+            k = add(
+              mask,
+              [
+                v if x == u else x for x in anti if x == u or not above >> x & 1
+              ],
+            )
+          nexts.append(k)
+    augmented.append((*front, *anti))
+    out_edges.append(nexts)
+  return found, done, augmented, out_edges
 
 
-def _frontiers(num_nodes, succ, out, desc, block_bytes=2**24) -> list[int]:
-  """Per node a, the bitset of its predecessors p with an out-edge
-  leaving pred(a) + {a}.
+def _frontiers(num_nodes, succ, below, block_bytes=2**24, bits_per_node=16):
+  """Per node a, its predecessors p with an out-edge leaving pred(a) + {a}
+  (``below``: each node's descendants and itself), as (bitsets, ascending
+  lists).
 
   Turned around: a successor v of p is in pred(a) + {a} exactly when a
-  is in desc(v) + {v}, so p is in a's frontier for the a in desc(p) less
-  the intersection of desc(v) + {v} over p's successors. Only a p with
-  two or more successors has such a's (one successor lies on the path to
-  a). Those sets, one per p, are transposed as a bit matrix, a block of
-  ``block_bytes`` at a time.
+  is in below(v), so p is in a's frontier for the a in desc(p) (the union
+  of below(v) over p's successors) less the intersection of those. Only a
+  p with two or more successors has such a's. Those sets, one per p, are
+  transposed: bit by bit when they hold at most ``bits_per_node`` bits
+  per node in all, else as a bit matrix, a block of ``block_bytes`` at a
+  time.
   """
-  owners = [u for u, o in enumerate(out) if o & o - 1]
-  if not owners:
-    return [0] * num_nodes
-  covered = []
-  for p in owners:
-    both = -1
-    for v in set(succ[p]):
-      both &= desc[v] | (1 << v)
-    covered.append(desc[p] & ~both)
+  owners, covered = [], []
+  for p, s in enumerate(succ):
+    if len(s) > 1 and len(set(s)) > 1:
+      either, both = 0, -1
+      for v in s:
+        either |= below[v]
+        both &= below[v]
+      owners.append(p)
+      covered.append(either & ~both)
+  out, lists = [0] * num_nodes, [[] for _ in range(num_nodes)]
+  if sum(c.bit_count() for c in covered) <= bits_per_node * num_nodes:
+    for p, c in zip(owners, covered, strict=True):  # p ascending
+      for a in bits(c):
+        out[a] |= 1 << p
+        lists[a].append(p)
+    return out, lists
   by_owner = bitset_rows(covered, num_nodes)  # [owner, a]
   out = []
   step = max(1, block_bytes // num_nodes)  # Rows of a at a time.
@@ -180,22 +231,15 @@ def _frontiers(num_nodes, succ, out, desc, block_bytes=2**24) -> list[int]:
     matrix[:, owners] = block.T
     rows = np.packbits(matrix, axis=1, bitorder="little")
     out += [int.from_bytes(row.tobytes(), "little") for row in rows]
-  return out
+  return out, [bits(f) if f else [] for f in out]
 
 
-def listed(aug, u, v, mask):
-  """The nodes of bitset ``mask`` in ``aug``'s order, v in u's place."""
-  return [w for w in (v if x == u else x for x in aug) if mask >> w & 1]
-
-
-def _kahn(num_nodes, succ, keep):
-  indeg = [0] * num_nodes
-  for u in range(num_nodes):
-    for v in succ[u]:
-      indeg[v] += 1
-  ready = collections.deque(
-    u for u in range(num_nodes) if keep[u] and not indeg[u]
-  )
+def topological_order(succ, indeg, keep=None) -> list[int]:
+  """Kahn's order of the nodes (the kept ones: ``keep``, a flag per node);
+  ``indeg``: their in-degrees, consumed."""
+  n = len(succ)
+  keep = keep or [True] * n
+  ready = collections.deque(u for u in range(n) if keep[u] and not indeg[u])
   order = []
   while ready:
     u = ready.popleft()
@@ -214,35 +258,24 @@ def optimizer_nodes(graph: ProfileGraph):
 
   Sources whose description starts with ``Input`` are removed (their time
   is data loading; they go back to stage 0), then sinks whose description
-  starts with ``__getitem__``.
+  starts with ``__getitem__`` (an input is no edge's destination, so its
+  removal leaves every other node's out-degree as it was).
   """
   n = graph.num_nodes
-  indeg, outdeg = [0] * n, [0] * n
-  for u, v in graph.edges:
-    outdeg[u] += 1
-    indeg[v] += 1
-  inputs = [
-    i
-    for i in range(n)
-    if not indeg[i] and graph.descriptions[i].startswith("Input")
-  ]
+  sources, sinks = set(range(n)), set(range(n))
+  sinks.difference_update(u for u, _ in graph.edges)
+  sources.difference_update(v for _, v in graph.edges)
+  descs = graph.descriptions
+  inputs = tuple(i for i in sorted(sources) if descs[i].startswith("Input"))
   keep = [True] * n
   for i in inputs:
     keep[i] = False
-  outdeg = [0] * n
-  for u, v in graph.edges:
-    if keep[u] and keep[v]:
-      outdeg[u] += 1
-  sinks = [
-    i
-    for i in range(n)
-    if keep[i]
-    and not outdeg[i]
-    and graph.descriptions[i].startswith("__getitem__")
-  ]
+  sinks = tuple(
+    i for i in sorted(sinks) if keep[i] and descs[i].startswith("__getitem__")
+  )
   for i in sinks:
     keep[i] = False
-  return keep, tuple(inputs), tuple(sinks)
+  return keep, inputs, sinks
 
 
 def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
@@ -265,33 +298,7 @@ def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
   source = next(
     i for i in range(graph.num_nodes) if keep[i] and not dag.indeg[i]
   )
-  start = [source]
-  ids = {1 << source: 0}  # an antichain's bitset -> its state
-  found = [start]
-  out_edges = [[]]
-  # BFS over states, each queued once, when first reached, and expanded
-  # from the list it was first reached as (PipeDream queues every visit,
-  # but a later one is popped after the first and skipped); that list's
-  # order fixes the order of its next antichains.
-  queue = collections.deque([0])
-  augmented = {}  # state -> its augmented antichain, made when expanded
-  while queue:
-    key = queue.popleft()
-    aug = augmented[key] = dag.augment(found[key])
-    for nkey, u, v in dag.next_antichains(found[key], aug):
-      if nkey not in ids:
-        if len(found) >= max_states:
-          raise ValueError(
-            f"the antichain DAG has more than {max_states} states; "
-            "compress the graph's branches first (compress_branches=True, "
-            "--compress-branches) or "
-            "raise max_states"
-          )
-        ids[nkey] = len(found)
-        found.append(listed(aug, u, v, nkey))
-        out_edges.append([])
-        queue.append(ids[nkey])
-      out_edges[key].append(ids[nkey])
+  _, done, augmented, out_edges = _states(dag, source, max_states)
   order = _dfs_topological(out_edges)
   # Ancestors per state (PipeDream's antichain_gr.predecessors).
   anc = [0] * len(order)
@@ -300,33 +307,50 @@ def antichain_dag(graph: ProfileGraph, max_states: int = 10_000):
     for j in out_edges[k]:
       anc[j] |= mine
   ancestors = bitset_rows([anc[k] for k in order], len(order))
-  # The first list a state was reached by is the one it was expanded from.
   augmented = [augmented[k] for k in order]
-  done = []
-  for aug in augmented:
-    mask = 0
-    for a in aug:
-      mask |= dag.pred[a] | (1 << a)
-    done.append(mask)
+  done = [done[k] for k in order]
   done_rows = bitset_rows(done, graph.num_nodes).astype(np.float64)
   # Removed inputs are zeroed by PipeDream and never in ``done``.
   compute = graph.forward_seconds + graph.backward_seconds
   return AntichainDag(
-    antichains=tuple(tuple(a) for a in augmented),
+    antichains=tuple(augmented),
     done=tuple(done),
     ancestors=ancestors,
     compute_seconds=done_rows @ compute,
     activation_bytes=done_rows @ graph.activation_bytes,
     parameter_bytes=done_rows @ graph.parameter_bytes,
-    output_bytes=np.array(
+    output_bytes=_output_bytes(graph, augmented, done),
+    removed_inputs=inputs,
+    removed_sinks=sinks,
+  )
+
+
+def _output_bytes(graph: ProfileGraph, augmented, done) -> np.ndarray:
+  """``_crossing_bytes`` of every state, [S]. Without ``edge_bytes``, each
+  state's activations added in its list's order at once (numpy's own sum
+  of fewer than 8 values; longer lists summed again by numpy, unless the
+  bytes are integers that any order adds exactly)."""
+  act = graph.activation_bytes
+  if graph.edge_bytes is not None:
+    return np.array(
       [
         _crossing_bytes(graph, a, m)
         for a, m in zip(augmented, done, strict=True)
       ]
-    ),
-    removed_inputs=inputs,
-    removed_sinks=sinks,
+    )
+  lengths = np.fromiter(map(len, augmented), np.intp, len(augmented))
+  nodes = np.fromiter(
+    itertools.chain.from_iterable(augmented), np.intp, lengths.sum()
   )
+  rows = np.repeat(np.arange(len(augmented)), lengths)
+  out = np.bincount(rows, act[nodes], minlength=len(augmented))
+  long = np.flatnonzero(lengths >= 8)
+  if long.size and not (
+    np.all(act == np.round(act)) and np.abs(act).sum() < 2**53
+  ):
+    for s in long.tolist():
+      out[s] = act[list(augmented[s])].sum()
+  return out
 
 
 def _crossing_bytes(graph: ProfileGraph, antichain, done: int) -> float:

@@ -12,6 +12,7 @@ several outputs, summed here).
 
 import dataclasses
 import heapq
+import itertools
 import os
 import re
 
@@ -23,6 +24,12 @@ _NODE = re.compile(
   r"parameter_size=(?P<p>[^,\s]+)(?: -- stage_id=(?P<stage>\d+))?\s*$"
 )
 _EDGE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+_FIELDS = (
+  "forward_compute_time=",
+  "backward_compute_time=",
+  "activation_size=",
+  "parameter_size=",
+)
 _INPUT = re.compile(r"Input\d*")
 
 
@@ -128,26 +135,114 @@ def load_pipedream_profile(path: str) -> ProfileGraph:
       f"no PipeDream profile at {path!r} (a graph.txt, its folder, or one "
       f"of the shipped {', '.join(PIPEDREAM_PROFILES)})"
     )
+  with open(path) as f:
+    text = f.read()
+  return _parse_text(text) or _parse_lines(path, text)
+
+
+def _parse_text(text: str) -> ProfileGraph | None:
+  """A well-formed file's graph, split on its separators a column at a
+  time; None where a line is not exactly what ``_NODE`` or ``_EDGE`` reads
+  the same way (another " -- ", a stage_id, a missing field, trailing
+  space, a bad number, an unknown node...): the line by line parse then
+  reads it, or names the bad line."""
+  body = text.rstrip("\n")
+  k = body.find("\n\t")
+  if k >= 0 and body.count("\n", k) == body.count("\n\t", k):
+    # PipeDream's layout: node lines, then edge lines only.
+    rows = [x.split(" -- ") for x in body[:k].split("\n")]
+    edge_text = body[k + 2 :]
+  else:
+    lines = text.split("\n")
+    rows = [x.split(" -- ") for x in lines if x and x[0] != "\t"]
+    edge_text = "\n".join(x for x in lines if x[:1] == "\t")[1:]
+  try:
+    names, descs, fields = zip(*rows, strict=True)
+    columns = list(zip(*[x.split(", ") for x in fields], strict=True))
+  except ValueError:  # a line with other separators
+    return None
+  if len(columns) != len(_FIELDS):
+    return None
+  f, b, a, p = map(_values, columns, _FIELDS)
+  edges = _edge_names(edge_text)
+  # Names are \S+; a number with a comma or space fails float() below.
+  if None in (f, b, a, p, edges) or not _names(names):
+    return None
+  index = {n: i for i, n in enumerate(names)}
+  try:
+    ends = list(map(index.__getitem__, edges))
+    pairs = tuple(zip(ends[::2], ends[1::2], strict=True))
+    if "[" in a:  # outputs listed: summed
+      a = "\n".join(str(_bytes(x)) if "[" in x else x for x in a.split("\n"))
+    numbers = np.array(list(map(float, f"{f}\n{b}\n{a}\n{p}".split("\n"))))
+  except (KeyError, ValueError):  # an unknown node, a bad number
+    return None
+  if len(index) != len(names):  # a name twice
+    return None
+  f, b, a, p = numbers.reshape(4, len(names))
+  return ProfileGraph(
+    names=names,
+    descriptions=descs,
+    forward_seconds=f / 1e3,
+    backward_seconds=b / 1e3,
+    activation_bytes=a.copy(),
+    parameter_bytes=p.copy(),
+    edges=pairs,
+  )
+
+
+def _values(column, prefix: str) -> str | None:
+  """The items of ``column`` less ``prefix``, joined by newlines; None
+  unless each starts with it and holds it once."""
+  joined = "\n".join(column)
+  values = joined.replace(prefix, "")
+  if (
+    not joined.startswith(prefix)
+    or joined.count("\n" + prefix) != len(column) - 1  # each starts with it
+    or len(values) != len(joined) - len(column) * len(prefix)  # once
+  ):
+    return None
+  return values
+
+
+def _edge_names(text: str) -> list[str] | None:
+  """Source and destination names of edge lines ("src -- dst", joined by
+  a newline and a tab), alternating; None unless each line has one
+  separator (a name that is not a node's fails the lookup)."""
+  if not text:
+    return []
+  lines = text.split("\n\t")
+  if set(map(str.count, lines, itertools.repeat(" -- "))) != {1}:
+    return None
+  return text.replace("\n\t", " -- ").split(" -- ")
+
+
+def _names(names) -> bool:
+  """Whether each name is ``\\S+``: not empty, no white space."""
+  return all(names) and len(" ".join(names).split()) == len(names)
+
+
+def _parse_lines(path: str, text: str) -> ProfileGraph:
+  """The graph, line by line: a bad line raises naming it."""
   names, descs, f, b, a, p, raw_edges = [], [], [], [], [], [], []
-  with open(path) as lines:
-    for number, line in enumerate(lines, start=1):
-      if not line.strip():
-        continue
-      edge = _EDGE.match(line)
-      if edge:
-        raw_edges.append((edge["src"], edge["dst"], number))
-        continue
-      node = _NODE.match(line)
-      if not node:
-        raise ValueError(
-          f"{path}:{number}: not a node or edge line: {line.strip()[:80]!r}"
-        )
-      names.append(node["name"])
-      descs.append(node["desc"])
-      f.append(float(node["f"]) / 1e3)
-      b.append(float(node["b"]) / 1e3)
-      a.append(_bytes(node["a"]))
-      p.append(float(node["p"]))
+  for number, line in enumerate(text.split("\n"), start=1):
+    if not line.strip():
+      continue
+    edge = _EDGE.match(line)
+    if edge:
+      raw_edges.append((edge["src"], edge["dst"], number))
+      continue
+    node = _NODE.match(line)
+    if not node:
+      raise ValueError(
+        f"{path}:{number}: not a node or edge line: {line.strip()[:80]!r}"
+      )
+    names.append(node["name"])
+    descs.append(node["desc"])
+    f.append(float(node["f"]) / 1e3)
+    b.append(float(node["b"]) / 1e3)
+    a.append(_bytes(node["a"]))
+    p.append(float(node["p"]))
   index = {n: i for i, n in enumerate(names)}
   if len(index) != len(names):
     raise ValueError(f"{path}: duplicate node names")

@@ -24,6 +24,7 @@ None) is +inf here, so ``use_fewer_machines`` never compares None.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -173,10 +174,12 @@ def solve_pipedream(
   if not np.isfinite(objective):
     raise ValueError(_why_infeasible(model, memory_bytes))
   stages = _dp.backtrack(model, levels)
-  names_stage = _assign(graph, dag, stages)
+  of = _assign(graph, dag, stages)
+  names_stage = dict(zip(graph.names, of.tolist(), strict=True))
   if compressed is not None:
     names_stage = compressed.expand(names_stage, original)
-  sol = _finish(original, model, stages, names_stage, objective)
+    of = np.array([names_stage[n] for n in original.names])
+  sol = _finish(original, model, stages, of, names_stage, objective)
   return dataclasses.replace(sol, solve_seconds=time.perf_counter() - start)
 
 
@@ -225,7 +228,7 @@ def _why_infeasible(model, memory):
 
 
 def _assign(graph, dag, stages):
-  """Stage of every node: PipeDream's first-come assignment by the
+  """Stage of every node, [N]: PipeDream's first-come assignment by the
   predecessors of each stage's last antichain; removed inputs go to stage 0
   and removed sinks (and anything unreached) to their producers' stage."""
   ranges, _ = stages
@@ -237,26 +240,38 @@ def _assign(graph, dag, stages):
     assigned |= new
   stage[list(dag.removed_inputs)] = 0
   if (stage < 0).any():  # producers before consumers: any order will do
-    producers = [[] for _ in range(graph.num_nodes)]
+    n = graph.num_nodes
+    producers, succ, indeg = (
+      [[] for _ in range(n)],
+      [[] for _ in range(n)],
+      [0] * n,
+    )
     for u, v in graph.edges:
       producers[v].append(u)
-    for v in graph.topological_order():
+      succ[u].append(v)
+      indeg[v] += 1
+    for v in _antichain.topological_order(succ, indeg):
       if stage[v] < 0:
         known = [stage[u] for u in producers[v] if stage[u] >= 0]
         stage[v] = max(known) if known else 0
-  return {name: int(s) for name, s in zip(graph.names, stage, strict=True)}
+  return stage
 
 
-def _finish(graph, model, stages, names_stage, objective):
+def _finish(graph, model, stages, of, names_stage, objective):
+  """The solution; ``of``: the stage of each node, [N]."""
   ranges, printed = stages
-  of = np.array([names_stage[n] for n in graph.names])
-  inputs = np.array([graph.is_input(i) for i in range(graph.num_nodes)])
+  inputs = np.array(
+    [
+      d[:5] == "Input" and graph.is_input(i)
+      for i, d in enumerate(graph.descriptions)
+    ]
+  )
   compute = np.where(
     inputs, 0.0, graph.forward_seconds + graph.backward_seconds
   )
   n = len(ranges)
-  comp = np.bincount(of, compute, minlength=n)
-  par = np.bincount(of, graph.parameter_bytes, minlength=n)
+  comp = np.bincount(of, compute, minlength=n).tolist()
+  par = np.bincount(of, graph.parameter_bytes, minlength=n).tolist()
   dag = model.dag
   stage_seconds = []
   for s, ((start, end), factors) in enumerate(ranges):
@@ -278,8 +293,8 @@ def _finish(graph, model, stages, names_stage, objective):
     g = m
   return PipeDreamSolution(
     stage_of=names_stage,
-    replicas=tuple(int(np.prod(f)) for _, f in ranges),
-    stage_compute_seconds=tuple(float(c) for c in comp),
+    replicas=tuple(math.prod(f) for _, f in ranges),
+    stage_compute_seconds=tuple(comp),
     stage_seconds=tuple(stage_seconds),
     bottleneck_seconds=objective,
     sequential_seconds=total,

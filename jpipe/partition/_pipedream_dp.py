@@ -43,6 +43,17 @@ class RangeTable:
       )
     return self._rows[index]
 
+  def pairs(self, k, counts):
+    """``T[k+1][j]`` for split pairs (each k < j), as ``T[k+1, j]`` would
+    give them: a part's difference at j and k, the parts then added.
+    ``counts[j]`` pairs end at each j, in order."""
+    total = None
+    for part in self.parts:
+      diff = np.repeat(part, counts)  # part[j] per pair
+      diff -= part[k]
+      total = diff if total is None else total + diff
+    return total
+
   def _entries(self, rows, cols):
     before = np.maximum(rows - 1, 0)
     total = None
@@ -75,9 +86,12 @@ class Model:
     self.compute = RangeTable((dag.compute_seconds,), np.inf)
     self.par = RangeTable((dag.parameter_bytes,), 0.0)
     self.stash = RangeTable((dag.activation_bytes, dag.parameter_bytes), 0.0)
-    # Pairs (k, j), k a predecessor of j, sorted by j then k.
-    self.pair_j, self.pair_k = np.nonzero(dag.ancestors)
-    self.first_pair = np.searchsorted(self.pair_j, np.arange(s + 1))
+    # Pairs (k, j), k a predecessor of j, sorted by j then k: pair_k, and
+    # where each j's pairs start (j itself only where a level needs it).
+    flat = np.flatnonzero(dag.ancestors)  # j * s + k
+    self.first_pair = np.searchsorted(flat, np.arange(s + 1) * s)
+    flat -= np.repeat(np.arange(0, s * s, s), np.diff(self.first_pair))
+    self.pair_k = flat
     self.out = dag.output_bytes
     self.not_last = np.arange(s) < s - 1
 
@@ -86,7 +100,7 @@ class Model:
     total = 0.0
     for level, m in enumerate(self.machines):
       final = level == len(self.machines) - 1
-      pairs = self.pair_j.size * (1 if final else self.num_states / 3)
+      pairs = self.pair_k.size * (1 if final else self.num_states / 3)
       total += pairs * m * (m - 1) / 2 + self.num_states * m
     return total
 
@@ -126,16 +140,31 @@ class LevelCosts:
     self.time = time_table
     self.need_table = need_table
     self._base = {}
-    rows, cols = model.pair_k + 1, model.pair_j  # T[k+1][j] per pair
-    self.stash_p = model.stash[rows, cols]
+    self._x = {}  # m' -> last-stage time per pair (no memory mask)
+    self._stash_p = self._par_p = None  # per pair, made when first read
     if need:
-      self.need_p = need_table[rows, cols]
-      return
-    t_p = time_table[rows, cols]
-    par_p = model.par[rows, cols]
-    self.x = {}  # m' -> last-stage time per pair (no memory mask)
-    for mp in range(1, self.m_total):
-      self.x[mp] = (t_p + (4 * (mp - 1) * par_p) / (self.b * mp)) / mp
+      self.need_p = _pair_values(model, need_table)
+    else:
+      self.t_p = _pair_values(model, time_table)
+
+  def stash_p(self):
+    """Stashed bytes of the last stage, per pair (made when first used:
+    only memory constraints read it)."""
+    if self._stash_p is None:
+      self._stash_p = _pair_values(self.model, self.model.stash)
+    return self._stash_p
+
+  def x(self, mp):
+    """Last-stage time per pair on m' machines (no memory mask)."""
+    if mp not in self._x:
+      if mp == 1:  # no all-reduce: 4 (m'-1) P is 0
+        self._x[mp] = self.t_p
+      else:
+        if self._par_p is None:
+          self._par_p = _pair_values(self.model, self.model.par)
+        dp = (4 * (mp - 1) * self._par_p) / (self.b * mp)
+        self._x[mp] = (self.t_p + dp) / mp
+    return self._x[mp]
 
   def replicas(self):
     """Replica counts a single stage may have at this level."""
@@ -156,7 +185,8 @@ class LevelCosts:
     """[S, M]: states i..j as one stage on r = m+1 machines."""
     model, m_total = self.model, self.m_total
     r = np.arange(1, len(self.replicas()) + 1, dtype=np.float64)
-    mem = np.ceil((m_total - r) / r)[None, :] * model.stash[i][:, None]
+    if self.need or model.memory is not None:
+      mem = np.ceil((m_total - r) / r)[None, :] * model.stash[i][:, None]
     if self.need:
       vals = np.maximum(mem, self.need_table[i][:, None])
     else:
@@ -170,14 +200,13 @@ class LevelCosts:
 
   def last(self, m, mp, sl):
     """Last stage on m' of m+1 machines, for the pairs in slice ``sl``."""
-    mult = math.ceil((self.m_total - (m + 1)) / mp)
-    stash = self.stash_p[sl] * mult
-    if self.need:
-      return np.maximum(stash, self.need_p[sl])
-    x = self.x[mp][sl]
-    if self.model.memory is not None:
-      x = np.where(stash <= self.model.memory, x, np.inf)
-    return x
+    if self.need or self.model.memory is not None:
+      mult = math.ceil((self.m_total - (m + 1)) / mp)
+      stash = self.stash_p()[sl] * mult
+      if self.need:
+        return np.maximum(stash, self.need_p[sl])
+      return np.where(stash <= self.model.memory, self.x(mp)[sl], np.inf)
+    return self.x(mp)[sl]
 
   def floors(self, mp):
     """(per k, per j) transfer times that bound a split, or (None, None)."""
@@ -200,6 +229,14 @@ class LevelCosts:
     return prev
 
 
+def _pair_values(model, table):
+  """``table[k+1][j]`` per split pair: a RangeTable's, or a level's A."""
+  counts = np.diff(model.first_pair)
+  if isinstance(table, RangeTable):
+    return table.pairs(model.pair_k, counts)
+  return table[model.pair_k + 1, np.repeat(np.arange(model.num_states), counts)]
+
+
 def level_dp(costs, rows):
   """A[i][j][m] for the given rows i: [len(rows), S, M]."""
   model = costs.model
@@ -210,7 +247,7 @@ def level_dp(costs, rows):
     if i + 1 >= s:
       continue
     p0 = model.first_pair[i + 1]
-    sl = slice(p0, model.pair_j.size)
+    sl = slice(p0, model.pair_k.size)
     ks = model.pair_k[sl]
     starts = model.first_pair[i + 1 : s] - p0  # every j >= 1 has pairs
     for m in range(1, m_total):
@@ -219,8 +256,10 @@ def level_dp(costs, rows):
         best = np.minimum(best, a[ri, i + 1 :, m - 1])
       for mp in costs.splits(m):
         prev = costs.previous(a[ri], i, m, mp)
-        vals = np.maximum(prev[ks], costs.last(m, mp, sl))
-        v = np.minimum.reduceat(vals, starts)
+        vals = prev[ks]
+        v = np.minimum.reduceat(
+          np.maximum(vals, costs.last(m, mp, sl), out=vals), starts
+        )
         _, j_floor = costs.floors(mp)
         if j_floor is not None:
           v = np.maximum(v, j_floor[i + 1 :])
@@ -248,7 +287,7 @@ def choose(costs, a_row, i, j, m):
     _, j_floor = costs.floors(mp)
     if j_floor is not None:
       vals = np.maximum(vals, j_floor[j])
-    idx = int(np.argmin(vals))
+    idx = int(vals.argmin())
     if vals[idx] < best:
       best = vals[idx]
       choice = (int(ks[idx]), m - mp, mp)

@@ -8,6 +8,7 @@ deaugment by descendants, every visit queued) and the dense table.
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -158,5 +159,27 @@ def test_frontiers_the_same_in_blocks():
   n = graph.num_nodes
   whole = [dag.frontier(a) for a in range(n)]
   assert any(whole)
-  blocks = _antichain._frontiers(n, dag.succ, dag.out, dag.desc, 3 * n)
-  assert blocks == whole
+  blocks, lists = _antichain._frontiers(n, dag.succ, dag.below, 3 * n, 0)
+  assert blocks == whole  # the bit matrix, in blocks, as bit by bit
+  assert lists == dag.front_lists == [_antichain.bits(f) for f in whole]
+
+
+@pytest.mark.parametrize("integers", [True, False])
+def test_output_bytes_all_at_once_equal_state_by_state(integers):
+  """``_output_bytes`` adds every state's activations at once; it equals
+  ``_crossing_bytes`` state by state, bit for bit, also where a state's
+  augmented antichain holds 8 or more nodes (gnmt_large: up to 11) and
+  the bytes are not integers (numpy sums those lists pairwise)."""
+  graph = load_pipedream_profile("gnmt_large")
+  if not integers:  # magnitudes far apart: the order of the sum shows
+    rng = np.random.default_rng(0)
+    n = graph.num_nodes
+    acts = rng.uniform(1, 2, n) * 10 ** rng.uniform(-8, 8, n)
+    graph = dataclasses.replace(graph, activation_bytes=acts)
+  dag = _antichain.antichain_dag(graph)
+  assert max(map(len, dag.antichains)) >= 8
+  want = [
+    _antichain._crossing_bytes(graph, a, m)
+    for a, m in zip(dag.antichains, dag.done, strict=True)
+  ]
+  assert dag.output_bytes.tolist() == want
