@@ -20,8 +20,11 @@ transfers ignored):
 
 Times are CPU seconds of the process (``time.process_time``: the machine
 is shared, and wall time counts the other users' work), each side's best
-of ``--repeats`` runs (``--interleave``: the two sides' runs taken in
-turns, so that each of jpipe's starts cold). The two must agree on the
+over ``--repeats`` rounds, each of 4 jpipe runs then one PipeDream run
+(both sides' runs spread over the same seconds: the shared machine's
+speed drifts, and jpipe's few milliseconds of runs back to back could all
+fall in one slow moment); ``--interleave``: one jpipe run per round, so
+that each of jpipe's starts cold. The two must agree on the
 bottleneck (PipeDream's "Time per stage in pipeline"); a mismatch stops
 the run.
 
@@ -106,6 +109,9 @@ def _children_cpu():
   return usage.ru_utime + usage.ru_stime
 
 
+JPIPE_RUNS = 4
+
+
 def jpipe_seconds(name, n):
   """(seconds, bottleneck in s) of jpipe's load + solve_pipedream."""
   start = time.process_time()
@@ -117,19 +123,19 @@ def jpipe_seconds(name, n):
 def case(pipedream_dir, name, n, repeats, interleave=False):
   """One row: best-of-``repeats`` seconds of each side, checked to agree.
 
-  jpipe's runs back to back, then PipeDream's; with ``interleave``, one of
-  each in turn: jpipe's then always start after a PipeDream process has
-  filled the caches (a cold start, as a first call in a session), and its
-  millisecond runs spread over the same seconds as PipeDream's.
+  In ``repeats`` rounds, each jpipe's runs (``JPIPE_RUNS``, back to back:
+  the first after the last PipeDream process, the others warm) then one
+  of PipeDream's: both sides' runs spread over the same seconds, so that
+  the machine's slower and faster moments reach both alike. With
+  ``interleave``, one jpipe run per round: every one of its runs starts
+  right after a PipeDream process has filled the caches (a cold start, as
+  a first call in a session).
   """
-  if interleave:
-    ours, theirs = [], []
-    for _ in range(repeats):
+  ours, theirs = [], []
+  for _ in range(repeats):
+    for _ in range(1 if interleave else JPIPE_RUNS):
       ours.append(jpipe_seconds(name, n))
-      theirs.append(pipedream_seconds(pipedream_dir, name, n))
-  else:
-    ours = [jpipe_seconds(name, n) for _ in range(repeats)]
-    theirs = [pipedream_seconds(pipedream_dir, name, n) for _ in range(repeats)]
+    theirs.append(pipedream_seconds(pipedream_dir, name, n))
   ms, pd_ms = 1e3 * ours[0][1], 1e3 * theirs[0][2]
   if not np.isclose(ms, pd_ms, rtol=1e-6):
     raise SystemExit(f"{name} n={n}: jpipe {ms} ms, PipeDream {pd_ms} ms")
