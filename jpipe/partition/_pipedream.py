@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jpipe.partition import _antichain
+from jpipe.partition import _antichain, _branches
 from jpipe.partition import _pipedream_dp as _dp
 from jpipe.partition._graph_txt import ProfileGraph
 
@@ -150,7 +150,7 @@ def solve_pipedream(
   original = graph
   compressed = None
   if compress_branches:
-    compressed = _antichain.compress_branches(graph)
+    compressed = _branches.compress_branches(graph)
     graph = compressed.graph
   dag = _antichain.antichain_dag(graph, max_states=max_states)
   model = _dp.Model(

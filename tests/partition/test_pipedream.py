@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jpipe import partition
-from jpipe.partition import _antichain, _plan
+from jpipe.partition import _antichain, _branches, _plan
 from jpipe.partition._graph_txt import (
   ProfileGraph,
   load_pipedream_profile,
@@ -240,7 +240,7 @@ def test_compress_branches_merges_chains_after_a_fork():
     acts=[1, 2, 3, 4, 5],
     params=[10, 20, 30, 40, 50],
   )
-  comp = _antichain.compress_branches(graph)
+  comp = _branches.compress_branches(graph)
   assert comp.graph.names == (
     "node0",
     "compressed_node0",
@@ -261,7 +261,7 @@ def test_compress_branches_merges_chains_after_a_fork():
 )
 def test_compress_branches_keeps_every_node_and_cost(name):
   graph = _profile(name)
-  comp = _antichain.compress_branches(graph)
+  comp = _branches.compress_branches(graph)
   members = sorted(i for m in comp.members for i in m)
   assert members == list(range(graph.num_nodes))
   for attr in ("forward_seconds", "backward_seconds", "parameter_bytes"):
@@ -539,7 +539,7 @@ def test_straight_pipedream_never_loses_to_one_order(n):
   assert ours.bottleneck_seconds <= contiguous * (1 + 1e-12)
   if n == 8:  # cutting across residual branches pays off here
     assert ours.bottleneck_seconds < 0.96 * contiguous
-  comp = _antichain.compress_branches(_profile("inception_v3")).graph
+  comp = _branches.compress_branches(_profile("inception_v3")).graph
   _, compute, _ = comp.ordered()
   contiguous = partition.solve_contiguous(
     partition.GraphCosts(compute), n
