@@ -175,6 +175,8 @@ def _states(dag: _Dag, source: int, max_states: int):
             above = pred[v]
             k = add(mask, [v] + [x for x in anti if not above >> x & 1])
           nexts.append(k)
+    # The antichain's own successors: v takes u's place (the same walk as
+    # above, written out twice: this is the solver's innermost loop).
     for u in anti:
       for v in succ[u]:
         if not here >> v & 1:

@@ -234,20 +234,10 @@ def _check_profiles(got, config, process_of, calls):
     assert len(rows) == len(offered)
 
 
-@pytest.mark.slow
-def test_replica_groups_across_processes(tmp_path, process_env):
-  """2 processes x 2 devices, each stage a replica group in its process
-  (values gathered off a group before a transfer, split after): the
-  one-process results on 4 devices."""
-  configs = json.dumps(
-    [
-      {"case": "mlp", "stages": 2, "replicas": 2, "calls": [2, 3],
-       "schedule": "1f1b"},
-      {"case": "gpt_tied", "stages": 2, "replicas": 2, "calls": [2, 5, 3],
-       "num_microbatches": 2,
-       "schedule": "async", "weight_stashing": True},
-    ]
-  )  # fmt: skip
+def _two_processes_equal_four_devices(tmp_path, configs, process_env):
+  """``configs`` run by pipeline_worker.py in 2 processes x 2 devices and
+  in one process on 4 (the reference): every saved array equal. Returns
+  the reference's arrays and the 2-process run's CompletedProcess."""
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
   _reference(4, ref, configs, process_env)
   done = _launch(
@@ -258,6 +248,7 @@ def test_replica_groups_across_processes(tmp_path, process_env):
   assert set(want) == set(have)
   for key in want:
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
+  return want, done
 
 
 @pytest.mark.slow
@@ -272,6 +263,8 @@ def test_replica_groups_spanning_processes(tmp_path, process_env):
   process; the group holds it: the owner's value does) equal the
   one-process results on 4 devices; what does not span processes
   (weighted groups, a round-robin last stage) is refused in one line.
+  Also (the last two) each stage a replica group in its own process,
+  values gathered off a group before a transfer and split after.
   (Model state: ``test_model_state_in_a_group_spanning_processes``.)"""
   split = {"case": "mlp", "calls": [2, 3]}
   spans = [[1, 2], [3]]
@@ -302,19 +295,16 @@ def test_replica_groups_spanning_processes(tmp_path, process_env):
       {"case": "gpt_tied", "stages": 2, "groups": [[0], [1, 2]],
        "calls": [2, 3], "num_microbatches": 2, "schedule": "async",
        "weight_stashing": True},
+      {"case": "mlp", "stages": 2, "replicas": 2, "calls": [2, 3],
+       "schedule": "1f1b"},
+      {"case": "gpt_tied", "stages": 2, "replicas": 2, "calls": [2, 5, 3],
+       "num_microbatches": 2,
+       "schedule": "async", "weight_stashing": True},
     ]
   )  # fmt: skip
-  ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
-  _reference(4, ref, configs, process_env)
-  done = _launch(
-    2, "pipeline_worker.py", got, configs, env=process_env(), devices=2
-  )
-  assert done.returncode == 0, done.stdout[-6000:]
+  want, done = _two_processes_equal_four_devices(tmp_path, configs, process_env)
   assert done.stdout.count("refused: ") == 2 * 2, done.stdout[-6000:]
-  want, have = np.load(ref), np.load(got)
-  assert set(want) == set(have) and len(want) > 100
-  for key in want:
-    np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
+  assert len(want) > 100
 
 
 @pytest.mark.slow
@@ -342,23 +332,14 @@ def test_model_state_in_a_group_spanning_processes(tmp_path, process_env):
        "weight_stashing": True, "replica_routing": "round_robin"},
     ]
   )  # fmt: skip
-  ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
-  _reference(4, ref, configs, process_env)
-  done = _launch(
-    2, "pipeline_worker.py", got, configs, env=process_env(), devices=2
-  )
-  assert done.returncode == 0, done.stdout[-6000:]
-  want, have = np.load(ref), np.load(got)
-  assert set(want) == set(have)
+  want, _ = _two_processes_equal_four_devices(tmp_path, configs, process_env)
   for c in range(2):  # stage 0's statistics, evaluation, predictions
     assert {f"{c}/state/0", f"{c}/eval_loss", f"{c}/logits"} <= set(want)
-  for key in want:
-    np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
   # Replica 1 (device 2) runs in process 1: its own statistics are
   # current there, and they are not replica 0's.
   replica0 = want["1/state/0"]
-  want = np.load(f"{ref}.replicas1.p0.npz")
-  have = np.load(f"{got}.replicas1.p1.npz")
+  want = np.load(str(tmp_path / "ref.npz.replicas1.p0.npz"))
+  have = np.load(str(tmp_path / "got.npz.replicas1.p1.npz"))
   assert set(want) == set(have) and len(want) > 0
   for key in want:
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)

@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 def _run(module, tmp_path) -> tuple[dict, str]:
   """``experiments.runtime.<module>`` at p = 2, m = 4, a 2-layer GPT,
-  one round with Adam; its JSON record and Markdown table."""
+  one round with Adam, one warm-up call and one timed (the counts are
+  under test, not the times); its JSON record and Markdown table."""
   subprocess.run(
     [
       sys.executable,
@@ -26,8 +27,8 @@ def _run(module, tmp_path) -> tuple[dict, str]:
       "--microbatches=4",
       "--layers=2",
       "--rounds=1",
-      "--warm=2",
-      "--repeats=2",
+      "--warm=1",
+      "--repeats=1",
       "--optimizers=adam",
       f"--out_dir={tmp_path}",
     ],
