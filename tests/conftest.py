@@ -44,6 +44,18 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+def pytest_xdist_auto_num_workers(config):
+  """``-n auto``: one worker more than the cores this process may use.
+
+  With a worker per core the cores idle while tests wait on the processes
+  they start (launches, imports, gloo barriers, watchdogs, simulated slow
+  devices): on 2 cores the slow tier took 23:40 with 2 workers and 20:06
+  with 3, paired on one machine (BUILD.md, "Tests")."""
+  if config.option.numprocesses != "auto":
+    return None  # ("logical": xdist's own count.)
+  return len(os.sched_getaffinity(0)) + 1
+
+
 def pytest_unconfigure(config):
   """Removes the run's compilation cache (in the process that made it)."""
   if _OWN_CACHE and not hasattr(config, "workerinput"):

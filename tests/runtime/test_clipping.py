@@ -45,8 +45,18 @@ SYNCHRONOUS = {
 }
 
 
-@pytest.mark.parametrize("case", ["mlp", slow("gpt_tied")])
-@pytest.mark.parametrize("name", SYNCHRONOUS)
+# The tied embedding (its gradient counted once) on the placements that
+# hold it differently: one stage a device (1f1b), two stages a device
+# (interleaved), and the V's, where the embedding's owner and holder
+# share a device (zbv, its backward split; dualpipev).
+TIED = ("1f1b", "interleaved", "zbv", "dualpipev")
+
+
+@pytest.mark.parametrize(
+  "name, case",
+  [(name, "mlp") for name in SYNCHRONOUS]
+  + [slow(name, "gpt_tied", id=f"{name}-gpt_tied") for name in TIED],
+)
 def test_clipped_steps_equal_optax_clipping_on_one_device(name, case):
   """Two clipped steps (the clip at half the first gradient's norm, so it
   acts) equal ``optax.chain(clip_by_global_norm, adam)`` on one device;

@@ -226,6 +226,8 @@ def test_cli_takes_a_config_variant(tmp_path):
 @pytest.mark.slow
 def test_user_tfds_text_dataset_through_mock_data(tmp_path):
   config = _short(_get_config("gpt_lm"))
+  # (The data's path is under test: the smallest model that splits in 2.)
+  config.model.kwargs.update({"width": 32, "num_layers": 2})
   config.data.name = "lm1b"
   config.data.sequence_length = 16
   config.data.batch_size = 8

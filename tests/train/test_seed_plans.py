@@ -2,6 +2,7 @@
 config's model traced on shapes (nothing of its size allocated) and a
 stand-in batch of its shapes (its dataset is not here)."""
 
+import dataclasses
 import json
 import os
 import resource
@@ -14,7 +15,17 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import default as default_config
-from jpipe.train import config_plan, metric_log, pretrained, tasks, train_lib
+from jpipe.data import text_examples
+from jpipe.train import (
+  config_plan,
+  input_pipeline,
+  metric_log,
+  pretrained,
+  tasks,
+  text_generation,
+  text_metrics,
+  train_lib,
+)
 from jpipe.train import plan as plan_cli
 from tests.tiers import slow
 from tests.train.test_text_tasks import _by_name, _squad_records
@@ -197,13 +208,17 @@ def test_image_seed_small_variants_are_the_configs_ci_trains(seed, small):
 )
 def test_text_seed_small_variants_train(tmp_path, name, metric):
   """A text seed's :small on the embedded text (steps shortened to 20):
-  its held-out loss falls from step 10 to step 20."""
+  its held-out loss falls from step 10 to step 20; the papers' generated
+  metrics it logs (FTPipe's T5 SQuAD exact match and F1, PipeDream's GNMT
+  BLEU) are those of the text its params generate."""
   config = config_plan.load_config_file(f"configs/seeds/{name}:small")
   config.unlock()
   config.train.steps = 20
   config.train.eval_every = 10
   config.train.checkpoint_every = 20
   config.train.profile_last_step = False
+  if "eval_examples" in config.data:  # (Generation: 16 answers, not 64.)
+    config.data.eval_examples = 16
   if config.data_parallel.pipelines > 1:
     config.data_parallel.epoch_batches = 5  # (Evaluates once per epoch.)
   if config.dynamic.enabled:  # Its slowdown inside the 20 steps.
@@ -216,6 +231,8 @@ def test_text_seed_small_variants_train(tmp_path, name, metric):
     if f"eval/{metric}" in row
   ]
   assert len(values) >= 2 and values[-1] < values[0], values
+  if name in GENERATED_METRICS:
+    GENERATED_METRICS[name](config, tmp_path)
   if config.pipeline.partition == "mixed":
     plan = json.loads(open(tmp_path / "plan.json").read())
     used = {d for ds in plan["stage_devices"] for d in ds}
@@ -224,6 +241,58 @@ def test_text_seed_small_variants_train(tmp_path, name, metric):
       # small plan, its last stage priced without recomputation, is as
       # fast straight: the mixed solver keeps the straight split then.)
       assert len(plan["stage_devices"]) > config.pipeline.num_stages
+
+
+def _generated_texts(config, workdir):
+  """(the texts the workdir's last params generate on one device -- a
+  greedy loop, not the pipeline --, the held-out records they answer)."""
+  task = tasks.build_task(config)
+  params = pretrained.load_params(str(workdir), task.params)
+  rows = []
+  capture = dataclasses.replace(
+    task.evaluation.generation, score=lambda r: rows.append(r) or {}
+  )
+  capture.on_one_device(params)
+  encoder = text_examples.Encoder(input_pipeline.tokenizer(config))
+  texts = [text_generation.text_of(encoder, row) for row in rows[0]]
+  held_out = input_pipeline.records(config, config.data.eval_split)
+  return texts, [held_out[i] for i in range(len(texts))]
+
+
+def _last_logged(workdir) -> dict:
+  return [r for r in metric_log.read_metrics(str(workdir)) if "eval/loss" in r][
+    -1
+  ]
+
+
+def _squad_scores_are_its_answers(config, workdir):
+  logged = _last_logged(workdir)
+  texts, records = _generated_texts(config, workdir)
+  assert len(texts) == 16
+  golds = [
+    [input_pipeline.as_text(a) for a in r["answers"]["text"]] for r in records
+  ]
+  want = text_metrics.squad(texts, golds)
+  assert logged["eval/generated_exact_match"] == pytest.approx(
+    want["exact_match"], abs=1e-9
+  )
+  assert logged["eval/generated_f1"] == pytest.approx(want["f1"], abs=1e-9)
+
+
+def _bleu_is_its_translations(config, workdir):
+  logged = _last_logged(workdir)
+  texts, records = _generated_texts(config, workdir)
+  assert len(texts) == 16
+  references = [input_pipeline.as_text(r["target"]) for r in records]
+  want = text_metrics.bleu(texts, references)
+  assert logged["eval/bleu"] == pytest.approx(want["bleu"], abs=1e-9)
+  assert np.isfinite(logged["eval/bleu"])
+
+
+GENERATED_METRICS = {
+  "ftpipe_t5_3b.py": _squad_scores_are_its_answers,
+  "pipedream_gnmt16.py": _bleu_is_its_translations,
+}
 
 
 @pytest.mark.slow
