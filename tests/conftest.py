@@ -45,19 +45,15 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 def pytest_xdist_auto_num_workers(config):
-  """``-n auto``: a worker per core this process may use, and one more
-  when the run takes in the slow tier.
+  """``-n auto``: one worker more than the cores this process may use.
 
-  The slow tier's tests wait on the processes they start (launches,
-  imports, gloo barriers, watchdogs, simulated slow devices), and with a
-  worker per core the cores idled: on 2 cores it took 23:40 with 2
-  workers and 20:06 with 3, paired on one machine. The default tier is
-  compile-bound: a third worker only made it slower (BUILD.md, "Tests")."""
+  With a worker per core the cores idle while tests wait on the processes
+  they start (launches, imports, gloo barriers, watchdogs, simulated slow
+  devices): on 2 cores the slow tier took 23:40 with 2 workers and 20:06
+  with 3, paired on one machine (BUILD.md, "Tests")."""
   if config.option.numprocesses != "auto":
     return None  # ("logical": xdist's own count.)
-  cores = len(os.sched_getaffinity(0))
-  default_tier_only = config.option.markexpr.strip() == "not slow"
-  return cores if default_tier_only else cores + 1
+  return len(os.sched_getaffinity(0)) + 1
 
 
 def pytest_unconfigure(config):
