@@ -143,11 +143,17 @@ def test_quick_campaign_part_runs_and_writes_its_rows(tmp_path, part):
   summary = json.loads((tmp_path / "campaign.json").read_text())
   assert [p["part"] for p in summary["parts"]] == [part]
   assert summary["parts"][0]["status"] == "ok", summary
-  record = _load(tmp_path, part)
+  _check_part(tmp_path, part)
+
+
+def _check_part(out, part):
+  """The part's record: finished, stamped (commit "test"), with rows that
+  pass the part's own checks."""
+  record = _load(out, part)
   assert record["finished"] and record["commit"] == "test"
   assert all(record[k] for k in META)
   assert record["rows"], part
-  CHECKS[part](tmp_path)
+  CHECKS[part](out)
 
 
 @pytest.mark.slow
@@ -174,10 +180,7 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(
     ("profile", "ok"),
   ]
   assert "broken" in parts[0]["error"]
-  record = _load(tmp_path, "profile")  # (No test of its own: this one.)
-  assert record["finished"] and record["commit"] == "test"
-  assert all(record[k] for k in META) and record["rows"]
-  CHECKS["profile"](tmp_path)
+  _check_part(tmp_path, "profile")  # (No test of its own: this one.)
 
 
 def test_unknown_part_is_refused_before_anything_runs(tmp_path, capsys):

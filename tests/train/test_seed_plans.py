@@ -225,18 +225,15 @@ def test_text_seed_small_variants_train(tmp_path, name, metric):
     config.dynamic.window = 5
     config.dynamic.inject = "1:3.0:5:15"
   train_lib.train_and_evaluate(config, str(tmp_path))
-  values = [
-    row[f"eval/{metric}"]
+  evals = [
+    row
     for row in metric_log.read_metrics(str(tmp_path))
     if f"eval/{metric}" in row
   ]
+  values = [row[f"eval/{metric}"] for row in evals]
   assert len(values) >= 2 and values[-1] < values[0], values
   if name in GENERATED_METRICS:  # At step 20: the last checkpoint's params.
-    (logged,) = [
-      r
-      for r in metric_log.read_metrics(str(tmp_path))
-      if "eval/loss" in r and r["step"] == config.train.steps
-    ]
+    (logged,) = [r for r in evals if r["step"] == config.train.steps]
     GENERATED_METRICS[name](config, tmp_path, logged)
   if config.pipeline.partition == "mixed":
     plan = json.loads(open(tmp_path / "plan.json").read())
@@ -266,7 +263,7 @@ def _generated_texts(config, workdir):
 
 def _squad_scores_are_its_answers(config, workdir, logged):
   texts, records = _generated_texts(config, workdir)
-  assert len(texts) == 16
+  assert len(texts) == config.data.eval_examples
   golds = [
     [input_pipeline.as_text(a) for a in r["answers"]["text"]] for r in records
   ]
@@ -279,7 +276,7 @@ def _squad_scores_are_its_answers(config, workdir, logged):
 
 def _bleu_is_its_translations(config, workdir, logged):
   texts, records = _generated_texts(config, workdir)
-  assert len(texts) == 16
+  assert len(texts) == config.data.eval_examples
   references = [input_pipeline.as_text(r["target"]) for r in records]
   want = text_metrics.bleu(texts, references)
   assert logged["eval/bleu"] == pytest.approx(want["bleu"], abs=1e-9)
