@@ -72,6 +72,24 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _compute_bound_compiles(request, monkeypatch):
+  """A test marked ``compute_bound`` runs with XLA's optimisations on,
+  in process and in the processes it starts (tests/quick_compiles.py:
+  tens of steps of convolutions spend more running unoptimised programs
+  than optimising them costs)."""
+  if request.node.get_closest_marker("compute_bound") is None:
+    yield
+    return
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", False)
+  monkeypatch.setenv(NO_OPTIMIZATIONS, "0")
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
 @pytest.fixture(scope="module")
 def xla_optimizations():
   """For modules about what XLA's optimisations do to a program: turns

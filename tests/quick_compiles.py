@@ -9,6 +9,14 @@ a seed config's ``:small`` training 38 s to 20 s): most optimisations off
 older elemental emitters instead of the MLIR fusion emitters (the flag
 below). Both sides of every comparison compile alike; a test about what
 XLA's optimisations do turns them back on (``xla_optimizations``).
+
+Not every test is compile-bound: tens of steps of convolutions run
+slower unoptimised than optimising them costs (pipedream_vgg16's
+``:small`` 30 steps on a 2-1-1 plan: 48.7 CPU-seconds quick, 35.2 with
+the optimisations; a T5 seed's 20 steps: 45.2 quick, 63.3 with them).
+Such a test is marked ``compute_bound`` (``tests/conftest.py``): the
+optimisations on in process and in the processes it starts, the
+emitters as for every test.
 """
 
 import os

@@ -302,12 +302,12 @@ def test_a_restart_goes_on_in_fewer_processes_with_a_new_plan(
   assert "[p1]" not in after
 
 
-# (CI time) The asynchronous split routing across processes is
-# test_processes.py's test_replica_groups_spanning_processes (an MLP):
-# here the synchronous split and PipeDream's own 1F1B-RR stream.
-@pytest.mark.parametrize(
-  "variant, routing", [("1f1b", "split"), ("ws", "round_robin")]
-)
+# (CI time) The split routing across processes, synchronous and
+# asynchronous, is test_processes.py's test_replica_groups_spanning_processes
+# (an MLP) and, on a BatchNorm ResNet through per-process checkpoints,
+# test_model_state_in_a_group_spanning_processes: here PipeDream's own
+# 1F1B-RR stream on its seed. (1f1b-split ran here too until 2026-12-01.)
+@pytest.mark.parametrize("variant, routing", [("ws", "round_robin")])
 def test_vgg_with_a_replica_group_across_processes_is_one_process(
   tmp_path, process_env, variant, routing
 ):

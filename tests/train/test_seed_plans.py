@@ -341,9 +341,11 @@ def test_pipedream_resnet50_trains_on_streamed_imagenet_records(tmp_path):
 @pytest.mark.parametrize(
   "seed",
   [
-    "ftpipe_wrn28x10.py:small",
-    "pipedream_vgg16.py:small",
-    "pipedream_resnet50.py:small",
+    # (Convolutions over 30 steps: 57 CPU-seconds quick, 40 optimised.)
+    pytest.param("ftpipe_wrn28x10.py:small", marks=pytest.mark.compute_bound),
+    # (pipedream_vgg16's and pipedream_resnet50's :small -- ws+rr, on
+    # their straight small plan -- train 30 steps with a replicated stage
+    # in test_pipedream_small_trains_with_round_robin_replicas.)
     "sdpipe_resnet50.py:small",
     "dynpipe_vgg16.py:small",
   ],
@@ -406,7 +408,13 @@ def test_pipedream_seeds_default_to_their_runtime():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  "seed", ["pipedream_vgg16.py", "pipedream_resnet50.py"]
+  "seed",
+  [
+    # (VGG's convolutions: 48.7 CPU-seconds quick, 35.2 optimised; the
+    # ResNet's smaller ones are compile-bound, 37.6 and 41.3.)
+    pytest.param("pipedream_vgg16.py", marks=pytest.mark.compute_bound),
+    "pipedream_resnet50.py",
+  ],
 )
 def test_pipedream_small_trains_with_round_robin_replicas(tmp_path, seed):
   """The seed's :small:ws+rr on a 2-1-1 plan (stage 0 on two devices,
