@@ -21,6 +21,9 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# --cpu-times=N: the tests with the most CPU seconds (tests/cpu_times.py).
+pytest_plugins = ["tests.cpu_times"]
+
 # Many tests build pipelines whose stage programs are the same HLO as
 # another test's (same model, same split), and every new Pipeline jits
 # new closures. A persistent cache serves those from disk instead of
