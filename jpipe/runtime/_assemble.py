@@ -22,6 +22,7 @@ from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.auto_schedule import choose_schedule
 from jpipe.runtime.build.flat import FlatLayout
 from jpipe.runtime.build.options import Staleness, staleness_from_keywords
+from jpipe.runtime.build.params_view import ParamsView
 from jpipe.runtime.build.partitioning import (
   Partitioning,
   partitioning_from_keywords,
@@ -146,8 +147,20 @@ def build_runtime(
   names = tuple(leaf_names(params))
   if traced.param_layout is not None:  # A stacked leaf's rows: "path[k]".
     names = traced.param_layout.traced_names(names)
+  treedef = jax.tree.structure(params)
+  sources = (
+    traced.param_layout.source
+    if traced.param_layout is not None
+    else [(i, -1) for i in range(len(names))]
+  )
   stage_optimizers = _stage_optimizers(
-    stages, tied, stream, names, grad_layouts, own_sizes, request
+    stages,
+    tied,
+    stream,
+    (names, treedef, sources),
+    grad_layouts,
+    own_sizes,
+    request,
   )
   policy = VersionPolicy(
     stream,
@@ -251,12 +264,15 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
 
 
 def _stage_optimizers(
-  stages, tied, stream, names, grad_layouts, own_sizes, request: Request
+  stages, tied, stream, leaves_of_model, grad_layouts, own_sizes, request
 ) -> tuple[StageOptimizer, ...]:
-  """Each stage's optimizer over the leaves it steps (``names``: every
-  param leaf's path; ``grad_layouts``: each stage's packed gradient;
+  """Each stage's optimizer over the leaves it steps, seeing them in the
+  model's params structure (``leaves_of_model``: every traced param
+  leaf's path, the model's params treedef, and each traced leaf's
+  ``(model leaf, row)``; ``grad_layouts``: each stage's packed gradient;
   ``own_sizes``: per stage, the bytes from which a leaf of its packed
   optimizer state is stored apart)."""
+  names, treedef, sources = leaves_of_model
   optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
   last = stages.num_stages - 1
@@ -278,18 +294,23 @@ def _stage_optimizers(
       horizon,
       stages.num_stages,
     )
-    if per_delay:
-      _check_same_state(reference, tx, s, [names[i] for i in leaves])
     if staleness.nag_with_predictor:
       horizon = max(horizon, 1)
     # Asynchronous: replicas of tied leaves another stage owns never step.
     replica = tied.replica_positions(s) if stream else set()
     positions = [p for p in range(len(leaves)) if p not in replica]
+    managed = [leaves[p] for p in positions]
+    view = ParamsView(
+      treedef, [names[i] for i in managed], [sources[i] for i in managed]
+    )
+    if per_delay:
+      _check_same_state(reference, tx, s, view)
     optimizers.append(
       StageOptimizer(
-        [names[leaves[p]] for p in positions],
+        [names[i] for i in managed],
         tx,
         positions=positions,
+        view=view,
         gap_aware=staleness.gap_aware_at(
           partition_lib.steady_state_delay(stages.num_stages, s)
         ),
@@ -304,13 +325,17 @@ def _stage_optimizers(
   return tuple(optimizers)
 
 
-def _check_same_state(reference, tx, stage, leaf_names) -> None:
+def _check_same_state(reference, tx, stage, view) -> None:
   """Raises ValueError unless ``tx``'s state (stage ``stage``'s own
   optimizer) is laid out like ``reference``'s (a delay-0 stage's): one
   checkpoint holds every stage's, merged by leaf."""
-  probe = {name: jax.ShapeDtypeStruct((2,), "float32") for name in leaf_names}
-  want = jax.tree.structure(jax.eval_shape(reference.init, probe))
-  got = jax.tree.structure(jax.eval_shape(tx.init, probe))
+  probe = [jax.ShapeDtypeStruct((1, 2), "float32")] * len(view.names)
+  want = jax.tree.structure(
+    jax.eval_shape(lambda p: reference.init(view.view(p)), probe)
+  )
+  got = jax.tree.structure(
+    jax.eval_shape(lambda p: tx.init(view.view(p)), probe)
+  )
   if want != got:
     raise ValueError(
       f"stage {stage}'s optimizer keeps a state shaped unlike a delay-0 "

@@ -256,8 +256,9 @@ def state_dict(pipe, state) -> dict[str, Any]:
 
   Returns:
     ``{"params": the full params pytree, "opt_state": the optimizer's
-    state as ``optimizer.init({path: leaf})`` lays it out for the whole
-    model (params-shaped parts are dicts keyed by global leaf path),
+    state as ``optimizer.init(params)`` lays it out for the whole model,
+    its params-shaped parts (Adam's moments, a mask's inner state) dicts
+    keyed by global leaf path (``runtime/build/params_view.py``),
     "gap_aware": {"sq_avg": {path: array}, "count", "max_learning_rate"}
     for the leaves of Gap-Aware stages ({} without Gap-Aware),
     "model_state": the model state pytree or None, "step": int}``. It

@@ -64,6 +64,12 @@ def select_keyed(saved, template):
     )
   if template is None:
     return None
+  if np.shape(saved) != np.shape(template) and _squeezed(saved) == _squeezed(
+    template
+  ):
+    # A stacked leaf's per-row value of one element: its rows were joined
+    # as scalars or as (1,) rows, which read back alike (``_stacked``).
+    saved = np.reshape(np.asarray(saved), np.shape(template))
   if np.shape(saved) != np.shape(template):
     raise ValueError(
       f"a saved optimizer leaf has shape {np.shape(saved)}, expected "
@@ -73,6 +79,10 @@ def select_keyed(saved, template):
   if getattr(saved, "dtype", None) == dtype:
     return saved  # (A leaf read when placed stays unread here.)
   return np.asarray(saved, dtype=dtype)
+
+
+def _squeezed(x) -> tuple[int, ...]:
+  return tuple(d for d in np.shape(x) if d != 1)
 
 
 def on_host(leaf):

@@ -1,12 +1,15 @@
-"""Per-stage optimizer functions over leaves keyed by model-global path.
+"""Per-stage optimizer functions; their state keyed by model-global path.
 
 A stage holds a tuple of parameter leaves. Its optimizer (and Gap-Aware,
-and the weight predictor) sees them as a dict ``{path: leaf}`` keyed by the
-leaf's path in the full params pytree (e.g. ``"params/dense_0/kernel"``).
-So every stage's optimizer state is keyed by global paths too, and the
-states of all stages merge into the state of one optimizer over the whole
-model -- what a checkpoint stores, and what a different partition can
-split again.
+and the weight predictor) sees them in the model's own params structure,
+other stages' leaves None (``params_view``), so optax masks and labels
+given for the whole model apply as on one device. What it keeps is
+stored with every params-shaped part a dict keyed by the leaf's path in
+the full params pytree (e.g. ``"params/dense_0/kernel"``), so the states
+of all stages merge into the state of one optimizer over the whole model
+-- what a checkpoint stores, and what a different partition can split
+again. (Without a ``ParamsView`` the optimizer sees that ``{path: leaf}``
+dict itself.)
 """
 
 from collections.abc import Sequence
@@ -18,6 +21,7 @@ import optax
 
 from jpipe import staleness
 from jpipe.runtime.build.flat import FlatLayout, PackedTree
+from jpipe.runtime.build.params_view import KeyedLeaves, ParamsView
 from jpipe.runtime.build.stored_params import leaves_of, stored_params_like
 
 
@@ -63,6 +67,8 @@ class StageOptimizer:
       stage's Adam state is then ~1 array where it was twice its leaves
       and a count, each a few microseconds of every step's dispatch).
       None: stored as optax's tree. ``state_tree`` reads either.
+    view: the leaves in the model's params structure, as the optimizer
+      sees them; None: the ``{path: leaf}`` dict.
   """
 
   def __init__(
@@ -78,8 +84,10 @@ class StageOptimizer:
     grad_layout: FlatLayout | None = None,
     compiler_options: dict[str, Any] | None = None,
     state_own_bytes: float | None = None,
+    view: ParamsView | None = None,
   ):
     self.names = tuple(names)
+    self.view = view if view is not None else KeyedLeaves(self.names)
     self.state_own_bytes = state_own_bytes
     options = compiler_options or None
     if positions is None:
@@ -92,7 +100,9 @@ class StageOptimizer:
     self._schedule = learning_rate_schedule
     self._horizon = horizon
     self.init = jax.jit(
-      lambda leaves: self.stored(self.tx.init(self.as_dict(leaves))),
+      lambda leaves: self.stored(
+        self.view.keyed(self.tx.init(self.as_dict(leaves)))
+      ),
       compiler_options=options,
     )
     self.update = jax.jit(self.apply, compiler_options=options)
@@ -196,18 +206,26 @@ class StageOptimizer:
       update_scale,
     )
 
-  def as_dict(self, leaves: Sequence[Any]) -> dict[str, Any]:
-    """The managed leaves of a stage tuple, keyed by path."""
-    return {
-      n: leaves[i] for n, i in zip(self.names, self.positions, strict=True)
-    }
+  def as_dict(self, leaves: Sequence[Any]):
+    """The managed leaves of a stage tuple as the optimizer sees them:
+    in the model's structure (``view``), else keyed by path."""
+    return self.view.view([leaves[i] for i in self.positions])
 
-  def as_tuple(self, tree: dict[str, Any], like: Sequence[Any]) -> tuple:
-    """``like`` with the managed leaves replaced from ``tree``."""
+  def as_tuple(self, tree, like: Sequence[Any]) -> tuple:
+    """``like`` with the managed leaves replaced from ``tree`` (as
+    ``as_dict`` makes it)."""
     out = list(like)
-    for n, i in zip(self.names, self.positions, strict=True):
-      out[i] = tree[n]
+    for i, x in zip(self.positions, self.view.leaves(tree), strict=True):
+      out[i] = x
     return tuple(out)
+
+  def _structured(self, state, params):
+    """A stored state (unpacked) as the optimizer keeps it; ``params``
+    (as ``as_dict`` makes them) to find its params-shaped parts if no
+    state was seen yet."""
+    if self.view.keyed_paths is None:
+      self.view.keyed(jax.eval_shape(self.tx.init, params))
+    return self.view.structured(state)
 
   def stored(self, tree):
     """An optimizer state (optax's tree, as ``tx.init`` makes it) as this
@@ -254,7 +272,8 @@ class StageOptimizer:
     stored_params, params = params, leaves_of(params)
     g, p = self.as_dict(grads), self.as_dict(params)
     g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
-    stored, state = opt_state, self.state_tree(opt_state)
+    stored = opt_state
+    state = self._structured(self.state_tree(opt_state), p)
     if self.gap_aware:
       stale = self.as_dict(leaves_of(stale_params))
       updates, state = self.tx.update(g, state, p, stale_params=stale)
@@ -269,7 +288,7 @@ class StageOptimizer:
     # moment can differ from a tree-stored one in the last bits (not with
     # ``state_own_bytes=0``: nothing shares a buffer).
     new_params = stored_params_like(stored_params, self.as_tuple(new, params))
-    return new_params, self.stored_like(stored, state)
+    return new_params, self.stored_like(stored, self.view.keyed(state))
 
   def apply_tied(
     self,
@@ -301,7 +320,9 @@ class StageOptimizer:
     """The params ``delay`` steps ahead (delay traced: one compile),
     stored as ``params`` are."""
     stored_params, params = params, leaves_of(params)
-    state = self.base_state(opt_state)
+    view = self.as_dict(params)
+    state = self._structured(self.state_tree(opt_state), view)
+    state = state.inner_state if self.gap_aware else state
     learning_rates = None
     if self._schedule is not None:
       count = staleness.step_count(state)
@@ -309,7 +330,7 @@ class StageOptimizer:
         self._schedule, count, self._horizon
       )
     predicted = self._predictor(
-      self.as_dict(params),
+      view,
       state,
       delay,
       grad=None if grad is None else self.as_dict(grad),
