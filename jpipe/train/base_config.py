@@ -72,6 +72,11 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   # The optimizer's own argument where it has one (decoupled: adamw, lamb,
   # lion...), else L2 added to the gradient (sgd, adam, adafactor...).
   c.optimizer.weight_decay = 0.0
+  # Comma-separated regular expressions of param paths weight_decay skips
+  # (searched in "a/b/c" paths): "bias$,scale$" skips biases and Flax's
+  # LayerNorm / RMSNorm scales, as BERT and GPT-2 train; "" decays every
+  # leaf.
+  c.optimizer.no_decay = ""
   # More keyword arguments of optax.<name>, as Python literals:
   # "b2=0.98,eps=1e-6"; adafactor: "multiply_by_parameter_scale=False".
   c.optimizer.args = ""

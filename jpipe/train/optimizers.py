@@ -8,14 +8,18 @@ that takes a ``learning_rate`` is taken by name (``adafactor``, ``lamb``,
 stage applies the optimizer to its own leaves, which for these
 optimizers (per-leaf updates, LAMB's and LARS's per-leaf trust ratios
 included) is the single-device step; the global gradient norm clipping
-needs is the pipeline's (``clip_global_norm``).
+needs is the pipeline's (``clip_global_norm``). ``no_decay`` masks weight
+decay by param path (each stage's optimizer sees its leaves at their
+model paths, so the mask is the one-device one).
 """
 
 import ast
 import inspect
 
+import jax
 import optax
 
+from jpipe.train import pretrained
 from jpipe.train.errors import UsageError
 
 # Optimizers whose state the staleness transforms read (prediction, GA).
@@ -60,8 +64,20 @@ def check(config) -> None:
   """The optimizer's name and arguments, before any work."""
   opt = config.optimizer
   fn = optax_function(opt.name)
-  args = parse_args(opt.args)
+  if opt.no_decay and not opt.weight_decay:
+    raise UsageError(
+      f"config.optimizer.no_decay={opt.no_decay!r} with weight_decay=0: "
+      "there is no weight decay to skip; set config.optimizer.weight_decay "
+      "or leave no_decay empty"
+    )
+  pretrained.path_patterns(opt.no_decay)
   known = _parameters(fn)
+  if opt.no_decay and "weight_decay" in known and "mask" not in known:
+    raise UsageError(
+      f"config.optimizer.no_decay: optax.{opt.name} takes no weight-decay "
+      "mask; leave no_decay empty or choose adamw, lamb, lion, ..."
+    )
+  args = parse_args(opt.args)
   for key in args:
     if key not in known or key == "learning_rate":
       raise UsageError(
@@ -85,12 +101,35 @@ def build(config, lr, **override) -> optax.GradientTransformation:
     kwargs["momentum"] = opt.momentum or None
   kwargs |= parse_args(opt.args) | override
   decoupled = "weight_decay" in _parameters(fn)
+  mask = decay_mask(opt.no_decay)
   if decoupled and "weight_decay" not in kwargs:
     kwargs["weight_decay"] = opt.weight_decay
+  if decoupled and mask is not None:
+    kwargs["mask"] = mask  # (``check``: the optimizer takes one.)
   tx = fn(**kwargs)
   if opt.weight_decay and not decoupled:
-    tx = optax.chain(optax.add_decayed_weights(opt.weight_decay), tx)
+    decay = optax.add_decayed_weights(opt.weight_decay, mask=mask)
+    tx = optax.chain(decay, tx)
   return tx
+
+
+def decay_mask(patterns: str):
+  """A weight-decay mask function from ``config.optimizer.no_decay``
+  (comma-separated regular expressions searched in each leaf's
+  ``"a/b/c"`` path): True (decayed) where none matches; None for ""."""
+  compiled = pretrained.path_patterns(patterns)
+  if not compiled:
+    return None
+
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, _: (
+        not any(c.search(pretrained.leaf_path(path)) for c in compiled)
+      ),
+      params,
+    )
+
+  return mask
 
 
 def _parameters(fn) -> list[str]:

@@ -73,7 +73,9 @@ def flat_paths(tree) -> dict[str, Any]:
   return {leaf_path(path): leaf for path, leaf in flat}
 
 
-def _patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
+def path_patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
+  """Compiled regular expressions from a comma-separated string (or a
+  list); a UsageError names a bad one."""
   if isinstance(patterns, str):
     patterns = [p for p in patterns.split(",") if p.strip()]
   try:
@@ -84,7 +86,7 @@ def _patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
 
 def matching(patterns: str | Sequence[str], tree) -> list[str]:
   """Paths of ``tree``'s leaves that any pattern (``re.search``) finds."""
-  compiled = _patterns(patterns)
+  compiled = path_patterns(patterns)
   return [p for p in flat_paths(tree) if any(c.search(p) for c in compiled)]
 
 
@@ -99,7 +101,7 @@ def freeze(
     patterns: regular expressions searched in each leaf's ``"a/b/c"``
       path (a comma-separated string or a list), e.g. ``"^embed/"``.
   """
-  compiled = _patterns(patterns)
+  compiled = path_patterns(patterns)
   if not compiled:
     return tx
 
@@ -165,7 +167,7 @@ def load_params(
     got = {
       p[len("params/") :]: x for p, x in got.items() if p.startswith("params/")
     }
-  keep = _patterns(keep_init)
+  keep = path_patterns(keep_init)
   kept = {p for p in want if any(c.search(p) for c in keep)}
   where = _describe(source)
   missing = [p for p in want if p not in got and p not in kept]

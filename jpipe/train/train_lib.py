@@ -184,6 +184,7 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
   if fine_tune:
     task = _from_pretrained(config, task, say)
   lr = learning_rate(config)
+  _say_no_decay(config, task.params, say)
   tx = _frozen(config, task.params, build_optimizer(config, lr), say)
   mode = build_mode(run, config, task, tx, lr, say)
   if not run.steps:  # Evaluation only.
@@ -257,6 +258,24 @@ def _from_pretrained(config, task: Task, say) -> Task:
     f"Initialised from {config.init_from}: {n - len(keep)} of {n} leaves{kept}."
   )
   return dataclasses.replace(task, params=params)
+
+
+def _say_no_decay(config, params, say) -> None:
+  """How many leaves ``config.optimizer.no_decay`` keeps from weight
+  decay; a UsageError where it matches none or all."""
+  patterns = config.optimizer.no_decay
+  if not patterns:
+    return
+  skipped = pretrained.matching(patterns, params)
+  n = len(jax.tree.leaves(params))
+  if not skipped or len(skipped) == n:
+    raise UsageError(
+      f"config.optimizer.no_decay={patterns!r} matches {len(skipped)} of "
+      f"the {n} param paths (paths look like "
+      f"{next(iter(pretrained.flat_paths(params)))!r}); name the leaves "
+      "weight decay skips (e.g. 'bias$,norm'), not none or all"
+    )
+  say(f"No weight decay: {len(skipped)} of {n} param leaves ({patterns}).")
 
 
 def _frozen(config, params, tx, say):

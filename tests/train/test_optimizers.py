@@ -1,5 +1,7 @@
 """``config.optimizer``: any optax optimizer by name, with its arguments."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +95,31 @@ def test_an_optax_optimizer_by_name_is_that_optimizer(
 
 
 @pytest.mark.parametrize(
+  "name, expected",
+  [
+    ("adamw", lambda mask: optax.adamw(0.01, weight_decay=0.5, mask=mask)),
+    (  # L2 on the gradient, masked the same way.
+      "adam",
+      lambda mask: optax.chain(
+        optax.add_decayed_weights(0.5, mask=mask), optax.adam(0.01)
+      ),
+    ),
+  ],
+)
+def test_no_decay_skips_the_leaves_its_patterns_find(name, expected):
+  config = _config(name, weight_decay=0.5, **{"optimizer.no_decay": "^b$"})
+  config_check.check(config)
+  built = _updates(train_lib.build_optimizer(config, 0.01))
+  want = _updates(expected({"w": True, "b": False}))
+  for key in ("w", "b"):
+    np.testing.assert_allclose(built[key], want[key], rtol=1e-6)
+  # Not the unmasked step: "b" would decay.
+  unmasked = _updates(expected(None))
+  assert not np.allclose(built["b"], unmasked["b"])
+  np.testing.assert_allclose(built["w"], unmasked["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
   "fields, message",
   [
     ({"optimizer.name": "adamm"}, "not an optax optimizer"),
@@ -112,6 +139,16 @@ def test_an_optax_optimizer_by_name_is_that_optimizer(
       "Gap-Aware reads the state of",
     ),
     ({"optimizer.clip_norm": -1.0}, "clip_norm"),
+    ({"optimizer.no_decay": "bias$"}, "no weight decay to skip"),
+    (
+      {
+        "optimizer.no_decay": "bias$",
+        "optimizer.weight_decay": 0.1,
+        "optimizer.name": "novograd",
+      },
+      "takes no weight-decay mask",
+    ),
+    ({"optimizer.no_decay": "(", "optimizer.weight_decay": 0.1}, "pattern"),
   ],
 )
 def test_bad_optimizer_fields_are_named(fields, message):
@@ -145,3 +182,27 @@ def test_adafactor_takes_weight_prediction_from_the_cli(tmp_path):
   plain = losses("", tmp_path / "plain")
   assert len(predicted) == 4 and all(np.isfinite(predicted))
   assert predicted != plain
+
+
+def test_no_decay_is_counted_and_a_pattern_finding_nothing_stops_the_run(
+  tmp_path, capsys
+):
+  from tests.train.test_train import _config as small
+
+  def config(no_decay):
+    return small(
+      **{
+        "optimizer.name": "adamw",
+        "optimizer.weight_decay": 0.1,
+        "optimizer.no_decay": no_decay,
+        "train.steps": 1,
+      }
+    )
+
+  with pytest.raises(UsageError, match=r"matches 0 of the \d+ param paths"):
+    train_lib.train_and_evaluate(config("^nothing$"), str(tmp_path / "a"))
+  assert not os.listdir(tmp_path / "a" / "checkpoints")  # Nothing trained.
+  train_lib.train_and_evaluate(config("bias$"), str(tmp_path / "b"))
+  assert (
+    "No weight decay: 3 of 6 param leaves (bias$)." in capsys.readouterr().out
+  )
