@@ -260,22 +260,34 @@ def _from_pretrained(config, task: Task, say) -> Task:
   return dataclasses.replace(task, params=params)
 
 
+def _some_leaves(name: str, patterns: str, params, fix: str) -> tuple[int, int]:
+  """(leaves the path ``patterns`` of ``config.optimizer.<name>`` match,
+  all leaves); a UsageError where they match none or all (``fix``: what
+  to write instead)."""
+  matched = pretrained.matching(patterns, params)
+  n = len(jax.tree.leaves(params))
+  if not matched or len(matched) == n:
+    raise UsageError(
+      f"config.optimizer.{name}={patterns!r} matches {len(matched)} of the "
+      f"{n} param paths (paths look like "
+      f"{next(iter(pretrained.flat_paths(params)))!r}); {fix}, not none or "
+      "all"
+    )
+  return len(matched), n
+
+
 def _say_no_decay(config, params, say) -> None:
   """How many leaves ``config.optimizer.no_decay`` keeps from weight
   decay; a UsageError where it matches none or all."""
   patterns = config.optimizer.no_decay
-  if not patterns:
-    return
-  skipped = pretrained.matching(patterns, params)
-  n = len(jax.tree.leaves(params))
-  if not skipped or len(skipped) == n:
-    raise UsageError(
-      f"config.optimizer.no_decay={patterns!r} matches {len(skipped)} of "
-      f"the {n} param paths (paths look like "
-      f"{next(iter(pretrained.flat_paths(params)))!r}); name the leaves "
-      "weight decay skips (e.g. 'bias$,norm'), not none or all"
+  if patterns:
+    k, n = _some_leaves(
+      "no_decay",
+      patterns,
+      params,
+      "name the leaves weight decay skips (e.g. 'bias$,scale$')",
     )
-  say(f"No weight decay: {len(skipped)} of {n} param leaves ({patterns}).")
+    say(f"No weight decay: {k} of {n} param leaves ({patterns}).")
 
 
 def _frozen(config, params, tx, say):
@@ -283,18 +295,8 @@ def _frozen(config, params, tx, say):
   patterns = config.optimizer.freeze
   if not patterns:
     return tx
-  frozen, n = (
-    pretrained.matching(patterns, params),
-    len(jax.tree.leaves(params)),
-  )
-  if not frozen or len(frozen) == n:
-    raise UsageError(
-      f"config.optimizer.freeze={patterns!r} matches {len(frozen)} of the "
-      f"{n} param paths (paths look like "
-      f"{next(iter(pretrained.flat_paths(params)))!r}); freeze some, not "
-      "none or all"
-    )
-  say(f"Frozen: {len(frozen)} of {n} param leaves ({patterns}).")
+  k, n = _some_leaves("freeze", patterns, params, "freeze some")
+  say(f"Frozen: {k} of {n} param leaves ({patterns}).")
   return pretrained.freeze(tx, patterns)
 
 

@@ -74,6 +74,20 @@ def _freeze(params, frozen):
   )
 
 
+def _pipeline(loss_fn, params, batch, schedule, tx):
+  """The 3-stage pipeline every case runs, 2 microbatches."""
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=3,
+    devices=jax.devices()[:3],
+    schedule=schedule,
+    num_microbatches=2,
+    optimizer=tx,
+  )
+
+
 def _one_device(loss_fn, params, batch, tx, steps):
   opt_state = tx.init(params)
   for _ in range(steps):
@@ -120,16 +134,7 @@ def test_a_1f1b_pipeline_steps_as_one_device_with_whole_model_masks(case):
   model, make_tx = CASES[case]
   loss_fn, params, batch = _problem(model())
   tx = make_tx(params)
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
-    schedule="1f1b",
-    num_microbatches=2,
-    optimizer=tx,
-  )
+  pipe = _pipeline(loss_fn, params, batch, "1f1b", tx)
   state = pipe.init(params)
   for _ in range(2):
     state, _ = pipe.step(state, batch)
@@ -143,16 +148,7 @@ def test_a_stream_leaves_frozen_modules_as_they_were_and_resumes():
   rows train, whichever stage holds them; a state dict saved and loaded
   steps on as the original does."""
   loss_fn, params, batch = _problem(_Scanned())
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
-    schedule="async",
-    num_microbatches=2,
-    optimizer=_freeze(params, {"stem"}),
-  )
+  pipe = _pipeline(loss_fn, params, batch, "async", _freeze(params, {"stem"}))
   assert len(set(pipe.plan.stage_of_node[1:5])) > 1  # The scan is split.
   state = pipe.init(params)
   for _ in range(2):
@@ -189,16 +185,7 @@ def test_adafactor_over_split_scanned_layers_saves_and_resumes():
   a stacked leaf's rows stores it per row, and a state dict of those
   reads back into the rows (it failed before: () against (1,))."""
   loss_fn, params, batch = _problem(_Scanned())
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
-    schedule="1f1b",
-    num_microbatches=2,
-    optimizer=optax.adafactor(0.05),
-  )
+  pipe = _pipeline(loss_fn, params, batch, "1f1b", optax.adafactor(0.05))
   state, _ = pipe.step(pipe.init(params), batch)
   resumed = pipe.load_state_dict(pipe.state_dict(state))
   state, _ = pipe.step(state, batch)
