@@ -212,10 +212,21 @@ def _predict_sgd(params, opt_state, delay, grad, lr_at, momentum, weight_decay):
       out = out + coef[2].astype(dtype) * phi.astype(dtype)
     return out
 
-  none_tree = jax.tree.map(lambda _: None, params)
-  trace = none_tree if trace is None else trace
-  grad = none_tree if grad is None else grad
-  return jax.tree.map(combine, params, trace, grad, is_leaf=lambda x: x is None)
+  return _map_optional(combine, params, trace, grad)
+
+
+def _map_optional(fn, tree, *others):
+  """``jax.tree.map(fn, tree, *others)`` where an entry of ``others`` may
+  be None for a tree that is absent (``fn`` gets None at each leaf).
+  None subtrees of ``tree`` (a pipeline stage's view of the model: the
+  leaves other stages hold) stay None."""
+  present = [o for o in others if o is not None]
+
+  def one(x, *ys):
+    it = iter(ys)
+    return fn(x, *(None if o is None else next(it) for o in others))
+
+  return jax.tree.map(one, tree, *present)
 
 
 def _predict_adam(
@@ -257,10 +268,7 @@ def _predict_adam(
         jnp.where(active, mm_new, mm).astype(mm.dtype),
       )
 
-    g_tree = jax.tree.map(lambda _: None, theta) if phi is None else phi
-    pairs = jax.tree.map(
-      leaf, theta, m, nu, g_tree, is_leaf=lambda x: x is None
-    )
+    pairs = _map_optional(leaf, theta, m, nu, phi)
     treedef = jax.tree.structure(theta)
     leaves = treedef.flatten_up_to(pairs)
     return (

@@ -307,3 +307,42 @@ def test_plain_sgd_without_momentum_predicts_only_decay_and_grad():
     params,
     grad,
   )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("aggregated", [False, True])
+def test_none_subtrees_stay_none_and_the_rest_is_predicted_alike(
+  optimizer, aggregated
+):
+  """A pipeline stage predicts its view of the model: the leaves other
+  stages hold are None. Those stay None; the others are predicted as in
+  the whole tree."""
+  tx = _build(optimizer, wd=5e-2)
+  params, state = _run_steps(tx, _params())
+  grad = _grad_like(params) if aggregated else None
+  predict = staleness.weight_predictor(
+    optimizer, learning_rate=LR, momentum=0.9, weight_decay=5e-2
+  )
+  whole = predict(params, state, 3, grad=grad)
+  gone = next(iter(params))
+
+  def without(tree):
+    return {k: None if k == gone else v for k, v in tree.items()}
+
+  view_state = jax.tree.map(
+    lambda x: (
+      without(x) if isinstance(x, dict) and set(x) == set(params) else x
+    ),
+    state,
+    is_leaf=lambda x: isinstance(x, dict) and set(x) == set(params),
+  )
+  part = predict(
+    without(params),
+    view_state,
+    3,
+    grad=None if grad is None else without(grad),
+  )
+  assert part[gone] is None
+  for k in params:
+    if k != gone:
+      np.testing.assert_array_equal(part[k], whole[k])
