@@ -21,6 +21,7 @@ from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.auto_schedule import choose_schedule
 from jpipe.runtime.build.flat import FlatLayout
+from jpipe.runtime.build.optimizer_locality import check_pipeline_optimizer
 from jpipe.runtime.build.options import Staleness, staleness_from_keywords
 from jpipe.runtime.build.params_view import ParamsView
 from jpipe.runtime.build.partitioning import (
@@ -120,6 +121,15 @@ def build_runtime(
   """Stage programs, tied params, per-stage optimizers, the version
   policy and the driver, for stages placed as ``placed`` says."""
   staleness, traced = request.staleness, cut.traced
+  sources = (  # per traced param leaf: (model leaf, row)
+    traced.param_layout.source
+    if traced.param_layout is not None
+    else [(i, -1) for i in range(traced.num_param_leaves)]
+  )
+  # Before anything compiles: a whole-model step would run per stage.
+  check_pipeline_optimizer(
+    request.optimizer, params, [s.param_leaves for s in stages.specs], sources
+  )
   # A stage's gradients and optimizer state are packed alike: leaves of
   # at least this many bytes travel apart.
   own_sizes = tuple(
@@ -148,11 +158,6 @@ def build_runtime(
   if traced.param_layout is not None:  # A stacked leaf's rows: "path[k]".
     names = traced.param_layout.traced_names(names)
   treedef = jax.tree.structure(params)
-  sources = (
-    traced.param_layout.source
-    if traced.param_layout is not None
-    else [(i, -1) for i in range(len(names))]
-  )
   stage_optimizers = _stage_optimizers(
     stages,
     tied,

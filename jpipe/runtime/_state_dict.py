@@ -64,6 +64,8 @@ def select_keyed(saved, template):
     )
   if template is None:
     return None
+  if _is_key(template) and not _is_key(saved):
+    saved = _wrap_key_data(saved, template)
   if np.shape(saved) != np.shape(template) and _squeezed(saved) == _squeezed(
     template
   ):
@@ -79,6 +81,30 @@ def select_keyed(saved, template):
   if getattr(saved, "dtype", None) == dtype:
     return saved  # (A leaf read when placed stays unread here.)
   return np.asarray(saved, dtype=dtype)
+
+
+def _is_key(leaf) -> bool:
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_data(leaf):
+  """A typed PRNG key leaf (``optax.add_noise``'s state) as its key data
+  -- uint32 numbers, which a checkpoint writes as any array; any other
+  leaf as it is. Abstract leaves likewise."""
+  if not _is_key(leaf):
+    return leaf
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.eval_shape(jax.random.key_data, leaf)
+  return np.asarray(jax.random.key_data(leaf))
+
+
+def _wrap_key_data(saved, template):
+  """``key_data``'s inverse: ``saved``'s numbers as keys of
+  ``template``'s kind (its PRNG implementation)."""
+  impl = []
+  jax.eval_shape(lambda t: impl.append(jax.random.key_impl(t)), template)
+  return jax.random.wrap_key_data(np.asarray(saved), impl=impl[0])
 
 
 def _squeezed(x) -> tuple[int, ...]:
@@ -137,7 +163,10 @@ def merge_optimizer_states(optimizers, opt_states) -> tuple[dict, dict]:
 def merge_unpacked(optimizers, trees) -> tuple[dict, dict]:
   """``merge_optimizer_states`` of states already unpacked (optax's
   trees: host arrays, or abstract values)."""
-  base = [opt.base_state(st) for opt, st in zip(optimizers, trees, strict=True)]
+  base = [
+    jax.tree.map(key_data, opt.base_state(st))
+    for opt, st in zip(optimizers, trees, strict=True)
+  ]
   ga_states = [
     st for opt, st in zip(optimizers, trees, strict=True) if opt.gap_aware
   ]

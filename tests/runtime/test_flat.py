@@ -11,7 +11,7 @@ import pytest
 
 import jpipe
 from jpipe.models import mlp
-from jpipe.runtime.build.flat import FlatLayout
+from jpipe.runtime.build.flat import FlatLayout, PackedTree
 
 
 def _leaves():
@@ -163,3 +163,27 @@ def test_own_buffer_bytes_chooses_what_travels_packed_not_the_results():
 def test_own_buffer_bytes_must_be_a_size():
   with pytest.raises(ValueError, match="own_buffer_bytes must be a size"):
     jpipe.runtime.Partitioning(num_stages=2, own_buffer_bytes=-1)
+
+
+def test_a_stored_state_keeps_a_prng_key_apart():
+  """A typed PRNG key (optax.add_noise's state) has no NumPy dtype: it
+  stays its own buffer and comes back the same key."""
+  state = {
+    "count": jnp.int32(3),
+    "key": jax.random.key(7),
+    "mu": jnp.arange(4.0),
+  }
+  packed = PackedTree.pack(state, 1 << 14)
+  assert (
+    sum(
+      jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key)
+      for b in packed.buffers
+    )
+    == 1
+  )
+  back = packed.unpack()
+  np.testing.assert_array_equal(
+    jax.random.key_data(back["key"]), jax.random.key_data(state["key"])
+  )
+  np.testing.assert_array_equal(back["mu"], state["mu"])
+  assert back["count"] == 3

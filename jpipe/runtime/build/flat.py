@@ -101,7 +101,7 @@ class FlatLayout:
     apart: Sequence[int] = (),
   ):
     self.shapes = tuple(tuple(np.shape(x)) for x in leaves)
-    dtypes = [jnp.dtype(x.dtype) for x in leaves]
+    dtypes = [_dtype(x.dtype) for x in leaves]
     sizes_of = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
     big = [
       size * d.itemsize >= own_buffer_bytes or i in apart
@@ -217,11 +217,20 @@ def _own(entry) -> bool:
   return entry[0] == "own"
 
 
+def _dtype(dtype):
+  """``jnp.dtype(dtype)``, or an extended dtype (a typed PRNG key's,
+  ``key<fry>``: optax.add_noise's state) as it is: NumPy has no name for
+  it."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return dtype
+  return jnp.dtype(dtype)
+
+
 def _width(dtype):
   """A stored leaf's buffer group: real numbers by their width (bitcast
-  to one another losslessly), anything else (booleans, complex numbers)
-  by its dtype."""
-  dtype = jnp.dtype(dtype)
+  to one another losslessly), anything else (booleans, complex numbers,
+  PRNG keys) by its dtype."""
+  dtype = _dtype(dtype)
   if jnp.issubdtype(dtype, jnp.integer):
     bits = jnp.iinfo(dtype).bits
   elif jnp.issubdtype(dtype, jnp.floating):

@@ -1,0 +1,283 @@
+"""Whether the user's optimizer steps each stage from that stage's leaves.
+
+A pipeline runs one optimizer per stage, each over the leaves its stage
+holds (``params_view``: the model's params pytree, other stages' leaves
+None). That is one device's step only where every leaf's update (and
+every value the optimizer keeps) is a function of leaves one stage
+holds. ``optax.chain(optax.clip_by_global_norm(c), tx)`` -- the clip in
+nearly every training script -- is not: its scale reads every leaf's
+gradient, so per stage it would clip each stage by its own norm, a
+silently different step. The same holds for ``optax.apply_if_finite``,
+``optax.normalize_by_update_norm`` and the optimizers that estimate a
+step size over the whole model (``optax.contrib.prodigy``,
+``dadapt_adamw``, ``mechanize``).
+
+``check_stage_local`` finds this before anything compiles: it traces the
+optimizer's update once over the whole model's abstract params (nothing
+is allocated) and follows, through the jaxpr, which input leaves each
+output leaf is computed from (``output_dependencies``).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from jpipe.runtime.build.stage_optimizer import leaf_names
+
+# A value's dependencies: a bitset of input indices (bit i: input i), as
+# an int -- unions over a whole model's leaves are one OR each.
+Deps = int
+
+# What the error suggests in place of a whole-model step.
+_FIX = (
+  "a pipeline steps each stage's leaves on that stage, so a step computed "
+  "over the whole model would silently differ from one device's. For "
+  "global-norm clipping pass clip_global_norm=c to jpipe.Pipeline "
+  "(config.optimizer.clip_norm) and leave optax.clip_by_global_norm out of "
+  "the optimizer; otherwise use an optimizer whose step for a leaf reads "
+  "only that leaf's values (optax's adam, adamw, sgd, lamb, adafactor, "
+  "muon, masks and multi_transform all do)"
+)
+
+
+def output_dependencies(
+  closed_jaxpr: jex_core.ClosedJaxpr,
+) -> list[Deps]:
+  """Per output of ``closed_jaxpr``, the inputs its value is computed
+  from, as a bitset (bit i: input i) (data flow at the granularity of whole arrays;
+  through jit, cond, while, scan, custom derivatives and remat; any
+  other higher-order primitive counts each output as reading all its
+  inputs)."""
+  jaxpr = closed_jaxpr.jaxpr
+  return _deps(
+    jaxpr,
+    [0] * len(jaxpr.constvars),
+    [1 << i for i in range(len(jaxpr.invars))],
+  )
+
+
+def _deps(jaxpr, const_deps, in_deps) -> list[Deps]:
+  env: dict[Any, Deps] = {}
+  for v, d in zip(jaxpr.constvars, const_deps, strict=True):
+    env[v] = d
+  for v, d in zip(jaxpr.invars, in_deps, strict=True):
+    env[v] = d
+
+  def read(v) -> Deps:
+    return env.get(v, 0) if isinstance(v, jex_core.Var) else 0
+
+  for eqn in jaxpr.eqns:
+    outs = _eqn_deps(eqn, [read(v) for v in eqn.invars])
+    for v, d in zip(eqn.outvars, outs, strict=True):
+      env[v] = d
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _union(sets) -> Deps:
+  out = 0
+  for d in sets:
+    out |= d
+  return out
+
+
+def _eqn_deps(eqn, ins: list[Deps]) -> list[Deps]:
+  """One equation's output dependencies from its inputs'."""
+  name, params = eqn.primitive.name, eqn.params
+  if name == "cond":  # invars: (index, *operands)
+    outs = [_closed(b, ins[1:]) for b in params["branches"]]
+    return [ins[0] | _union(o) for o in zip(*outs, strict=True)]
+  if name == "while":
+    return _while(params, ins)
+  if name == "scan":
+    return _scan(params, ins)
+  subs = [p for p in params.values() if _is_jaxpr(p)]
+  if len(subs) == 1 and _arity(subs[0]) == (len(ins), len(eqn.outvars)):
+    # jit, custom_jvp_call, custom_vjp_call, remat, closed_call: the
+    # inner jaxpr is the equation, input for input.
+    return _closed(subs[0], ins)
+  return [_union(ins)] * len(eqn.outvars)
+
+
+def _is_jaxpr(p) -> bool:
+  return isinstance(p, jex_core.ClosedJaxpr | jex_core.Jaxpr)
+
+
+def _arity(j) -> tuple[int, int]:
+  jaxpr = j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
+  return len(jaxpr.invars), len(jaxpr.outvars)
+
+
+def _closed(j, ins: Sequence[Deps]) -> list[Deps]:
+  if isinstance(j, jex_core.ClosedJaxpr):
+    j = j.jaxpr
+  return _deps(j, [0] * len(j.constvars), list(ins))
+
+
+def _fixed_point(step: Callable[[list[Deps]], list[Deps]], carry):
+  """The least carry dependencies closed under ``step`` (each carry
+  reads what its initial value and every iteration feed it)."""
+  while True:
+    new = [c | n for c, n in zip(carry, step(carry), strict=True)]
+    if new == carry:
+      return carry
+    carry = new
+
+
+def _while(params, ins: list[Deps]) -> list[Deps]:
+  nc, nb = params["cond_nconsts"], params["body_nconsts"]
+  cond_consts, body_consts, init = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+
+  def step(carry):
+    flow = _closed(params["body_jaxpr"], [*body_consts, *carry])
+    # The trip count (the predicate's inputs) shapes every result.
+    (pred,) = _closed(params["cond_jaxpr"], [*cond_consts, *carry])
+    return [d | pred for d in flow]
+
+  return _fixed_point(step, list(init))
+
+
+def _scan(params, ins: list[Deps]) -> list[Deps]:
+  nc, ncarry = params["num_consts"], params["num_carry"]
+  consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
+  body = params["jaxpr"]
+  carry = _fixed_point(
+    lambda c: _closed(body, [*consts, *c, *xs])[:ncarry], list(init)
+  )
+  return [*carry, *_closed(body, [*consts, *carry, *xs])[ncarry:]]
+
+
+def check_pipeline_optimizer(optimizer, params, stage_leaves, sources):
+  """``check_stage_local`` for a pipeline's stages: ``stage_leaves``, per
+  stage, the traced param leaves it reads; ``sources``, per traced leaf,
+  its ``(model leaf, row)``. One stage: nothing to check."""
+  if len(stage_leaves) < 2:
+    return
+  held = [set() for _ in jax.tree.leaves(params)]
+  for s, leaves in enumerate(stage_leaves):
+    for i in leaves:
+      held[sources[i][0]].add(s)
+  check_stage_local(
+    optimizer, params, [frozenset(h) for h in held], leaf_names(params)
+  )
+
+
+def check_stage_local(
+  optimizer,
+  params,
+  leaf_stages: Sequence[frozenset[int]],
+  leaf_names: Sequence[str],
+) -> None:
+  """Raises ValueError if ``optimizer``'s step on the whole model reads,
+  for some leaf's update or some value it keeps, leaves that no one stage
+  holds together.
+
+  Args:
+    optimizer: an optax ``GradientTransformation`` written for the whole
+      model.
+    params: the model's params (arrays or ``jax.ShapeDtypeStruct``s; only
+      shapes and dtypes are read).
+    leaf_stages: per model leaf (flatten order), the stages holding it (a
+      tied leaf's owner and holders; a scanned leaf's rows' stages).
+    leaf_names: per model leaf, its path (for the message).
+
+  A leaf no stage holds (a param the loss never reads) is left out.
+  """
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  n = len(leaf_stages)
+  state = jax.eval_shape(optimizer.init, abstract)
+  try:
+    traced = jax.make_jaxpr(lambda g, s, p: optimizer.update(g, s, p))(
+      abstract, state, abstract
+    )
+  except TypeError as e:
+    if "required keyword-only argument" not in str(e):
+      raise
+    raise ValueError(
+      f"the optimizer's update needs arguments a pipeline's stage cannot "
+      f"give it ({e}): optax.contrib.reduce_on_plateau, polyak_sgd and "
+      "lbfgs read the loss (value=) or the loss function, which a stage "
+      "steps without. Use a learning-rate schedule, or an optimizer whose "
+      "update takes (updates, state, params)"
+    ) from None
+  state_paths = [
+    jax.tree_util.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+  ]
+  num_state = len(state_paths)
+
+  # Inputs: gradients (n), state, params (n); only leaves are labelled.
+  def model_leaf(i):
+    if i < n:
+      return i
+    if i >= n + num_state:
+      return i - n - num_state
+    return None
+
+  def read(deps: Deps) -> set[int]:  # the model leaves a bitset reads
+    return {model_leaf(i) for i in _bits(deps)} - {None}
+
+  outputs = output_dependencies(traced)
+  updates, new_state = outputs[:n], outputs[n:]
+  for i, deps in enumerate(updates):
+    _check_output(
+      f"the update of {leaf_names[i]!r}",
+      leaf_stages[i],
+      read(deps),
+      leaf_stages,
+      leaf_names,
+    )
+  for where, deps in zip(state_paths, new_state, strict=True):
+    _check_output(
+      f"the optimizer state's {where}",
+      None,
+      read(deps),
+      leaf_stages,
+      leaf_names,
+    )
+
+
+def _bits(deps: Deps) -> list[int]:
+  out = []
+  while deps:
+    low = deps & -deps  # the lowest set bit
+    out.append(low.bit_length() - 1)
+    deps ^= low
+  return out
+
+
+def _check_output(what, at, read, leaf_stages, leaf_names) -> None:
+  """Raises unless one stage (one of ``at``'s, where given: the stages
+  holding the updated leaf) holds every leaf in ``read``."""
+  common = set(at) if at is not None else None
+  first = None  # the leaf that set ``common`` (a state value's)
+  if at is not None and not at:
+    return  # A leaf no stage holds: nobody steps it.
+  for m in sorted(read):
+    held = set(leaf_stages[m])
+    if not held:
+      continue
+    if common is None:
+      common, first = held, m
+    elif common & held:
+      common &= held
+    else:
+      if at is not None:
+        what += f" (stage {', '.join(map(str, sorted(at)))})"
+      also = (
+        ""
+        if first is None
+        else f" and {_where(first, leaf_stages, leaf_names)}"
+      )
+      raise ValueError(
+        "the optimizer couples leaves of different stages: "
+        f"{what} reads {_where(m, leaf_stages, leaf_names)}{also}: {_FIX}"
+      )
+
+
+def _where(m, leaf_stages, leaf_names) -> str:
+  stages = sorted(leaf_stages[m])
+  return f"{leaf_names[m]!r} (stage {', '.join(map(str, stages))})"
