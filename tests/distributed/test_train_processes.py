@@ -134,50 +134,28 @@ def _launched_training(workdir, *overrides):
   ]
 
 
-def test_sigterm_to_the_launcher_checkpoints_every_process_and_resumes(
+def test_a_live_runs_workdir_is_refused_then_sigterm_saves_and_resumes(
   tmp_path, process_env
 ):
-  """SIGTERM to the launcher of a healthy 2-process run: the processes
-  agree on a step, save it together and exit 143; the same command
-  resumes from that step."""
+  """A live 2-process run holds its workdir (its processes share it):
+  a second 2-process run there exits at once with status 2, each process
+  with the one line naming the first run's process 0, and the first run
+  trains on undisturbed. Then SIGTERM to the first run's launcher: the
+  processes agree on a step, save it together and exit 143; the same
+  command resumes from that step. (One long run serves both: each
+  launch of 2 processes costs ~10 CPU-s.)"""
   command = _launched_training(tmp_path)
   lines = []
   with started(
     [*command, "--config.train.steps=100000"], process_env()
-  ) as proc:
-    read_until(proc, "[p0] step 5/", lines, time.monotonic() + 180)
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=60)
-  out = "".join(lines) + rest
-  assert proc.returncode == 143, out[-4000:]
-  for p in (0, 1):
-    assert f"[launch] process {p} exited with status 143" in out, out[-4000:]
-  saved = int(out.split("SIGTERM: saved step ")[1].split()[0])
-  assert saved >= 5
-  again = _run_command(
-    [*command, f"--config.train.steps={saved + 2}"], process_env()
-  )
-  assert f"[p0] Resuming from step {saved}" in again
-  assert f"[p0] Done: {saved + 2} steps" in again
-
-
-def test_a_second_run_on_a_live_runs_workdir_is_refused_in_each_process(
-  tmp_path, process_env
-):
-  """A live 2-process run holds its workdir (its processes share it);
-  a second 2-process run there exits at once with status 2, each process
-  with the one line naming the first run's process 0; the first run
-  trains on undisturbed."""
-  command = _launched_training(tmp_path, "--config.train.steps=100000")
-  lines = []
-  with started(command, process_env()) as first:
+  ) as first:
     read_until(first, "[p0] step 1/", lines, time.monotonic() + 180)
     with open(tmp_path / workdir_lock.FILE_NAME) as f:
       holder = workdir_lock.Holder.parse(f.read())
     assert holder.processes == 2
     t0 = time.monotonic()
     second = subprocess.run(
-      command,
+      [*command, "--config.train.steps=100000"],
       env=process_env(),
       capture_output=True,
       text=True,
@@ -198,10 +176,20 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_each_process(
         f"{holder.host}, process 0 of 2, since" in error[0]
       )
     assert took < 60, took
-    read_until(first, "[p0] step 3/", lines, time.monotonic() + 60)
+    read_until(first, "[p0] step 5/", lines, time.monotonic() + 60)
     first.send_signal(signal.SIGTERM)
     rest, _ = first.communicate(timeout=60)
-  assert first.returncode == 143, ("".join(lines) + rest)[-4000:]
+  out = "".join(lines) + rest
+  assert first.returncode == 143, out[-4000:]
+  for p in (0, 1):
+    assert f"[launch] process {p} exited with status 143" in out, out[-4000:]
+  saved = int(out.split("SIGTERM: saved step ")[1].split()[0])
+  assert saved >= 5
+  again = _run_command(
+    [*command, f"--config.train.steps={saved + 2}"], process_env()
+  )
+  assert f"[p0] Resuming from step {saved}" in again
+  assert f"[p0] Done: {saved + 2} steps" in again
 
 
 def _final_checksums(workdir, step):
