@@ -29,6 +29,7 @@ def __getattr__(name):
     "PipelineBuilder",
     "PipelineState",
     "MemoryLimitError",
+    "OptimizerError",
   ):
     from jpipe import runtime
 

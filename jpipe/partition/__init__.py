@@ -42,7 +42,12 @@ from jpipe.partition._stages import (
   StageSpec,
   default_residual_own_bytes,
 )
-from jpipe.partition._trace import TracedModel, trace, with_model_state
+from jpipe.partition._trace import (
+  LossOutputError,
+  TracedModel,
+  trace,
+  with_model_state,
+)
 
 __all__ = [
   "METHODS",
@@ -50,6 +55,7 @@ __all__ = [
   "PIPEDREAM_PROFILES",
   "ContiguousSolution",
   "Granularity",
+  "LossOutputError",
   "GraphCosts",
   "MemoryBudget",
   "MemoryModel",

@@ -292,15 +292,28 @@ def trace(
   )
 
 
+class LossOutputError(ValueError):
+  """``loss_fn`` returned something other than what ``trace`` was told
+  (a scalar; with ``has_aux``, a scalar and aux). ``got``: the output's
+  abstract value, for a caller's own message."""
+
+  def __init__(self, message: str, got):
+    super().__init__(message)
+    self.got = got
+
+
 def _check_loss(out_shape, has_aux: bool) -> None:
   """A loss function's output: a scalar, or (a scalar, aux)."""
   loss_shape = out_shape[0] if has_aux else out_shape
   if has_aux and not (isinstance(out_shape, tuple) and len(out_shape) == 2):
-    raise ValueError("has_aux=True needs loss_fn to return (loss, aux)")
+    raise LossOutputError(
+      "has_aux=True needs loss_fn to return (loss, aux)", out_shape
+    )
   if not hasattr(loss_shape, "shape") or loss_shape.shape != ():
-    raise ValueError(
+    raise LossOutputError(
       f"loss_fn must return a scalar loss{' first' if has_aux else ''}; "
-      f"got {loss_shape} (pass has_aux=True for (loss, aux))"
+      f"got {loss_shape} (pass has_aux=True for (loss, aux))",
+      out_shape,
     )
 
 

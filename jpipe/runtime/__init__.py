@@ -18,6 +18,7 @@ from jpipe.runtime.build.memory import (
   format_bytes,
   partitioner_memory_model,
 )
+from jpipe.runtime.build.optimizer_locality import OptimizerError
 from jpipe.runtime.build.options import (
   GAP_AWARE_POLICIES,
   Staleness,
@@ -41,6 +42,7 @@ __all__ = [
   "GAP_AWARE_POLICIES",
   "HeldRows",
   "MemoryLimitError",
+  "OptimizerError",
   "Partitioning",
   "Pipeline",
   "PipelineBuilder",

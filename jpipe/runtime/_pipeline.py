@@ -132,6 +132,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   schedule_choice = _part("request", "schedule_choice")
   num_microbatches = _part("request", "num_microbatches")
   microbatch_size = _part("request", "microbatch_size")
+  batch_spec = _part("request", "batch_spec")
   devices = _part("request", "devices")
   memory_limit = _part("request", "memory_limit")
   clip_global_norm = _part("request", "clip_global_norm")

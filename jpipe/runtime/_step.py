@@ -18,6 +18,7 @@ from jpipe.runtime.execute.profiler import ActionProfiler
 def step(pipe, state: PipelineState, batch, profile: bool):
   """``Pipeline.step``: ``batch`` cut into microbatches of the pipeline's
   size and run; returns (state, metrics)."""
+  pipe.batch_spec.check(batch)
   size = batch_size(batch)
   if size % pipe.microbatch_size:
     raise ValueError(

@@ -8,7 +8,9 @@ that takes a ``learning_rate`` is taken by name (``adafactor``, ``lamb``,
 stage applies the optimizer to its own leaves, which for these
 optimizers (per-leaf updates, LAMB's and LARS's per-leaf trust ratios
 included) is the single-device step; the global gradient norm clipping
-needs is the pipeline's (``clip_global_norm``). ``no_decay`` masks weight
+needs is the pipeline's (``clip_global_norm``); one that is not per leaf
+(``lbfgs`` reads the loss) is refused at the pipeline's build
+(``jpipe.OptimizerError``, a UsageError here). ``no_decay`` masks weight
 decay by param path (each stage's optimizer sees its leaves at their
 model paths, so the mask is the one-device one).
 """

@@ -134,6 +134,10 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
     )
   except schedule_lib.NoScheduleFits as e:  # schedule "auto"
     raise UsageError(f"config.pipeline.memory_limit: {e}") from e
+  except jpipe.OptimizerError as e:
+    raise UsageError(
+      f"config.optimizer.name={config.optimizer.name!r}: {e}"
+    ) from e
   except ValueError as e:
     if "memory_limit" not in str(e):
       raise

@@ -178,3 +178,16 @@ def test_a_language_model_with_too_few_logits_is_refused_at_build(tmp_path):
   _one_line(err)
   config.model.kwargs = {"outputs": 256, "per_token": True}
   tasks.build_task(config)
+
+
+def test_an_optimizer_that_cannot_run_per_stage_is_one_line(tmp_path):
+  """optax.lbfgs reads the loss at each update, which a stage steps
+  without: refused at the pipeline's build, before any program compiles,
+  as the config's line (was a TypeError's traceback at the first step)."""
+  config = default_config.get_config()
+  config.optimizer.name = "lbfgs"
+  with pytest.raises(
+    UsageError, match=r"^config.optimizer.name='lbfgs': the optimizer's"
+  ) as err:
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "read the loss (value=)" in _one_line(err)

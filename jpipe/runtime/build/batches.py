@@ -8,11 +8,81 @@ device only its examples (``StagePlacement.split_microbatches``); a
 round-robin group's replica j its microbatches b = j mod k, whole.
 """
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+  """What every batch of a pipeline must be like: the example batch's
+  structure and, per leaf, its path, its shape after the batch axis and
+  its dtype (as JAX stores it: NumPy's int64 as int32 without x64). The
+  stages were traced for exactly these; only the batch size may differ.
+  """
+
+  treedef: Any
+  paths: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[Any, ...]
+
+  @classmethod
+  def of(cls, example_batch) -> "BatchSpec":
+    """The spec of ``example_batch``; raises ValueError naming a leaf
+    that is not an array with a batch axis."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(example_batch)
+    paths = tuple(jax.tree_util.keystr(path) or "batch" for path, _ in flat)
+    for path, (_, x) in zip(paths, flat, strict=True):
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(
+          f"batch leaf {path} is of type {type(x).__name__}, not an array: a "
+          "batch holds arrays with a leading batch axis (pass other values "
+          "to loss_fn through its closure)"
+        )
+      if not np.ndim(x):
+        raise ValueError(
+          f"batch leaf {path} is a scalar: every batch leaf needs the "
+          "leading batch axis, shape (batch, ...) (pass a constant to "
+          "loss_fn through its closure)"
+        )
+    return cls(
+      treedef,
+      paths,
+      tuple(tuple(np.shape(x)[1:]) for _, x in flat),
+      tuple(_stored_dtype(x) for _, x in flat),
+    )
+
+  def check(self, batch) -> None:
+    """Raises ValueError naming the first way ``batch`` differs from the
+    example batch (its size aside)."""
+    leaves, treedef = jax.tree.flatten(batch)
+    if treedef != self.treedef:
+      raise ValueError(
+        f"the batch is structured unlike the example batch the pipeline "
+        f"was built with ({treedef} vs {self.treedef}): pass the same "
+        "fields"
+      )
+    for path, shape, dtype, x in zip(
+      self.paths, self.shapes, self.dtypes, leaves, strict=True
+    ):
+      got = _stored_dtype(x) if hasattr(x, "dtype") else type(x).__name__
+      if not np.ndim(x) or np.shape(x)[1:] != shape or got != dtype:
+        raise ValueError(
+          f"batch leaf {path} is {got}{list(np.shape(x))}, the "
+          f"example batch's {dtype}[batch{''.join(f', {d}' for d in shape)}]: "
+          "the stages were traced for the example's (only the batch size "
+          "may differ); convert it, or build the pipeline with such a batch"
+        )
+
+
+def _stored_dtype(x):
+  """The dtype ``x`` has on a device (x64 off: 64-bit NumPy leaves are
+  stored in 32 bits)."""
+  return jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)
 
 
 def batch_size(batch) -> int:

@@ -42,6 +42,12 @@ _FIX = (
 )
 
 
+class OptimizerError(ValueError):
+  """The optimizer cannot run per stage: its step for some leaf reads
+  leaves of other stages, or it needs arguments (the loss) a stage's
+  update is not given."""
+
+
 def output_dependencies(
   closed_jaxpr: jex_core.ClosedJaxpr,
 ) -> list[Deps]:
@@ -169,7 +175,7 @@ def check_stage_local(
   leaf_stages: Sequence[frozenset[int]],
   leaf_names: Sequence[str],
 ) -> None:
-  """Raises ValueError if ``optimizer``'s step on the whole model reads,
+  """Raises OptimizerError if ``optimizer``'s step on the whole model reads,
   for some leaf's update or some value it keeps, leaves that no one stage
   holds together.
 
@@ -196,7 +202,7 @@ def check_stage_local(
   except TypeError as e:
     if "required keyword-only argument" not in str(e):
       raise
-    raise ValueError(
+    raise OptimizerError(
       f"the optimizer's update needs arguments a pipeline's stage cannot "
       f"give it ({e}): optax.contrib.reduce_on_plateau, polyak_sgd and "
       "lbfgs read the loss (value=) or the loss function, which a stage "
@@ -272,7 +278,7 @@ def _check_output(what, at, read, leaf_stages, leaf_names) -> None:
         if first is None
         else f" and {_where(first, leaf_stages, leaf_names)}"
       )
-      raise ValueError(
+      raise OptimizerError(
         "the optimizer couples leaves of different stages: "
         f"{what} reads {_where(m, leaf_stages, leaf_names)}{also}: {_FIX}"
       )

@@ -20,7 +20,7 @@ from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.distributed import text_from_process_zero
 from jpipe.runtime.build.auto_schedule import auto_plan, provisional_kind
-from jpipe.runtime.build.batches import batch_size
+from jpipe.runtime.build.batches import BatchSpec, batch_size
 from jpipe.runtime.build.calls import CallActions
 from jpipe.runtime.build.flat import own_buffer_bytes
 from jpipe.runtime.build.memory import (
@@ -58,6 +58,8 @@ class Request:
       then ``schedule_kind`` is the one auto plans as (1f1b).
     schedule_choice: the ``jpipe.schedule.ScheduleChoice`` auto made (its
       table), or None.
+    batch_spec: what every batch must be like (``build.batches.BatchSpec``:
+      the example batch's fields, shapes and dtypes).
   """
 
   optimizer: Any
@@ -72,6 +74,7 @@ class Request:
   clip_global_norm: float | None = None
   auto_schedule: bool = False
   schedule_choice: Any = None
+  batch_spec: Any = None
 
 
 def check_request(
@@ -111,6 +114,7 @@ def check_request(
       f"schedule='auto' chooses among the synchronous schedules, which do "
       f"not take these options ({e}); name a schedule to use them"
     ) from None
+  batch_spec = BatchSpec.of(example_batch)
   micro = _microbatch_size(example_batch, num_microbatches)
   check_stage_count(
     partitioning.num_stages, len(devices), partitioning.partition, kind
@@ -128,6 +132,7 @@ def check_request(
     limit,
     clip_global_norm,
     auto_schedule=auto,
+    batch_spec=batch_spec,
   )
 
 
@@ -171,9 +176,12 @@ def cut_model(
   if model_state is not None:
     state_treedef = jax.tree.structure(model_state)
     loss_fn, micro = partition_lib.with_model_state(loss_fn, micro, model_state)
-  traced = partition_lib.trace(
-    loss_fn, params, micro, depth=depth or 1, has_aux=model_state is not None
-  )
+  try:
+    traced = partition_lib.trace(
+      loss_fn, params, micro, depth=depth or 1, has_aux=model_state is not None
+    )
+  except partition_lib.LossOutputError as e:
+    raise ValueError(_loss_output_message(e.got, model_state)) from None
   granularity = None  # An explicit depth.
   if depth is None:
     traced, granularity = _granularity(
@@ -595,6 +603,24 @@ def check_plan_stages(plan: partition_lib.Plan) -> None:
   for s, devices in enumerate(plan.stage_devices):
     if not devices:
       raise ValueError(f"the Plan's stage {s} has no device (stage_devices)")
+
+
+def _loss_output_message(got, model_state) -> str:
+  """What a Pipeline's loss_fn returns, and where other outputs go."""
+  if model_state is None:
+    want = (
+      "loss_fn(params, batch) returns the loss alone, a scalar (or, with "
+      "model_state=, (loss, new_model_state))"
+    )
+  else:
+    want = (
+      "with model_state=, loss_fn(params, model_state, batch) returns "
+      "(loss, new_model_state), the loss a scalar"
+    )
+  return (
+    f"loss_fn returned {got}; a Pipeline's {want}. For metrics beside the "
+    "loss pass metrics_fn to pipe.evaluate (forward through the stages)"
+  )
 
 
 def _check_state_output(traced, state_treedef):
