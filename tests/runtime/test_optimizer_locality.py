@@ -4,7 +4,6 @@ reads leaves of several stages (``optax.clip_by_global_norm`` in a chain,
 before anything compiles, naming the fix; the per-leaf ones run
 (``runtime/build/optimizer_locality.py``)."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +16,7 @@ from jpipe.runtime.build.optimizer_locality import (
   check_stage_local,
   output_dependencies,
 )
+from tests.partition import flax_models
 
 
 def _inputs(deps: int) -> set[int]:
@@ -199,7 +199,7 @@ def test_dependencies_are_sound(name):
   params, _, _ = _tree()
   grads = jax.tree.map(lambda x: 0.3 * jnp.cos(x), params)
   state = tx.init(params)
-  state, grads = tx.update(grads, state, params)[1], grads  # a step taken
+  state = tx.update(grads, state, params)[1]  # (A step taken.)
 
   def update(*flat):
     g, s, p = jax.tree.unflatten(treedef, flat)
@@ -218,43 +218,25 @@ def test_dependencies_are_sound(name):
         np.testing.assert_array_equal(before, after, err_msg=f"{o} on {i}")
 
 
-class _Mlp(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    for i in range(3):
-      x = jnp.tanh(nn.Dense(4, name=f"d{i}")(x))
-    return nn.Dense(1, name="head")(x)
-
-
-def _problem():
-  model = _Mlp()
-  x = jax.random.normal(jax.random.key(1), (4, 4))
-  batch = {"x": x, "y": jnp.sin(x[:, :1])}
-  params = model.init(jax.random.key(0), x)["params"]
-
-  def loss_fn(p, b):
-    return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
-
-  return loss_fn, params, batch
-
-
 def _pipeline(tx):
-  loss_fn, params, batch = _problem()
-  return jpipe.Pipeline(
+  """(the 2-stage 1F1B pipeline of the MLP case with ``tx``, its params,
+  its batch)."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  pipe = jpipe.Pipeline(
     loss_fn,
     params,
     batch,
     num_stages=2,
     devices=jax.devices()[:2],
-    schedule="1f1b",
     num_microbatches=2,
     optimizer=tx,
   )
+  return pipe, params, batch
 
 
 def test_a_pipeline_refuses_a_global_norm_clip_in_its_optimizer():
   tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
-  with pytest.raises(ValueError, match="clip_global_norm=c"):
+  with pytest.raises(jpipe.OptimizerError, match="clip_global_norm=c"):
     _pipeline(tx)
 
 
@@ -262,8 +244,9 @@ def test_a_key_in_the_optimizer_state_trains_and_round_trips():
   """``optax.add_noise`` keeps a typed PRNG key: stored apart from the
   packed state, written to a state dict as its key data, read back a key
   (the next steps equal the unbroken run's)."""
-  loss_fn, params, batch = _problem()
-  pipe = _pipeline(optax.chain(optax.add_noise(0.1, 0.55, 0), optax.sgd(0.1)))
+  pipe, params, batch = _pipeline(
+    optax.chain(optax.add_noise(0.1, 0.55, 0), optax.sgd(0.1))
+  )
   state, _ = pipe.step(pipe.init(params), batch)
   saved = pipe.state_dict(state)
   noise = saved["opt_state"][0]
