@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
@@ -57,6 +58,9 @@ class EpochReport:
     batches: per pipeline, the batches (``step`` calls) it ran.
     steps: per pipeline, its last stage's optimizer steps so far.
     losses: per pipeline, each call's mean loss.
+    aux: per pipeline, the mean over its calls of each aux output of the
+      loss (``has_aux``), flat in ``jax.tree.leaves`` order (lists for
+      arrays); empty lists without aux outputs.
     seconds: wall-clock seconds of the epoch (all pipelines drained).
     pipeline_seconds: per pipeline, seconds until it had drained.
     delayed_seconds: per pipeline, injected delay so far (all its stages).
@@ -71,6 +75,7 @@ class EpochReport:
   pipeline_seconds: list[float]
   delayed_seconds: list[float]
   mean_group_size: list[float]
+  aux: list[list] = dataclasses.field(default_factory=list)
 
 
 class DataParallelPipelines(ConsensusStateMethods):
@@ -286,6 +291,7 @@ class DataParallelPipelines(ConsensusStateMethods):
       hooks.draining = False
     n = len(self.pipelines)
     losses = [[] for _ in range(n)]
+    auxes = [[] for _ in range(n)]  # Per pipeline, each call's flat aux.
     batches = [0] * n
     ended = [0.0] * n
     start = time.perf_counter()
@@ -301,30 +307,32 @@ class DataParallelPipelines(ConsensusStateMethods):
         state, metrics = pipe.step(state, batch_at(p, batches[i]))
         batches[i] += 1
         if "loss" in metrics:
-          pending.append(metrics["loss"])
+          pending.append((metrics["loss"], metrics.get("aux")))
         if len(pending) > 2:  # Stay at most two calls ahead of the devices.
-          losses[i].append(float(pending.pop(0)))
+          _take(pending.pop(0), losses[i], auxes[i])
       self.hooks[i].draining = True
       self.policy.start_draining(p, self.stages_here[p])
       state, _ = pipe.flush(state)
       state = self._finish(pipe, p, state)
       jax.block_until_ready([x for x in state.stage_params if x is not None])
-      losses[i].extend(float(x) for x in pending)
+      for taken in pending:
+        _take(taken, losses[i], auxes[i])
       ended[i] = time.perf_counter() - start
       return state, None
 
     states, _ = self._each(train)
     seconds = time.perf_counter() - start
-    return states, self._epoch_report(batches, losses, ended, seconds)
+    aux = [_mean_leaves(a) for a in auxes]
+    return states, self._epoch_report(batches, losses, aux, ended, seconds)
 
-  def _epoch_report(self, batches, losses, ended, seconds) -> EpochReport:
+  def _epoch_report(self, batches, losses, aux, ended, seconds) -> EpochReport:
     """The epoch's ``EpochReport``, on every process: each pipeline's
     figures from the process of its last stage (where it steps last),
     its injected delays summed over its processes."""
     me = jax.process_index()
     mine = {
       "reports": [
-        [p, batches[i], self.hooks[i].steps[-1], losses[i], ended[i]]
+        [p, batches[i], self.hooks[i].steps[-1], losses[i], ended[i], aux[i]]
         for i, p in enumerate(self.ranks)
         if self.reporter[p] == me
       ],
@@ -357,6 +365,7 @@ class DataParallelPipelines(ConsensusStateMethods):
       pipeline_seconds=[reports[p][3] for p in ranks],
       delayed_seconds=delayed,
       mean_group_size=[t / c if c else float("nan") for t, c in sizes],
+      aux=[reports[p][4] for p in ranks],
     )
 
   def _finish(self, pipe, p, state):
@@ -369,6 +378,24 @@ class DataParallelPipelines(ConsensusStateMethods):
     if all(a is b for a, b in zip(params, state.stage_params, strict=True)):
       return state
     return pipe.with_stage_params(state, params)
+
+
+def _take(taken, losses: list, auxes: list) -> None:
+  """A call's (loss, aux) as floats (waits for them) onto the lists."""
+  loss, aux = taken
+  losses.append(float(loss))
+  if aux is not None:
+    auxes.append([np.asarray(x, np.float64) for x in jax.tree.leaves(aux)])
+
+
+def _mean_leaves(calls: list) -> list:
+  """Each flat aux leaf's mean over the calls (JSON-ready lists)."""
+  if not calls:
+    return []
+  return [
+    np.mean(np.stack(leaf), axis=0).tolist()
+    for leaf in zip(*calls, strict=True)
+  ]
 
 
 def _in_threads(fn, ranks, abort):

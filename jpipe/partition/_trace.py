@@ -304,11 +304,11 @@ class LossOutputError(ValueError):
 
 def _check_loss(out_shape, has_aux: bool) -> None:
   """A loss function's output: a scalar, or (a scalar, aux)."""
-  loss_shape = out_shape[0] if has_aux else out_shape
   if has_aux and not (isinstance(out_shape, tuple) and len(out_shape) == 2):
     raise LossOutputError(
       "has_aux=True needs loss_fn to return (loss, aux)", out_shape
     )
+  loss_shape = out_shape[0] if has_aux else out_shape
   if not hasattr(loss_shape, "shape") or loss_shape.shape != ():
     raise LossOutputError(
       f"loss_fn must return a scalar loss{' first' if has_aux else ''}; "

@@ -141,6 +141,8 @@ def build_runtime(
     )
     for spec, own in zip(stages.specs, own_sizes, strict=True)
   )
+  tied = TiedParams(stages, placed.transport)
+  _check_replica_routing(placed, tied, cut, stages, request)
   programs = StagePrograms(
     stages,
     grad_layouts,
@@ -149,9 +151,7 @@ def build_runtime(
     placed.placement,
     stages_at,
   )
-  tied = TiedParams(stages, placed.transport)
   param_storage = _param_storage(traced, stages, own_sizes, tied)
-  _check_replica_routing(placed, tied, cut, request)
   for weighted in programs.weighted.values():
     weighted.prepare()  # A model that changes with the size fails here.
   names = tuple(leaf_names(params))
@@ -234,7 +234,7 @@ def _check_stream_clipping(request, stream, placed) -> None:
     )
 
 
-def _check_replica_routing(placed, tied, cut, request) -> None:
+def _check_replica_routing(placed, tied, cut, stages, request) -> None:
   """Round-robin (1F1B-RR) and weighted replicas where they are built
   for: a replica runs a microbatch (or its slice) on its own copies of
   the params, and its group steps on the replicas' summed gradients. A
@@ -246,6 +246,18 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
     return
   staleness = request.staleness
   weighted = any(p.weighted for p in placed.placement)
+  first_aux = cut.loss_outputs.first_aux
+  makes_aux = [
+    any(r >= first_aux for r in spec.results) for spec in stages.specs
+  ]
+  aux_on_weighted = any(
+    p.weighted and aux
+    for p, aux in zip(placed.placement, makes_aux, strict=True)
+  )
+  aux_across_processes = any(
+    placed.placement[s].round_robin and makes_aux[s]
+    for s in placed.transport.spanning
+  )
   refused = {
     "a pipeline spanning processes (a weighted group slices each "
     "microbatch in one process)": weighted and placed.transport.multiprocess,
@@ -253,6 +265,14 @@ def _check_replica_routing(placed, tied, cut, request) -> None:
     "replica)": bool(tied.stages),
     "model state such as batch statistics (one value per stage, not per "
     "replica)": cut.num_state_leaves > 0 and weighted,
+    "aux outputs made on a weighted group's stage (has_aux=True: each "
+    "replica makes its slice's, and sums and means combine otherwise)": (
+      aux_on_weighted
+    ),
+    "aux outputs made on a round-robin group spanning processes (has_aux="
+    "True: each process holds its own replicas' microbatches' only)": (
+      aux_across_processes
+    ),
     "weight prediction (it predicts from the group's state, not a "
     "replica's)": staleness.prediction is not None,
     "Gap-Aware (its step reads a replica's stashed params)": (
@@ -369,12 +389,15 @@ def build_pipeline(
   request: Request,
   *,
   model_state=None,
+  has_aux: bool = False,
   record_params: bool = False,
   hooks: DriverHooks | None = None,
 ) -> PipelineParts:
   """A pipeline's parts (see ``jpipe.Pipeline`` for the arguments), each
   construction phase in order, for a checked ``request``."""
-  cut = cut_model(loss_fn, params, example_batch, model_state, request)
+  cut = cut_model(
+    loss_fn, params, example_batch, model_state, request, has_aux=has_aux
+  )
   parts = partition_model(cut, params, request)
   request = choose_schedule(parts, cut, params, request)  # (auto only)
   placed = place_stages(parts, cut, request)

@@ -85,6 +85,13 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       each stage feeds its forwards the state its previous forward left
       (microbatches in order, as one device would) and the recomputing
       backward sees the same state as its forward.
+    has_aux: ``loss_fn`` returns ``(loss, aux)`` (with model state
+      ``(loss, (new_model_state, aux))``), ``aux`` a pytree of arrays
+      beside the loss (an accuracy, a count), as ``jax.value_and_grad``'s
+      ``has_aux``: each ``step``'s ``metrics["aux"]`` is its leaves' means
+      over the microbatches whose forward ran in the call (as its
+      "loss"), each computed on the stage that makes it and shared with
+      every process. Not differentiated.
     record_params: report, in each call's ``metrics["used_params"]``,
       the params every forward and backward used, keyed by ``(kind,
       stage, microbatch)`` (tests and debugging; holds every version
@@ -140,6 +147,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   granularity = _part("cut", "granularity")
   num_batch_leaves = _part("cut", "num_batch_leaves")
   state_treedef = _part("cut", "state_treedef")
+  loss_outputs = _part("cut", "loss_outputs")
   retrace = _part("cut", "retrace")
   plan = _part("partitioned", "plan")
   stages = _part("partitioned", "stages")
@@ -172,6 +180,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     schedule: "str | schedule_lib.ScheduleKind" = "gpipe",
     num_microbatches: int = 1,
     model_state: Any = None,
+    has_aux: bool = False,
     record_params: bool = False,
     clip_global_norm: float | None = None,
     hooks: DriverHooks | None = None,
@@ -196,6 +205,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       example_batch,
       request,
       model_state=model_state,
+      has_aux=has_aux,
       record_params=record_params,
       hooks=hooks,
     )

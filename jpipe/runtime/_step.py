@@ -75,6 +75,8 @@ def _run(pipe, state, fed, m, batches, profile):
   }
   if out.loss is not None:
     metrics["loss"] = out.loss
+  if out.aux is not None:
+    metrics["aux"] = jax.tree.unflatten(pipe.loss_outputs.aux_treedef, out.aux)
   if profiler:
     metrics["timeline"] = profiler.timeline()
   if out.used_params is not None:

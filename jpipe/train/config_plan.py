@@ -84,7 +84,7 @@ def trace_config(
     task.params,
     inputs,
     depth=config.pipeline.depth or 1,
-    has_aux=task.model_state is not None,
+    has_aux=task.model_state is not None or task.has_aux,
   )
   split = config_options.partition(config)
   if not config.pipeline.depth and isinstance(split, partition_lib.Split):

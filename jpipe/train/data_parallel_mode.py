@@ -20,6 +20,7 @@ checkpoints and exits with 128 + the signal's number.
 
 import math
 
+import jax
 import numpy as np
 
 from jpipe import parallel
@@ -131,7 +132,19 @@ class DataParallelMode(Mode):
     )
     examples = self.config.data.batch_size * sum(report.batches)
     loss = float(np.mean(self.losses))
-    return states, Outcome(loss, examples, scalars, note=note)
+    return states, Outcome(
+      loss, examples, scalars, note=note, metrics=self._aux_means(report)
+    )
+
+  def _aux_means(self, report) -> dict:
+    """The loss's own metrics (``Task.has_aux``): each pipeline's mean
+    over its calls, averaged over the pipelines that ran."""
+    treedef = self.dp.pipelines[0].loss_outputs.aux_treedef
+    ran = [a for a in report.aux if a]
+    if treedef is None or not ran:
+      return {}
+    flat = [float(np.mean(leaf)) for leaf in zip(*ran, strict=True)]
+    return jax.tree.unflatten(treedef, flat)
 
   def evaluate(self, states, task):
     if task.evaluation is None:  # The user's evaluate: on whole params.

@@ -19,7 +19,7 @@ from jpipe import dynamic
 from jpipe.runtime import PipelineBuilder
 from jpipe.train import config_options, data_parallel_mode
 from jpipe.train.errors import UsageError
-from jpipe.train.loop import Outcome
+from jpipe.train.loop import Outcome, aux_floats
 from jpipe.train.pipeline_mode import PipelineMode
 
 _POLICY_FIELDS = ("policy", "window", "high", "low", "warmup_windows", "top_k")
@@ -86,7 +86,14 @@ class DynamicMode(PipelineMode):
     if balanced:
       events = {**events, "rebalance": balanced}
       lines = (*lines, *(rebalance_line(done, r) for r in balanced))
-    return Outcome(loss, self.config.data.batch_size, scalars, events, lines)
+    return Outcome(
+      loss,
+      self.config.data.batch_size,
+      scalars,
+      events,
+      lines,
+      metrics=aux_floats(metrics),
+    )
 
   def checkpoint_meta(self, done):
     return {"plan": list(self.pipe.boundaries)}

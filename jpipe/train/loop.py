@@ -60,6 +60,8 @@ class Outcome:
   Attributes:
     loss: its mean training loss.
     examples: the examples it trained on.
+    metrics: the means of the loss's own metrics (``Task.has_aux``:
+      ``{name: float}``), logged as ``train/<name>`` over a window.
     scalars: mode-specific scalars logged at the unit's step (full names,
       e.g. "sync/mean_group_size"), in one row with its training and
       evaluation scalars where it has them.
@@ -74,6 +76,13 @@ class Outcome:
   events: dict = dataclasses.field(default_factory=dict)
   lines: tuple = ()
   note: str = ""
+  metrics: dict = dataclasses.field(default_factory=dict)
+
+
+def aux_floats(metrics) -> dict:
+  """A step's ``metrics["aux"]`` (the loss's own metrics, ``{name:
+  scalar}``) as floats (waits for them); empty without."""
+  return {name: float(v) for name, v in metrics.get("aux", {}).items()}
 
 
 class Mode:
@@ -264,7 +273,7 @@ class _Loop:
     if timed is not None:
       self.seconds += took
       self.examples += outcome.examples
-    self.window.add(outcome.loss, outcome.examples, timed)
+    self.window.add(outcome.loss, outcome.examples, timed, outcome.metrics)
     self.bar.set_postfix(loss=f"{outcome.loss:.4f}", refresh=False)
     self.bar.update(mode.unit_steps)
     for key, record in outcome.events.items():
@@ -288,7 +297,7 @@ class _Loop:
         scalars["learning_rate"] = self.lr(done * self.run.steps_per_call)
       row |= {f"train/{k}": v for k, v in scalars.items()}
       head = mode.progress(done, self.run.steps)
-      self.write(_log_line(head, scalars, outcome.note))
+      self.write(_log_line(head, scalars, outcome.note, self.window.metrics))
       self.divergence.check(
         scalars["loss"], done, self.window.first_step, self.config, mode, state
       )
@@ -403,8 +412,10 @@ def restore(mode, state, checkpoints, fingerprint, say):
   return state, step
 
 
-def _log_line(head: str, scalars: dict, note: str) -> str:
+def _log_line(head: str, scalars: dict, note: str, metrics=()) -> str:
   line = f"{head}: train loss {scalars['loss']:.4f}"
+  for name in metrics:  # The loss's own (Task.has_aux).
+    line += f", train {name} {scalars[name]:.4f}"
   if "examples_per_second" in scalars:
     line += f", {scalars['examples_per_second']:.0f} examples/s"
   return line + (f", {note}" if note else "")
@@ -417,9 +428,12 @@ class _Window:
   def __init__(self, first_step: int = 1):
     self.first_step = first_step
     self.losses, self.examples, self.seconds = [], 0, 0.0
+    self.metrics = {}  # name -> per-unit values (Task.has_aux)
 
-  def add(self, loss, examples, seconds):
+  def add(self, loss, examples, seconds, metrics=None):
     self.losses.append(loss)
+    for name, value in (metrics or {}).items():
+      self.metrics.setdefault(name, []).append(value)
     if seconds is not None:
       self.examples += examples
       self.seconds += seconds
@@ -428,6 +442,7 @@ class _Window:
     """``loss``: the window's mean; ``examples_per_second``: the window's
     (left out when its only unit compiled)."""
     out = {"loss": float(np.mean(self.losses))}
+    out |= {name: float(np.mean(v)) for name, v in self.metrics.items()}
     if self.seconds:
       out["examples_per_second"] = self.examples / self.seconds
     return out

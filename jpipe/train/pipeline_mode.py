@@ -17,7 +17,7 @@ import jax
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
 from jpipe.train import evaluation as evaluation_lib
-from jpipe.train.loop import Mode, Outcome
+from jpipe.train.loop import Mode, Outcome, aux_floats
 
 
 class PipelineMode(Mode):
@@ -65,8 +65,10 @@ class PipelineMode(Mode):
 
   def outcome(self, loss, done, metrics) -> Outcome:
     """The step's ``Outcome`` (``metrics``: the step's)."""
-    del done, metrics
-    return Outcome(loss, self.config.data.batch_size)
+    del done
+    return Outcome(
+      loss, self.config.data.batch_size, metrics=aux_floats(metrics)
+    )
 
   def flush(self, state):
     state, _ = self.pipe.flush(state)

@@ -46,6 +46,12 @@ class Task:
       gathering nothing (what a model too big for one device needs).
       None: the CLI gathers the params to process 0 and calls
       ``evaluate`` there.
+    has_aux: ``loss_fn`` returns ``(loss, {name: scalar})`` (with model
+      state ``(loss, (new_model_state, {name: scalar}))``): training
+      metrics beside the loss (an accuracy), each computed on the stage
+      that makes it, averaged over a log window's steps and logged as
+      ``train/<name>`` beside ``train/loss`` (``jpipe.Pipeline``'s
+      ``has_aux``).
   """
 
   kind: str
@@ -55,6 +61,7 @@ class Task:
   batch_at: Callable[[int], dict]
   evaluate: Callable[[object, object], dict] | None = None
   evaluation: Evaluation | None = None
+  has_aux: bool = False
 
   def __post_init__(self):
     if self.evaluate is None and self.evaluation is not None:
@@ -109,14 +116,7 @@ def check_task(task, where: str) -> Task:
       f"got leading sizes {sorted(sizes, key=str)}"
     )
   out = _shapes_of(task, "loss_fn", task.loss_fn, batch, fail)
-  loss = out[0] if task.model_state is not None else out
-  if task.model_state is not None and not (
-    isinstance(out, tuple) and len(out) == 2
-  ):
-    fail(
-      "with model_state, Task.loss_fn(params, model_state, batch) must "
-      "return (loss, new_model_state)"
-    )
+  loss = _loss_and_aux(task, out, fail)
   if getattr(loss, "shape", None) != ():
     fail(
       f"Task.loss_fn{_signature(task)} must return a scalar loss (the "
@@ -125,6 +125,45 @@ def check_task(task, where: str) -> Task:
   if task.evaluation is not None:
     _check_evaluation(task, sizes.pop(), fail)
   return task
+
+
+# Names the loop logs as train/<name> itself.
+_RESERVED = ("loss", "examples_per_second", "learning_rate", "epoch_seconds")
+
+
+def _loss_and_aux(task, out, fail):
+  """The loss of ``loss_fn``'s output (on shapes), its structure checked:
+  with ``has_aux``, a dict of named scalars beside it."""
+  state, has_aux = task.model_state is not None, task.has_aux
+  wants = {
+    (False, False): "the loss",
+    (False, True): "(loss, {name: scalar})",
+    (True, False): "(loss, new_model_state)",
+    (True, True): "(loss, (new_model_state, {name: scalar}))",
+  }[(state, has_aux)]
+  pair = isinstance(out, tuple) and len(out) == 2
+  if (state or has_aux) and not pair:
+    fail(f"Task.loss_fn{_signature(task)} must return {wants}")
+  if not has_aux:
+    return out[0] if state else out
+  aux = out[1][1] if state else out[1]
+  if state and not (isinstance(out[1], tuple) and len(out[1]) == 2):
+    fail(f"Task.loss_fn{_signature(task)} must return {wants}")
+  if not isinstance(aux, dict) or any(
+    not isinstance(k, str) or getattr(v, "shape", None) != ()
+    for k, v in aux.items()
+  ):
+    fail(
+      f"with has_aux, Task.loss_fn{_signature(task)} must return {wants}: "
+      f"its metrics a dict of named scalars; got {aux}"
+    )
+  clash = sorted(set(aux) & set(_RESERVED))
+  if clash:
+    fail(
+      f"Task.loss_fn's metric {clash[0]!r} would overwrite the loop's own "
+      f"train/{clash[0]}: rename it"
+    )
+  return out[0]
 
 
 def _check_evaluation(task, batch_size: int, fail) -> None:

@@ -98,6 +98,8 @@ def pipeline_options(config, task: Task, lr) -> dict:
   kwargs = {}
   if task.model_state is not None:
     kwargs["model_state"] = task.model_state
+  if task.has_aux:
+    kwargs["has_aux"] = True
   return dict(
     num_stages=config.pipeline.num_stages,
     schedule=config_options.written_schedule(config) or config.schedule.name,

@@ -8,7 +8,8 @@ Each configuration (a dict): "case" (a tests/partition/flax_models case),
 training, also evaluate the loss and a metrics function and predict,
 forward through the stages), "per_process_save" (after training, each process writes its part of
 the state dict, ``process_arrays``, to OUT.npz.arrays<config>),
-"resume_at" (before that call: flush, each process writes its part
+"aux" (the loss returns aux outputs, ``has_aux``; each call's written to
+OUT.npz as "<config>/aux/<name>"), "resume_at" (before that call: flush, each process writes its part
 of the state dict to OUT.npz.resume<config> and the run goes on from a
 state read back from there), "profile_calls" (indices of calls run with
 ``profile=True``: each process writes their actions on its clock,
@@ -73,6 +74,9 @@ def run(config, index, out, path_of_out):
     loss_fn, params, batch = scan_models.plain_case()
   else:
     loss_fn, params, batch, _ = flax_models.CASES[case]()
+  if config.pop("aux", False):  # has_aux: (loss, aux) or (loss, (state, aux))
+    loss_fn = _with_aux(loss_fn, model_state is not None)
+    config["has_aux"] = True
   stages = config.pop("stages")
   calls = config.pop("calls")
   forward_only = config.pop("forward_only", False)
@@ -118,7 +122,7 @@ def run(config, index, out, path_of_out):
     )
     pipe = build(dataclasses.replace(plan, stage_devices=groups))
   state = pipe.init(params, model_state)
-  losses = []
+  losses, auxes = [], []
   rng = np.random.default_rng(index)
   profiled = []
   times = pipe.transport.time_transfers() if profile_calls else None
@@ -140,6 +144,8 @@ def run(config, index, out, path_of_out):
     before = time.perf_counter()
     state, metrics = pipe.step(state, data, profile=i in profile_calls)
     losses.append(float(metrics["loss"]))
+    if "aux" in metrics:
+      auxes.append({k: float(v) for k, v in metrics["aux"].items()})
     if i in profile_calls:  # What each process measured, on its clock.
       profiled.append(
         {
@@ -187,6 +193,8 @@ def run(config, index, out, path_of_out):
       }
     )
   leaves[f"{index}/losses"] = np.asarray(losses)
+  for name in auxes[0] if auxes else ():
+    leaves[f"{index}/aux/{name}"] = np.asarray([a[name] for a in auxes])
   if forward_only:
     leaves.update(_forward_only(pipe, state, case, batch, index))
   owned = [s for s in range(pipe.stages.num_stages) if pipe.transport.owns(s)]
@@ -194,7 +202,36 @@ def run(config, index, out, path_of_out):
     f"config {index}: process {jax.process_index()} ran stages {owned}"
     + ("" if pipe.reads_batch else ", read no data")
   )
+  if pipe.loss_outputs.aux_treedef is not None:  # Where each was made.
+    first = pipe.driver.first_aux_result
+    made = [pipe.driver.result_stage[r] for r in range(first, first + 2)]
+    print(f"config {index}: aux made on stages {made}")
   out.update(leaves)
+
+
+def _with_aux(loss_fn, model_state: bool):
+  """``loss_fn`` returning aux outputs too: the mean of the first batch
+  leaf (taken before the model: made on the first stage) and the loss
+  (on the last)."""
+
+  def input_mean(batch):
+    return jnp.mean(jax.tree.leaves(batch)[0].astype(jnp.float32))
+
+  if model_state:
+
+    def with_state(params, state, batch):
+      mean = input_mean(batch)
+      loss, new_state = loss_fn(params, state, batch)
+      return loss, (new_state, {"loss": loss, "input_mean": mean})
+
+    return with_state
+
+  def with_aux(params, batch):
+    mean = input_mean(batch)
+    loss = loss_fn(params, batch)
+    return loss, {"loss": loss, "input_mean": mean}
+
+  return with_aux
 
 
 def _resumed(pipe, state, directory):

@@ -58,7 +58,13 @@ def _configs(n):
   ga = {"optimizer": "sgd", "learning_rate": 0.2}
   mixed = [2, 5, 3, "flush", 4, "flush", 1, 2]
   return [
-    {"case": "mlp", "stages": n, "calls": [2, 3], "schedule": "gpipe"},
+    {
+      "case": "mlp",
+      "stages": n,
+      "calls": [2, 3],
+      "schedule": "gpipe",
+      "aux": True,
+    },
     {
       "case": "mlp",
       "stages": n,
@@ -83,6 +89,7 @@ def _configs(n):
       "calls": [3, 5],
       "schedule": "async",
       "weight_stashing": True,
+      "aux": True,
       "gap_aware": "ga",
       "gap_aware_options": ga,
     },
@@ -147,7 +154,8 @@ def _configs(n):
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   """gpipe, 1f1b, zero-bubble zbh1, zbv and dualpipev (two stages per
-  process), streaming async (ws, wp, GA, adam), 2bw without
+  process), streaming async (ws, wp, GA, adam), aux outputs of the loss
+  (gpipe, async GA), 2bw without
   recomputation, tied embeddings (sync and async), BatchNorm statistics
   and global-norm clipping (the norm summed over processes), over both
   transports (pull; collective for three), and evaluation and prediction
@@ -178,6 +186,11 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
     )
   want, have = np.load(ref), np.load(got)
   assert set(want) == set(have)
+  # has_aux (config 0 of each run): the first and the last stage's aux
+  # outputs, each shared from its process.
+  assert {"0/aux/loss", "0/aux/input_mean"} <= set(want)
+  assert f"[p0] config 0: aux made on stages [0, {nprocs - 1}]" in done.stdout
+  np.testing.assert_array_equal(want["0/aux/loss"], want["0/losses"])
   for key in want:
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
   if nprocs == 2:  # profiled calls (same results, checked above)
@@ -315,7 +328,8 @@ def test_model_state_in_a_group_spanning_processes(tmp_path, process_env):
   microbatch's, the same in both processes; with 1F1B-RR (ws+rr, each
   microbatch on one replica) each replica keeps its own statistics in its
   own process. Both resume from per-process checkpoints (the group's
-  lead writes its statistics) after 2 calls and train on; losses, params,
+  lead writes its statistics) after 2 calls and train on; losses, aux
+  outputs of the loss (split routing; refused with round robin), params,
   optimizer state, batch statistics (and replica 1's own copy, in
   process 1), evaluation and predictions equal one process's."""
   base = {
@@ -324,17 +338,26 @@ def test_model_state_in_a_group_spanning_processes(tmp_path, process_env):
     "groups": [[1, 2], [3]],
     "resume_at": 2,
     "forward_only": True,
+    "aux": True,
   }
   configs = json.dumps(
     [
       {**base, "calls": [2, 3, 2], "schedule": "1f1b"},
       {**base, "calls": [2, 5, 3], "schedule": "async",
-       "weight_stashing": True, "replica_routing": "round_robin"},
+       "weight_stashing": True, "replica_routing": "round_robin",
+       "aux": False},
+      {**base, "aux": True, "replica_routing": "round_robin", "calls": [2],
+       "refused": "aux outputs made on a round-robin group spanning"},
     ]
   )  # fmt: skip
-  want, _ = _two_processes_equal_four_devices(tmp_path, configs, process_env)
+  want, done = _two_processes_equal_four_devices(tmp_path, configs, process_env)
   for c in range(2):  # stage 0's statistics, evaluation, predictions
     assert {f"{c}/state/0", f"{c}/eval_loss", f"{c}/logits"} <= set(want)
+  # Aux outputs (split routing): input_mean made on the spanning group,
+  # in both processes, and shared; with round robin, refused.
+  assert "0/aux/input_mean" in want
+  assert "[p0] config 0: aux made on stages [0, 1]" in done.stdout
+  assert done.stdout.count("refused: ") == 2, done.stdout[-6000:]
   # Replica 1 (device 2) runs in process 1: its own statistics are
   # current there, and they are not replica 0's.
   replica0 = want["1/state/0"]

@@ -171,6 +171,18 @@ def test_weighted_needs_what_it_is_built_for():
     _weighted(layout, "gpt_tied", schedule="1f1b", **kwargs)
   with pytest.raises(ValueError, match="weight prediction"):
     _weighted(layout, "mlp", schedule="async", prediction="msnag", **kwargs)
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+  with pytest.raises(ValueError, match="aux outputs made on a weighted"):
+    _replicated(
+      layout,
+      lambda p, b: (loss := loss_fn(p, b), {"loss": loss}),
+      params,
+      batch,
+      replica_routing="weighted",
+      schedule="gpipe",
+      has_aux=True,
+      **kwargs,
+    )
   pipe = _weighted(layout, "mlp", schedule="gpipe", **kwargs)[0]
   with pytest.raises(ValueError, match="summing to 4"):
     pipe.set_replica_rows(0, (3, 2))

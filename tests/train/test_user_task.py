@@ -91,6 +91,39 @@ def bad_loss_task(config):
   )
 
 
+def aux_task(config, metrics=None) -> Task:
+  """The test's task whose loss also returns its hit rate (``has_aux``:
+  logged as train/hit_rate); ``metrics``: what it returns instead."""
+  task = build_task(config)
+  model = Blocks()
+
+  def loss_fn(params, batch):
+    out = model.apply({"params": params}, batch["pixels"])
+    loss = jnp.mean(jnp.sum(jnp.square(out - batch["target"]), -1))
+    hits = jnp.argmax(out, -1) == jnp.argmax(batch["target"], -1)
+    if metrics is not None:
+      return loss, metrics(loss)
+    return loss, {"hit_rate": jnp.mean(hits)}
+
+  return Task(
+    task.kind,
+    loss_fn,
+    task.params,
+    None,
+    task.batch_at,
+    task.evaluate,
+    has_aux=True,
+  )
+
+
+def loss_named_aux_task(config):
+  return aux_task(config, lambda loss: {"loss": loss})
+
+
+def array_aux_task(config):
+  return aux_task(config, lambda loss: {"hits": jnp.zeros(3)})
+
+
 def _cli(workdir, *overrides):
   return [
     sys.executable,
@@ -207,10 +240,39 @@ def test_sdpipe_runs_the_users_task(tmp_path):
   assert "hit_rate" in summary["eval"]
 
 
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_the_users_metrics_beside_the_loss_are_logged(tmp_path, pipelines):
+  """``Task.has_aux``: the loss's own metric, averaged over a log
+  window, logged as train/<name> and printed beside the loss -- one
+  pipeline, and SD-Pipe's two (each pipeline's mean, averaged)."""
+  config = _config(
+    **{
+      "task": f"{HERE}:aux_task",
+      "train.steps": 2,
+      "schedule.name": "1f1b",
+      "pipeline.num_stages": 2,
+      "data_parallel.pipelines": pipelines,
+      "data_parallel.epoch_batches": 1,
+    }
+  )
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  logged = {r["step"]: r["train/hit_rate"] for r in rows if "train/loss" in r}
+  assert sorted(logged) == [1, 2]
+  if pipelines == 1:  # Step 1's: the batch's hit rate at the start.
+    task = aux_task(config)
+    batch = jax.tree.map(jnp.asarray, task.batch_at(0))
+    want = task.loss_fn(task.params, batch)[1]["hit_rate"]
+    assert logged[1] == pytest.approx(float(want), abs=1e-6)
+  assert all(0.0 <= v <= 1.0 for v in logged.values())
+
+
 def test_dynpipe_runs_the_users_task(tmp_path, capsys):
-  """DynPipe re-partitioning off a slowed device on the test's task."""
+  """DynPipe re-partitioning off a slowed device on the test's task (its
+  metric beside the loss logged on every split)."""
   dynamic = _config(
     **{
+      "task": f"{HERE}:aux_task",
       "train.steps": 8,
       "dynamic.enabled": True,
       "dynamic.window": 2,
@@ -224,6 +286,9 @@ def test_dynpipe_runs_the_users_task(tmp_path, capsys):
   summary = train_lib.train_and_evaluate(dynamic, str(tmp_path / "dyn"))
   assert "re-partition at step 8" in capsys.readouterr().out
   assert summary["repartitions"]
+  rows = [json.loads(x) for x in open(tmp_path / "dyn" / "metrics.jsonl")]
+  hits = [r["train/hit_rate"] for r in rows if "train/loss" in r]
+  assert len(hits) == 8 and all(0.0 <= h <= 1.0 for h in hits)
 
 
 def test_a_task_that_breaks_the_protocol_is_one_line_before_any_work():
@@ -231,6 +296,8 @@ def test_a_task_that_breaks_the_protocol_is_one_line_before_any_work():
   for builder, message in [
     ("not_a_task", "returned a dict, not a jpipe.train.tasks.Task"),
     ("bad_loss_task", "must return a scalar loss"),
+    ("loss_named_aux_task", "metric 'loss' would overwrite"),
+    ("array_aux_task", "a dict of named scalars"),
   ]:
     config.task = f"{HERE}:{builder}"
     with pytest.raises(UsageError, match=message):

@@ -23,6 +23,11 @@ from jpipe.runtime.build.auto_schedule import auto_plan, provisional_kind
 from jpipe.runtime.build.batches import BatchSpec, batch_size
 from jpipe.runtime.build.calls import CallActions
 from jpipe.runtime.build.flat import own_buffer_bytes
+from jpipe.runtime.build.loss_outputs import (
+  LossOutputs,
+  loss_output_message,
+  loss_outputs,
+)
 from jpipe.runtime.build.memory import (
   partitioner_memory_model,
   resolve_memory_limit,
@@ -150,6 +155,8 @@ class ModelCut:
     retrace: ``retrace(n)`` -> the loss traced on the first n examples of
       the microbatch, cut at the same depth (a weighted replica group's
       slices).
+    loss_outputs: the structure of the loss's results (``LossOutputs``: the
+      model state's and the aux outputs').
   """
 
   traced: Any
@@ -159,29 +166,37 @@ class ModelCut:
   num_state_leaves: int
   state_treedef: Any
   retrace: Any = None
+  loss_outputs: LossOutputs = LossOutputs()
 
 
 def cut_model(
-  loss_fn, params, example_batch, model_state, request: Request
+  loss_fn,
+  params,
+  example_batch,
+  model_state,
+  request: Request,
+  has_aux: bool = False,
 ) -> ModelCut:
   """Traces ``loss_fn`` on the first microbatch and cuts it at
   ``partitioning.depth`` (None: the automatic depth for the stage
-  count)."""
+  count). ``has_aux``: it returns aux outputs beside the loss
+  (``build/loss_outputs.py``)."""
   partitioning = request.partitioning
   depth = partitioning.depth
   size = request.microbatch_size
   micro = jax.tree.map(lambda x: x[:size], example_batch)
   num_batch_leaves = len(jax.tree.leaves(micro))
-  state_treedef = None
   if model_state is not None:
-    state_treedef = jax.tree.structure(model_state)
     loss_fn, micro = partition_lib.with_model_state(loss_fn, micro, model_state)
+  traced_aux = has_aux or model_state is not None
   try:
     traced = partition_lib.trace(
-      loss_fn, params, micro, depth=depth or 1, has_aux=model_state is not None
+      loss_fn, params, micro, depth=depth or 1, has_aux=traced_aux
     )
   except partition_lib.LossOutputError as e:
-    raise ValueError(_loss_output_message(e.got, model_state)) from None
+    message = loss_output_message(e.got, model_state, has_aux)
+    raise ValueError(message) from None
+  outputs = loss_outputs(traced.out_tree, model_state, has_aux)
   granularity = None  # An explicit depth.
   if depth is None:
     traced, granularity = _granularity(
@@ -191,13 +206,11 @@ def cut_model(
       len(request.devices),
       request.schedule_kind,
     )
-  if model_state is not None:
-    _check_state_output(traced, state_treedef)
 
   def retrace(n):
     rows = jax.tree.map(lambda x: x[:n], micro)
     return partition_lib.trace(
-      loss_fn, params, rows, depth=traced.depth, has_aux=model_state is not None
+      loss_fn, params, rows, depth=traced.depth, has_aux=traced_aux
     )
 
   return ModelCut(
@@ -205,9 +218,10 @@ def cut_model(
     granularity,
     micro,
     num_batch_leaves,
-    0 if model_state is None else len(jax.tree.leaves(model_state)),
-    state_treedef,
+    outputs.num_state_leaves,
+    outputs.state_treedef,
     retrace,
+    outputs,
   )
 
 
@@ -603,37 +617,6 @@ def check_plan_stages(plan: partition_lib.Plan) -> None:
   for s, devices in enumerate(plan.stage_devices):
     if not devices:
       raise ValueError(f"the Plan's stage {s} has no device (stage_devices)")
-
-
-def _loss_output_message(got, model_state) -> str:
-  """What a Pipeline's loss_fn returns, and where other outputs go."""
-  if model_state is None:
-    want = (
-      "loss_fn(params, batch) returns the loss alone, a scalar (or, with "
-      "model_state=, (loss, new_model_state))"
-    )
-  else:
-    want = (
-      "with model_state=, loss_fn(params, model_state, batch) returns "
-      "(loss, new_model_state), the loss a scalar"
-    )
-  return (
-    f"loss_fn returned {got}; a Pipeline's {want}. For metrics beside the "
-    "loss pass metrics_fn to pipe.evaluate (forward through the stages)"
-  )
-
-
-def _check_state_output(traced, state_treedef):
-  """The loss must return ``(loss, new_state)`` shaped like the state."""
-  want = jax.tree.structure(
-    (0.0, jax.tree.unflatten(state_treedef, [0] * (state_treedef.num_leaves)))
-  )
-  if not traced.has_aux or traced.out_tree != want:
-    raise ValueError(
-      "with model_state=, loss_fn(params, model_state, batch) must return "
-      "(loss, new_model_state) with new_model_state structured like "
-      "model_state"
-    )
 
 
 def _microbatch_size(example_batch, num_microbatches: int) -> int:

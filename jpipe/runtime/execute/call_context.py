@@ -32,6 +32,8 @@ class CallContext(TransferEnds):
     outbox: ``(what, s, b, value) ->`` what an action of stage s made for
       another stage (B's input cotangents, a step's tied gradients).
     losses: the losses of the call's last-stage forwards, in order.
+    aux: ``result -> [values]``: the loss's aux outputs of the call's
+      forwards, in order (``Pipeline(has_aux=True)``).
     used: ``(kind, s, b) -> params`` F and B used (None: not recorded).
     replica_state: ``(leaf, j) ->`` replica j's (>= 1) copy of a
       round-robin stage's model-state leaf (``replica_state`` module).
@@ -53,6 +55,7 @@ class CallContext(TransferEnds):
   inbox: dict = dataclasses.field(default_factory=dict)
   outbox: dict = dataclasses.field(default_factory=dict)
   losses: list = dataclasses.field(default_factory=list)
+  aux: dict = dataclasses.field(default_factory=dict)
   replica_state: dict = dataclasses.field(default_factory=dict)
 
   def state_leaf(self, i: int, j: int):

@@ -5,7 +5,7 @@
 import jax
 
 from jpipe import schedule as schedule_lib
-from jpipe.runtime.execute import replica_state
+from jpipe.runtime.execute import call_results, replica_state
 from jpipe.runtime.execute.call_context import CallContext
 from jpipe.runtime.execute.in_flight import CallResult, InFlight
 from jpipe.runtime.execute.profiler import ActionProfiler
@@ -69,7 +69,7 @@ def run_call(
   # summed over all stages first).
   deferred_steps = []
   methods = _handlers(driver, ctx, stages, updates, deferred_steps)
-  ops, shares_loss = driver.lower(work)
+  ops, forwarded = driver.lower(work)
   driver.transport.begin_call()
   if jax.profiler.TraceAnnotation.is_enabled():
     # Each op a span in the jax.profiler trace being taken, so it shows
@@ -83,8 +83,12 @@ def run_call(
   if driver.stream is None:
     with jax.profiler.TraceAnnotation("jpipe.S synchronous"):
       updates.synchronous(deferred_steps)
-  loss = driver.mean_loss(ctx.losses) if shares_loss else None
-  return call_result(driver, ctx, stages, in_flight.fed, loss)
+  last = len(driver.stages.specs) - 1
+  loss = (
+    call_results.mean_loss(driver, ctx.losses) if last in forwarded else None
+  )
+  aux = call_results.aux_means(driver, ctx.aux, forwarded)
+  return call_result(driver, ctx, stages, in_flight.fed, loss, aux)
 
 
 def _handlers(driver, ctx, stages, updates, deferred_steps) -> dict:

@@ -32,12 +32,11 @@ call.
 import math
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.calls import shifted_ops
-from jpipe.runtime.build.placement import StagePlacement, put
+from jpipe.runtime.build.placement import StagePlacement
 from jpipe.runtime.build.programs import StagePrograms
 from jpipe.runtime.build.stage_optimizer import StageOptimizer
 from jpipe.runtime.build.stored_params import StoredParams
@@ -116,8 +115,8 @@ class Driver:
     self.num_batch_leaves = num_batch_leaves
     self.record_params = record_params
     self.hooks = hooks or DriverHooks()
-    # (id(base call), its shift's residue) -> (base call, ops, makes a
-    # loss, late owners' backwards).
+    # (id(base call), its shift's residue) -> (base call, ops, forwarded
+    # stages, late owners' backwards).
     self._lowered = {}
     # The shifts that lower alike: those equal modulo every round-robin
     # group across processes' replica count.
@@ -153,22 +152,28 @@ class Driver:
     avals = stages.traced.closed_jaxpr.in_avals
     first_state = stages.traced.num_param_leaves + num_batch_leaves
     self.state_avals = avals[first_state:]
+    # Results: the loss, the model-state leaves, then aux outputs
+    # (``build/loss_outputs.py``); each made by one stage.
+    self.first_aux_result = 1 + len(self.state_avals)
+    self.result_stage = {
+      r: s for s, spec in enumerate(specs) for r in spec.results
+    }
     self.state_readers = routes.state_readers(
       stages, transport, num_batch_leaves
     )
     # Model-state leaf -> replicas, of the leaves held per replica.
     self.state_replicas = replica_state.round_robin_leaves(
-      specs, self.placement, num_batch_leaves
+      specs, self.placement, num_batch_leaves, len(self.state_avals)
     )
 
-  def lower(self, call) -> tuple[Sequence, bool]:
-    """(this process's actions and moves of ``call``'s order, whether the
-    order makes a loss: a forward of the last stage). The lowering of a
+  def lower(self, call) -> tuple[Sequence, frozenset]:
+    """(this process's actions and moves of ``call``'s order, the stages
+    with a forward in it: the last, a loss). The lowering of a
     call's ``base`` is cached (a stream repeats a few orders, shifted by
     its position): a shifted call gets the base's ops shifted, which
     costs ~1 µs an op against ~15 µs an op to lower."""
-    ops, makes_loss, _ = self._lowered_base(call.base, call.shift)
-    return shifted_ops(ops, call.shift), makes_loss
+    ops, forwarded, _ = self._lowered_base(call.base, call.shift)
+    return shifted_ops(ops, call.shift), forwarded
 
   def fused_steps(self, call) -> frozenset:
     """``call.fused_steps`` less a tied leaf owner's backwards that some
@@ -181,7 +186,7 @@ class Driver:
     return call.fused_steps - {(s, b + shift) for s, b in late}
 
   def _lowered_base(self, base, shift=0):
-    """(ops, makes a loss, late owners' backwards) of a base call, to be
+    """(ops, forwarded stages, late owners' backwards) of a base call, to be
     shifted by ``shift`` microbatches (which matters only modulo the
     replicas of round-robin groups across processes: their replica of a
     microbatch runs it in its own process)."""
@@ -201,16 +206,13 @@ class Driver:
         ),
         shift=residue,
       )
-      last = len(self.stages.specs) - 1
-      makes_loss = any(
-        a.kind == FORWARD and a.stage == last for a in base.order
-      )
+      forwarded = frozenset(a.stage for a in base.order if a.kind == FORWARD)
       ops = [op for op in ops if not self._moves_in_place(op)]
       late = _late_tied_grads(ops, base.fused)
       cached = self._lowered[(id(base), residue)] = (
         base,
         ops,
-        makes_loss,
+        forwarded,
         late,
       )
     return cached[1:]
@@ -260,7 +262,7 @@ class Driver:
       states = [
         Transfer("state", s, reader, r - 1)
         for r in spec.results
-        if r > 0
+        if 0 < r < self.first_aux_result
         for reader in self.state_readers[r - 1]
       ]
       return tied + inputs, states
@@ -283,20 +285,6 @@ class Driver:
   # Runs this process's share of a call's actions (``run_call``: the
   # dispatcher; its first argument is this driver).
   run = run_call
-
-  def mean_loss(self, losses):
-    """The mean of a call's losses (computed by the last stage: the
-    list is empty where another process runs it), shared with every
-    process."""
-    last = len(self.stages.specs) - 1
-    place = self.placement[last]
-    if place.round_robin:  # Each replica's on its own device.
-      losses = [put(x, place.device) for x in losses]
-    loss = _mean(losses) if losses else None
-    if not self.transport.multiprocess:
-      return loss
-    dtype = self.stages.traced.jaxpr.outvars[0].aval.dtype
-    return self.transport.share(loss, last, jax.ShapeDtypeStruct((), dtype))
 
 
 def _late_tied_grads(ops, fused) -> frozenset:
@@ -327,10 +315,3 @@ def _made_by(action, transfer):
   if transfer.what == "F":
     return schedule_lib.Action(FORWARD, transfer.src, action.microbatch)
   return None
-
-
-@jax.jit
-def _mean(losses):
-  """The mean of a list of scalars, as one program: eagerly, stacking m
-  losses dispatched m + 2 ops (~2.5 ms a step at m = 32 on a CPU)."""
-  return jnp.mean(jnp.stack(losses))

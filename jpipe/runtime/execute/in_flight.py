@@ -103,6 +103,8 @@ class CallResult:
       replica's own leaves).
     used_params: ``(kind, stage, b) -> params`` every F and B used (when
       recording; kind "F" or "B").
+    aux: the means of the loss's aux outputs over the call's forwards
+      (flat, ``call_results.aux_means``), on every process, or None.
   """
 
   stage_params: list
@@ -114,3 +116,4 @@ class CallResult:
   param_bytes: list
   used_params: dict | None
   replica_model_state: tuple = ()
+  aux: list | None = None

@@ -16,16 +16,20 @@ fresh or loaded one) has every replica at the ``model_state`` value.
 from collections.abc import Sequence
 
 
-def round_robin_leaves(specs, placement, num_batch_leaves) -> dict[int, int]:
+def round_robin_leaves(
+  specs, placement, num_batch_leaves, num_state_leaves=None
+) -> dict[int, int]:
   """``{model-state leaf: replicas}`` of the leaves that round-robin
-  stages read or write (``specs``: the stages' ``StageSpec``s). Raises
-  ValueError where another stage also reads or writes such a leaf."""
+  stages read or write (``specs``: the stages' ``StageSpec``s; results
+  past the ``num_state_leaves`` model-state leaves are the loss's aux
+  outputs; None: none are). Raises ValueError where another stage also
+  reads or writes such a leaf."""
   touched = {}  # leaf -> stages that read or write it
   for s, spec in enumerate(specs):
     leaves = {i - num_batch_leaves for i in spec.batch_leaves}
     leaves |= {r - 1 for r in spec.results if r > 0}
     for i in leaves:
-      if i >= 0:
+      if 0 <= i < (num_state_leaves if num_state_leaves is not None else i + 1):
         touched.setdefault(i, set()).add(s)
   out = {}
   for i, stages in sorted(touched.items()):

@@ -123,7 +123,8 @@ class StageWork(HeldParamsAndGradients):
 
   def _keep(self, b, outputs, results):
     """A forward's outputs of microbatch b, kept for their readers; its
-    loss; its new model-state leaves (the next forward reads them)."""
+    loss; its new model-state leaves (the next forward reads them); its
+    aux outputs."""
     ctx = self.ctx
     j = self.d.placement[self.s].replica_index(b)  # Its replica's state.
     values, reads_left = ctx.values, ctx.reads_left
@@ -132,11 +133,14 @@ class StageWork(HeldParamsAndGradients):
     ):
       values[(b, v)] = x
       reads_left[(b, v)] = readers
+    first_aux = self.d.first_aux_result
     for r, x in zip(self.d.stages.specs[self.s].results, results, strict=True):
       if r == 0:
         ctx.losses.append(x)
-      else:
+      elif r < first_aux:
         ctx.keep_state(r - 1, j, x)
+      else:
+        ctx.aux.setdefault(r, []).append(x)
 
   def backward(self, action):
     b = action.microbatch
@@ -296,8 +300,9 @@ def stage_works(driver, ctx, flight, stage_params, opt_states):
   return works
 
 
-def call_result(driver, ctx, stages, fed, loss) -> CallResult:
-  """What the call produced (``loss``: its mean loss, shared)."""
+def call_result(driver, ctx, stages, fed, loss, aux=None) -> CallResult:
+  """What the call produced (``loss``: its mean loss, ``aux``: its aux
+  outputs' means (flat), shared)."""
   ctx.check_consumed({(w.s, b): k for w in stages for b, k in w.kept.items()})
   flight = InFlight(
     fed=fed,
@@ -330,6 +335,7 @@ def call_result(driver, ctx, stages, fed, loss) -> CallResult:
     replica_state.pack(
       ctx.replica_state, len(ctx.model_state), driver.state_replicas
     ),
+    aux,
   )
 
 

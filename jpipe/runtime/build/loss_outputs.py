@@ -1,0 +1,106 @@
+"""What a Pipeline's ``loss_fn`` returns, checked against what it was
+built for, and where each of its flat results goes.
+
+``loss_fn`` returns, by the Pipeline's options:
+
+=====================  ==========================================
+model_state, has_aux   returns
+=====================  ==========================================
+neither                ``loss``
+has_aux                ``(loss, aux)``
+model_state            ``(loss, new_model_state)``
+both                   ``(loss, (new_model_state, aux))``
+=====================  ==========================================
+
+``loss`` is a scalar; ``aux`` any pytree of arrays (metrics beside the
+loss: an accuracy, a count). Flattened, the results are the loss, the
+model-state leaves, then the aux leaves: result 0, results ``1 ..
+num_state``, results ``num_state + 1 ..``.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOutputs:
+  """The structure of ``loss_fn``'s results.
+
+  Attributes:
+    num_state_leaves: leaves of the model state (0: none).
+    state_treedef: the model state's structure, or None.
+    aux_treedef: the aux pytree's structure, or None (no ``has_aux``).
+  """
+
+  num_state_leaves: int = 0
+  state_treedef: Any = None
+  aux_treedef: Any = None
+
+  @property
+  def num_aux_leaves(self) -> int:
+    return 0 if self.aux_treedef is None else self.aux_treedef.num_leaves
+
+  @property
+  def first_aux(self) -> int:
+    """The flat result index of the first aux leaf."""
+    return 1 + self.num_state_leaves
+
+
+def loss_outputs(out_tree, model_state, has_aux: bool) -> LossOutputs:
+  """``out_tree`` (the traced loss's output structure; its loss already
+  checked to be a scalar) checked against the options: the results'
+  ``LossOutputs``, or a ValueError saying what ``loss_fn`` must return."""
+  out = jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves)
+  state_treedef = None
+  if model_state is not None:
+    state_treedef = jax.tree.structure(model_state)
+  if model_state is None:
+    if not has_aux:
+      return LossOutputs()
+    return LossOutputs(aux_treedef=jax.tree.structure(out[1]))
+  rest = out[1]
+  if has_aux:
+    if not (isinstance(rest, tuple) and len(rest) == 2):
+      raise ValueError(
+        "with model_state= and has_aux=True, loss_fn(params, model_state, "
+        "batch) must return (loss, (new_model_state, aux)); its second "
+        f"output is {type(rest).__name__}, not a pair"
+      )
+    rest, aux = rest
+  if jax.tree.structure(rest) != state_treedef:
+    raise ValueError(
+      "with model_state=, loss_fn(params, model_state, batch) must return "
+      f"(loss, {'(new_model_state, aux)' if has_aux else 'new_model_state'})"
+      " with new_model_state structured like model_state"
+    )
+  return LossOutputs(
+    num_state_leaves=state_treedef.num_leaves,
+    state_treedef=state_treedef,
+    aux_treedef=jax.tree.structure(aux) if has_aux else None,
+  )
+
+
+def loss_output_message(got, model_state, has_aux: bool) -> str:
+  """What a Pipeline's loss_fn returns (it returned ``got``)."""
+  if model_state is None:
+    want = "loss_fn(params, batch) returns "
+    want += "(loss, aux)" if has_aux else "the loss alone"
+  else:
+    want = "with model_state=, loss_fn(params, model_state, batch) returns "
+    want += (
+      "(loss, (new_model_state, aux))"
+      if has_aux
+      else ("(loss, new_model_state)")
+    )
+  if has_aux:
+    return (
+      f"loss_fn returned {got}; with has_aux=True a Pipeline's {want}, the "
+      "loss a scalar"
+    )
+  return (
+    f"loss_fn returned {got}; a Pipeline's {want}, the loss a scalar. For "
+    "metrics beside the loss pass has_aux=True (step's metrics['aux']: "
+    "their means over the microbatches) or a metrics_fn to pipe.evaluate"
+  )
