@@ -345,6 +345,7 @@ def _stage_optimizers(
         grad_layout=layout,
         compiler_options=stages.compiler_options,
         state_own_bytes=own_sizes[s],
+        stage=s,
       )
     )
   return tuple(optimizers)

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from jpipe.runtime.build.stage_keys import is_key
+
 
 def merge_keyed(states):
   """One state from per-stage states whose params parts are keyed dicts.
@@ -64,7 +66,7 @@ def select_keyed(saved, template):
     )
   if template is None:
     return None
-  if _is_key(template) and not _is_key(saved):
+  if is_key(template) and not is_key(saved):
     saved = _wrap_key_data(saved, template)
   if np.shape(saved) != np.shape(template) and _squeezed(saved) == _squeezed(
     template
@@ -83,16 +85,11 @@ def select_keyed(saved, template):
   return np.asarray(saved, dtype=dtype)
 
 
-def _is_key(leaf) -> bool:
-  dtype = getattr(leaf, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def key_data(leaf):
   """A typed PRNG key leaf (``optax.add_noise``'s state) as its key data
   -- uint32 numbers, which a checkpoint writes as any array; any other
   leaf as it is. Abstract leaves likewise."""
-  if not _is_key(leaf):
+  if not is_key(leaf):
     return leaf
   if isinstance(leaf, jax.ShapeDtypeStruct):
     return jax.eval_shape(jax.random.key_data, leaf)

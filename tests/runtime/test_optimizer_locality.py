@@ -16,6 +16,7 @@ from jpipe.runtime.build.optimizer_locality import (
   check_stage_local,
   output_dependencies,
 )
+from jpipe.runtime.build.stage_optimizer import leaf_names
 from tests.partition import flax_models
 
 
@@ -238,6 +239,45 @@ def test_a_pipeline_refuses_a_global_norm_clip_in_its_optimizer():
   tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
   with pytest.raises(jpipe.OptimizerError, match="clip_global_norm=c"):
     _pipeline(tx)
+
+
+def test_each_stage_draws_noise_of_its_own_from_the_one_key():
+  """``add_noise``: leaves at the same position on two stages (equal
+  Dense layers) get independent noise, each stage's drawn as optax draws
+  it for its own leaves (stage 0: from the key; stage s: from the key
+  folded with s), and the key kept is one device's after a step."""
+  key = jax.random.key(7)
+  tx = optax.chain(optax.add_noise(1.0, 0.0, key), optax.sgd(1.0))
+  pipe, params, batch = _pipeline(tx)
+  state, _ = pipe.step(pipe.init(params), batch)
+  loss_fn = flax_models.mlp_case()[0]
+  grads = jax.grad(loss_fn)(params, batch)
+  # sgd(1): new = old - (grad + noise).
+  noise = jax.tree.map(
+    lambda p, n, g: p - n - g, params, pipe.gather_params(state), grads
+  )
+  flat = dict(zip(leaf_names(params), jax.tree.leaves(noise), strict=True))
+  per_stage = []
+  for s, spec in enumerate(pipe.stages.specs):
+    names = [pipe.leaf_names[i] for i in spec.param_leaves]
+    got = {n: flat[n] for n in names}
+    stage_key = key if s == 0 else jax.random.fold_in(key, s)
+    sample = jax.random.split(stage_key)[1]
+    want = optax.tree.random_like(sample, got, jax.random.normal)
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), got, want
+    )
+    per_stage.append(list(got.values()))
+  same_shape = [
+    (a, b)
+    for a, b in zip(*per_stage, strict=False)  # Same positions, stages 0 and 1.
+    if a.shape == b.shape
+  ]
+  assert same_shape and all(not np.allclose(a, b) for a, b in same_shape)
+  saved = pipe.state_dict(state)["opt_state"][0].rng_key
+  np.testing.assert_array_equal(
+    saved, jax.random.key_data(jax.random.split(key)[0])
+  )
 
 
 def test_a_key_in_the_optimizer_state_trains_and_round_trips():

@@ -22,6 +22,7 @@ import optax
 from jpipe import staleness
 from jpipe.runtime.build.flat import FlatLayout, PackedTree
 from jpipe.runtime.build.params_view import KeyedLeaves, ParamsView
+from jpipe.runtime.build.stage_keys import stage_keyed
 from jpipe.runtime.build.stored_params import leaves_of, stored_params_like
 
 
@@ -69,6 +70,8 @@ class StageOptimizer:
       None: stored as optax's tree. ``state_tree`` reads either.
     view: the leaves in the model's params structure, as the optimizer
       sees them; None: the ``{path: leaf}`` dict.
+    stage: the stage it steps: random keys in its state draw that
+      stage's own stream (``stage_keys``).
   """
 
   def __init__(
@@ -85,6 +88,7 @@ class StageOptimizer:
     compiler_options: dict[str, Any] | None = None,
     state_own_bytes: float | None = None,
     view: ParamsView | None = None,
+    stage: int = 0,
   ):
     self.names = tuple(names)
     self.view = view if view is not None else KeyedLeaves(self.names)
@@ -96,6 +100,8 @@ class StageOptimizer:
     self.base_tx = tx
     self.gap_aware = gap_aware is not None
     self.tx = staleness.gap_aware(tx, **gap_aware) if self.gap_aware else tx
+    # Keys in the state draw a stream of the stage's own (``stage_keys``).
+    self._tx_update = stage_keyed(self.tx.update, stage)
     self._predictor = predictor
     self._schedule = learning_rate_schedule
     self._horizon = horizon
@@ -276,9 +282,9 @@ class StageOptimizer:
     state = self._structured(self.state_tree(opt_state), p)
     if self.gap_aware:
       stale = self.as_dict(leaves_of(stale_params))
-      updates, state = self.tx.update(g, state, p, stale_params=stale)
+      updates, state = self._tx_update(g, state, p, stale_params=stale)
     else:
-      updates, state = self.tx.update(g, state, p)
+      updates, state = self._tx_update(g, state, p)
     updates = jax.tree.map(
       lambda u: u * jnp.asarray(update_scale, u.dtype), updates
     )
