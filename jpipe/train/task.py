@@ -145,7 +145,14 @@ def _loss_and_aux(task, out, fail):
   if (state or has_aux) and not pair:
     fail(f"Task.loss_fn{_signature(task)} must return {wants}")
   if not has_aux:
-    return out[0] if state else out
+    loss = out[0] if state else out
+    if isinstance(loss, tuple):  # (loss, metrics) without has_aux
+      fail(
+        f"Task.loss_fn{_signature(task)} returned a tuple where it must "
+        f"return {wants}: for metrics beside the loss set "
+        "Task(..., has_aux=True)"
+      )
+    return loss
   aux = out[1][1] if state else out[1]
   if state and not (isinstance(out[1], tuple) and len(out[1]) == 2):
     fail(f"Task.loss_fn{_signature(task)} must return {wants}")

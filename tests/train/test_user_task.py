@@ -5,6 +5,7 @@ This file defines its own model and task (nothing of it lives in
 ``my_task.py`` would be, ``--config.task=my_task:build_task``.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -118,6 +119,10 @@ def aux_task(config, metrics=None) -> Task:
 
 def loss_named_aux_task(config):
   return aux_task(config, lambda loss: {"loss": loss})
+
+
+def aux_without_the_flag_task(config):
+  return dataclasses.replace(aux_task(config), has_aux=False)
 
 
 def array_aux_task(config):
@@ -298,6 +303,7 @@ def test_a_task_that_breaks_the_protocol_is_one_line_before_any_work():
     ("bad_loss_task", "must return a scalar loss"),
     ("loss_named_aux_task", "metric 'loss' would overwrite"),
     ("array_aux_task", "a dict of named scalars"),
+    ("aux_without_the_flag_task", "set Task\\(..., has_aux=True\\)"),
   ]:
     config.task = f"{HERE}:{builder}"
     with pytest.raises(UsageError, match=message):
