@@ -48,7 +48,8 @@ class PipelineInferenceMethods:
     Returns:
       Without ``metrics_fn``: ``{"loss": the mean of the microbatches'
       losses}`` (``loss_fn`` at these params, as ``step``'s "loss" is at
-      the params each forward used). With it: its pytree, each leaf
+      the params each forward used), with ``has_aux`` also ``"aux"``:
+      each aux output's mean over them. With it: its pytree, each leaf
       summed over the microbatches. Arrays, on every process.
     """
     return _forward_only.evaluate(self, state, batch, metrics_fn)

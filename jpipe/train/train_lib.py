@@ -137,8 +137,14 @@ def build_pipeline(config, task: Task, example_batch, tx, lr):
   except schedule_lib.NoScheduleFits as e:  # schedule "auto"
     raise UsageError(f"config.pipeline.memory_limit: {e}") from e
   except jpipe.OptimizerError as e:
+    hint = ""
+    if config.optimizer.name == "adafactor" and "mixes the rows" in str(e):
+      hint = (
+        " (here: --config.optimizer.args='clipping_threshold=None,"
+        "multiply_by_parameter_scale=False')"
+      )
     raise UsageError(
-      f"config.optimizer.name={config.optimizer.name!r}: {e}"
+      f"config.optimizer.name={config.optimizer.name!r}: {e}{hint}"
     ) from e
   except ValueError as e:
     if "memory_limit" not in str(e):

@@ -283,7 +283,10 @@ def _forward_only(pipe, state, case, batch, index):
     logits = logits_fn(*args)
     return {"logit_sums": logits.reshape(-1, logits.shape[-1]).sum(0)}
 
-  out = {f"{index}/eval_loss": np.asarray(pipe.evaluate(state, batch)["loss"])}
+  evaluated = pipe.evaluate(state, batch)
+  out = {f"{index}/eval_loss": np.asarray(evaluated["loss"])}
+  for name, value in evaluated.get("aux", {}).items():  # (has_aux)
+    out[f"{index}/eval_aux/{name}"] = np.asarray(value)
   metrics = pipe.evaluate(state, batch, metrics_fn)
   out[f"{index}/logit_sums"] = np.asarray(metrics["logit_sums"])
   out[f"{index}/logits"] = np.asarray(pipe.predict(state, batch, logits_fn))

@@ -102,11 +102,14 @@ def test_aux_means_are_the_one_device_microbatch_means(schedule, stages):
   # The aux outputs are not differentiated: the step is the loss's alone.
   expected, _ = _reference_steps(loss_fn, params, batch, 4, tx)
   _assert_tree_close(pipe.gather_params(state), expected)
-  # The evaluation of the loss ignores them.
-  got = pipe.evaluate(state, batch)["loss"]
-  assert got == pytest.approx(
-    float(_microbatch_means(loss_fn, expected, batch, 4, lambda v: v)), 1e-5
-  )
+  # Evaluated forward through the stages at the new params: the same.
+  evaluated = pipe.evaluate(state, batch)
+  at_new = _microbatch_means(with_aux, expected, batch, 4, lambda out: out)
+  assert evaluated["loss"] == pytest.approx(float(at_new[0]), 1e-5)
+  for name, value in at_new[1].items():
+    np.testing.assert_allclose(
+      evaluated["aux"][name], value, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_aux_beside_model_state():

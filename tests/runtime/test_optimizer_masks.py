@@ -183,9 +183,14 @@ def test_a_stream_leaves_frozen_modules_as_they_were_and_resumes():
 def test_adafactor_over_split_scanned_layers_saves_and_resumes():
   """Adafactor keeps one (1,) value for an unfactored leaf: a stage of
   a stacked leaf's rows stores it per row, and a state dict of those
-  reads back into the rows (it failed before: () against (1,))."""
+  reads back into the rows (it failed before: () against (1,)). Its
+  row-wise form: the default's block-RMS clip and parameter scale read
+  every row (refused, ``test_row_locality.py``)."""
   loss_fn, params, batch = _problem(_Scanned())
-  pipe = _pipeline(loss_fn, params, batch, "1f1b", optax.adafactor(0.05))
+  tx = optax.adafactor(
+    0.05, clipping_threshold=None, multiply_by_parameter_scale=False
+  )
+  pipe = _pipeline(loss_fn, params, batch, "1f1b", tx)
   state, _ = pipe.step(pipe.init(params), batch)
   resumed = pipe.load_state_dict(pipe.state_dict(state))
   state, _ = pipe.step(state, batch)

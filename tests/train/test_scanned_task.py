@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jpipe.train import train_lib
+from jpipe.train.errors import UsageError
 from jpipe.train.tasks import Task
 from tests.train.test_train import _losses
 from tests.train.test_user_task import _config
@@ -81,3 +82,26 @@ def test_scanned_layers_checkpoint_stacked_and_resume_in_two_stages(
   assert SEEN_SHAPES and all(
     s["layers"] == (LAYERS, WIDTH, WIDTH) for s in SEEN_SHAPES
   )
+
+
+def test_an_optimizer_mixing_the_scanned_rows_is_one_line(tmp_path):
+  """Adafactor's default update clip and parameter scale take an RMS over
+  the whole stacked leaf: refused where the rows split between stages,
+  with the config's spelling of the row-wise Adafactor, which trains."""
+  config = _config(
+    **{
+      "task": f"{HERE}:build_task",
+      "pipeline.num_stages": 2,
+      "train.steps": 1,
+      "optimizer.name": "adafactor",
+      "optimizer.clip_norm": 0.0,
+    }
+  )
+  with pytest.raises(UsageError, match="mixes the rows of 'layers'") as err:
+    train_lib.train_and_evaluate(config, str(tmp_path / "refused"))
+  message = str(err.value)
+  assert "\n" not in message
+  fix = message.split("--config.optimizer.args=")[1].strip("')")
+  config.optimizer.args = fix
+  summary = train_lib.train_and_evaluate(config, str(tmp_path / "runs"))
+  assert np.isfinite(summary["eval"]["loss"])

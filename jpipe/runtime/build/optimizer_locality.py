@@ -24,6 +24,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
+from jpipe.runtime.build.row_locality import mixed_rows
 from jpipe.runtime.build.stage_optimizer import leaf_names
 
 # A value's dependencies: a bitset of input indices (bit i: input i), as
@@ -161,11 +162,19 @@ def check_pipeline_optimizer(optimizer, params, stage_leaves, sources):
   if len(stage_leaves) < 2:
     return
   held = [set() for _ in jax.tree.leaves(params)]
+  row_stages = {}  # model leaf -> the stages holding its scanned rows
   for s, leaves in enumerate(stage_leaves):
     for i in leaves:
-      held[sources[i][0]].add(s)
+      leaf, row = sources[i]
+      held[leaf].add(s)
+      if row >= 0:
+        row_stages.setdefault(leaf, set()).add(s)
   check_stage_local(
-    optimizer, params, [frozenset(h) for h in held], leaf_names(params)
+    optimizer,
+    params,
+    [frozenset(h) for h in held],
+    leaf_names(params),
+    split_rows=[m for m, ss in sorted(row_stages.items()) if len(ss) > 1],
   )
 
 
@@ -174,6 +183,7 @@ def check_stage_local(
   params,
   leaf_stages: Sequence[frozenset[int]],
   leaf_names: Sequence[str],
+  split_rows: Sequence[int] = (),
 ) -> None:
   """Raises OptimizerError if ``optimizer``'s step on the whole model reads,
   for some leaf's update or some value it keeps, leaves that no one stage
@@ -187,6 +197,10 @@ def check_stage_local(
     leaf_stages: per model leaf (flatten order), the stages holding it (a
       tied leaf's owner and holders; a scanned leaf's rows' stages).
     leaf_names: per model leaf, its path (for the message).
+    split_rows: the model leaves whose rows (a scanned layer's, stacked
+      on axis 0) run on several stages: each stage steps its own rows,
+      so a step that mixes a leaf's rows (an RMS over the whole leaf)
+      is refused too (``row_locality``).
 
   A leaf no stage holds (a param the loss never reads) is left out.
   """
@@ -243,6 +257,48 @@ def check_stage_local(
       read(deps),
       leaf_stages,
       leaf_names,
+    )
+  if split_rows:
+    _check_rows(traced, params, state, split_rows, leaf_stages, leaf_names)
+
+
+def _check_rows(traced, params, state, split_rows, leaf_stages, leaf_names):
+  """Raises unless every update and kept value computes each row of a
+  row-split leaf from that row alone. The row inputs: the gradient and
+  params of each such leaf, and the state leaves that mirror it (their
+  path ends with its path, their axis 0 its rows)."""
+  param_paths = [
+    (jax.tree_util.keystr(path), x.shape)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+  state_flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  n, num_state = len(param_paths), len(state_flat)
+  of_input = {}  # row input -> the model leaf it is (or mirrors)
+  for m in split_rows:
+    path, shape = param_paths[m]
+    of_input[m] = of_input[n + num_state + m] = m
+    for j, (spath, x) in enumerate(state_flat):
+      mirrors = jax.tree_util.keystr(spath).endswith(path)
+      if mirrors and x.shape and x.shape[0] == shape[0]:
+        of_input[n + j] = m
+  outputs = mixed_rows(traced, sorted(of_input))
+  state_paths = [jax.tree_util.keystr(p) for p, _ in state_flat]
+  whats = [f"the update of {name!r}" for name in leaf_names] + [
+    f"the optimizer state's {p}" for p in state_paths
+  ]
+  for what, mixed in zip(whats, outputs, strict=True):
+    if not mixed:
+      continue
+    m = of_input[_bits(mixed)[0]]
+    raise OptimizerError(
+      f"the optimizer mixes the rows of {_where(m, leaf_stages, leaf_names)}"
+      f", a scanned layer's stacked leaf whose rows run on several stages: "
+      f"{what} reads all its rows (e.g. an RMS or a norm over the whole "
+      "leaf), which each stage would compute over its own rows alone, a "
+      "silently different step. Use an update that reads each row on its "
+      "own (optax.adafactor(..., clipping_threshold=None, "
+      "multiply_by_parameter_scale=False); adam, adamw, sgd), or a plan "
+      "that keeps the scan's rows on one stage"
     )
 
 

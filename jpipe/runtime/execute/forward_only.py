@@ -131,8 +131,8 @@ class ForwardProgram:
 
 
 def own_program(pipe) -> ForwardProgram:
-  """The pipeline's loss on its own stages (result 0: the loss; the
-  others, new model-state leaves, are dropped)."""
+  """The pipeline's loss on its own stages (result 0: the loss; then
+  new model-state leaves, dropped, and aux outputs)."""
   return ForwardProgram(
     pipe.stages,
     tuple(tuple(range(len(spec.param_leaves))) for spec in pipe.stages.specs),
@@ -487,8 +487,17 @@ def evaluate(pipe, state, batch, metrics_fn=None):
   if metrics_fn is None:
     program = program_for(pipe, None, batch, "")
     results, m = run(program, state, batch)
-    # Result 0: the loss (the others: new model state, dropped).
-    return {"loss": combined_result(program, results, 0, m, mean)}
+    # Result 0: the loss; then new model state (dropped) and aux outputs.
+    out = {"loss": combined_result(program, results, 0, m, mean)}
+    outputs = pipe.loss_outputs
+    if outputs.aux_treedef is not None:
+      first = outputs.first_aux
+      aux = [
+        combined_result(program, results, r, m, mean)
+        for r in range(first, first + outputs.num_aux_leaves)
+      ]
+      out["aux"] = jax.tree.unflatten(outputs.aux_treedef, aux)
+    return out
   program = program_for(pipe, metrics_fn, batch, "metrics_fn")
   results, m = run(program, state, batch)
   return combined(program, results, m, total)
