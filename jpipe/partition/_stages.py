@@ -383,7 +383,9 @@ def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
   if traced.returns_loss and producer_stage.get(loss_var, last) != last:
     raise ValueError(
       f"the loss is computed on stage {producer_stage[loss_var]}, not on "
-      f"the last stage {last}: give the last stage the loss's nodes"
+      f"the last stage {last}: give the last stage the loss's nodes (module "
+      "calls after the loss, e.g. for aux outputs, are split after it: "
+      "make them before the loss)"
     )
   specs = []
   for s in range(num_stages):

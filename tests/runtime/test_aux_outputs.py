@@ -216,3 +216,25 @@ def test_what_a_loss_with_aux_returns_is_named(model_state, returns, message):
       optimizer=optax.sgd(0.1),
       **options,
     )
+
+
+def test_modules_called_after_the_loss_are_named_as_the_cause():
+  """Aux outputs from module calls after the loss's: the split puts them
+  after it, so the loss leaves the last stage -- said, with the fix."""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+
+  def with_aux(params, batch):
+    loss = loss_fn(params, batch)
+    return loss, {"again": loss_fn(params, batch)}  # the model again
+
+  with pytest.raises(ValueError, match="make them before the loss"):
+    jpipe.Pipeline(
+      with_aux,
+      params,
+      batch,
+      num_stages=3,
+      devices=jax.devices()[:3],
+      num_microbatches=2,
+      optimizer=optax.sgd(0.1),
+      has_aux=True,
+    )
