@@ -18,12 +18,12 @@ is allocated) and follows, through the jaxpr, which input leaves each
 output leaf is computed from (``output_dependencies``).
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 from jax.extend import core as jex_core
 
+from jpipe.runtime.build.jaxpr_flow import flow
 from jpipe.runtime.build.row_locality import mixed_rows
 from jpipe.runtime.build.stage_optimizer import leaf_names
 
@@ -49,6 +49,24 @@ class OptimizerError(ValueError):
   update is not given."""
 
 
+class _Dependencies:
+  """``jaxpr_flow``'s lattice of input bitsets: what a value reads."""
+
+  bottom = 0
+
+  @staticmethod
+  def join(a: Deps, b: Deps) -> Deps:
+    return a | b
+
+  @staticmethod
+  def influence(deps: Deps) -> Deps:
+    return deps
+
+  @staticmethod
+  def equation(eqn, ins):
+    return None  # every primitive: each output reads every input
+
+
 def output_dependencies(
   closed_jaxpr: jex_core.ClosedJaxpr,
 ) -> list[Deps]:
@@ -57,102 +75,8 @@ def output_dependencies(
   through jit, cond, while, scan, custom derivatives and remat; any
   other higher-order primitive counts each output as reading all its
   inputs)."""
-  jaxpr = closed_jaxpr.jaxpr
-  return _deps(
-    jaxpr,
-    [0] * len(jaxpr.constvars),
-    [1 << i for i in range(len(jaxpr.invars))],
-  )
-
-
-def _deps(jaxpr, const_deps, in_deps) -> list[Deps]:
-  env: dict[Any, Deps] = {}
-  for v, d in zip(jaxpr.constvars, const_deps, strict=True):
-    env[v] = d
-  for v, d in zip(jaxpr.invars, in_deps, strict=True):
-    env[v] = d
-
-  def read(v) -> Deps:
-    return env.get(v, 0) if isinstance(v, jex_core.Var) else 0
-
-  for eqn in jaxpr.eqns:
-    outs = _eqn_deps(eqn, [read(v) for v in eqn.invars])
-    for v, d in zip(eqn.outvars, outs, strict=True):
-      env[v] = d
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _union(sets) -> Deps:
-  out = 0
-  for d in sets:
-    out |= d
-  return out
-
-
-def _eqn_deps(eqn, ins: list[Deps]) -> list[Deps]:
-  """One equation's output dependencies from its inputs'."""
-  name, params = eqn.primitive.name, eqn.params
-  if name == "cond":  # invars: (index, *operands)
-    outs = [_closed(b, ins[1:]) for b in params["branches"]]
-    return [ins[0] | _union(o) for o in zip(*outs, strict=True)]
-  if name == "while":
-    return _while(params, ins)
-  if name == "scan":
-    return _scan(params, ins)
-  subs = [p for p in params.values() if _is_jaxpr(p)]
-  if len(subs) == 1 and _arity(subs[0]) == (len(ins), len(eqn.outvars)):
-    # jit, custom_jvp_call, custom_vjp_call, remat, closed_call: the
-    # inner jaxpr is the equation, input for input.
-    return _closed(subs[0], ins)
-  return [_union(ins)] * len(eqn.outvars)
-
-
-def _is_jaxpr(p) -> bool:
-  return isinstance(p, jex_core.ClosedJaxpr | jex_core.Jaxpr)
-
-
-def _arity(j) -> tuple[int, int]:
-  jaxpr = j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
-  return len(jaxpr.invars), len(jaxpr.outvars)
-
-
-def _closed(j, ins: Sequence[Deps]) -> list[Deps]:
-  if isinstance(j, jex_core.ClosedJaxpr):
-    j = j.jaxpr
-  return _deps(j, [0] * len(j.constvars), list(ins))
-
-
-def _fixed_point(step: Callable[[list[Deps]], list[Deps]], carry):
-  """The least carry dependencies closed under ``step`` (each carry
-  reads what its initial value and every iteration feed it)."""
-  while True:
-    new = [c | n for c, n in zip(carry, step(carry), strict=True)]
-    if new == carry:
-      return carry
-    carry = new
-
-
-def _while(params, ins: list[Deps]) -> list[Deps]:
-  nc, nb = params["cond_nconsts"], params["body_nconsts"]
-  cond_consts, body_consts, init = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
-
-  def step(carry):
-    flow = _closed(params["body_jaxpr"], [*body_consts, *carry])
-    # The trip count (the predicate's inputs) shapes every result.
-    (pred,) = _closed(params["cond_jaxpr"], [*cond_consts, *carry])
-    return [d | pred for d in flow]
-
-  return _fixed_point(step, list(init))
-
-
-def _scan(params, ins: list[Deps]) -> list[Deps]:
-  nc, ncarry = params["num_consts"], params["num_carry"]
-  consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
-  body = params["jaxpr"]
-  carry = _fixed_point(
-    lambda c: _closed(body, [*consts, *c, *xs])[:ncarry], list(init)
-  )
-  return [*carry, *_closed(body, [*consts, *carry, *xs])[ncarry:]]
+  n = len(closed_jaxpr.jaxpr.invars)
+  return flow(closed_jaxpr, [1 << i for i in range(n)], _Dependencies)
 
 
 def check_pipeline_optimizer(optimizer, params, stage_leaves, sources):
