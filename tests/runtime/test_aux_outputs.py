@@ -57,6 +57,22 @@ def _case():
   return with_aux, lambda p, b: with_aux(p, b)[0], params, {"x": x, "y": y}
 
 
+def _pipeline(loss_fn, params, batch, *, devices=2, **options):
+  """``loss_fn`` (returning aux outputs) as a Pipeline on the first
+  ``devices`` devices: 2 stages, 2 microbatches, SGD unless ``options``
+  say otherwise."""
+  options = {
+    "num_stages": 2,
+    "num_microbatches": 2,
+    "optimizer": optax.sgd(0.1),
+    "has_aux": True,
+    **options,
+  }
+  return jpipe.Pipeline(
+    loss_fn, params, batch, devices=jax.devices()[:devices], **options
+  )
+
+
 def _microbatch_means(fn, params, batch, m, select):
   """The mean over m microbatches of ``select(fn(params, microbatch))``."""
   size = batch["x"].shape[0] // m
@@ -78,16 +94,14 @@ def _microbatch_means(fn, params, batch, m, select):
 def test_aux_means_are_the_one_device_microbatch_means(schedule, stages):
   with_aux, loss_fn, params, batch = _case()
   tx = optax.sgd(0.1)
-  pipe = jpipe.Pipeline(
+  pipe = _pipeline(
     with_aux,
     params,
     batch,
     num_stages=stages,
-    devices=jax.devices()[:2],
     schedule=schedule,
     num_microbatches=4,
     optimizer=tx,
-    has_aux=True,
   )
   stage_of = pipe.driver.result_stage
   assert stage_of[pipe.driver.first_aux_result + 1] == 0  # first_mean
@@ -123,18 +137,7 @@ def test_aux_beside_model_state():
     loss, new_stats = state_loss(params, stats, batch)
     return loss, (new_stats, {"loss_times_two": 2 * loss})
 
-  pipe = jpipe.Pipeline(
-    with_aux,
-    params,
-    batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
-    schedule="1f1b",
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-    model_state=stats,
-    has_aux=True,
-  )
+  pipe = _pipeline(with_aux, params, batch, schedule="1f1b", model_state=stats)
   state, metrics = pipe.step(pipe.init(params, stats), batch)
   ref_stats, losses = stats, []
   for k in range(2):
@@ -153,17 +156,14 @@ def test_an_asynchronous_stream_reports_each_stage_s_forwards_of_the_call():
   finished (as the loss). With a zero learning rate the params stay put,
   so the reference is the loop over the call's microbatches."""
   with_aux, _, params, batch = _case()
-  pipe = jpipe.Pipeline(
+  pipe = _pipeline(
     with_aux,
     params,
     batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
     schedule="async",
     num_microbatches=4,
     optimizer=optax.sgd(0.0),
     weight_stashing=True,
-    has_aux=True,
   )
   state = pipe.init(params)
   rng = np.random.default_rng(0)
@@ -194,7 +194,7 @@ def test_an_asynchronous_stream_reports_each_stage_s_forwards_of_the_call():
 )
 def test_what_a_loss_with_aux_returns_is_named(model_state, returns, message):
   case_loss, params, batch, _ = flax_models.mlp_case()
-  options = {"has_aux": True}
+  options = {}
   if model_state:
     options["model_state"] = {"count": jnp.zeros(())}
     outputs = {
@@ -206,16 +206,7 @@ def test_what_a_loss_with_aux_returns_is_named(model_state, returns, message):
   else:
     loss_fn = case_loss
   with pytest.raises(ValueError, match=message):
-    jpipe.Pipeline(
-      loss_fn,
-      params,
-      batch,
-      num_stages=2,
-      devices=jax.devices()[:2],
-      num_microbatches=2,
-      optimizer=optax.sgd(0.1),
-      **options,
-    )
+    _pipeline(loss_fn, params, batch, **options)
 
 
 def test_modules_called_after_the_loss_are_named_as_the_cause():
@@ -228,13 +219,4 @@ def test_modules_called_after_the_loss_are_named_as_the_cause():
     return loss, {"again": loss_fn(params, batch)}  # the model again
 
   with pytest.raises(ValueError, match="make them before the loss"):
-    jpipe.Pipeline(
-      with_aux,
-      params,
-      batch,
-      num_stages=3,
-      devices=jax.devices()[:3],
-      num_microbatches=2,
-      optimizer=optax.sgd(0.1),
-      has_aux=True,
-    )
+    _pipeline(with_aux, params, batch, num_stages=3, devices=3)
