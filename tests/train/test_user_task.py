@@ -246,7 +246,9 @@ def test_sdpipe_runs_the_users_task(tmp_path):
 
 
 @pytest.mark.parametrize("pipelines", [1, 2])
-def test_the_users_metrics_beside_the_loss_are_logged(tmp_path, pipelines):
+def test_the_users_metrics_beside_the_loss_are_logged(
+  tmp_path, capsys, pipelines
+):
   """``Task.has_aux``: the loss's own metric, averaged over a log
   window, logged as train/<name> and printed beside the loss -- one
   pipeline, and SD-Pipe's two (each pipeline's mean, averaged)."""
@@ -263,6 +265,8 @@ def test_the_users_metrics_beside_the_loss_are_logged(tmp_path, pipelines):
   train_lib.train_and_evaluate(config, str(tmp_path))
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   logged = {r["step"]: r["train/hit_rate"] for r in rows if "train/loss" in r}
+  printed = capsys.readouterr().out
+  assert f"train hit_rate {logged[2]:.4f}" in printed, printed
   assert sorted(logged) == [1, 2]
   if pipelines == 1:  # Step 1's: the batch's hit rate at the start.
     task = aux_task(config)
