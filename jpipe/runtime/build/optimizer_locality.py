@@ -147,11 +147,13 @@ def check_stage_local(
       "steps without. Use a learning-rate schedule, or an optimizer whose "
       "update takes (updates, state, params)"
     ) from None
-  state_paths = [
-    jax.tree_util.keystr(path)
-    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+  state_flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  num_state = len(state_flat)
+  # What each output is, for messages: the updates, then the state.
+  whats = [f"the update of {name!r}" for name in leaf_names] + [
+    f"the optimizer state's {jax.tree_util.keystr(path)}"
+    for path, _ in state_flat
   ]
-  num_state = len(state_paths)
 
   # Inputs: gradients (n), state, params (n); only leaves are labelled.
   def model_leaf(i):
@@ -165,37 +167,27 @@ def check_stage_local(
     return {model_leaf(i) for i in _bits(deps)} - {None}
 
   outputs = output_dependencies(traced)
-  updates, new_state = outputs[:n], outputs[n:]
-  for i, deps in enumerate(updates):
-    _check_output(
-      f"the update of {leaf_names[i]!r}",
-      leaf_stages[i],
-      read(deps),
-      leaf_stages,
-      leaf_names,
-    )
-  for where, deps in zip(state_paths, new_state, strict=True):
-    _check_output(
-      f"the optimizer state's {where}",
-      None,
-      read(deps),
-      leaf_stages,
-      leaf_names,
-    )
+  for i, (what, deps) in enumerate(zip(whats, outputs, strict=True)):
+    at = leaf_stages[i] if i < n else None  # (a state value: any stage)
+    _check_output(what, at, read(deps), leaf_stages, leaf_names)
   if split_rows:
-    _check_rows(traced, params, state, split_rows, leaf_stages, leaf_names)
+    _check_rows(
+      traced, params, state_flat, whats, split_rows, leaf_stages, leaf_names
+    )
 
 
-def _check_rows(traced, params, state, split_rows, leaf_stages, leaf_names):
-  """Raises unless every update and kept value computes each row of a
-  row-split leaf from that row alone. The row inputs: the gradient and
-  params of each such leaf, and the state leaves that mirror it (their
-  path ends with its path, their axis 0 its rows)."""
+def _check_rows(
+  traced, params, state_flat, whats, split_rows, leaf_stages, leaf_names
+):
+  """Raises unless every update and kept value (``whats``: each output
+  named) computes each row of a row-split leaf from that row alone. The
+  row inputs: the gradient and params of each such leaf, and the state
+  leaves (``state_flat``: with their paths) that mirror it (their path
+  ends with its path, their axis 0 its rows)."""
   param_paths = [
     (jax.tree_util.keystr(path), x.shape)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
   ]
-  state_flat = jax.tree_util.tree_flatten_with_path(state)[0]
   n, num_state = len(param_paths), len(state_flat)
   of_input = {}  # row input -> the model leaf it is (or mirrors)
   for m in split_rows:
@@ -206,10 +198,6 @@ def _check_rows(traced, params, state, split_rows, leaf_stages, leaf_names):
       if mirrors and x.shape and x.shape[0] == shape[0]:
         of_input[n + j] = m
   outputs = mixed_rows(traced, sorted(of_input))
-  state_paths = [jax.tree_util.keystr(p) for p, _ in state_flat]
-  whats = [f"the update of {name!r}" for name in leaf_names] + [
-    f"the optimizer state's {p}" for p in state_paths
-  ]
   for what, mixed in zip(whats, outputs, strict=True):
     if not mixed:
       continue

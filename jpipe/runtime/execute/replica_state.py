@@ -13,6 +13,7 @@ and writes replica ``b mod k``'s copy. A state without those copies (a
 fresh or loaded one) has every replica at the ``model_state`` value.
 """
 
+import math
 from collections.abc import Sequence
 
 
@@ -25,11 +26,12 @@ def round_robin_leaves(
   outputs; None: none are). Raises ValueError where another stage also
   reads or writes such a leaf."""
   touched = {}  # leaf -> stages that read or write it
+  last = math.inf if num_state_leaves is None else num_state_leaves
   for s, spec in enumerate(specs):
     leaves = {i - num_batch_leaves for i in spec.batch_leaves}
-    leaves |= {r - 1 for r in spec.results if r > 0}
+    leaves |= {r - 1 for r in spec.results if 0 < r <= last}
     for i in leaves:
-      if 0 <= i < (num_state_leaves if num_state_leaves is not None else i + 1):
+      if i >= 0:
         touched.setdefault(i, set()).add(s)
   out = {}
   for i, stages in sorted(touched.items()):
