@@ -3,7 +3,10 @@
 While :func:`nnx_module_scopes` is active, every call of an NNX module
 whose path is known runs inside ``jax.named_scope`` of its path relative to
 the calling module, so traced equations carry paths such as
-``blocks/0/linear``. Paths are learnt from the roots given and from every
+``blocks[0]/linear``: a level per module, and a list or dict of modules
+(``nnx.List``, ``nnx.Dict``: never called itself) is no level of its own
+-- its items are, named by their index, as linen's ``layers_0`` are. Paths
+are learnt from the roots given and from every
 module ``nnx.merge`` builds (the usual ``nnx.split`` / ``nnx.merge`` loss
 functions). The module classes' ``__call__`` are wrapped only inside the
 context and restored afterwards.
@@ -25,6 +28,10 @@ def nnx_module_scopes(*roots: Any):
   import jax
 
   paths: dict[int, tuple] = {}
+  levels: set[tuple] = set()  # Paths of modules that are a level.
+  containers = tuple(
+    getattr(nnx, name) for name in ("List", "Dict") if hasattr(nnx, name)
+  )
   active: list[tuple] = []
   originals: dict[type, tuple[Any, bool]] = {}
 
@@ -40,10 +47,10 @@ def nnx_module_scopes(*roots: Any):
       if not path:
         return original(self, *args, **kwargs)
       parent = active[-1] if active else ()
-      rel = path[len(parent) :] if path[: len(parent)] == parent else path
+      start = len(parent) if path[: len(parent)] == parent else 0
       active.append(path)
       try:
-        with jax.named_scope("/".join(str(p) for p in rel)):
+        with jax.named_scope(_scope_name(path, start, levels)):
           return original(self, *args, **kwargs)
       finally:
         active.pop()
@@ -55,6 +62,8 @@ def nnx_module_scopes(*roots: Any):
       return
     for path, module in nnx.iter_modules(root):
       paths[id(module)] = tuple(path)
+      if not isinstance(module, containers):
+        levels.add(tuple(path))
       wrap(type(module))
 
   original_merge = nnx.merge
@@ -78,3 +87,18 @@ def nnx_module_scopes(*roots: Any):
         cls.__call__ = original
       else:
         del cls.__call__
+
+
+def _scope_name(path: tuple, start: int, levels: set) -> str:
+  """``path[start:]`` as a name scope: one component per module on it
+  (``levels``: their paths), a container's key appended to its name
+  (``("blocks", 0, "linear")`` is ``blocks[0]/linear`` where ``blocks``
+  is a list)."""
+  levels, level = [], ""
+  for i in range(start, len(path)):
+    part = str(path[i])
+    level = f"{level}[{part}]" if level else part
+    if path[: i + 1] in levels or i == len(path) - 1:
+      levels.append(level)
+      level = ""
+  return "/".join(levels)

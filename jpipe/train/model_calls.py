@@ -20,7 +20,7 @@ def mode_kwargs(model, train: bool) -> dict:
   (jpipe's and Flax's examples' ``train``, HuggingFace's
   ``deterministic``, Keras-style ``training``); none if it takes none."""
   try:
-    names = inspect.signature(type(model).__call__).parameters
+    names = call_signature(model).parameters
   except (TypeError, ValueError):
     return {}
   if "train" in names:
@@ -30,6 +30,15 @@ def mode_kwargs(model, train: bool) -> dict:
   if "deterministic" in names:
     return {"deterministic": not train}
   return {}
+
+
+def call_signature(model) -> inspect.Signature:
+  """The signature of the model's ``__call__`` (self first); a wrapped
+  NNX model's is its module's (``nnx_models.NnxModel.call_signature``)."""
+  own = getattr(model, "call_signature", None)
+  if isinstance(own, inspect.Signature):
+    return own
+  return inspect.signature(type(model).__call__)
 
 
 def logits_of(output):
@@ -54,7 +63,11 @@ def logits_shape(model, variables, *inputs) -> tuple:
 
 def needs_dropout_key(model, variables, *inputs) -> bool:
   """Whether the model asks for a "dropout" key when training (its
-  dropout rate > 0): applied abstractly in training mode without one."""
+  dropout rate > 0): applied abstractly in training mode without one;
+  a wrapped NNX model says itself (``NnxModel.draws_random``)."""
+  draws = getattr(model, "draws_random", None)
+  if isinstance(draws, bool):
+    return draws
   try:
     jax.eval_shape(
       lambda v: model.apply(
@@ -127,7 +140,7 @@ def is_encoder_decoder(model) -> bool:
   """Whether the module's ``__call__`` takes two inputs (inputs,
   targets) as an encoder-decoder does (jpipe's t5), not one."""
   try:
-    params = list(inspect.signature(type(model).__call__).parameters.values())
+    params = list(call_signature(model).parameters.values())
   except (TypeError, ValueError):
     return False
   required = [

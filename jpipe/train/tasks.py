@@ -22,6 +22,7 @@ uninterrupted one would; so is dropout's randomness, which travels in the
 batch (see ``model_calls.with_dropout``).
 """
 
+import functools
 import importlib
 
 import flax.linen as nn
@@ -32,6 +33,7 @@ from jpipe.train import evaluation as evaluation_lib
 from jpipe.train import (
   input_pipeline,
   model_calls,
+  nnx_models,
   pretraining,
   stand_in_data,
   text_tasks,
@@ -161,13 +163,16 @@ def _jpipe_model(name: str):
 
 
 def flax_module(path: str):
-  """The ``flax.linen.Module`` subclass ``config.model.name`` names by
-  import path."""
+  """The model class ``config.model.name`` names by import path: a
+  ``flax.linen.Module`` subclass, or an ``nnx.Module`` subclass wrapped
+  to be called the same way (``nnx_models.NnxModel``)."""
   value = user_code.load(path, "model.name", want="a Flax module class")
+  if nnx_models.is_nnx_module_class(value):
+    return functools.partial(nnx_models.NnxModel, value)
   if not (isinstance(value, type) and issubclass(value, nn.Module)):
     raise UsageError(
-      f"config.model.name={path!r} is not a flax.linen.Module subclass; "
-      "for any other model write a task of your own (config.task)"
+      f"config.model.name={path!r} is not a Flax module class (linen or "
+      "NNX); for any other model write a task of your own (config.task)"
     )
   return value
 

@@ -15,8 +15,7 @@ from tests.partition import flax_models
 @pytest.fixture(scope="module", params=sorted(flax_models.CASES))
 def case(request):
   loss_fn, params, batch, has_aux = flax_models.CASES[request.param]()
-  depth = 2 if request.param == "nnx" else 1  # NNX lists: blocks/0, ...
-  traced = trace(loss_fn, params, batch, has_aux=has_aux, depth=depth)
+  traced = trace(loss_fn, params, batch, has_aux=has_aux)
   expected = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
   return request.param, traced, params, batch, expected
 
@@ -77,19 +76,27 @@ def test_node_grouping_follows_module_calls():
 
 
 def test_nnx_modules_get_their_paths_as_nodes():
+  """A level per module: an ``nnx.List``'s items are depth 1 (as linen's
+  ``blocks_0`` would be), their submodules depth 2."""
   from flax import nnx
 
   loss_fn, params, batch, _ = flax_models.nnx_case()
   coarse = trace(loss_fn, params, batch)
   fine = trace(loss_fn, params, batch, depth=2)
-  assert coarse.node_names == ("stem", "blocks", "head")
-  assert fine.node_names == (
+  assert coarse.node_names == (
     "stem",
-    "blocks/0",
-    "blocks/1",
-    "blocks/2",
-    "blocks/3",
+    "blocks[0]",
+    "blocks[1]",
+    "blocks[2]",
+    "blocks[3]",
     "head",
+  )
+  # Depth 2: each block's submodules (its residual glue a node of its own).
+  assert fine.node_names[:4] == (
+    "stem",
+    "blocks[0]/norm",
+    "blocks[0]/linear",
+    "blocks[0]",
   )
   assert "__call__" not in nnx.Linear.__dict__ or not hasattr(
     nnx.Linear.__call__, "__wrapped__"

@@ -327,7 +327,7 @@ def test_a_task_that_breaks_the_protocol_is_one_line_before_any_work():
     ("task", "no_such_module_anywhere:build", "no module"),
     ("task", HERE, "write package.module:name"),
     ("task", f"{HERE}:HERE", "is a str, not a function"),
-    ("model.name", f"{HERE}:build_task", "not a flax.linen.Module"),
+    ("model.name", f"{HERE}:build_task", "not a Flax module class"),
     ("model.name", "nosuchmodel", "nor package.module:Module"),
   ],
 )
