@@ -6,9 +6,11 @@ the calling module, so traced equations carry paths such as
 ``blocks[0]/linear``: a level per module, and a list or dict of modules
 (``nnx.List``, ``nnx.Dict``: never called itself) is no level of its own
 -- its items are, named by their index, as linen's ``layers_0`` are. Paths
-are learnt from the roots given and from every
+are learnt from the roots given, from every
 module ``nnx.merge`` builds (the usual ``nnx.split`` / ``nnx.merge`` loss
-functions). The module classes' ``__call__`` are wrapped only inside the
+functions) and from the copies NNX transforms (``nnx.remat``, ``nnx.scan``,
+...) rebuild inside of a module passed in (through ``nnx.graphlib``'s
+``flatten`` / ``unflatten``, where this Flax has them). The module classes' ``__call__`` are wrapped only inside the
 context and restored afterwards.
 """
 
@@ -57,14 +59,48 @@ def nnx_module_scopes(*roots: Any):
 
     cls.__call__ = call
 
-  def register(root):
+  keep = []  # Registered modules stay alive, so no id is reused.
+
+  def register(root, prefix=()):
     if not isinstance(root, nnx.Module):
       return
+    keep.append(root)
     for path, module in nnx.iter_modules(root):
-      paths[id(module)] = tuple(path)
+      paths[id(module)] = prefix + tuple(path)
       if not isinstance(module, containers):
-        levels.add(tuple(path))
+        levels.add(prefix + tuple(path))
       wrap(type(module))
+
+  # NNX transforms (nnx.remat, nnx.scan, nnx.vmap, ...) flatten the
+  # modules passed in and rebuild fresh copies inside: a copy rebuilt from
+  # the graph a registered module was last flattened to gets its path.
+  graphlib = sys.modules.get("flax.nnx.graphlib")
+  hooks = graphlib is not None and all(
+    callable(getattr(graphlib, n, None)) for n in ("flatten", "unflatten")
+  )
+  if hooks:
+    original_flatten, original_unflatten = graphlib.flatten, graphlib.unflatten
+    flattened: dict[Any, tuple] = {}
+
+    @functools.wraps(original_flatten)
+    def flatten(node, *args, **kwargs):
+      out = original_flatten(node, *args, **kwargs)
+      path = paths.get(id(node))
+      if path is not None and isinstance(out, tuple) and out:
+        with contextlib.suppress(TypeError):  # An unhashable graphdef.
+          flattened[out[0]] = path
+      return out
+
+    @functools.wraps(original_unflatten)
+    def unflatten(graphdef, *args, **kwargs):
+      out = original_unflatten(graphdef, *args, **kwargs)
+      try:
+        path = flattened.get(graphdef)
+      except TypeError:
+        path = None
+      if path is not None:
+        register(out, path)
+      return out
 
   original_merge = nnx.merge
 
@@ -78,10 +114,17 @@ def nnx_module_scopes(*roots: Any):
   for root in roots:
     register(root)
   nnx.merge = merge
+  if hooks:
+    graphlib.flatten, graphlib.unflatten = flatten, unflatten
   try:
     yield
   finally:
     nnx.merge = original_merge
+    if hooks:
+      graphlib.flatten, graphlib.unflatten = (
+        original_flatten,
+        original_unflatten,
+      )
     for cls, (original, own) in originals.items():
       if own:
         cls.__call__ = original

@@ -16,6 +16,8 @@ which does what an NNX training step does (``nnx.split`` once,
   call reseeds every stream from the batch's ``dropout`` key, as linen
   models draw their masks, so a resumed run draws the same masks; a
   ``__call__`` taking ``rngs`` gets ``nnx.Rngs(dropout=key)`` too;
+- sharding annotations (``nnx.with_partitioning``) are kept as metadata,
+  not applied: each stage is placed whole on its devices (no mesh);
 - training or evaluation mode: ``module.train()`` / ``module.eval()``
   (Dropout's ``deterministic``, BatchNorm's ``use_running_average``), plus
   the module's own ``train`` / ``training`` / ``deterministic`` keyword
@@ -100,7 +102,10 @@ class NnxModel:
     if self._takes_rngs:
       kwargs["rngs"] = nnx.Rngs(key)
     try:
-      return self.module_class(**kwargs)
+      # Sharding annotations (nnx.with_partitioning) stay metadata: the
+      # pipeline places each stage whole on its devices, with no mesh.
+      with nnx.use_eager_sharding(False):
+        return self.module_class(**kwargs)
     except TypeError as e:  # An unknown or missing keyword.
       raise UsageError(
         f"config.model.kwargs of {self.module_class.__qualname__}: {e}"

@@ -210,8 +210,10 @@ def encoder_decoder_case():
   return loss_fn, params, {"src": src, "tgt": tgt, "y": y}, False
 
 
-def nnx_case():
-  """An NNX model used the functional way: nnx.split, then nnx.merge."""
+def nnx_case(remat: bool = False):
+  """An NNX model used the functional way: nnx.split, then nnx.merge.
+  ``remat``: each block called through ``nnx.remat`` (which rebuilds a
+  copy of the block inside)."""
   from flax import nnx
 
   class Block(nnx.Module):
@@ -231,7 +233,7 @@ def nnx_case():
     def __call__(self, x):
       x = self.stem(x)
       for block in self.blocks:
-        x = block(x)
+        x = nnx.remat(lambda b, y: b(y))(block, x) if remat else block(x)
       return self.head(x)
 
   graphdef, params = nnx.split(Net(nnx.Rngs(0)))

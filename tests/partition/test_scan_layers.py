@@ -22,7 +22,7 @@ BASE = {
   "nn.scan": "blocks",
   "nn.scan(nn.remat)": "blocks",
   "lax.scan": "scan",
-  "nnx.scan": "scan",
+  "nnx.scan": "blocks",  # The module the body runs, as nn.scan's.
 }
 
 

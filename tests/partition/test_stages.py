@@ -103,6 +103,27 @@ def test_nnx_modules_get_their_paths_as_nodes():
   )  # the patch is gone after tracing
 
 
+def test_nnx_modules_inside_nnx_transforms_keep_their_paths():
+  """Blocks called through ``nnx.remat`` (a copy rebuilt inside the
+  transform) are nodes named as the plain calls are; split across
+  stages, value and grads equal one device's."""
+  loss_fn, params, batch, _ = flax_models.nnx_case(remat=True)
+  traced = trace(loss_fn, params, batch)
+  assert traced.node_names == (
+    "stem",
+    "blocks[0]",
+    "blocks[1]",
+    "blocks[2]",
+    "blocks[3]",
+    "head",
+  )
+  stages = Stages(traced, [0, 0, 1, 1, 2, 2])
+  out, grads = stages.run_forward_backward(params, batch)
+  want_out, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+  _assert_tree_close(out, want_out)
+  _assert_tree_close(grads, want_grads)
+
+
 def test_tied_embedding_is_replicated_with_summed_grads():
   loss_fn, params, batch, _ = flax_models.gpt_case()
   traced = trace(loss_fn, params, batch)

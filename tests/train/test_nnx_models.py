@@ -248,3 +248,33 @@ def test_evaluation_follows_a_split_between_list_items():
   got = pipe.evaluate(state, eval_batch, sums_fn)
   want = sums_fn(task.params, task.model_state, eval_batch)
   _assert_tree_close(got, want)
+
+
+class _Annotated(nnx.Module):
+  """Production-style NNX layers: kernels annotated for a mesh
+  (``nnx.with_partitioning``), which NNX refuses to build without one."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    init = nnx.with_partitioning(
+      nnx.initializers.lecun_normal(), ("embed", "mlp")
+    )
+    self.up = nnx.Linear(4, 8, kernel_init=init, rngs=rngs)
+    self.down = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(nnx.relu(self.up(x)))
+
+
+def test_sharding_annotations_stay_metadata():
+  """The pipeline places stages whole (no mesh): annotated kernels build,
+  and calls equal the module's own built without eager sharding."""
+  x = jnp.ones((3, 4))
+  with pytest.raises(ValueError, match="mesh"):
+    _Annotated(rngs=nnx.Rngs(0))
+  model = NnxModel(_Annotated)
+  variables = model.init(jax.random.key(0))
+  with nnx.use_eager_sharding(False):
+    module = _Annotated(rngs=nnx.Rngs(jax.random.key(0)))
+  np.testing.assert_allclose(
+    model.apply(variables, x, train=False), module(x), rtol=1e-6
+  )
