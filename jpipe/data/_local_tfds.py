@@ -1,4 +1,5 @@
-"""Local TFDS datasets: where they live, and building one on first use."""
+"""Local TFDS datasets: where they live, building one on first use, and
+reading one whose files may be damaged."""
 
 import contextlib
 import fcntl
@@ -12,6 +13,54 @@ from tensorflow_datasets.core.utils import tqdm_utils as tfds_tqdm
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "jpipe", "tensorflow_datasets")
 
 
+class DatasetError(ValueError):
+  """A prepared dataset whose files cannot be read (damaged on disk,
+  truncated, not TFDS's); the message names the folder and the fix."""
+
+
+class CheckedSource:
+  """A TFDS data source whose reads raise :class:`DatasetError` naming
+  the dataset's folder and ``fix`` instead of the record reader's error
+  ("Corrupted Riegeli/records file: chunk data hash mismatch ...").
+
+  Only ``len`` and integer indexing, as the input pipelines use it.
+  """
+
+  def __init__(self, source, where: str, fix: str):
+    self._source, self._where, self._fix = source, where, fix
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int):
+    try:
+      return self._source[index]
+    except (IndexError, KeyError, TypeError):  # The caller's index.
+      raise
+    except Exception as e:  # The reader's, decoder's, file system's.
+      raise DatasetError(
+        f"the dataset in {self._where} cannot be read (record {index}): "
+        f"{_first_line(e)}; {self._fix}"
+      ) from e
+
+
+def open_checked(open_source, where: str, fix: str) -> CheckedSource:
+  """``open_source()`` (a TFDS data source) as a :class:`CheckedSource`;
+  a :class:`DatasetError` if its metadata or files do not open."""
+  try:
+    source = open_source()
+  except Exception as e:  # Damaged metadata: protobuf's, JSON's, ...
+    raise DatasetError(
+      f"the dataset in {where} does not open: {_first_line(e)}; {fix}"
+    ) from e
+  return CheckedSource(source, where, fix)
+
+
+def _first_line(error: Exception) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
 def prepared_source(builder_class, split: str, data_dir: str | None):
   """A ``tfds`` data source of ``split``, building the dataset into
   ``data_dir`` (default ``DEFAULT_DATA_DIR``) as array_record files the
@@ -19,20 +68,31 @@ def prepared_source(builder_class, split: str, data_dir: str | None):
 
   Processes that start at once (test workers, one process per host) take
   turns on a lock file: TFDS builds into a temporary folder and renames
-  it, so a second concurrent build fails on the rename.
+  it, so a second concurrent build fails on the rename. A built dataset
+  whose files are damaged raises :class:`DatasetError` (when opened or
+  read) telling to delete its folder, which the next run rebuilds.
   """
   data_dir = os.path.expanduser(data_dir or DEFAULT_DATA_DIR)
-  builder = builder_class(data_dir=data_dir, file_format="array_record")
-  if not os.path.isdir(builder.data_path):
+  folder = os.path.join(
+    data_dir, builder_class.name, str(builder_class.VERSION)
+  )
+  if not os.path.isdir(folder):
     os.makedirs(data_dir, exist_ok=True)
-    lock_path = os.path.join(data_dir, f".{builder.name}.lock")
+    lock_path = os.path.join(data_dir, f".{builder_class.name}.lock")
     with open(lock_path, "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
-      if not os.path.isdir(builder.data_path):
-        _build_quietly(builder)
+      if not os.path.isdir(folder):
+        _build_quietly(
+          builder_class(data_dir=data_dir, file_format="array_record")
+        )
+  return open_checked(
     # Another process may have built it: read what is on disk now.
-    builder = builder_class(data_dir=data_dir, file_format="array_record")
-  return builder.as_data_source(split=split)
+    lambda: builder_class(
+      data_dir=data_dir, file_format="array_record"
+    ).as_data_source(split=split),
+    folder,
+    f"delete {folder} and run again to rebuild it (from files installed here)",
+  )
 
 
 def split_names(split: str) -> list[str]:

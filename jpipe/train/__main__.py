@@ -38,7 +38,7 @@ def main(argv):
   distributed.initialize()
   try:
     train_lib.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except errors.UsageError as e:  # Names its fix: no traceback needed.
+  except errors.USER_ERRORS as e:  # Names its fix: no traceback needed.
     sys.stderr.write(f"error: {e}\n")
     if isinstance(e, errors.CheckpointError):
       # A failed restore leaves tensorstore reads under way; finishing

@@ -2,10 +2,18 @@
 run: ``python -m jpipe.train`` prints them as a few lines, not a
 traceback."""
 
+from jpipe.data import DatasetError
+
 
 class UsageError(ValueError):
   """The command's inputs are wrong; the message names the fix. The CLI
   exits with status 2."""
+
+
+# What the CLIs print as one line and exit 2 for: UsageError, and a
+# dataset whose files cannot be read (``jpipe.data``'s, raised by reads
+# anywhere in a run).
+USER_ERRORS = (UsageError, DatasetError)
 
 
 class CheckpointError(UsageError):

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jpipe.data import (
+  CheckedSource,
   digits,
   prepared_source,
   split_names,
@@ -384,7 +385,8 @@ def _tfds_source(data, split: str, embedded: str):
       f"TFDS dataset {data.name!r} (split {split!r}) is not available in "
       f"data_dir {data.data_dir or '(default)'!r}: {e}. {fix}."
     ) from e
-  return source
+  where = f"data_dir {data.data_dir or '(default)'!r} ({data.name})"
+  return CheckedSource(source, where, f"prepare it again. {fix}")
 
 
 def _tfds_arrays(data, split: str) -> ArrayData:

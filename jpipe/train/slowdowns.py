@@ -139,7 +139,7 @@ def main(argv):
       _STEPS.value,
       _TREES.value,
     )
-  except errors.UsageError as e:
+  except errors.USER_ERRORS as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(2)
 
