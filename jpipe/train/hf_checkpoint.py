@@ -62,8 +62,7 @@ class Safetensors:
       index = os.path.join(path, "model.safetensors.index.json")
       single = os.path.join(path, "model.safetensors")
       if os.path.isfile(index):
-        with open(index) as f:
-          weight_map = json.load(f)["weight_map"]
+        weight_map = _weight_map(index)
         files = {n: os.path.join(path, f) for n, f in weight_map.items()}
       elif os.path.isfile(single):
         files = None
@@ -129,8 +128,7 @@ class FlaxMsgpack:
     if os.path.isdir(path):
       index = os.path.join(path, "flax_model.msgpack.index.json")
       if os.path.isfile(index):
-        with open(index) as f:
-          shards = sorted(set(json.load(f)["weight_map"].values()))
+        shards = sorted(set(_weight_map(index).values()))
         files = [os.path.join(path, name) for name in shards]
       else:
         files = [os.path.join(path, "flax_model.msgpack")]
@@ -160,6 +158,36 @@ class FlaxMsgpack:
 
   def read(self, name: str) -> np.ndarray:
     return self._arrays[name]
+
+
+def _weight_map(index: str) -> dict[str, str]:
+  """A sharded checkpoint's index (``*.index.json``): its ``weight_map``,
+  tensor name -> shard file name; a UsageError naming the file if it is
+  not such JSON (damaged, cut short, another format)."""
+  try:
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UsageError(
+      f"{PREFIX}{index} is not a checkpoint index: {type(e).__name__}: {e} "
+      '(it should be JSON with "weight_map": {tensor name: shard file}); '
+      "copy or save the checkpoint again"
+    ) from e
+  if not isinstance(weight_map, dict) or not all(
+    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+  ):
+    raise UsageError(
+      f"{PREFIX}{index} is not a checkpoint index: its weight_map is not "
+      "{tensor name: shard file}; copy or save the checkpoint again"
+    )
+  outside = sorted({f for f in weight_map.values() if os.path.basename(f) != f})
+  if outside:
+    raise UsageError(
+      f"{PREFIX}{index} names shard {outside[0]!r} outside its directory "
+      "(an index names its shards by file name); copy or save the "
+      "checkpoint again"
+    )
+  return weight_map
 
 
 def _flat(tree, prefix=()):

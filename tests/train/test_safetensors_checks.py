@@ -113,3 +113,32 @@ def test_an_index_naming_a_missing_shard_is_one_line(tmp_path):
   (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(UsageError, match="not a safetensors file .*No such file"):
     hf_checkpoint.Safetensors(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+  "text, match",
+  [
+    ('{"weight_map": {"a": "model-0', "JSONDecodeError"),  # Cut short.
+    ('{"weights": {}}', "KeyError: 'weight_map'"),
+    ("[1, 2]", "TypeError"),
+    ('{"weight_map": {"a": 3}}', "its weight_map is not"),
+    ('{"weight_map": {"a": "../model.safetensors"}}', "outside its directory"),
+  ],
+)
+@pytest.mark.parametrize(
+  "index, reader",
+  [
+    ("model.safetensors.index.json", hf_checkpoint.Safetensors),
+    ("flax_model.msgpack.index.json", hf_checkpoint.FlaxMsgpack),
+  ],
+)
+def test_a_damaged_index_is_one_line_naming_it(
+  tmp_path, text, match, index, reader
+):
+  """A sharded checkpoint's index that is not ``{"weight_map": {tensor:
+  shard file}}``: one line naming the index, before any shard is read."""
+  (tmp_path / index).write_text(text)
+  with pytest.raises(UsageError, match=match) as err:
+    reader(str(tmp_path))
+  assert "\n" not in str(err.value)
+  assert str(tmp_path / index) in str(err.value)
