@@ -30,6 +30,7 @@ def __getattr__(name):
     "PipelineState",
     "MemoryLimitError",
     "OptimizerError",
+    "nnx_loss",
   ):
     from jpipe import runtime
 

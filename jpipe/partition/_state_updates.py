@@ -20,6 +20,7 @@ of a later stage, or several stages read the old one -- it raises, naming
 the leaf and the two stages.
 """
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,8 +92,7 @@ def place_state_updates(
       raise ValueError(
         f"model state {name} is read on stages {readers[0]} and "
         f"{readers[1]}: one microbatch's update cannot reach both before "
-        "the next microbatch reads it. Keep the modules that read it in one "
-        "stage (a Plan, or fewer stages)"
+        "the next microbatch reads it. " + _fix(name)
       )
     reader = readers[0] if readers else writer
     if {eqn_stage[i] for i in update} | {writer} == {reader}:
@@ -101,8 +101,8 @@ def place_state_updates(
       raise ValueError(
         f"model state {name} is read on stage {reader} but its new value is "
         f"computed on stage {writer} and the loss needs it there: the next "
-        "microbatch would read it before (or after) this one's update. Keep "
-        "its module in one stage (a Plan, or fewer stages)"
+        "microbatch would read it before (or after) this one's update. "
+        + _fix(name)
       )
     late = [
       eqn_stage[producer[v]]
@@ -129,12 +129,24 @@ def place_state_updates(
       raise ValueError(
         f"model state {name} is read on stage {reader} but its new value is "
         f"computed on stage {writer} {why}: the next microbatch would read "
-        "it before (or after) this one's update. Keep its module in one "
-        "stage (a Plan, or fewer stages)"
+        "it before (or after) this one's update. " + _fix(name)
       )
     for i in update:
       eqn_stage[i] = reader
   return eqn_stage
+
+
+def _fix(name: str) -> str:
+  """How to keep a model-state leaf's updates on one stage; an NNX RNG
+  stream's own way where ``name`` is one's key or count."""
+  if re.search(r"\['(count|key)'\]", name):
+    return (
+      "It is an NNX RNG stream's, advanced by modules on several stages "
+      "(one nnx.Rngs passed to their calls): give each module its own "
+      "stream (nnx.Dropout(rate, rngs=rngs) at construction), or keep them "
+      "in one stage (a Plan, or fewer stages)"
+    )
+  return "Keep its modules in one stage (a Plan, or fewer stages)"
 
 
 def _ancestors(eqns, producer, roots, stop) -> set[int]:

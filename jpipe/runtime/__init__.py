@@ -2,6 +2,7 @@
 
 from jpipe.runtime._builder import PipelineBuilder
 from jpipe.runtime._gather import trees_everywhere
+from jpipe.runtime._nnx_loss import NnxLoss, nnx_loss
 from jpipe.runtime._pipeline import Pipeline
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._slowdown import (
@@ -42,6 +43,7 @@ __all__ = [
   "GAP_AWARE_POLICIES",
   "HeldRows",
   "MemoryLimitError",
+  "NnxLoss",
   "OptimizerError",
   "Partitioning",
   "Pipeline",
@@ -57,6 +59,7 @@ __all__ = [
   "check_staleness_options",
   "even_rows",
   "format_bytes",
+  "nnx_loss",
   "partitioner_memory_model",
   "parse_slowdowns",
   "partition_of",
