@@ -29,7 +29,7 @@ class CNN(nnx.Module):
 
   def __init__(
     self,
-    channels: tuple[int, int] = (8, 16),
+    channels: tuple[int, int] = (4, 8),
     hidden: tuple[int, ...] = (64,),
     num_classes: int = 10,
     dropout: float = 0.1,
