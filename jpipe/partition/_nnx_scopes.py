@@ -8,10 +8,11 @@ the calling module, so traced equations carry paths such as
 -- its items are, named by their index, as linen's ``layers_0`` are. Paths
 are learnt from the roots given, from every
 module ``nnx.merge`` builds (the usual ``nnx.split`` / ``nnx.merge`` loss
-functions) and from the copies NNX transforms (``nnx.remat``, ``nnx.scan``,
-...) rebuild inside of a module passed in (through ``nnx.graphlib``'s
-``flatten`` / ``unflatten``, where this Flax has them). The module classes' ``__call__`` are wrapped only inside the
-context and restored afterwards.
+functions) and from the copies NNX transforms (``nnx.remat``,
+``nnx.scan``, ...) rebuild inside of a module passed in (through
+``nnx.graphlib``'s ``flatten`` / ``unflatten``, where this Flax has them).
+The module classes' ``__call__`` are wrapped only inside the context and
+restored afterwards.
 """
 
 import contextlib
@@ -137,11 +138,11 @@ def _scope_name(path: tuple, start: int, levels: set) -> str:
   (``levels``: their paths), a container's key appended to its name
   (``("blocks", 0, "linear")`` is ``blocks[0]/linear`` where ``blocks``
   is a list)."""
-  levels, level = [], ""
+  names, name = [], ""
   for i in range(start, len(path)):
     part = str(path[i])
-    level = f"{level}[{part}]" if level else part
+    name = f"{name}[{part}]" if name else part
     if path[: i + 1] in levels or i == len(path) - 1:
-      levels.append(level)
-      level = ""
-  return "/".join(levels)
+      names.append(name)
+      name = ""
+  return "/".join(names)

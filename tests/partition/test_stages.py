@@ -1,6 +1,7 @@
 """The core guarantee: stages run in order = jax.value_and_grad(loss_fn)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -101,6 +102,34 @@ def test_nnx_modules_get_their_paths_as_nodes():
   assert "__call__" not in nnx.Linear.__dict__ or not hasattr(
     nnx.Linear.__call__, "__wrapped__"
   )  # the patch is gone after tracing
+
+
+def test_a_module_called_past_its_parent_gets_its_whole_path():
+  """The root calling an encoder's list items itself (not through the
+  encoder): ``encoder/layers[0]``, a level per module on the path."""
+  from flax import nnx
+
+  class Encoder(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.encoder = Encoder(rngs)
+      self.head = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+      for layer in self.encoder.layers:
+        x = jnp.tanh(layer(x))
+      return self.head(x)
+
+  graphdef, params = nnx.split(Net(nnx.Rngs(0)))
+
+  def loss_fn(params, batch):
+    return jnp.mean(nnx.merge(graphdef, params)(batch) ** 2)
+
+  traced = trace(loss_fn, params, jnp.ones((2, 4)), depth=2)
+  assert traced.node_names == ("encoder/layers[0]", "encoder/layers[1]", "head")
 
 
 def test_nnx_modules_inside_nnx_transforms_keep_their_paths():
