@@ -76,6 +76,10 @@ def test_node_grouping_follows_module_calls():
   assert np.all(np.diff(eqn_node) >= 0)
 
 
+# flax_models.nnx_case's depth-1 nodes: each nnx.List item its own.
+NNX_BLOCK_NODES = ("stem", *(f"blocks[{i}]" for i in range(4)), "head")
+
+
 def test_nnx_modules_get_their_paths_as_nodes():
   """A level per module: an ``nnx.List``'s items are depth 1 (as linen's
   ``blocks_0`` would be), their submodules depth 2."""
@@ -84,14 +88,7 @@ def test_nnx_modules_get_their_paths_as_nodes():
   loss_fn, params, batch, _ = flax_models.nnx_case()
   coarse = trace(loss_fn, params, batch)
   fine = trace(loss_fn, params, batch, depth=2)
-  assert coarse.node_names == (
-    "stem",
-    "blocks[0]",
-    "blocks[1]",
-    "blocks[2]",
-    "blocks[3]",
-    "head",
-  )
+  assert coarse.node_names == NNX_BLOCK_NODES
   # Depth 2: each block's submodules (its residual glue a node of its own).
   assert fine.node_names[:4] == (
     "stem",
@@ -138,14 +135,7 @@ def test_nnx_modules_inside_nnx_transforms_keep_their_paths():
   stages, value and grads equal one device's."""
   loss_fn, params, batch, _ = flax_models.nnx_case(remat=True)
   traced = trace(loss_fn, params, batch)
-  assert traced.node_names == (
-    "stem",
-    "blocks[0]",
-    "blocks[1]",
-    "blocks[2]",
-    "blocks[3]",
-    "head",
-  )
+  assert traced.node_names == NNX_BLOCK_NODES
   stages = Stages(traced, [0, 0, 1, 1, 2, 2])
   out, grads = stages.run_forward_backward(params, batch)
   want_out, want_grads = jax.value_and_grad(loss_fn)(params, batch)

@@ -140,27 +140,38 @@ def test_model_name_takes_an_nnx_class_and_refuses_other_things():
     tasks.build_task(config)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
-def test_a_pipeline_of_the_nnx_task_equals_a_microbatch_loop(schedule):
-  """The digits' classification task of the example CNN (BatchNorm state,
-  dropout keys in the batch) through 3 stages: params, statistics and
-  loss equal one device's loop over the microbatches."""
+def _example_task(kwargs):
+  """The digits' classification task of the example CNN built with
+  ``kwargs``, and its first batch."""
   config = _config(**{"model.name": "examples.nnx_model:CNN"})
-  config.model.kwargs = SMALL
+  config.model.kwargs = kwargs
   task = tasks.build_task(config)
-  batch = jax.tree.map(jnp.asarray, task.batch_at(0))
-  assert "dropout_key" in batch
-  m, tx = 4, optax.sgd(0.1)
-  pipe = jpipe.Pipeline(
+  return task, jax.tree.map(jnp.asarray, task.batch_at(0))
+
+
+def _task_pipeline(task, batch, **options):
+  """The task through 3 stages (SGD at 0.1 unless ``options`` say)."""
+  return jpipe.Pipeline(
     task.loss_fn,
     task.params,
     batch,
     num_stages=3,
     devices=jax.devices()[:3],
-    schedule=schedule,
-    num_microbatches=m,
-    optimizer=tx,
     model_state=task.model_state,
+    **{"optimizer": optax.sgd(0.1), **options},
+  )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_a_pipeline_of_the_nnx_task_equals_a_microbatch_loop(schedule):
+  """The digits' classification task of the example CNN (BatchNorm state,
+  dropout keys in the batch) through 3 stages: params, statistics and
+  loss equal one device's loop over the microbatches."""
+  task, batch = _example_task(SMALL)
+  assert "dropout_key" in batch
+  m, tx = 4, optax.sgd(0.1)
+  pipe = _task_pipeline(
+    task, batch, schedule=schedule, num_microbatches=m, optimizer=tx
   )
   state, metrics = pipe.step(pipe.init(task.params, task.model_state), batch)
   grads, stats, losses, size = None, task.model_state, [], len(batch["y"]) // m
@@ -224,20 +235,9 @@ def test_evaluation_follows_a_split_between_list_items():
   evaluation-mode function, which calls them back to back, runs on the
   same stages and equals one device's. (Items once shared one node,
   ``dense``, in evaluation: the wrong stage read ``dense[1]``.)"""
-  config = _config(**{"model.name": "examples.nnx_model:CNN"})
-  config.model.kwargs = {**SMALL, "hidden": (16, 16, 16)}
-  task = tasks.build_task(config)
-  batch = jax.tree.map(jnp.asarray, task.batch_at(0))
-  pipe = jpipe.Pipeline(
-    task.loss_fn,
-    task.params,
-    batch,
-    num_stages=3,
-    devices=jax.devices()[:3],
-    num_microbatches=2,
-    optimizer=optax.sgd(0.1),
-    model_state=task.model_state,
-    partition=jpipe.partition.Split((5, 1, 5)),
+  task, batch = _example_task({**SMALL, "hidden": (16, 16, 16)})
+  pipe = _task_pipeline(
+    task, batch, num_microbatches=2, partition=jpipe.partition.Split((5, 1, 5))
   )
   names = pipe.traced.node_names
   assert names[4:7] == ("dense[0]", "dropout", "dense[1]")
