@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jpipe import distributed
+from jpipe.runtime.build.key_arrays import key_data, wrap_key_data
 from jpipe.runtime.build.placement import local_copy
 
 
@@ -49,12 +50,20 @@ def trees_everywhere(
   out = []
   for tree, template, holder in zip(trees, templates, holders, strict=True):
     here = holder == me
+    # Typed PRNG keys (NNX's RNG streams in model state) go as key data.
     if here:
-      local = jax.device_get(_local(tree))
+      local = jax.device_get(jax.tree.map(key_data, _local(tree)))
     else:
-      local = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template)
-    out.append(_broadcast(local, here))
+      local = jax.tree.map(
+        lambda a: np.zeros(np.shape(a), a.dtype),
+        jax.tree.map(lambda a: key_data(_abstract(a)), template),
+      )
+    out.append(jax.tree.map(wrap_key_data, _broadcast(local, here), template))
   return out
+
+
+def _abstract(leaf) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
 
 
 def _local(tree):

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from jpipe.runtime.build.stage_keys import is_key
+from jpipe.runtime.build.key_arrays import host_key_data, is_key, wrap_key_data
 
 
 def merge_keyed(states):
@@ -67,7 +67,7 @@ def select_keyed(saved, template):
   if template is None:
     return None
   if is_key(template) and not is_key(saved):
-    saved = _wrap_key_data(saved, template)
+    saved = wrap_key_data(np.asarray(saved), template)
   if np.shape(saved) != np.shape(template) and _squeezed(saved) == _squeezed(
     template
   ):
@@ -83,25 +83,6 @@ def select_keyed(saved, template):
   if getattr(saved, "dtype", None) == dtype:
     return saved  # (A leaf read when placed stays unread here.)
   return np.asarray(saved, dtype=dtype)
-
-
-def key_data(leaf):
-  """A typed PRNG key leaf (``optax.add_noise``'s state) as its key data
-  -- uint32 numbers, which a checkpoint writes as any array; any other
-  leaf as it is. Abstract leaves likewise."""
-  if not is_key(leaf):
-    return leaf
-  if isinstance(leaf, jax.ShapeDtypeStruct):
-    return jax.eval_shape(jax.random.key_data, leaf)
-  return np.asarray(jax.random.key_data(leaf))
-
-
-def _wrap_key_data(saved, template):
-  """``key_data``'s inverse: ``saved``'s numbers as keys of
-  ``template``'s kind (its PRNG implementation)."""
-  impl = []
-  jax.eval_shape(lambda t: impl.append(jax.random.key_impl(t)), template)
-  return jax.random.wrap_key_data(np.asarray(saved), impl=impl[0])
 
 
 def _squeezed(x) -> tuple[int, ...]:
@@ -161,7 +142,7 @@ def merge_unpacked(optimizers, trees) -> tuple[dict, dict]:
   """``merge_optimizer_states`` of states already unpacked (optax's
   trees: host arrays, or abstract values)."""
   base = [
-    jax.tree.map(key_data, opt.base_state(st))
+    jax.tree.map(host_key_data, opt.base_state(st))
     for opt, st in zip(optimizers, trees, strict=True)
   ]
   ga_states = [

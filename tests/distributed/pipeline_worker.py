@@ -3,7 +3,8 @@ reference): trains a few configurations, writes what they produced.
 
   python tests/distributed/pipeline_worker.py OUT.npz CONFIGS_JSON
 
-Each configuration (a dict): "case" (a tests/partition/flax_models case),
+Each configuration (a dict): "case" (a tests/partition/flax_models case,
+or "resnet_state", "scan_plain", "dropout_key", "nnx_dropout"),
 "stages", "calls" (microbatch counts or "flush"), "forward_only" (after
 training, also evaluate the loss and a metrics function and predict,
 forward through the stages), "per_process_save" (after training, each process writes its part of
@@ -63,6 +64,13 @@ OPTIMIZERS = {
 }
 
 
+def _host(x):
+  """A leaf as a NumPy array (a typed PRNG key: its key data)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.asarray(x)
+
+
 def run(config, index, out, path_of_out):
   config = dict(config)
   case, model_state = config.pop("case"), None
@@ -72,6 +80,10 @@ def run(config, index, out, path_of_out):
     )
   elif case == "scan_plain":  # 8 layers under a lax.scan, stacked params
     loss_fn, params, batch = scan_models.plain_case()
+  elif case == "dropout_key":  # a typed key made on stage 0, read later
+    loss_fn, params, batch, _ = flax_models.dropout_key_case()
+  elif case == "nnx_dropout":  # typed RNG keys as each stage's state
+    loss_fn, params, model_state, batch = flax_models.nnx_dropout_case()
   else:
     loss_fn, params, batch, _ = flax_models.CASES[case]()
   if config.pop("aux", False):  # has_aux: (loss, aux) or (loss, (state, aux))
@@ -188,7 +200,7 @@ def run(config, index, out, path_of_out):
   if tree["model_state"] is not None:
     leaves.update(
       {
-        f"{index}/state/{i}": np.asarray(x)
+        f"{index}/state/{i}": _host(x)
         for i, x in enumerate(jax.tree.leaves(tree["model_state"]))
       }
     )

@@ -147,6 +147,17 @@ def _configs(n):
       "clip_global_norm": 0.05,
       "forward_only": True,
     },
+    # Typed PRNG keys: one made on stage 0 crosses to the others (the
+    # transfer server moves key data); NNX's per-Dropout RNG streams as
+    # model state, gathered into the state dict.
+    {"case": "dropout_key", "stages": n, "calls": [2, 3], "schedule": "1f1b"},
+    {
+      "case": "nnx_dropout",
+      "stages": n,
+      "calls": [2, 3],
+      "schedule": "async",
+      "weight_stashing": True,
+    },
   ]
 
 
@@ -160,15 +171,16 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   and global-norm clipping (the norm summed over processes), over both
   transports (pull; collective for three), and evaluation and prediction
   forward through the stages after training (the loss, a metrics
-  function, logits; mlp, BatchNorm, tied GPT), split between the 2- and
-  3-process runs: n processes with one
+  function, logits; mlp, BatchNorm, tied GPT), typed PRNG keys (a dropout
+  key crossing stages; NNX's RNG streams as model state), split between
+  the 2- and 3-process runs: n processes with one
   stage each (two for the V schedules) give the one-process results
   (params, optimizer state, model state, every call's loss)."""
   # (CI time) 2 processes: the synchronous ones, 2bw and async ws+wp;
   # 3: the other streaming ones (GA, tied over collectives, BatchNorm)
   # and clipping; zbh1 on both (tied over 3, collective over 2); zbv and
-  # dualpipev on 2.
-  keep = (3, 6, 7, 8, 12) if nprocs == 3 else (0, 1, 2, 4, 5, 9, 10, 11)
+  # dualpipev on 2; the dropout key crossing on 2, NNX's streams on 3.
+  keep = (3, 6, 7, 8, 12, 14) if nprocs == 3 else (0, 1, 2, 4, 5, 9, 10, 11, 13)
   configs = [_configs(nprocs)[i] for i in keep]
   configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")

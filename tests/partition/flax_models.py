@@ -288,6 +288,69 @@ def dropout_scan_case():
   return loss_fn, params, {"x": x, "y": y, "rng": jax.random.key(5)}, False
 
 
+class DropoutMlp(nn.Module):
+  """Dense layers, each followed by dropout (four nodes, each drawing)."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(4):
+      x = nn.relu(nn.Dense(16, name=f"dense_{i}")(x))
+      x = nn.Dropout(0.3, deterministic=False, name=f"drop_{i}")(x)
+    return nn.Dense(10, name="head")(x)
+
+
+def dropout_key_case():
+  """Dropout keyed as the CLI keys it: raw key data per example in the
+  batch, wrapped into a typed key at the root -- a typed key that the
+  first stage makes and later stages read."""
+  model = DropoutMlp()
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  keys = jax.random.key_data(jax.random.split(jax.random.key(5), 8))
+  params = model.init(jax.random.key(2), x)
+
+  def loss_fn(params, batch):
+    key = jax.random.wrap_key_data(batch["dropout_key"][0])
+    logits = model.apply(params, batch["x"], rngs={"dropout": key})
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+
+  return loss_fn, params, {"x": x, "y": y, "dropout_key": keys}, False
+
+
+def nnx_dropout_case():
+  """An NNX MLP whose Dropouts keep their own RNG streams, through
+  ``jpipe.nnx_loss``: typed keys (and counts) as each stage's model
+  state. Returns (loss_fn, params, model_state, batch)."""
+  from flax import nnx
+
+  import jpipe
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List(
+        [nnx.Linear(12 if i == 0 else 16, 16, rngs=rngs) for i in range(4)]
+      )
+      self.drops = nnx.List([nnx.Dropout(0.3, rngs=rngs) for _ in range(4)])
+      self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+      for layer, drop in zip(self.layers, self.drops, strict=True):
+        x = drop(nnx.relu(layer(x)))
+      return self.head(x)
+
+  def loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+      model(batch["x"]), batch["y"]
+    ).mean()
+
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  y = jax.random.randint(jax.random.key(1), (8,), 0, 10)
+  nl = jpipe.nnx_loss(Net(nnx.Rngs(0, dropout=3)), loss)
+  return nl.loss_fn, nl.params, nl.model_state, {"x": x, "y": y}
+
+
 CASES = {
   "mlp": mlp_case,
   "resnet_bn": resnet_case,

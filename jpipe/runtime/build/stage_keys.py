@@ -20,11 +20,7 @@ from other integers and are left as they are.
 import jax
 import jax.numpy as jnp
 
-
-def is_key(leaf) -> bool:
-  """Whether ``leaf`` is a typed PRNG key array (``jax.random.key``)."""
-  dtype = getattr(leaf, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+from jpipe.runtime.build.key_arrays import is_key
 
 
 def stage_keyed(update, stage: int):

@@ -54,6 +54,7 @@ from jax.sharding import (
 
 from jpipe import distributed
 from jpipe.runtime.build.collective_pairs import CollectivePairs
+from jpipe.runtime.build.key_arrays import key_data, wrap_key_data
 from jpipe.runtime.build.placement import StagePlacement, local_copy
 
 TRANSPORTS = ("pull", "collective")
@@ -406,10 +407,12 @@ class PullLinks:
 
   def offer(self, uuid: int, arrays) -> None:
     """Holds ``arrays`` (on this process's devices) until the process
-    that ``take``s ``uuid`` pulls them (once)."""
-    self.server.await_pull(uuid, list(arrays))
+    that ``take``s ``uuid`` pulls them (once). Typed PRNG keys go as
+    their key data (the transfer server moves plain arrays only)."""
+    wire = [key_data(x) for x in arrays]
+    self.server.await_pull(uuid, wire)
     if self.times is not None:
-      self.times.offered(uuid, arrays)
+      self.times.offered(uuid, wire)
 
   def take(self, uuid: int, src: int, specs) -> list:
     """The arrays process ``src`` offers as ``uuid``, placed as ``specs``
@@ -419,12 +422,13 @@ class PullLinks:
       if src not in self.connections:
         self.connections[src] = self.server.connect(self.addresses[src])
       connection = self.connections[src]
-    out = connection.pull(uuid, list(specs))
+    specs = list(specs)
+    out = connection.pull(uuid, [key_data(spec) for spec in specs])
     for y in out:
       distributed.note_received(y)  # (A device collective waits for it.)
     if self.times is not None:
       self.times.pulled(uuid, out)
-    return out
+    return [wrap_key_data(y, spec) for y, spec in zip(out, specs, strict=True)]
 
   def transfer(self, x, a, b, aval, key=None):
     src, dst = a.process_index, b.process_index
