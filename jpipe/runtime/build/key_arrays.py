@@ -8,6 +8,8 @@ PRNG implementation. Raw ``uint32`` keys (``jax.random.PRNGKey``) are
 plain arrays already.
 """
 
+import functools
+
 import jax
 import numpy as np
 
@@ -47,9 +49,16 @@ def wrap_key_data(data, template):
   ``data`` as it is where ``template`` is no key."""
   if not is_key(template):
     return data
-  impl = []  # (key_impl takes a key, a traced one too: the template's.)
+  return jax.random.wrap_key_data(data, impl=_impl(template.dtype))
+
+
+@functools.cache
+def _impl(dtype):
+  """The PRNG implementation of a key dtype (once per dtype: transfers
+  of keys ask per microbatch)."""
+  impl = []  # (key_impl takes a key, a traced one too.)
   jax.eval_shape(
     lambda t: impl.append(jax.random.key_impl(t)),
-    jax.ShapeDtypeStruct(np.shape(template), template.dtype),
+    jax.ShapeDtypeStruct((), dtype),
   )
-  return jax.random.wrap_key_data(data, impl=impl[0])
+  return impl[0]
