@@ -210,8 +210,9 @@ def test_dynamic_repartition_across_processes(tmp_path, process_env):
   4x from step 4 to 10. Each process times its own stage (inputs from
   the other process bound an action's start), process 0 decides, both
   switch: nodes leave stage 1 at step 8 (the second window that saw the
-  slowdown) and come back (the first plan's
-  pipeline, kept) by step 14; the slowdown is measured near 4x."""
+  slowdown) and come back (the first plan's pipeline, kept; under load
+  one node off, built) by step 14; the slowdown is measured near 4x.
+  (In one process, test_controller checks the exact return.)"""
   hidden = "(" + ",".join(["128"] * 11) + ")"
   launch = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2", "--"]
   done = _run(
@@ -238,4 +239,9 @@ def test_dynamic_repartition_across_processes(tmp_path, process_env):
   rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   moved, back = [r["repartition"] for r in rows if "repartition" in r]
   assert moved["new"][1] > 6 and moved["sigma"][1] == pytest.approx(4, rel=0.25)
-  assert back["new"] == [0, 6, 12] and not back["compiled"]
+  # Back once the slowdown ends: to the first plan, whose pipeline was kept
+  # (nothing compiled) -- or, where a loaded machine's timings put the
+  # balance one node off (CI, 3 test workers on 2 cores), to its
+  # neighbour, built anew.
+  assert back["new"][1] < moved["new"][1] and abs(back["new"][1] - 6) <= 1
+  assert back["compiled"] == (back["new"] != [0, 6, 12])
