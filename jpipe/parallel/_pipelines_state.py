@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jpipe.runtime import Pipeline, PipelineState, trees_everywhere
+from jpipe.runtime import Pipeline, PipelineState, is_key, trees_everywhere
 
 
 class ConsensusStateMethods:
@@ -54,9 +54,12 @@ class ConsensusStateMethods:
       self.reporter,
       to_every_process=True,
     )
-    # (The broadcast makes 64-bit values 32-bit: this process's dtypes.)
+    # (The broadcast makes 64-bit values 32-bit: this process's dtypes;
+    # typed PRNG keys come back as keys, which NumPy cannot hold.)
     return [
-      jax.tree.map(lambda x, a: np.asarray(x, a.dtype), t, template)
+      jax.tree.map(
+        lambda x, a: x if is_key(a) else np.asarray(x, a.dtype), t, template
+      )
       for t in got
     ]
 
@@ -160,10 +163,13 @@ class ConsensusStateMethods:
 
 
 def _mean_trees(trees):
-  """The element-wise mean of pytrees of host arrays; integer and
-  non-numeric leaves (an optimizer's step count) stay as the first's."""
+  """The element-wise mean of pytrees of host arrays; integer, non-numeric
+  leaves and PRNG keys (an optimizer's step count, an NNX RNG stream) stay
+  as the first's."""
 
   def mean(*xs):
+    if is_key(xs[0]):
+      return xs[0]
     x0 = np.asarray(xs[0])
     if not np.issubdtype(x0.dtype, np.inexact):
       return xs[0]

@@ -13,6 +13,7 @@ from jpipe.runtime._slowdown import (
 )
 from jpipe.runtime._stacked import HeldRows
 from jpipe.runtime.build.auto_schedule import auto_plan, rank_for_plan
+from jpipe.runtime.build.key_arrays import is_key
 from jpipe.runtime.build.memory import (
   MemoryLimitError,
   StageMemory,
@@ -59,6 +60,7 @@ __all__ = [
   "check_staleness_options",
   "even_rows",
   "format_bytes",
+  "is_key",
   "nnx_loss",
   "partitioner_memory_model",
   "parse_slowdowns",

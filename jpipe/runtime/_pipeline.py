@@ -67,6 +67,11 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` (mean over the batch).
+      A step's gradient is that of the mean of its microbatches' losses:
+      each backward starts from the cotangent 1 / num_microbatches (as
+      Megatron-LM divides the loss), so a ``custom_vjp`` whose backward
+      is not linear in its cotangent (clipping each layer's gradient)
+      sees it scaled; ``async`` / ``2bw`` start from 1 / step_every.
     params: example params (their structure is kept).
     example_batch: a full mini-batch; its leading axis is split into
       ``num_microbatches`` microbatches.

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jpipe.runtime import is_key
 from jpipe.train.errors import UsageError
 
 _MODE_KEYWORDS = ("train", "training", "deterministic")
@@ -208,7 +209,7 @@ def is_nnx_module_class(value) -> bool:
 
 def _placeholder(leaf):
   """A concrete value of an abstract RNG-state leaf's shape and dtype."""
-  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+  if is_key(leaf):
     return jnp.broadcast_to(jax.random.key(0), leaf.shape)
   return jnp.zeros(leaf.shape, leaf.dtype)
 

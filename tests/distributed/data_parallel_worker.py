@@ -6,8 +6,10 @@ one-process reference): runs a few configurations, writes what they did.
 Each configuration (a dict): "sync", "pipelines", "stages", "schedule",
 "calls" (lockstep ``step`` calls, each pipeline on its own rows) or
 "epochs" (free-running ``run_epoch`` calls of "batches_per_epoch"),
-optional "hetero" (seconds) and "by_stage" (the devices of a stage
-together: one process per stage); with "transport", only whether that
+optional "hetero" (seconds), "by_stage" (the devices of a stage
+together: one process per stage) and "case" (a ``flax_models`` case:
+"mlp", or "nnx_dropout", NNX RNG streams -- typed keys -- as model
+state); with "transport", only whether that
 transport is refused. Under ``jpipe.launch`` the pipelines are
 split between the processes; without it, all run in this one on
 JPIPE_CPU_DEVICES devices. Process 0 writes every pipeline's gathered
@@ -33,6 +35,7 @@ import flax_models  # noqa: E402
 
 import jpipe  # noqa: E402
 from jpipe import parallel  # noqa: E402
+from jpipe.runtime.build.key_arrays import host_key_data  # noqa: E402
 
 
 def _rows(batch, rank, i, size):
@@ -44,7 +47,11 @@ def _rows(batch, rank, i, size):
 
 
 def run(config, index, out):
-  loss_fn, params, batch, _ = flax_models.CASES[config.get("case", "mlp")]()
+  model_state = None
+  if config.get("case") == "nnx_dropout":
+    loss_fn, params, model_state, batch = flax_models.nnx_dropout_case()
+  else:
+    loss_fn, params, batch, _ = flax_models.CASES[config.get("case", "mlp")]()
   size = jax.tree.leaves(batch)[0].shape[0]
   if config.get("transport"):  # Only whether it is refused (spanning).
     try:
@@ -76,6 +83,7 @@ def run(config, index, out):
     optimizer=optax.sgd(0.1, momentum=0.9),
     partition="contiguous",
     weight_stashing=config["schedule"] == "async",
+    model_state=model_state,
   )
   dp = parallel.DataParallelPipelines(
     build,
@@ -87,7 +95,7 @@ def run(config, index, out):
     hetero=parallel.Heterogeneity(hetero=config.get("hetero", 0.0), seed=1),
     hetpipe_every=config.get("hetpipe_every", 2),
   )
-  states = dp.init(params)
+  states = dp.init(params, model_state)
   dp.compile_groups(states)
   record = {}
   for i in range(config.get("calls", 0)):
@@ -108,10 +116,13 @@ def run(config, index, out):
       f"config {index} epoch {e}: process {jax.process_index()} ran "
       f"pipelines {list(dp.ranks)}, batches {report.batches}"
     )
-  # Every pipeline's params (gathered across processes by the state dict).
+  # Every pipeline's params and model state (gathered across processes
+  # by the state dict; typed keys as their key data).
   for p, d in enumerate(dp.state_dict(states)["pipelines"]):
     for j, x in enumerate(jax.tree.leaves(d["params"])):
       record[f"{index}/params/{p}/{j}"] = np.asarray(x)
+    for j, x in enumerate(jax.tree.leaves(d.get("model_state"))):
+      record[f"{index}/model_state/{p}/{j}"] = host_key_data(x)
   consensus = dp.consensus_params(states)
   for j, x in enumerate(jax.tree.leaves(consensus)):
     record[f"{index}/consensus/{j}"] = np.asarray(x)
@@ -122,7 +133,8 @@ def run(config, index, out):
     states, lambda pipe, state: pipe.evaluate(state, held_out)
   )
   record[f"{index}/consensus_loss"] = metrics["loss"]
-  record[f"{index}/consensus_loss_ref"] = float(loss_fn(consensus, held_out))
+  if model_state is None:  # (With it, the host's draws differ.)
+    record[f"{index}/consensus_loss_ref"] = float(loss_fn(consensus, held_out))
   if jax.process_count() > 1:
     # Each process gathered the losses of its own pipelines only.
     everyone = dp.hub.all_gather(

@@ -373,3 +373,45 @@ def test_a_failing_pipeline_aborts_and_the_others_stop_waiting(sync):
   thread.join(120)
   assert not thread.is_alive(), "the other pipelines still wait for rank 1"
   assert len(raised) == 1
+
+
+def test_state_dicts_keep_typed_prng_keys_in_model_state():
+  """NNX RNG streams (typed keys) as model state: the state dict holds
+  each pipeline's keys; resumed from fewer pipelines, the mean of
+  floating leaves takes the first pipeline's keys and counts as they
+  are (a key has no mean)."""
+  loss_fn, params, model_state, batch = flax_models.nnx_dropout_case()
+  dp = parallel.DataParallelPipelines(
+    jpipe.PipelineBuilder.of(
+      loss_fn,
+      params,
+      batch,
+      num_stages=2,
+      num_microbatches=2,
+      optimizer=optax.sgd(0.05),
+      model_state=model_state,
+    ),
+    pipelines=2,
+    sync="allreduce",
+  )
+  states = dp.init(params, model_state)
+  flipped = jax.tree.map(lambda x: x[::-1], batch)
+  states, _ = dp.step(states, [batch, flipped])
+  saved = dp.state_dict(states)
+  keys = [
+    [x for x in jax.tree.leaves(d["model_state"]) if jpipe.runtime.is_key(x)]
+    for d in saved["pipelines"]
+  ]
+  assert len(keys[0]) == 4  # One stream per Dropout.
+  one = {"pipelines": saved["pipelines"][:1]}
+  for pipe, s in zip(dp.pipelines, dp.load_state_dict(one), strict=True):
+    got = [
+      x
+      for x in jax.tree.leaves(pipe.gather_model_state(s))
+      if jpipe.runtime.is_key(x)
+    ]
+    for a, b in zip(got, keys[0], strict=True):
+      np.testing.assert_array_equal(
+        jax.random.key_data(a), jax.random.key_data(b)
+      )
+  dp.close()

@@ -88,3 +88,21 @@ def test_a_loss_with_aux_outputs_names_what_a_pipeline_takes(model_state):
   with pytest.raises(ValueError, match=want) as e:
     _pipeline(loss_fn, **options)
   assert "metrics_fn to pipe.evaluate" in str(e.value)
+
+
+def test_a_loss_taking_the_other_convention_names_model_state():
+  """A loss taking (params, model_state, batch) without model_state=
+  (``jpipe.nnx_loss``'s, forgotten), or model_state= beside a loss
+  taking (params, batch): one line naming the option, before tracing."""
+  case_loss, params, batch, _ = flax_models.mlp_case()
+
+  def with_state(params, model_state, batch):
+    return case_loss(params, batch), model_state
+
+  with pytest.raises(ValueError, match="no model_state was given: pass"):
+    _pipeline(with_state)
+  with pytest.raises(ValueError, match="loss_fn takes \\(params, batch\\)"):
+    _pipeline(case_loss, model_state={"count": jnp.zeros(())})
+  # Variadic and defaulted signatures bind either way: left to the trace.
+  _pipeline(lambda p, b, extra=None: case_loss(p, b))
+  _pipeline(lambda *a: case_loss(*a))

@@ -19,6 +19,7 @@ num_state``, results ``num_state + 1 ..``.
 """
 
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -104,3 +105,37 @@ def loss_output_message(got, model_state, has_aux: bool) -> str:
     "metrics beside the loss pass has_aux=True (step's metrics['aux']: "
     "their means over the microbatches) or a metrics_fn to pipe.evaluate"
   )
+
+
+def check_loss_arguments(loss_fn, model_state) -> None:
+  """Refuses a ``loss_fn`` whose signature takes the other calling
+  convention: ``(params, model_state, batch)`` without ``model_state=``
+  or ``(params, batch)`` with it (what ``jpipe.nnx_loss`` returns takes
+  the first). A signature Python cannot read is left to the trace."""
+  try:
+    signature = inspect.signature(loss_fn)
+  except (TypeError, ValueError):
+    return
+  given, other = (2, 3) if model_state is None else (3, 2)
+  if _takes(signature, given) or not _takes(signature, other):
+    return
+  if model_state is None:
+    raise ValueError(
+      "loss_fn takes (params, model_state, batch) but no model_state was "
+      "given: pass model_state= (the initial model state; "
+      "jpipe.nnx_loss's .model_state)"
+    )
+  raise ValueError(
+    "model_state= was given but loss_fn takes (params, batch): with model "
+    "state, loss_fn(params, model_state, batch) returns (loss, "
+    "new_model_state); or drop model_state="
+  )
+
+
+def _takes(signature, count: int) -> bool:
+  """Whether a call with ``count`` positional arguments binds."""
+  try:
+    signature.bind(*range(count))
+  except TypeError:
+    return False
+  return True
