@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from jpipe.partition._cost_model import TooFewNodes
+from jpipe.partition._inline_calls import enclosing_equations
 from jpipe.partition._trace import TracedModel
 
 
@@ -93,8 +94,7 @@ def choose_depth(
     raise TooFewNodes(
       f"cannot split the model into {num_stages} stages: it has at most "
       f"{most} module-call nodes (at depth {traced.max_depth}); use at most "
-      f"{most} stages, or wrap parts of a plain-JAX loss in "
-      f"jax.named_scope to give it more"
+      f"{most} stages, or {_more_nodes_hint(traced)}"
     )
   depth = min(d for d, b in balance.items() if b <= best * (1 + tolerance))
   tried = ", ".join(
@@ -108,3 +108,28 @@ def choose_depth(
     f"balanced (slowest stage / even share by FLOPs, per depth: {tried})"
   )
   return cuts[depth], Granularity(depth, cuts[depth].num_nodes, balance, reason)
+
+
+# What users write for the primitives that hold module calls.
+_PRIMITIVES = {
+  "remat2": "jax.checkpoint",
+  "checkpoint": "jax.checkpoint",
+  "while": "jax.lax.while_loop / fori_loop",
+  "cond": "jax.lax.cond / switch",
+  "scan": "jax.lax.scan",
+}
+
+
+def _more_nodes_hint(traced: TracedModel) -> str:
+  """How to give ``traced`` more nodes: open the control flow or remat
+  that holds several module calls, else name plain-JAX blocks."""
+  enclosing = enclosing_equations(traced.closed_jaxpr)
+  if enclosing:
+    name, paths = enclosing[0]
+    name = _PRIMITIVES.get(name, name)
+    return (
+      f"split what one {name} holds ({paths} module paths, which "
+      "no cut enters): jax.checkpoint / nn.remat smaller blocks, not the "
+      "whole model; unroll a loop whose body calls several modules"
+    )
+  return "wrap parts of a plain-JAX loss in jax.named_scope to give it more"

@@ -17,7 +17,9 @@ params) becomes one node per iteration, each reading its rows of the
 stacked params (``_scan_layers``; ``param_layout`` maps the rows back to
 the model's leaves). Other ``scan``, ``cond``, ``while`` and ``remat``
 equations stay inside one node; to cut inside them, unroll the loop in the
-model or call the repeated module outside the control flow.
+model or call the repeated module outside the control flow. Nested
+``jax.jit`` calls spanning modules (a jitted loss) are opened first
+(``_inline_calls``).
 """
 
 import dataclasses
@@ -30,6 +32,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jpipe.partition import _flops
+from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
 
@@ -259,6 +262,7 @@ def trace(
   out_tree = jax.tree.structure(out_shape)
   if returns_loss:
     _check_loss(out_shape, has_aux)
+  closed = inline_module_calls(closed)  # (A jitted loss: its body.)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
   scopes = _below_root(

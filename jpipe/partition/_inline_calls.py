@@ -1,0 +1,123 @@
+"""Nested ``jax.jit`` calls opened so that the partitioner can cut in them.
+
+A loss written as ``jax.jit(loss_fn)``, or one calling ``jax.jit(model.
+apply)``, traces to one ``jit`` equation holding every module call: one
+node, nothing to split. A nested jit is only a compilation boundary (the
+pipeline compiles each stage's program itself), so ``inline_module_calls``
+replaces a ``jit`` equation whose body calls modules of two or more paths
+by its body's equations, their name stacks under the call's, recursively.
+Jits inside one module (jax.numpy's own helpers, a jitted attention
+kernel) stay whole, as do ``remat``, ``scan``, ``cond`` and ``while``
+(they change what runs, not only where it compiles).
+"""
+
+import jax.extend.core as jcore
+
+_CALLS = ("jit", "pjit")  # (The primitive's name before jax 0.7: pjit.)
+
+
+def inline_module_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+  """``closed`` with every ``jit`` equation that spans module paths
+  replaced by its body (the same function of the same inputs)."""
+  jaxpr, consts = _inline(closed.jaxpr, list(closed.consts))
+  if jaxpr is closed.jaxpr:
+    return closed
+  return jcore.ClosedJaxpr(jaxpr, consts)
+
+
+def _opens(eqn) -> bool:
+  """Whether ``eqn`` is a jit call whose body calls modules of two or
+  more paths."""
+  if eqn.primitive.name not in _CALLS:
+    return False
+  return len(set(_scopes(eqn.params["jaxpr"].jaxpr))) > 1
+
+
+def _scopes(jaxpr) -> list[tuple[str, ...]]:
+  """The non-empty module paths of ``jaxpr``'s equations, nested bodies'
+  relative to their equation's."""
+  out = []
+  for e in jaxpr.eqns:
+    own = tuple(p for p in str(e.source_info.name_stack).split("/") if p)
+    below = [
+      own + s for j in jcore.jaxprs_in_params(e.params) for s in _scopes(j)
+    ]
+    out.extend(below or ([own] if own else []))
+  return out
+
+
+def _inline(jaxpr, consts):
+  """``(jaxpr, consts)`` with the opened calls inlined (the same objects
+  when there is none)."""
+  if not any(_opens(e) for e in jaxpr.eqns):
+    return jaxpr, consts
+  constvars, eqns = list(jaxpr.constvars), []
+  renamed = {}  # An opened call's output -> the atom that holds it.
+
+  def read(atom):
+    return renamed.get(atom, atom) if isinstance(atom, jcore.Var) else atom
+
+  for eqn in jaxpr.eqns:
+    invars = [read(v) for v in eqn.invars]
+    if not _opens(eqn):
+      eqns.append(eqn.replace(invars=invars))
+      continue
+    body = eqn.params["jaxpr"]
+    inner, inner_consts = _inline(body.jaxpr, list(body.consts))
+    env = dict(zip(inner.invars, invars, strict=True))
+    for var, value in zip(inner.constvars, inner_consts, strict=True):
+      env[var] = jcore.Var(var.aval)
+      constvars.append(env[var])
+      consts.append(value)
+    # The body's results made by its own equations are written straight
+    # to the call's output variables.
+    direct = {}
+    for got, out in zip(inner.outvars, eqn.outvars, strict=True):
+      if (
+        isinstance(got, jcore.Var)
+        and got not in env
+        and got not in direct
+        and not isinstance(out, jcore.DropVar)
+      ):
+        direct[got] = out
+    for e in inner.eqns:
+      outs = []
+      for v in e.outvars:
+        if not isinstance(v, jcore.DropVar):
+          env[v] = direct.get(v) or jcore.Var(v.aval)
+          v = env[v]
+        outs.append(v)
+      eqns.append(
+        e.replace(
+          invars=[
+            env.get(a, a) if isinstance(a, jcore.Var) else a for a in e.invars
+          ],
+          outvars=outs,
+          source_info=e.source_info.replace(
+            name_stack=eqn.source_info.name_stack + e.source_info.name_stack
+          ),
+        )
+      )
+    for got, out in zip(inner.outvars, eqn.outvars, strict=True):
+      held = env.get(got, got) if isinstance(got, jcore.Var) else got
+      if not isinstance(out, jcore.DropVar) and held is not out:
+        renamed[out] = held
+  return (
+    jaxpr.replace(
+      constvars=constvars, eqns=eqns, outvars=[read(v) for v in jaxpr.outvars]
+    ),
+    consts,
+  )
+
+
+def enclosing_equations(closed: jcore.ClosedJaxpr) -> list[tuple[str, int]]:
+  """``(primitive, module paths)`` of ``closed``'s top-level equations
+  whose bodies call modules of two or more paths (``checkpoint``,
+  ``cond``, ``while``, ...: module calls no cut separates), the most
+  paths first."""
+  out = []
+  for e in closed.jaxpr.eqns:
+    paths = {s for j in jcore.jaxprs_in_params(e.params) for s in _scopes(j)}
+    if len(paths) > 1:
+      out.append((e.primitive.name, len(paths)))
+  return sorted(out, key=lambda item: -item[1])
