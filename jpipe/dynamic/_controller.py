@@ -69,6 +69,7 @@ from jpipe.runtime import (
   Pipeline,
   PipelineBuilder,
   PipelineState,
+  outside_user_mesh,
   rows_for_speeds,
 )
 
@@ -93,6 +94,7 @@ def _in_force(name: str) -> property:
   )
 
 
+@outside_user_mesh  # (A caller's jax.set_mesh.)
 class DynamicPipeline(SplitInForce):
   """A ``jpipe.Pipeline`` that re-partitions itself while training.
 

@@ -46,6 +46,7 @@ from jpipe.runtime import (
   PipelineBuilder,
   PipelineState,
   PullLinks,
+  outside_user_mesh,
 )
 
 
@@ -78,6 +79,7 @@ class EpochReport:
   aux: list[list] = dataclasses.field(default_factory=list)
 
 
+@outside_user_mesh  # (A caller's jax.set_mesh.)
 class DataParallelPipelines(ConsensusStateMethods):
   """P pipelines of S stages, their stages' replicas synchronised.
 

@@ -19,7 +19,8 @@ the model's leaves). Other ``scan``, ``cond``, ``while`` and ``remat``
 equations stay inside one node; to cut inside them, unroll the loop in the
 model or call the repeated module outside the control flow. Nested
 ``jax.jit`` calls spanning modules (a jitted loss) are opened first
-(``_inline_calls``).
+(``_inline_calls``), and sharding constraints dropped
+(``_sharding_constraints``).
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ from jpipe.partition import _flops
 from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
+from jpipe.partition._sharding_constraints import drop_sharding_constraints
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -263,6 +265,7 @@ def trace(
   if returns_loss:
     _check_loss(out_shape, has_aux)
   closed = inline_module_calls(closed)  # (A jitted loss: its body.)
+  closed = drop_sharding_constraints(closed)  # (Stages place values.)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
   scopes = _below_root(

@@ -34,6 +34,7 @@ from jpipe.runtime.build.partitioning import (
 )
 from jpipe.runtime.build.placement import even_rows, rows_for_speeds
 from jpipe.runtime.build.transport import PullLinks, TransferTimes
+from jpipe.runtime.build.user_mesh import outside_user_mesh
 from jpipe.runtime.execute.hooks import DriverHooks
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
   "format_bytes",
   "is_key",
   "nnx_loss",
+  "outside_user_mesh",
   "partitioner_memory_model",
   "parse_slowdowns",
   "partition_of",

@@ -50,6 +50,7 @@ from jpipe.runtime.build.pipeline_memory import (
   check_memory_limit,
   predict_pipeline_memory,
 )
+from jpipe.runtime.build.user_mesh import outside_user_mesh
 from jpipe.runtime.execute.hooks import DriverHooks
 
 
@@ -62,6 +63,7 @@ def _part(phase: str, name: str) -> property:
   )
 
 
+@outside_user_mesh  # (A caller's jax.set_mesh: build/user_mesh.py.)
 class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   """A model split into pipeline stages, trained by a schedule.
 
