@@ -8,8 +8,9 @@ path components below the root module. A node is a maximal run of
 consecutive equations with the same path prefix, so a module called twice
 (a tied embedding used as the output head) gives two nodes, and the nodes'
 program order is a topological order. Equations outside any module (input
-reshapes, the loss itself) join the run before them (or, at the very
-start, the run after them).
+reshapes, the loss itself) join the run before them; those reading only
+the function's inputs (a slice of the batch, a mask made from it) join the
+run after them, whose work they are.
 
 A scan over layers (stacked params scanned by a ``scan`` whose carry
 flows layer to layer: linen's ``nn.scan``, ``jax.lax.scan`` over stacked
@@ -274,6 +275,7 @@ def trace(
       for e, own in zip(closed.jaxpr.eqns, split.scopes, strict=True)
     ]
   )
+  scopes = _inputs_glue_joins_next(closed.jaxpr, scopes)
   names, eqn_node = _group(scopes, depth)
   if not names:
     raise ValueError("loss_fn traced to no equations: nothing to partition")
@@ -375,6 +377,29 @@ def _below_root(scopes: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
   roots = {s[0] for s in scopes if s}
   strip = 1 if len(roots) == 1 and any(len(s) > 1 for s in scopes) else 0
   return [s[strip:] for s in scopes]
+
+
+def _inputs_glue_joins_next(jaxpr, scopes) -> list[tuple[str, ...]]:
+  """``scopes`` with glue that reads only the function's inputs (a
+  token sliced from the batch, a mask made from it) scoped as the module
+  call after it: it is work for that call, not for the one before (which
+  may sit on a later stage: a decoding loop's next position slices its
+  token after the last layer ran). Glue reading a module's results keeps
+  joining the run before it (``_group``)."""
+  scopes = list(scopes)
+  made = set()  # Values some module call's work depends on.
+  glue = []  # Equations of the current run of glue reading inputs only.
+  for i, eqn in enumerate(jaxpr.eqns):
+    reads_made = any(isinstance(v, jcore.Var) and v in made for v in eqn.invars)
+    if scopes[i] and glue:
+      for j in glue:
+        scopes[j] = scopes[i]
+    if scopes[i] or reads_made:
+      made.update(eqn.outvars)
+      glue = []
+    else:
+      glue.append(i)
+  return scopes
 
 
 def _group(

@@ -169,14 +169,20 @@ def _tied_reads(pipe, stages) -> tuple:
   return tuple(out)
 
 
-def cut_function(pipe, fn: Callable, example_batch, what: str):
+def cut_function(
+  pipe, fn: Callable, example_batch, what: str, microbatch: bool = False
+):
   """``fn`` traced on a microbatch of ``example_batch`` (arrays or
   ``jax.ShapeDtypeStruct``) and cut by ``pipe``'s node -> stage map.
-  ``what``: how errors name ``fn``. ValueError where ``fn`` reads a
+  ``what``: how errors name ``fn``. ``microbatch``: ``example_batch``
+  is one microbatch already, its shapes kept (a decoding cache's scalar
+  index, leaves stacked per layer). ValueError where ``fn`` reads a
   param on a stage that does not hold it."""
   size = pipe.microbatch_size
   micro = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((size, *np.shape(x)[1:]), x.dtype),
+    lambda x: jax.ShapeDtypeStruct(
+      np.shape(x) if microbatch else (size, *np.shape(x)[1:]), x.dtype
+    ),
     example_batch,
   )
   avals = pipe.traced.closed_jaxpr.in_avals
@@ -511,18 +517,22 @@ def predict(pipe, state, batch, predict_fn):
   return combined(program, results, m, concatenated)
 
 
-def program_for(pipe, fn, batch, what) -> ForwardProgram:
+def program_for(
+  pipe, fn, batch, what, microbatch: bool = False
+) -> ForwardProgram:
   """``fn`` cut by the pipeline (None: the loss on its own stages),
-  cached per function and per-example shapes of the batch."""
+  cached per function and per-example shapes of the batch (``microbatch``:
+  ``batch`` is one microbatch, as ``cut_function`` takes it)."""
   examples = tuple(
-    (np.shape(x)[1:], np.dtype(x.dtype)) for x in jax.tree.leaves(batch)
+    (np.shape(x) if microbatch else np.shape(x)[1:], np.dtype(x.dtype))
+    for x in jax.tree.leaves(batch)
   )
-  key = (fn, jax.tree.structure(batch), examples)
+  key = (fn, jax.tree.structure(batch), examples, microbatch)
   program = pipe.forward_programs.get(key)
   if program is None:
     if fn is None:
       program = own_program(pipe)
     else:
-      program = cut_function(pipe, fn, batch, what)
+      program = cut_function(pipe, fn, batch, what, microbatch)
     pipe.forward_programs[key] = program
   return program

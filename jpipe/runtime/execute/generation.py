@@ -308,7 +308,7 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
   ):
     written = _written(pipe, fn, example(n), what)
     program = forward_only.program_for(
-      pipe, _greedy(fn, written), example(n), what
+      pipe, _greedy(fn, written), example(n), what, microbatch=True
     )
     steps.append(_Program(program, written))
   paths = [p[0].key for p, _ in jax.tree.flatten_with_path(example(1))[0]]

@@ -1,0 +1,135 @@
+"""Generation with Flax's own decoding cache, as the Flax examples' LMs
+(lm1b, wmt) decode: ``nn.MultiHeadDotProductAttention(decode=True)``
+keeps cached keys and values [b, L, heads, dim] and a scalar
+``cache_index`` in the "cache" collection and takes one position per
+call, so the decoding function feeds a prompt position by position.
+
+Against greedy decoding that recomputes the whole sequence without a
+cache; and the trace property that lets the position loop split: the
+token a position slices from the batch is work of the module call after
+it, not of the last layer before it (``_trace._inputs_glue_joins_next``).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from jpipe import partition
+
+VOCAB, WIDTH, LAYERS = 16, 16, 3
+
+
+class Lm(nn.Module):
+  """A decoder LM in the Flax examples' decoding style."""
+
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, WIDTH, name="embed")(tokens)
+    pos = self.param("pos", nn.initializers.normal(0.1), (32, WIDTH))
+    if self.decode:  # One position per call, its index in the cache.
+      ready = self.has_variable("cache", "position")
+      index = self.variable("cache", "position", lambda: jnp.array(0))
+      if ready:
+        x = x + jax.lax.dynamic_slice_in_dim(pos, index.value, 1)[None]
+        index.value = index.value + 1
+      else:
+        x = x + pos[None, : tokens.shape[1]]
+      mask = None
+    else:
+      x = x + pos[None, : tokens.shape[1]]
+      mask = nn.make_causal_mask(tokens)
+    for i in range(LAYERS):
+      attention = nn.MultiHeadDotProductAttention(
+        num_heads=2, decode=self.decode, name=f"attn_{i}"
+      )
+      x = x + attention(nn.LayerNorm(name=f"ln_{i}")(x), mask=mask)
+      x = x + nn.Dense(WIDTH, name=f"mlp_{i}")(nn.gelu(x))
+    return nn.Dense(VOCAB, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+
+TRAIN, DECODE = Lm(), Lm(decode=True)
+
+
+def _loss_fn(params, batch):
+  logits = TRAIN.apply({"params": params}, batch["x"][:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits, batch["x"][:, 1:]
+  ).mean()
+
+
+def _empty_cache(b, length):
+  return DECODE.init(jax.random.key(0), jnp.ones((b, length), jnp.int32))[
+    "cache"
+  ]
+
+
+def _decode_fn(params, batch):
+  """Flax's decode mode takes one position per call: the prompt goes in
+  position by position (the prefill), a new token alone."""
+  cache = batch["cache"]
+  for t in range(batch["tokens"].shape[1]):
+    logits, variables = DECODE.apply(
+      {"params": params, "cache": cache},
+      batch["tokens"][:, t : t + 1],
+      mutable=["cache"],
+    )
+    cache = variables["cache"]
+  return logits[:, -1], cache
+
+
+def _greedy_recomputing(params, prompts, steps):
+  tokens = jnp.asarray(prompts)
+  for _ in range(steps):
+    logits = TRAIN.apply({"params": params}, tokens)
+    tokens = jnp.concatenate([tokens, jnp.argmax(logits[:, -1:], -1)], 1)
+  return np.asarray(tokens[:, prompts.shape[1] :])
+
+
+def _params_and_batch():
+  x = jax.random.randint(jax.random.key(1), (4, 9), 0, VOCAB)
+  params = TRAIN.init(jax.random.key(0), x[:, :-1])["params"]
+  return params, {"x": x}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_flax_attention_cache_decodes_as_recomputing_greedy(stages):
+  params, batch = _params_and_batch()
+  pipe = jpipe.Pipeline(
+    _loss_fn,
+    params,
+    batch,
+    num_stages=stages,
+    devices=jax.devices()[:stages],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+    depth=1,
+  )
+  prompts = np.asarray(jax.random.randint(jax.random.key(7), (4, 4), 0, VOCAB))
+  got = pipe.generate(
+    pipe.init(params), prompts, _decode_fn, _empty_cache, max_new_tokens=5
+  )
+  np.testing.assert_array_equal(
+    np.asarray(got), _greedy_recomputing(params, prompts, 5)
+  )
+
+
+def test_a_positions_token_is_work_of_the_call_after_it():
+  """In the prefill's trace, each position's token slice (glue reading
+  only the batch) sits in the node of that position's embedding; glue
+  reading a module's results (the residual adds) stays before."""
+  params, _ = _params_and_batch()
+  cache = jax.eval_shape(lambda: _empty_cache(2, 8))
+  example = {"cache": cache, "tokens": jax.ShapeDtypeStruct((2, 3), jnp.int32)}
+  traced = partition.trace(_decode_fn, params, example, returns_loss=False)
+  slices = [
+    traced.node_names[n]
+    for eqn, n in zip(traced.jaxpr.eqns, traced.eqn_node, strict=True)
+    if eqn.primitive.name == "slice" and eqn.invars[0] in traced.jaxpr.invars
+  ]
+  assert slices == ["embed", "embed#2", "embed#3"]
