@@ -15,9 +15,11 @@ cross-attention cache, which its steps read and return unchanged: a
 cache leaf a function returns as it got it is dropped from that
 function's outputs (found by tracing it once), so it stays where it is
 rather than joining the last stage's results. A cache leaf made on
-another stage than the one reading it (GNMT's attention keeps the
-encoder's outputs, made on the encoder's last stage) is moved to its
-reader after each write: once, in the prefill.
+another stage than one reading it is copied to each reader after each
+write: GNMT's attention keeps the encoder's outputs, made on the
+encoder's last stage; a decoder whose every block reads the encoder's
+outputs from the cache (the Flax examples' WMT model decodes so) gets a
+copy on each decoder stage, once, in the prefill.
 
 Between steps nothing is gathered: a stage's new cache leaves stay on
 its device and are its next step's batch inputs for the same
@@ -82,8 +84,8 @@ class _Decoder:
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
   inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
   pad: int | None  # The "pad" batch leaf (decoder-only).
-  # Per cache leaf, the placement reading it (None: none reads it).
-  home: tuple = ()
+  # Per cache leaf, the placements reading it (empty: none reads it).
+  readers: tuple = ()
 
 
 @functools.lru_cache(maxsize=32)
@@ -197,7 +199,7 @@ class _Feeds:
       else prompts.astype(np.int32)
     )
     self.avals = None  # The cache's leaves' shapes.
-    self.cache = {}  # Cache leaf -> its value per microbatch.
+    self.cache = {}  # Cache leaf -> {reader: its value per microbatch}.
     self._sources = {}  # (placement, microbatch) -> its placed source.
 
   def run(self, dec, step: _Program, state, position, tokens) -> list:
@@ -208,13 +210,16 @@ class _Feeds:
     program = step.program
     results = forward_only.run_placed(program, state, batches, self.m)
     for j, k in enumerate(step.written):
-      values, home = results[1 + j], dec.home[k]
+      values = results[1 + j]
       made = program.placement[program.stage_of_result[1 + j]]
-      if home is not None and made != home:
-        # Made elsewhere (e.g. the encoder's outputs an attention keeps):
-        # moved to its reader once per write.
-        values = [_put(home, b, v) for b, v in enumerate(values)]
-      self.cache[k] = values
+      # Made elsewhere than a reader (e.g. the encoder's outputs that an
+      # attention keeps): copied to it once per write.
+      self.cache[k] = {
+        place: values
+        if place == made
+        else [_put(place, b, v) for b, v in enumerate(values)]
+        for place in dec.readers[k]
+      }
     return results[0]
 
   def _placed(self, dec, program, position, tokens) -> dict:
@@ -244,7 +249,7 @@ class _Feeds:
             k = dec.cache.index(i)
             aval = self.avals[k]
             leaves[i] = (
-              self.cache[k][b]
+              self.cache[k][place][b]
               if k in self.cache
               else put(np.zeros(aval.shape, aval.dtype))
             )
@@ -320,7 +325,7 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     paths.index("inputs") if "inputs" in paths else None,
     paths.index("pad") if "pad" in paths else None,
   )
-  return dataclasses.replace(dec, home=_homes(dec))
+  return dataclasses.replace(dec, readers=_readers(dec))
 
 
 def _written(pipe, fn, example, what) -> tuple[int, ...]:
@@ -360,22 +365,18 @@ def _reads(dec, leaf) -> bool:
   )
 
 
-def _homes(dec) -> tuple:
-  """Each cache leaf's one reading placement (None: unread); a
-  ValueError where several stages read one leaf."""
-  homes = []
-  for k, leaf in enumerate(dec.cache):
-    readers = set()
+def _readers(dec) -> tuple:
+  """Each cache leaf's reading placements, in stage order (the prefill's
+  and the step's)."""
+  out = []
+  for leaf in dec.cache:
+    readers = {}
     for step in (dec.prefill, dec.step):
-      items = step.program.batch_leaves.items()
-      readers |= {p for p, w in items if leaf in w}
-    if len(readers) > 1:
-      raise ValueError(
-        f"the decoding functions' cache leaf {k} is read by several "
-        "stages: read each layer's cache inside that layer's module"
-      )
-    homes.append(next(iter(readers), None))
-  return tuple(homes)
+      for place, wanted in step.program.batch_leaves.items():
+        if leaf in wanted:
+          readers[place] = None
+    out.append(tuple(readers))
+  return tuple(out)
 
 
 def _mark_ends(done, tokens, eos_id) -> tuple[list, list]:
