@@ -95,10 +95,12 @@ class PipelineInferenceMethods:
     (sources of different lengths are right-padded with 0; no "pad").
     With model state both take it as ``predict_fn`` does:
     ``decode_fn(params, model_state, batch)``. Stages on replica groups
-    decode as they predict; across processes it is refused.
+    decode as they predict; across processes every process calls it with
+    the same prompts.
 
     Returns:
-      int32 [B, n] on the last stage's device, n <= max_new_tokens:
+      int32 [B, n] on the last stage's device (across processes: on a
+      device of each process), n <= max_new_tokens:
       after a sequence's ``eos_id`` its tokens are ``eos_id``, and
       decoding stops once every sequence has ended.
     """

@@ -19,9 +19,8 @@ An evaluation may also generate: its ``Generation`` continues held-out
 prompts greedily (through the stages by ``Pipeline.generate``, each
 layer's key/value cache on its stage; on one device by the same decoding
 functions) and scores the generated tokens, e.g. SQuAD's exact match
-and F1, accuracy of label words, BLEU (``text_metrics``). Through a
-pipeline that ``Pipeline.generate`` cannot run (across processes) the
-generated metrics are left out.
+and F1, accuracy of label words, BLEU (``text_metrics``), in one
+process or across processes alike.
 """
 
 import dataclasses
@@ -110,10 +109,8 @@ class Generation:
     return self.scored(out)
 
   def through_pipeline(self, pipe, state) -> dict:
-    """The scores of ``Pipeline.generate`` (nothing gathered); ``{}``
-    where it cannot run (across processes)."""
-    if pipe.transport.multiprocess:
-      return {}
+    """The scores of ``Pipeline.generate`` (nothing gathered; across
+    processes every process calls it and gets them)."""
     out = [
       pipe.generate(
         state,

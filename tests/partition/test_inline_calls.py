@@ -15,10 +15,7 @@ import jpipe
 from jpipe import partition
 from jpipe.partition._inline_calls import inline_module_calls
 from tests.partition import flax_models, scan_models
-from tests.runtime.test_pipeline_sync import (
-  _assert_tree_close,
-  _reference_steps,
-)
+from tests.runtime.test_replicated_stages import _trains_like_one_device
 
 
 def _params():
@@ -104,12 +101,7 @@ def test_a_jitted_loss_trains_as_one_device():
     num_microbatches=2,
     optimizer=tx,
   )
-  state = pipe.init(params)
-  for _ in range(2):
-    state, metrics = pipe.step(state, batch)
-  expected, loss = _reference_steps(loss_fn, params, batch, 2, tx, 2)
-  _assert_tree_close(pipe.gather_params(state), expected)
-  assert float(metrics["loss"]) == pytest.approx(loss, rel=1e-5)
+  _trains_like_one_device(pipe, loss_fn, params, batch, tx, steps=2)
 
 
 def test_module_calls_no_cut_enters_are_named():

@@ -50,7 +50,12 @@ With model state (e.g. BatchNorm statistics) the decoding functions
 take it as ``predict_fn`` does -- ``decode_fn(params, model_state,
 batch)`` -- and read it on the stages that keep it (not updated).
 
-Limits: one process.
+Across processes every process calls ``generate`` with the same prompts
+and runs its own stages; each step's tokens are shared from the last
+stage's process with every process (each feeds its first stage, if it
+has it, and sees every sequence end at the same step), and a cache leaf
+read on another process's stage moves there over the pipeline's
+transport.
 """
 
 import dataclasses
@@ -84,7 +89,8 @@ class _Decoder:
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
   inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
   pad: int | None  # The "pad" batch leaf (decoder-only).
-  # Per cache leaf, the placements reading it (empty: none reads it).
+  # Per cache leaf, the stages reading it (one per placement; empty:
+  # none reads it), on every process.
   readers: tuple = ()
 
 
@@ -147,15 +153,13 @@ def generate(
         break
       tokens, done = _mark_ends(done, tokens, eos_id)
     steps.append(tokens)
+  rows = [jnp.stack([s[b] for s in steps], axis=1) for b in range(m)]
+  if pipe.transport.multiprocess:  # Shared: on a device of this process.
+    return jnp.concatenate(rows)
   # Each microbatch's [mb, n] tokens (on the last stage's group or
   # replica) together on that stage's first device.
   last = pipe.placement[-1].device
-  return jnp.concatenate(
-    [
-      jax.device_put(jnp.stack([s[b] for s in steps], axis=1), last)
-      for b in range(m)
-    ]
-  )
+  return jnp.concatenate([jax.device_put(r, last) for r in rows])
 
 
 def padded_prompts(prompts, encoder_decoder: bool):
@@ -210,17 +214,41 @@ class _Feeds:
     program = step.program
     results = forward_only.run_placed(program, state, batches, self.m)
     for j, k in enumerate(step.written):
-      values = results[1 + j]
-      made = program.placement[program.stage_of_result[1 + j]]
-      # Made elsewhere than a reader (e.g. the encoder's outputs that an
-      # attention keeps): copied to it once per write.
+      maker = program.stage_of_result[1 + j]
+      values = results.get(1 + j, [None] * self.m)  # (None: elsewhere.)
       self.cache[k] = {
-        place: values
-        if place == made
-        else [_put(place, b, v) for b, v in enumerate(values)]
-        for place in dec.readers[k]
+        program.placement[s]: self._copied(program, values, maker, s, k)
+        for s in dec.readers[k]
       }
-    return results[0]
+    return self._tokens(program, results.get(0))
+
+  def _copied(self, program, values, maker: int, reader: int, k: int):
+    """Cache leaf k's new values (per microbatch, made by stage
+    ``maker``) where stage ``reader`` reads them: made elsewhere (e.g.
+    the encoder's outputs that an attention keeps), copied there once
+    per write; across processes every process calls it alike."""
+    transport, place = program.transport, program.placement[reader]
+    if transport.multiprocess:
+      return [
+        transport.move(v, maker, reader, self.avals[k], microbatch=b)
+        for b, v in enumerate(values)
+      ]
+    if place == program.placement[maker]:
+      return values
+    return [_put(place, b, v) for b, v in enumerate(values)]
+
+  def _tokens(self, program, mine) -> list:
+    """Each microbatch's new tokens, made on the last stage; across
+    processes shared with every process (each feeds its first stage
+    and decides alike when every sequence has ended)."""
+    transport = program.transport
+    if not transport.multiprocess:
+      return mine
+    s = program.stage_of_result[0]
+    aval = jax.ShapeDtypeStruct((self.mb,), np.int32)
+    return [
+      transport.share(mine[b] if mine else None, s, aval) for b in range(self.m)
+    ]
 
   def _placed(self, dec, program, position, tokens) -> dict:
     """``program``'s batch leaves per placement and microbatch."""
@@ -281,10 +309,6 @@ def _check(pipe, prompts, max_new_tokens) -> None:
     )
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if pipe.transport.multiprocess:
-    raise ValueError(
-      "generate runs in one process: call it without jax.distributed"
-    )
 
 
 def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
@@ -366,16 +390,17 @@ def _reads(dec, leaf) -> bool:
 
 
 def _readers(dec) -> tuple:
-  """Each cache leaf's reading placements, in stage order (the prefill's
-  and the step's)."""
+  """Each cache leaf's reading stages (the prefill's and the step's),
+  the first of each placement, in stage order, on every process."""
   out = []
   for leaf in dec.cache:
     readers = {}
     for step in (dec.prefill, dec.step):
-      for place, wanted in step.program.batch_leaves.items():
-        if leaf in wanted:
-          readers[place] = None
-    out.append(tuple(readers))
+      program = step.program
+      for s, spec in enumerate(program.stages.specs):
+        if leaf in spec.batch_leaves:
+          readers.setdefault(program.placement[s], s)
+    out.append(tuple(sorted(readers.values())))
   return tuple(out)
 
 
