@@ -159,6 +159,19 @@ def test_prompts_that_do_not_split_are_refused():
     _generate(pipe, state, model, prompts, 40)
 
 
+def test_a_scanned_models_decoding_reaches_its_own_check():
+  """Stacked layer params split by layer: the decoding function is traced
+  on the model's leaves (the stacked ones), so the model's own refusal
+  speaks, not a pytree error."""
+  model = gpt2.Model(**TINY, dropout=0.0, scan_layers=True)
+  prompts = np.zeros((4, 5), np.int32)
+  params = model.init(jax.random.key(0), prompts, train=False)["params"]
+  pipe, state = _pipeline(model, params, prompts, 2)
+  assert pipe.traced.param_layout is not None  # Split by layer.
+  with pytest.raises(ValueError, match="scan_layers=True\\) has no KV cache"):
+    _generate(pipe, state, model, prompts, 2)
+
+
 def test_decoding_step_with_cache_equals_full_forward():
   """The model alone: prefill then single tokens against the cache give
   the logits of the whole sequence (float tolerance)."""

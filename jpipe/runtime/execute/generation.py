@@ -362,7 +362,9 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
       for a in pipe.traced.closed_jaxpr.in_avals
     ]
     n = pipe.traced.num_param_leaves
-    args = [jax.tree.unflatten(pipe.params_treedef, avals[:n])]
+    # (Rows of a stacked leaf split by layer stacked back: the model's.)
+    leaves = pipe.traced.model_leaves(avals[:n])
+    args = [jax.tree.unflatten(pipe.params_treedef, leaves)]
     if pipe.state_treedef is not None:  # fn(params, model_state, batch).
       state = avals[n + pipe.num_batch_leaves :]
       args.append(jax.tree.unflatten(pipe.state_treedef, state))
