@@ -117,3 +117,38 @@ def test_module_calls_no_cut_enters_are_named():
       devices=jax.devices()[:2],
       optimizer=optax.sgd(0.1),
     )
+
+
+def test_an_nnx_jit_forward_splits_like_the_plain_one():
+  """``@nnx.jit`` on the forward an NNX loss calls: a jit spanning the
+  model's modules, opened."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(3)])
+      self.head = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = nnx.relu(layer(x))
+      return self.head(x)
+
+  def names(forward):
+    def loss(model, batch):
+      return jnp.mean(forward(model, batch["x"]) ** 2)
+
+    nl = jpipe.nnx_loss(Net(nnx.Rngs(0)), loss)
+    return jpipe.Pipeline(
+      nl.loss_fn,
+      nl.params,
+      _batch(),
+      model_state=nl.model_state,
+      num_stages=2,
+      devices=jax.devices()[:2],
+      optimizer=optax.sgd(0.1),
+    ).traced.node_names
+
+  plain = names(lambda model, x: model(x))
+  assert plain == ("layers[0]", "layers[1]", "layers[2]", "head")
+  assert names(nnx.jit(lambda model, x: model(x))) == plain
