@@ -136,6 +136,15 @@ def print_plan(pipe) -> None:
     print(f"Nodes: {pipe.granularity.reason}.")
   if plan.indivisible_note:
     print(f"Warning: {plan.indivisible_note}.")
+  m = pipe.num_microbatches
+  if pipe.stream is not None and pipe.stream.step_every == 1 and m > 1:
+    # (The stream's staleness, not a bug: README, "The pipeline".)
+    print(
+      f"Note: {pipe.schedule_name} steps each stage after every "
+      f"microbatch ({m} steps per batch where 1f1b takes one): a learning "
+      "rate tuned for 1f1b may be too high for it; "
+      f"--config.schedule.step_every={m} steps on the mean of {m}."
+    )
   if any(p.round_robin for p in pipe.placement):
     print(
       "Replicated stages take whole microbatches in turn: round-robin "
