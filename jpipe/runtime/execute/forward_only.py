@@ -208,7 +208,10 @@ def cut_function(
   if traced.param_layout != pipe.traced.param_layout:
     raise ValueError(
       f"{what} runs the model's stacked layers otherwise than loss_fn (a "
-      "scan over layers in one, not the other): scan them alike in both"
+      "scan over layers in one, not the other): scan them alike in both, "
+      "once per call (a stacked leaf read by several scans -- a decoding "
+      "loop calling the scanned model per position -- is not split by "
+      "layer, so generate cannot decode it position by position)"
     )
   stage_of_node = partition_lib.follow_plan(
     traced, pipe.traced, pipe.stages.stage_of_node
