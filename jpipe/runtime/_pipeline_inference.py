@@ -76,6 +76,7 @@ class PipelineInferenceMethods:
     eos_id: int | None = None,
     prefill_fn: Callable[..., Any] | None = None,
     start_id: int = 0,
+    one_position: bool = False,
   ) -> jax.Array:
     """Greedy continuations of ``prompts`` (int [B, P], or B 1-D int
     arrays of different lengths; B a multiple of the microbatch size)
@@ -93,6 +94,11 @@ class PipelineInferenceMethods:
     prompts are then its sources, the batch's "inputs", the encoder runs
     once in the prefill, and the decoder starts from ``start_id``
     (sources of different lengths are right-padded with 0; no "pad").
+    ``one_position=True``: ``decode_fn`` takes one position per call
+    (Flax's decode mode, ``nn.MultiHeadDotProductAttention(decode=True)``
+    as the Flax examples' LMs decode; a scanned model's stacked cache),
+    and the prompt is fed to it position by position -- no prefill
+    program (decoder-only models).
     With model state both take it as ``predict_fn`` does:
     ``decode_fn(params, model_state, batch)``. Stages on replica groups
     decode as they predict; across processes every process calls it with
@@ -114,4 +120,5 @@ class PipelineInferenceMethods:
       eos_id,
       prefill_fn,
       start_id,
+      one_position,
     )

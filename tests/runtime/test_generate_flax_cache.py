@@ -83,10 +83,20 @@ def _decode_fn(params, batch):
   return logits[:, -1], cache
 
 
-def _greedy_recomputing(params, prompts, steps):
+def _one_position_fn(params, batch):
+  """The same for one position per call (``one_position=True``)."""
+  logits, variables = DECODE.apply(
+    {"params": params, "cache": batch["cache"]},
+    batch["tokens"],
+    mutable=["cache"],
+  )
+  return logits[:, -1], variables["cache"]
+
+
+def _greedy_recomputing(params, prompts, steps, model=TRAIN):
   tokens = jnp.asarray(prompts)
   for _ in range(steps):
-    logits = TRAIN.apply({"params": params}, tokens)
+    logits = model.apply({"params": params}, tokens)
     tokens = jnp.concatenate([tokens, jnp.argmax(logits[:, -1:], -1)], 1)
   return np.asarray(tokens[:, prompts.shape[1] :])
 
@@ -97,8 +107,12 @@ def _params_and_batch():
   return params, {"x": x}
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_flax_attention_cache_decodes_as_recomputing_greedy(stages):
+@pytest.mark.parametrize("stages, one_position", [(2, 0), (3, 0), (3, 1)])
+def test_flax_attention_cache_decodes_as_recomputing_greedy(
+  stages, one_position
+):
+  """The prompt through a prefill that loops over its positions, or
+  through the one-position step, position by position."""
   params, batch = _params_and_batch()
   pipe = jpipe.Pipeline(
     _loss_fn,
@@ -112,7 +126,12 @@ def test_flax_attention_cache_decodes_as_recomputing_greedy(stages):
   )
   prompts = np.asarray(jax.random.randint(jax.random.key(7), (4, 4), 0, VOCAB))
   got = pipe.generate(
-    pipe.init(params), prompts, _decode_fn, _empty_cache, max_new_tokens=5
+    pipe.init(params),
+    prompts,
+    _one_position_fn if one_position else _decode_fn,
+    _empty_cache,
+    max_new_tokens=5,
+    one_position=bool(one_position),
   )
   np.testing.assert_array_equal(
     np.asarray(got), _greedy_recomputing(params, prompts, 5)
@@ -281,10 +300,12 @@ class ScannedLm(nn.Module):
     return nn.Dense(VOCAB, name="head")(x)
 
 
-def test_scanned_layers_decoded_per_position_are_refused_naming_why():
-  """Not supported yet: a prefill calling the scanned model once per
-  position reads each stacked param in several scans, which are not
-  split by layer (training split them): one line saying so."""
+def test_scanned_layers_decode_one_position_per_call():
+  """A scanned model's prompt position by position through its one-call
+  step (its stacked cache read by every stage of the scan, copied to
+  each) as recomputing greedy; a prefill looping over positions calls the
+  scan several times, whose stacked params are not split by layer: refused
+  naming one_position."""
   train, decode = ScannedLm(), ScannedLm(decode=True)
   x = jax.random.randint(jax.random.key(1), (4, 6), 0, VOCAB)
   params = train.init(jax.random.key(0), x)["params"]
@@ -320,11 +341,12 @@ def test_scanned_layers_decoded_per_position_are_refused_naming_why():
     optimizer=optax.sgd(0.1),
   )
   assert pipe.traced.param_layout is not None  # Training split the scan.
-  with pytest.raises(ValueError, match="generate cannot decode it position"):
-    pipe.generate(
-      pipe.init(params),
-      np.asarray(x[:, :3]),
-      decode_fn,
-      empty_cache,
-      max_new_tokens=2,
-    )
+  state, prompts = pipe.init(params), np.asarray(x[:, :3])
+  got = pipe.generate(
+    state, prompts, decode_fn, empty_cache, max_new_tokens=3, one_position=True
+  )
+  np.testing.assert_array_equal(
+    np.asarray(got), _greedy_recomputing(params, prompts, 3, train)
+  )
+  with pytest.raises(ValueError, match="one_position=True"):
+    pipe.generate(state, prompts, decode_fn, empty_cache, max_new_tokens=2)

@@ -211,7 +211,8 @@ def cut_function(
       "scan over layers in one, not the other): scan them alike in both, "
       "once per call (a stacked leaf read by several scans -- a decoding "
       "loop calling the scanned model per position -- is not split by "
-      "layer, so generate cannot decode it position by position)"
+      "layer: give generate a decode_fn of one position and "
+      "one_position=True)"
     )
   stage_of_node = partition_lib.follow_plan(
     traced, pipe.traced, pipe.stages.stage_of_node

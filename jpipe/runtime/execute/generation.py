@@ -119,13 +119,22 @@ def generate(
   eos_id: int | None = None,
   prefill_fn: Callable | None = None,
   start_id: int = 0,
+  one_position: bool = False,
 ) -> jax.Array:
   """``Pipeline.generate``: greedy continuations int32 [B, n] of the
   prompts (int [B, P], or B 1-D int arrays of any lengths; an
   encoder-decoder's sources when ``prefill_fn`` is given: the decoder
   starts from ``start_id``), n <= max_new_tokens (fewer when every
-  sequence finished early), on the last stage's device."""
+  sequence finished early), on the last stage's device. ``one_position``:
+  ``decode_fn`` takes one position per call, the prompt fed to it
+  position by position (no prefill program)."""
   encoder_decoder = prefill_fn is not None
+  if one_position and encoder_decoder:
+    raise ValueError(
+      "one_position feeds a decoder-only model's prompt position by "
+      "position; an encoder-decoder's prefill_fn runs its encoder once: "
+      "pass one or the other"
+    )
   prompts, pad = padded_prompts(prompts, encoder_decoder)
   _check(pipe, prompts, max_new_tokens)
   feeds = _Feeds(pipe.microbatch_size, prompts, pad, start_id)
@@ -133,14 +142,15 @@ def generate(
   cache = jax.eval_shape(
     functools.partial(empty_cache, feeds.mb, length + max_new_tokens - 1)
   )
-  dec = _decoder(pipe, prefill_fn or decode_fn, decode_fn, cache, feeds)
+  prefill = None if one_position else prefill_fn or decode_fn
+  dec = _decoder(pipe, prefill, decode_fn, cache, feeds)
   if pad is not None and pad.any() and not _reads(dec, dec.pad):
     raise ValueError(
       "prompts of different lengths are left-padded: decode_fn must read "
       "batch['pad'] (each row's padding slots, e.g. models.gpt2.decode_fn)"
     )
   feeds.avals = jax.tree.leaves(cache)
-  tokens = feeds.run(dec, dec.prefill, state, 0, None)
+  tokens = _after_prompts(feeds, dec, state)
   done = None
   if eos_id is not None:
     tokens, done = _mark_ends([None] * m, tokens, eos_id)
@@ -160,6 +170,19 @@ def generate(
   # replica) together on that stage's first device.
   last = pipe.placement[-1].device
   return jnp.concatenate([jax.device_put(r, last) for r in rows])
+
+
+def _after_prompts(feeds, dec, state) -> list:
+  """Each microbatch's first new tokens: the prefill program on the
+  prompts, or (no prefill program: one position per call) the step
+  program on each prompt position in turn."""
+  if dec.prefill is not dec.step:
+    return feeds.run(dec, dec.prefill, state, 0, None)
+  mb = feeds.mb
+  for t in range(feeds.first.shape[1]):
+    column = [feeds.first[b * mb : (b + 1) * mb, t] for b in range(feeds.m)]
+    tokens = feeds.run(dec, dec.step, state, t, column)
+  return tokens
 
 
 def padded_prompts(prompts, encoder_decoder: bool):
@@ -313,7 +336,8 @@ def _check(pipe, prompts, max_new_tokens) -> None:
 
 def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
   """The prefill's and step's programs (cached by the pipeline per
-  function and shapes), checked to keep each cache leaf on one stage."""
+  function and shapes; ``prefill_fn`` None: the prefill is the step's
+  program, run per prompt position) and each cache leaf's readers."""
   mb = pipe.microbatch_size
 
   def example(n):
@@ -330,19 +354,23 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
       batch["pad"] = jax.ShapeDtypeStruct((mb,), np.int32)
     return batch
 
-  steps = []
-  for fn, n, what in (
-    (prefill_fn, feeds.first.shape[1], "prefill_fn"),
-    (decode_fn, 1, "decode_fn"),
-  ):
+  def program(fn, n, what):
     written = _written(pipe, fn, example(n), what)
-    program = forward_only.program_for(
-      pipe, _greedy(fn, written), example(n), what, microbatch=True
+    return _Program(
+      forward_only.program_for(
+        pipe, _greedy(fn, written), example(n), what, microbatch=True
+      ),
+      written,
     )
-    steps.append(_Program(program, written))
+
+  step = program(decode_fn, 1, "decode_fn")
+  prefill = step  # (None: one position per call, the step's program.)
+  if prefill_fn is not None:
+    prefill = program(prefill_fn, feeds.first.shape[1], "prefill_fn")
   paths = [p[0].key for p, _ in jax.tree.flatten_with_path(example(1))[0]]
   dec = _Decoder(
-    *steps,
+    prefill,
+    step,
     paths.index("tokens"),
     paths.index("index"),
     tuple(i for i, key in enumerate(paths) if key == "cache"),
