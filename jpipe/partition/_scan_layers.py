@@ -30,6 +30,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from jpipe.partition._row_forwarding import forward_rows
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
@@ -159,6 +161,11 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
       slices.append(i if kind == "slice" else None)
   new_jaxpr = jaxpr.replace(
     invars=invars + list(jaxpr.invars[num_param_leaves:]), eqns=eqns
+  )
+  # Rows sliced back from the iterations' concatenation stay the rows.
+  new_jaxpr, kept = forward_rows(new_jaxpr)
+  scopes, iteration, slices = (
+    [x[i] for i in kept] for x in (scopes, iteration, slices)
   )
   return Split(
     jcore.ClosedJaxpr(new_jaxpr, closed.consts),

@@ -302,10 +302,11 @@ class ScannedLm(nn.Module):
 
 def test_scanned_layers_decode_one_position_per_call():
   """A scanned model's prompt position by position through its one-call
-  step (its stacked cache read by every stage of the scan, copied to
-  each) as recomputing greedy; a prefill looping over positions calls the
-  scan several times, whose stacked params are not split by layer: refused
-  naming one_position."""
+  step as recomputing greedy, its stacked cache (cached keys, values and
+  index: [4 layers, ...] each) on the stages as rows, each row read and
+  written only by its layer's stage; a prefill looping over positions
+  calls the scan several times, whose stacked params are not split by
+  layer: refused naming one_position."""
   train, decode = ScannedLm(), ScannedLm(decode=True)
   x = jax.random.randint(jax.random.key(1), (4, 6), 0, VOCAB)
   params = train.init(jax.random.key(0), x)["params"]
@@ -348,5 +349,10 @@ def test_scanned_layers_decode_one_position_per_call():
   np.testing.assert_array_equal(
     np.asarray(got), _greedy_recomputing(params, prompts, 3, train)
   )
+  programs = [p for k, p in pipe.forward_programs.items() if k[0] != "written"]
+  by_rows = max(programs, key=lambda p: p.num_batch_leaves)
+  assert by_rows.num_batch_leaves == 3 * 4 + 3  # Rows; index, pad, tokens.
+  read = [i for wanted in by_rows.batch_leaves.values() for i in wanted]
+  assert len(read) == len(set(read))  # Each on one stage.
   with pytest.raises(ValueError, match="one_position=True"):
     pipe.generate(state, prompts, decode_fn, empty_cache, max_new_tokens=2)

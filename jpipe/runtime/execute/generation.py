@@ -63,6 +63,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
@@ -143,13 +144,12 @@ def generate(
     functools.partial(empty_cache, feeds.mb, length + max_new_tokens - 1)
   )
   prefill = None if one_position else prefill_fn or decode_fn
-  dec = _decoder(pipe, prefill, decode_fn, cache, feeds)
+  dec, feeds.avals = _decoder(pipe, prefill, decode_fn, cache, feeds)
   if pad is not None and pad.any() and not _reads(dec, dec.pad):
     raise ValueError(
       "prompts of different lengths are left-padded: decode_fn must read "
       "batch['pad'] (each row's padding slots, e.g. models.gpt2.decode_fn)"
     )
-  feeds.avals = jax.tree.leaves(cache)
   tokens = _after_prompts(feeds, dec, state)
   done = None
   if eos_id is not None:
@@ -334,10 +334,27 @@ def _check(pipe, prompts, max_new_tokens) -> None:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
-  """The prefill's and step's programs (cached by the pipeline per
-  function and shapes; ``prefill_fn`` None: the prefill is the step's
-  program, run per prompt position) and each cache leaf's readers."""
+def _decoder(pipe, prefill_fn, decode_fn, cache, feeds):
+  """``(decoder, the cache's leaves as the stages hold them)``: the
+  prefill's and step's programs (cached by the pipeline per function and
+  shapes; ``prefill_fn`` None: the prefill is the step's program, run per
+  prompt position) and each cache leaf's readers. A cache leaf stacked
+  per layer of a scan split by layer goes to the stages as its rows, each
+  row on its layer's stage (``_on_rows``)."""
+  dec = _programs(pipe, prefill_fn, decode_fn, cache, feeds)
+  rows = _layer_rows(dec.step.program, dec.cache)
+  if rows:
+    treedef, rows = jax.tree.structure(cache), tuple(sorted(rows.items()))
+    decode_fn = _on_rows(decode_fn, treedef, rows)
+    if prefill_fn is not None:
+      prefill_fn = _on_rows(prefill_fn, treedef, rows)
+    cache = _row_avals(jax.tree.leaves(cache), dict(rows))
+    dec = _programs(pipe, prefill_fn, decode_fn, cache, feeds)
+  return dataclasses.replace(dec, readers=_readers(dec)), jax.tree.leaves(cache)
+
+
+def _programs(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
+  """The prefill's and step's programs and the batch leaves' indices."""
   mb = pipe.microbatch_size
 
   def example(n):
@@ -368,7 +385,7 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
   if prefill_fn is not None:
     prefill = program(prefill_fn, feeds.first.shape[1], "prefill_fn")
   paths = [p[0].key for p, _ in jax.tree.flatten_with_path(example(1))[0]]
-  dec = _Decoder(
+  return _Decoder(
     prefill,
     step,
     paths.index("tokens"),
@@ -377,7 +394,67 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     paths.index("inputs") if "inputs" in paths else None,
     paths.index("pad") if "pad" in paths else None,
   )
-  return dataclasses.replace(dec, readers=_readers(dec))
+
+
+def _layer_rows(program, cache_leaves) -> dict[int, int]:
+  """``{k: rows}`` for the cache leaves (k-th of ``cache_leaves``, batch
+  leaf indices) that a scan split by layer alone reads, row by row (its
+  per-iteration slices): a cache stacked per layer."""
+  traced = program.stages.traced
+  if not traced.eqn_slices:
+    return {}
+  jaxpr, n = traced.jaxpr, traced.num_param_leaves
+  readers = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if isinstance(v, jcore.Var):
+        readers.setdefault(v, []).append(i)
+  out = {}
+  for k, leaf in enumerate(cache_leaves):
+    v = jaxpr.invars[n + leaf]
+    read = readers.get(v, [])
+    if read and all(traced.eqn_slices[i] is not None for i in read):
+      if v not in jaxpr.outvars:
+        out[k] = v.aval.shape[0]
+  return out
+
+
+def _row_avals(leaves, rows: dict) -> list:
+  """The cache's leaves with each stacked one as a tuple of its rows."""
+  return [
+    tuple(
+      jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype) for _ in range(rows[k])
+    )
+    if k in rows
+    else x
+    for k, x in enumerate(leaves)
+  ]
+
+
+@functools.lru_cache(maxsize=32)
+def _on_rows(fn: Callable, treedef, rows: tuple) -> Callable:
+  """``fn`` taking and returning the cache as ``_row_avals`` lays it out:
+  a stacked leaf as its rows, concatenated for ``fn`` and sliced back
+  after (the partitioner reads each row from its own layer's iteration,
+  ``partition/_row_forwarding.py``: no row leaves its stage)."""
+  rows = dict(rows)
+
+  def on_rows(params, *state_and_batch):
+    *state, batch = state_and_batch
+    leaves = [
+      jnp.concatenate(x) if k in rows else x
+      for k, x in enumerate(batch["cache"])
+    ]
+    cache = jax.tree.unflatten(treedef, leaves)
+    logits, new = fn(params, *state, {**batch, "cache": cache})
+    return logits, [
+      tuple(jax.lax.slice_in_dim(x, r, r + 1) for r in range(rows[k]))
+      if k in rows
+      else x
+      for k, x in enumerate(jax.tree.leaves(new))
+    ]
+
+  return on_rows
 
 
 def _written(pipe, fn, example, what) -> tuple[int, ...]:
