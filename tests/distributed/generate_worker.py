@@ -13,7 +13,9 @@ JPIPE_CPU_DEVICES devices. Two decodings:
   second on one device, so every process knows it without decoding);
 - "seq2seq": an encoder-decoder on Flax's own decoding cache whose every
   decoder block reads the encoder's outputs from the cache (a cache leaf
-  copied to readers on other processes).
+  copied to readers on other processes);
+- "scanned": nn.scan-ed blocks, their stacked cache as rows on the
+  stages of their layers, the prompt fed one position per call.
 """
 
 import functools
@@ -25,6 +27,7 @@ from jpipe import distributed
 distributed.initialize()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -104,10 +107,46 @@ def seq2seq_tokens():
   )
 
 
+def scanned_tokens():
+  train = flax_cache.ScannedLm()
+  decode = flax_cache.ScannedLm(decode=True)
+  x = jax.random.randint(jax.random.key(1), (4, 6), 0, 16)
+  params = train.init(jax.random.key(0), x)["params"]
+
+  def loss_fn(params, batch):
+    logits = train.apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["x"]
+    ).mean()
+
+  def decode_fn(params, batch):
+    logits, variables = decode.apply(
+      {"params": params, "cache": batch["cache"]},
+      batch["tokens"],
+      mutable=["cache"],
+    )
+    return logits[:, -1], variables["cache"]
+
+  def empty_cache(b, length):
+    ones = jnp.ones((b, length), jnp.int32)
+    return decode.init(jax.random.key(0), ones)["cache"]
+
+  pipe = _pipeline(loss_fn, params, {"x": x})
+  return pipe.generate(
+    pipe.init(params),
+    np.asarray(x[:, :3]),
+    decode_fn,
+    empty_cache,
+    max_new_tokens=3,
+    one_position=True,
+  )
+
+
 def main():
   out = {
     "gpt2": np.asarray(gpt2_tokens()),
     "seq2seq": np.asarray(seq2seq_tokens()),
+    "scanned": np.asarray(scanned_tokens()),
   }
   # Every process has the tokens: each writes its own copy to compare.
   np.savez(f"{sys.argv[1]}.p{jax.process_index()}.npz", **out)

@@ -2,7 +2,8 @@
 process): every process gets the tokens one process generates -- GPT-2
 with prompts of different lengths and an end token, and an
 encoder-decoder whose encoder outputs each decoder stage reads from the
-cache (moved to the other processes). The worker is
+cache (moved to the other processes), and scanned layers whose stacked
+cache rows stay on their stages. The worker is
 ``generate_worker.py`` beside this file."""
 
 import os
@@ -38,5 +39,5 @@ def test_generate_across_processes_equals_one_process(tmp_path, process_env):
   assert ended.any() and not ended.all()
   for p in range(3):
     have = np.load(f"{got}.p{p}.npz")
-    for name in ("gpt2", "seq2seq"):
+    for name in ("gpt2", "seq2seq", "scanned"):
       np.testing.assert_array_equal(have[name], want[name], err_msg=name)
