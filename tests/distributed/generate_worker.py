@@ -27,7 +27,6 @@ from jpipe import distributed
 distributed.initialize()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -108,35 +107,16 @@ def seq2seq_tokens():
 
 
 def scanned_tokens():
-  train = flax_cache.ScannedLm()
-  decode = flax_cache.ScannedLm(decode=True)
   x = jax.random.randint(jax.random.key(1), (4, 6), 0, 16)
-  params = train.init(jax.random.key(0), x)["params"]
-
-  def loss_fn(params, batch):
-    logits = train.apply({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["x"]
-    ).mean()
-
-  def decode_fn(params, batch):
-    logits, variables = decode.apply(
-      {"params": params, "cache": batch["cache"]},
-      batch["tokens"],
-      mutable=["cache"],
-    )
-    return logits[:, -1], variables["cache"]
-
-  def empty_cache(b, length):
-    ones = jnp.ones((b, length), jnp.int32)
-    return decode.init(jax.random.key(0), ones)["cache"]
-
-  pipe = _pipeline(loss_fn, params, {"x": x})
+  params = flax_cache.SCANNED.init(jax.random.key(0), x)["params"]
+  pipe = _pipeline(
+    flax_cache._next_token_loss(flax_cache.SCANNED), params, {"x": x}
+  )
   return pipe.generate(
     pipe.init(params),
     np.asarray(x[:, :3]),
-    decode_fn,
-    empty_cache,
+    flax_cache._one_position_decode_fn(flax_cache.SCANNED_DECODE),
+    flax_cache._empty_cache_of(flax_cache.SCANNED_DECODE),
     max_new_tokens=3,
     one_position=True,
   )

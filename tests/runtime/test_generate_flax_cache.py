@@ -56,41 +56,61 @@ class Lm(nn.Module):
 TRAIN, DECODE = Lm(), Lm(decode=True)
 
 
-def _loss_fn(params, batch):
-  logits = TRAIN.apply({"params": params}, batch["x"][:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(
-    logits, batch["x"][:, 1:]
-  ).mean()
+def _next_token_loss(model):
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch["x"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["x"][:, 1:]
+    ).mean()
+
+  return loss_fn
 
 
-def _empty_cache(b, length):
-  return DECODE.init(jax.random.key(0), jnp.ones((b, length), jnp.int32))[
-    "cache"
-  ]
+def _empty_cache_of(decode):
+  def empty_cache(b, length):
+    ones = jnp.ones((b, length), jnp.int32)
+    return decode.init(jax.random.key(0), ones)["cache"]
+
+  return empty_cache
 
 
-def _decode_fn(params, batch):
-  """Flax's decode mode takes one position per call: the prompt goes in
-  position by position (the prefill), a new token alone."""
-  cache = batch["cache"]
-  for t in range(batch["tokens"].shape[1]):
-    logits, variables = DECODE.apply(
-      {"params": params, "cache": cache},
-      batch["tokens"][:, t : t + 1],
+def _looping_decode_fn(decode):
+  """Flax's decode mode takes one position per call: a decoding function
+  that feeds the prompt in position by position (the prefill), a new
+  token alone."""
+
+  def decode_fn(params, batch):
+    cache = batch["cache"]
+    for t in range(batch["tokens"].shape[1]):
+      logits, variables = decode.apply(
+        {"params": params, "cache": cache},
+        batch["tokens"][:, t : t + 1],
+        mutable=["cache"],
+      )
+      cache = variables["cache"]
+    return logits[:, -1], cache
+
+  return decode_fn
+
+
+def _one_position_decode_fn(decode):
+  """The same for one position per call (``one_position=True``)."""
+
+  def decode_fn(params, batch):
+    logits, variables = decode.apply(
+      {"params": params, "cache": batch["cache"]},
+      batch["tokens"],
       mutable=["cache"],
     )
-    cache = variables["cache"]
-  return logits[:, -1], cache
+    return logits[:, -1], variables["cache"]
+
+  return decode_fn
 
 
-def _one_position_fn(params, batch):
-  """The same for one position per call (``one_position=True``)."""
-  logits, variables = DECODE.apply(
-    {"params": params, "cache": batch["cache"]},
-    batch["tokens"],
-    mutable=["cache"],
-  )
-  return logits[:, -1], variables["cache"]
+_loss_fn = _next_token_loss(TRAIN)
+_empty_cache = _empty_cache_of(DECODE)
+_decode_fn = _looping_decode_fn(DECODE)
+_one_position_fn = _one_position_decode_fn(DECODE)
 
 
 def _greedy_recomputing(params, prompts, steps, model=TRAIN):
@@ -300,6 +320,9 @@ class ScannedLm(nn.Module):
     return nn.Dense(VOCAB, name="head")(x)
 
 
+SCANNED, SCANNED_DECODE = ScannedLm(), ScannedLm(decode=True)
+
+
 def test_scanned_layers_decode_one_position_per_call():
   """A scanned model's prompt position by position through its one-call
   step as recomputing greedy, its stacked cache (cached keys, values and
@@ -307,30 +330,10 @@ def test_scanned_layers_decode_one_position_per_call():
   written only by its layer's stage; a prefill looping over positions
   calls the scan several times, whose stacked params are not split by
   layer: refused naming one_position."""
-  train, decode = ScannedLm(), ScannedLm(decode=True)
   x = jax.random.randint(jax.random.key(1), (4, 6), 0, VOCAB)
-  params = train.init(jax.random.key(0), x)["params"]
-
-  def loss_fn(params, batch):
-    logits = train.apply({"params": params}, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch["x"]
-    ).mean()
-
-  def decode_fn(params, batch):
-    cache = batch["cache"]
-    for t in range(batch["tokens"].shape[1]):
-      logits, variables = decode.apply(
-        {"params": params, "cache": cache},
-        batch["tokens"][:, t : t + 1],
-        mutable=["cache"],
-      )
-      cache = variables["cache"]
-    return logits[:, -1], cache
-
-  def empty_cache(b, length):
-    ones = jnp.ones((b, length), jnp.int32)
-    return decode.init(jax.random.key(0), ones)["cache"]
+  params = SCANNED.init(jax.random.key(0), x)["params"]
+  loss_fn = _next_token_loss(SCANNED)
+  empty_cache = _empty_cache_of(SCANNED_DECODE)
 
   pipe = jpipe.Pipeline(
     loss_fn,
@@ -344,15 +347,21 @@ def test_scanned_layers_decode_one_position_per_call():
   assert pipe.traced.param_layout is not None  # Training split the scan.
   state, prompts = pipe.init(params), np.asarray(x[:, :3])
   got = pipe.generate(
-    state, prompts, decode_fn, empty_cache, max_new_tokens=3, one_position=True
+    state,
+    prompts,
+    _one_position_decode_fn(SCANNED_DECODE),
+    empty_cache,
+    max_new_tokens=3,
+    one_position=True,
   )
   np.testing.assert_array_equal(
-    np.asarray(got), _greedy_recomputing(params, prompts, 3, train)
+    np.asarray(got), _greedy_recomputing(params, prompts, 3, SCANNED)
   )
   programs = [p for k, p in pipe.forward_programs.items() if k[0] != "written"]
   by_rows = max(programs, key=lambda p: p.num_batch_leaves)
   assert by_rows.num_batch_leaves == 3 * 4 + 3  # Rows; index, pad, tokens.
   read = [i for wanted in by_rows.batch_leaves.values() for i in wanted]
   assert len(read) == len(set(read))  # Each on one stage.
+  looping = _looping_decode_fn(SCANNED_DECODE)
   with pytest.raises(ValueError, match="one_position=True"):
-    pipe.generate(state, prompts, decode_fn, empty_cache, max_new_tokens=2)
+    pipe.generate(state, prompts, looping, empty_cache, max_new_tokens=2)
