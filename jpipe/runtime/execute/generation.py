@@ -63,11 +63,10 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from jpipe.runtime.execute import forward_only
+from jpipe.runtime.execute import cache_rows, forward_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,15 +339,15 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds):
   shapes; ``prefill_fn`` None: the prefill is the step's program, run per
   prompt position) and each cache leaf's readers. A cache leaf stacked
   per layer of a scan split by layer goes to the stages as its rows, each
-  row on its layer's stage (``_on_rows``)."""
+  row on its layer's stage (``cache_rows``)."""
   dec = _programs(pipe, prefill_fn, decode_fn, cache, feeds)
-  rows = _layer_rows(dec.step.program, dec.cache)
+  rows = cache_rows.layer_rows(dec.step.program, dec.cache)
   if rows:
     treedef, rows = jax.tree.structure(cache), tuple(sorted(rows.items()))
-    decode_fn = _on_rows(decode_fn, treedef, rows)
+    decode_fn = cache_rows.on_rows(decode_fn, treedef, rows)
     if prefill_fn is not None:
-      prefill_fn = _on_rows(prefill_fn, treedef, rows)
-    cache = _row_avals(jax.tree.leaves(cache), dict(rows))
+      prefill_fn = cache_rows.on_rows(prefill_fn, treedef, rows)
+    cache = cache_rows.row_avals(jax.tree.leaves(cache), dict(rows))
     dec = _programs(pipe, prefill_fn, decode_fn, cache, feeds)
   return dataclasses.replace(dec, readers=_readers(dec)), jax.tree.leaves(cache)
 
@@ -394,67 +393,6 @@ def _programs(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     paths.index("inputs") if "inputs" in paths else None,
     paths.index("pad") if "pad" in paths else None,
   )
-
-
-def _layer_rows(program, cache_leaves) -> dict[int, int]:
-  """``{k: rows}`` for the cache leaves (k-th of ``cache_leaves``, batch
-  leaf indices) that a scan split by layer alone reads, row by row (its
-  per-iteration slices): a cache stacked per layer."""
-  traced = program.stages.traced
-  if not traced.eqn_slices:
-    return {}
-  jaxpr, n = traced.jaxpr, traced.num_param_leaves
-  readers = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if isinstance(v, jcore.Var):
-        readers.setdefault(v, []).append(i)
-  out = {}
-  for k, leaf in enumerate(cache_leaves):
-    v = jaxpr.invars[n + leaf]
-    read = readers.get(v, [])
-    if read and all(traced.eqn_slices[i] is not None for i in read):
-      if v not in jaxpr.outvars:
-        out[k] = v.aval.shape[0]
-  return out
-
-
-def _row_avals(leaves, rows: dict) -> list:
-  """The cache's leaves with each stacked one as a tuple of its rows."""
-  return [
-    tuple(
-      jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype) for _ in range(rows[k])
-    )
-    if k in rows
-    else x
-    for k, x in enumerate(leaves)
-  ]
-
-
-@functools.lru_cache(maxsize=32)
-def _on_rows(fn: Callable, treedef, rows: tuple) -> Callable:
-  """``fn`` taking and returning the cache as ``_row_avals`` lays it out:
-  a stacked leaf as its rows, concatenated for ``fn`` and sliced back
-  after (the partitioner reads each row from its own layer's iteration,
-  ``partition/_row_forwarding.py``: no row leaves its stage)."""
-  rows = dict(rows)
-
-  def on_rows(params, *state_and_batch):
-    *state, batch = state_and_batch
-    leaves = [
-      jnp.concatenate(x) if k in rows else x
-      for k, x in enumerate(batch["cache"])
-    ]
-    cache = jax.tree.unflatten(treedef, leaves)
-    logits, new = fn(params, *state, {**batch, "cache": cache})
-    return logits, [
-      tuple(jax.lax.slice_in_dim(x, r, r + 1) for r in range(rows[k]))
-      if k in rows
-      else x
-      for k, x in enumerate(jax.tree.leaves(new))
-    ]
-
-  return on_rows
 
 
 def _written(pipe, fn, example, what) -> tuple[int, ...]:
