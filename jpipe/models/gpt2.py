@@ -81,8 +81,8 @@ class Block(nn.Module):
     x = x + drop(dense(d, "attn_c_proj")(attended.reshape(x.shape)))
     h = jax.nn.gelu(dense(4 * d, "c_fc")(norm("ln_2")(x)), approximate=True)
     x = x + drop(dense(d, "mlp_c_proj")(h))
-    if self.scanned:
-      return x, None
+    if self.scanned:  # (ys: the layer's new cache, stacked by nn.scan.)
+      return x, cache
     return x if cache is None else (x, cache)
 
 
@@ -112,7 +112,8 @@ class Model(nn.Module):
   # False: the explicit softmax (a reference); True: jax.nn's attention.
   fused_attention: bool = True
   # True: the blocks run under nn.scan, their params stacked on a leading
-  # axis under "blocks" (MaxText's and T5X's scan_layers); no KV cache.
+  # axis under "blocks" (MaxText's and T5X's scan_layers), and so is the KV
+  # cache (``empty_cache``: {"blocks": {"k", "v"}} [layers, ...]).
   scan_layers: bool = False
 
   @nn.compact
@@ -151,7 +152,7 @@ class Model(nn.Module):
       wte(tokens) + positions
     )
     if self.scan_layers:
-      x, new_cache = _scanned_blocks(self, x, train, cache), None
+      x, new_cache = _scanned_blocks(self, x, train, cache, index, pad)
     else:
       x, new_cache = _blocks(self, x, train, cache, index, pad)
     x = nn.LayerNorm(
@@ -184,22 +185,21 @@ def _blocks(model: Model, x, train: bool, cache, index, pad):
   return x, new_cache
 
 
-def _scanned_blocks(model: Model, x, train: bool, cache):
+def _scanned_blocks(model: Model, x, train: bool, cache, index, pad):
   """x [B, L, d] through the model's blocks as one nn.scan (params
-  stacked under "blocks"), made inside ``Model.__call__`` (its child)."""
-  if cache is not None:
-    raise ValueError(
-      "gpt2.Model(scan_layers=True) has no KV cache: decode with "
-      "scan_layers=False (the same weights, unstacked)"
-    )
+  stacked under "blocks"), made inside ``Model.__call__`` (its child):
+  (x, None), or with ``cache`` ({"blocks": {"k", "v"}}, each [layers, B,
+  T, heads, width]) each layer's slice scanned with it, (x, the new
+  cache)."""
+  extra = () if cache is None else (cache["blocks"], index, pad)
   blocks = nn.scan(
     Block,
     variable_axes={"params": 0},
     split_rngs={"params": True, "dropout": True},
-    in_axes=nn.broadcast,
+    in_axes=(nn.broadcast, *(0, nn.broadcast, nn.broadcast)[: len(extra)]),
     length=model.num_layers,
   )
-  x, _ = blocks(
+  x, new = blocks(
     model.num_heads,
     model.dropout,
     model.layer_norm_eps,
@@ -207,14 +207,15 @@ def _scanned_blocks(model: Model, x, train: bool, cache):
     model.fused_attention,
     scanned=True,
     name="blocks",
-  )(x, train)
-  return x
+  )(x, train, *extra)
+  return x, None if cache is None else {"blocks": new}
 
 
 def empty_cache(model: Model, batch_size: int, length: int) -> dict:
   """The key/value cache of ``batch_size`` sequences of up to ``length``
   positions: ``{"block_i": {"k", "v"}}``, zeros [batch, length, heads,
-  d_model / heads] in the compute dtype (float32 by default)."""
+  d_model / heads] in the compute dtype (float32 by default); with
+  ``scan_layers`` ``{"blocks": {"k", "v"}}`` stacked [layers, ...]."""
   if length > model.n_positions:
     raise ValueError(
       f"a cache of {length} positions exceeds the model's n_positions="
@@ -227,6 +228,11 @@ def empty_cache(model: Model, batch_size: int, length: int) -> dict:
     model.d_model // model.num_heads,
   )
   dtype = model.dtype or jnp.float32
+  if model.scan_layers:  # Stacked by layer, as the params.
+    shape = (model.num_layers, *shape)
+    return {
+      "blocks": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    }
   return {
     f"block_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     for i in range(model.num_layers)

@@ -159,17 +159,20 @@ def test_prompts_that_do_not_split_are_refused():
     _generate(pipe, state, model, prompts, 40)
 
 
-def test_a_scanned_models_decoding_reaches_its_own_check():
-  """Stacked layer params split by layer: the decoding function is traced
-  on the model's leaves (the stacked ones), so the model's own refusal
-  speaks, not a pytree error."""
+@pytest.mark.parametrize("stages", [2, slow(3, id="3")])
+def test_scanned_layers_generate_as_recomputing_greedy(stages):
+  """scan_layers=True: params and the KV cache stacked by layer, the
+  scan split by layer over the stages, each layer's cache rows on its
+  stage (``execute/cache_rows.py``); the prompt in one prefill call."""
   model = gpt2.Model(**TINY, dropout=0.0, scan_layers=True)
-  prompts = np.zeros((4, 5), np.int32)
+  prompts = np.random.RandomState(0).randint(0, 64, (4, 5)).astype(np.int32)
   params = model.init(jax.random.key(0), prompts, train=False)["params"]
-  pipe, state = _pipeline(model, params, prompts, 2)
+  pipe, state = _pipeline(model, params, prompts, stages)
   assert pipe.traced.param_layout is not None  # Split by layer.
-  with pytest.raises(ValueError, match="scan_layers=True\\) has no KV cache"):
-    _generate(pipe, state, model, prompts, 2)
+  np.testing.assert_array_equal(
+    _generate(pipe, state, model, prompts, 4),
+    _greedy_recomputing(model, params, prompts, 4),
+  )
 
 
 def test_decoding_step_with_cache_equals_full_forward():
