@@ -1,6 +1,11 @@
 """Automatic partitioning: trace a model, split it into stages, build them."""
 
 from jpipe.partition._acyclic import AcyclicSolution, solve_acyclic
+from jpipe.partition._caller_axes import (
+  caller_axes,
+  calling_from,
+  keep_type,
+)
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
 from jpipe.partition._cost_model import (
   GraphCosts,
@@ -68,6 +73,9 @@ __all__ = [
   "StageSpec",
   "Stages",
   "default_residual_own_bytes",
+  "caller_axes",
+  "calling_from",
+  "keep_type",
   "TracedModel",
   "choose_depth",
   "follow_plan",

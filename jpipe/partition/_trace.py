@@ -21,7 +21,9 @@ equations stay inside one node; to cut inside them, unroll the loop in the
 model or call the repeated module outside the control flow. Nested
 ``jax.jit`` calls spanning modules (a jitted loss) are opened first
 (``_inline_calls``), and sharding constraints dropped
-(``_sharding_constraints``).
+(``_sharding_constraints``); the loss is traced with the axes of the
+caller's mesh, each of size 1 (``_caller_axes``), so that annotations
+naming them trace.
 """
 
 import dataclasses
@@ -34,8 +36,10 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jpipe.partition import _flops
+from jpipe.partition._caller_axes import caller_axes, typed
 from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
+from jpipe.partition._plain_types import plain_types
 from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
 from jpipe.partition._sharding_constraints import drop_sharding_constraints
 
@@ -260,13 +264,16 @@ def trace(
   def flat_loss(*flat):
     return loss_fn(*jax.tree.unflatten(in_tree, flat))
 
-  with nnx_module_scopes(*nnx_roots):
-    closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves)
+  with nnx_module_scopes(*nnx_roots), caller_axes():
+    closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
+      *map(typed, leaves)
+    )
   out_tree = jax.tree.structure(out_shape)
   if returns_loss:
     _check_loss(out_shape, has_aux)
   closed = inline_module_calls(closed)  # (A jitted loss: its body.)
   closed = drop_sharding_constraints(closed)  # (Stages place values.)
+  closed = plain_types(closed)  # (Traced on the caller's axes: typed.)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
   scopes = _below_root(

@@ -1,13 +1,23 @@
 """A Pipeline's arguments kept, to build it again for any plan."""
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import jax
 
 from jpipe.runtime._pipeline import Pipeline
 from jpipe.runtime.build.partitioning import partition_of, with_partition
 
 
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  # (A pytree of its arrays: a caller's mesh-typed ones come in plain,
+  # build/user_mesh.py, as Pipeline's own arguments do.)
+  data_fields=["params", "example_batch"],
+  meta_fields=["loss_fn", "options"],
+)
 @dataclasses.dataclass(frozen=True)
 class PipelineBuilder:
   """Builds ``jpipe.Pipeline``s of one model and one set of options, for a

@@ -185,7 +185,9 @@ def cut_model(
   partitioning = request.partitioning
   depth = partitioning.depth
   size = request.microbatch_size
-  micro = jax.tree.map(lambda x: x[:size], example_batch)
+  micro = jax.tree.map(
+    lambda x: partition_lib.keep_type(x, x[:size]), example_batch
+  )
   num_batch_leaves = len(jax.tree.leaves(micro))
   check_loss_arguments(loss_fn, model_state)
   if model_state is not None:
@@ -210,7 +212,7 @@ def cut_model(
     )
 
   def retrace(n):
-    rows = jax.tree.map(lambda x: x[:n], micro)
+    rows = jax.tree.map(lambda x: partition_lib.keep_type(x, x[:n]), micro)
     return partition_lib.trace(
       loss_fn, params, rows, depth=traced.depth, has_aux=traced_aux
     )

@@ -180,8 +180,11 @@ def cut_function(
   param on a stage that does not hold it."""
   size = pipe.microbatch_size
   micro = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(
-      np.shape(x) if microbatch else (size, *np.shape(x)[1:]), x.dtype
+    lambda x: partition_lib.keep_type(  # (The caller's, to trace on.)
+      x,
+      jax.ShapeDtypeStruct(
+        np.shape(x) if microbatch else (size, *np.shape(x)[1:]), x.dtype
+      ),
     ),
     example_batch,
   )

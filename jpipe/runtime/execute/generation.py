@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpipe import partition as partition_lib
 from jpipe.runtime.execute import cache_rows, forward_only
 
 
@@ -411,7 +412,8 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
     if pipe.state_treedef is not None:  # fn(params, model_state, batch).
       state = avals[n + pipe.num_batch_leaves :]
       args.append(jax.tree.unflatten(pipe.state_treedef, state))
-    closed, out = jax.make_jaxpr(fn, return_shape=True)(*args, example)
+    with partition_lib.caller_axes():  # (Its annotations' axes.)
+      closed, out = jax.make_jaxpr(fn, return_shape=True)(*args, example)
     if jax.tree.structure(out) != jax.tree.structure((0, example["cache"])):
       raise ValueError(
         f"{what} must return (logits [batch, vocab], the cache in "
