@@ -29,6 +29,7 @@ from jpipe.partition._graph_txt import (
 from jpipe.partition._mixed import MixedSolution, solve_mixed
 from jpipe.partition._pipedream import solve_pipedream
 from jpipe.partition._pipedream_memory import pipedream_stage_memory
+from jpipe.partition._plain_types import plain_array, typed_on_mesh
 from jpipe.partition._plan import (
   METHODS,
   Plan,
@@ -76,6 +77,8 @@ __all__ = [
   "caller_axes",
   "calling_from",
   "keep_type",
+  "plain_array",
+  "typed_on_mesh",
   "TracedModel",
   "choose_depth",
   "follow_plan",

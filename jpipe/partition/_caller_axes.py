@@ -1,36 +1,39 @@
-"""The caller's mesh axes, each of size 1, for tracing their code.
+"""The caller's mesh and their arrays' types, for tracing their code.
 
 Code written for SPMD names mesh axes as it runs: ``jax.lax.
 with_sharding_constraint(x, P("data", None))``, and under an ``Explicit``
 mesh (``jax.make_mesh``'s default) ``jnp.dot(x, w, out_sharding=P("data",
-None))``, ``jax.sharding.reshard``, and constraints that assert the type
-of their input. Each needs a mesh with those axes in context while it
-traces ("requires a non-empty mesh in context"), and the asserts need the
-inputs typed as the caller typed them; yet the pipeline runs every stage
-on devices of its own choosing, with no mesh set, on plain arrays
-(``runtime/build/user_mesh.py``).
+None))``, ``jax.sharding.reshard``, constraints that assert the type of
+their input, and arrays it closes over typed on the mesh. Each needs the
+mesh in context while it traces ("requires a non-empty mesh in
+context"), and the asserts need the inputs typed as the caller typed
+them; yet the pipeline runs every stage on devices of its own choosing,
+with no mesh set, on plain arrays (``runtime/build/user_mesh.py``).
 
-So a pipeline call records the caller's mesh with every axis of size 1
-(names and types kept: a one-device mesh) and the specs of the arrays it
-was given (``calling_from``); the places that trace a user's function do
-so in ``caller_axes()``, their inputs ``typed`` with those specs. On a
-mesh whose axes all have size 1 every annotation holds trivially: the
-jaxpr computes what the model computes, and runs on any one device on
-plain arrays.
+So a pipeline call records the caller's mesh and the specs of the arrays
+it was given (``calling_from``); the places that trace a user's function
+do so in ``caller_axes(inputs)`` (the mesh's abstract form: no device
+work), their inputs typed with those specs, and every annotation checks as
+it does for the caller. The jaxpr is then retyped to plain arrays
+(``_plain_types``) for the stages.
 """
 
 import contextlib
 import contextvars
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+import numpy as np
+from jax._src import config  # (No public form of this option.)
+from jax.sharding import AbstractMesh, NamedSharding
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Caller:
-  mesh: jax.sharding.Mesh  # The caller's axes at size 1, on one device.
+  mesh: Any  # The caller's mesh (a Mesh; an AbstractMesh where only that).
   # id(array given) -> (the array, kept alive; its spec on the caller's mesh).
   specs: dict[int, tuple[Any, Any]]
 
@@ -39,10 +42,10 @@ _CALLER = contextvars.ContextVar("jpipe_caller_axes", default=None)
 
 
 @contextlib.contextmanager
-def calling_from(mesh: jax.sharding.Mesh, specs: dict[int, tuple[Any, Any]]):
-  """Within: ``caller_axes()`` traces under ``mesh`` (the caller's axes,
-  each of size 1), and ``typed`` gives the arrays in ``specs`` (``id`` ->
-  (array, PartitionSpec)) their caller's type."""
+def calling_from(mesh, specs: dict[int, tuple[Any, Any]]):
+  """Within: ``caller_axes()`` traces under ``mesh`` (the caller's), the
+  arrays in ``specs`` (``id`` -> (array, PartitionSpec)) typed as the
+  caller typed them."""
   token = _CALLER.set(_Caller(mesh, specs))
   try:
     yield
@@ -51,15 +54,69 @@ def calling_from(mesh: jax.sharding.Mesh, specs: dict[int, tuple[Any, Any]]):
 
 
 @contextlib.contextmanager
-def caller_axes():
-  """Traces within see the recorded caller's axes, each of size 1 (no
-  mesh where none is recorded)."""
+def caller_axes(leaves: Sequence[Any] = ()):
+  """Traces within see the recorded caller's mesh (abstract); yields
+  ``leaves`` as the caller typed them (``ShapeDtypeStruct``s sharded on
+  it; a leaf with no recorded spec as it is). Where a leaf's shape does
+  not divide over its spec's axes (a microbatch of fewer rows than the
+  "data" axis has devices), the mesh's axes at size 1 instead: every
+  annotation still traces, but an array the function closes over typed
+  on the caller's mesh cannot meet them. No mesh, ``leaves`` as they
+  are, where none is recorded."""
   caller = _CALLER.get()
   if caller is None:
-    yield
+    yield list(leaves)
     return
-  with jax.sharding.use_abstract_mesh(caller.mesh.abstract_mesh):
-    yield
+  mesh = getattr(caller.mesh, "abstract_mesh", caller.mesh)
+  specs = [caller.specs.get(id(leaf)) for leaf in leaves]
+  uneven = [
+    (np.shape(leaf), s[1])
+    for leaf, s in zip(leaves, specs, strict=True)
+    if s is not None and not _divides(np.shape(leaf), s[1], mesh)
+  ]
+  if uneven:
+    full = mesh
+    mesh = AbstractMesh(
+      (1,) * len(mesh.axis_names), mesh.axis_names, axis_types=mesh.axis_types
+    )
+  typed = [
+    leaf
+    if s is None
+    else jax.ShapeDtypeStruct(
+      leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, s[1])
+    )
+    for leaf, s in zip(leaves, specs, strict=True)
+  ]
+  try:
+    # (At size 1, axes come off the types, as the types of an even
+    # split carry them: a 1-row microbatch's gather resolves.)
+    with config.remove_size_one_mesh_axis_from_type(bool(uneven)):
+      with jax.sharding.use_abstract_mesh(mesh):
+        yield typed
+  except ValueError as e:
+    if not uneven or "aval mesh" not in str(e):
+      raise
+    shape, spec = uneven[0]
+    raise ValueError(
+      f"the function closes over an array typed on the caller's mesh "
+      f"({dict(full.shape)}), and a microbatch leaf of shape {shape} does "
+      f"not divide over its spec {spec}, so it is traced on the mesh's "
+      "axes at size 1, where that array cannot be used: use fewer "
+      "microbatches (rows that divide over the axes), or pass the array "
+      "in params or the batch"
+    ) from e
+
+
+def _divides(shape, spec, mesh) -> bool:
+  """Whether each dimension of ``shape`` divides over the axes ``spec``
+  shards it on."""
+  for dim, axes in zip(shape, spec, strict=False):
+    if axes is None:
+      continue
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    if dim % math.prod(mesh.shape[a] for a in axes):
+      return False
+  return True
 
 
 def keep_type(source, derived):
@@ -69,15 +126,3 @@ def keep_type(source, derived):
   if caller is not None and id(source) in caller.specs:
     caller.specs[id(derived)] = (derived, caller.specs[id(source)][1])
   return derived
-
-
-def typed(leaf):
-  """``leaf`` as its caller typed it (a ``ShapeDtypeStruct`` sharded on
-  the caller's axes at size 1), for a trace in ``caller_axes()``;
-  ``leaf`` itself where no type was recorded."""
-  caller = _CALLER.get()
-  if caller is None or id(leaf) not in caller.specs:
-    return leaf
-  spec = caller.specs[id(leaf)][1]
-  sharding = NamedSharding(caller.mesh, spec)
-  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)

@@ -9,16 +9,21 @@ arrays (no mesh), where a typed value meeting a differently typed one is
 an error ("select cases must have the same shardings") though every axis
 has size 1. ``plain_types`` rewrites the jaxpr as the same computation on
 plain arrays: every variable and literal retyped, sharding parameters
-dropped, ``reshard`` / ``mesh_cast`` replaced by their input, in nested
-bodies too, and the derivative rules a ``custom_jvp`` / ``custom_vjp``
-traces later (on the types of the trace) retyped as they are traced.
+dropped, ``reshard`` / ``mesh_cast`` replaced by their input, the mesh
+taken out of each equation's context (evaluating it enters that again),
+in nested bodies too, and the derivative rules a ``custom_jvp`` / ``custom_vjp``
+traces later (on the types of the trace) retyped as they are traced;
+constants typed on a mesh (arrays the loss closes over) are made plain
+arrays on one device.
 """
 
 import functools
 
+import jax
 import jax.extend.core as jcore
+import numpy as np
 from jax.extend import linear_util as lu
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 _IDENTITIES = ("reshard", "mesh_cast")
@@ -27,11 +32,37 @@ _EMPTY = AbstractMesh((), ())
 
 
 def plain_types(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
-  """``closed`` on plain arrays (the same object when nothing in it is
-  typed on a mesh)."""
+  """``closed`` on plain arrays, its constants too (the same object when
+  nothing in it is typed on a mesh)."""
   if not _typed_jaxpr(closed.jaxpr):
     return closed
-  return jcore.ClosedJaxpr(_plain_jaxpr(closed.jaxpr), closed.consts)
+  return _plain_closed(closed)
+
+
+def typed_on_mesh(x) -> bool:
+  """Whether ``x`` is an array typed on an ``Explicit`` mesh."""
+  return isinstance(x, jax.Array) and (
+    AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
+  )
+
+
+def plain_array(x: jax.Array, k: int = 0) -> jax.Array:
+  """``x`` (typed on a mesh) whole on the k-th of its addressable devices
+  (modulo their number), typed plain."""
+  devices = sorted(x.sharding.addressable_devices, key=lambda d: d.id)
+  mesh = x.sharding.mesh
+  one = jax.sharding.Mesh(
+    np.array([devices[k % len(devices)]]).reshape((1,) * len(mesh.axis_names)),
+    mesh.axis_names,
+    axis_types=mesh.axis_types,
+  )
+  # (On a one-device mesh its one shard is the whole, typed plain.)
+  return jax.device_put(x, NamedSharding(one, P())).addressable_shards[0].data
+
+
+def _plain_closed(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+  consts = [plain_array(c) if typed_on_mesh(c) else c for c in closed.consts]
+  return jcore.ClosedJaxpr(_plain_jaxpr(closed.jaxpr), consts)
 
 
 def _typed(aval) -> bool:
@@ -43,13 +74,35 @@ def _typed_jaxpr(jaxpr) -> bool:
   if any(_typed(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars)):
     return True
   for eqn in jaxpr.eqns:
-    if any(_typed(v.aval) for v in eqn.outvars) or any(
-      _sharding_param(v) for v in eqn.params.values()
+    if (
+      _meshed(eqn)
+      or any(_typed(v.aval) for v in eqn.outvars)
+      or any(_sharding_param(v) for v in eqn.params.values())
     ):
       return True
     if any(_typed_jaxpr(j) for j in jcore.jaxprs_in_params(eqn.params)):
       return True
   return False
+
+
+def _meshed(eqn) -> bool:
+  """Whether ``eqn`` was traced in a mesh context (which evaluating it
+  enters again: its outputs typed on that mesh)."""
+  ctx = getattr(eqn, "ctx", None)
+  mesh = getattr(ctx, "cur_abstract_mesh", None)
+  return mesh is not None and not mesh.empty
+
+
+def _without_mesh(ctx):
+  """``ctx`` (an equation's context) with no mesh in it."""
+  metadata = ctx.xla_metadata
+  return type(ctx)._create(
+    ctx.compute_type,
+    ctx.threefry_partitionable,
+    _EMPTY,
+    ctx.remove_size_one_mesh_axis,
+    None if metadata is None else tuple(sorted(metadata.items())),
+  )
 
 
 def _sharding_param(value) -> bool:
@@ -85,7 +138,10 @@ def _plain_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
       continue
     params = {k: _plain_param(k, v) for k, v in eqn.params.items()}
     outs = [var(v) for v in eqn.outvars]
-    eqns.append(eqn.replace(invars=ins, outvars=outs, params=params))
+    eqn = eqn.replace(invars=ins, outvars=outs, params=params)
+    if _meshed(eqn):
+      eqn = eqn.replace(ctx=_without_mesh(eqn.ctx))
+    eqns.append(eqn)
   outvars = [var(v) for v in jaxpr.outvars]
   return jaxpr.replace(
     constvars=constvars, invars=invars, eqns=eqns, outvars=outvars
@@ -102,9 +158,7 @@ def _plain_param(key, value):
   if key in _THUNKS and isinstance(value, lu.WrappedFun):
     return _plain_thunk(value)
   if isinstance(value, jcore.ClosedJaxpr):
-    if not _typed_jaxpr(value.jaxpr):
-      return value
-    return jcore.ClosedJaxpr(_plain_jaxpr(value.jaxpr), value.consts)
+    return _plain_closed(value) if _typed_jaxpr(value.jaxpr) else value
   if isinstance(value, jcore.Jaxpr):
     return _plain_jaxpr(value) if _typed_jaxpr(value) else value
   if isinstance(value, tuple) and any(

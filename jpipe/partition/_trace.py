@@ -21,9 +21,10 @@ equations stay inside one node; to cut inside them, unroll the loop in the
 model or call the repeated module outside the control flow. Nested
 ``jax.jit`` calls spanning modules (a jitted loss) are opened first
 (``_inline_calls``), and sharding constraints dropped
-(``_sharding_constraints``); the loss is traced with the axes of the
-caller's mesh, each of size 1 (``_caller_axes``), so that annotations
-naming them trace.
+(``_sharding_constraints``); the loss is traced on the caller's mesh with
+its arrays typed as the caller typed them (``_caller_axes``), so that
+annotations naming the mesh trace, then retyped to plain arrays
+(``_plain_types``).
 """
 
 import dataclasses
@@ -36,7 +37,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jpipe.partition import _flops
-from jpipe.partition._caller_axes import caller_axes, typed
+from jpipe.partition._caller_axes import caller_axes
 from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._plain_types import plain_types
@@ -264,10 +265,8 @@ def trace(
   def flat_loss(*flat):
     return loss_fn(*jax.tree.unflatten(in_tree, flat))
 
-  with nnx_module_scopes(*nnx_roots), caller_axes():
-    closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(
-      *map(typed, leaves)
-    )
+  with nnx_module_scopes(*nnx_roots), caller_axes(leaves) as typed:
+    closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*typed)
   out_tree = jax.tree.structure(out_shape)
   if returns_loss:
     _check_loss(out_shape, has_aux)

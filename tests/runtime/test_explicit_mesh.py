@@ -60,7 +60,9 @@ def _linen_case(mesh, batch):
 
 
 def _jnp_case(mesh, batch):
-  """Plain JAX: ``out_sharding``, ``reshard`` and a custom_jvp (gelu)."""
+  """Plain JAX: ``out_sharding``, ``reshard``, a custom_jvp (gelu) and a
+  constant it closes over, made under the mesh (typed on it)."""
+  scale = jnp.linspace(0.5, 1.5, 8)[None]
   keys = jax.random.split(jax.random.key(1), 4)
   params = {
     f"l{i}": {"w": jax.random.normal(k, (8, 8)) * 0.3, "b": jnp.zeros(8)}
@@ -73,7 +75,7 @@ def _jnp_case(mesh, batch):
       with jax.named_scope(f"l{i}"):
         p = params[f"l{i}"]
         h = jnp.dot(h, p["w"], out_sharding=P("data", None)) + p["b"][None]
-        h = jax.sharding.reshard(jax.nn.gelu(h), P("data", None))
+        h = jax.sharding.reshard(jax.nn.gelu(h) * scale, P("data", None))
     return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
 
   return loss_fn, params
@@ -135,15 +137,19 @@ CASES = {"linen": _linen_case, "jnp": _jnp_case, "nnx": _nnx_case}
 
 
 @pytest.mark.parametrize(
-  "case, kind",
+  "case, kind, microbatches",
   [
-    ("linen", "auto"),  # Bare-spec constraints: no mesh typing.
-    ("linen", "explicit"),  # The constraints assert the batch's type.
-    ("jnp", "explicit"),
-    ("nnx", "explicit"),
+    ("linen", "auto", 2),  # Bare-spec constraints: no mesh typing.
+    ("linen", "explicit", 2),  # The constraints assert the batch's type.
+    # Microbatches of 1 row: not divisible over "data" (2 devices).
+    ("linen", "explicit", 16),
+    ("jnp", "explicit", 2),
+    ("nnx", "explicit", 2),
   ],
 )
-def test_a_model_written_for_the_mesh_trains_as_one_device(case, kind):
+def test_a_model_written_for_the_mesh_trains_as_one_device(
+  case, kind, microbatches
+):
   mesh = _mesh(kind)
   tx = optax.adam(1e-2)
   with jax.set_mesh(mesh):
@@ -155,7 +161,7 @@ def test_a_model_written_for_the_mesh_trains_as_one_device(case, kind):
       batch,
       num_stages=2,
       devices=jax.devices()[:2],
-      num_microbatches=2,
+      num_microbatches=microbatches,
       optimizer=tx,
     )
     state = pipe.init(params)
@@ -171,6 +177,24 @@ def test_a_model_written_for_the_mesh_trains_as_one_device(case, kind):
       assert jax.typeof(batch["x"]).sharding.spec == P("data", None)
   _assert_tree_close(got, expected)
   np.testing.assert_allclose(evaluated, after, rtol=1e-5)
+
+
+def test_a_closed_over_typed_array_with_uneven_microbatches_is_named():
+  """Rows that do not divide over "data" trace on its axes at size 1,
+  where an array typed on the whole mesh cannot be used: one error naming
+  both and the fixes."""
+  with jax.set_mesh(_mesh("explicit")):
+    batch = _batch()
+    loss_fn, params = _jnp_case(None, batch)
+    with pytest.raises(ValueError, match="closes over an array typed"):
+      jpipe.Pipeline(
+        loss_fn,
+        params,
+        batch,
+        num_stages=2,
+        num_microbatches=16,
+        optimizer=optax.sgd(0.1),
+      )
 
 
 def test_data_parallel_pipelines_of_arrays_typed_on_the_mesh():

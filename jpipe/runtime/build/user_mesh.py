@@ -9,23 +9,21 @@ traces to constraints over the whole mesh. The pipeline places stages
 itself: ``outside_user_mesh`` runs a class's public methods with no mesh
 set (the caller's is back on return), which also makes the model's
 logical constraints the no-ops they are without a mesh. The model's code
-is traced with the caller's axes, each of size 1 (``partition.
-calling_from``), so annotations naming them (``P("data")`` constraints,
-``out_sharding=``, ``reshard``) trace and hold on one device. Arrays
-typed on an ``Explicit`` mesh (their type carries their sharding) come in
-as plain arrays, each whole on one of their devices (leaves taken in turn,
-so a sharded model's parameters spread over its devices, not all on one),
-their specs recorded for the trace (``partition/_caller_axes.py``).
+is traced on the caller's mesh (``partition.calling_from``), so
+annotations naming its axes (``P("data")`` constraints, ``out_sharding=``,
+``reshard``) trace as they do for the caller. Arrays typed on an
+``Explicit`` mesh (their type carries their sharding) come in as plain
+arrays, each whole on one of their devices (leaves taken in turn, so a
+sharded model's parameters spread over its devices, not all on one), their
+specs recorded for the trace (``partition/_caller_axes.py``).
 """
 
 import functools
 import inspect
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from jpipe import partition as partition_lib
 from jpipe.partition import calling_from
 
 
@@ -42,46 +40,28 @@ def without_mesh(fn):
   def run(*args, **kwargs):
     if not _mesh_set():  # (The common case: nothing to swap.)
       return fn(*args, **kwargs)
-    caller = jax.sharding.get_abstract_mesh()
+    caller = jax.sharding.get_mesh()
+    if caller.empty:  # (Only an abstract one: jax.sharding.use_abstract_mesh.)
+      caller = jax.sharding.get_abstract_mesh()
     (args, kwargs), specs = _plain((args, kwargs))
-    collapsed = one_device_mesh(caller, jax.local_devices()[0])
-    with jax.set_mesh(None), calling_from(collapsed, specs):
+    with jax.set_mesh(None), calling_from(caller, specs):
       return fn(*args, **kwargs)
 
   return run
 
 
-def _explicit(x) -> bool:
-  return isinstance(x, jax.Array) and (
-    AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
-  )
-
-
-def one_device_mesh(mesh, device) -> jax.sharding.Mesh:
-  """``mesh``'s axes (names, types), each of size 1, on ``device``."""
-  return jax.sharding.Mesh(
-    np.array([device]).reshape((1,) * len(mesh.axis_names)),
-    mesh.axis_names,
-    axis_types=mesh.axis_types,
-  )
-
-
 def _plain(tree):
   """``tree`` with its arrays typed on an ``Explicit`` mesh made plain
-  arrays, each whole on one device (the k-th such leaf on the k-th of its
-  addressable devices, in turn), and their specs: ``{id(plain): (plain,
-  spec)}``. ``tree`` itself where it has none."""
+  (``partition.plain_array``: the k-th such leaf whole on the k-th of its
+  devices, in turn), and their specs: ``{id(plain): (plain, spec)}``.
+  ``tree`` itself where it has none."""
   leaves, treedef = jax.tree.flatten(tree)
-  if not any(_explicit(x) for x in leaves):
+  if not any(map(partition_lib.typed_on_mesh, leaves)):
     return tree, {}
   specs = {}
   for i, x in enumerate(leaves):
-    if _explicit(x):
-      devices = sorted(x.sharding.addressable_devices, key=lambda d: d.id)
-      one = one_device_mesh(x.sharding.mesh, devices[len(specs) % len(devices)])
-      # (On a one-device mesh its one shard is the whole, typed plain.)
-      whole = jax.device_put(x, NamedSharding(one, P()))
-      leaves[i] = whole.addressable_shards[0].data
+    if partition_lib.typed_on_mesh(x):
+      leaves[i] = partition_lib.plain_array(x, len(specs))
       specs[id(leaves[i])] = (leaves[i], jax.typeof(x).sharding.spec)
   return jax.tree.unflatten(treedef, leaves), specs
 
