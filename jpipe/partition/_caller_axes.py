@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax._src import config  # (No public form of this option.)
 from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,7 +58,7 @@ def calling_from(mesh, specs: dict[int, tuple[Any, Any]]):
 def caller_axes(leaves: Sequence[Any] = ()):
   """Traces within see the recorded caller's mesh (abstract); yields
   ``leaves`` as the caller typed them (``ShapeDtypeStruct``s sharded on
-  it; a leaf with no recorded spec as it is). Where a leaf's shape does
+  it; replicated where no spec is recorded). Where a leaf's shape does
   not divide over its spec's axes (a microbatch of fewer rows than the
   "data" axis has devices), the mesh's axes at size 1 instead: every
   annotation still traces, but an array the function closes over typed
@@ -80,11 +81,15 @@ def caller_axes(leaves: Sequence[Any] = ()):
       (1,) * len(mesh.axis_names), mesh.axis_names, axis_types=mesh.axis_types
     )
   typed = [
-    leaf
-    if s is None
-    else jax.ShapeDtypeStruct(
-      leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, s[1])
+    jax.ShapeDtypeStruct(
+      leaf.shape,
+      leaf.dtype,
+      # (Replicated where no spec was recorded: as an unsharded array
+      # enters the caller's own jit under their mesh.)
+      sharding=NamedSharding(mesh, P() if s is None else s[1]),
     )
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    else leaf
     for leaf, s in zip(leaves, specs, strict=True)
   ]
   try:

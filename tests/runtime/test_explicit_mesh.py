@@ -19,6 +19,12 @@ from jax.sharding import PartitionSpec as P
 import jpipe
 from jpipe import parallel
 from jpipe.partition._plain_types import plain_types
+from tests.runtime.test_generate import (
+  _generate,
+  _greedy_recomputing,
+  _pipeline,
+  _tiny,
+)
 from tests.runtime.test_pipeline_sync import _assert_tree_close
 
 
@@ -282,3 +288,18 @@ def test_plain_types_is_the_same_function_on_plain_arrays():
   _assert_tree_close((got, grads), (want, want_grads))
   untyped = jax.make_jaxpr(jnp.sin)(x)
   assert plain_types(untyped) is untyped
+
+
+def test_generate_under_an_explicit_mesh_equals_recomputing_greedy():
+  """Params and prompts typed on the mesh (replicated: linen's Embed
+  cannot gather with "data"-sharded indices under an Explicit mesh, on
+  one device alike); the decoding functions traced on the mesh with
+  their unrecorded inputs (cache, tokens) replicated, as in the caller's
+  own jit."""
+  model, params, prompts = _tiny()
+  want = _greedy_recomputing(model, params, prompts, 3)
+  with jax.set_mesh(_mesh("explicit")):
+    params, prompts = jax.device_put((params, prompts), P())
+    pipe, state = _pipeline(model, params, prompts, 2)
+    got = _generate(pipe, state, model, prompts, 3)
+  np.testing.assert_array_equal(got, want)

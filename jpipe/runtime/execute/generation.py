@@ -412,8 +412,11 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
     if pipe.state_treedef is not None:  # fn(params, model_state, batch).
       state = avals[n + pipe.num_batch_leaves :]
       args.append(jax.tree.unflatten(pipe.state_treedef, state))
-    with partition_lib.caller_axes():  # (Its annotations' axes.)
-      closed, out = jax.make_jaxpr(fn, return_shape=True)(*args, example)
+    flat, tree = jax.tree.flatten((*args, example))
+    with partition_lib.caller_axes(flat) as typed:  # (The caller's mesh.)
+      closed, out = jax.make_jaxpr(fn, return_shape=True)(
+        *jax.tree.unflatten(tree, typed)
+      )
     if jax.tree.structure(out) != jax.tree.structure((0, example["cache"])):
       raise ValueError(
         f"{what} must return (logits [batch, vocab], the cache in "
