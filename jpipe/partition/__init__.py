@@ -5,6 +5,7 @@ from jpipe.partition._caller_axes import (
   caller_axes,
   calling_from,
   keep_type,
+  remember_type,
 )
 from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
 from jpipe.partition._cost_model import (
@@ -77,6 +78,7 @@ __all__ = [
   "caller_axes",
   "calling_from",
   "keep_type",
+  "remember_type",
   "plain_array",
   "typed_on_mesh",
   "TracedModel",

@@ -10,8 +10,9 @@ context"), and the asserts need the inputs typed as the caller typed
 them; yet the pipeline runs every stage on devices of its own choosing,
 with no mesh set, on plain arrays (``runtime/build/user_mesh.py``).
 
-So a pipeline call records the caller's mesh and the specs of the arrays
-it was given (``calling_from``); the places that trace a user's function
+So a pipeline call records the caller's mesh (``calling_from``), and the
+plain copies of the caller's typed arrays remember their specs
+(``remember_type``); the places that trace a user's function
 do so in ``caller_axes(inputs)`` (the mesh's abstract form: no device
 work), their inputs typed with those specs, and every annotation checks as
 it does for the caller. The jaxpr is then retyped to plain arrays
@@ -22,6 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,19 +37,37 @@ from jax.sharding import PartitionSpec as P
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Caller:
   mesh: Any  # The caller's mesh (a Mesh; an AbstractMesh where only that).
-  # id(array given) -> (the array, kept alive; its spec on the caller's mesh).
-  specs: dict[int, tuple[Any, Any]]
+  # id(value) -> (the value, kept alive; its spec): rows of a typed array
+  # made during the call that cannot be remembered (ShapeDtypeStructs).
+  derived: dict[int, tuple[Any, Any]]
 
 
 _CALLER = contextvars.ContextVar("jpipe_caller_axes", default=None)
+# id(plain copy) -> (its caller's mesh, its spec), for the copy's lifetime:
+# a pipeline built later from it (a DynamicPipeline's next plan) traces
+# it as its caller typed it.
+_TYPES: dict[int, tuple[Any, Any]] = {}
+
+
+def remember_type(array, mesh, spec) -> None:
+  """Records that ``array`` (a plain copy of a caller's typed array) was
+  typed ``spec`` on ``mesh``, for as long as it lives."""
+  key = id(array)
+  _TYPES[key] = (mesh, spec)
+  weakref.finalize(array, _TYPES.pop, key, None)
+
+
+def _type_of(caller, leaf):
+  """(mesh, spec) its caller typed ``leaf`` with, or None."""
+  if caller is not None and id(leaf) in caller.derived:
+    return caller.mesh, caller.derived[id(leaf)][1]
+  return _TYPES.get(id(leaf))
 
 
 @contextlib.contextmanager
-def calling_from(mesh, specs: dict[int, tuple[Any, Any]]):
-  """Within: ``caller_axes()`` traces under ``mesh`` (the caller's), the
-  arrays in ``specs`` (``id`` -> (array, PartitionSpec)) typed as the
-  caller typed them."""
-  token = _CALLER.set(_Caller(mesh, specs))
+def calling_from(mesh):
+  """Within: ``caller_axes()`` traces under ``mesh`` (the caller's)."""
+  token = _CALLER.set(_Caller(mesh, {}))
   try:
     yield
   finally:
@@ -65,11 +85,16 @@ def caller_axes(leaves: Sequence[Any] = ()):
   on the caller's mesh cannot meet them. No mesh, ``leaves`` as they
   are, where none is recorded."""
   caller = _CALLER.get()
-  if caller is None:
+  types = [_type_of(caller, leaf) for leaf in leaves]
+  if caller is None and not any(types):
     yield list(leaves)
     return
-  mesh = getattr(caller.mesh, "abstract_mesh", caller.mesh)
-  specs = [caller.specs.get(id(leaf)) for leaf in leaves]
+  mesh = caller.mesh if caller is not None else next(filter(None, types))[0]
+  mesh = _abstract(mesh)
+  specs = [
+    None if t is None or _abstract(t[0]) != mesh else (None, t[1])
+    for t in types
+  ]
   uneven = [
     (np.shape(leaf), s[1])
     for leaf, s in zip(leaves, specs, strict=True)
@@ -124,10 +149,20 @@ def _divides(shape, spec, mesh) -> bool:
   return True
 
 
+def _abstract(mesh):
+  return getattr(mesh, "abstract_mesh", mesh)
+
+
 def keep_type(source, derived):
   """``derived`` (rows of ``source``: a microbatch of a batch leaf),
-  recorded with ``source``'s spec; returned."""
+  recorded with ``source``'s type; returned."""
   caller = _CALLER.get()
-  if caller is not None and id(source) in caller.specs:
-    caller.specs[id(derived)] = (derived, caller.specs[id(source)][1])
+  typed = _type_of(caller, source)
+  if typed is None:
+    return derived
+  try:
+    remember_type(derived, *typed)
+  except TypeError:  # (Not weakly referable: for this call.)
+    if caller is not None:
+      caller.derived[id(derived)] = (derived, typed[1])
   return derived

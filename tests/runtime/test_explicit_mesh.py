@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jpipe
-from jpipe import parallel
+from jpipe import dynamic, parallel, partition
 from jpipe.partition._plain_types import plain_types
 from tests.runtime.test_generate import (
   _generate,
@@ -303,3 +303,44 @@ def test_generate_under_an_explicit_mesh_equals_recomputing_greedy():
     pipe, state = _pipeline(model, params, prompts, 2)
     got = _generate(pipe, state, model, prompts, 3)
   np.testing.assert_array_equal(got, want)
+
+
+def test_a_dynamic_pipelines_next_plan_traces_the_callers_types():
+  """DynamicPipeline converts its builder's typed arrays once; a plan it
+  moves to later (another call) traces them as the caller typed them --
+  the model's constraints assert the batch's "data" sharding -- and the
+  run equals one device's."""
+  tx = optax.sgd(0.1)
+  with jax.set_mesh(_mesh("explicit")):
+    batch = _batch()
+    loss_fn, params = _linen_case(None, batch)
+    dp = dynamic.DynamicPipeline(
+      jpipe.PipelineBuilder.of(
+        loss_fn,
+        params,
+        batch,
+        num_stages=2,
+        devices=jax.devices()[:2],
+        num_microbatches=2,
+        optimizer=tx,
+      )
+    )
+    first = dp.pipeline
+    bounds = dynamic.boundaries_of(first.plan.stage_of_node)
+    costs = partition.profile_nodes(
+      first.traced,
+      jax.tree.map(np.asarray, params),
+      jax.tree.map(lambda x: np.asarray(x)[:8], batch),
+      method="analytic",
+    )
+    moved = partition.plan_from_boundaries(
+      first.traced, costs, (0, bounds[1] + 1, bounds[-1])
+    )
+    state = dp.init(params)
+    state, _ = dp.step(state, batch)
+    state = dp.switch.switch(state, moved)
+    assert dp.pipeline is not first
+    state, _ = dp.step(state, batch)
+    got = dp.pipeline.gather_params(state)
+    expected = _reference(loss_fn, params, [[batch]] * 2, tx)
+  _assert_tree_close(got, expected)

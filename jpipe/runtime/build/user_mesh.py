@@ -14,8 +14,8 @@ annotations naming its axes (``P("data")`` constraints, ``out_sharding=``,
 ``reshard``) trace as they do for the caller. Arrays typed on an
 ``Explicit`` mesh (their type carries their sharding) come in as plain
 arrays, each whole on one of their devices (leaves taken in turn, so a
-sharded model's parameters spread over its devices, not all on one), their
-specs recorded for the trace (``partition/_caller_axes.py``).
+sharded model's parameters spread over its devices, not all on one), each
+remembering its spec for traces (``partition/_caller_axes.py``).
 """
 
 import functools
@@ -43,8 +43,8 @@ def without_mesh(fn):
     caller = jax.sharding.get_mesh()
     if caller.empty:  # (Only an abstract one: jax.sharding.use_abstract_mesh.)
       caller = jax.sharding.get_abstract_mesh()
-    (args, kwargs), specs = _plain((args, kwargs))
-    with jax.set_mesh(None), calling_from(caller, specs):
+    args, kwargs = _plain((args, kwargs))
+    with jax.set_mesh(None), calling_from(caller):
       return fn(*args, **kwargs)
 
   return run
@@ -53,17 +53,19 @@ def without_mesh(fn):
 def _plain(tree):
   """``tree`` with its arrays typed on an ``Explicit`` mesh made plain
   (``partition.plain_array``: the k-th such leaf whole on the k-th of its
-  devices, in turn), and their specs: ``{id(plain): (plain, spec)}``.
-  ``tree`` itself where it has none."""
+  devices, in turn), each remembering its mesh and spec; ``tree`` itself
+  where it has none."""
   leaves, treedef = jax.tree.flatten(tree)
   if not any(map(partition_lib.typed_on_mesh, leaves)):
-    return tree, {}
-  specs = {}
+    return tree
+  k = 0
   for i, x in enumerate(leaves):
     if partition_lib.typed_on_mesh(x):
-      leaves[i] = partition_lib.plain_array(x, len(specs))
-      specs[id(leaves[i])] = (leaves[i], jax.typeof(x).sharding.spec)
-  return jax.tree.unflatten(treedef, leaves), specs
+      leaves[i] = partition_lib.plain_array(x, k)
+      spec = jax.typeof(x).sharding.spec
+      partition_lib.remember_type(leaves[i], x.sharding.mesh, spec)
+      k += 1
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def outside_user_mesh(cls):
