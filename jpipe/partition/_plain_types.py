@@ -1,20 +1,26 @@
-"""A jaxpr traced on the caller's axes, retyped to plain arrays.
+"""A traced loss retyped to plain arrays, its sharding annotations dropped.
 
-Under an ``Explicit`` mesh a value's type carries its sharding
-(``f32[16@data,8]``), and equations carry the shardings they produce
-(``dot_general[out_sharding=...]``, ``broadcast_in_dim[sharding=...]``,
-``reshard``). A loss traced on the caller's axes at size 1
-(``_caller_axes``) has such types; the pipeline's stages run it on plain
-arrays (no mesh), where a typed value meeting a differently typed one is
-an error ("select cases must have the same shardings") though every axis
-has size 1. ``plain_types`` rewrites the jaxpr as the same computation on
-plain arrays: every variable and literal retyped, sharding parameters
-dropped, ``reshard`` / ``mesh_cast`` replaced by their input, the mesh
-taken out of each equation's context (evaluating it enters that again),
-in nested bodies too, and the derivative rules a ``custom_jvp`` / ``custom_vjp``
-traces later (on the types of the trace) retyped as they are traced;
-constants typed on a mesh (arrays the loss closes over) are made plain
-arrays on one device.
+The pipeline decides where each stage's values live, on devices of its
+own choosing with no mesh set; a model's sharding annotations say nothing
+true there. A constraint over the whole mesh (``jax.lax.
+with_sharding_constraint(x, NamedSharding(mesh, spec))``: t5x, MaxText's
+``nn.with_logical_constraint`` under a mesh) is an error in a stage's
+program ("incompatible devices"). Under an ``Explicit`` mesh a value's
+type also carries its sharding (``f32[16@data,8]``), and equations carry
+the shardings they produce (``dot_general[out_sharding=...]``,
+``broadcast_in_dim[sharding=...]``, ``reshard``): a loss traced on the
+caller's mesh (``_caller_axes``) has such types, and in a stage's program
+a typed value meeting a differently typed one is an error ("select cases
+must have the same shardings").
+
+``plain_types`` rewrites the jaxpr as the same computation on plain
+arrays: sharding constraints, ``reshard`` and ``mesh_cast`` replaced by
+their input (none changes a value), every variable and literal retyped,
+sharding parameters dropped, the mesh taken out of each equation's context
+(evaluating it enters that again), in nested bodies too, and the
+derivative rules a ``custom_jvp`` / ``custom_vjp`` traces later (on the
+types of the trace) retyped as they are traced; constants typed on a mesh
+(arrays the loss closes over) are made plain arrays on one device.
 """
 
 import functools
@@ -26,14 +32,14 @@ from jax.extend import linear_util as lu
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-_IDENTITIES = ("reshard", "mesh_cast")
+_IDENTITIES = ("sharding_constraint", "reshard", "mesh_cast")
 _THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
 _EMPTY = AbstractMesh((), ())
 
 
 def plain_types(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
-  """``closed`` on plain arrays, its constants too (the same object when
-  nothing in it is typed on a mesh)."""
+  """``closed`` on plain arrays with no sharding annotations, its
+  constants too (the same object when it has none)."""
   if not _typed_jaxpr(closed.jaxpr):
     return closed
   return _plain_closed(closed)
@@ -75,7 +81,8 @@ def _typed_jaxpr(jaxpr) -> bool:
     return True
   for eqn in jaxpr.eqns:
     if (
-      _meshed(eqn)
+      eqn.primitive.name in _IDENTITIES
+      or _meshed(eqn)
       or any(_typed(v.aval) for v in eqn.outvars)
       or any(_sharding_param(v) for v in eqn.params.values())
     ):

@@ -20,11 +20,10 @@ the model's leaves). Other ``scan``, ``cond``, ``while`` and ``remat``
 equations stay inside one node; to cut inside them, unroll the loop in the
 model or call the repeated module outside the control flow. Nested
 ``jax.jit`` calls spanning modules (a jitted loss) are opened first
-(``_inline_calls``), and sharding constraints dropped
-(``_sharding_constraints``); the loss is traced on the caller's mesh with
-its arrays typed as the caller typed them (``_caller_axes``), so that
-annotations naming the mesh trace, then retyped to plain arrays
-(``_plain_types``).
+(``_inline_calls``). The loss is traced on the caller's mesh with its
+arrays typed as the caller typed them (``_caller_axes``), so that
+annotations naming the mesh trace, then retyped to plain arrays with its
+sharding constraints dropped (``_plain_types``).
 """
 
 import dataclasses
@@ -42,7 +41,6 @@ from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._plain_types import plain_types
 from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
-from jpipe.partition._sharding_constraints import drop_sharding_constraints
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -271,8 +269,7 @@ def trace(
   if returns_loss:
     _check_loss(out_shape, has_aux)
   closed = inline_module_calls(closed)  # (A jitted loss: its body.)
-  closed = drop_sharding_constraints(closed)  # (Stages place values.)
-  closed = plain_types(closed)  # (Traced on the caller's axes: typed.)
+  closed = plain_types(closed)  # (Stages place values: no annotations.)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
   scopes = _below_root(

@@ -1,6 +1,6 @@
 """Models and callers written for SPMD: a ``jax.set_mesh`` around the
 pipeline (``build/user_mesh.py``) and sharding constraints in the model
-(``partition/_sharding_constraints.py``) -- each trains as one device,
+(``partition/_plain_types.py``) -- each trains as one device,
 and the caller's mesh is theirs again after every call."""
 
 import contextlib
@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpipe
-from jpipe.partition._sharding_constraints import drop_sharding_constraints
+from jpipe.partition._plain_types import plain_types
 from tests.runtime.test_pipeline_sync import (
   _assert_tree_close,
   _reference_steps,
@@ -149,8 +149,8 @@ def test_constraints_are_dropped_in_every_body():
   x = jnp.arange(4.0)
   closed = jax.make_jaxpr(f)(x)
   assert str(closed).count("sharding_constraint") == 3
-  dropped = drop_sharding_constraints(closed)
+  dropped = plain_types(closed)
   assert "sharding_constraint" not in str(dropped)
   got = jax.core.eval_jaxpr(dropped.jaxpr, dropped.consts, x)[0]
   _assert_tree_close(got, f(x))
-  assert drop_sharding_constraints(dropped) is dropped  # None: as it is.
+  assert plain_types(dropped) is dropped  # None: as it is.
