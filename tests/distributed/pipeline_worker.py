@@ -30,6 +30,7 @@ must fail with a one-line ValueError containing that text.
 """
 
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -57,6 +58,9 @@ import scan_models  # noqa: E402
 import jpipe  # noqa: E402
 from experiments.distributed import device_waits  # noqa: E402
 from jpipe.train import process_arrays  # noqa: E402
+
+# Seconds after which a worker that has not finished dumps its stacks.
+HANG_DUMP_SECONDS = float(os.environ.get("JPIPE_TEST_HANG_DUMP", "200"))
 
 OPTIMIZERS = {
   "sgd": optax.sgd(0.2, momentum=0.9),
@@ -307,9 +311,15 @@ def _forward_only(pipe, state, case, batch, index):
 
 def main():
   path, configs = sys.argv[1], json.loads(sys.argv[2])
+  # A run that hangs writes every thread's stack and exits before the
+  # test's timeout (240 s) kills it silently: the failure names the
+  # config (its "start" line) and where each process waits.
+  faulthandler.dump_traceback_later(HANG_DUMP_SECONDS, exit=True)
   out = {}
   for i, config in enumerate(configs):
+    print(f"config {i}: start {json.dumps(config)}", flush=True)
     run(config, i, out, path)
+  faulthandler.cancel_dump_traceback_later()
   if jax.process_index() == 0:
     np.savez(path, **out)
 

@@ -30,14 +30,21 @@ def _launch(nprocs, script, *args, env, timeout=240, devices=1):
   command = [sys.executable, "-m", "jpipe.launch", "--nprocs", str(nprocs)]
   command += ["--devices-per-process", str(devices)]
   command += ["--", sys.executable, os.path.join(HERE, script), *args]
-  return subprocess.run(
-    command,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    cwd=ROOT,
-  )
+  try:
+    return subprocess.run(
+      command,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      cwd=ROOT,
+    )
+  except subprocess.TimeoutExpired as e:  # What it printed says where.
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout
+    raise AssertionError(
+      f"{script} timed out after {timeout} s; its output:\n"
+      + (out or "")[-20000:]
+    ) from None
 
 
 def _reference(devices, out, configs, env):
@@ -268,7 +275,7 @@ def _two_processes_equal_four_devices(tmp_path, configs, process_env):
   done = _launch(
     2, "pipeline_worker.py", got, configs, env=process_env(), devices=2
   )
-  assert done.returncode == 0, done.stdout[-6000:]
+  assert done.returncode == 0, done.stdout[-20000:]
   want, have = np.load(ref), np.load(got)
   assert set(want) == set(have)
   for key in want:
