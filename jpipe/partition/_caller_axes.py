@@ -124,17 +124,27 @@ def caller_axes(leaves: Sequence[Any] = ()):
       with jax.sharding.use_abstract_mesh(mesh):
         yield typed
   except ValueError as e:
-    if not uneven or "aval mesh" not in str(e):
+    if not uneven:
       raise
     shape, spec = uneven[0]
-    raise ValueError(
-      f"the function closes over an array typed on the caller's mesh "
-      f"({dict(full.shape)}), and a microbatch leaf of shape {shape} does "
-      f"not divide over its spec {spec}, so it is traced on the mesh's "
-      "axes at size 1, where that array cannot be used: use fewer "
-      "microbatches (rows that divide over the axes), or pass the array "
-      "in params or the batch"
-    ) from e
+    why = (
+      f"a microbatch leaf of shape {shape} does not divide over its spec "
+      f"{spec}, so the function is traced on the mesh's axes at size 1"
+    )
+    if "aval mesh" in str(e):
+      raise ValueError(
+        f"the function closes over an array typed on the caller's mesh "
+        f"({dict(full.shape)}), and {why}, where that array cannot be "
+        "used: use fewer microbatches (rows that divide over the axes), or "
+        "pass the array in params or the batch"
+      ) from e
+    if "device-varying" in str(e):  # (Size-1 axes vary over nothing.)
+      raise ValueError(
+        f"{why}, where a shard_map's collectives cannot trace: use fewer "
+        f"microbatches (rows that divide over the caller's mesh, "
+        f"{dict(full.shape)})"
+      ) from e
+    raise
 
 
 def _divides(shape, spec, mesh) -> bool:

@@ -20,7 +20,11 @@ sharding parameters dropped, the mesh taken out of each equation's context
 (evaluating it enters that again), in nested bodies too, and the
 derivative rules a ``custom_jvp`` / ``custom_vjp`` traces later (on the
 types of the trace) retyped as they are traced; constants typed on a mesh
-(arrays the loss closes over) are made plain arrays on one device.
+(arrays the loss closes over) are made plain arrays on one device. A
+``shard_map`` becomes the same function of the global arrays, its body
+(with its collectives that check manual-axis types swapped for the
+unchecked ones, and ``pvary`` dropped) vmapped over the mesh axes it maps
+(``_shard_map_emulation``).
 """
 
 import functools
@@ -32,9 +36,13 @@ from jax.extend import linear_util as lu
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-_IDENTITIES = ("sharding_constraint", "reshard", "mesh_cast")
+from jpipe.partition._shard_map_emulation import UNCHECKED, emulated
+
+_IDENTITIES = ("sharding_constraint", "reshard", "mesh_cast", "pvary")
 _THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
 _EMPTY = AbstractMesh((), ())
+# (A plain value's manual-axis type: no axes it varies over.)
+_NO_MANUAL_AXES = jax.core.ShapedArray((), np.float32).manual_axis_type
 
 
 def plain_types(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
@@ -76,12 +84,19 @@ def _typed(aval) -> bool:
   return sharding is not None and not sharding.mesh.empty
 
 
+def _manual(aval) -> bool:
+  """Whether ``aval`` varies over manual axes (inside a ``shard_map``)."""
+  mat = getattr(aval, "manual_axis_type", _NO_MANUAL_AXES)
+  return mat is not _NO_MANUAL_AXES and not mat.empty
+
+
 def _typed_jaxpr(jaxpr) -> bool:
   if any(_typed(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars)):
     return True
   for eqn in jaxpr.eqns:
     if (
       eqn.primitive.name in _IDENTITIES
+      or eqn.primitive.name == "shard_map"
       or _meshed(eqn)
       or any(_typed(v.aval) for v in eqn.outvars)
       or any(_sharding_param(v) for v in eqn.params.values())
@@ -117,9 +132,12 @@ def _sharding_param(value) -> bool:
 
 
 def _plain_aval(aval):
-  if not _typed(aval):
+  if not (_typed(aval) or _manual(aval)):
     return aval
-  return aval.update(sharding=NamedSharding(_EMPTY, P(*[None] * aval.ndim)))
+  return aval.update(
+    sharding=NamedSharding(_EMPTY, P(*[None] * aval.ndim)),
+    manual_axis_type=_NO_MANUAL_AXES,
+  )
 
 
 def _plain_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
@@ -143,9 +161,18 @@ def _plain_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
       for out, x in zip(eqn.outvars, ins, strict=True):
         new[out] = x
       continue
-    params = {k: _plain_param(k, v) for k, v in eqn.params.items()}
     outs = [var(v) for v in eqn.outvars]
-    eqn = eqn.replace(invars=ins, outvars=outs, params=params)
+    if eqn.primitive.name == "shard_map":  # (Its body per shard, vmapped.)
+      body = _plain_jaxpr(eqn.params["jaxpr"])
+      eqn = emulated(eqn.replace(invars=ins, outvars=outs), body)
+    elif eqn.primitive.name in UNCHECKED:  # (In a shard_map's body.)
+      primitive, params = UNCHECKED[eqn.primitive.name]
+      eqn = eqn.replace(
+        primitive=primitive, invars=ins, outvars=outs, params=params(eqn.params)
+      )
+    else:
+      params = {k: _plain_param(k, v) for k, v in eqn.params.items()}
+      eqn = eqn.replace(invars=ins, outvars=outs, params=params)
     if _meshed(eqn):
       eqn = eqn.replace(ctx=_without_mesh(eqn.ctx))
     eqns.append(eqn)
