@@ -19,6 +19,7 @@ from jpipe.distributed._sync import (
   note_received,
   quiet,
   text_from_process_zero,
+  whole_arrays,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
   "note_received",
   "quiet",
   "text_from_process_zero",
+  "whole_arrays",
 ]

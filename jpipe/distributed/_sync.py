@@ -173,6 +173,17 @@ def allgather(tree) -> Any:
   return multihost_utils.process_allgather(tree)
 
 
+def whole_arrays(arrays: list) -> list[np.ndarray]:
+  """The whole value of each global array (sharded over devices of
+  several processes: a caller's multi-host mesh) as a NumPy array on
+  every process, gathered at a quiet point. Every process passes the
+  same global arrays, in the same order."""
+  from jax.experimental import multihost_utils
+
+  quiet("whole_arrays")
+  return list(multihost_utils.process_allgather(list(arrays), tiled=True))
+
+
 def broadcast(tree, is_source: bool) -> Any:
   """``multihost_utils.broadcast_one_to_all`` of a pytree of host arrays
   from the process where ``is_source``, at a quiet point."""

@@ -487,3 +487,16 @@ def test_a_stacked_leaf_across_processes_is_saved_in_rows(
   assert jax.tree.structure(want) == jax.tree.structure(have)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have), strict=True):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_global_arrays_on_the_callers_mesh_across_processes(process_env):
+  """Multi-host SPMD code: a mesh set over both processes' devices (Auto,
+  then Explicit), the batch and a weight sharded over it (each process
+  holding its rows), the other weights replicated. The pipeline gathers
+  them whole, steps as the loss jitted over the mesh, evaluates, and
+  gives the caller's mesh back (caller_mesh_worker.py checks each)."""
+  done = _launch(2, "caller_mesh_worker.py", env=process_env(), devices=2)
+  assert done.returncode == 0, done.stdout[-6000:]
+  for kind in ("Auto", "Explicit"):
+    assert done.stdout.count(f"{kind}: equal") == 2, done.stdout[-6000:]

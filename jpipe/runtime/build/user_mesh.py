@@ -15,16 +15,20 @@ annotations naming its axes (``P("data")`` constraints, ``out_sharding=``,
 ``Explicit`` mesh (their type carries their sharding) come in as plain
 arrays, each whole on one of their devices (leaves taken in turn, so a
 sharded model's parameters spread over its devices, not all on one), each
-remembering its spec for traces (``partition/_caller_axes.py``).
+remembering its spec for traces (``partition/_caller_axes.py``). Global
+arrays on a caller's mesh over several processes' devices (multi-host
+code: a batch each process holds its rows of) are gathered whole on every
+process, as the pipeline's processes each read the data they need.
 """
 
 import functools
 import inspect
 
 import jax
+from jax.sharding import NamedSharding
 
+from jpipe import distributed
 from jpipe import partition as partition_lib
-from jpipe.partition import calling_from
 
 
 def _mesh_set() -> bool:
@@ -43,29 +47,55 @@ def without_mesh(fn):
     caller = jax.sharding.get_mesh()
     if caller.empty:  # (Only an abstract one: jax.sharding.use_abstract_mesh.)
       caller = jax.sharding.get_abstract_mesh()
-    args, kwargs = _plain((args, kwargs))
-    with jax.set_mesh(None), calling_from(caller):
+    args, kwargs = _plain((args, kwargs), caller)
+    with jax.set_mesh(None), partition_lib.calling_from(caller):
       return fn(*args, **kwargs)
 
   return run
 
 
-def _plain(tree):
-  """``tree`` with its arrays typed on an ``Explicit`` mesh made plain
-  (``partition.plain_array``: the k-th such leaf whole on the k-th of its
-  devices, in turn), each remembering its mesh and spec; ``tree`` itself
-  where it has none."""
+def _plain(tree, caller):
+  """``tree`` with the caller's arrays made plain, each on one of this
+  process's devices (the k-th such leaf on the k-th of its devices, in
+  turn): arrays typed on an ``Explicit`` mesh (``partition.plain_array``)
+  and global arrays on the caller's multi-process mesh (gathered whole,
+  ``distributed.whole_arrays``: every process passes them), each typed one
+  remembering its mesh and spec; ``tree`` itself where it has none."""
   leaves, treedef = jax.tree.flatten(tree)
-  if not any(map(partition_lib.typed_on_mesh, leaves)):
+  spread = [i for i, x in enumerate(leaves) if _global_on(x, caller)]
+  typed = [i for i, x in enumerate(leaves) if partition_lib.typed_on_mesh(x)]
+  if not spread and not typed:
     return tree
-  k = 0
-  for i, x in enumerate(leaves):
-    if partition_lib.typed_on_mesh(x):
+  gather = [i for i in spread if not leaves[i].sharding.is_fully_replicated]
+  wholes = {}
+  if gather:  # (A collective: every process passes the same arrays.)
+    got = distributed.whole_arrays([leaves[i] for i in gather])
+    wholes = dict(zip(gather, got, strict=True))
+  for k, i in enumerate(sorted({*spread, *typed})):
+    x = leaves[i]
+    if i in wholes:
+      local = jax.local_devices()
+      leaves[i] = jax.device_put(wholes[i], local[k % len(local)])
+    elif i in spread:  # (Replicated: every process holds it whole.)
+      leaves[i] = x.addressable_shards[0].data
+    else:
       leaves[i] = partition_lib.plain_array(x, k)
+    if partition_lib.typed_on_mesh(x):
       spec = jax.typeof(x).sharding.spec
       partition_lib.remember_type(leaves[i], x.sharding.mesh, spec)
-      k += 1
   return jax.tree.unflatten(treedef, leaves)
+
+
+def _global_on(x, caller) -> bool:
+  """Whether ``x`` is an array on the caller's mesh with shards in other
+  processes (not the pipeline's own: those are on its meshes)."""
+  return (
+    isinstance(x, jax.Array)
+    and isinstance(x.sharding, NamedSharding)
+    and not x.is_fully_addressable
+    and x.sharding.mesh.abstract_mesh
+    == getattr(caller, "abstract_mesh", caller)
+  )
 
 
 def outside_user_mesh(cls):

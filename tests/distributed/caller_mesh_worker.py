@@ -1,0 +1,89 @@
+"""One process of a run whose caller set a mesh over every process's
+devices (multi-host SPMD code): the batch and a weight are global arrays
+sharded over "data" (each process holds its rows), the other weights
+replicated global arrays, under an Auto and then an Explicit mesh. A
+pipeline of 2 stages (one per process) steps once; every process checks
+the loss, the gathered params and the evaluated loss after the step
+against the same loss jitted over the caller's mesh, and prints
+"<kind>: equal".
+
+  python -m jpipe.launch --nprocs 2 --devices-per-process 2 -- \\
+    python tests/distributed/caller_mesh_worker.py
+"""
+
+from jpipe import distributed
+
+distributed.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jpipe  # noqa: E402
+
+
+def loss_fn(params, batch):
+  h = batch["x"]
+  for i in range(4):
+    with jax.named_scope(f"l{i}"):
+      h = jnp.tanh(h @ params[f"l{i}"])
+  return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+
+def _whole(x):
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def run(kind):
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
+  rng = np.random.RandomState(0)
+  x = rng.randn(16, 8).astype(np.float32)
+  y = (np.arange(16) % 8).astype(np.int32)
+  weights = [rng.randn(8, 8).astype(np.float32) * 0.3 for _ in range(4)]
+  rows = slice(8 * jax.process_index(), 8 * (jax.process_index() + 1))
+  with jax.set_mesh(mesh):
+
+    def spread(value):  # (Rows over "data": each process its half.)
+      return jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), value[rows]
+      )
+
+    batch = {"x": spread(x), "y": spread(y)}
+    params = {
+      f"l{i}": jax.device_put(w, NamedSharding(mesh, P()))
+      for i, w in enumerate(weights)
+    }
+    params["l0"] = jax.device_put(weights[0], NamedSharding(mesh, P("data")))
+    assert not batch["x"].is_fully_addressable
+    grads = jax.jit(jax.grad(loss_fn))(params, batch)
+    expected = {k: _whole(params[k] - 0.1 * grads[k]) for k in params}
+    before = float(_whole(jax.jit(loss_fn)(params, batch)))
+    after = float(_whole(jax.jit(loss_fn)(expected, batch)))
+    pipe = jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=2,
+      devices=[jax.devices()[0], jax.devices()[2]],  # (One per process.)
+      num_microbatches=2,
+      optimizer=optax.sgd(0.1),
+    )
+    state = pipe.init(params)
+    state, metrics = pipe.step(state, batch)
+    got = pipe.gather_params(state)
+    evaluated = pipe.evaluate(state, batch)
+    assert jax.sharding.get_mesh() is mesh  # (The caller's, back.)
+  np.testing.assert_allclose(float(metrics["loss"]), before, rtol=1e-5)
+  for k in expected:
+    np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(evaluated["loss"]), after, rtol=1e-5)
+  print(f"{kind.name}: equal", flush=True)
+
+
+if __name__ == "__main__":
+  for kind in (AxisType.Auto, AxisType.Explicit):
+    run(kind)
