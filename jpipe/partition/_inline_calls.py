@@ -46,10 +46,27 @@ def _scopes(jaxpr) -> list[tuple[str, ...]]:
   return out
 
 
-def _inline(jaxpr, consts):
-  """``(jaxpr, consts)`` with the opened calls inlined (the same objects
-  when there is none)."""
-  if not any(_opens(e) for e in jaxpr.eqns):
+def inline_calls_reading(jaxpr, consts, watched):
+  """``(jaxpr, consts)`` with every ``jit`` call that reads one of the
+  ``watched`` vars replaced by its body, nested ones too (so each read of
+  them is an equation of ``jaxpr`` itself: ``dynamic_index_in_dim``'s
+  slice)."""
+  watched = set(watched)
+
+  def reads(eqn) -> bool:
+    return eqn.primitive.name in _CALLS and any(
+      isinstance(v, jcore.Var) and v in watched for v in eqn.invars
+    )
+
+  while any(reads(e) for e in jaxpr.eqns):
+    jaxpr, consts = _inline(jaxpr, consts, reads)
+  return jaxpr, consts
+
+
+def _inline(jaxpr, consts, opens=_opens):
+  """``(jaxpr, consts)`` with the calls ``opens`` picks inlined (the same
+  objects when there is none)."""
+  if not any(opens(e) for e in jaxpr.eqns):
     return jaxpr, consts
   constvars, eqns = list(jaxpr.constvars), []
   renamed = {}  # An opened call's output -> the atom that holds it.
@@ -59,11 +76,11 @@ def _inline(jaxpr, consts):
 
   for eqn in jaxpr.eqns:
     invars = [read(v) for v in eqn.invars]
-    if not _opens(eqn):
+    if not opens(eqn):
       eqns.append(eqn.replace(invars=invars))
       continue
     body = eqn.params["jaxpr"]
-    inner, inner_consts = _inline(body.jaxpr, list(body.consts))
+    inner, inner_consts = _inline(body.jaxpr, list(body.consts), opens)
     env = dict(zip(inner.invars, invars, strict=True))
     for var, value in zip(inner.constvars, inner_consts, strict=True):
       env[var] = jcore.Var(var.aval)

@@ -37,6 +37,7 @@ import numpy as np
 
 from jpipe.partition import _flops
 from jpipe.partition._caller_axes import caller_axes
+from jpipe.partition._indexed_loops import indexed_loops_as_scans
 from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._plain_types import plain_types
@@ -270,6 +271,8 @@ def trace(
     _check_loss(out_shape, has_aux)
   closed = inline_module_calls(closed)  # (A jitted loss: its body.)
   closed = plain_types(closed)  # (Stages place values: no annotations.)
+  # (A fori_loop reading row i of stacked params: a scan over the rows.)
+  closed = indexed_loops_as_scans(closed, num_param_leaves)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
   scopes = _below_root(

@@ -1,0 +1,219 @@
+"""A loop over layers that indexes their stacked params, read as a scan
+over the params' rows.
+
+Besides ``jax.lax.scan`` over stacked params (``_scan_layers``), JAX code
+runs stacked layers with a counted loop: ``jax.lax.fori_loop(0, n, lambda
+i, h: layer(params["w"][i], h), x)``, or ``dynamic_index_in_dim``. With
+static bounds that is a ``scan`` with no scanned inputs: the stacked
+params are constants of the body, which slices row ``i`` of each, and the
+counter ``i`` is a carry. One equation, one node: the model could not be
+split.
+
+``indexed_loops_as_scans`` rewrites such a scan so that each stacked param
+the body only reads row ``i`` of becomes a scanned input (its row, the
+same value the slice read), which ``split_layer_scans`` then splits per
+layer. A param qualifies when the loop runs forwards from a counter that
+starts at 0 and adds 1 per iteration, the loop's length is the param's
+leading size, no other equation reads it, and every read of it in the
+body is a ``dynamic_slice`` of one row whose start is the counter (checked
+by evaluating the start, for every iteration, from the counter alone) and
+0 elsewhere. Anything else leaves the loop as it is.
+"""
+
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+
+from jpipe.partition._eval import eval_eqn, read
+from jpipe.partition._inline_calls import inline_calls_reading
+
+
+def indexed_loops_as_scans(
+  closed: jcore.ClosedJaxpr, num_param_leaves: int
+) -> jcore.ClosedJaxpr:
+  """``closed`` with every indexed loop over stacked params rewritten as a
+  scan over their rows (the same function; ``closed`` where none is)."""
+  jaxpr = closed.jaxpr
+  params = set(jaxpr.invars[:num_param_leaves])
+  readers: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if isinstance(v, jcore.Var):
+        readers[v] = readers.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if isinstance(v, jcore.Var):
+      readers[v] = readers.get(v, 0) + 1
+  eqns, changed = [], False
+  for eqn in jaxpr.eqns:
+    new = _as_scan_over_rows(eqn, params, readers)
+    changed |= new is not eqn
+    eqns.append(new)
+  if not changed:
+    return closed
+  return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def _counter(eqn) -> int | None:
+  """The carry index of the loop's counter (starts at 0, + 1 each
+  iteration), or None."""
+  p = eqn.params
+  nc, body = p["num_consts"], p["jaxpr"].jaxpr
+  made = {v: e for e in body.eqns for v in e.outvars}
+  for j in range(p["num_carry"]):
+    start = eqn.invars[nc + j]
+    if not (
+      isinstance(start, jcore.Literal)
+      and np.issubdtype(np.asarray(start.val).dtype, np.integer)
+      and int(start.val) == 0
+    ):
+      continue
+    inc = made.get(body.outvars[j])
+    mine = body.invars[nc + j]
+    if inc is None or inc.primitive.name != "add":
+      continue
+    a, b = inc.invars
+    one = [x for x in (a, b) if isinstance(x, jcore.Literal)]
+    if mine in (a, b) and one and int(one[0].val) == 1:
+      return j
+  return None
+
+
+def _as_scan_over_rows(eqn, params, readers):
+  """``eqn`` rewritten (module doc), or ``eqn`` itself."""
+  p = eqn.params
+  if (
+    eqn.primitive.name != "scan"
+    or p["reverse"]
+    or p["length"] < 2
+    or p["num_carry"] < 1
+  ):
+    return eqn
+  j = _counter(eqn)
+  if j is None:
+    return eqn
+  nc, length = p["num_consts"], p["length"]
+  candidates = [
+    c
+    for c, v in enumerate(eqn.invars[:nc])
+    if isinstance(v, jcore.Var)
+    and v in params
+    and v.aval.shape[:1] == (length,)
+    and readers.get(v, 0) == 1
+  ]
+  if not candidates:
+    return eqn
+  body = p["jaxpr"]
+  stacked = [body.jaxpr.invars[c] for c in candidates]
+  inner, consts = inline_calls_reading(body.jaxpr, list(body.consts), stacked)
+  counter = inner.invars[nc + j]
+  rows = {
+    v: c
+    for c, v in zip(candidates, stacked, strict=True)
+    if _reads_row_of_counter(inner, v, counter, length)
+  }
+  if not rows:
+    return eqn
+  row_vars = {
+    v: jcore.Var(jax.core.ShapedArray(v.aval.shape[1:], v.aval.dtype))
+    for v in rows
+  }
+  body_eqns = []
+  for e in inner.eqns:
+    if e.primitive.name == "dynamic_slice" and e.invars[0] in rows:
+      body_eqns.append(_expand(row_vars[e.invars[0]], e))
+    else:
+      body_eqns.append(e)
+  kept = [c for c in range(nc) if c not in rows.values()]
+  new_body = inner.replace(
+    invars=[
+      *(inner.invars[c] for c in kept),
+      *inner.invars[nc:],
+      *row_vars.values(),
+    ],
+    eqns=body_eqns,
+  )
+  new_params = {
+    **p,
+    "jaxpr": jcore.ClosedJaxpr(new_body, consts),
+    "num_consts": len(kept),
+  }
+  if "linear" in p:  # (Older JAX: one flag per input.)
+    lin = p["linear"]
+    new_params["linear"] = (
+      *(lin[c] for c in kept),
+      *lin[nc:],
+      *(False for _ in rows),
+    )
+  return eqn.replace(
+    invars=[
+      *(eqn.invars[c] for c in kept),
+      *eqn.invars[nc:],
+      *(eqn.invars[c] for c in rows.values()),
+    ],
+    params=new_params,
+  )
+
+
+def _reads_row_of_counter(body, v, counter, length) -> bool:
+  """Whether every read of ``v`` in ``body`` is a one-row
+  ``dynamic_slice`` starting at the counter (0 on the other axes), for
+  every iteration."""
+  uses = [e for e in body.eqns if v in e.invars]
+  if not uses or v in body.outvars:
+    return False
+  made = {x: e for e in body.eqns for x in e.outvars}
+  for e in uses:
+    if e.primitive.name != "dynamic_slice" or e.invars.count(v) != 1:
+      return False
+    if e.invars[0] is not v or tuple(e.params["slice_sizes"]) != (
+      1,
+      *v.aval.shape[1:],
+    ):
+      return False
+    for k in range(length):
+      starts = _from_counter(e.invars[1:], made, counter, k)
+      if starts is None or [int(s) for s in starts] != [k] + [0] * (
+        len(starts) - 1
+      ):
+        return False
+  return True
+
+
+def _from_counter(atoms, made, counter, k):
+  """The values of ``atoms`` when the counter is ``k``, evaluated from it
+  and literals alone; None where they read anything else."""
+  env = {counter: np.int32(k)}
+
+  def visit(x) -> bool:
+    if isinstance(x, jcore.Literal) or x in env:
+      return True
+    e = made.get(x)
+    if e is None or list(jcore.jaxprs_in_params(e.params)):
+      return False
+    if not all(visit(y) for y in e.invars):
+      return False
+    eval_eqn(e, env)
+    return True
+
+  if not all(visit(x) for x in atoms):
+    return None
+  return [np.asarray(read(env, x)) for x in atoms]
+
+
+def _expand(row, like):
+  """``like``'s output (a ``[1, ...]`` slice) as ``row[None]``."""
+  (out,) = like.outvars
+  return jcore.new_jaxpr_eqn(
+    [row],
+    [out],
+    jax.lax.broadcast_in_dim_p,
+    {
+      "shape": out.aval.shape,
+      "broadcast_dimensions": tuple(range(1, out.aval.ndim)),
+      "sharding": None,
+    },
+    jcore.no_effects,
+    like.source_info,
+  )
