@@ -6,14 +6,16 @@ runs stacked layers with a counted loop: ``jax.lax.fori_loop(0, n, lambda
 i, h: layer(params["w"][i], h), x)``, or ``dynamic_index_in_dim``. With
 static bounds that is a ``scan`` with no scanned inputs: the stacked
 params are constants of the body, which slices row ``i`` of each, and the
-counter ``i`` is a carry. One equation, one node: the model could not be
+counter ``i`` is a carry (or, written ``scan(body, h, jnp.arange(n))``, a
+scanned ``arange``). One equation, one node: the model could not be
 split.
 
 ``indexed_loops_as_scans`` rewrites such a scan so that each stacked param
 the body only reads row ``i`` of becomes a scanned input (its row, the
 same value the slice read), which ``split_layer_scans`` then splits per
-layer. A param qualifies when the loop runs forwards from a counter that
-starts at 0 and adds 1 per iteration, the loop's length is the param's
+layer. A param qualifies when the loop runs forwards with a counter (a
+carry that starts at 0 and adds 1 per iteration, or a scanned ``iota`` /
+constant ``arange``), the loop's length is the param's
 leading size, no other equation reads it, and every read of it in the
 body is a ``dynamic_slice`` of one row whose start is the counter (checked
 by evaluating the start, for every iteration, from the counter alone) and
@@ -45,9 +47,11 @@ def indexed_loops_as_scans(
   for v in jaxpr.outvars:
     if isinstance(v, jcore.Var):
       readers[v] = readers.get(v, 0) + 1
+  made = {v: e for e in jaxpr.eqns for v in e.outvars}
+  values = dict(zip(jaxpr.constvars, closed.consts, strict=True))
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
-    new = _as_scan_over_rows(eqn, params, readers)
+    new = _as_scan_over_rows(eqn, params, readers, made, values)
     changed |= new is not eqn
     eqns.append(new)
   if not changed:
@@ -55,13 +59,16 @@ def indexed_loops_as_scans(
   return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
 
 
-def _counter(eqn) -> int | None:
-  """The carry index of the loop's counter (starts at 0, + 1 each
-  iteration), or None."""
+def _counter(eqn, made, values):
+  """The body's variable that is ``k`` in iteration ``k``: a carry that
+  starts at 0 and adds 1 (``fori_loop``), or a scanned ``arange(length)``
+  (``scan(body, h, jnp.arange(n))``); None where there is none. ``made``:
+  the enclosing jaxpr's equation of each variable; ``values``: its
+  constants' values."""
   p = eqn.params
-  nc, body = p["num_consts"], p["jaxpr"].jaxpr
-  made = {v: e for e in body.eqns for v in e.outvars}
-  for j in range(p["num_carry"]):
+  nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"].jaxpr
+  inside = {v: e for e in body.eqns for v in e.outvars}
+  for j in range(nk):
     start = eqn.invars[nc + j]
     if not (
       isinstance(start, jcore.Literal)
@@ -69,18 +76,30 @@ def _counter(eqn) -> int | None:
       and int(start.val) == 0
     ):
       continue
-    inc = made.get(body.outvars[j])
+    inc = inside.get(body.outvars[j])
     mine = body.invars[nc + j]
     if inc is None or inc.primitive.name != "add":
       continue
     a, b = inc.invars
     one = [x for x in (a, b) if isinstance(x, jcore.Literal)]
     if mine in (a, b) and one and int(one[0].val) == 1:
-      return j
+      return mine
+  arange = np.arange(p["length"])
+  for j, x in enumerate(eqn.invars[nc + nk :]):
+    if not isinstance(x, jcore.Var) or x.aval.shape != arange.shape:
+      continue
+    e = made.get(x)
+    if e is not None and e.primitive.name == "iota":
+      steps = e.params["dimension"] == 0 and not e.params.get("sharding")
+    else:
+      value = values.get(x)
+      steps = value is not None and np.array_equal(np.asarray(value), arange)
+    if steps and np.issubdtype(x.aval.dtype, np.integer):
+      return body.invars[nc + nk + j]
   return None
 
 
-def _as_scan_over_rows(eqn, params, readers):
+def _as_scan_over_rows(eqn, params, readers, made, values):
   """``eqn`` rewritten (module doc), or ``eqn`` itself."""
   p = eqn.params
   if (
@@ -90,8 +109,8 @@ def _as_scan_over_rows(eqn, params, readers):
     or p["num_carry"] < 1
   ):
     return eqn
-  j = _counter(eqn)
-  if j is None:
+  counter = _counter(eqn, made, values)
+  if counter is None:
     return eqn
   nc, length = p["num_consts"], p["length"]
   candidates = [
@@ -107,7 +126,6 @@ def _as_scan_over_rows(eqn, params, readers):
   body = p["jaxpr"]
   stacked = [body.jaxpr.invars[c] for c in candidates]
   inner, consts = inline_calls_reading(body.jaxpr, list(body.consts), stacked)
-  counter = inner.invars[nc + j]
   rows = {
     v: c
     for c, v in zip(candidates, stacked, strict=True)
