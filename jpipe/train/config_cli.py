@@ -186,11 +186,13 @@ def _overrides(argv):
 
 
 def _flag_value(argv, name):
-  """The value of ``--name=X`` or ``--name X`` in argv, else None."""
+  """The value of ``--name=X`` or ``--name X`` in argv (the last one, as
+  absl takes it), else None."""
+  value = None
   for i, arg in enumerate(argv):
     if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
-      return argv[i + 1]
+      value = argv[i + 1]
     for prefix in (f"--{name}=", f"-{name}="):
       if arg.startswith(prefix):
-        return arg[len(prefix) :]
-  return None
+        value = arg[len(prefix) :]
+  return value

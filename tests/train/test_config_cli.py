@@ -28,6 +28,11 @@ DEFAULT = "--config=configs/default.py"
       "flag --config.train.steps=three: could not convert",
       "--config.train.steps=three: expected int like its current value",
     ),
+    (  # Given twice, absl reads the last: so does the explanation.
+      [DEFAULT, "--config", "configs/none.py"],
+      "x",
+      "--config configs/none.py: cannot load it (",
+    ),
     ([DEFAULT], "x", "--workdir is required: where checkpoints and logs go"),
     (
       [DEFAULT, "--workdir=/tmp/w"],
