@@ -2,7 +2,8 @@
 (``partition/_plain_types.py``, ``partition/_shard_map_emulation.py``):
 the same values and gradients as JAX's own SPMD run of it on 8 devices,
 for every collective, sharded and replicated specs, multi-axis specs,
-partial manual axes and collectives inside a scan in the body."""
+partial manual axes, collectives inside a scan in the body, and unchecked
+(``check_vma=False``) collectives of replicated values."""
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,21 @@ def _case(name, mesh):
       in_specs=(P(("data", "model")), P()),
       out_specs=P(("data", "model")),
     )
+  if name == "unchecked":  # check_vma=False: collectives of replicated values.
+
+    def body(x, w):
+      total = jax.lax.psum(w, "model")  # (4 w: w is the same on each.)
+      copies = jax.lax.all_gather(w, "model", tiled=True)
+      i = jax.lax.axis_index("model").astype(jnp.float32)
+      return x @ total + copies[8:16].sum() + jax.lax.pmax(i, "model")
+
+    return jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P("data"), P()),
+      out_specs=P("data"),
+      check_vma=False,
+    )
   body = {"every": _every_collective, "scan": _scanned_ring}[name]
   return jax.shard_map(
     body,
@@ -82,7 +98,9 @@ def _case(name, mesh):
   )
 
 
-@pytest.mark.parametrize("name", ["every", "scan", "partial", "multi_axis"])
+@pytest.mark.parametrize(
+  "name", ["every", "scan", "partial", "multi_axis", "unchecked"]
+)
 def test_values_and_gradients_equal_the_mesh(name):
   mesh = jax.make_mesh(
     (2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
