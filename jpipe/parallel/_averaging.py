@@ -20,6 +20,8 @@ import jax
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from jpipe.runtime.build.user_mesh import own_mesh
+
 _AXIS = "replicas"
 
 
@@ -38,11 +40,13 @@ class GroupMean:
 
   def _sharding(self, devices):
     if devices not in self._meshes:
-      mesh = jax.make_mesh(
-        (len(devices),),
-        (_AXIS,),
-        devices=list(devices),
-        axis_types=(jax.sharding.AxisType.Explicit,),
+      mesh = own_mesh(
+        jax.make_mesh(
+          (len(devices),),
+          (_AXIS,),
+          devices=list(devices),
+          axis_types=(jax.sharding.AxisType.Explicit,),
+        )
       )
 
       def mean(leaves):

@@ -1,15 +1,17 @@
-"""One process of a run whose caller set a mesh over every process's
-devices (multi-host SPMD code): the batch and a weight are global arrays
-sharded over "data" (each process holds its rows), the other weights
-replicated global arrays, under an Auto and then an Explicit mesh. A
-pipeline of 2 stages (one per process) steps once; every process checks
-the loss, the gathered params and the evaluated loss after the step
-against the same loss jitted over the caller's mesh, and prints
-"<kind>: equal".
+"""One process of a run of multi-host SPMD code: a mesh over every
+process's devices, the batch and a weight global arrays sharded over
+"data" on it (each process holds its rows), the other weights replicated
+global arrays; the mesh set (Auto, then Explicit), then not set at all
+(the arrays carry it). A pipeline of 2 stages (one per process) steps
+once; every process checks the loss, the gathered params and the
+evaluated loss after the step against the same loss jitted over the
+mesh, and prints "<kind>: equal" ("unset: equal" for the last).
 
   python -m jpipe.launch --nprocs 2 --devices-per-process 2 -- \\
     python tests/distributed/caller_mesh_worker.py
 """
+
+import contextlib
 
 from jpipe import distributed
 
@@ -38,14 +40,15 @@ def _whole(x):
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def run(kind):
+def run(kind, set_mesh=True):
   mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
+  context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
   rng = np.random.RandomState(0)
   x = rng.randn(16, 8).astype(np.float32)
   y = (np.arange(16) % 8).astype(np.int32)
   weights = [rng.randn(8, 8).astype(np.float32) * 0.3 for _ in range(4)]
   rows = slice(8 * jax.process_index(), 8 * (jax.process_index() + 1))
-  with jax.set_mesh(mesh):
+  with context:
 
     def spread(value):  # (Rows over "data": each process its half.)
       return jax.make_array_from_process_local_data(
@@ -76,14 +79,16 @@ def run(kind):
     state, metrics = pipe.step(state, batch)
     got = pipe.gather_params(state)
     evaluated = pipe.evaluate(state, batch)
-    assert jax.sharding.get_mesh() is mesh  # (The caller's, back.)
+    if set_mesh:
+      assert jax.sharding.get_mesh() is mesh  # (The caller's, back.)
   np.testing.assert_allclose(float(metrics["loss"]), before, rtol=1e-5)
   for k in expected:
     np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(evaluated["loss"]), after, rtol=1e-5)
-  print(f"{kind.name}: equal", flush=True)
+  print(f"{kind.name if set_mesh else 'unset'}: equal", flush=True)
 
 
 if __name__ == "__main__":
   for kind in (AxisType.Auto, AxisType.Explicit):
     run(kind)
+  run(AxisType.Auto, set_mesh=False)

@@ -491,12 +491,13 @@ def test_a_stacked_leaf_across_processes_is_saved_in_rows(
 
 @pytest.mark.slow
 def test_global_arrays_on_the_callers_mesh_across_processes(process_env):
-  """Multi-host SPMD code: a mesh set over both processes' devices (Auto,
-  then Explicit), the batch and a weight sharded over it (each process
-  holding its rows), the other weights replicated. The pipeline gathers
-  them whole, steps as the loss jitted over the mesh, evaluates, and
-  gives the caller's mesh back (caller_mesh_worker.py checks each)."""
+  """Multi-host SPMD code: a mesh over both processes' devices, set
+  (Auto, then Explicit) or not set, the batch and a weight sharded over
+  it (each process holding its rows), the other weights replicated. The
+  pipeline gathers them whole, steps as the loss jitted over the mesh,
+  evaluates, and gives the caller's mesh back (caller_mesh_worker.py
+  checks each)."""
   done = _launch(2, "caller_mesh_worker.py", env=process_env(), devices=2)
   assert done.returncode == 0, done.stdout[-6000:]
-  for kind in ("Auto", "Explicit"):
+  for kind in ("Auto", "Explicit", "unset"):
     assert done.stdout.count(f"{kind}: equal") == 2, done.stdout[-6000:]

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jpipe.runtime.build.user_mesh import own_mesh
+
 
 class CollectivePairs:
   """Pair programs (one per device pair, shape and dtype) and the
@@ -63,7 +65,7 @@ def _global_shape(shape):
 
 def _pair_program(a, b):
   """A jitted send from device a to device b: (program, input sharding)."""
-  mesh = Mesh(np.array([a, b]), ("pair",))
+  mesh = own_mesh(Mesh(np.array([a, b]), ("pair",)))
   spec = PartitionSpec("pair")
 
   def send(x):

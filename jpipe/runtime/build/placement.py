@@ -47,6 +47,8 @@ from jax.sharding import (
   SingleDeviceSharding,
 )
 
+from jpipe.runtime.build.user_mesh import own_mesh
+
 
 def spans_processes(sharding) -> bool:
   """Whether ``sharding`` names devices of other processes than this one
@@ -145,7 +147,7 @@ class StagePlacement:
     if len(self.devices) == 1:
       self.replicated = self.split = SingleDeviceSharding(self.devices[0])
     elif self.round_robin or self.weighted:
-      mesh = Mesh(np.array(self.devices), ("replica",))
+      mesh = own_mesh(Mesh(np.array(self.devices), ("replica",)))
       self.replicated = NamedSharding(mesh, PartitionSpec())
       # Round robin: nothing is split, a replica takes it whole. Weighted:
       # a microbatch's values wait whole on the first device.
@@ -169,7 +171,7 @@ class StagePlacement:
           f"examples: use a microbatch size divisible by "
           f"{len(self.devices)} (batch size / num_microbatches)"
         )
-      mesh = Mesh(np.array(self.devices), ("replica",))
+      mesh = own_mesh(Mesh(np.array(self.devices), ("replica",)))
       self.replicated = NamedSharding(mesh, PartitionSpec())
       self.split = NamedSharding(mesh, PartitionSpec("replica"))
       # [microbatch, example, ...]: every replica its examples of each.

@@ -18,7 +18,9 @@ sharded model's parameters spread over its devices, not all on one), each
 remembering its spec for traces (``partition/_caller_axes.py``). Global
 arrays on a caller's mesh over several processes' devices (multi-host
 code: a batch each process holds its rows of) are gathered whole on every
-process, as the pipeline's processes each read the data they need.
+process, as the pipeline's processes each read the data they need; with
+no mesh set, in a multi-process run, so are global arrays on any mesh but
+the pipeline's own (``own_mesh``: a replica group's, a transfer's).
 """
 
 import functools
@@ -43,6 +45,8 @@ def without_mesh(fn):
   @functools.wraps(fn)
   def run(*args, **kwargs):
     if not _mesh_set():  # (The common case: nothing to swap.)
+      if jax.process_count() > 1:  # (Global arrays made with no mesh set.)
+        args, kwargs = _plain((args, kwargs), None)
       return fn(*args, **kwargs)
     caller = jax.sharding.get_mesh()
     if caller.empty:  # (Only an abstract one: jax.sharding.use_abstract_mesh.)
@@ -87,15 +91,29 @@ def _plain(tree, caller):
 
 
 def _global_on(x, caller) -> bool:
-  """Whether ``x`` is an array on the caller's mesh with shards in other
-  processes (not the pipeline's own: those are on its meshes)."""
-  return (
+  """Whether ``x`` is an array with shards in other processes on the
+  caller's mesh (where none is set: on any mesh but the pipeline's own)."""
+  if not (
     isinstance(x, jax.Array)
     and isinstance(x.sharding, NamedSharding)
     and not x.is_fully_addressable
-    and x.sharding.mesh.abstract_mesh
-    == getattr(caller, "abstract_mesh", caller)
-  )
+  ):
+    return False
+  mesh = x.sharding.mesh
+  if caller is None:
+    return mesh not in _OWN_MESHES
+  return mesh.abstract_mesh == getattr(caller, "abstract_mesh", caller)
+
+
+# The meshes the pipeline makes itself (a replica group's, a transfer's
+# pair): arrays on them are its own, never the caller's.
+_OWN_MESHES: set = set()
+
+
+def own_mesh(mesh):
+  """Registers ``mesh`` as one the pipeline made; returns it."""
+  _OWN_MESHES.add(mesh)
+  return mesh
 
 
 def outside_user_mesh(cls):
