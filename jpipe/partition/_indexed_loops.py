@@ -22,7 +22,6 @@ by evaluating the start, for every iteration, from the counter alone) and
 0 elsewhere. Anything else leaves the loop as it is.
 """
 
-from typing import Any
 
 import jax
 import jax.extend.core as jcore
@@ -30,6 +29,7 @@ import numpy as np
 
 from jpipe.partition._eval import eval_eqn, read
 from jpipe.partition._inline_calls import inline_calls_reading
+from jpipe.partition._scan_layers import read_counts
 
 
 def indexed_loops_as_scans(
@@ -39,14 +39,7 @@ def indexed_loops_as_scans(
   scan over their rows (the same function; ``closed`` where none is)."""
   jaxpr = closed.jaxpr
   params = set(jaxpr.invars[:num_param_leaves])
-  readers: dict[Any, int] = {}
-  for eqn in jaxpr.eqns:
-    for v in eqn.invars:
-      if isinstance(v, jcore.Var):
-        readers[v] = readers.get(v, 0) + 1
-  for v in jaxpr.outvars:
-    if isinstance(v, jcore.Var):
-      readers[v] = readers.get(v, 0) + 1
+  readers = read_counts(jaxpr)
   made = {v: e for e in jaxpr.eqns for v in e.outvars}
   values = dict(zip(jaxpr.constvars, closed.consts, strict=True))
   eqns, changed = [], False

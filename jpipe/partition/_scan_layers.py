@@ -176,17 +176,24 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
   )
 
 
-def _layer_scans(jaxpr, params) -> tuple[dict, dict]:
-  """``({scan eqn index: the stacked param vars it scans}, {stacked param
-  var: fresh vars of its rows})``."""
+def read_counts(jaxpr) -> dict[Any, int]:
+  """How many times each variable of ``jaxpr`` is read: once per equation
+  input, twice as an output (a value returned is read whole)."""
   readers: dict[Any, int] = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
       if isinstance(v, jcore.Var):
         readers[v] = readers.get(v, 0) + 1
-  for v in jaxpr.outvars:  # (A param returned is read whole.)
+  for v in jaxpr.outvars:
     if isinstance(v, jcore.Var):
       readers[v] = readers.get(v, 0) + 2
+  return readers
+
+
+def _layer_scans(jaxpr, params) -> tuple[dict, dict]:
+  """``({scan eqn index: the stacked param vars it scans}, {stacked param
+  var: fresh vars of its rows})``."""
+  readers = read_counts(jaxpr)
   param_set = set(params)
   plans, stacked = {}, {}
   for i, eqn in enumerate(jaxpr.eqns):

@@ -12,6 +12,7 @@ import pytest
 
 import jpipe
 from jpipe.partition._indexed_loops import indexed_loops_as_scans
+from tests.runtime.test_explicit_mesh import _reference
 from tests.runtime.test_pipeline_sync import _assert_tree_close
 
 LAYERS = 6
@@ -159,11 +160,7 @@ def test_a_pipeline_splits_the_loop_per_layer_and_trains_as_one_device(loop):
   state = pipe.init(params)
   for _ in range(2):
     state, _ = pipe.step(state, batch)
-  expected, opt_state = params, tx.init(params)
-  for _ in range(2):
-    grads = jax.grad(loss_fn)(expected, batch)
-    updates, opt_state = tx.update(grads, opt_state, expected)
-    expected = optax.apply_updates(expected, updates)
+  expected = _reference(loss_fn, params, [[batch]] * 2, tx)
   got = pipe.gather_params(state)
   assert got["w"].shape == (LAYERS, 8, 8)  # (The model's own layout.)
   _assert_tree_close(got, expected)
