@@ -22,7 +22,6 @@ by evaluating the start, for every iteration, from the counter alone) and
 0 elsewhere. Anything else leaves the loop as it is.
 """
 
-
 import jax
 import jax.extend.core as jcore
 import numpy as np
