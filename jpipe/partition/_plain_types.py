@@ -55,8 +55,12 @@ def plain_types(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
 
 def typed_on_mesh(x) -> bool:
   """Whether ``x`` is an array typed on an ``Explicit`` mesh."""
-  return isinstance(x, jax.Array) and (
-    AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
+  # (The sharding first: ~10x cheaper than the type, and only an array
+  # on a NamedSharding can be typed on a mesh.)
+  return (
+    isinstance(x, jax.Array)
+    and isinstance(x.sharding, jax.sharding.NamedSharding)
+    and AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
   )
 
 

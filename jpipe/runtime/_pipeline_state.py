@@ -32,9 +32,11 @@ from jpipe.runtime._state_dict import (
   restore_structure,
   select_optimizer_states,
 )
+from jpipe.runtime.build.user_mesh import own_type
 from jpipe.runtime.execute.in_flight import InFlight
 
 
+@own_type
 class PipelineState(NamedTuple):
   """Per-stage parameter leaves and optimizer states, on their devices.
 

@@ -13,12 +13,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jpipe
 from jpipe import dynamic, parallel, partition
 from jpipe.partition._plain_types import plain_types
+from jpipe.runtime.build import user_mesh
 from tests.runtime.test_generate import (
   _generate,
   _greedy_recomputing,
@@ -225,6 +226,41 @@ def test_data_parallel_pipelines_of_arrays_typed_on_the_mesh():
     expected = _reference(loss_fn, params, [batches], tx)
   for pipe, state in zip(dp.pipelines, states, strict=True):
     _assert_tree_close(pipe.gather_params(state), expected)
+
+
+def test_a_calls_mesh_check_reads_the_batch_not_the_state():
+  """``user_mesh._plain`` (each public call's look for the caller's
+  arrays) passes a ``PipelineState`` through whole -- its leaves are the
+  pipeline's own, and looking into a state's hundreds of leaves cost ~300
+  us a call -- and still makes the batch's typed arrays plain.
+  ``typed_on_mesh`` is the type's own definition on arrays of every
+  kind."""
+  mesh = _mesh("explicit")
+  with jax.set_mesh(mesh):
+    batch = _batch()
+    loss_fn, params = _jnp_case(None, batch)
+    pipe = jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=2,
+      devices=jax.devices()[:2],
+      num_microbatches=2,
+      optimizer=optax.sgd(0.1),
+    )
+    state = pipe.init(params)
+    (got_state, got_batch), _ = user_mesh._plain(((state, batch), {}), mesh)
+    auto = jax.device_put(batch["x"], NamedSharding(_mesh("auto"), P()))
+  assert got_state is state
+  for name in batch:
+    assert partition.typed_on_mesh(batch[name])
+    assert not partition.typed_on_mesh(got_batch[name])
+    np.testing.assert_array_equal(got_batch[name], batch[name])
+  for x in [*jax.tree.leaves(state), *batch.values(), auto, np.ones(3)]:
+    expected = isinstance(x, jax.Array) and (
+      AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
+    )
+    assert partition.typed_on_mesh(x) == expected
 
 
 def _typed_avals(jaxpr):
