@@ -112,8 +112,6 @@ def choose_depth(
 
 # What users write for the primitives that hold module calls.
 _PRIMITIVES = {
-  "remat2": "jax.checkpoint",
-  "checkpoint": "jax.checkpoint",
   "while": "jax.lax.while_loop / fori_loop",
   "cond": "jax.lax.cond / switch",
   "scan": "jax.lax.scan",
@@ -121,15 +119,15 @@ _PRIMITIVES = {
 
 
 def _more_nodes_hint(traced: TracedModel) -> str:
-  """How to give ``traced`` more nodes: open the control flow or remat
-  that holds several module calls, else name plain-JAX blocks."""
+  """How to give ``traced`` more nodes: open the control flow that holds
+  several module calls, else name plain-JAX blocks."""
   enclosing = enclosing_equations(traced.closed_jaxpr)
   if enclosing:
     name, paths = enclosing[0]
     name = _PRIMITIVES.get(name, name)
     return (
       f"split what one {name} holds ({paths} module paths, which "
-      "no cut enters): jax.checkpoint / nn.remat smaller blocks, not the "
-      "whole model; unroll a loop whose body calls several modules"
+      "no cut enters): call its modules outside it, or unroll a loop whose "
+      "body calls several modules"
     )
   return "wrap parts of a plain-JAX loss in jax.named_scope to give it more"

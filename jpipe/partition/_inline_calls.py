@@ -7,11 +7,14 @@ pipeline compiles each stage's program itself), so ``inline_module_calls``
 replaces a ``jit`` equation whose body calls modules of two or more paths
 by its body's equations, their name stacks under the call's, recursively.
 Jits inside one module (jax.numpy's own helpers, a jitted attention
-kernel) stay whole, as do ``remat``, ``scan``, ``cond`` and ``while``
-(they change what runs, not only where it compiles).
+kernel) stay whole, as do ``remat`` (split per node by
+``_checkpoint_split`` instead, keeping its policy), ``scan``, ``cond`` and
+``while`` (they change what runs, not only where it compiles).
 """
 
 import jax.extend.core as jcore
+
+from jpipe.partition._checkpoint_split import REMAT
 
 _CALLS = ("jit", "pjit")  # (The primitive's name before jax 0.7: pjit.)
 
@@ -128,13 +131,21 @@ def _inline(jaxpr, consts, opens=_opens):
 
 
 def enclosing_equations(closed: jcore.ClosedJaxpr) -> list[tuple[str, int]]:
-  """``(primitive, module paths)`` of ``closed``'s top-level equations
-  whose bodies call modules of two or more paths (``checkpoint``,
-  ``cond``, ``while``, ...: module calls no cut separates), the most
-  paths first."""
+  """``(primitive, module paths)`` of ``closed``'s equations whose bodies
+  call modules of two or more paths (``cond``, ``while``, ``scan``, ...:
+  module calls no cut separates), the most paths first. A checkpoint is
+  no such equation (``_checkpoint_split`` splits it per node): the
+  equations in its body are looked at instead."""
   out = []
-  for e in closed.jaxpr.eqns:
-    paths = {s for j in jcore.jaxprs_in_params(e.params) for s in _scopes(j)}
-    if len(paths) > 1:
-      out.append((e.primitive.name, len(paths)))
+
+  def visit(eqns):
+    for e in eqns:
+      if e.primitive.name in REMAT:
+        visit(e.params["jaxpr"].eqns)
+        continue
+      paths = {s for j in jcore.jaxprs_in_params(e.params) for s in _scopes(j)}
+      if len(paths) > 1:
+        out.append((e.primitive.name, len(paths)))
+
+  visit(closed.jaxpr.eqns)
   return sorted(out, key=lambda item: -item[1])

@@ -16,7 +16,9 @@ A scan over layers (stacked params scanned by a ``scan`` whose carry
 flows layer to layer: linen's ``nn.scan``, ``jax.lax.scan`` over stacked
 params) becomes one node per iteration, each reading its rows of the
 stacked params (``_scan_layers``; ``param_layout`` maps the rows back to
-the model's leaves). Other ``scan``, ``cond``, ``while`` and ``remat``
+the model's leaves). A ``jax.checkpoint`` (``nn.remat``) whose work spans
+nodes at the depth cut is split into one checkpoint per node
+(``_checkpoint_split``). Other ``scan``, ``cond`` and ``while``
 equations stay inside one node; to cut inside them, unroll the loop in the
 model or call the repeated module outside the control flow. Nested
 ``jax.jit`` calls spanning modules (a jitted loss) are opened first
@@ -37,11 +39,17 @@ import numpy as np
 
 from jpipe.partition import _flops
 from jpipe.partition._caller_axes import caller_axes
+from jpipe.partition._checkpoint_split import deep_paths, split_checkpoints
 from jpipe.partition._indexed_loops import indexed_loops_as_scans
 from jpipe.partition._inline_calls import inline_module_calls
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._plain_types import plain_types
 from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
+from jpipe.partition._scopes import (
+  components,
+  eqn_scope,
+  inputs_glue_joins_next,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,6 +79,8 @@ class TracedModel:
     eqn_iteration: per equation, ``(scan, k)`` when it is iteration k of a
       scan over layers (``_scan_layers``), else None; () without any.
     eqn_slices: per equation, the scan it slices a scanned input for.
+    whole: the trace before any checkpoint was split for a depth
+      (``at_depth`` cuts from it).
   """
 
   closed_jaxpr: jcore.ClosedJaxpr
@@ -87,6 +97,7 @@ class TracedModel:
   param_layout: ParamLayout | None = None
   eqn_iteration: tuple[tuple[int, int] | None, ...] = ()
   eqn_slices: tuple[int | None, ...] = ()
+  whole: "_Whole | None" = None
 
   def traced_params(self, params) -> list:
     """The model's params pytree as the traced param leaves (rows of
@@ -110,16 +121,40 @@ class TracedModel:
   def max_depth(self) -> int:
     """The deepest module path of any equation: deeper cuts add no
     nodes."""
+    if self.whole is not None:  # (Paths inside checkpoints count.)
+      return self.whole.deepest
     return max((len(s) for s in self.eqn_scopes), default=1) or 1
 
   def at_depth(self, depth: int) -> "TracedModel":
     """The same trace with its nodes cut at another depth (no retrace:
-    linear in the number of equations)."""
+    linear in the number of equations), checkpoints split where their
+    work spans nodes there."""
     if depth < 1:
       raise ValueError(f"depth must be >= 1, got {depth}")
-    names, eqn_node = _group(self.eqn_scopes, depth)
+    whole = self.whole
+    if whole is None:
+      names, eqn_node = _group(self.eqn_scopes, depth)
+      return dataclasses.replace(
+        self, node_names=tuple(names), eqn_node=tuple(eqn_node), depth=depth
+      )
+    cut = whole.split_at(depth)
+    scopes = inputs_glue_joins_next(
+      cut.closed_jaxpr.jaxpr.eqns, [p[whole.strip :] for p in cut.paths]
+    )
+    names, eqn_node = _group(scopes, depth)
+
+    def per_eqn(values):
+      return tuple(values[i] for i in cut.origin) if values else ()
+
     return dataclasses.replace(
-      self, node_names=tuple(names), eqn_node=tuple(eqn_node), depth=depth
+      self,
+      closed_jaxpr=cut.closed_jaxpr,
+      node_names=tuple(names),
+      eqn_node=tuple(eqn_node),
+      depth=depth,
+      eqn_scopes=tuple(scopes),
+      eqn_iteration=per_eqn(whole.iteration),
+      eqn_slices=per_eqn(whole.slices),
     )
 
   @property
@@ -275,36 +310,72 @@ def trace(
   closed = indexed_loops_as_scans(closed, num_param_leaves)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
-  scopes = _below_root(
-    [
-      own if own is not None else _scope(e)
-      for e, own in zip(closed.jaxpr.eqns, split.scopes, strict=True)
-    ]
-  )
-  scopes = _inputs_glue_joins_next(closed.jaxpr, scopes)
-  names, eqn_node = _group(scopes, depth)
-  if not names:
+  if not closed.jaxpr.eqns:
     raise ValueError("loss_fn traced to no equations: nothing to partition")
+  scopes = tuple(
+    own if own is not None else eqn_scope(e)
+    for e, own in zip(closed.jaxpr.eqns, split.scopes, strict=True)
+  )
+  deep = deep_paths(closed.jaxpr, scopes)
+  strip = _root_strip(deep)
   paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
   layout = None if split.layout.identity else split.layout
   if layout is not None:
     paths = [*layout.traced_names(paths), *paths[num_param_leaves:]]
+  whole = _Whole(
+    closed_jaxpr=closed,
+    scopes=scopes,
+    iteration=split.iteration if layout is not None else (),
+    slices=split.slices if layout is not None else (),
+    strip=strip,
+    deepest=max((len(s) - strip for s in deep), default=1) or 1,
+  )
   return TracedModel(
     closed_jaxpr=closed,
     in_tree=in_tree,
     out_tree=out_tree,
     num_param_leaves=len(split.layout.source),
     leaf_paths=tuple(paths),
-    node_names=tuple(names),
-    eqn_node=tuple(eqn_node),
+    node_names=(),
+    eqn_node=(),
     has_aux=has_aux,
-    depth=depth,
-    eqn_scopes=tuple(scopes),
     returns_loss=returns_loss,
     param_layout=layout,
-    eqn_iteration=split.iteration if layout is not None else (),
-    eqn_slices=split.slices if layout is not None else (),
-  )
+    whole=whole,
+  ).at_depth(depth)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Whole:
+  """A trace before checkpoints are split for a depth.
+
+  Attributes:
+    closed_jaxpr: the traced loss, checkpoints whole.
+    scopes: every equation's full module path (root's name included).
+    iteration, slices: ``TracedModel.eqn_iteration`` / ``eqn_slices`` of
+      these equations.
+    strip: leading path components that are the root module's name (1
+      where one module holds everything, else 0).
+    deepest: the deepest path below the root, checkpoints' bodies in.
+  """
+
+  closed_jaxpr: jcore.ClosedJaxpr
+  scopes: tuple[tuple[str, ...], ...]
+  iteration: tuple
+  slices: tuple
+  strip: int
+  deepest: int
+  # Per depth, its split (made once: every cut at a depth is the same
+  # jaxpr, its variables too).
+  _splits: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def split_at(self, depth: int):
+    """``split_checkpoints`` of this trace at ``depth``."""
+    if depth not in self._splits:
+      self._splits[depth] = split_checkpoints(
+        self.closed_jaxpr, self.scopes, depth, self.strip
+      )
+    return self._splits[depth]
 
 
 class LossOutputError(ValueError):
@@ -332,34 +403,10 @@ def _check_loss(out_shape, has_aux: bool) -> None:
     )
 
 
-def _components(name_stack) -> tuple[str, ...]:
-  return tuple(p for p in str(name_stack).split("/") if p)
-
-
-def _scope(eqn) -> tuple[str, ...]:
-  """The equation's module path as a tuple of components.
-
-  Lifted transforms (``nn.scan``, ``nn.remat``) record their equation at
-  the caller's scope and the module path only inside the body, relative to
-  it: the common prefix of the body's paths is appended.
-  """
-  outer = _components(eqn.source_info.name_stack)
-  inner = [
-    _components(e.source_info.name_stack)
-    for j in jcore.jaxprs_in_params(eqn.params)
-    for e in j.eqns
-  ]
-  inner = [s for s in inner if s]
-  if inner:
-    common = os.path.commonprefix(inner)
-    outer = outer + tuple(common)
-  return outer
-
-
 def _scan_name(eqn) -> tuple[tuple[str, ...], str]:
   """``(outer path, base name)`` of a scan over layers' iterations: the
   module the body runs in (``nn.scan``'s name), else ``"scan"``."""
-  outer = _components(eqn.source_info.name_stack)
+  outer = components(eqn.source_info.name_stack)
   inner = _body_scopes(eqn)
   common = os.path.commonprefix(inner) if inner else ()
   return outer, common[0] if common else "scan"
@@ -371,41 +418,17 @@ def _body_scopes(eqn) -> list[tuple[str, ...]]:
   out = []
   for j in jcore.jaxprs_in_params(eqn.params):
     for e in j.eqns:
-      own = _components(e.source_info.name_stack)
+      own = components(e.source_info.name_stack)
       below = _body_scopes(e)
       out.extend([own + b for b in below] or [own])
   return out
 
 
-def _below_root(scopes: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-  """Module paths without the root module's own name (when one module
-  holds everything, its children are depth 1)."""
+def _root_strip(scopes) -> int:
+  """1 where one root module holds everything (its children are depth
+  1), else 0."""
   roots = {s[0] for s in scopes if s}
-  strip = 1 if len(roots) == 1 and any(len(s) > 1 for s in scopes) else 0
-  return [s[strip:] for s in scopes]
-
-
-def _inputs_glue_joins_next(jaxpr, scopes) -> list[tuple[str, ...]]:
-  """``scopes`` with glue that reads only the function's inputs (a
-  token sliced from the batch, a mask made from it) scoped as the module
-  call after it: it is work for that call, not for the one before (which
-  may sit on a later stage: a decoding loop's next position slices its
-  token after the last layer ran). Glue reading a module's results keeps
-  joining the run before it (``_group``)."""
-  scopes = list(scopes)
-  made = set()  # Values some module call's work depends on.
-  glue = []  # Equations of the current run of glue reading inputs only.
-  for i, eqn in enumerate(jaxpr.eqns):
-    reads_made = any(isinstance(v, jcore.Var) and v in made for v in eqn.invars)
-    if scopes[i] and glue:
-      for j in glue:
-        scopes[j] = scopes[i]
-    if scopes[i] or reads_made:
-      made.update(eqn.outvars)
-      glue = []
-    else:
-      glue.append(i)
-  return scopes
+  return 1 if len(roots) == 1 and any(len(s) > 1 for s in scopes) else 0
 
 
 def _group(

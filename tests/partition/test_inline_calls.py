@@ -106,11 +106,17 @@ def test_a_jitted_loss_trains_as_one_device():
 
 def test_module_calls_no_cut_enters_are_named():
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+
+  def in_a_cond(params, batch):
+    return jax.lax.cond(
+      jnp.all(jnp.isfinite(batch["x"])), loss_fn, loss_fn, params, batch
+    )
+
   with pytest.raises(
-    partition.TooFewNodes, match="one jax.checkpoint holds \\(9 module paths"
+    partition.TooFewNodes, match="one jax.lax.cond / switch holds \\(9 module"
   ):
     jpipe.Pipeline(
-      jax.checkpoint(loss_fn),
+      in_a_cond,
       params,
       batch,
       num_stages=2,

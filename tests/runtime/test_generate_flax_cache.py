@@ -7,7 +7,7 @@ call, so the decoding function feeds a prompt position by position.
 Against greedy decoding that recomputes the whole sequence without a
 cache; and the trace property that lets the position loop split: the
 token a position slices from the batch is work of the module call after
-it, not of the last layer before it (``_trace._inputs_glue_joins_next``).
+it, not of the last layer before it (``_scopes.inputs_glue_joins_next``).
 """
 
 import flax.linen as nn
