@@ -15,6 +15,7 @@ kernel) stay whole, as do ``remat`` (split per node by
 import jax.extend.core as jcore
 
 from jpipe.partition._checkpoint_split import REMAT
+from jpipe.partition._scopes import nested_paths
 
 _CALLS = ("jit", "pjit")  # (The primitive's name before jax 0.7: pjit.)
 
@@ -33,20 +34,7 @@ def _opens(eqn) -> bool:
   more paths."""
   if eqn.primitive.name not in _CALLS:
     return False
-  return len(set(_scopes(eqn.params["jaxpr"].jaxpr))) > 1
-
-
-def _scopes(jaxpr) -> list[tuple[str, ...]]:
-  """The non-empty module paths of ``jaxpr``'s equations, nested bodies'
-  relative to their equation's."""
-  out = []
-  for e in jaxpr.eqns:
-    own = tuple(p for p in str(e.source_info.name_stack).split("/") if p)
-    below = [
-      own + s for j in jcore.jaxprs_in_params(e.params) for s in _scopes(j)
-    ]
-    out.extend(below or ([own] if own else []))
-  return out
+  return len(set(nested_paths(eqn.params["jaxpr"].jaxpr))) > 1
 
 
 def inline_calls_reading(jaxpr, consts, watched):
@@ -143,7 +131,9 @@ def enclosing_equations(closed: jcore.ClosedJaxpr) -> list[tuple[str, int]]:
       if e.primitive.name in REMAT:
         visit(e.params["jaxpr"].eqns)
         continue
-      paths = {s for j in jcore.jaxprs_in_params(e.params) for s in _scopes(j)}
+      paths = {
+        s for j in jcore.jaxprs_in_params(e.params) for s in nested_paths(j)
+      }
       if len(paths) > 1:
         out.append((e.primitive.name, len(paths)))
 

@@ -31,6 +31,22 @@ def eqn_scope(eqn) -> tuple[str, ...]:
   return outer
 
 
+def nested_paths(jaxpr, *, glue: bool = False) -> list[tuple[str, ...]]:
+  """Module paths of ``jaxpr``'s equations, one with bodies (a jit, a
+  scan) replaced by its bodies' equations' paths under its own; with
+  ``glue``, ``()`` for each equation outside any module too."""
+  out = []
+  for e in jaxpr.eqns:
+    own = components(e.source_info.name_stack)
+    below = [
+      own + s
+      for j in jcore.jaxprs_in_params(e.params)
+      for s in nested_paths(j, glue=glue)
+    ]
+    out.extend(below or ([own] if own or glue else []))
+  return out
+
+
 def inputs_glue_joins_next(eqns, scopes) -> list[tuple[str, ...]]:
   """``scopes`` (one per equation of ``eqns``; ``()`` for glue) with glue
   that reads only the function's inputs (a token sliced from the batch, a

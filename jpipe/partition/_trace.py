@@ -49,6 +49,7 @@ from jpipe.partition._scopes import (
   components,
   eqn_scope,
   inputs_glue_joins_next,
+  nested_paths,
 )
 
 
@@ -407,21 +408,13 @@ def _scan_name(eqn) -> tuple[tuple[str, ...], str]:
   """``(outer path, base name)`` of a scan over layers' iterations: the
   module the body runs in (``nn.scan``'s name), else ``"scan"``."""
   outer = components(eqn.source_info.name_stack)
-  inner = _body_scopes(eqn)
+  inner = [
+    s
+    for j in jcore.jaxprs_in_params(eqn.params)
+    for s in nested_paths(j, glue=True)
+  ]
   common = os.path.commonprefix(inner) if inner else ()
   return outer, common[0] if common else "scan"
-
-
-def _body_scopes(eqn) -> list[tuple[str, ...]]:
-  """Module paths of the equations inside ``eqn``'s sub-jaxprs, nested
-  calls (a ``remat`` in the body) followed."""
-  out = []
-  for j in jcore.jaxprs_in_params(eqn.params):
-    for e in j.eqns:
-      own = components(e.source_info.name_stack)
-      below = _body_scopes(e)
-      out.extend([own + b for b in below] or [own])
-  return out
 
 
 def _root_strip(scopes) -> int:
