@@ -2,7 +2,7 @@
 
 from jpipe.runtime._builder import PipelineBuilder
 from jpipe.runtime._gather import trees_everywhere
-from jpipe.runtime._nnx_loss import NnxLoss, nnx_loss
+from jpipe.runtime._nnx_loss import NnxLoss, array_variables, nnx_loss
 from jpipe.runtime._pipeline import Pipeline
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._slowdown import (
@@ -61,6 +61,7 @@ __all__ = [
   "check_staleness_options",
   "even_rows",
   "format_bytes",
+  "array_variables",
   "is_key",
   "nnx_loss",
   "outside_user_mesh",

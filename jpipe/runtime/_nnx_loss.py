@@ -14,6 +14,10 @@ call (``nnx.merge``), as NNX's own functional training step does:
   calling the model microbatch by microbatch (values sown with
   ``Module.sow`` are dropped).
 
+A model made with ``nnx.var_defaults(hijax=True)`` (its variables JAX
+types of their own, not pytrees of arrays) is split as the same model
+with ordinary variables (``array_variables``): the params are arrays.
+
 After training, ``nnx.update(model, pipe.gather_params(state),
 pipe.gather_model_state(state))`` writes the results back into the model.
 """
@@ -63,7 +67,7 @@ def nnx_loss(model, loss_fn: Callable, *, has_aux: bool = False) -> NnxLoss:
       f"nnx_loss takes an nnx.Module, got {type(model).__name__}; a linen "
       "model's loss is already a function of its params"
     )
-  model = nnx.clone(model)  # The caller's stays as it is.
+  model = array_variables(nnx.clone(model))  # The caller's stays as it is.
   nnx.pop(model, nnx.Intermediate)  # Values sown by earlier calls.
   graphdef, params, state = nnx.split(model, nnx.Param, ...)
   if not jax.tree.leaves(state):
@@ -86,3 +90,13 @@ def nnx_loss(model, loss_fn: Callable, *, has_aux: bool = False) -> NnxLoss:
     return out, new_state
 
   return NnxLoss(with_state, params, state)
+
+
+def array_variables(model):
+  """``model`` with its hijax variables (``nnx.var_defaults(hijax=True)``:
+  each a JAX type of its own, which a pipeline cannot place or slice) as
+  ordinary ones holding arrays, shared variables still shared; the model
+  itself where it has none."""
+  from flax import nnx
+
+  return nnx.with_vars(model, hijax=False, ref=False, allow_duplicates=True)

@@ -18,6 +18,9 @@ which does what an NNX training step does (``nnx.split`` once,
   ``__call__`` taking ``rngs`` gets ``nnx.Rngs(dropout=key)`` too;
 - sharding annotations (``nnx.with_partitioning``) are kept as metadata,
   not applied: each stage is placed whole on its devices (no mesh);
+- variables made as hijax types or array references
+  (``nnx.var_defaults(hijax=True)`` / ``ref=True``) are made ordinary
+  (``jpipe.runtime.array_variables``): the params are arrays;
 - training or evaluation mode: ``module.train()`` / ``module.eval()``
   (Dropout's ``deterministic``, BatchNorm's ``use_running_average``), plus
   the module's own ``train`` / ``training`` / ``deterministic`` keyword
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jpipe.runtime import is_key
+from jpipe.runtime import array_variables, is_key
 from jpipe.train.errors import UsageError
 
 _MODE_KEYWORDS = ("train", "training", "deterministic")
@@ -106,7 +109,7 @@ class NnxModel:
       # Sharding annotations (nnx.with_partitioning) stay metadata: the
       # pipeline places each stage whole on its devices, with no mesh.
       with nnx.use_eager_sharding(False):
-        return self.module_class(**kwargs)
+        return array_variables(self.module_class(**kwargs))
     except TypeError as e:  # An unknown or missing keyword.
       raise UsageError(
         f"config.model.kwargs of {self.module_class.__qualname__}: {e}"

@@ -122,6 +122,30 @@ def test_a_step_equals_nnx_own_microbatch_loop(stages, schedule):
   _assert_tree_close(nnx.state(model, nnx.Param), params)
 
 
+@pytest.mark.parametrize("kind", ["hijax", "ref"])
+def test_hijax_and_ref_variables_train_as_ordinary_ones(kind):
+  """A model made with ``nnx.var_defaults(hijax=True)`` (variables as
+  JAX types of their own) or ``ref=True`` (mutable array references)
+  trains as NNX's own loop trains the same model made with ordinary
+  variables (NNX 0.12's ``value_and_grad`` cannot differentiate the
+  former's), and the results write back into it."""
+  with nnx.var_defaults(**{kind: True}):
+    model = _Net(nnx.Rngs(0, dropout=1))
+  assert getattr(model.stem.kernel, kind)
+  batch = _batch()
+  nl = jpipe.nnx_loss(model, _loss)
+  pipe = _pipeline(nl, batch, 2, "1f1b")
+  state, metrics = pipe.step(pipe.init(nl.params, nl.model_state), batch)
+  ordinary = _Net(nnx.Rngs(0, dropout=1))
+  params, other, losses = _nnx_loop(ordinary, _loss, batch)
+  _assert_tree_close(pipe.gather_params(state), params)
+  _assert_state_close(pipe.gather_model_state(state), other)
+  assert float(metrics["loss"]) == pytest.approx(np.mean(losses), rel=1e-5)
+  nnx.update(model, pipe.gather_params(state), pipe.gather_model_state(state))
+  assert getattr(model.stem.kernel, kind)  # Still the caller's kind.
+  _assert_tree_close(nnx.state(model, nnx.Param), params)
+
+
 def test_a_model_of_params_only_and_aux_outputs():
   """No other variables: ``loss_fn(params, batch)``, no model state;
   ``has_aux`` passes the loss's aux through."""

@@ -51,6 +51,21 @@ def test_init_is_the_modules_params_and_batch_statistics():
   assert set(variables["batch_stats"]) == {"bn1", "bn2"}
 
 
+def test_a_module_of_hijax_variables_gives_arrays_and_the_same_calls():
+  """A module made under ``nnx.var_defaults(hijax=True)`` (a user's
+  module may set it): params and statistics are arrays, and a jitted
+  call equals the ordinary module's."""
+  key, x = jax.random.key(0), _images()
+  with nnx.var_defaults(hijax=True):
+    model = NnxModel(CNN, **SMALL)
+    variables = model.init(key)
+    got = jax.jit(lambda v: model.apply(v, x, train=False))(variables)
+  assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(variables))
+  ordinary = NnxModel(CNN, **SMALL)
+  want = ordinary.apply(ordinary.init(key), x, train=False)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_calls_equal_the_modules_own_in_either_mode():
   """Evaluation: the module after ``eval()``. Training: the module after
   ``train()`` with its dropout stream reseeded from the key, its output
