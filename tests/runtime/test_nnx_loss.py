@@ -146,6 +146,22 @@ def test_hijax_and_ref_variables_train_as_ordinary_ones(kind):
   _assert_tree_close(nnx.state(model, nnx.Param), params)
 
 
+def test_hijax_variables_split_by_hand_are_named_with_the_fix():
+  """``nnx.split`` of a hijax model gives variables that are no arrays:
+  refused before tracing, naming the leaf and ``nnx_loss``."""
+  with nnx.var_defaults(hijax=True):
+    model = _Net(nnx.Rngs(0), norm=False, dropout=False)
+  graphdef, params = nnx.split(model, nnx.Param)[:2]
+
+  def loss_fn(params, batch):
+    return _loss(nnx.merge(graphdef, params), batch)
+
+  with pytest.raises(
+    ValueError, match=r"params leaf \['blocks'\]\[0\].*nnx_loss"
+  ):
+    _pipeline(jpipe.runtime.NnxLoss(loss_fn, params, None), _batch(), 2, "1f1b")
+
+
 def test_a_model_of_params_only_and_aux_outputs():
   """No other variables: ``loss_fn(params, batch)``, no model state;
   ``has_aux`` passes the loss's aux through."""

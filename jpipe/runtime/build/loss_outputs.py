@@ -132,6 +132,32 @@ def check_loss_arguments(loss_fn, model_state) -> None:
   )
 
 
+def check_argument_leaves(params, model_state) -> None:
+  """Refuses params or model state with a leaf that is no array (an NNX
+  hijax variable or array reference, ``nnx.var_defaults(hijax=True)``,
+  split by hand: the stages place and slice arrays), naming it and the
+  fix."""
+  for name, tree in (("params", params), ("model_state", model_state)):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if not _array_like(leaf):
+        raise ValueError(
+          f"{name} leaf {jax.tree_util.keystr(path)} is of type "
+          f"{type(leaf).__name__}, not an array: params and model state "
+          "hold arrays; for an NNX model of hijax variables or array "
+          "references use jpipe.nnx_loss(model, loss_fn), or split "
+          "nnx.with_vars(model, hijax=False, ref=False)"
+        )
+
+
+def _array_like(x) -> bool:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return True
+  try:
+    return isinstance(jax.typeof(x), jax.core.ShapedArray)
+  except TypeError:  # (Not a JAX type at all.)
+    return False
+
+
 def _takes(signature, count: int) -> bool:
   """Whether a call with ``count`` positional arguments binds."""
   try:

@@ -25,6 +25,7 @@ from jpipe.runtime.build.calls import CallActions
 from jpipe.runtime.build.flat import own_buffer_bytes
 from jpipe.runtime.build.loss_outputs import (
   LossOutputs,
+  check_argument_leaves,
   check_loss_arguments,
   loss_output_message,
   loss_outputs,
@@ -190,6 +191,7 @@ def cut_model(
   )
   num_batch_leaves = len(jax.tree.leaves(micro))
   check_loss_arguments(loss_fn, model_state)
+  check_argument_leaves(params, model_state)
   if model_state is not None:
     loss_fn, micro = partition_lib.with_model_state(loss_fn, micro, model_state)
   traced_aux = has_aux or model_state is not None
