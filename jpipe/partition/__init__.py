@@ -43,6 +43,7 @@ from jpipe.partition._plan import (
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._report import plot_plan, print_plan_table
+from jpipe.partition._scan_layers import ParamLayout
 from jpipe.partition._split import Split, SplitMismatch
 from jpipe.partition._stages import (
   Stages,
@@ -57,6 +58,7 @@ from jpipe.partition._trace import (
 )
 
 __all__ = [
+  "ParamLayout",
   "METHODS",
   "AcyclicSolution",
   "PIPEDREAM_PROFILES",

@@ -154,6 +154,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   granularity = _part("cut", "granularity")
   num_batch_leaves = _part("cut", "num_batch_leaves")
   state_treedef = _part("cut", "state_treedef")
+  state_rows = _part("cut", "state_rows")
   loss_outputs = _part("cut", "loss_outputs")
   retrace = _part("cut", "retrace")
   plan = _part("partitioned", "plan")

@@ -22,6 +22,7 @@ from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._stacked import (
   model_names,
   model_param_avals,
+  model_state_of,
   split_keyed,
   stack_keyed,
 )
@@ -78,9 +79,13 @@ def init_state(
     )
   state_leaves = ()
   if model_state is not None:
-    if jax.tree.structure(model_state) != pipe.state_treedef:
+    if jax.tree.structure(model_state) != model_state_treedef(pipe):
       raise ValueError("model_state has another structure than at build")
-    state_leaves = tuple(jax.tree.leaves(model_state))
+    state_leaves = tuple(
+      jax.tree.leaves(model_state)
+      if pipe.state_rows is None
+      else pipe.state_rows.to_rows(model_state)  # (Stacked per layer: rows.)
+    )
   stage_params, opt_states = [], []
   for s, leaves in enumerate(pipe.stages.split_params(params)):
     if not pipe.transport.owns(s):  # Another process runs it.
@@ -99,6 +104,14 @@ def init_state(
     else:
       opt_states.append(jax.eval_shape(init, placed))
   return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
+
+
+def model_state_treedef(pipe):
+  """The model state's structure as the model declares it (a leaf held
+  as rows, ``build/state_rows.py``, as the one stacked leaf)."""
+  if pipe.state_rows is not None:
+    return pipe.state_rows.treedef
+  return pipe.state_treedef
 
 
 def check_drained(state, what: str) -> None:
@@ -147,7 +160,7 @@ def gather_model_state(pipe, state) -> Any:
   )
   if leaves and leaves[0] is None:  # Outside this pipeline's processes.
     return None
-  return jax.tree.unflatten(pipe.state_treedef, leaves)
+  return model_state_of(pipe, leaves)
 
 
 def gather_params(pipe, state) -> Any:
@@ -320,7 +333,7 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
       "state (e.g. BatchNorm statistics): it was saved for another model"
     )
   if model_state is not None:
-    model_state = restore_structure(model_state, pipe.state_treedef)
+    model_state = restore_structure(model_state, model_state_treedef(pipe))
     model_state = jax.tree.map(on_host, model_state)
   # Only a Gap-Aware stage's fresh state is used (statistics not saved).
   base = init_state(

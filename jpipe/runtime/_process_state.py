@@ -26,7 +26,12 @@ from jpipe.runtime._pipeline_state import (
   stage_opt_avals,
   stage_param_avals,
 )
-from jpipe.runtime._stacked import join_rows, model_param_avals, stack_keyed
+from jpipe.runtime._stacked import (
+  join_rows,
+  model_param_avals,
+  model_state_of,
+  stack_keyed,
+)
 from jpipe.runtime._state_dict import merge_unpacked
 from jpipe.runtime.build.placement import local_copy
 
@@ -106,7 +111,8 @@ def _local_model_state(pipe, state):
       zip(state.model_state, pipe.driver.state_avals, strict=True)
     )
   ]
-  return jax.tree.unflatten(pipe.state_treedef, leaves)
+  # (A leaf stacked per layer: rows here and elsewhere are HeldRows.)
+  return model_state_of(pipe, leaves)
 
 
 def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,9 +127,8 @@ def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
   params = jax.tree.unflatten(pipe.params_treedef, model_param_avals(pipe))
   model_state = None
   if pipe.state_treedef is not None:
-    model_state = jax.tree.unflatten(
-      pipe.state_treedef,
-      [_aval(a) for a in pipe.driver.state_avals],
+    model_state = model_state_of(
+      pipe, [_aval(a) for a in pipe.driver.state_avals]
     )
   layout = {
     "params": params,

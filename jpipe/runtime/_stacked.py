@@ -5,7 +5,8 @@ rows (``partition._scan_layers``): the stages, their optimizers and their
 states hold rows (``leaf[k:k+1]``, named ``"path[k]"``). What leaves the
 pipeline -- ``gather_params``, ``state_dict``, checkpoints -- holds the
 stacked arrays as the model declares them, and what comes in is split
-again, so a checkpoint resumes under any split (a process holding some
+again (model state stacked per layer too: ``model_state_of``), so a
+checkpoint resumes under any split (a process holding some
 of a stacked leaf's rows gives them as ``HeldRows``, for a per-process
 checkpoint). Each function reads the
 pipeline's ``traced`` and ``leaf_names`` (the rows' names).
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -57,7 +59,20 @@ def model_names(pipe) -> list[str]:
 def join_rows(pipe, leaves: list) -> list:
   """Traced param leaves (arrays, or abstract values for another
   process's) -> the model's: a stacked leaf's rows joined by ``_join``."""
-  layout = pipe.traced.param_layout
+  return _joined(pipe.traced.param_layout, leaves)
+
+
+def model_state_of(pipe, leaves: list) -> Any:
+  """The pipeline's model-state leaves (arrays, or abstract values for
+  another process's) -> the model's state pytree: the rows of a leaf
+  stacked per layer (``build/state_rows.py``) joined by ``_join``."""
+  rows = pipe.state_rows
+  if rows is None:
+    return jax.tree.unflatten(pipe.state_treedef, leaves)
+  return jax.tree.unflatten(rows.treedef, _joined(rows.layout, leaves))
+
+
+def _joined(layout, leaves: list) -> list:
   if layout is None:
     return list(leaves)
   rows: list[list] = [[] for _ in range(layout.num_model_leaves)]
@@ -138,6 +153,11 @@ def _join(parts: list) -> Any:
   aval = jax.ShapeDtypeStruct((sum(sizes), *rest), first.dtype)
   if all(abstract):
     return aval
+  if not any(abstract) and jax.dtypes.issubdtype(
+    first.dtype, jax.dtypes.prng_key
+  ):  # (Typed keys, NumPy has no dtype for: joined by JAX.)
+    join = jnp.stack if scalar else jnp.concatenate
+    return join([jax.device_put(p, jax.devices("cpu")[0]) for p in parts])
   if not any(abstract):
     return _stacked([np.asarray(p) for p in parts], scalar)
   pieces, run, start, row = [], [], 0, 0

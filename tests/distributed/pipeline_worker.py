@@ -4,7 +4,8 @@ reference): trains a few configurations, writes what they produced.
   python tests/distributed/pipeline_worker.py OUT.npz CONFIGS_JSON
 
 Each configuration (a dict): "case" (a tests/partition/flax_models case,
-or "resnet_state", "scan_plain", "dropout_key", "nnx_dropout"),
+or "resnet_state", "scan_plain", "scan_state", "dropout_key",
+"nnx_dropout"),
 "stages", "calls" (microbatch counts or "flush"), "forward_only" (after
 training, also evaluate the loss and a metrics function and predict,
 forward through the stages), "per_process_save" (after training, each process writes its part of
@@ -84,6 +85,12 @@ def run(config, index, out, path_of_out):
     )
   elif case == "scan_plain":  # 8 layers under a lax.scan, stacked params
     loss_fn, params, batch = scan_models.plain_case()
+  elif case == "scan_state":  # BatchNorm statistics stacked per layer too
+    batch = flax_models.mlp_case()[2]
+    batch = {"x": batch["x"][:, :6], "y": batch["y"] % 3}
+    loss_fn, params, model_state = scan_models.batch_stats_case(
+      batch, noise_key=False
+    )
   elif case == "dropout_key":  # a typed key made on stage 0, read later
     loss_fn, params, batch, _ = flax_models.dropout_key_case()
   elif case == "nnx_dropout":  # typed RNG keys as each stage's state

@@ -469,24 +469,32 @@ def test_a_stacked_leaf_across_processes_is_saved_in_rows(
   """Layers under a scan (one stacked leaf per param) over 2 stages in
   2 processes: each process writes its own layers' rows of the
   stacked leaves (per-process checkpoint pieces), and read back whole
-  they are the one-process run's state dict."""
+  they are the one-process run's state dict; so are BatchNorm statistics
+  stacked per layer (held as rows, ``build/state_rows.py``), each row
+  updated in its layer's process."""
   configs = json.dumps(
     [
       {"case": "scan_plain", "stages": 2, "calls": [2, 2],
        "schedule": "1f1b", "optimizer": "adam", "per_process_save": True},
+      {"case": "scan_state", "stages": 2, "calls": [2, 2],
+       "schedule": "1f1b", "per_process_save": True},
     ]
   )  # fmt: skip
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
   _reference(2, ref, configs, process_env)
   done = _launch(2, "pipeline_worker.py", got, configs, env=process_env())
   assert done.returncode == 0, done.stdout[-6000:]
-  index = process_arrays.read_index(f"{got}.arrays0")
-  assert any("pieces" in entry for entry in index.values())
-  want = process_arrays.read_tree(f"{ref}.arrays0")
-  have = process_arrays.read_tree(f"{got}.arrays0")
-  assert jax.tree.structure(want) == jax.tree.structure(have)
-  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have), strict=True):
-    np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+  for config in (0, 1):
+    index = process_arrays.read_index(f"{got}.arrays{config}")
+    pieces = [path for path, entry in index.items() if "pieces" in entry]
+    assert pieces
+    if config == 1:  # (The statistics' rows too.)
+      assert any(path.startswith("['model_state']") for path in pieces)
+    want = process_arrays.read_tree(f"{ref}.arrays{config}")
+    have = process_arrays.read_tree(f"{got}.arrays{config}")
+    assert jax.tree.structure(want) == jax.tree.structure(have)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have), strict=True):
+      np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Attention LMs whose layers run under a scan, as production JAX code
 writes them (linen ``nn.scan``, with and without ``nn.remat`` inside;
-``jax.lax.scan`` over stacked params), and the plain one unrolled."""
+``jax.lax.scan`` over stacked params), and the plain one unrolled; a
+scanned net whose per-layer model state is stacked too."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 D, V, T, LAYERS = 8, 16, 4, 8
 
@@ -256,3 +258,57 @@ def body_case(moe=None, fused=False, policy=None, batch_size=4, layers=LAYERS):
     return _xent(x @ params["head"], batch["y"])
 
   return loss_fn, body_params(bool(moe), layers), _tokens(batch_size)
+
+
+class ScannedBatchNormNet(nn.Module):
+  """Linen: four residual blocks with BatchNorm (and ``noise_key``: noise
+  from a key of their own), scanned with their statistics and keys stacked
+  (``variable_axes={"params": 0, "batch_stats": 0}``). [B, 6] -> logits
+  [B, 3]."""
+
+  noise_key: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    noise_key = self.noise_key
+
+    class ScanBlock(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        # (No bias before BatchNorm: its gradient is rounding noise, which
+        # Adam would scale up to a full step.)
+        h = nn.Dense(8, use_bias=False)(x)
+        h = nn.BatchNorm(use_running_average=False)(h)
+        if noise_key:  # (A typed key, split at every call.)
+          key = self.variable("batch_stats", "key", jax.random.key, 0)
+          h = h + 0.01 * jax.random.normal(key.value, h.shape)
+          key.value = jax.random.split(key.value)[0]
+        return x + jnp.tanh(h), None
+
+    x = nn.Dense(8)(x)
+    x, _ = nn.scan(
+      ScanBlock,
+      variable_axes={"params": 0, "batch_stats": 0},
+      split_rngs={"params": True},
+      length=4,
+    )(name="layers")(x, None)
+    return nn.Dense(3)(x)
+
+
+def batch_stats_case(batch, noise_key=True):
+  """(loss_fn(params, model_state, batch) -> (loss, new_model_state),
+  params, model_state) of ``ScannedBatchNormNet`` on ``batch`` ({"x":
+  [B, 6], "y": [B] classes of 3})."""
+  model = ScannedBatchNormNet(noise_key=noise_key)
+  variables = model.init(jax.random.key(1), batch["x"])
+
+  def loss_fn(params, model_state, batch):
+    logits, new = model.apply(
+      {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]
+    ).mean()
+    return loss, new
+
+  return loss_fn, variables["params"], {"batch_stats": variables["batch_stats"]}

@@ -43,6 +43,7 @@ from jpipe.runtime.build.placement import (
   even_rows,
 )
 from jpipe.runtime.build.programs import compiler_options
+from jpipe.runtime.build.state_rows import StateRows, rows_read_by_layer
 from jpipe.runtime.build.transport import Transport
 
 
@@ -159,6 +160,9 @@ class ModelCut:
       slices).
     loss_outputs: the structure of the loss's results (``LossOutputs``: the
       model state's and the aux outputs').
+    state_rows: the model state's leaves stacked per layer of a scan split
+      by layer, held as rows (``state_rows.StateRows``: the model's layout
+      back); None: every leaf as the model declares it.
   """
 
   traced: Any
@@ -169,6 +173,7 @@ class ModelCut:
   state_treedef: Any
   retrace: Any = None
   loss_outputs: LossOutputs = LossOutputs()
+  state_rows: StateRows | None = None
 
 
 def cut_model(
@@ -178,11 +183,15 @@ def cut_model(
   model_state,
   request: Request,
   has_aux: bool = False,
+  *,
+  state_as_rows: bool = True,
 ) -> ModelCut:
   """Traces ``loss_fn`` on the first microbatch and cuts it at
   ``partitioning.depth`` (None: the automatic depth for the stage
   count). ``has_aux``: it returns aux outputs beside the loss
-  (``build/loss_outputs.py``)."""
+  (``build/loss_outputs.py``). ``state_as_rows``: a model-state leaf
+  stacked per layer of a scan split by layer is held as rows
+  (``state_rows``; False: ``model_state`` is that already)."""
   partitioning = request.partitioning
   depth = partitioning.depth
   size = request.microbatch_size
@@ -192,6 +201,7 @@ def cut_model(
   num_batch_leaves = len(jax.tree.leaves(micro))
   check_loss_arguments(loss_fn, model_state)
   check_argument_leaves(params, model_state)
+  model_loss = loss_fn
   if model_state is not None:
     loss_fn, micro = partition_lib.with_model_state(loss_fn, micro, model_state)
   traced_aux = has_aux or model_state is not None
@@ -203,6 +213,20 @@ def cut_model(
     message = loss_output_message(e.got, model_state, has_aux)
     raise ValueError(message) from None
   outputs = loss_outputs(traced.out_tree, model_state, has_aux)
+  rows = None
+  if state_as_rows:
+    rows = _state_rows(traced, model_state, num_batch_leaves)
+  if rows is not None:  # (Traced again, the stacked state as its rows.)
+    cut = cut_model(
+      rows.on_rows(model_loss, has_aux),
+      params,
+      example_batch,
+      rows.to_rows(model_state),
+      request,
+      has_aux,
+      state_as_rows=False,
+    )
+    return dataclasses.replace(cut, state_rows=rows)
   granularity = None  # An explicit depth.
   if depth is None:
     traced, granularity = _granularity(
@@ -229,6 +253,17 @@ def cut_model(
     retrace,
     outputs,
   )
+
+
+def _state_rows(traced, model_state, num_batch_leaves) -> StateRows | None:
+  """The model state's rows where a leaf is stacked per layer of a scan
+  split by layer (``state_rows``); None where none is."""
+  if model_state is None:
+    return None
+  first = traced.num_param_leaves + num_batch_leaves
+  num_state = len(jax.tree.leaves(model_state))
+  rows = rows_read_by_layer(traced, range(first, first + num_state))
+  return StateRows.of(model_state, rows) if rows else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,9 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
+
+from jpipe.runtime.build.state_rows import rows_read_by_layer
 
 
 def layer_rows(program, cache_leaves) -> dict[int, int]:
@@ -26,22 +27,8 @@ def layer_rows(program, cache_leaves) -> dict[int, int]:
   leaf indices) that a scan split by layer alone reads, row by row (its
   per-iteration slices): a cache stacked per layer."""
   traced = program.stages.traced
-  if not traced.eqn_slices:
-    return {}
-  jaxpr, n = traced.jaxpr, traced.num_param_leaves
-  readers = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if isinstance(v, jcore.Var):
-        readers.setdefault(v, []).append(i)
-  out = {}
-  for k, leaf in enumerate(cache_leaves):
-    v = jaxpr.invars[n + leaf]
-    read = readers.get(v, [])
-    if read and all(traced.eqn_slices[i] is not None for i in read):
-      if v not in jaxpr.outvars:
-        out[k] = v.aval.shape[0]
-  return out
+  n = traced.num_param_leaves
+  return rows_read_by_layer(traced, [n + leaf for leaf in cache_leaves])
 
 
 def row_avals(leaves, rows: dict) -> list:

@@ -204,6 +204,8 @@ def cut_function(
         for a in avals[n_params + pipe.num_batch_leaves :]
       ],
     )
+    if pipe.state_rows is not None:  # (The stages hold a stacked leaf's rows.)
+      fn = pipe.state_rows.reading_rows(fn)
     traced_fn, inputs = partition_lib.with_model_state(fn, micro, state)
   traced = partition_lib.trace(
     traced_fn, params, inputs, depth=pipe.traced.depth, returns_loss=False

@@ -411,7 +411,10 @@ def _written(pipe, fn, example, what) -> tuple[int, ...]:
     args = [jax.tree.unflatten(pipe.params_treedef, leaves)]
     if pipe.state_treedef is not None:  # fn(params, model_state, batch).
       state = avals[n + pipe.num_batch_leaves :]
-      args.append(jax.tree.unflatten(pipe.state_treedef, state))
+      if pipe.state_rows is not None:  # (Rows of a stacked leaf: stacked.)
+        args.append(pipe.state_rows.to_model(state))
+      else:
+        args.append(jax.tree.unflatten(pipe.state_treedef, state))
     flat, tree = jax.tree.flatten((*args, example))
     with partition_lib.caller_axes(flat) as typed:  # (The caller's mesh.)
       closed, out = jax.make_jaxpr(fn, return_shape=True)(
