@@ -150,12 +150,15 @@ def check_argument_leaves(params, model_state) -> None:
 
 
 def _array_like(x) -> bool:
+  """An array, an abstract one, or a leaf that becomes one when read (a
+  lazily read checkpoint tensor: ``shape``, ``dtype``, ``__array__``);
+  not a JAX type of another kind (a hijax variable, a reference)."""
   if isinstance(x, jax.ShapeDtypeStruct):
     return True
   try:
     return isinstance(jax.typeof(x), jax.core.ShapedArray)
-  except TypeError:  # (Not a JAX type at all.)
-    return False
+  except TypeError:  # (No JAX type: an array once read, or nothing.)
+    return all(hasattr(x, a) for a in ("shape", "dtype", "__array__"))
 
 
 def _takes(signature, count: int) -> bool:
