@@ -163,3 +163,22 @@ def test_host_calls_counts_the_drivers_calls_per_action(tmp_path):
   assert 1 < row["python_calls_per_action"] < 1000
   assert row["host_us_per_action"] > 0
   assert "Python calls / action" in (tmp_path / f"{name}.md").read_text()
+
+
+@pytest.mark.slow
+def test_caller_check_times_the_state_skipped_and_looked_into(tmp_path):
+  """``experiments.runtime.caller_check``: µs per call of the look for a
+  caller's arrays over ``step``'s arguments, the state skipped and
+  looked into, written as a table and JSON."""
+  import json
+
+  from experiments.runtime import caller_check
+
+  caller_check.main(
+    [f"--out_dir={tmp_path}", "--stages=2", "--repeats=5", "--layers=2"]
+  )
+  name = f"caller_check_{jax.devices()[0].platform}"
+  (row,) = json.loads((tmp_path / f"{name}.json").read_text())["rows"]
+  assert row["stages"] == 2 and row["state_leaves"] > 2
+  assert row["us_state_skipped"] > 0 and row["us_state_looked_into"] > 0
+  assert "state skipped" in (tmp_path / f"{name}.md").read_text()
