@@ -19,7 +19,12 @@ import dataclasses
 
 import jax.extend.core as jcore
 
-from jpipe.partition._scopes import eqn_scope, inputs_glue_joins_next, run_keys
+from jpipe.partition._scopes import (
+  components,
+  eqn_scope,
+  inputs_glue_joins_next,
+  run_keys,
+)
 
 # A checkpoint's primitive name (jax's, then older jax's).
 REMAT = ("remat2", "checkpoint")
@@ -80,7 +85,7 @@ def _splittable(eqn) -> bool:
 def _body_paths(eqn, base) -> list[tuple[str, ...]]:
   """Full paths of a checkpoint's body's equations, nested ones' bodies
   followed (``base``: the path the checkpoint's name stack is under)."""
-  inner = base + _components_of(eqn)
+  inner = base + components(eqn.source_info.name_stack)
   out = []
   for e in eqn.params["jaxpr"].eqns:
     if _splittable(e):
@@ -88,10 +93,6 @@ def _body_paths(eqn, base) -> list[tuple[str, ...]]:
     else:
       out.append(inner + eqn_scope(e))
   return out
-
-
-def _components_of(eqn) -> tuple[str, ...]:
-  return tuple(p for p in str(eqn.source_info.name_stack).split("/") if p)
 
 
 def _expand(jaxpr, paths, depth, strip):
@@ -130,7 +131,9 @@ def _pieces(eqn, path, depth, strip):
   node's run of its body (``renamed``: its outputs now held elsewhere);
   None when its body's work is one node's."""
   body = eqn.params["jaxpr"]
-  base = path[: len(path) - len(eqn_scope(eqn))] + _components_of(eqn)
+  base = path[: len(path) - len(eqn_scope(eqn))] + components(
+    eqn.source_info.name_stack
+  )
   inner_paths = [base + eqn_scope(e) for e in body.eqns]
   expanded = _expand(body, inner_paths, depth, strip)
   if expanded is None:
