@@ -156,6 +156,12 @@ class Transport:
         self._pair(np.float32(0), a, b, scalar)
       elif self.process == b.process_index:
         jax.block_until_ready(self._pair(None, a, b, scalar))
+    # A sender's end does not wait for its peer's pull: without this, a
+    # sender could go on and drop the pipeline (``Pipeline(...).plan``),
+    # its transfer server and the value offered with it, before a slower
+    # peer pulled, which then waited forever (seen in CI: one process in
+    # the next pipeline's address exchange, the other here).
+    distributed.barrier("connected")
 
   def time_transfers(self) -> "TransferTimes | None":
     """From now on, stamps when each of this process's transfer ends
