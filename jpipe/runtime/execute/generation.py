@@ -67,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpipe import partition as partition_lib
+from jpipe.runtime.build.state_rows import StateRows
 from jpipe.runtime.execute import cache_rows, forward_only
 
 
@@ -344,11 +345,11 @@ def _decoder(pipe, prefill_fn, decode_fn, cache, feeds):
   dec = _programs(pipe, prefill_fn, decode_fn, cache, feeds)
   rows = cache_rows.layer_rows(dec.step.program, dec.cache)
   if rows:
-    treedef, rows = jax.tree.structure(cache), tuple(sorted(rows.items()))
-    decode_fn = cache_rows.on_rows(decode_fn, treedef, rows)
+    layout = StateRows.of(cache, rows)
+    decode_fn = cache_rows.on_rows(decode_fn, layout)
     if prefill_fn is not None:
-      prefill_fn = cache_rows.on_rows(prefill_fn, treedef, rows)
-    cache = cache_rows.row_avals(jax.tree.leaves(cache), dict(rows))
+      prefill_fn = cache_rows.on_rows(prefill_fn, layout)
+    cache = layout.to_rows(cache)
     dec = _programs(pipe, prefill_fn, decode_fn, cache, feeds)
   return dataclasses.replace(dec, readers=_readers(dec)), jax.tree.leaves(cache)
 
