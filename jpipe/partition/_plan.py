@@ -542,6 +542,8 @@ def _finish(
   stage_params = []
   for s in range(n):
     leaves = set().union(*[used[i] for i in np.flatnonzero(of == s)])
+    if s == n - 1:  # (What nothing reads: the last stage holds it.)
+      leaves |= set(traced.unread_param_leaves())
     stage_params.append(float(sum(leaf_bytes[i] for i in leaves)))
   acts = traced.node_output_bytes()
 

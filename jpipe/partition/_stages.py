@@ -40,7 +40,9 @@ class StageSpec:
 
   Attributes:
     eqns: indices of its equations in the traced jaxpr, in program order.
-    param_leaves: indices of the parameter leaves it reads.
+    param_leaves: indices of the parameter leaves it reads (the last
+      stage of a pipeline's training program: also those no stage reads,
+      ``hold_unread_params``).
     batch_leaves: indices (among batch leaves) of the batch leaves it reads.
     inputs: values from earlier stages it consumes (jaxpr vars).
     outputs: values it produces that later stages consume (jaxpr vars).
@@ -94,6 +96,10 @@ class Stages(StageLayout):
   ``residual_own_bytes``: ``forward_saving``'s residuals of at least this
   many bytes are returned as their own arrays, smaller ones packed; None:
   the default device's platform's (``default_residual_own_bytes``).
+
+  ``hold_unread_params``: the last stage also holds the param leaves no
+  equation reads (a training program: every param is stepped, saved and
+  gathered; a function cut by another's plan reads only what it reads).
   """
 
   def __init__(
@@ -105,6 +111,7 @@ class Stages(StageLayout):
     num_stages: int | None = None,
     compiler_options: dict[str, Any] | None = None,
     residual_own_bytes: float | None = None,
+    hold_unread_params: bool = False,
   ):
     if len(stage_of_node) != traced.num_nodes:
       raise ValueError(
@@ -134,7 +141,12 @@ class Stages(StageLayout):
         traced.leaf_paths,
       )
     )
-    self.specs = _specs(traced, self.eqn_stage, self.num_stages)
+    self.specs = _specs(
+      traced,
+      self.eqn_stage,
+      self.num_stages,
+      traced.unread_param_leaves() if hold_unread_params else (),
+    )
     # A stage's iterations of a scan over layers run as one scan.
     self._items = [
       fuse_runs(spec.eqns, traced.eqn_iteration, traced.eqn_slices)
@@ -330,8 +342,11 @@ class Stages(StageLayout):
     return self._jitted[key]
 
 
-def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
-  """Reads and writes of each stage; checks no value flows backwards."""
+def _specs(
+  traced: TracedModel, eqn_stage, num_stages, unread_params=()
+) -> list[StageSpec]:
+  """Reads and writes of each stage; checks no value flows backwards.
+  ``unread_params`` (param leaves nothing reads) go to the last stage."""
   jaxpr = traced.jaxpr
   n_params = traced.num_param_leaves
   invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -379,6 +394,11 @@ def _specs(traced: TracedModel, eqn_stage, num_stages) -> list[StageSpec]:
     else:  # An input or a constant returned as is: the last stage has it.
       results[last].append(r)
       read(v, last)
+  # (Held so that they are stepped with a zero gradient, as one device's
+  # optimizer steps them -- weight decay moves them -- and saved,
+  # gathered and loaded with the rest. The last stage: under 1F1B it
+  # stashes the fewest activations.)
+  params[last].update(unread_params)
   loss_var = jaxpr.outvars[0]
   if traced.returns_loss and producer_stage.get(loss_var, last) != last:
     raise ValueError(

@@ -187,6 +187,17 @@ class TracedModel:
           used[node].add(params[v])
     return used
 
+  def unread_param_leaves(self) -> tuple[int, ...]:
+    """The parameter leaves no equation reads and the function does not
+    return (a model's unused head, HF Dinov2's ``mask_token`` in
+    classification): a pipeline's last stage holds them."""
+    read = set().union(*self.node_param_leaves())
+    read |= {v for v in self.jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    invars = self.jaxpr.invars[: self.num_param_leaves]
+    return tuple(
+      i for i, v in enumerate(invars) if i not in read and v not in read
+    )
+
   def edges(self) -> dict[tuple[int, int], int]:
     """(producer node, consumer node) -> bytes of the distinct values sent."""
     producer = self.producers()

@@ -126,7 +126,8 @@ def check_stage_local(
       so a step that mixes a leaf's rows (an RMS over the whole leaf)
       is refused too (``row_locality``).
 
-  A leaf no stage holds (a param the loss never reads) is left out.
+  A leaf no stage holds is left out (a pipeline holds every leaf: one its
+  loss never reads on the last stage).
   """
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params

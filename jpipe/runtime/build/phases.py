@@ -336,6 +336,7 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
       residual_own_bytes=own_bytes(
         request, request.devices[0].platform, residuals=True
       ),
+      hold_unread_params=True,
     )
 
   def stages_at(n):
