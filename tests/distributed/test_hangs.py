@@ -1,5 +1,6 @@
 """Runs that would hang stop themselves; the launcher leaves no process
-behind: a device collective behind a transfer in flight, one process
+behind: a device collective behind a transfer in flight, a pipeline
+dropped right after its peers connected, one process
 skipping a cross-process operation (the watchdog), SIGTERM to the
 launcher of a hung run, SIGKILL to the launcher."""
 
@@ -43,6 +44,23 @@ def test_a_collective_waits_for_transfers_in_flight(process_env):
   done = subprocess.run(
     _launch(sys.executable, os.path.join(HERE, "order_worker.py")),
     env=process_env(ROUNDS="4"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+  )
+  assert done.returncode == 0, done.stdout[-4000:]
+  assert "[p0] done 0" in done.stdout and "[p1] done 1" in done.stdout
+
+
+def test_a_pipeline_dropped_after_connect_leaves_no_peer_waiting(process_env):
+  """Process 0 pulls late in ``Transport.connect``; process 1, which
+  sends its last link's value, drops that pipeline at once and builds
+  another: connect's closing barrier keeps process 1's transfer server
+  up until process 0 has pulled (without it, both waited forever)."""
+  done = subprocess.run(
+    _launch(sys.executable, os.path.join(HERE, "connect_worker.py")),
+    env=process_env(PULL_DELAY_S="2"),
     capture_output=True,
     text=True,
     timeout=120,
