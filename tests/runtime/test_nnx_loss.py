@@ -209,3 +209,16 @@ def test_a_stream_shared_across_stages_is_refused_naming_the_fix():
 def test_only_nnx_modules():
   with pytest.raises(TypeError, match="takes an nnx.Module"):
     jpipe.nnx_loss({"w": jnp.ones(3)}, _loss)
+
+
+def test_the_nnx_loss_itself_as_loss_fn_names_its_parts():
+  """``Pipeline(jpipe.nnx_loss(...), ...)``: one line naming the parts to
+  pass, before any tracing; any other object that is no function too."""
+  tx = optax.sgd(LR)
+  nl = jpipe.nnx_loss(_Net(nnx.Rngs(0)), _loss)
+  with pytest.raises(TypeError, match=r"NnxLoss, not a function.*nl\.loss_fn"):
+    jpipe.Pipeline(nl, nl.params, _batch(), num_stages=2, optimizer=tx)
+  with pytest.raises(TypeError, match="loss_fn must be a function, got dict"):
+    jpipe.Pipeline(
+      {"f": _loss}, nl.params, _batch(), num_stages=2, optimizer=tx
+    )

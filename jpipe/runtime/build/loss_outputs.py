@@ -112,6 +112,14 @@ def check_loss_arguments(loss_fn, model_state) -> None:
   convention: ``(params, model_state, batch)`` without ``model_state=``
   or ``(params, batch)`` with it (what ``jpipe.nnx_loss`` returns takes
   the first). A signature Python cannot read is left to the trace."""
+  if not callable(loss_fn):
+    if hasattr(loss_fn, "loss_fn"):  # (jpipe.nnx_loss's NnxLoss.)
+      raise TypeError(
+        f"loss_fn is a {type(loss_fn).__name__}, not a function: pass its "
+        "parts, Pipeline(nl.loss_fn, nl.params, batch, "
+        "model_state=nl.model_state)"
+      )
+    raise TypeError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
   try:
     signature = inspect.signature(loss_fn)
   except (TypeError, ValueError):
