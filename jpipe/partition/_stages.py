@@ -146,6 +146,7 @@ class Stages(StageLayout):
       self.eqn_stage,
       self.num_stages,
       traced.unread_param_leaves() if hold_unread_params else (),
+      carried,
     )
     # A stage's iterations of a scan over layers run as one scan.
     self._items = [
@@ -343,10 +344,12 @@ class Stages(StageLayout):
 
 
 def _specs(
-  traced: TracedModel, eqn_stage, num_stages, unread_params=()
+  traced: TracedModel, eqn_stage, num_stages, unread_params=(), carried=()
 ) -> list[StageSpec]:
   """Reads and writes of each stage; checks no value flows backwards.
-  ``unread_params`` (param leaves nothing reads) go to the last stage."""
+  ``unread_params`` (param leaves nothing reads) go to the last stage; a
+  ``carried`` result that is its model-state leaf returned as it came is
+  no stage's (its holders keep the value)."""
   jaxpr = traced.jaxpr
   n_params = traced.num_param_leaves
   invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -386,8 +389,16 @@ def _specs(
         read(v, s)
   results: list[list[int]] = [[] for _ in range(num_stages)]
   last = num_stages - 1
+  # (Frozen weights held as model state, NNX's non-``wrt`` params: read
+  # where their layers run, never gathered on the last stage to be
+  # returned unchanged.)
+  unchanged = {
+    r
+    for leaf, r in carried
+    if jaxpr.outvars[r] is jaxpr.invars[n_params + leaf]
+  }
   for r, v in enumerate(jaxpr.outvars):
-    if isinstance(v, jcore.Literal):
+    if isinstance(v, jcore.Literal) or r in unchanged:
       continue
     if v in producer_stage:
       results[producer_stage[v]].append(r)

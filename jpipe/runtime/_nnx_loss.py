@@ -6,7 +6,11 @@ takes a pure function of arrays, so :func:`nnx_loss` splits the model
 once (``nnx.split``) and returns the function that merges it back per
 call (``nnx.merge``), as NNX's own functional training step does:
 
-- the ``nnx.Param`` variables are the params (an ``nnx.State``);
+- the ``nnx.Param`` variables are the params (an ``nnx.State``), or
+  those ``wrt`` selects (``nnx.LoRAParam``, as ``nnx.Optimizer(model, tx,
+  wrt=...)`` and ``nnx.DiffState`` select them): the other params are
+  then model state the loss returns as it got it, read where their layers
+  run, with no gradient and no optimizer state (frozen);
 - every other variable -- BatchNorm statistics, RNG streams
   (``nnx.Dropout(rngs=...)``'s key and count), a counter of your own -- is
   model state, passed in and returned updated by each microbatch's forward
@@ -44,7 +48,9 @@ class NnxLoss(NamedTuple):
   model_state: Any
 
 
-def nnx_loss(model, loss_fn: Callable, *, has_aux: bool = False) -> NnxLoss:
+def nnx_loss(
+  model, loss_fn: Callable, *, has_aux: bool = False, wrt: Any = None
+) -> NnxLoss:
   """``loss_fn(model, batch)`` of an ``nnx.Module`` as a Pipeline's loss.
 
   Args:
@@ -55,6 +61,9 @@ def nnx_loss(model, loss_fn: Callable, *, has_aux: bool = False) -> NnxLoss:
       it gets is rebuilt from the pipeline's params and state each call
       (set ``model.train()`` / ``model.eval()`` before splitting).
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
+    wrt: an NNX filter of the variables to train (None: ``nnx.Param``),
+      e.g. ``nnx.LoRAParam``: the rest are model state, the params it
+      leaves out frozen.
 
   Returns:
     An :class:`NnxLoss`.
@@ -69,7 +78,13 @@ def nnx_loss(model, loss_fn: Callable, *, has_aux: bool = False) -> NnxLoss:
     )
   model = array_variables(nnx.clone(model))  # The caller's stays as it is.
   nnx.pop(model, nnx.Intermediate)  # Values sown by earlier calls.
-  graphdef, params, state = nnx.split(model, nnx.Param, ...)
+  wrt = nnx.Param if wrt is None else wrt
+  graphdef, params, state = nnx.split(model, wrt, ...)
+  if not jax.tree.leaves(params):
+    raise ValueError(
+      f"wrt={wrt!r} selects none of the model's variables: nothing to "
+      "train (nnx.Param, or a filter of the variables to train)"
+    )
   if not jax.tree.leaves(state):
 
     def params_only(params, batch):
@@ -83,7 +98,7 @@ def nnx_loss(model, loss_fn: Callable, *, has_aux: bool = False) -> NnxLoss:
     fresh = jax.tree.map(lambda x: x, model_state)
     module = nnx.merge(graphdef, params, fresh)
     out = loss_fn(module, batch)
-    *_, new_state = nnx.split(module, nnx.Param, nnx.Intermediate, ...)
+    *_, new_state = nnx.split(module, wrt, nnx.Intermediate, ...)
     if has_aux:
       loss, aux = out
       return loss, (new_state, aux)

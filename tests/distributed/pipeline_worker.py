@@ -95,6 +95,8 @@ def run(config, index, out, path_of_out):
     loss_fn, params, batch, _ = flax_models.dropout_key_case()
   elif case == "nnx_dropout":  # typed RNG keys as each stage's state
     loss_fn, params, model_state, batch = flax_models.nnx_dropout_case()
+  elif case == "nnx_lora":  # frozen weights as state returned unchanged
+    loss_fn, params, model_state, batch = flax_models.nnx_lora_case()
   else:
     loss_fn, params, batch, _ = flax_models.CASES[case]()
   if config.pop("aux", False):  # has_aux: (loss, aux) or (loss, (state, aux))

@@ -165,6 +165,10 @@ def _configs(n):
       "schedule": "async",
       "weight_stashing": True,
     },
+    # NNX LoRA (wrt=nnx.LoRAParam): frozen base weights as model state no
+    # stage updates, each read on its layer's stage (the tied embedding
+    # on the first and last), in the state dict as they started.
+    {"case": "nnx_lora", "stages": n, "calls": [2, 3], "schedule": "1f1b"},
   ]
 
 

@@ -351,6 +351,51 @@ def nnx_dropout_case():
   return nl.loss_fn, nl.params, nl.model_state, {"x": x, "y": y}
 
 
+def nnx_lora_lm(examples=8):
+  """Tied embeddings around blocks of ``nnx.LoRALinear`` (LoRA
+  fine-tuning's shape: the embedding read on the first and last stage):
+  (model, ``loss(model, batch)``, batch of ``examples`` sequences)."""
+  from flax import nnx
+
+  class LoraLm(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(24, 16, rngs=rngs)
+      self.blocks = nnx.List(
+        [nnx.LoRALinear(16, 16, lora_rank=2, rngs=rngs) for _ in range(4)]
+      )
+      for k, block in enumerate(self.blocks):  # (B starts at zero.)
+        b = block.lora.lora_b
+        b[...] = 0.1 * jax.random.normal(jax.random.key(k), b.shape)
+
+    def __call__(self, tokens):
+      x = self.embed(tokens)
+      for block in self.blocks:
+        x = x + jnp.tanh(block(x))
+      return self.embed.attend(x)
+
+  def loss(model, batch):
+    logits = model(batch["t"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1], batch["t"][:, 1:]
+    ).mean()
+
+  tokens = jax.random.randint(jax.random.key(5), (examples, 6), 0, 24)
+  return LoraLm(nnx.Rngs(0)), loss, {"t": tokens}
+
+
+def nnx_lora_case():
+  """``nnx_lora_lm`` through ``jpipe.nnx_loss(..., wrt=nnx.LoRAParam)``:
+  the LoRA factors as params, the frozen base weights as model state the
+  loss returns unchanged. Returns (loss_fn, params, model_state, batch)."""
+  from flax import nnx
+
+  import jpipe
+
+  model, loss, batch = nnx_lora_lm()
+  nl = jpipe.nnx_loss(model, loss, wrt=nnx.LoRAParam)
+  return nl.loss_fn, nl.params, nl.model_state, batch
+
+
 CASES = {
   "mlp": mlp_case,
   "resnet_bn": resnet_case,

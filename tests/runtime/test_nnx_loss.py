@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jpipe
+from tests.partition import flax_models
 from tests.runtime.test_pipeline_sync import _assert_tree_close
 
 B, M, LR = 32, 4, 0.1  # Microbatches of 8: BatchNorm's statistics settle.
@@ -96,8 +97,7 @@ def _pipeline(nl, batch, stages, schedule, **options):
     devices=jax.devices()[:stages],
     schedule=schedule,
     num_microbatches=M,
-    optimizer=optax.sgd(LR),
-    **options,
+    **{"optimizer": optax.sgd(LR), **options},
   )
 
 
@@ -222,3 +222,47 @@ def test_the_nnx_loss_itself_as_loss_fn_names_its_parts():
     jpipe.Pipeline(
       {"f": _loss}, nl.params, _batch(), num_stages=2, optimizer=tx
     )
+
+
+@pytest.mark.parametrize("stages, schedule", [(2, "1f1b"), (3, "zbh1")])
+def test_lora_wrt_trains_as_nnx_own_lora_loop(stages, schedule):
+  """``wrt=nnx.LoRAParam``: the LoRA factors train as NNX's own loop
+  (``nnx.DiffState``, ``nnx.Optimizer(wrt=...)``) trains them; the base
+  weights are model state, unchanged, each read where its layer runs
+  (none gathered on the last stage to be returned unchanged)."""
+  model, lm_loss, batch = flax_models.nnx_lora_lm(examples=B)
+  nl = jpipe.nnx_loss(model, lm_loss, wrt=nnx.LoRAParam)
+  assert all(
+    "lora" in jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(nl.params)[0]
+  )
+  tx = optax.adam(0.01)
+  pipe = _pipeline(nl, batch, stages, schedule, optimizer=tx)
+  nb = pipe.num_batch_leaves
+  last = pipe.stages.specs[-1]
+  frozen_read = {i - nb for i in last.batch_leaves if i >= nb}
+  # The embedding, and the two kernel-and-bias pairs of its own blocks.
+  assert len(frozen_read) <= 5 and not last.results[1:]
+  state = pipe.init(nl.params, nl.model_state)
+  for _ in range(2):
+    state, _ = pipe.step(state, batch)
+
+  ref = nnx.clone(model)
+  opt = nnx.Optimizer(ref, tx, wrt=nnx.LoRAParam)
+  grad = nnx.grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))
+  size = B // M
+  for _ in range(2):
+    grads = [
+      grad(
+        ref, jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], batch)
+      )
+      for k in range(M)
+    ]
+    opt.update(ref, jax.tree.map(lambda *g: sum(g) / M, *grads))
+  _assert_tree_close(pipe.gather_params(state), nnx.state(ref, nnx.LoRAParam))
+  _assert_tree_close(pipe.gather_model_state(state), nl.model_state)
+
+
+def test_a_wrt_that_selects_nothing_is_refused():
+  with pytest.raises(ValueError, match="selects none of the model's"):
+    jpipe.nnx_loss(_Net(nnx.Rngs(0)), _loss, wrt=nnx.LoRAParam)
