@@ -31,6 +31,7 @@ def __getattr__(name):
     "MemoryLimitError",
     "OptimizerError",
     "nnx_loss",
+    "frozen_loss",
   ):
     from jpipe import runtime
 

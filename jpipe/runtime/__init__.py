@@ -1,6 +1,7 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
 from jpipe.runtime._builder import PipelineBuilder
+from jpipe.runtime._frozen_loss import FrozenLoss, frozen_loss
 from jpipe.runtime._gather import trees_everywhere
 from jpipe.runtime._nnx_loss import NnxLoss, array_variables, nnx_loss
 from jpipe.runtime._pipeline import Pipeline
@@ -45,6 +46,7 @@ __all__ = [
   "GAP_AWARE_POLICIES",
   "HeldRows",
   "MemoryLimitError",
+  "FrozenLoss",
   "NnxLoss",
   "OptimizerError",
   "Partitioning",
@@ -63,6 +65,7 @@ __all__ = [
   "format_bytes",
   "array_variables",
   "is_key",
+  "frozen_loss",
   "nnx_loss",
   "outside_user_mesh",
   "partitioner_memory_model",
