@@ -37,13 +37,12 @@ def _launch(*command, nprocs=2, extra=()):
   ]
 
 
-def test_a_collective_waits_for_transfers_in_flight(process_env):
-  """Process 1 enters a device collective while process 0 has yet to
-  pull a value from it: the quiet point in front of the collective lets
-  the pull finish first (without it, both waited forever)."""
+def _both_done(worker: str, env) -> None:
+  """Runs ``worker`` (this folder's) in 2 processes: both print "done P"
+  and the launcher ends with status 0 within 120 s."""
   done = subprocess.run(
-    _launch(sys.executable, os.path.join(HERE, "order_worker.py")),
-    env=process_env(ROUNDS="4"),
+    _launch(sys.executable, os.path.join(HERE, worker)),
+    env=env,
     capture_output=True,
     text=True,
     timeout=120,
@@ -51,6 +50,13 @@ def test_a_collective_waits_for_transfers_in_flight(process_env):
   )
   assert done.returncode == 0, done.stdout[-4000:]
   assert "[p0] done 0" in done.stdout and "[p1] done 1" in done.stdout
+
+
+def test_a_collective_waits_for_transfers_in_flight(process_env):
+  """Process 1 enters a device collective while process 0 has yet to
+  pull a value from it: the quiet point in front of the collective lets
+  the pull finish first (without it, both waited forever)."""
+  _both_done("order_worker.py", process_env(ROUNDS="4"))
 
 
 def test_a_pipeline_dropped_after_connect_leaves_no_peer_waiting(process_env):
@@ -58,16 +64,7 @@ def test_a_pipeline_dropped_after_connect_leaves_no_peer_waiting(process_env):
   sends its last link's value, drops that pipeline at once and builds
   another: connect's closing barrier keeps process 1's transfer server
   up until process 0 has pulled (without it, both waited forever)."""
-  done = subprocess.run(
-    _launch(sys.executable, os.path.join(HERE, "connect_worker.py")),
-    env=process_env(PULL_DELAY_S="2"),
-    capture_output=True,
-    text=True,
-    timeout=120,
-    cwd=ROOT,
-  )
-  assert done.returncode == 0, done.stdout[-4000:]
-  assert "[p0] done 0" in done.stdout and "[p1] done 1" in done.stdout
+  _both_done("connect_worker.py", process_env(PULL_DELAY_S="2"))
 
 
 def test_watchdog_stops_a_run_whose_processes_wait_for_each_other(
