@@ -18,13 +18,12 @@ leaf was (an empty subtree to JAX), so ``gather_params`` gives that tree
 and :meth:`FrozenLoss.merged` puts the frozen leaves back.
 """
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
-from jpipe.runtime.build.stage_optimizer import leaf_names
+from jpipe.runtime.build.stage_optimizer import leaf_names, path_patterns
 
 
 class FrozenLoss(NamedTuple):
@@ -104,21 +103,18 @@ def frozen_loss(
 
 def _frozen_mask(params, patterns) -> Any:
   """``params``' tree of booleans: whether a pattern finds the leaf."""
-  if isinstance(patterns, str):
-    patterns = [p.strip() for p in patterns.split(",") if p.strip()]
-  try:
-    compiled = [re.compile(p) for p in patterns]
-  except re.error as e:
-    raise ValueError(f"bad param path pattern {e.pattern!r}: {e}") from None
+  compiled = path_patterns(patterns)
   names = leaf_names(params)
   hits = [any(c.search(n) for c in compiled) for n in names]
   if not any(hits):
     raise ValueError(
-      f"no param path matches {list(patterns)} (paths look like "
+      f"no param path matches {[c.pattern for c in compiled]} (paths look like "
       f"{names[0]!r}): nothing to freeze"
     )
   if all(hits):
-    raise ValueError(f"{list(patterns)} match every param: nothing would train")
+    raise ValueError(
+      f"{[c.pattern for c in compiled]} match every param: nothing would train"
+    )
   return jax.tree.unflatten(jax.tree.structure(params), hits)
 
 

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from jpipe.runtime.build import stage_optimizer
 from jpipe.train import hf_checkpoint, msgpack_params, process_arrays
 from jpipe.train.checkpoint import checksums, quiet_late_reads
 from jpipe.train.errors import (
@@ -76,12 +77,10 @@ def flat_paths(tree) -> dict[str, Any]:
 def path_patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
   """Compiled regular expressions from a comma-separated string (or a
   list); a UsageError names a bad one."""
-  if isinstance(patterns, str):
-    patterns = [p for p in patterns.split(",") if p.strip()]
   try:
-    return [re.compile(p.strip()) for p in patterns]
-  except re.error as e:
-    raise UsageError(f"bad parameter path pattern {e.pattern!r}: {e}") from e
+    return stage_optimizer.path_patterns(patterns)
+  except ValueError as e:
+    raise UsageError(str(e)) from e
 
 
 def matching(patterns: str | Sequence[str], tree) -> list[str]:

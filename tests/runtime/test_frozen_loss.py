@@ -108,5 +108,5 @@ def test_patterns_that_freeze_nothing_or_everything_are_refused():
     jpipe.frozen_loss(loss_fn, params, "^embed/")
   with pytest.raises(ValueError, match="match every param"):
     jpipe.frozen_loss(loss_fn, params, "params/")
-  with pytest.raises(ValueError, match="bad param path pattern"):
+  with pytest.raises(ValueError, match="bad parameter path pattern"):
     jpipe.frozen_loss(loss_fn, params, "embed/(")

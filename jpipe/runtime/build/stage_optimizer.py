@@ -12,6 +12,7 @@ again. (Without a ``ParamsView`` the optimizer sees that ``{path: leaf}``
 dict itself.)
 """
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,17 @@ def leaf_names(params: Any) -> tuple[str, ...]:
   if len(set(names)) != len(names):  # Keys that print alike: keep them apart.
     names = tuple(jax.tree_util.keystr(path) for path, _ in flat)
   return names
+
+
+def path_patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
+  """Compiled regular expressions for ``leaf_names``' paths, from a list
+  or one comma-separated string; a ValueError names a bad one."""
+  if isinstance(patterns, str):
+    patterns = [p for p in patterns.split(",") if p.strip()]
+  try:
+    return [re.compile(p.strip()) for p in patterns]
+  except re.error as e:
+    raise ValueError(f"bad parameter path pattern {e.pattern!r}: {e}") from e
 
 
 def _key_name(key) -> str:
