@@ -114,11 +114,14 @@ _one_position_fn = _one_position_decode_fn(DECODE)
 
 
 def _greedy_recomputing(params, prompts, steps, model=TRAIN):
-  tokens = jnp.asarray(prompts)
-  for _ in range(steps):
-    logits = model.apply({"params": params}, tokens)
-    tokens = jnp.concatenate([tokens, jnp.argmax(logits[:, -1:], -1)], 1)
-  return np.asarray(tokens[:, prompts.shape[1] :])
+  # One length (one compile): causal, a position's logits do not see the
+  # zeros after it.
+  forward = jax.jit(lambda p, x: model.apply({"params": p}, x))
+  length = prompts.shape[1]
+  tokens = np.pad(np.asarray(prompts), ((0, 0), (0, steps)))
+  for t in range(length, length + steps):
+    tokens[:, t] = np.argmax(np.asarray(forward(params, tokens))[:, t - 1], -1)
+  return tokens[:, length:]
 
 
 def _params_and_batch():

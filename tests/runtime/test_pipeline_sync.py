@@ -20,11 +20,12 @@ def _microbatch(batch, k, m):
 def _reference_steps(loss_fn, params, batch, m, tx, steps=1):
   """Single device: mean of m microbatch gradients, then an optax step."""
   opt_state = tx.init(params)
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn))  # (Traced once.)
   for _ in range(steps):
     grads, losses = None, []
     for k in range(m):
       mb = _microbatch(batch, k, m)
-      loss, g = jax.value_and_grad(loss_fn)(params, mb)
+      loss, g = grad_fn(params, mb)
       losses.append(loss)
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     grads = jax.tree.map(lambda g: g / m, grads)

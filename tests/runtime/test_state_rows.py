@@ -110,13 +110,12 @@ def _microbatch_loop(loss_fn, params, model_state, batch, tx, steps):
   """One device: per step, the microbatches' forwards in order (state
   threaded), the mean gradient, an optax step; (params, state)."""
   opt_state, size = tx.init(params), len(batch["y"]) // M
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))  # (Traced once.)
   for _ in range(steps):
     grads = None
     for k in range(M):
       mb = jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], batch)
-      (_, model_state), g = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, model_state, mb
-      )
+      (_, model_state), g = grad_fn(params, model_state, mb)
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     grads = jax.tree.map(lambda g: g / M, grads)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -19,6 +19,7 @@ from tests.runtime.test_pipeline_sync import (
   _assert_tree_close,
   _reference_steps,
 )
+from tests.tiers import slow
 
 RULES = (("batch", "data"), ("embed", None), ("mlp", None), ("layers", None))
 
@@ -90,7 +91,7 @@ def _case(model, context):
   return loss_fn, params, batch
 
 
-@pytest.mark.parametrize("model", ["scanned_logical", "pinned"])
+@pytest.mark.parametrize("model", [slow("scanned_logical"), "pinned"])
 def test_a_pipeline_under_the_callers_mesh_trains_as_one_device(model):
   mesh = _mesh()
 
