@@ -31,8 +31,14 @@ def _greedy_recomputing(model, params, prompts, steps):
   """The reference: the full sequence through the model on one device
   each step, the argmax of its last position appended."""
   forward = jax.jit(lambda p, x: model.apply({"params": p}, x, train=False))
-  # One length (one compile): causal, a position's logits do not see the
-  # zeros after it.
+  return greedy_at_one_length(forward, params, prompts, steps)
+
+
+def greedy_at_one_length(forward, params, prompts, steps):
+  """Greedy continuations [batch, steps] of a causal decoder's
+  ``forward(params, tokens) -> logits``, rerun on the whole sequence each
+  step at one padded length (one compile: a position's logits do not see
+  the zeros after it)."""
   length = prompts.shape[1]
   seq = np.pad(np.asarray(prompts), ((0, 0), (0, steps)))
   for t in range(length, length + steps):

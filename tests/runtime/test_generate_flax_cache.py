@@ -19,6 +19,7 @@ import pytest
 
 import jpipe
 from jpipe import partition
+from tests.runtime.test_generate import greedy_at_one_length
 
 VOCAB, WIDTH, LAYERS = 16, 16, 3
 
@@ -114,14 +115,8 @@ _one_position_fn = _one_position_decode_fn(DECODE)
 
 
 def _greedy_recomputing(params, prompts, steps, model=TRAIN):
-  # One length (one compile): causal, a position's logits do not see the
-  # zeros after it.
   forward = jax.jit(lambda p, x: model.apply({"params": p}, x))
-  length = prompts.shape[1]
-  tokens = np.pad(np.asarray(prompts), ((0, 0), (0, steps)))
-  for t in range(length, length + steps):
-    tokens[:, t] = np.argmax(np.asarray(forward(params, tokens))[:, t - 1], -1)
-  return tokens[:, length:]
+  return greedy_at_one_length(forward, params, prompts, steps)
 
 
 def _params_and_batch():
