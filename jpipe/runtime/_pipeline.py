@@ -50,7 +50,7 @@ from jpipe.runtime.build.pipeline_memory import (
   check_memory_limit,
   predict_pipeline_memory,
 )
-from jpipe.runtime.build.user_mesh import outside_user_mesh
+from jpipe.runtime.build.user_mesh import every_process, outside_user_mesh
 from jpipe.runtime.execute.hooks import DriverHooks
 
 
@@ -311,6 +311,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
 
   # -- Calls -----------------------------------------------------------------
 
+  @every_process
   def step(self, state: PipelineState, batch: Any, *, profile: bool = False):
     """Feeds one mini-batch into the pipeline; returns (state, metrics).
 
@@ -339,6 +340,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     """
     return _step.step(self, state, batch, profile)
 
+  @every_process
   def flush(self, state: PipelineState, *, profile: bool = False):
     """Drains an asynchronous pipeline: every pending backward and step
     runs (a partial ``step_every`` window steps on its mean). The next

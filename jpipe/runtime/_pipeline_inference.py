@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.build.user_mesh import every_process
 from jpipe.runtime.execute import forward_only as _forward_only
 from jpipe.runtime.execute import generation as _generation
 
@@ -16,6 +17,7 @@ class PipelineInferenceMethods:
   """A base of ``Pipeline``: what runs forward through the stages
   without training, given the built pipeline's parts."""
 
+  @every_process
   def evaluate(
     self,
     state: PipelineState,
@@ -54,6 +56,7 @@ class PipelineInferenceMethods:
     """
     return _forward_only.evaluate(self, state, batch, metrics_fn)
 
+  @every_process
   def predict(
     self, state: PipelineState, batch: Any, predict_fn: Callable[..., Any]
   ) -> Any:
@@ -65,6 +68,7 @@ class PipelineInferenceMethods:
     (the batch's order), on every process."""
     return _forward_only.predict(self, state, batch, predict_fn)
 
+  @every_process
   def generate(
     self,
     state: PipelineState,

@@ -10,6 +10,7 @@ import jax
 
 from jpipe.runtime import _pipeline_state, _process_state
 from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.build.user_mesh import every_process
 from jpipe.runtime.execute.in_flight import InFlight
 
 
@@ -17,6 +18,7 @@ class PipelineStateMethods:
   """A base of ``Pipeline``: what reads, writes and converts its state
   (``PipelineState``), given the built pipeline's parts."""
 
+  @every_process
   def init(self, params: Any, model_state: Any = None) -> PipelineState:
     """Splits ``params`` per stage, places them, builds optimizer states.
 
@@ -48,6 +50,7 @@ class PipelineStateMethods:
       tuple(stage_params), tuple(opt_states), step, tuple(model_state), flight
     )
 
+  @every_process
   def gather_model_state(self, state: PipelineState) -> Any:
     """The model state pytree (host arrays), or None without one. Needs a
     drained pipeline (``flush``). Across processes every process must
@@ -57,6 +60,7 @@ class PipelineStateMethods:
     saves and evaluates from each stage's first rank)."""
     return _pipeline_state.gather_model_state(self, state)
 
+  @every_process
   def gather_params(self, state: PipelineState) -> Any:
     """The full params pytree (host arrays). Needs a drained pipeline
     (``flush``): mid-stream, every stage is at another step. Across
@@ -65,12 +69,14 @@ class PipelineStateMethods:
     another process runs them all, as in data parallel)."""
     return _pipeline_state.gather_params(self, state)
 
+  @every_process
   def nonfinite_params(self, state: PipelineState) -> dict[int, str]:
     """``{stage: path of its first param leaf holding a NaN or an
     infinity}`` for every such stage (empty when all are finite). Works
     mid-stream. Across processes every process must call it."""
     return _pipeline_state.nonfinite_params(self, state)
 
+  @every_process
   def param_norms(self, state: PipelineState) -> list[float]:
     """Each stage's parameter L2 norm (all its leaves together). Across
     processes every process must call it; each gets every stage's."""
@@ -80,6 +86,7 @@ class PipelineStateMethods:
     """Per stage, the abstract values (shape, dtype) of its param leaves."""
     return _pipeline_state.stage_param_avals(self)
 
+  @every_process
   def state_dict(self, state: PipelineState) -> dict[str, Any]:
     """The whole training state, independent of the partition (host
     arrays): ``{"params", "opt_state" (laid out as ``optimizer.init``
@@ -104,6 +111,7 @@ class PipelineStateMethods:
     (the others as the layout's ``ShapeDtypeStruct``)."""
     return _process_state.state_dict_layout(self)
 
+  @every_process
   def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
     """A PipelineState from ``state_dict``'s output (any partition).
     Gap-Aware statistics of leaves that were not on a Gap-Aware stage when

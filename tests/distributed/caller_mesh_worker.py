@@ -7,11 +7,19 @@ once; every process checks the loss, the gathered params and the
 evaluated loss after the step against the same loss jitted over the
 mesh, and prints "<kind>: equal" ("unset: equal" for the last).
 
+Process 0 receives each value a stage of process 1 shares late (the
+step's and the evaluation's loss, the gathered params), so process 1
+returns from each call first and goes on to its own collectives over
+the mesh: the call must return at a quiet point (a collective entered
+while a peer still pulls from this process's device waits forever;
+``runtime/build/user_mesh.py``).
+
   python -m jpipe.launch --nprocs 2 --devices-per-process 2 -- \\
     python tests/distributed/caller_mesh_worker.py
 """
 
 import contextlib
+import time
 
 from jpipe import distributed
 
@@ -26,6 +34,21 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jpipe  # noqa: E402
+from jpipe.runtime.build import transport  # noqa: E402
+
+LATE_SHARE_S = 2.0
+
+
+def _late_shares():
+  """This process's receiving ends of ``Transport.share`` wait first."""
+  share = transport.Transport.share
+
+  def late(self, x, src, aval):
+    if x is None:  # (The receiving end.)
+      time.sleep(LATE_SHARE_S)
+    return share(self, x, src, aval)
+
+  transport.Transport.share = late
 
 
 def loss_fn(params, batch):
@@ -89,6 +112,8 @@ def run(kind, set_mesh=True):
 
 
 if __name__ == "__main__":
+  if jax.process_index() == 0:
+    _late_shares()
   for kind in (AxisType.Auto, AxisType.Explicit):
     run(kind)
   run(AxisType.Auto, set_mesh=False)

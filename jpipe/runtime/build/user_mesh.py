@@ -21,6 +21,17 @@ code: a batch each process holds its rows of) are gathered whole on every
 process, as the pipeline's processes each read the data they need; with
 no mesh set, in a multi-process run, so are global arrays on any mesh but
 the pipeline's own (``own_mesh``: a replica group's, a transfer's).
+
+Such a caller runs device collectives of its own across processes
+between the pipeline's calls (a jitted step over its mesh, a
+``process_allgather``). A collective entered while a peer still pulls a
+value from this process's device waits forever (``distributed._sync``,
+rule 2), and a pipeline call returns in a sender before its receivers
+have pulled the last values. So once a call has seen the caller's
+multi-process arrays or mesh, every call that moves values between
+processes (``every_process``) returns at a quiet point. A caller whose
+multi-process code passes the pipeline only local values calls
+``jpipe.distributed.quiet`` before its own collectives.
 """
 
 import functools
@@ -39,9 +50,40 @@ def _mesh_set() -> bool:
   )
 
 
-def without_mesh(fn):
-  """``fn`` run with no mesh set (as it is where none is)."""
+# Whether a call in this process has seen a caller's arrays or mesh over
+# several processes (the same in every process: each makes the same
+# calls on the same global arrays).
+_caller_spans_processes = False
 
+
+def every_process(fn):
+  """Marks a public method that every process of a multi-process run
+  calls, in the same order, and that moves values between processes:
+  ``without_mesh`` ends it at a quiet point for an SPMD caller (module
+  docstring)."""
+  fn.every_process = True
+  return fn
+
+
+def without_mesh(fn):
+  """``fn`` run with no mesh set (as it is where none is); an
+  ``every_process`` one returning at a quiet point where the caller
+  spans processes."""
+  if not getattr(fn, "every_process", False):
+    return _without_mesh(fn)
+  plain = _without_mesh(fn)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    out = plain(*args, **kwargs)
+    if _caller_spans_processes:
+      distributed.quiet(fn.__name__)
+    return out
+
+  return run
+
+
+def _without_mesh(fn):
   @functools.wraps(fn)
   def run(*args, **kwargs):
     if not _mesh_set():  # (The common case: nothing to swap.)
@@ -51,6 +93,8 @@ def without_mesh(fn):
     caller = jax.sharding.get_mesh()
     if caller.empty:  # (Only an abstract one: jax.sharding.use_abstract_mesh.)
       caller = jax.sharding.get_abstract_mesh()
+    elif len({d.process_index for d in caller.devices.flat}) > 1:
+      _note_caller_spans_processes()
     args, kwargs = _plain((args, kwargs), caller)
     with jax.set_mesh(None), partition_lib.calling_from(caller):
       return fn(*args, **kwargs)
@@ -68,6 +112,8 @@ def _plain(tree, caller):
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_own_value)
   spread = [i for i, x in enumerate(leaves) if _global_on(x, caller)]
   typed = [i for i, x in enumerate(leaves) if partition_lib.typed_on_mesh(x)]
+  if spread:
+    _note_caller_spans_processes()
   if not spread and not typed:
     return tree
   gather = [i for i in spread if not leaves[i].sharding.is_fully_replicated]
@@ -88,6 +134,11 @@ def _plain(tree, caller):
       spec = jax.typeof(x).sharding.spec
       partition_lib.remember_type(leaves[i], x.sharding.mesh, spec)
   return jax.tree.unflatten(treedef, leaves)
+
+
+def _note_caller_spans_processes() -> None:
+  global _caller_spans_processes
+  _caller_spans_processes = True
 
 
 def _global_on(x, caller) -> bool:
