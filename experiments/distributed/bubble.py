@@ -124,7 +124,6 @@ def worker(args, out):
   distributed.initialize()
   import jax
   import optax
-  from jax.experimental import multihost_utils
 
   import jpipe
 
@@ -153,7 +152,7 @@ def worker(args, out):
   steps = []
   for step in range(2 + args.steps):
     hooks.clear()
-    multihost_utils.sync_global_devices(f"step {step}")
+    distributed.barrier(f"step {step}")
     state, metrics = pipe.step(state, batch)
     jax.block_until_ready((state.stage_params, metrics["loss"]))
     if step >= 2:  # After compiling.

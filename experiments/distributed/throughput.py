@@ -44,6 +44,7 @@ those transfers' latency), otherwise idle
 
   python -m experiments.distributed.throughput [--steps 20] [--layers 8]
       [--width 1024] [--batch 1024] [--schedules async] [--microbatches 4]
+      [--out_dir DIR]
 
 Prints a table; writes ``experiments/distributed/results/throughput.json``.
 """
@@ -209,7 +210,6 @@ def worker(schedule, m, steps, out, plan):
   distributed.initialize()
   _pin(int(os.environ["JAX_PROCESS_ID"]))
   import jax
-  from jax.experimental import multihost_utils
 
   loss_fn, params, batch = _model()
   pipe = _pipeline(loss_fn, params, batch, schedule, m, plan)
@@ -219,7 +219,7 @@ def worker(schedule, m, steps, out, plan):
       params,
       batch,
       steps,
-      multihost_utils.sync_global_devices,
+      distributed.barrier,
       trace_dir=trace_dir,
     )
   # Each process's breakdown beside the result, process 0's result last
@@ -228,7 +228,7 @@ def worker(schedule, m, steps, out, plan):
     json.dump(
       {"host": breakdown, "actions": actions, "transfers": transfers}, f
     )
-  multihost_utils.sync_global_devices("breakdowns written")
+  distributed.barrier("breakdowns written")
   if jax.process_index() == 0:
     with open(out, "w") as f:
       json.dump({"seconds": seconds, "steps": steps}, f)
@@ -278,15 +278,12 @@ def whole_side_by_side(steps, out):
   distributed.initialize()
   _pin(int(os.environ["JAX_PROCESS_ID"]))
   import jax
-  from jax.experimental import multihost_utils
 
   loss_fn, params, batch = _model()
-  seconds = _time_whole(
-    loss_fn, params, batch, steps, multihost_utils.sync_global_devices
-  )
+  seconds = _time_whole(loss_fn, params, batch, steps, distributed.barrier)
   with open(f"{out}.process{jax.process_index()}", "w") as f:
     json.dump(seconds, f)
-  multihost_utils.sync_global_devices("written")
+  distributed.barrier("written")
   if jax.process_index() == 0:
     both = []
     for p in range(2):
@@ -462,7 +459,10 @@ def main():
   parser.add_argument("--whole", metavar="OUT")
   parser.add_argument("--whole_side_by_side", metavar="OUT")
   parser.add_argument(
-    "--name", default="throughput", help="results/NAME.json is written"
+    "--name", default="throughput", help="OUT_DIR/NAME.json is written"
+  )
+  parser.add_argument(
+    "--out_dir", default=RESULTS, help="the folder results are written to"
   )
   parser.add_argument("--layers", type=int, default=LAYERS)
   parser.add_argument("--step_every", type=int, default=STEP_EVERY)
@@ -495,17 +495,17 @@ def main():
     return whole(args.steps, args.whole)
   if args.whole_side_by_side:
     return whole_side_by_side(args.steps, args.whole_side_by_side)
-  os.makedirs(RESULTS, exist_ok=True)
+  os.makedirs(args.out_dir, exist_ok=True)
   me = [sys.executable, "-m", "experiments.distributed.throughput"]
   me += [f"--layers={LAYERS}", f"--width={WIDTH}", f"--batch={BATCH}"]
   me += [f"--step_every={STEP_EVERY}", f"--fuse_step={int(FUSE_STEP)}"]
   me += [f"--schedules={args.schedules}", f"--microbatches={args.microbatches}"]
   steps = ["--steps", str(args.steps)]
-  tmp = os.path.join(RESULTS, "_run.json")
+  tmp = os.path.join(args.out_dir, "_run.json")
   _run([*me, *steps, "--baseline", tmp], one_core_env(2))
   with open(tmp) as f:
     base = json.load(f)
-  plan_path = os.path.join(RESULTS, f"{args.name}_plan.json")
+  plan_path = os.path.join(args.out_dir, f"{args.name}_plan.json")
   with open(plan_path, "w") as f:
     f.write(base["plan"])
   one = BATCH * base["steps"] / base["seconds"]
@@ -607,7 +607,7 @@ def main():
         f"{t['asked_early']:.1f}, transfer {t['transfer']:.2f} "
         f"(90th percentile {t['transfer_p90']:.2f})"
       )
-  with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
+  with open(os.path.join(args.out_dir, f"{args.name}.json"), "w") as f:
     json.dump(result, f, separators=(",", ":"))
 
 
