@@ -21,6 +21,7 @@ import inspect
 import jax
 import optax
 
+from jpipe.runtime.build import stage_optimizer
 from jpipe.train import pretrained
 from jpipe.train.errors import UsageError
 
@@ -126,7 +127,7 @@ def decay_mask(patterns: str):
   def mask(params):
     return jax.tree_util.tree_map_with_path(
       lambda path, _: (
-        not any(c.search(pretrained.leaf_path(path)) for c in compiled)
+        not any(c.search(stage_optimizer.path_name(path)) for c in compiled)
       ),
       params,
     )

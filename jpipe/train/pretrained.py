@@ -55,23 +55,10 @@ from jpipe.train.errors import (
 )
 
 
-def leaf_path(path) -> str:
-  """``"a/b/c"`` for a ``tree_flatten_with_path`` key path."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
-
-
 def flat_paths(tree) -> dict[str, Any]:
   """``{"a/b/c": leaf}`` in flatten order."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {leaf_path(path): leaf for path, leaf in flat}
+  return {stage_optimizer.path_name(path): leaf for path, leaf in flat}
 
 
 def path_patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
@@ -108,7 +95,7 @@ def freeze(
     return jax.tree_util.tree_map_with_path(
       lambda path, _: (
         "frozen"
-        if any(c.search(leaf_path(path)) for c in compiled)
+        if any(c.search(stage_optimizer.path_name(path)) for c in compiled)
         else "trained"
       ),
       params,

@@ -30,7 +30,7 @@ from jpipe.runtime.build.stored_params import leaves_of, stored_params_like
 def leaf_names(params: Any) -> tuple[str, ...]:
   """``"a/b/c"`` path of every leaf of ``params``, in flatten order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  names = tuple("/".join(_key_name(k) for k in path) for path, _ in flat)
+  names = tuple(path_name(path) for path, _ in flat)
   if len(set(names)) != len(names):  # Keys that print alike: keep them apart.
     names = tuple(jax.tree_util.keystr(path) for path, _ in flat)
   return names
@@ -45,6 +45,12 @@ def path_patterns(patterns: str | Sequence[str]) -> list[re.Pattern]:
     return [re.compile(p.strip()) for p in patterns]
   except re.error as e:
     raise ValueError(f"bad parameter path pattern {e.pattern!r}: {e}") from e
+
+
+def path_name(path) -> str:
+  """``"a/b/c"`` for a ``tree_flatten_with_path`` key path (dict keys,
+  attribute names and sequence indices, each as itself)."""
+  return "/".join(_key_name(k) for k in path)
 
 
 def _key_name(key) -> str:
