@@ -95,9 +95,12 @@ class PipelineInferenceMethods:
     ``empty_cache(b, length)``: the cache's zeros (shapes only are used;
     each stage makes its own on its device). An encoder-decoder gives
     ``prefill_fn`` too (e.g. ``models.t5_v1.decode_fns(model)``): the
-    prompts are then its sources, the batch's "inputs", the encoder runs
-    once in the prefill, and the decoder starts from ``start_id``
-    (sources of different lengths are right-padded with 0; no "pad").
+    prompts are then its sources, the batch's "inputs" -- token rows, or
+    any array [B, ...] (a speech model's float features, an image) or a
+    pytree of them (features and their mask), passed in that structure
+    --, the encoder runs once in the prefill, and the decoder starts from
+    ``start_id`` (token sources of different lengths are right-padded with
+    0; no "pad").
     ``one_position=True``: ``decode_fn`` takes one position per call
     (Flax's decode mode, ``nn.MultiHeadDotProductAttention(decode=True)``
     as the Flax examples' LMs decode; a scanned model's stacked cache),

@@ -40,7 +40,10 @@ slot written stays one per batch; "pad" says how many slots each row's
 padding takes (its position 0 is at that slot; the model masks the
 padding slots out: ``models.gpt2``). An encoder-decoder's sources are
 right-padded with 0, which its encoder masks (no "pad": every decoder
-starts at slot 0).
+starts at slot 0). Its sources need not be tokens: any array with the
+examples on its leading axis (a speech model's float features, an
+image captioner's pixels), or a pytree of them (features with their
+mask), reaches ``prefill_fn`` as the batch's "inputs" in that structure.
 
 A stage on a replica group reads a microbatch's feeds as its other
 work does: split over the group, whole on the first device (weighted),
@@ -89,7 +92,7 @@ class _Decoder:
   tokens: int  # The "tokens" batch leaf.
   index: int  # The "index" batch leaf.
   cache: tuple[int, ...]  # The cache's batch leaves, in flatten order.
-  inputs: int | None  # The "inputs" batch leaf (encoder-decoder).
+  inputs: tuple[int, ...]  # The "inputs" batch leaves (encoder-decoder).
   pad: int | None  # The "pad" batch leaf (decoder-only).
   # Per cache leaf, the stages reading it (one per placement; empty:
   # none reads it), on every process.
@@ -125,8 +128,9 @@ def generate(
 ) -> jax.Array:
   """``Pipeline.generate``: greedy continuations int32 [B, n] of the
   prompts (int [B, P], or B 1-D int arrays of any lengths; an
-  encoder-decoder's sources when ``prefill_fn`` is given: the decoder
-  starts from ``start_id``), n <= max_new_tokens (fewer when every
+  encoder-decoder's sources when ``prefill_fn`` is given -- those, or
+  any array [B, ...] or pytree of them: the decoder starts from
+  ``start_id``), n <= max_new_tokens (fewer when every
   sequence finished early), on the last stage's device. ``one_position``:
   ``decode_fn`` takes one position per call, the prompt fed to it
   position by position (no prefill program)."""
@@ -138,7 +142,7 @@ def generate(
       "pass one or the other"
     )
   prompts, pad = padded_prompts(prompts, encoder_decoder)
-  _check(pipe, prompts, max_new_tokens)
+  _check(pipe, prompts, max_new_tokens, encoder_decoder)
   feeds = _Feeds(pipe.microbatch_size, prompts, pad, start_id)
   m, length = feeds.m, feeds.first.shape[1]
   cache = jax.eval_shape(
@@ -189,7 +193,12 @@ def _after_prompts(feeds, dec, state) -> list:
 def padded_prompts(prompts, encoder_decoder: bool):
   """(int [B, P], each row's left padding int32 [B] or None): ``prompts``
   as one array -- 1-D arrays of different lengths padded with 0, on the
-  left (decoder-only) or the right (an encoder-decoder's sources)."""
+  left (decoder-only) or the right (an encoder-decoder's sources). An
+  encoder-decoder's sources in a dict (or another pytree that is not a
+  list of rows) stay so, each leaf a NumPy array."""
+  if encoder_decoder and not isinstance(prompts, (list, tuple, np.ndarray)):
+    if not isinstance(prompts, jax.Array):  # (A pytree of sources.)
+      return jax.tree.map(np.asarray, prompts), None
   if isinstance(prompts, (list, tuple)) and prompts:
     rows = [np.asarray(p) for p in prompts]
     if any(r.ndim != 1 or not len(r) for r in rows):
@@ -217,12 +226,15 @@ class _Feeds:
   zeros made there before the first write)."""
 
   def __init__(self, mb, prompts, pad, start_id):
-    self.mb, self.m = mb, len(prompts) // mb
     encoder_decoder = pad is None
-    self.source = prompts if encoder_decoder else None
+    size = len(jax.tree.leaves(prompts)[0])
+    self.mb, self.m = mb, size // mb
+    # An encoder-decoder's sources: their leaves (flatten order).
+    self.source = jax.tree.leaves(prompts) if encoder_decoder else None
+    self.source_tree = prompts if encoder_decoder else None
     self.pad = pad
     self.first = (
-      np.full((len(prompts), 1), start_id, np.int32)
+      np.full((size, 1), start_id, np.int32)
       if encoder_decoder
       else prompts.astype(np.int32)
     )
@@ -292,10 +304,11 @@ class _Feeds:
             leaves[i] = put(index)
           elif i == dec.pad:
             leaves[i] = put(rows(self.pad, b))
-          elif i == dec.inputs:
-            key = (place, b)
+          elif i in dec.inputs:
+            j = dec.inputs.index(i)
+            key = (place, b, j)
             if key not in self._sources:
-              self._sources[key] = put(rows(self.source, b))
+              self._sources[key] = put(rows(self.source[j], b))
             leaves[i] = self._sources[key]
           else:
             k = dec.cache.index(i)
@@ -319,16 +332,28 @@ def _put(place, b: int, x):
   return place.put_values(x)
 
 
-def _check(pipe, prompts, max_new_tokens) -> None:
+def _check(pipe, prompts, max_new_tokens, encoder_decoder: bool) -> None:
   """One-line ValueErrors for what ``generate`` cannot run."""
-  if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
+  if encoder_decoder:
+    sizes = {
+      np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(prompts)
+    }
+    if len(sizes) != 1 or None in sizes:
+      raise ValueError(
+        "an encoder-decoder's sources must be arrays sharing a leading "
+        f"batch axis; got leading sizes {sorted(sizes, key=str)}"
+      )
+    size = sizes.pop()
+  elif prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
     raise ValueError(
       f"prompts must be int tokens [batch, length], got {prompts.dtype} "
       f"{prompts.shape}"
     )
-  if len(prompts) % pipe.microbatch_size:
+  else:
+    size = len(prompts)
+  if size % pipe.microbatch_size:
     raise ValueError(
-      f"{len(prompts)} prompts do not split into microbatches of "
+      f"{size} prompts do not split into microbatches of "
       f"{pipe.microbatch_size}: pass a multiple of {pipe.microbatch_size}"
     )
   if max_new_tokens < 1:
@@ -365,8 +390,9 @@ def _programs(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
       "tokens": jax.ShapeDtypeStruct((mb, n), np.int32),
     }
     if feeds.source is not None:
-      batch["inputs"] = jax.ShapeDtypeStruct(
-        (mb, feeds.source.shape[1]), feeds.source.dtype
+      batch["inputs"] = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype),
+        feeds.source_tree,
       )
     else:
       batch["pad"] = jax.ShapeDtypeStruct((mb,), np.int32)
@@ -392,7 +418,7 @@ def _programs(pipe, prefill_fn, decode_fn, cache, feeds) -> _Decoder:
     paths.index("tokens"),
     paths.index("index"),
     tuple(i for i, key in enumerate(paths) if key == "cache"),
-    paths.index("inputs") if "inputs" in paths else None,
+    tuple(i for i, key in enumerate(paths) if key == "inputs"),
     paths.index("pad") if "pad" in paths else None,
   )
 
