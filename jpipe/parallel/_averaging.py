@@ -91,6 +91,8 @@ class GroupMean:
     Returns:
       This process's members' pytrees of the mean, each on its device.
     """
+    if not jax.tree.leaves(trees):  # (A stage whose params are all frozen.)
+      return list(trees)
     mine = tuple(device_of(t) for t in trees)
     devices = mine if devices is None else tuple(devices)
     if len(devices) == 1:
@@ -159,6 +161,8 @@ class PeerMean:
       came: every member's rank, sorted.
       devices: ``{rank: device}`` of every member.
     """
+    if not jax.tree.leaves(trees):  # (Nothing to average: every process.)
+      return list(trees)
     me = jax.process_index()
     others = sorted({devices[r].process_index for r in came} - {me})
     for r, tree in zip(ranks, trees, strict=True):
@@ -289,13 +293,24 @@ class Rendezvous:
     if last:
       # Outside the lock: across processes ``combine`` is a collective
       # that other processes' members may reach only later.
-      results = combine([meeting["trees"][r] for r in here], came)
+      try:
+        results = combine([meeting["trees"][r] for r in here], came)
+      except BaseException as e:  # The members waiting fail too, not hang.
+        with self._cond:
+          meeting["failed"] = e
+          self._cond.notify_all()
+        raise
       with self._cond:
         meeting["out"] = dict(zip(here, results, strict=True))
         self._cond.notify_all()
     with self._cond:
-      while meeting["out"] is None:
+      while meeting["out"] is None and "failed" not in meeting:
         self._cond.wait()
+      if "failed" in meeting:
+        raise RuntimeError(
+          f"the average of stage {stage} with pipelines {list(here)} "
+          f"failed in another pipeline's thread: {meeting['failed']!r}"
+        ) from meeting["failed"]
       out = meeting["out"]
       mine = out.pop(rank)
       if not out:

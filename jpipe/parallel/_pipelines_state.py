@@ -29,7 +29,7 @@ class ConsensusStateMethods:
       for p, pipe in enumerate(self.all_pipelines)
       if p not in self.ranks
     }
-    self.policy.start(self.all_pipelines[0].stages.split_params(params))
+    self.policy.start(self.all_pipelines[0].stage_params_of(params))
     return states
 
   def _everyone(self, states) -> list[PipelineState]:
@@ -158,7 +158,7 @@ class ConsensusStateMethods:
       if p not in self.ranks
     }
     first = self.all_pipelines[0]
-    self.policy.start(first.stages.split_params(saved[0]["params"]))
+    self.policy.start(first.stage_params_of(saved[0]["params"]))
     return states
 
 

@@ -52,7 +52,7 @@ class FrozenLoss(NamedTuple):
     ``(params, that state)``."""
     state = self.model_state if model_state is None else model_state
     frozen, inner = state if self.has_state else (state, None)
-    whole = _merge(params, frozen)
+    whole = merge_trees(params, frozen)
     return (whole, inner) if self.has_state else whole
 
 
@@ -88,7 +88,7 @@ def frozen_loss(
 
   def with_frozen(trained, state, batch):
     held, inner = state if has_state else (state, None)
-    whole = _merge(trained, held)
+    whole = merge_trees(trained, held)
     if not has_state:
       out = loss_fn(whole, batch)
       loss, aux = out if has_aux else (out, None)
@@ -118,7 +118,7 @@ def _frozen_mask(params, patterns) -> Any:
   return jax.tree.unflatten(jax.tree.structure(params), hits)
 
 
-def _merge(trained, frozen) -> Any:
+def merge_trees(trained, frozen) -> Any:
   """One tree of the two, each leaf from the one that has it."""
   return jax.tree.map(
     lambda t, f: f if t is None else t,

@@ -39,6 +39,7 @@ from jpipe.runtime._assemble import (
   options_from_keywords,
   with_schedule,
 )
+from jpipe.runtime._frozen_params import FrozenParams
 from jpipe.runtime._pipeline_inference import PipelineInferenceMethods
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._pipeline_state_methods import PipelineStateMethods
@@ -92,6 +93,14 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       each stage feeds its forwards the state its previous forward left
       (microbatches in order, as one device would) and the recomputing
       backward sees the same state as its forward.
+    frozen: regular expressions (a list, or one comma-separated string)
+      finding the ``"a/b/c"`` paths of params that do not train (e.g.
+      ``"wte/"``): held inside as model state, so no stage computes,
+      sends or steps their gradients and none keeps optimizer state for
+      them (``jpipe.frozen_loss``); every method still takes and gives
+      the whole params (``init``, ``gather_params``, ``state_dict``, the
+      functions given to ``evaluate``, ``predict`` and ``generate``).
+      ``nonfinite_params`` and ``param_norms`` look at the trained ones.
     has_aux: ``loss_fn`` returns ``(loss, aux)`` (with model state
       ``(loss, (new_model_state, aux))``), ``aux`` a pytree of arrays
       beside the loss (an accuracy, a count), as ``jax.value_and_grad``'s
@@ -188,6 +197,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     schedule: "str | schedule_lib.ScheduleKind" = "gpipe",
     num_microbatches: int = 1,
     model_state: Any = None,
+    frozen: str | Sequence[str] | None = None,
     has_aux: bool = False,
     record_params: bool = False,
     clip_global_norm: float | None = None,
@@ -197,6 +207,14 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     **options: Any,
   ):
     options = options_from_keywords(staleness, partitioning, options)
+    self.frozen_params = None
+    if frozen:  # (Held as model state inside: _frozen_params.py.)
+      self.frozen_params = FrozenParams(
+        loss_fn, params, frozen, model_state, has_aux
+      )
+      inside = self.frozen_params.inner
+      loss_fn, params = inside.loss_fn, inside.params
+      model_state = inside.model_state
     request = check_request(
       params,
       example_batch,

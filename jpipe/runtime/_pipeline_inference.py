@@ -54,7 +54,9 @@ class PipelineInferenceMethods:
       each aux output's mean over them. With it: its pytree, each leaf
       summed over the microbatches. Arrays, on every process.
     """
-    return _forward_only.evaluate(self, state, batch, metrics_fn)
+    return _forward_only.evaluate(
+      self, state, batch, self._on_whole(metrics_fn)
+    )
 
   @every_process
   def predict(
@@ -66,7 +68,7 @@ class PipelineInferenceMethods:
     or class indices. Its outputs have the microbatch's examples on
     their leading axis; returns them concatenated over the microbatches
     (the batch's order), on every process."""
-    return _forward_only.predict(self, state, batch, predict_fn)
+    return _forward_only.predict(self, state, batch, self._on_whole(predict_fn))
 
   @every_process
   def generate(
@@ -121,11 +123,19 @@ class PipelineInferenceMethods:
       self,
       state,
       prompts,
-      decode_fn,
+      self._on_whole(decode_fn),
       empty_cache,
       max_new_tokens,
       eos_id,
-      prefill_fn,
+      self._on_whole(prefill_fn),
       start_id,
       one_position,
     )
+
+  def _on_whole(self, fn):
+    """``fn`` as the stages call it: with ``frozen``, over the trained
+    params and the model state holding the frozen ones, calling ``fn``
+    on the whole params."""
+    if self.frozen_params is None:
+      return fn
+    return self.frozen_params.user_fn(fn)

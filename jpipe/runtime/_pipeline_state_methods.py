@@ -23,8 +23,10 @@ class PipelineStateMethods:
     """Splits ``params`` per stage, places them, builds optimizer states.
 
     ``model_state``: the initial model state (required when the pipeline
-    was built with one).
+    was built with one). With ``frozen``: the whole params.
     """
+    if self.frozen_params is not None:
+      params, model_state = self.frozen_params.split(params, model_state)
     return _pipeline_state.init_state(self, params, model_state)
 
   def with_stage_params(
@@ -36,6 +38,13 @@ class PipelineStateMethods:
     _pipeline_state.check_drained(state, "with_stage_params")
     flight = InFlight.start(stage_params) if self.stream else None
     return state._replace(stage_params=tuple(stage_params), in_flight=flight)
+
+  def stage_params_of(self, params: Any) -> list[tuple]:
+    """Per stage, its param leaves of the whole ``params`` (as ``init``
+    takes them; with ``frozen``, the trained leaves only)."""
+    if self.frozen_params is not None:
+      params, _ = self.frozen_params.split(params)
+    return self.stages.split_params(params)
 
   def gradient_avals(self, stage: int, params: Sequence[Any]) -> Any:
     """Shapes and dtypes of stage ``stage``'s gradient as its optimizer
@@ -57,8 +66,14 @@ class PipelineStateMethods:
     call it; each gets the whole state (None: a process that runs none
     of this pipeline's stages, where another process runs them all). A
     round-robin replica group's leaves are its replica 0's (PipeDream
-    saves and evaluates from each stage's first rank)."""
-    return _pipeline_state.gather_model_state(self, state)
+    saves and evaluates from each stage's first rank). With ``frozen``:
+    the loss's own model state (None without one)."""
+    held = _pipeline_state.gather_model_state(self, state)
+    if self.frozen_params is None:
+      return held
+    if held is None:  # (Outside this pipeline's processes.)
+      return None
+    return self.frozen_params.loss_state(held)
 
   @every_process
   def gather_params(self, state: PipelineState) -> Any:
@@ -66,8 +81,13 @@ class PipelineStateMethods:
     (``flush``): mid-stream, every stage is at another step. Across
     processes every process must call it; each gets the whole pytree
     (None: a process that runs none of this pipeline's stages, where
-    another process runs them all, as in data parallel)."""
-    return _pipeline_state.gather_params(self, state)
+    another process runs them all, as in data parallel). With
+    ``frozen``: the whole params, frozen leaves as they were given."""
+    params = _pipeline_state.gather_params(self, state)
+    if self.frozen_params is None:
+      return params
+    held = _pipeline_state.gather_model_state(self, state)
+    return self.frozen_params.whole(params, held)[0]
 
   @every_process
   def nonfinite_params(self, state: PipelineState) -> dict[int, str]:
@@ -94,22 +114,25 @@ class PipelineStateMethods:
     path), "gap_aware", "model_state", "step"}``
     (``_pipeline_state.state_dict``). Needs a drained pipeline. Across
     processes as ``gather_params`` (None where it gives None). A
-    round-robin group's model state is its replica 0's."""
-    return _pipeline_state.state_dict(self, state)
+    round-robin group's model state is its replica 0's. With ``frozen``:
+    the whole params, and the loss's own model state."""
+    tree = _pipeline_state.state_dict(self, state)
+    return self._outside(tree)
 
   def local_state_dict(self, state: PipelineState) -> dict[str, Any]:
     """``state_dict``'s structure without gathering (no collective): the
     leaves this process writes to a checkpoint as arrays, each written by
     exactly one process, the others as ``jax.ShapeDtypeStruct``
     (``_process_state``). Needs a drained pipeline."""
-    return _process_state.local_state_dict(self, state)
+    return self._outside(_process_state.local_state_dict(self, state))
 
   def state_dict_layout(self) -> tuple[dict[str, Any], dict[str, Any]]:
     """(``state_dict``'s structure as ``jax.ShapeDtypeStruct`` leaves, the
     same of booleans: whether this process's stages use each leaf).
     ``load_state_dict`` takes a state dict holding only the used leaves
     (the others as the layout's ``ShapeDtypeStruct``)."""
-    return _process_state.state_dict_layout(self)
+    layout, needed = _process_state.state_dict_layout(self)
+    return self._outside(layout), self._outside(needed)
 
   @every_process
   def load_state_dict(self, tree: Mapping[str, Any]) -> PipelineState:
@@ -117,4 +140,12 @@ class PipelineStateMethods:
     Gap-Aware statistics of leaves that were not on a Gap-Aware stage when
     saved start fresh (zeros), as they do at initialisation. Every
     replica of a round-robin group starts at the saved model state."""
+    if self.frozen_params is not None:
+      tree = self.frozen_params.state_dict_in(tree)
     return _pipeline_state.load_state_dict(self, tree)
+
+  def _outside(self, tree):
+    """A state dict (or its layout) as the caller sees it."""
+    if self.frozen_params is None:
+      return tree
+    return self.frozen_params.state_dict_out(tree)

@@ -98,7 +98,9 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   c.optimizer.decay_steps = ""  # multistep: optimizer steps, "3000,6000".
   c.optimizer.decay_factor = 0.2  # multistep: the factor at each.
   # Comma-separated regular expressions of param paths that are not
-  # trained (zero updates, e.g. "^embed/,^block_0/"); "" trains all.
+  # trained (e.g. "^embed/,^block_0/"): held as model state, so no
+  # gradient or optimizer state for them (jpipe.Pipeline's frozen=);
+  # "" trains all.
   c.optimizer.freeze = ""
 
 

@@ -59,7 +59,8 @@ def trace_config(
       (``prices_last_stage``; else None).
 
   Returns:
-    (traced model, node costs, params: the task's, ShapeDtypeStructs when
+    (traced model, node costs, params: the task's -- the trained ones where
+    ``optimizer.freeze`` holds some as model state --, ShapeDtypeStructs when
     ``abstract``) and, ``with_last_stage_costs``, the last stage's costs;
     pass them to ``jpipe.partition.plan_traced`` (``last_stage_costs``).
   """
@@ -74,17 +75,31 @@ def trace_config(
   batch = task.batch_at(0)
   m = config.pipeline.num_microbatches
   micro = {k: v[: len(v) // m] for k, v in batch.items()}
-  loss_fn, inputs = task.loss_fn, micro
-  if task.model_state is not None:
+  loss_fn, params, model_state = task.loss_fn, task.params, task.model_state
+  if config.optimizer.freeze:  # Held as model state, as the run holds them.
+    frozen = runtime.frozen_loss(
+      loss_fn,
+      params,
+      config.optimizer.freeze,
+      model_state=model_state,
+      has_aux=task.has_aux,
+    )
+    loss_fn, params, model_state = (
+      frozen.loss_fn,
+      frozen.params,
+      frozen.model_state,
+    )
+  inputs = micro
+  if model_state is not None:
     loss_fn, inputs = partition_lib.with_model_state(
-      task.loss_fn, micro, task.model_state
+      loss_fn, micro, model_state
     )
   traced = partition_lib.trace(
     loss_fn,
-    task.params,
+    params,
     inputs,
     depth=config.pipeline.depth or 1,
-    has_aux=task.model_state is not None or task.has_aux,
+    has_aux=model_state is not None or task.has_aux,
   )
   split = config_options.partition(config)
   if not config.pipeline.depth and isinstance(split, partition_lib.Split):
@@ -96,7 +111,7 @@ def trace_config(
     traced, _ = partition_lib.choose_depth(traced, stages)
   costs = partition_lib.profile_nodes(
     traced,
-    task.params,
+    params,
     inputs,
     method=method_costs,
     recompute=config.pipeline.recompute,
@@ -105,10 +120,10 @@ def trace_config(
     last = None
     if prices_last_stage(config):
       last = partition_lib.profile_nodes(
-        traced, task.params, inputs, method=method_costs, recompute=False
+        traced, params, inputs, method=method_costs, recompute=False
       )
-    return traced, costs, task.params, last
-  return traced, costs, task.params
+    return traced, costs, params, last
+  return traced, costs, params
 
 
 def prices_last_stage(config) -> bool:

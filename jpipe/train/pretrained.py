@@ -144,7 +144,7 @@ def load_params(
     # Keys "a/b/c" flatten to the same paths as the nested params.
     loaded = hf_checkpoint.params(source[len(hf_checkpoint.PREFIX) :], hf_names)
   else:
-    loaded = _read(source)
+    loaded = _consensus(_read(source))
   want = flat_paths(template)
   got = flat_paths(loaded)
   if "params" in {p.split("/")[0] for p in got} and not any(
@@ -193,6 +193,21 @@ def load_params(
     value = cast(like.dtype)
     leaves.append(value if lazy else np.asarray(value))
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def _consensus(loaded):
+  """A data-parallel run's checkpoint (``{"pipelines": [state dict,
+  ...]}``) as the mean of its pipelines' params, the model its
+  evaluation reads; anything else as it is."""
+  if not (isinstance(loaded, dict) and set(loaded) == {"pipelines"}):
+    return loaded
+  replicas = [p["params"] for p in loaded["pipelines"]]
+  return jax.tree.map(
+    lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0).astype(
+      np.asarray(xs[0]).dtype
+    ),
+    *replicas,
+  )
 
 
 def check_source(source: str) -> None:

@@ -76,6 +76,9 @@ def fingerprint(config) -> dict:
       "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),
       "optimizer": config.optimizer.name,
     }
+    | (  # Frozen leaves have no optimizer state: another layout.
+      {"freeze": config.optimizer.freeze} if config.optimizer.freeze else {}
+    )
     | (  # Each replica is saved: resume with as many.
       {"pipelines": config.data_parallel.pipelines}
       if config.data_parallel.pipelines > 1

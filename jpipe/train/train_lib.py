@@ -100,6 +100,8 @@ def pipeline_options(config, task: Task, lr) -> dict:
     kwargs["model_state"] = task.model_state
   if task.has_aux:
     kwargs["has_aux"] = True
+  if config.optimizer.freeze:  # (No gradients: held as model state.)
+    kwargs["frozen"] = config.optimizer.freeze
   return dict(
     num_stages=config.pipeline.num_stages,
     schedule=config_options.written_schedule(config) or config.schedule.name,
@@ -197,7 +199,8 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
     task = _from_pretrained(config, task, say)
   lr = learning_rate(config)
   _say_no_decay(config, task.params, say)
-  tx = _frozen(config, task.params, build_optimizer(config, lr), say)
+  _say_frozen(config, task.params, say)
+  tx = build_optimizer(config, lr)
   mode = build_mode(run, config, task, tx, lr, say)
   if not run.steps:  # Evaluation only.
     source = (
@@ -302,14 +305,14 @@ def _say_no_decay(config, params, say) -> None:
     say(f"No weight decay: {k} of {n} param leaves ({patterns}).")
 
 
-def _frozen(config, params, tx, say):
-  """``tx`` with ``config.optimizer.freeze``'s leaves frozen."""
+def _say_frozen(config, params, say) -> None:
+  """How many leaves ``config.optimizer.freeze`` freezes (the pipeline
+  holds them as model state: ``jpipe.Pipeline(frozen=)``); a UsageError
+  where it matches none or all."""
   patterns = config.optimizer.freeze
-  if not patterns:
-    return tx
-  k, n = _some_leaves("freeze", patterns, params, "freeze some")
-  say(f"Frozen: {k} of {n} param leaves ({patterns}).")
-  return pretrained.freeze(tx, patterns)
+  if patterns:
+    k, n = _some_leaves("freeze", patterns, params, "freeze some")
+    say(f"Frozen: {k} of {n} param leaves ({patterns}), no gradients.")
 
 
 def _check_workdir(workdir: str) -> None:

@@ -12,9 +12,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
-from jpipe.train import process_arrays, workdir_lock
+from jpipe.train import pretrained, process_arrays, workdir_lock
 from tests.distributed.processes import read_until, started
 from tests.quick_compiles import with_quick_compiles
 
@@ -333,3 +334,27 @@ def test_vgg_with_a_replica_group_across_processes_is_one_process(
   assert sorted(a) == list(range(1, steps + 1)) and a == b
   sums = _final_checksums(four, steps)
   assert len(sums) > 30 and sums == _final_checksums(one, steps)
+
+
+def test_frozen_leaves_across_processes_resume_in_one(tmp_path, process_env):
+  """``optimizer.freeze`` over 2 processes (the frozen leaves held as
+  model state, written per process in the checkpoint with the whole
+  params), resumed in 1: the trajectory and the params of a run in 1
+  process throughout."""
+  env = process_env()
+  freeze = "--config.optimizer.freeze=^layer_0/"
+  straight, moved = tmp_path / "straight", tmp_path / "moved"
+  _train(straight, 4, None, env, freeze)
+  _train(moved, 2, 2, env, freeze)
+  assert "Resuming from step 2" in _train(moved, 4, None, env, freeze)
+  a, b = _losses(straight), _losses(moved)
+  assert sorted(b) == [1, 2, 3, 4]
+  for step in b:
+    assert b[step] == pytest.approx(a[step], rel=1e-5), step
+  want, got = (
+    pretrained.flat_paths(pretrained._read(str(w))["params"])
+    for w in (straight, moved)
+  )
+  assert any(p.startswith("layer_0/") for p in want)
+  for path, x in want.items():
+    np.testing.assert_allclose(got[path], x, rtol=1e-5, atol=1e-6)

@@ -415,3 +415,36 @@ def test_state_dicts_keep_typed_prng_keys_in_model_state():
         jax.random.key_data(a), jax.random.key_data(b)
       )
   dp.close()
+
+
+def test_a_failed_average_fails_every_member_instead_of_hanging():
+  """Two pipelines' threads meet to average a stage; the combine run by
+  the last to arrive raises: it re-raises, and the member already waiting
+  raises too (it once waited forever: a stage whose params are all
+  frozen had nothing to average, and the run hung)."""
+  from jpipe.parallel._averaging import Rendezvous
+
+  rendezvous = Rendezvous()
+  errors = {}
+
+  def combine(trees, came):
+    raise ValueError("no arrays to average")
+
+  def member(rank):
+    try:
+      rendezvous.meet(("sync", 1), 0, (0, 1), rank, {}, combine, (0, 1))
+    except Exception as e:  # noqa: BLE001 (Recorded, checked below.)
+      errors[rank] = e
+
+  threads = [
+    threading.Thread(target=member, args=(r,), daemon=True) for r in (0, 1)
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=30)
+  assert not any(t.is_alive() for t in threads)
+  kinds = sorted(type(e).__name__ for e in errors.values())
+  assert kinds == ["RuntimeError", "ValueError"]
+  waiting = next(e for e in errors.values() if isinstance(e, RuntimeError))
+  assert "failed in another pipeline's thread" in str(waiting)
