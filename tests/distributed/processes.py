@@ -18,16 +18,27 @@ ROOT = os.path.dirname(
 )
 
 
+def without_proxies() -> dict:
+  """This environment without proxies (gRPC would route 127.0.0.1
+  through them) and without ``XLA_FLAGS`` (the tests' fake-device count):
+  for a script that sets up its own processes and devices."""
+  return {k: v for k, v in _no_proxies().items() if k != "XLA_FLAGS"}
+
+
+def _no_proxies() -> dict:
+  return {
+    k: v
+    for k, v in os.environ.items()
+    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+  }
+
+
 def environment(**extra) -> dict:
   """This environment without proxies (gRPC would route 127.0.0.1
   through them) and without the fake-device flag (each process sets its
   own device count), on CPU with quick compiles (tests/quick_compiles.py;
   both sides of a comparison alike)."""
-  out = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-  }
+  out = _no_proxies()
   out["XLA_FLAGS"] = without_device_count(
     with_quick_compiles(out.get("XLA_FLAGS", ""))
   )

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from experiments.distributed import bubble
+from tests.distributed.processes import without_proxies
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -64,12 +65,7 @@ def test_gains_compare_each_schedule_with_1f1b_of_the_same_size():
 
 @pytest.mark.slow
 def test_the_script_measures_and_predicts_each_schedule(tmp_path):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-    and k != "XLA_FLAGS"
-  }
+  env = without_proxies()
   done = subprocess.run(
     [
       sys.executable,

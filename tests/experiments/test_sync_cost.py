@@ -8,17 +8,14 @@ import sys
 
 import pytest
 
+from tests.distributed.processes import without_proxies
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 @pytest.mark.slow
 def test_times_every_operation(tmp_path):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-    and k != "XLA_FLAGS"
-  }
+  env = without_proxies()
   done = subprocess.run(
     [
       sys.executable,

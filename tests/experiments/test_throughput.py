@@ -10,17 +10,14 @@ import sys
 
 import pytest
 
+from tests.distributed.processes import without_proxies
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 @pytest.mark.slow
 def test_the_script_times_two_processes_against_one_core(tmp_path):
-  env = {
-    k: v
-    for k, v in os.environ.items()
-    if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-    and k != "XLA_FLAGS"
-  }
+  env = without_proxies()
   steps, m, batch = 2, 2, 64
   done = subprocess.run(
     [
@@ -46,7 +43,9 @@ def test_the_script_times_two_processes_against_one_core(tmp_path):
   assert "host time per op, async / 2" in done.stdout
   with open(tmp_path / "throughput.json") as f:
     out = json.load(f)
-  assert out["stage_nodes"][-1] == ["head"]
+  # Two stages in order (where the cut falls is measured: it may move).
+  assert len(out["stage_nodes"]) == 2
+  assert sum(out["stage_nodes"], []) == ["dense_0", "dense_1", "head"]
   (row,) = out["rows"]
   assert (row["schedule"], row["microbatches"]) == ("async", m)
   (rate,), (whole,) = (

@@ -115,23 +115,9 @@ def test_generate_sees_the_whole_params():
   stages as the one-device greedy loop does (its decode_fn reads the
   whole params)."""
   model, params, prompts = test_generate._tiny()
-
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch["x"], train=False)
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits[:, :-1], batch["x"][:, 1:]
-    ).mean()
-
-  pipe = jpipe.Pipeline(
-    loss_fn,
-    params,
-    {"x": prompts},
-    frozen="wte/",
-    num_stages=2,
-    num_microbatches=2,
-    optimizer=optax.sgd(0.0),
-    devices=jax.devices()[:2],
+  pipe, state = test_generate._pipeline(
+    model, params, prompts, 2, frozen="wte/"
   )
-  got = test_generate._generate(pipe, pipe.init(params), model, prompts, 4)
+  got = test_generate._generate(pipe, state, model, prompts, 4)
   want = test_generate._greedy_recomputing(model, params, prompts, 4)
   np.testing.assert_array_equal(got, want)

@@ -47,7 +47,7 @@ def greedy_at_one_length(forward, params, prompts, steps):
   return seq[:, length:]
 
 
-def _pipeline(model, params, prompts, stages, microbatches=2):
+def _pipeline(model, params, prompts, stages, microbatches=2, **options):
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch["x"], train=False)
     return optax.softmax_cross_entropy_with_integer_labels(
@@ -62,6 +62,7 @@ def _pipeline(model, params, prompts, stages, microbatches=2):
     num_microbatches=microbatches,
     optimizer=optax.sgd(0.0),
     devices=jax.devices()[:stages],
+    **options,
   )
   return pipe, pipe.init(params)
 
