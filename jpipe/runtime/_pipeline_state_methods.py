@@ -26,6 +26,11 @@ class PipelineStateMethods:
     was built with one). With ``frozen``: the whole params.
     """
     if self.frozen_params is not None:
+      if (model_state is None) == self.frozen_params.has_state:
+        raise ValueError(
+          "pass model_state to init exactly when the Pipeline was built "
+          "with model_state="
+        )
       params, model_state = self.frozen_params.split(params, model_state)
     return _pipeline_state.init_state(self, params, model_state)
 

@@ -40,8 +40,10 @@ def test_a_frozen_embedding_trains_as_one_device_and_keeps_the_callers_view():
     optimizer=tx,
   )
   assert all("embed" not in name for name in pipe.leaf_names)
+  with pytest.raises(ValueError, match="exactly when the Pipeline was built"):
+    pipe.init(params, {"stats": np.zeros(3)})  # (The loss has none.)
   state = pipe.init(params)
-  assert pipe.gather_model_state(state) is None  # (The loss has none.)
+  assert pipe.gather_model_state(state) is None
   for _ in range(2):
     state, _ = pipe.step(state, batch)
   want, _ = _reference_steps(
