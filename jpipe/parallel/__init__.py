@@ -33,6 +33,7 @@ from jpipe.parallel._pipelines import (
   DataParallelPipelines,
   EpochReport,
 )
+from jpipe.parallel._pipelines_state import mean_trees
 from jpipe.parallel._preduce import (
   AdaptiveWait,
   GraphSyncToken,
@@ -64,6 +65,7 @@ __all__ = [
   "StopCalls",
   "hetpipe_syncs",
   "make_policy",
+  "mean_trees",
   "parse_slowdown",
   "push_pull",
 ]

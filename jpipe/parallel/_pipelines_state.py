@@ -72,7 +72,7 @@ class ConsensusStateMethods:
         self.all_pipelines, self._everyone(states), strict=True
       )
     ]
-    return _mean_trees(self._from_reporters(gathered, self._params_template))
+    return mean_trees(self._from_reporters(gathered, self._params_template))
 
   def consensus_state(
     self, states: Sequence[PipelineState]
@@ -162,7 +162,7 @@ class ConsensusStateMethods:
     return states
 
 
-def _mean_trees(trees):
+def mean_trees(trees):
   """The element-wise mean of pytrees of host arrays; integer, non-numeric
   leaves and PRNG keys (an optimizer's step count, an NNX RNG stream) stay
   as the first's."""
@@ -190,9 +190,7 @@ def leaf_aval(x) -> jax.ShapeDtypeStruct:
 
 
 def _mean_state_dict(dicts):
-  """The mean of state dicts (``_mean_trees``), with the largest step."""
-  out = _mean_trees(
-    [{k: v for k, v in d.items() if k != "step"} for d in dicts]
-  )
+  """The mean of state dicts (``mean_trees``), with the largest step."""
+  out = mean_trees([{k: v for k, v in d.items() if k != "step"} for d in dicts])
   out["step"] = max(int(d["step"]) for d in dicts)
   return out

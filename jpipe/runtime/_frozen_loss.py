@@ -81,9 +81,7 @@ def frozen_loss(
     ValueError: a pattern is not a regular expression, or the patterns
       find no leaf, or every leaf.
   """
-  frozen_mask = _frozen_mask(params, patterns)
-  trained = jax.tree.map(lambda x, f: None if f else x, params, frozen_mask)
-  frozen = jax.tree.map(lambda x, f: x if f else None, params, frozen_mask)
+  trained, frozen = split_frozen(params, _frozen_mask(params, patterns))
   has_state = model_state is not None
 
   def with_frozen(trained, state, batch):
@@ -116,6 +114,14 @@ def _frozen_mask(params, patterns) -> Any:
       f"{[c.pattern for c in compiled]} match every param: nothing would train"
     )
   return jax.tree.unflatten(jax.tree.structure(params), hits)
+
+
+def split_frozen(params, mask) -> tuple[Any, Any]:
+  """(the params with None at the leaves ``mask`` marks, the params with
+  None at the others): the trained and the frozen."""
+  trained = jax.tree.map(lambda x, f: None if f else x, params, mask)
+  frozen = jax.tree.map(lambda x, f: x if f else None, params, mask)
+  return trained, frozen
 
 
 def merge_trees(trained, frozen) -> Any:

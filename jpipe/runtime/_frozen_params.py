@@ -19,7 +19,12 @@ from typing import Any
 
 import jax
 
-from jpipe.runtime._frozen_loss import FrozenLoss, frozen_loss, merge_trees
+from jpipe.runtime._frozen_loss import (
+  FrozenLoss,
+  frozen_loss,
+  merge_trees,
+  split_frozen,
+)
 
 
 class FrozenParams:
@@ -54,8 +59,7 @@ class FrozenParams:
   def split(self, params, model_state=None) -> tuple[Any, Any]:
     """(the trained params, the pipeline's model state) of whole
     ``params`` and the loss's own ``model_state``."""
-    trained = jax.tree.map(lambda x, f: None if f else x, params, self.mask)
-    held = jax.tree.map(lambda x, f: x if f else None, params, self.mask)
+    trained, held = split_frozen(params, self.mask)
     return trained, (held, model_state) if self.has_state else held
 
   def whole(self, trained, state) -> tuple[Any, Any]:

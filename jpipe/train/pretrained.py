@@ -45,6 +45,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from jpipe import parallel
 from jpipe.runtime.build import stage_optimizer
 from jpipe.train import hf_checkpoint, msgpack_params, process_arrays
 from jpipe.train.checkpoint import checksums, quiet_late_reads
@@ -201,13 +202,7 @@ def _consensus(loaded):
   evaluation reads; anything else as it is."""
   if not (isinstance(loaded, dict) and set(loaded) == {"pipelines"}):
     return loaded
-  replicas = [p["params"] for p in loaded["pipelines"]]
-  return jax.tree.map(
-    lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0).astype(
-      np.asarray(xs[0]).dtype
-    ),
-    *replicas,
-  )
+  return parallel.mean_trees([p["params"] for p in loaded["pipelines"]])
 
 
 def check_source(source: str) -> None:
