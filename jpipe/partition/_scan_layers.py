@@ -16,6 +16,13 @@ last. The body is unchanged (a ``remat`` inside keeps its policy). A stage
 holding iterations i..j runs them as one scan of length j - i + 1 again
 (``fuse_runs``), forward and backward: compile stays one layer per stage.
 
+A model may stack its layers on another axis than the first (MaxText's
+``param_scan_axis=1``, flaxformer's ``scan_axis=1``: ``nn.scan`` with
+``variable_axes={"params": 1}``); the scan then reads a transpose moving
+that axis first. Such a leaf is split the same way, each row taken from
+the moved leaf (shape ``[1, ...]``, the layer axis first: what the stages
+and their optimizers hold), and the transpose dropped.
+
 ``ParamLayout`` maps the model's param leaves (stacked) to the traced
 model's (rows) and back: what ``gather_params``, checkpoints and the state
 dict use to keep the model's own layout.
@@ -41,14 +48,21 @@ class ParamLayout:
     source: per traced param leaf, ``(model leaf index, row)``; row -1: the
       whole model leaf; row k: ``leaf[k:k+1]`` of a stacked leaf.
     num_model_leaves: how many param leaves the model declares.
+    axes: per model leaf, the axis its layers are stacked on (a row k is
+      ``moveaxis(leaf, axis, 0)[k:k+1]``); empty: 0 for every leaf.
   """
 
   source: tuple[tuple[int, int], ...]
   num_model_leaves: int
+  axes: tuple[int, ...] = ()
 
   @property
   def identity(self) -> bool:
     return all(r < 0 for _, r in self.source)
+
+  def axis(self, i: int) -> int:
+    """The axis model leaf ``i``'s layers are stacked on."""
+    return self.axes[i] if self.axes else 0
 
   def to_traced(self, leaves: Sequence[Any]) -> list:
     """The model's param leaves -> the traced model's (rows sliced)."""
@@ -56,14 +70,20 @@ class ParamLayout:
       raise ValueError(
         f"expected {self.num_model_leaves} param leaves, got {len(leaves)}"
       )
-    return [leaves[i] if r < 0 else _row(leaves[i], r) for i, r in self.source]
+    return [
+      leaves[i] if r < 0 else _row(move_axis(leaves[i], self.axis(i), 0), r)
+      for i, r in self.source
+    ]
 
   def to_model(self, leaves: Sequence[Any]) -> list:
     """The traced model's param leaves -> the model's (rows stacked)."""
     rows: list[list] = [[] for _ in range(self.num_model_leaves)]
     for (i, _), x in zip(self.source, leaves, strict=True):
       rows[i].append(x)
-    return [r[0] if len(r) == 1 else _stack(r) for r in rows]
+    return [
+      r[0] if len(r) == 1 else move_axis(_stack(r), 0, self.axis(i))
+      for i, r in enumerate(rows)
+    ]
 
   def traced_names(self, model_names: Sequence[str]) -> tuple[str, ...]:
     """Names of the traced leaves: a row is its leaf's name + ``[k]``."""
@@ -71,6 +91,20 @@ class ParamLayout:
       model_names[i] if r < 0 else f"{model_names[i]}[{r}]"
       for i, r in self.source
     )
+
+
+def move_axis(x, source: int, destination: int):
+  """``x`` (an array, a ``ShapeDtypeStruct`` or None) with axis ``source``
+  moved to ``destination``; NumPy arrays stay on the host."""
+  if source == destination or x is None:
+    return x
+  if isinstance(x, jax.ShapeDtypeStruct):
+    shape = list(x.shape)
+    shape.insert(destination, shape.pop(source))
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+  if isinstance(x, np.ndarray):
+    return np.moveaxis(x, source, destination)
+  return jnp.moveaxis(x, source, destination)
 
 
 def _row(x, r: int):
@@ -132,21 +166,27 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
   """
   jaxpr = closed.jaxpr
   params = list(jaxpr.invars[:num_param_leaves])
-  plans, stacked = _layer_scans(jaxpr, params)
-  source, invars = [], []
+  plans, stacked, moved = _layer_scans(jaxpr, params)
+  source, invars, axes = [], [], [0] * num_param_leaves
   for i, v in enumerate(params):
-    if v in stacked:
-      source.extend((i, k) for k in range(len(stacked[v])))
-      invars.extend(stacked[v])
+    _, xs, axes[i] = moved.get(v, (None, v, 0))
+    if xs in stacked:
+      source.extend((i, k) for k in range(len(stacked[xs])))
+      invars.extend(stacked[xs])
     else:
       source.append((i, -1))
       invars.append(v)
-  layout = ParamLayout(tuple(source), num_param_leaves)
+  layout = ParamLayout(
+    tuple(source), num_param_leaves, tuple(axes) if any(axes) else ()
+  )
   if not plans:
     none = (None,) * len(jaxpr.eqns)
     return Split(closed, layout, none, none, none)
+  dropped = {e for e, _, _ in moved.values()}  # (Their rows are the params.)
   eqns, scopes, iteration, slices = [], [], [], []
   for i, eqn in enumerate(jaxpr.eqns):
+    if i in dropped:
+      continue
     if i not in plans:
       eqns.append(eqn)
       scopes.append(None)
@@ -190,14 +230,17 @@ def read_counts(jaxpr) -> dict[Any, int]:
   return readers
 
 
-def _layer_scans(jaxpr, params) -> tuple[dict, dict]:
+def _layer_scans(jaxpr, params) -> tuple[dict, dict, dict]:
   """``({scan eqn index: the stacked param vars it scans}, {stacked param
-  var: fresh vars of its rows})``."""
+  var: fresh vars of its rows}, {param var stacked on another axis:
+  (index of the transpose moving that axis first, the scanned var, the
+  axis)})``; a stacked var is a param or such a transpose."""
   readers = read_counts(jaxpr)
-  param_set = set(params)
+  candidates = _moved_params(jaxpr, set(params), readers)
+  scannable = set(params) | set(candidates)
   plans, stacked = {}, {}
   for i, eqn in enumerate(jaxpr.eqns):
-    rows = _stacked_params(eqn, param_set, readers)
+    rows = _stacked_params(eqn, scannable, readers)
     if rows:
       plans[i] = rows
       for v in rows:
@@ -205,7 +248,28 @@ def _layer_scans(jaxpr, params) -> tuple[dict, dict]:
           _var((1, *v.aval.shape[1:]), v.aval.dtype)
           for _ in range(v.aval.shape[0])
         ]
-  return plans, stacked
+  moved = {
+    param: (e, xs, axis)
+    for xs, (e, param, axis) in candidates.items()
+    if xs in stacked
+  }
+  return plans, stacked, moved
+
+
+def _moved_params(jaxpr, params: set, readers) -> dict:
+  """``{var: (eqn index, param var, axis)}`` for each transpose moving
+  axis ``axis > 0`` of a param read by nothing else to the front (how
+  ``nn.scan(variable_axes={"params": axis})`` reads its stacked params)."""
+  out = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name != "transpose" or eqn.invars[0] not in params:
+      continue
+    perm = tuple(eqn.params["permutation"])
+    axis = perm[0]
+    rest = tuple(d for d in range(len(perm)) if d != axis)
+    if axis > 0 and perm[1:] == rest and readers[eqn.invars[0]] == 1:
+      out[eqn.outvars[0]] = (i, eqn.invars[0], axis)
+  return out
 
 
 def _stacked_params(eqn, params: set, readers) -> list:

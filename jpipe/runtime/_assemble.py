@@ -128,7 +128,11 @@ def build_runtime(
   )
   # Before anything compiles: a whole-model step would run per stage.
   check_pipeline_optimizer(
-    request.optimizer, params, [s.param_leaves for s in stages.specs], sources
+    request.optimizer,
+    params,
+    [s.param_leaves for s in stages.specs],
+    sources,
+    traced.param_layout.axes if traced.param_layout is not None else (),
   )
   # A stage's gradients and optimizer state are packed alike: leaves of
   # at least this many bytes travel apart.
@@ -162,7 +166,7 @@ def build_runtime(
     stages,
     tied,
     stream,
-    (names, treedef, sources),
+    (names, treedef, sources, _layer_axes(traced)),
     grad_layouts,
     own_sizes,
     request,
@@ -288,16 +292,29 @@ def _check_replica_routing(placed, tied, cut, stages, request) -> None:
       )
 
 
+def _layer_axes(traced) -> dict[int, tuple[int, int]]:
+  """``{model leaf: (layer axis, ndim)}`` of the leaves stacked on another
+  axis than 0 (``ParamsView``'s ``axes``)."""
+  layout = traced.param_layout
+  if layout is None or not layout.axes:
+    return {}
+  return {
+    i: (a, len(traced.closed_jaxpr.in_avals[r].shape))
+    for r, (i, _) in enumerate(layout.source)
+    if (a := layout.axis(i))
+  }
+
+
 def _stage_optimizers(
   stages, tied, stream, leaves_of_model, grad_layouts, own_sizes, request
 ) -> tuple[StageOptimizer, ...]:
   """Each stage's optimizer over the leaves it steps, seeing them in the
   model's params structure (``leaves_of_model``: every traced param
-  leaf's path, the model's params treedef, and each traced leaf's
-  ``(model leaf, row)``; ``grad_layouts``: each stage's packed gradient;
+  leaf's path, the model's params treedef, each traced leaf's
+  ``(model leaf, row)``, and ``_layer_axes``; ``grad_layouts``: each stage's packed gradient;
   ``own_sizes``: per stage, the bytes from which a leaf of its packed
   optimizer state is stored apart)."""
-  names, treedef, sources = leaves_of_model
+  names, treedef, sources, axes = leaves_of_model
   optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.
   last = stages.num_stages - 1
@@ -326,7 +343,7 @@ def _stage_optimizers(
     positions = [p for p in range(len(leaves)) if p not in replica]
     managed = [leaves[p] for p in positions]
     view = ParamsView(
-      treedef, [names[i] for i in managed], [sources[i] for i in managed]
+      treedef, [names[i] for i in managed], [sources[i] for i in managed], axes
     )
     if per_delay:
       _check_same_state(reference, tx, s, view)

@@ -10,6 +10,12 @@ checkpoint resumes under any split (a process holding some
 of a stacked leaf's rows gives them as ``HeldRows``, for a per-process
 checkpoint). Each function reads the
 pipeline's ``traced`` and ``leaf_names`` (the rows' names).
+
+A leaf stacked on another axis than the first (``nn.scan`` with
+``variable_axes={"params": 1}``) has rows of the moved leaf (its layer
+axis first); joined, it is moved back: the params, and the optimizer
+state of the param's rank (its moments), are in the model's layout. State
+of another rank (Adafactor's factored moments) stays stacked on axis 0.
 """
 
 import dataclasses
@@ -19,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jpipe.partition import move_axis
 
 
 def model_param_avals(pipe) -> list[jax.ShapeDtypeStruct]:
@@ -31,15 +39,16 @@ def model_param_avals(pipe) -> list[jax.ShapeDtypeStruct]:
   return pipe.traced.model_leaves(rows)
 
 
-def _rows(pipe) -> dict[str, tuple[str, int, int]]:
-  """Row name -> (model leaf name, row, model leaf's ndim)."""
+def _rows(pipe) -> dict[str, tuple[str, int, int, int]]:
+  """Row name -> (model leaf name, row, model leaf's ndim, its layer
+  axis)."""
   layout = pipe.traced.param_layout
   if layout is None:
     return {}
   avals = model_param_avals(pipe)
   names = model_names(pipe)
   return {
-    row_name: (names[i], r, len(avals[i].shape))
+    row_name: (names[i], r, len(avals[i].shape), layout.axis(i))
     for row_name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True)
     if r >= 0
   }
@@ -78,7 +87,10 @@ def _joined(layout, leaves: list) -> list:
   rows: list[list] = [[] for _ in range(layout.num_model_leaves)]
   for (i, _), x in zip(layout.source, leaves, strict=True):
     rows[i].append(x)
-  return [r[0] if len(r) == 1 else _join(r) for r in rows]
+  return [
+    r[0] if len(r) == 1 else _moved(_join(r), layout.axis(i))
+    for i, r in enumerate(rows)
+  ]
 
 
 def stack_keyed(pipe, tree):
@@ -98,8 +110,8 @@ def split_keyed(pipe, tree):
   if not rows:
     return tree
   by_model = {}
-  for row_name, (name, r, ndim) in rows.items():
-    by_model.setdefault(name, []).append((row_name, r, ndim))
+  for row_name, (name, r, ndim, axis) in rows.items():
+    by_model.setdefault(name, []).append((row_name, r, ndim, axis))
   return _map_dicts(tree, lambda d: _split_dict(d, by_model))
 
 
@@ -114,17 +126,36 @@ def _map_dicts(tree, fn):
 
 
 def _stack_dict(d: dict, rows) -> dict:
-  out, groups = {}, {}
+  out, groups, shapes = {}, {}, {}
   for k, v in d.items():
     if k in rows:
-      name, r, _ = rows[k]
+      name, r, ndim, axis = rows[k]
       groups.setdefault(name, {})[r] = v
+      shapes[name] = ndim, axis
       out.setdefault(name, None)
     else:
       out[k] = v
   for name, parts in groups.items():
-    out[name] = _join([parts[r] for r in sorted(parts)])
+    joined = _join([parts[r] for r in sorted(parts)])
+    ndim, axis = shapes[name]
+    # (State of the param's rank, its moments: in the param's layout.)
+    out[name] = _moved(joined, axis if _ndim(joined) == ndim else 0)
   return out
+
+
+def _ndim(x) -> int:
+  if isinstance(x, HeldRows):
+    return len(x.aval.shape)
+  return len(np.shape(x)) if x is not None else -1
+
+
+def _moved(x, axis: int):
+  """A joined leaf (stacked on axis 0) with its layer axis at ``axis``."""
+  if axis == 0 or x is None:
+    return x
+  if isinstance(x, HeldRows):
+    return dataclasses.replace(x, aval=move_axis(x.aval, 0, axis), axis=axis)
+  return move_axis(x, 0, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +163,13 @@ class HeldRows:
   """The rows of a stacked leaf this process holds, where other
   processes hold the others (their stages run those layers): ``aval``
   the whole leaf; ``pieces`` ``(first row, host array of consecutive
-  rows)``. A per-process checkpoint writes each piece
+  rows)``, the rows on axis ``axis`` (the leaf's layer axis) as in
+  ``aval``. A per-process checkpoint writes each piece
   (``jpipe.train.process_arrays``); a pytree leaf, not a node."""
 
   aval: jax.ShapeDtypeStruct
   pieces: tuple[tuple[int, np.ndarray], ...]
+  axis: int = 0
 
 
 def _join(parts: list) -> Any:
@@ -184,13 +217,15 @@ def _split_dict(d: dict, by_model) -> dict:
     if k not in by_model:
       out[k] = v
       continue
-    for row_name, r, ndim in by_model[k]:
-      out[row_name] = _row(v, r, ndim)
+    for row_name, r, ndim, axis in by_model[k]:
+      out[row_name] = _row(v, r, ndim, axis)
   return out
 
 
-def _row(x, r: int, ndim: int):
+def _row(x, r: int, ndim: int, axis: int):
   per_row_scalar = len(np.shape(x)) < ndim  # Stacked from scalars.
+  if len(np.shape(x)) == ndim:  # (In the param's layout: ``_moved``.)
+    x = move_axis(x, axis, 0)
   if isinstance(x, jax.ShapeDtypeStruct):
     shape = () if per_row_scalar else (1, *x.shape[1:])
     return jax.ShapeDtypeStruct(shape, x.dtype)

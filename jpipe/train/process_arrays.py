@@ -19,7 +19,8 @@ A leaf held by another process is given as a ``jax.ShapeDtypeStruct``
 stacked leaf whose rows (layers) are on stages of several processes is
 given as ``jpipe.runtime.HeldRows``: each process writes its rows, the
 index entry lists the pieces (``"pieces": [{"rows": [a, b], "file",
-"crc32"}]``), and a read joins them, checking every row is there once.
+"crc32"}]``, rows a..b-1 on the leaf's layer axis ``"axis"``, 0 when
+absent), and a read joins them, checking every row is there once.
 """
 
 import dataclasses
@@ -59,9 +60,14 @@ def write_arrays(directory: str, process: int, tree: Any) -> None:
     entry = {"keys": [_key(k) for k in path]}
     if isinstance(leaf, HeldRows):  # Rows of a leaf several processes hold.
       entry |= {"shape": list(leaf.aval.shape), "dtype": str(leaf.aval.dtype)}
+      entry["axis"] = leaf.axis
       entry["pieces"] = [
         {"rows": [a, a + len(rows)]}
-        | _write(directory, f"p{process}_{n}_{a}.npy", rows)
+        | _write(
+          directory,
+          f"p{process}_{n}_{a}.npy",
+          np.moveaxis(rows, 0, leaf.axis),  # (The leaf's layout.)
+        )
         for a, rows in leaf.pieces
       ]
     else:  # One leaf on the host at a time.
@@ -142,6 +148,7 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
   if "pieces" not in entry:
     return _read_file(directory, path, entry, entry["shape"])
   shape, dtype = entry["shape"], jax.numpy.dtype(entry["dtype"])
+  axis = entry.get("axis", 0)
   value, row = np.empty(shape, dtype), 0
   for piece in sorted(entry["pieces"], key=lambda p: p["rows"]):
     a, b = piece["rows"]
@@ -151,11 +158,14 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
         f"{'in no' if a > row else 'in two'} processes' files: an "
         "incomplete or mixed save"
       )
-    value[a:b] = _read_file(directory, path, piece, [b - a, *shape[1:]])
+    part = [*shape[:axis], b - a, *shape[axis + 1 :]]
+    value[(slice(None),) * axis + (slice(a, b),)] = _read_file(
+      directory, path, piece, part
+    )
     row = b
-  if row != shape[0]:
+  if row != shape[axis]:
     raise ValueError(
-      f"{path}'s rows {row}..{shape[0] - 1} are in no process's files: an "
+      f"{path}'s rows {row}..{shape[axis] - 1} are in no process's files: an "
       "incomplete save"
     )
   return value

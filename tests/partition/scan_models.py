@@ -1,5 +1,6 @@
 """Attention LMs whose layers run under a scan, as production JAX code
-writes them (linen ``nn.scan``, with and without ``nn.remat`` inside;
+writes them (linen ``nn.scan``, with and without ``nn.remat`` inside,
+stacking on axis 0 or, as MaxText and flaxformer do, on axis 1;
 ``jax.lax.scan`` over stacked params), and the plain one unrolled; a
 scanned net whose per-layer model state is stacked too."""
 
@@ -13,25 +14,33 @@ D, V, T, LAYERS = 8, 16, 4, 8
 
 
 class Block(nn.Module):
-  """Pre-norm attention and MLP; ``(x, None) -> (x, None)`` for nn.scan."""
+  """Pre-norm attention and MLP; ``(x, None) -> (x, None)`` for nn.scan.
+  ``use_bias``: the attention's (its key bias's gradient is 0 up to float
+  noise, which a normalising optimizer magnifies)."""
+
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x, _):
     h = nn.LayerNorm()(x)
     mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-    x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(
-      h, mask=mask
-    )
+    x = x + nn.MultiHeadDotProductAttention(
+      num_heads=2, qkv_features=D, use_bias=self.use_bias
+    )(h, mask=mask)
     x = x + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(x))))
     return x, None
 
 
 class ScannedLM(nn.Module):
   """Embedding, ``LAYERS`` blocks under ``nn.scan`` (stacked params),
-  head. ``shared``: the blocks share one set of params (not stacked)."""
+  head. ``shared``: the blocks share one set of params (not stacked).
+  ``scan_axis``: the params' axis the layers are stacked on (MaxText's
+  ``param_scan_axis``, 1 by default there)."""
 
   remat: bool = False
   shared: bool = False
+  scan_axis: int = 0
+  attention_bias: bool = True
 
   @nn.compact
   def __call__(self, tokens):
@@ -47,11 +56,11 @@ class ScannedLM(nn.Module):
     else:
       scan = nn.scan(
         block,
-        variable_axes={"params": 0},
+        variable_axes={"params": self.scan_axis},
         split_rngs={"params": True},
         length=LAYERS,
       )
-    x, _ = scan(name="blocks")(x, None)
+    x, _ = scan(self.attention_bias, name="blocks")(x, None)
     return nn.Dense(V)(nn.LayerNorm()(x))
 
 
@@ -65,9 +74,9 @@ def _xent(logits, y):
   return -jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
 
 
-def linen_case(remat=False, shared=False, batch_size=4):
-  """(loss_fn, params, batch) of ``ScannedLM``."""
-  model = ScannedLM(remat=remat, shared=shared)
+def linen_case(batch_size=4, **options):
+  """(loss_fn, params, batch) of ``ScannedLM(**options)``."""
+  model = ScannedLM(**options)
   batch = _tokens(batch_size)
   params = model.init(jax.random.key(0), batch["x"])
 
@@ -263,10 +272,11 @@ def body_case(moe=None, fused=False, policy=None, batch_size=4, layers=LAYERS):
 class ScannedBatchNormNet(nn.Module):
   """Linen: four residual blocks with BatchNorm (and ``noise_key``: noise
   from a key of their own), scanned with their statistics and keys stacked
-  (``variable_axes={"params": 0, "batch_stats": 0}``). [B, 6] -> logits
-  [B, 3]."""
+  (``variable_axes={"params": 0, "batch_stats": 0}``; ``axes``: the
+  params' and the statistics' stacking axes). [B, 6] -> logits [B, 3]."""
 
   noise_key: bool = True
+  axes: tuple[int, int] = (0, 0)
 
   @nn.compact
   def __call__(self, x):
@@ -288,18 +298,18 @@ class ScannedBatchNormNet(nn.Module):
     x = nn.Dense(8)(x)
     x, _ = nn.scan(
       ScanBlock,
-      variable_axes={"params": 0, "batch_stats": 0},
+      variable_axes={"params": self.axes[0], "batch_stats": self.axes[1]},
       split_rngs={"params": True},
       length=4,
     )(name="layers")(x, None)
     return nn.Dense(3)(x)
 
 
-def batch_stats_case(batch, noise_key=True):
+def batch_stats_case(batch, noise_key=True, axes=(0, 0)):
   """(loss_fn(params, model_state, batch) -> (loss, new_model_state),
   params, model_state) of ``ScannedBatchNormNet`` on ``batch`` ({"x":
   [B, 6], "y": [B] classes of 3})."""
-  model = ScannedBatchNormNet(noise_key=noise_key)
+  model = ScannedBatchNormNet(noise_key=noise_key, axes=axes)
   variables = model.init(jax.random.key(1), batch["x"])
 
   def loss_fn(params, model_state, batch):

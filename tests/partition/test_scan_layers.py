@@ -15,12 +15,15 @@ from tests.partition import scan_models
 CASES = {
   "nn.scan": lambda: scan_models.linen_case(),
   "nn.scan(nn.remat)": lambda: scan_models.linen_case(remat=True),
+  # (MaxText's and flaxformer's layout: the layer axis second.)
+  "nn.scan, layers on axis 1": lambda: scan_models.linen_case(scan_axis=1),
   "lax.scan": scan_models.plain_case,
   "nnx.scan": scan_models.nnx_case,
 }
 BASE = {
   "nn.scan": "blocks",
   "nn.scan(nn.remat)": "blocks",
+  "nn.scan, layers on axis 1": "blocks",
   "lax.scan": "scan",
   "nnx.scan": "blocks",  # The module the body runs, as nn.scan's.
 }
@@ -66,6 +69,13 @@ def test_one_node_per_layer_with_its_rows(case):
   assert len(rows) == len(leaves) + (scan_models.LAYERS - 1) * stacked
   for a, b in zip(traced.model_leaves(rows), leaves, strict=True):
     np.testing.assert_array_equal(a, b)
+  # A row: the leaf's slice at its layer axis, that axis first.
+  axis = 1 if "axis 1" in case else 0
+  layer_paths = [p for p in paths if "'blocks'" in p or "'layers'" in p]
+  leaf = leaves[paths.index(layer_paths[0])]
+  row_names = traced.leaf_paths[: len(rows)]
+  k = row_names.index(f"[0]{layer_paths[0]}[2]")  # (Of (params, batch).)
+  np.testing.assert_array_equal(rows[k], np.moveaxis(leaf, axis, 0)[2:3])
 
 
 @pytest.mark.parametrize("num_stages", [2, tiers.slow(4)])

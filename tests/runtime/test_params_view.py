@@ -117,3 +117,32 @@ def test_states_without_params_shaped_parts_pass_as_they_are():
   assert view.keyed(state) == state
   count = optax.scale_by_schedule(lambda n: n).init(view.view(leaves))
   assert view.structured(view.keyed(count)) == count
+
+
+def test_rows_of_a_leaf_stacked_on_axis_1_are_seen_in_its_layout():
+  """``layers/w`` stacked on axis 1 ([2, 3 layers, 2]): the stage's rows
+  (``moveaxis(w, 1, 0)[k:k+1]``) are seen as ``w[:, 1:3]``, and an Adam
+  state's moments are keyed as rows and read back in that layout."""
+  w = np.arange(12.0).reshape(2, 3, 2)
+  rows = [jnp.asarray(np.moveaxis(w, 1, 0)[k : k + 1]) for k in (1, 2)]
+  model = {"emb": np.zeros((4, 2)), "layers": {"w": w}}
+  treedef = jax.tree.structure(model)  # leaves: emb, layers/w
+  view = ParamsView(
+    treedef,
+    ["layers/w[1]", "layers/w[2]"],
+    [(1, 1), (1, 2)],
+    axes={1: (1, 3)},
+  )
+  tree = view.view(rows)
+  np.testing.assert_array_equal(tree["layers"]["w"], w[:, 1:3])
+  for a, b in zip(view.leaves(tree), rows, strict=True):
+    np.testing.assert_array_equal(a, b)
+  tx = optax.adam(0.1)
+  grads = jax.tree.map(lambda x: None if x is None else 2 * x, tree)
+  _, state = tx.update(grads, tx.init(tree), tree)
+  stored = view.keyed(state)
+  np.testing.assert_allclose(  # (mu = (1 - b1) g.)
+    stored[0].mu["layers/w[2]"], 0.1 * 2 * np.moveaxis(w, 1, 0)[2:3]
+  )
+  back = view.structured(stored)
+  np.testing.assert_allclose(back[0].mu["layers"]["w"], 0.2 * w[:, 1:3])

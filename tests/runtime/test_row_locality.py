@@ -115,27 +115,90 @@ def _update_fn(tx):
   return update
 
 
+@pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("name", [*_ROW_WISE, *_ROW_MIXING])
-def test_the_analysis_agrees_with_running_the_rows_apart(name):
+def test_the_analysis_agrees_with_running_the_rows_apart(name, axis):
   """Numerically: two steps on all rows against two steps on rows 0..1
-  and 2..5 apart -- equal exactly where the analysis sees no mixing."""
+  and 2..5 apart -- equal exactly where the analysis sees no mixing; the
+  rows on axis 0, or on axis 1 (``nn.scan(variable_axes={"params": 1})``)."""
   tx = {**_ROW_WISE, **_ROW_MIXING}[name]()
   rng = np.random.default_rng(0)
   shape = (L, 4) if "vector" in name else (L, 4, 3)
+  shape = (*shape[1 : axis + 1], L, *shape[axis + 1 :])  # Rows on axis.
   grad = jnp.asarray(rng.normal(size=shape), jnp.float32)
   param = jnp.asarray(rng.normal(size=shape), jnp.float32)
   update = _update_fn(tx)
-  mixes = _mixed(update, grad, param, rows=(0, 1)) != [False]
+  traced = jax.make_jaxpr(update)(grad, param)
+  mixes = bool(mixed_rows(traced, {0: axis, 1: axis}, [axis])[0])
   whole = update(grad, param)
+  rows = lambda x, a, b: jax.lax.slice_in_dim(x, a, b, axis=axis)  # noqa: E731
   apart = jnp.concatenate(
-    [update(grad[:2], param[:2]), update(grad[2:], param[2:])]
+    [
+      update(rows(grad, 0, 2), rows(param, 0, 2)),
+      update(rows(grad, 2, L), rows(param, 2, L)),
+    ],
+    axis=axis,
   )
   assert mixes == (name in _ROW_MIXING)
   assert bool(np.allclose(whole, apart, rtol=1e-5, atol=1e-6)) != mixes
 
 
-def test_a_pipeline_refuses_a_row_mixing_step_on_split_scanned_rows():
-  loss_fn, params, batch = scan_models.plain_case()
+def test_rows_on_another_axis_are_followed_where_they_go():
+  """Rows on axis 1: each case stated by hand, for an output split on
+  axis 1 (or, given, another)."""
+  x = jnp.ones((3, L, 4))
+  w = jnp.ones((4, 5))
+  cases = {
+    "elementwise": (lambda a: a * 2 + 1, 1, False),
+    "mean over axis 1": (lambda a: jnp.mean(a, axis=1), 1, True),
+    "mean over the others": (lambda a: jnp.mean(a, axis=(0, 2)), 0, False),
+    "... split on the wrong axis": (lambda a: jnp.mean(a, (0, 2)), 1, True),
+    "swapped to axis 0": (lambda a: jnp.swapaxes(a, 0, 1), 1, True),
+    "swapped there and back": (
+      lambda a: jnp.swapaxes(jnp.swapaxes(a, 0, 1) * 2, 0, 1),
+      1,
+      False,
+    ),
+    "a matmul on the last axis": (lambda a: a @ w, 1, False),
+    "contracting the rows": (
+      lambda a: jnp.einsum("ilj,ilj->ij", a, a),
+      1,
+      True,
+    ),
+    "a batched contraction": (
+      lambda a: jnp.einsum("ilj,ilj->l", a, a),
+      0,
+      False,
+    ),
+    "rows of the right operand": (
+      lambda a: jnp.einsum("ij,kl->ijkl", w, a[0]),
+      2,
+      False,
+    ),
+    "the first rows": (lambda a: a[:, :2], 1, True),
+    "a slice of another axis": (lambda a: a[:2], 1, False),
+    "reshape keeping axes 0-1": (lambda a: a.reshape(3, L, 2, 2), 1, False),
+    "reshape merging axes 0-1": (lambda a: a.reshape(3 * L, 4), 1, True),
+    "rms over everything": (lambda a: a / jnp.sqrt(jnp.mean(a**2)), 1, True),
+  }
+  for name, (fn, out_axis, mixes) in cases.items():
+    traced = jax.make_jaxpr(fn)(x)
+    assert bool(mixed_rows(traced, {0: 1}, [out_axis])[0]) == mixes, name
+
+
+@pytest.mark.parametrize(
+  "make, leaf",
+  [
+    pytest.param(scan_models.plain_case, "layers/", id="axis 0"),
+    pytest.param(
+      lambda: scan_models.linen_case(scan_axis=1, attention_bias=False),
+      "params/blocks/",
+      id="axis 1",
+    ),
+  ],
+)
+def test_a_pipeline_refuses_a_row_mixing_step_on_split_scanned_rows(make, leaf):
+  loss_fn, params, batch = make()
 
   def pipeline(tx):
     return jpipe.Pipeline(
@@ -148,7 +211,7 @@ def test_a_pipeline_refuses_a_row_mixing_step_on_split_scanned_rows():
       optimizer=tx,
     )
 
-  with pytest.raises(jpipe.OptimizerError, match="mixes the rows of 'layers/"):
+  with pytest.raises(jpipe.OptimizerError, match=f"mixes the rows of '{leaf}"):
     pipeline(optax.adafactor(0.01))
   tx = optax.adafactor(
     0.01, clipping_threshold=None, multiply_by_parameter_scale=False

@@ -162,6 +162,28 @@ def test_linen_stacked_batch_stats_train_as_one_device_and_resume():
   _assert_state_close(other.gather_model_state(resumed), want[1])
 
 
+def test_params_on_axis_1_beside_statistics_on_axis_0():
+  """Params stacked on axis 1 (MaxText's layout) and the statistics on
+  axis 0: a step on two stages equals the microbatch loop. Statistics on
+  axis 1 as well are refused before anything runs, naming the fix."""
+  batch, tx = _batch(), optax.sgd(0.1)
+  loss_fn, params, model_state = scan_models.batch_stats_case(
+    batch, noise_key=False, axes=(1, 0)
+  )
+  pipe = _linen_pipeline(loss_fn, params, model_state, batch, 2, tx)
+  state, _ = pipe.step(pipe.init(params, model_state), batch)
+  want = _microbatch_loop(loss_fn, params, model_state, batch, tx, 1)
+  _assert_tree_close(pipe.gather_params(state), want[0])
+  _assert_state_close(pipe.gather_model_state(state), want[1])
+  loss_fn, params, model_state = scan_models.batch_stats_case(
+    batch, noise_key=False, axes=(1, 1)
+  )
+  with pytest.raises(
+    ValueError, match="stacked per layer on axis 1.*'batch_st"
+  ):
+    _linen_pipeline(loss_fn, params, model_state, batch, 2, tx)
+
+
 def test_evaluation_reads_the_rows():
   """``evaluate`` with a metrics function of the model state (each
   microbatch's sums) equals it on one device."""

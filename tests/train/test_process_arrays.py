@@ -3,6 +3,7 @@ the leaves it holds, a restore reads only the leaves it needs, every
 damage is a one-line error naming the file and the leaf; a pipeline's
 own part of its state dict is the gathered state dict's, leaf for leaf."""
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -236,15 +237,27 @@ def test_a_stacked_leaf_written_in_rows_by_two_processes(tmp_path):
   _refused(tmp_path, {"w": w}, r"\['w'\]'s rows 2\.\.2 are in two")
 
 
+@pytest.mark.parametrize(
+  "make, stacked",
+  [
+    pytest.param(scan_models.plain_case, ("layers", "w1"), id="axis 0"),
+    pytest.param(
+      lambda: scan_models.linen_case(scan_axis=1),
+      ("params", "blocks", "Dense_0", "kernel"),
+      id="axis 1",
+    ),
+  ],
+)
 def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
-  tmp_path, monkeypatch
+  tmp_path, monkeypatch, make, stacked
 ):
   """A scanned model's 4 stages as if stages 0-1 and 2-3 ran in two
   processes (``transport.leads``: the process that writes a stage):
   each process's ``local_state_dict`` holds its layers' rows of every
-  stacked leaf, params and Adam's moments; written per process and read
-  back whole, they are the gathered state dict, and it loads."""
-  loss_fn, params, batch = scan_models.plain_case()
+  stacked leaf, params and Adam's moments (layers stacked on axis 0, or
+  on axis 1 as MaxText stacks them); written per process and read back
+  whole, they are the gathered state dict, and it loads."""
+  loss_fn, params, batch = make()
   pipe = jpipe.Pipeline(
     loss_fn,
     params,
@@ -260,7 +273,8 @@ def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
     mine = {2 * process, 2 * process + 1}
     monkeypatch.setattr(pipe.transport, "leads", lambda s, mine=mine: s in mine)
     part = pipe.local_state_dict(state)
-    assert isinstance(part["params"]["layers"]["w1"], jpipe.runtime.HeldRows)
+    leaf = functools.reduce(lambda t, k: t[k], stacked, part["params"])
+    assert isinstance(leaf, jpipe.runtime.HeldRows)
     process_arrays.write_arrays(str(tmp_path), process, part)
   monkeypatch.undo()
   layout, needed = pipe.state_dict_layout()

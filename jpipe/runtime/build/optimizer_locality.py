@@ -79,10 +79,13 @@ def output_dependencies(
   return flow(closed_jaxpr, [1 << i for i in range(n)], _Dependencies)
 
 
-def check_pipeline_optimizer(optimizer, params, stage_leaves, sources):
+def check_pipeline_optimizer(
+  optimizer, params, stage_leaves, sources, layer_axes=()
+):
   """``check_stage_local`` for a pipeline's stages: ``stage_leaves``, per
   stage, the traced param leaves it reads; ``sources``, per traced leaf,
-  its ``(model leaf, row)``. One stage: nothing to check."""
+  its ``(model leaf, row)``; ``layer_axes``, per model leaf, the axis its
+  rows are stacked on (empty: 0). One stage: nothing to check."""
   if len(stage_leaves) < 2:
     return
   held = [set() for _ in jax.tree.leaves(params)]
@@ -99,6 +102,7 @@ def check_pipeline_optimizer(optimizer, params, stage_leaves, sources):
     [frozenset(h) for h in held],
     leaf_names(params),
     split_rows=[m for m, ss in sorted(row_stages.items()) if len(ss) > 1],
+    layer_axes=layer_axes,
   )
 
 
@@ -108,6 +112,7 @@ def check_stage_local(
   leaf_stages: Sequence[frozenset[int]],
   leaf_names: Sequence[str],
   split_rows: Sequence[int] = (),
+  layer_axes: Sequence[int] = (),
 ) -> None:
   """Raises OptimizerError if ``optimizer``'s step on the whole model reads,
   for some leaf's update or some value it keeps, leaves that no one stage
@@ -122,9 +127,11 @@ def check_stage_local(
       tied leaf's owner and holders; a scanned leaf's rows' stages).
     leaf_names: per model leaf, its path (for the message).
     split_rows: the model leaves whose rows (a scanned layer's, stacked
-      on axis 0) run on several stages: each stage steps its own rows,
-      so a step that mixes a leaf's rows (an RMS over the whole leaf)
-      is refused too (``row_locality``).
+      on axis 0, or ``layer_axes[m]``) run on several stages: each stage
+      steps its own rows, so a step that mixes a leaf's rows (an RMS over
+      the whole leaf) is refused too (``row_locality``).
+    layer_axes: per model leaf, the axis its rows are stacked on (empty:
+      0 for every leaf).
 
   A leaf no stage holds is left out (a pipeline holds every leaf: one its
   loss never reads on the last stage).
@@ -173,32 +180,48 @@ def check_stage_local(
     _check_output(what, at, read(deps), leaf_stages, leaf_names)
   if split_rows:
     _check_rows(
-      traced, params, state_flat, whats, split_rows, leaf_stages, leaf_names
+      traced,
+      params,
+      state_flat,
+      whats,
+      (split_rows, layer_axes),
+      leaf_stages,
+      leaf_names,
     )
 
 
 def _check_rows(
-  traced, params, state_flat, whats, split_rows, leaf_stages, leaf_names
+  traced, params, state_flat, whats, rows, leaf_stages, leaf_names
 ):
   """Raises unless every update and kept value (``whats``: each output
-  named) computes each row of a row-split leaf from that row alone. The
-  row inputs: the gradient and params of each such leaf, and the state
-  leaves (``state_flat``: with their paths) that mirror it (their path
-  ends with its path, their axis 0 its rows)."""
+  named) computes each row of a row-split leaf from that row alone.
+  ``rows``: (the row-split model leaves, each model leaf's layer axis or
+  ()). The row inputs: the gradient and params of each such leaf (rows
+  on its layer axis), and the state leaves (``state_flat``: with their
+  paths) that mirror it (their path ends with its path; their rows on its
+  layer axis if they have its rank, as ``ParamsView`` splits them, else
+  on axis 0); each output is split on the axis its leaf's rows are."""
+  split_rows, layer_axes = rows
   param_paths = [
     (jax.tree_util.keystr(path), x.shape)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
   ]
   n, num_state = len(param_paths), len(state_flat)
   of_input = {}  # row input -> the model leaf it is (or mirrors)
+  axis_of = {}  # row input -> the axis of its rows
   for m in split_rows:
     path, shape = param_paths[m]
-    of_input[m] = of_input[n + num_state + m] = m
+    axis = layer_axes[m] if layer_axes else 0
+    for i in (m, n + num_state + m):
+      of_input[i], axis_of[i] = m, axis
     for j, (spath, x) in enumerate(state_flat):
       mirrors = jax.tree_util.keystr(spath).endswith(path)
-      if mirrors and x.shape and x.shape[0] == shape[0]:
-        of_input[n + j] = m
-  outputs = mixed_rows(traced, sorted(of_input))
+      on = axis if len(x.shape) == len(shape) else 0
+      if mirrors and x.shape and x.shape[on] == shape[axis]:
+        of_input[n + j], axis_of[n + j] = m, on
+  # (Output i -- an update, then the state -- is split as input i is.)
+  out_axes = [axis_of.get(i, 0) for i in range(len(whats))]
+  outputs = mixed_rows(traced, axis_of, out_axes)
   for what, mixed in zip(whats, outputs, strict=True):
     if not mixed:
       continue

@@ -16,7 +16,11 @@ subtree: ``jax.tree.map`` skips it, a mask or label tree of the whole
 model still lines up, and a leaf's path is the one-device path). A leaf
 stacked by a scan over layers, of which the stage holds some rows
 (``leaf[k:k+1]``, named ``"path[k]"``), is seen as those rows
-concatenated, in row order. The optimizer's state comes back in the same
+concatenated, in row order, on the leaf's layer axis (``nn.scan`` with
+``variable_axes={"params": 1}`` stacks on axis 1: the optimizer sees the
+leaf as the model lays it out, so its axes mean what they mean on one
+device). State of the param's rank is split into rows on that axis;
+state of another rank (Adafactor's factored moments) on axis 0. The optimizer's state comes back in the same
 structure; ``keyed`` turns each params-shaped part of it (a subtree laid
 out like the params: Adam's moments, a mask's inner state, Gap-Aware's
 statistics) into the stored ``{path: leaf}`` dict, and ``structured``
@@ -25,11 +29,13 @@ changes between steps).
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jpipe.partition import move_axis
 
 
 class ParamsView:
@@ -43,6 +49,9 @@ class ParamsView:
       ``"path[k]"``), in the stage optimizer's order.
     sources: per managed leaf, ``(model leaf index, row)``; row -1 for a
       leaf that is not a stacked leaf's row.
+    axes: ``{model leaf index: (layer axis, ndim)}`` for each stacked leaf
+      whose layers are not on axis 0 (its rows are ``[1, ...]`` slices of
+      the leaf with that axis moved first).
   """
 
   def __init__(
@@ -50,9 +59,11 @@ class ParamsView:
     treedef,
     names: Sequence[str],
     sources: Sequence[tuple[int, int]],
+    axes: Mapping[int, tuple[int, int]] | None = None,
   ):
     self.treedef = treedef
     self.names = tuple(names)
+    self._axes = dict(axes or {})
     if len(sources) != len(self.names):
       raise ValueError("a ParamsView needs one source per managed leaf")
     # model leaf -> [(row, managed index)] in row order (row -1: whole).
@@ -79,8 +90,16 @@ class ParamsView:
       if held[0][0] < 0:
         out[i] = leaves[held[0][1]]
       else:
-        out[i] = _concat([leaves[k] for _, k in held])
+        out[i] = self._laid_out(i, _concat([leaves[k] for _, k in held]))
     return jax.tree.unflatten(self.treedef, out)
+
+  def _laid_out(self, i: int, rows):
+    """Rows of model leaf ``i`` joined on axis 0 -> its layout (state of
+    another rank than the leaf's stays as it is)."""
+    axis, ndim = self._axes.get(i, (0, 0))
+    if axis and getattr(rows, "ndim", None) == ndim:
+      return move_axis(rows, 0, axis)
+    return rows
 
   def leaves(self, tree) -> list:
     """``view``'s inverse: the managed leaves of a tree in the model's
@@ -88,7 +107,9 @@ class ParamsView:
     entries = self.treedef.flatten_up_to(tree)
     out = [None] * len(self.names)
     for i, held in self._slots.items():
-      for part, (_, k) in zip(self._split(entries[i], held), held, strict=True):
+      for part, (_, k) in zip(
+        self._split(entries[i], i, held), held, strict=True
+      ):
         out[k] = part
     return out
 
@@ -140,7 +161,7 @@ class ParamsView:
     entries = self._entries(node)
     out = {}
     for i, held in self._slots.items():
-      parts = self._split(entries[i], held)
+      parts = self._split(entries[i], i, held)
       # (Static: one value given to each row is read back from the first.)
       self._shared[path, i] = len(held) > 1 and parts[0] is parts[-1]
       out.update(
@@ -156,14 +177,19 @@ class ParamsView:
       held = self._slots[i]
       parts = [stored[self.names[k]] for _, k in held]
       one = held[0][0] < 0 or self._shared[path, i]
-      leaves += jax.tree.leaves(parts[0] if one else _concat(parts))
+      leaves += jax.tree.leaves(
+        parts[0] if one else self._laid_out(i, _concat(parts))
+      )
     return jax.tree.unflatten(self._parts[path], leaves)
 
-  def _split(self, entry, held) -> list:
-    """A model leaf's entry as its managed leaves: itself, or (a stacked
-    leaf) one row each."""
+  def _split(self, entry, i: int, held) -> list:
+    """Model leaf ``i``'s entry as its managed leaves: itself, or (a
+    stacked leaf) one row each."""
     if held[0][0] < 0:
       return [entry]
+    axis, ndim = self._axes.get(i, (0, 0))
+    if axis and getattr(entry, "ndim", None) == ndim:
+      entry = move_axis(entry, axis, 0)  # (``_laid_out``'s inverse.)
     shape = getattr(entry, "shape", None)
     if shape is None or math.prod(shape) == 1 != len(held):
       # A subtree without rows (optax.MaskedNode), or one value for the
