@@ -21,17 +21,28 @@ def forward_rows(jaxpr):
   same jaxpr and every index when nothing changed)."""
   parts = {}  # A concatenation's result -> [(start, stop, operand)].
   renamed = {}
+  moved = {}  # A transpose's result -> (its operand, its permutation).
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "concatenate" and eqn.params["dimension"] == 0:
+    if name == "transpose":
+      x, perm = eqn.invars[0], tuple(eqn.params["permutation"])
+      x = renamed.get(x, x)
+      if x in moved and _composed(moved[x][1], perm) == tuple(range(len(perm))):
+        # (A transpose undone: a stacked leaf's layer axis moved to the
+        # model's place and back for the scan.)
+        renamed[eqn.outvars[0]] = moved[x][0]
+      else:
+        moved[eqn.outvars[0]] = x, perm
+    elif name == "concatenate" and eqn.params["dimension"] == 0:
       start, runs = 0, []
       for x in eqn.invars:
         stop = start + x.aval.shape[0]
         runs.append((start, stop, x))
         start = stop
       parts[eqn.outvars[0]] = runs
-    elif name == "slice" and eqn.invars[0] in parts:
-      part = _selected(eqn, parts[eqn.invars[0]])
+    elif name == "slice" and renamed.get(eqn.invars[0], eqn.invars[0]) in parts:
+      operand = renamed.get(eqn.invars[0], eqn.invars[0])
+      part = _selected(eqn, parts[operand])
       if part is not None:
         renamed[eqn.outvars[0]] = renamed.get(part, part)
   if not renamed:
@@ -47,6 +58,11 @@ def forward_rows(jaxpr):
     jaxpr.replace(eqns=[eqns[i] for i in kept], outvars=outvars),
     kept,
   )
+
+
+def _composed(first, then) -> tuple[int, ...]:
+  """The permutation of transposing by ``first``, then by ``then``."""
+  return tuple(first[d] for d in then)
 
 
 def _selected(eqn, runs):
@@ -74,7 +90,7 @@ def _live(eqns, outvars) -> tuple[int, ...]:
   kept = []
   for i in range(len(eqns) - 1, -1, -1):
     e = eqns[i]
-    removable = e.primitive.name in ("slice", "concatenate")
+    removable = e.primitive.name in ("slice", "concatenate", "transpose")
     if removable and not any(v in read for v in e.outvars):
       continue
     kept.append(i)

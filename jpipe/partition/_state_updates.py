@@ -92,8 +92,7 @@ def place_state_updates(
       raise ValueError(
         f"model state {name} is read on stages {readers[0]} and "
         f"{readers[1]}: one microbatch's update cannot reach both before "
-        "the next microbatch reads it. "
-        + _fix(name, _layer_axis(eqns, consumers.get(old, ())))
+        "the next microbatch reads it. " + _fix(name)
       )
     reader = readers[0] if readers else writer
     if {eqn_stage[i] for i in update} | {writer} == {reader}:
@@ -103,7 +102,7 @@ def place_state_updates(
         f"model state {name} is read on stage {reader} but its new value is "
         f"computed on stage {writer} and the loss needs it there: the next "
         "microbatch would read it before (or after) this one's update. "
-        + _fix(name, _layer_axis(eqns, consumers.get(old, ())))
+        + _fix(name)
       )
     late = [
       eqn_stage[producer[v]]
@@ -130,39 +129,16 @@ def place_state_updates(
       raise ValueError(
         f"model state {name} is read on stage {reader} but its new value is "
         f"computed on stage {writer} {why}: the next microbatch would read "
-        "it before (or after) this one's update. "
-        + _fix(name, _layer_axis(eqns, consumers.get(old, ())))
+        "it before (or after) this one's update. " + _fix(name)
       )
     for i in update:
       eqn_stage[i] = reader
   return eqn_stage
 
 
-def _layer_axis(eqns, readers) -> int:
-  """The axis > 0 that a transpose among ``readers`` moves first (how
-  ``nn.scan(variable_axes={...: axis})`` reads a leaf stacked on that
-  axis), else 0."""
-  for i in readers:
-    if eqns[i].primitive.name == "transpose":
-      perm = tuple(eqns[i].params["permutation"])
-      if perm[0] > 0 and perm[1:] == tuple(d for d in perm if d != perm[0]):
-        return perm[0]
-  return 0
-
-
-def _fix(name: str, layer_axis: int = 0) -> str:
+def _fix(name: str) -> str:
   """How to keep a model-state leaf's updates on one stage; an NNX RNG
-  stream's own way where ``name`` is one's key or count; a scan's state
-  stacked on another axis than 0 (``layer_axis``) restacked on 0, whose
-  rows the pipeline holds per layer."""
-  if layer_axis:
-    return (
-      f"It is stacked per layer on axis {layer_axis} (nn.scan's "
-      f"variable_axes): stack the model state on axis 0 (variable_axes="
-      f"{{'params': {layer_axis}, 'batch_stats': 0}}; params may stay on "
-      f"axis {layer_axis}), and each layer's stage holds its rows, or keep "
-      "its modules in one stage (a Plan, or fewer stages)"
-    )
+  stream's own way where ``name`` is one's key or count."""
   if re.search(r"\['(count|key)'\]", name):
     return (
       "It is an NNX RNG stream's, advanced by modules on several stages "

@@ -19,6 +19,7 @@ import pytest
 
 import jpipe
 from jpipe import partition
+from tests import tiers
 from tests.runtime.test_generate import greedy_at_one_length
 
 VOCAB, WIDTH, LAYERS = 16, 16, 3
@@ -301,16 +302,19 @@ class ScannedBlock(nn.Module):
 
 
 class ScannedLm(nn.Module):
-  """Blocks under nn.scan, their caches stacked like their params."""
+  """Blocks under nn.scan, their caches stacked like their params (the
+  params on axis ``axis``)."""
 
   decode: bool = False
+  axis: int = 0
 
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, WIDTH)(tokens)
     blocks = nn.scan(
       ScannedBlock,
-      variable_axes={"params": 0, "cache": 0},
+      # (Not the cache on axis 1: its scalar index per layer has none.)
+      variable_axes={"params": self.axis, "cache": 0},
       split_rngs={"params": True},
       length=4,
     )
@@ -318,20 +322,20 @@ class ScannedLm(nn.Module):
     return nn.Dense(VOCAB, name="head")(x)
 
 
-SCANNED, SCANNED_DECODE = ScannedLm(), ScannedLm(decode=True)
-
-
-def test_scanned_layers_decode_one_position_per_call():
+@pytest.mark.parametrize("axis", [0, tiers.slow(1)])
+def test_scanned_layers_decode_one_position_per_call(axis):
   """A scanned model's prompt position by position through its one-call
   step as recomputing greedy, its stacked cache (cached keys, values and
-  index: [4 layers, ...] each) on the stages as rows, each row read and
-  written only by its layer's stage; a prefill looping over positions
-  calls the scan several times, whose stacked params are not split by
-  layer: refused naming one_position."""
+  index: [4 layers, ...] each; the params stacked on axis 0 or 1) on
+  the stages as rows, each row read and written only by its layer's
+  stage; a prefill looping over positions calls the scan several times,
+  whose stacked params are not split by layer: refused naming
+  one_position."""
+  scanned, scanned_decode = ScannedLm(axis=axis), ScannedLm(True, axis)
   x = jax.random.randint(jax.random.key(1), (4, 6), 0, VOCAB)
-  params = SCANNED.init(jax.random.key(0), x)["params"]
-  loss_fn = _next_token_loss(SCANNED)
-  empty_cache = _empty_cache_of(SCANNED_DECODE)
+  params = scanned.init(jax.random.key(0), x)["params"]
+  loss_fn = _next_token_loss(scanned)
+  empty_cache = _empty_cache_of(scanned_decode)
 
   pipe = jpipe.Pipeline(
     loss_fn,
@@ -347,19 +351,19 @@ def test_scanned_layers_decode_one_position_per_call():
   got = pipe.generate(
     state,
     prompts,
-    _one_position_decode_fn(SCANNED_DECODE),
+    _one_position_decode_fn(scanned_decode),
     empty_cache,
     max_new_tokens=3,
     one_position=True,
   )
   np.testing.assert_array_equal(
-    np.asarray(got), _greedy_recomputing(params, prompts, 3, SCANNED)
+    np.asarray(got), _greedy_recomputing(params, prompts, 3, scanned)
   )
   programs = [p for k, p in pipe.forward_programs.items() if k[0] != "written"]
   by_rows = max(programs, key=lambda p: p.num_batch_leaves)
   assert by_rows.num_batch_leaves == 3 * 4 + 3  # Rows; index, pad, tokens.
   read = [i for wanted in by_rows.batch_leaves.values() for i in wanted]
   assert len(read) == len(set(read))  # Each on one stage.
-  looping = _looping_decode_fn(SCANNED_DECODE)
+  looping = _looping_decode_fn(scanned_decode)
   with pytest.raises(ValueError, match="one_position=True"):
     pipe.generate(state, prompts, looping, empty_cache, max_new_tokens=2)

@@ -13,6 +13,7 @@ from optax import contrib
 
 import jpipe
 from jpipe.runtime.build.row_locality import mixed_rows
+from tests import tiers
 from tests.partition import scan_models
 
 L = 6  # rows (layers) of the stacked leaves below
@@ -190,7 +191,7 @@ def test_rows_on_another_axis_are_followed_where_they_go():
   "make, leaf",
   [
     pytest.param(scan_models.plain_case, "layers/", id="axis 0"),
-    pytest.param(
+    tiers.slow(  # (Rows on axis 1: the analysis's own tests above.)
       lambda: scan_models.linen_case(scan_axis=1, attention_bias=False),
       "params/blocks/",
       id="axis 1",

@@ -192,31 +192,23 @@ def test_eight_blocks_into_eight_stages(make):
   _one_step_equals_one_device(make(), 8, atol=1e-4)
 
 
-def test_layers_stacked_on_axis_1_train_save_and_resume_in_their_layout():
+def test_layers_stacked_on_axis_1_train_save_and_load_in_their_layout():
   """``nn.scan(variable_axes={"params": 1})`` (MaxText's and flaxformer's
-  default) splits per layer too: an AdamW step on 4 stages equals one
+  default) splits per layer too: an AdamW step on 2 stages equals one
   device's, params and moments, each in the model's own layout (the
-  layer axis second), and the state dict resumes on 2 stages."""
+  layer axis second), and the state dict loads back."""
   case = scan_models.linen_case(scan_axis=1, attention_bias=False)
   loss_fn, params, batch = case
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  four, _, _ = _pipe(case, 4, schedule="1f1b", optimizer=tx)
-  assert {s for n, s in four.plan.stage_of.items() if "[" in n} == set(range(4))
-  state = four.init(params)
-  want, opt = params, tx.init(params)
-  for _ in range(1):
-    state, _ = four.step(state, batch)
-    updates, opt = tx.update(jax.grad(loss_fn)(want, batch), opt, want)
-    want = optax.apply_updates(want, updates)
-  _close(four.gather_params(state), want)
-  saved = four.state_dict(state)
-  mu = saved["opt_state"][0].mu
-  want_mu = opt[0].mu["params"]["blocks"]["Dense_0"]["kernel"]
-  assert np.shape(mu["params/blocks/Dense_0/kernel"]) == (2 * 8, LAYERS, 8)
-  _close(mu["params/blocks/Dense_0/kernel"], want_mu)
-  _close(four.local_state_dict(state), saved)
   two, _, _ = _pipe(case, 2, schedule="1f1b", optimizer=tx)
-  resumed = two.load_state_dict(saved)
-  a, _ = four.step(state, batch)
-  b, _ = two.step(resumed, batch)
-  _close(four.gather_params(a), two.gather_params(b), rtol=1e-5)
+  assert {s for n, s in two.plan.stage_of.items() if "[" in n} == {0, 1}
+  state, _ = two.step(two.init(params), batch)
+  grads = jax.grad(loss_fn)(params, batch)
+  updates, opt = tx.update(grads, tx.init(params), params)
+  _close(two.gather_params(state), optax.apply_updates(params, updates))
+  saved = two.state_dict(state)
+  mu = saved["opt_state"][0].mu["params/blocks/Dense_0/kernel"]
+  assert np.shape(mu) == (2 * 8, LAYERS, 8)
+  _close(mu, opt[0].mu["params"]["blocks"]["Dense_0"]["kernel"])
+  _close(two.local_state_dict(state), saved)
+  _close(two.state_dict(two.load_state_dict(saved)), saved)

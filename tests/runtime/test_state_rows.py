@@ -16,6 +16,7 @@ from flax import nnx
 
 import jpipe
 from jpipe import dynamic, partition
+from tests import tiers
 from tests.partition import scan_models
 from tests.runtime.test_nnx_loss import (
   LR,
@@ -162,26 +163,28 @@ def test_linen_stacked_batch_stats_train_as_one_device_and_resume():
   _assert_state_close(other.gather_model_state(resumed), want[1])
 
 
-def test_params_on_axis_1_beside_statistics_on_axis_0():
-  """Params stacked on axis 1 (MaxText's layout) and the statistics on
-  axis 0: a step on two stages equals the microbatch loop. Statistics on
-  axis 1 as well are refused before anything runs, naming the fix."""
+@pytest.mark.parametrize("axes", [tiers.slow((1, 0)), (1, 1)])
+def test_layers_stacked_on_axis_1_train_as_one_device(axes):
+  """Params stacked on axis 1 (MaxText's layout), the statistics on axis
+  0 or 1 too: each stage holds its layers' rows of both, two steps on two
+  stages equal the microbatch loop, and the state dict keeps the
+  model's layout."""
   batch, tx = _batch(), optax.sgd(0.1)
   loss_fn, params, model_state = scan_models.batch_stats_case(
-    batch, noise_key=False, axes=(1, 0)
+    batch, noise_key=False, axes=axes
   )
   pipe = _linen_pipeline(loss_fn, params, model_state, batch, 2, tx)
-  state, _ = pipe.step(pipe.init(params, model_state), batch)
-  want = _microbatch_loop(loss_fn, params, model_state, batch, tx, 1)
+  # (Mean and variance: each held as its 4 layers' rows.)
+  assert sum(r >= 0 for _, r in pipe.state_rows.layout.source) == 8
+  assert all(got == want for got, want in _row_stages(pipe))
+  state = pipe.init(params, model_state)
+  for _ in range(2):
+    state, _ = pipe.step(state, batch)
+  want = _microbatch_loop(loss_fn, params, model_state, batch, tx, 2)
   _assert_tree_close(pipe.gather_params(state), want[0])
   _assert_state_close(pipe.gather_model_state(state), want[1])
-  loss_fn, params, model_state = scan_models.batch_stats_case(
-    batch, noise_key=False, axes=(1, 1)
-  )
-  with pytest.raises(
-    ValueError, match="stacked per layer on axis 1.*'batch_st"
-  ):
-    _linen_pipeline(loss_fn, params, model_state, batch, 2, tx)
+  saved = pipe.state_dict(state)["model_state"]["batch_stats"]["layers"]
+  assert np.shape(saved["BatchNorm_0"]["mean"]) == (4, 8)[:: 1 - 2 * axes[1]]
 
 
 def test_evaluation_reads_the_rows():

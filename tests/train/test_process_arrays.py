@@ -241,7 +241,7 @@ def test_a_stacked_leaf_written_in_rows_by_two_processes(tmp_path):
   "make, stacked",
   [
     pytest.param(scan_models.plain_case, ("layers", "w1"), id="axis 0"),
-    pytest.param(
+    slow(  # (HeldRows on axis 1 alone: the test above.)
       lambda: scan_models.linen_case(scan_axis=1),
       ("params", "blocks", "Dense_0", "kernel"),
       id="axis 1",

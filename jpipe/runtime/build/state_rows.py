@@ -26,11 +26,13 @@ import jax.extend.core as jcore
 from jpipe.partition import ParamLayout
 
 
-def rows_read_by_layer(traced, inputs: Sequence[int]) -> dict[int, int]:
-  """``{k: rows}`` for the ``inputs`` (k-th of them, jaxpr input indices)
-  that a scan split by layer alone reads, row by row (its per-iteration
-  slices), and that the function does not return as they came: a leaf
-  stacked per layer."""
+def rows_read_by_layer(traced, inputs: Sequence[int]) -> dict[int, tuple]:
+  """``{k: (rows, axis)}`` for the ``inputs`` (k-th of them, jaxpr input
+  indices) that a scan split by layer alone reads, row by row (its
+  per-iteration slices; of the input, or of a transpose moving its axis
+  ``axis`` first, as ``nn.scan(variable_axes={...: axis})`` reads it),
+  and that the function does not return as they came: a leaf stacked per
+  layer."""
   if not traced.eqn_slices:
     return {}
   jaxpr = traced.jaxpr
@@ -39,14 +41,34 @@ def rows_read_by_layer(traced, inputs: Sequence[int]) -> dict[int, int]:
     for v in eqn.invars:
       if isinstance(v, jcore.Var):
         readers.setdefault(v, []).append(i)
+
+  def sliced(v) -> bool:
+    read = readers.get(v, [])
+    return bool(read) and all(traced.eqn_slices[i] is not None for i in read)
+
   out = {}
   for k, index in enumerate(inputs):
     v = jaxpr.invars[index]
+    if v in jaxpr.outvars:
+      continue
+    if sliced(v):
+      out[k] = v.aval.shape[0], 0
+      continue
     read = readers.get(v, [])
-    if read and all(traced.eqn_slices[i] is not None for i in read):
-      if v not in jaxpr.outvars:
-        out[k] = v.aval.shape[0]
+    axis = _moved_first(jaxpr.eqns[read[0]]) if len(read) == 1 else 0
+    if axis and sliced(jaxpr.eqns[read[0]].outvars[0]):
+      out[k] = v.aval.shape[axis], axis
   return out
+
+
+def _moved_first(eqn) -> int:
+  """The axis > 0 a transpose moves first, the others kept in order;
+  else 0."""
+  if eqn.primitive.name != "transpose":
+    return 0
+  perm = tuple(eqn.params["permutation"])
+  rest = tuple(d for d in range(len(perm)) if d != perm[0])
+  return perm[0] if perm[1:] == rest else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +85,22 @@ class StateRows:
   layout: ParamLayout
 
   @classmethod
-  def of(cls, model_state, rows: dict[int, int]) -> "StateRows":
-    """The rows of ``model_state``'s leaves ``{k: rows}``."""
+  def of(cls, model_state, rows: dict[int, tuple[int, int]]) -> "StateRows":
+    """The rows of ``model_state``'s leaves ``{k: (rows, layer axis)}``
+    (``rows_read_by_layer``)."""
     treedef = jax.tree.structure(model_state)
     source = [
       (k, r)
       for k in range(treedef.num_leaves)
-      for r in (range(rows[k]) if k in rows else (-1,))
+      for r in (range(rows[k][0]) if k in rows else (-1,))
     ]
-    return cls(treedef, ParamLayout(tuple(source), treedef.num_leaves))
+    axes = [rows[k][1] if k in rows else 0 for k in range(treedef.num_leaves)]
+    return cls(
+      treedef,
+      ParamLayout(
+        tuple(source), treedef.num_leaves, tuple(axes) if any(axes) else ()
+      ),
+    )
 
   def to_rows(self, model_state) -> list:
     """The model's state -> the pipeline's leaves (rows sliced)."""

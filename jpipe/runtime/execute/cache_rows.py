@@ -20,8 +20,8 @@ from collections.abc import Callable
 from jpipe.runtime.build.state_rows import StateRows, rows_read_by_layer
 
 
-def layer_rows(program, cache_leaves) -> dict[int, int]:
-  """``{k: rows}`` for the cache leaves (k-th of ``cache_leaves``, batch
+def layer_rows(program, cache_leaves) -> dict[int, tuple[int, int]]:
+  """``{k: (rows, layer axis)}`` for the cache leaves (k-th of ``cache_leaves``, batch
   leaf indices) that a scan split by layer alone reads, row by row (its
   per-iteration slices): a cache stacked per layer."""
   traced = program.stages.traced
