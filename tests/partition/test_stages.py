@@ -10,6 +10,7 @@ from jpipe.partition._plan import plan_traced
 from jpipe.partition._profile import profile_nodes
 from jpipe.partition._stages import Stages
 from jpipe.partition._trace import trace
+from tests import tiers
 from tests.partition import flax_models
 
 
@@ -29,9 +30,23 @@ def _assert_tree_close(actual, expected):
     np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6 * max(scale, 1.0))
 
 
+# Each mode at two stage counts and each count in the default tier; the
+# other four pairs in the slow tier.
+_SLOW_SPLITS = {
+  (1, "residuals"),
+  (2, "recompute"),
+  (4, "residuals"),
+  (8, "recompute"),
+}
+
+
 @pytest.mark.parametrize(
   "num_stages, mode",
-  [(n, m) for n in (1, 2, 4, 8) for m in ("recompute", "residuals")]
+  [
+    tiers.slow(n, m) if (n, m) in _SLOW_SPLITS else (n, m)
+    for n in (1, 2, 4, 8)
+    for m in ("recompute", "residuals")
+  ]
   # Fusion changes only the last stage: one and several stages suffice.
   + [(1, "fuse_last"), (4, "fuse_last")],
 )

@@ -322,6 +322,9 @@ class ScannedLm(nn.Module):
     return nn.Dense(VOCAB, name="head")(x)
 
 
+SCANNED, SCANNED_DECODE = ScannedLm(), ScannedLm(decode=True)
+
+
 @pytest.mark.parametrize("axis", [0, tiers.slow(1)])
 def test_scanned_layers_decode_one_position_per_call(axis):
   """A scanned model's prompt position by position through its one-call

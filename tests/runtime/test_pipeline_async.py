@@ -9,6 +9,8 @@ applies the mean gradient of its window. It keeps every version and uses
 plain optax / jpipe.staleness calls on tuples of leaves, no driver code.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,11 +331,37 @@ COMBINATIONS = [
 ]
 
 
-@pytest.mark.parametrize(
-  "opts",
-  COMBINATIONS,
-  ids=lambda o: "-".join(f"{k[:2]}={v}" for k, v in o.items()),
-)
+# Every pair of two options' values, in 6 of the 16 (the default tier);
+# the other 10 in the slow tier.
+ALL_PAIRS = [
+  (False, None, None, True),
+  (False, "msnag", "ga", True),
+  (False, None, "ga_jfl", True),
+  (True, "msnag", "ga_jfl", True),
+  (True, None, "ga", False),
+  (True, "msnag", None, False),
+]
+
+
+def _combination(opts):
+  return pytest.param(
+    opts,
+    id="-".join(f"{k[:2]}={v}" for k, v in opts.items()),
+    marks=() if tuple(opts.values()) in ALL_PAIRS else pytest.mark.slow,
+  )
+
+
+def test_the_default_tiers_combinations_hold_every_pair():
+  """``ALL_PAIRS`` (run in the default tier): every value pair of any two
+  options that ``COMBINATIONS`` holds, and only combinations it holds."""
+  every = [tuple(o.values()) for o in COMBINATIONS]
+  assert set(ALL_PAIRS) <= set(every)
+  for i, j in itertools.combinations(range(4), 2):
+    want = {(c[i], c[j]) for c in every}
+    assert {(c[i], c[j]) for c in ALL_PAIRS} == want, (i, j)
+
+
+@pytest.mark.parametrize("opts", [_combination(o) for o in COMBINATIONS])
 def test_async_streams_like_the_reference(opts):
   """Every {ws, wp, ga, ga_jfl} x {recompute, not}, streaming over calls
   of different sizes and flushes: the new params and the params each
