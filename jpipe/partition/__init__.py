@@ -43,7 +43,11 @@ from jpipe.partition._plan import (
 )
 from jpipe.partition._profile import NodeCosts, profile_nodes
 from jpipe.partition._report import plot_plan, print_plan_table
-from jpipe.partition._scan_layers import ParamLayout, move_axis
+from jpipe.partition._scan_layers import (
+  ParamLayout,
+  axis_moved_first,
+  move_axis,
+)
 from jpipe.partition._split import Split, SplitMismatch
 from jpipe.partition._stages import (
   Stages,
@@ -60,6 +64,7 @@ from jpipe.partition._trace import (
 __all__ = [
   "ParamLayout",
   "move_axis",
+  "axis_moved_first",
   "METHODS",
   "AcyclicSolution",
   "PIPEDREAM_PROFILES",

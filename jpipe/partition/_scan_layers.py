@@ -262,14 +262,21 @@ def _moved_params(jaxpr, params: set, readers) -> dict:
   ``nn.scan(variable_axes={"params": axis})`` reads its stacked params)."""
   out = {}
   for i, eqn in enumerate(jaxpr.eqns):
-    if eqn.primitive.name != "transpose" or eqn.invars[0] not in params:
-      continue
-    perm = tuple(eqn.params["permutation"])
-    axis = perm[0]
-    rest = tuple(d for d in range(len(perm)) if d != axis)
-    if axis > 0 and perm[1:] == rest and readers[eqn.invars[0]] == 1:
+    axis = axis_moved_first(eqn)
+    if axis and eqn.invars[0] in params and readers[eqn.invars[0]] == 1:
       out[eqn.outvars[0]] = (i, eqn.invars[0], axis)
   return out
+
+
+def axis_moved_first(eqn) -> int:
+  """The axis > 0 that ``eqn``, a transpose, moves to the front keeping
+  the others in order (how ``nn.scan(variable_axes={...: axis})`` reads
+  a leaf stacked on that axis); 0 for any other equation."""
+  if eqn.primitive.name != "transpose":
+    return 0
+  perm = tuple(eqn.params["permutation"])
+  rest = tuple(d for d in range(len(perm)) if d != perm[0])
+  return perm[0] if perm[1:] == rest else 0
 
 
 def _stacked_params(eqn, params: set, readers) -> list:

@@ -311,9 +311,9 @@ def _stage_optimizers(
   """Each stage's optimizer over the leaves it steps, seeing them in the
   model's params structure (``leaves_of_model``: every traced param
   leaf's path, the model's params treedef, each traced leaf's
-  ``(model leaf, row)``, and ``_layer_axes``; ``grad_layouts``: each stage's packed gradient;
-  ``own_sizes``: per stage, the bytes from which a leaf of its packed
-  optimizer state is stored apart)."""
+  ``(model leaf, row)``, and ``_layer_axes``; ``grad_layouts``: each
+  stage's packed gradient; ``own_sizes``: per stage, the bytes from which
+  a leaf of its packed optimizer state is stored apart)."""
   names, treedef, sources, axes = leaves_of_model
   optimizer, staleness = request.optimizer, request.staleness
   predictor = staleness.stage_predictor(optimizer)  # One for every stage.

@@ -20,8 +20,8 @@ concatenated, in row order, on the leaf's layer axis (``nn.scan`` with
 ``variable_axes={"params": 1}`` stacks on axis 1: the optimizer sees the
 leaf as the model lays it out, so its axes mean what they mean on one
 device). State of the param's rank is split into rows on that axis;
-state of another rank (Adafactor's factored moments) on axis 0. The optimizer's state comes back in the same
-structure; ``keyed`` turns each params-shaped part of it (a subtree laid
+state of another rank (Adafactor's factored moments) on axis 0. The
+optimizer's state comes back in the same structure; ``keyed`` turns each params-shaped part of it (a subtree laid
 out like the params: Adam's moments, a mask's inner state, Gap-Aware's
 statistics) into the stored ``{path: leaf}`` dict, and ``structured``
 turns it back, at the paths ``keyed`` found (a state's structure never

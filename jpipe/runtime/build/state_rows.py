@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
-from jpipe.partition import ParamLayout
+from jpipe.partition import ParamLayout, axis_moved_first
 
 
 def rows_read_by_layer(traced, inputs: Sequence[int]) -> dict[int, tuple]:
@@ -55,20 +55,10 @@ def rows_read_by_layer(traced, inputs: Sequence[int]) -> dict[int, tuple]:
       out[k] = v.aval.shape[0], 0
       continue
     read = readers.get(v, [])
-    axis = _moved_first(jaxpr.eqns[read[0]]) if len(read) == 1 else 0
+    axis = axis_moved_first(jaxpr.eqns[read[0]]) if len(read) == 1 else 0
     if axis and sliced(jaxpr.eqns[read[0]].outvars[0]):
       out[k] = v.aval.shape[axis], axis
   return out
-
-
-def _moved_first(eqn) -> int:
-  """The axis > 0 a transpose moves first, the others kept in order;
-  else 0."""
-  if eqn.primitive.name != "transpose":
-    return 0
-  perm = tuple(eqn.params["permutation"])
-  rest = tuple(d for d in range(len(perm)) if d != perm[0])
-  return perm[0] if perm[1:] == rest else 0
 
 
 @dataclasses.dataclass(frozen=True)
