@@ -9,7 +9,7 @@ import pytest
 import jpipe
 from tests import tiers
 from tests.partition import scan_models
-from tests.partition.scan_models import LAYERS
+from tests.partition.scan_models import LAYERS, D
 
 SGD = optax.sgd(0.1)
 
@@ -208,7 +208,7 @@ def test_layers_stacked_on_axis_1_train_save_and_load_in_their_layout():
   _close(two.gather_params(state), optax.apply_updates(params, updates))
   saved = two.state_dict(state)
   mu = saved["opt_state"][0].mu["params/blocks/Dense_0/kernel"]
-  assert np.shape(mu) == (2 * 8, LAYERS, 8)
+  assert np.shape(mu) == (2 * D, LAYERS, D)  # (Dense_0: [2D, D] stacked.)
   _close(mu, opt[0].mu["params"]["blocks"]["Dense_0"]["kernel"])
   _close(two.local_state_dict(state), saved)
   _close(two.state_dict(two.load_state_dict(saved)), saved)

@@ -137,15 +137,14 @@ def _linen_pipeline(loss_fn, params, model_state, batch, stages, tx):
   )
 
 
-def test_linen_stacked_batch_stats_train_as_one_device_and_resume():
-  """Two steps on three stages equal the microbatch loop; the state
-  dict holds the stacked statistics and resumes on two stages, which
-  go on as the loop does."""
-  loss_fn, params, model_state, batch = *_linen_case(), _batch()
-  tx = optax.adam(1e-2)
-  pipe = _linen_pipeline(loss_fn, params, model_state, batch, 3, tx)
-  # (Mean, variance and key: each held as its 4 layers' rows.)
-  assert sum(r >= 0 for _, r in pipe.state_rows.layout.source) == 12
+def _two_steps_as_the_loop(case, stages, tx, rows):
+  """``(pipeline, state)`` after two steps of ``case`` (loss_fn, params,
+  model_state, batch) on ``stages`` stages, checked: ``rows`` state rows,
+  each updated on its layer's stage, and params and state equal to the
+  microbatch loop's."""
+  loss_fn, params, model_state, batch = case
+  pipe = _linen_pipeline(loss_fn, params, model_state, batch, stages, tx)
+  assert sum(r >= 0 for _, r in pipe.state_rows.layout.source) == rows
   assert all(got == want for got, want in _row_stages(pipe))
   state = pipe.init(params, model_state)
   for _ in range(2):
@@ -153,6 +152,19 @@ def test_linen_stacked_batch_stats_train_as_one_device_and_resume():
   want = _microbatch_loop(loss_fn, params, model_state, batch, tx, 2)
   _assert_tree_close(pipe.gather_params(state), want[0])
   _assert_state_close(pipe.gather_model_state(state), want[1])
+  return pipe, state
+
+
+def test_linen_stacked_batch_stats_train_as_one_device_and_resume():
+  """Two steps on three stages equal the microbatch loop; the state
+  dict holds the stacked statistics and resumes on two stages, which
+  go on as the loop does."""
+  loss_fn, params, model_state, batch = *_linen_case(), _batch()
+  tx = optax.adam(1e-2)
+  # (Mean, variance and key: each held as its 4 layers' rows.)
+  pipe, state = _two_steps_as_the_loop(
+    (loss_fn, params, model_state, batch), 3, tx, rows=12
+  )
   saved = pipe.state_dict(state)
   stacked = saved["model_state"]["batch_stats"]["layers"]["BatchNorm_0"]
   assert np.shape(stacked["mean"]) == (4, 8)
@@ -173,18 +185,13 @@ def test_layers_stacked_on_axis_1_train_as_one_device(axes):
   loss_fn, params, model_state = scan_models.batch_stats_case(
     batch, noise_key=False, axes=axes
   )
-  pipe = _linen_pipeline(loss_fn, params, model_state, batch, 2, tx)
   # (Mean and variance: each held as its 4 layers' rows.)
-  assert sum(r >= 0 for _, r in pipe.state_rows.layout.source) == 8
-  assert all(got == want for got, want in _row_stages(pipe))
-  state = pipe.init(params, model_state)
-  for _ in range(2):
-    state, _ = pipe.step(state, batch)
-  want = _microbatch_loop(loss_fn, params, model_state, batch, tx, 2)
-  _assert_tree_close(pipe.gather_params(state), want[0])
-  _assert_state_close(pipe.gather_model_state(state), want[1])
+  pipe, state = _two_steps_as_the_loop(
+    (loss_fn, params, model_state, batch), 2, tx, rows=8
+  )
   saved = pipe.state_dict(state)["model_state"]["batch_stats"]["layers"]
-  assert np.shape(saved["BatchNorm_0"]["mean"]) == (4, 8)[:: 1 - 2 * axes[1]]
+  layout = (8, 4) if axes[1] == 1 else (4, 8)  # (8 features, 4 layers.)
+  assert np.shape(saved["BatchNorm_0"]["mean"]) == layout
 
 
 def test_evaluation_reads_the_rows():
