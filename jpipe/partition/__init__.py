@@ -46,7 +46,9 @@ from jpipe.partition._report import plot_plan, print_plan_table
 from jpipe.partition._scan_layers import (
   ParamLayout,
   axis_moved_first,
+  merge_leading,
   move_axis,
+  split_leading,
 )
 from jpipe.partition._split import Split, SplitMismatch
 from jpipe.partition._stages import (
@@ -64,6 +66,8 @@ from jpipe.partition._trace import (
 __all__ = [
   "ParamLayout",
   "move_axis",
+  "merge_leading",
+  "split_leading",
   "axis_moved_first",
   "METHODS",
   "AcyclicSolution",

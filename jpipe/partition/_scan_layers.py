@@ -21,7 +21,9 @@ A model may stack its layers on another axis than the first (MaxText's
 ``variable_axes={"params": 1}``); the scan then reads a transpose moving
 that axis first. Such a leaf is split the same way, each row taken from
 the moved leaf (shape ``[1, ...]``, the layer axis first: what the stages
-and their optimizers hold), and the transpose dropped.
+and their optimizers hold), and the transpose dropped. A scan nested in a scan (``nn.remat_scan``)
+reads its leaves ``[a, b, ...]`` through a reshape to ``[a * b, ...]``
+(``_nested_scans``): rows of the reshaped leaf, the reshape dropped.
 
 ``ParamLayout`` maps the model's param leaves (stacked) to the traced
 model's (rows) and back: what ``gather_params``, checkpoints and the state
@@ -50,11 +52,16 @@ class ParamLayout:
     num_model_leaves: how many param leaves the model declares.
     axes: per model leaf, the axis its layers are stacked on (a row k is
       ``moveaxis(leaf, axis, 0)[k:k+1]``); empty: 0 for every leaf.
+    merged: per model leaf, the leading axes its rows index when there
+      are several (a nested scan's ``(a, b)``: row ``i * b + j`` is
+      ``leaf[i, j]``, kept ``[1, ...]``), else ``()``; empty: ``()`` for
+      every leaf.
   """
 
   source: tuple[tuple[int, int], ...]
   num_model_leaves: int
   axes: tuple[int, ...] = ()
+  merged: tuple[tuple[int, ...], ...] = ()
 
   @property
   def identity(self) -> bool:
@@ -64,6 +71,19 @@ class ParamLayout:
     """The axis model leaf ``i``'s layers are stacked on."""
     return self.axes[i] if self.axes else 0
 
+  def layers(self, i: int) -> tuple[int, ...]:
+    """The leading axes model leaf ``i``'s rows index, when several."""
+    return self.merged[i] if self.merged else ()
+
+  def stacked(self, i: int, x):
+    """Model leaf ``i`` (array, NumPy array or ``ShapeDtypeStruct``) as
+    its rows stacked on axis 0."""
+    return merge_leading(move_axis(x, self.axis(i), 0), self.layers(i))
+
+  def unstacked(self, i: int, x):
+    """``stacked``'s inverse: rows on axis 0 -> model leaf ``i``."""
+    return move_axis(split_leading(x, self.layers(i)), 0, self.axis(i))
+
   def to_traced(self, leaves: Sequence[Any]) -> list:
     """The model's param leaves -> the traced model's (rows sliced)."""
     if len(leaves) != self.num_model_leaves:
@@ -71,7 +91,7 @@ class ParamLayout:
         f"expected {self.num_model_leaves} param leaves, got {len(leaves)}"
       )
     return [
-      leaves[i] if r < 0 else _row(move_axis(leaves[i], self.axis(i), 0), r)
+      leaves[i] if r < 0 else _row(self.stacked(i, leaves[i]), r)
       for i, r in self.source
     ]
 
@@ -81,7 +101,7 @@ class ParamLayout:
     for (i, _), x in zip(self.source, leaves, strict=True):
       rows[i].append(x)
     return [
-      r[0] if len(r) == 1 else move_axis(_stack(r), 0, self.axis(i))
+      r[0] if len(r) == 1 else self.unstacked(i, _stack(r))
       for i, r in enumerate(rows)
     ]
 
@@ -105,6 +125,27 @@ def move_axis(x, source: int, destination: int):
   if isinstance(x, np.ndarray):
     return np.moveaxis(x, source, destination)
   return jnp.moveaxis(x, source, destination)
+
+
+def merge_leading(x, dims: tuple[int, ...]):
+  """``x`` (as ``move_axis`` takes) with its leading ``len(dims)`` axes,
+  of sizes ``dims``, as one (row-major); ``x`` when ``dims`` is empty."""
+  if not dims or x is None:
+    return x
+  shape = (int(np.prod(dims)), *x.shape[len(dims) :])
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return x.reshape(shape)
+
+
+def split_leading(x, dims: tuple[int, ...]):
+  """``merge_leading``'s inverse: the leading axis as ``dims``."""
+  if not dims or x is None:
+    return x
+  shape = (*dims, *x.shape[1:])
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  return x.reshape(shape)
 
 
 def _row(x, r: int):
@@ -167,9 +208,10 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
   jaxpr = closed.jaxpr
   params = list(jaxpr.invars[:num_param_leaves])
   plans, stacked, moved = _layer_scans(jaxpr, params)
-  source, invars, axes = [], [], [0] * num_param_leaves
+  source, invars = [], []
+  axes, merged = [0] * num_param_leaves, [()] * num_param_leaves
   for i, v in enumerate(params):
-    _, xs, axes[i] = moved.get(v, (None, v, 0))
+    _, xs, axes[i], merged[i] = moved.get(v, (None, v, 0, ()))
     if xs in stacked:
       source.extend((i, k) for k in range(len(stacked[xs])))
       invars.extend(stacked[xs])
@@ -177,12 +219,15 @@ def split_layer_scans(closed, num_param_leaves: int, name_of) -> Split:
       source.append((i, -1))
       invars.append(v)
   layout = ParamLayout(
-    tuple(source), num_param_leaves, tuple(axes) if any(axes) else ()
+    tuple(source),
+    num_param_leaves,
+    tuple(axes) if any(axes) else (),
+    tuple(merged) if any(merged) else (),
   )
   if not plans:
     none = (None,) * len(jaxpr.eqns)
     return Split(closed, layout, none, none, none)
-  dropped = {e for e, _, _ in moved.values()}  # (Their rows are the params.)
+  dropped = {e for e, *_ in moved.values()}  # (Their rows are the params.)
   eqns, scopes, iteration, slices = [], [], [], []
   for i, eqn in enumerate(jaxpr.eqns):
     if i in dropped:
@@ -249,23 +294,41 @@ def _layer_scans(jaxpr, params) -> tuple[dict, dict, dict]:
           for _ in range(v.aval.shape[0])
         ]
   moved = {
-    param: (e, xs, axis)
-    for xs, (e, param, axis) in candidates.items()
+    param: (e, xs, axis, dims)
+    for xs, (e, param, axis, dims) in candidates.items()
     if xs in stacked
   }
   return plans, stacked, moved
 
 
 def _moved_params(jaxpr, params: set, readers) -> dict:
-  """``{var: (eqn index, param var, axis)}`` for each transpose moving
-  axis ``axis > 0`` of a param read by nothing else to the front (how
-  ``nn.scan(variable_axes={"params": axis})`` reads its stacked params)."""
+  """``{var: (eqn index, param var, axis, merged dims)}`` for each
+  transpose moving axis ``axis > 0`` of a param read by nothing else to
+  the front (how ``nn.scan(variable_axes={"params": axis})`` reads its
+  stacked params), and each reshape of such a param merging its two
+  leading axes (a nested scan's, ``_nested_scans``)."""
   out = {}
   for i, eqn in enumerate(jaxpr.eqns):
-    axis = axis_moved_first(eqn)
-    if axis and eqn.invars[0] in params and readers[eqn.invars[0]] == 1:
-      out[eqn.outvars[0]] = (i, eqn.invars[0], axis)
+    x = eqn.invars[0] if eqn.invars else None
+    if not isinstance(x, jcore.Var) or x not in params or readers[x] != 1:
+      continue
+    if axis := axis_moved_first(eqn):
+      out[eqn.outvars[0]] = (i, eqn.invars[0], axis, ())
+    elif dims := leading_axes_merged(eqn):
+      out[eqn.outvars[0]] = (i, eqn.invars[0], 0, dims)
   return out
+
+
+def leading_axes_merged(eqn) -> tuple[int, ...]:
+  """``(a, b)`` when ``eqn`` reshapes ``[a, b, ...]`` to ``[a * b, ...]``;
+  ``()`` for any other equation."""
+  if eqn.primitive.name != "reshape" or eqn.params.get("dimensions"):
+    return ()
+  shape = eqn.invars[0].aval.shape
+  if len(shape) < 2:
+    return ()
+  merged = (shape[0] * shape[1], *shape[2:])
+  return tuple(shape[:2]) if eqn.outvars[0].aval.shape == merged else ()
 
 
 def axis_moved_first(eqn) -> int:

@@ -42,6 +42,7 @@ from jpipe.partition._caller_axes import caller_axes
 from jpipe.partition._checkpoint_split import deep_paths, split_checkpoints
 from jpipe.partition._indexed_loops import indexed_loops_as_scans
 from jpipe.partition._inline_calls import inline_module_calls
+from jpipe.partition._nested_scans import nested_scans_as_one
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._plain_types import plain_types
 from jpipe.partition._scan_layers import ParamLayout, split_layer_scans
@@ -320,6 +321,8 @@ def trace(
   closed = plain_types(closed)  # (Stages place values: no annotations.)
   # (A fori_loop reading row i of stacked params: a scan over the rows.)
   closed = indexed_loops_as_scans(closed, num_param_leaves)
+  # (nn.remat_scan's scan in a scan: one scan over every layer.)
+  closed = nested_scans_as_one(closed, num_param_leaves)
   split = split_layer_scans(closed, num_param_leaves, _scan_name)
   closed = split.closed_jaxpr
   if not closed.jaxpr.eqns:

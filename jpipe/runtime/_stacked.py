@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpipe.partition import move_axis
+from jpipe.partition import merge_leading, move_axis, split_leading
 
 
 def model_param_avals(pipe) -> list[jax.ShapeDtypeStruct]:
@@ -39,16 +39,22 @@ def model_param_avals(pipe) -> list[jax.ShapeDtypeStruct]:
   return pipe.traced.model_leaves(rows)
 
 
-def _rows(pipe) -> dict[str, tuple[str, int, int, int]]:
+def _rows(pipe) -> dict[str, tuple[str, int, int, int, tuple]]:
   """Row name -> (model leaf name, row, model leaf's ndim, its layer
-  axis)."""
+  axis, the leading axes its rows index when several)."""
   layout = pipe.traced.param_layout
   if layout is None:
     return {}
   avals = model_param_avals(pipe)
   names = model_names(pipe)
   return {
-    row_name: (names[i], r, len(avals[i].shape), layout.axis(i))
+    row_name: (
+      names[i],
+      r,
+      len(avals[i].shape),
+      layout.axis(i),
+      layout.layers(i),
+    )
     for row_name, (i, r) in zip(pipe.leaf_names, layout.source, strict=True)
     if r >= 0
   }
@@ -88,7 +94,7 @@ def _joined(layout, leaves: list) -> list:
   for (i, _), x in zip(layout.source, leaves, strict=True):
     rows[i].append(x)
   return [
-    r[0] if len(r) == 1 else _moved(_join(r), layout.axis(i))
+    r[0] if len(r) == 1 else _moved(_join(r), layout.axis(i), layout.layers(i))
     for i, r in enumerate(rows)
   ]
 
@@ -110,8 +116,8 @@ def split_keyed(pipe, tree):
   if not rows:
     return tree
   by_model = {}
-  for row_name, (name, r, ndim, axis) in rows.items():
-    by_model.setdefault(name, []).append((row_name, r, ndim, axis))
+  for row_name, (name, *where) in rows.items():
+    by_model.setdefault(name, []).append((row_name, *where))
   return _map_dicts(tree, lambda d: _split_dict(d, by_model))
 
 
@@ -129,17 +135,20 @@ def _stack_dict(d: dict, rows) -> dict:
   out, groups, shapes = {}, {}, {}
   for k, v in d.items():
     if k in rows:
-      name, r, ndim, axis = rows[k]
+      name, r, *layout = rows[k]
       groups.setdefault(name, {})[r] = v
-      shapes[name] = ndim, axis
+      shapes[name] = layout
       out.setdefault(name, None)
     else:
       out[k] = v
   for name, parts in groups.items():
     joined = _join([parts[r] for r in sorted(parts)])
-    ndim, axis = shapes[name]
+    ndim, axis, dims = shapes[name]
     # (State of the param's rank, its moments: in the param's layout.)
-    out[name] = _moved(joined, axis if _ndim(joined) == ndim else 0)
+    if _ndim(joined) == _rows_ndim(ndim, dims):
+      out[name] = _moved(joined, axis, dims)
+    else:
+      out[name] = joined
   return out
 
 
@@ -149,13 +158,21 @@ def _ndim(x) -> int:
   return len(np.shape(x)) if x is not None else -1
 
 
-def _moved(x, axis: int):
-  """A joined leaf (stacked on axis 0) with its layer axis at ``axis``."""
-  if axis == 0 or x is None:
+def _rows_ndim(ndim: int, dims: tuple) -> int:
+  """The rank of the rows of a leaf of rank ``ndim`` whose rows index its
+  leading axes ``dims`` (one axis for them all)."""
+  return ndim - max(len(dims) - 1, 0)
+
+
+def _moved(x, axis: int, dims: tuple = ()):
+  """A joined leaf (stacked on axis 0) in its model layout: the rows'
+  axis as the leading axes ``dims`` when several, at ``axis``."""
+  if (axis == 0 and not dims) or x is None:
     return x
   if isinstance(x, HeldRows):
-    return dataclasses.replace(x, aval=move_axis(x.aval, 0, axis), axis=axis)
-  return move_axis(x, 0, axis)
+    aval = move_axis(split_leading(x.aval, dims), 0, axis)
+    return dataclasses.replace(x, aval=aval, axis=axis, layers=dims)
+  return move_axis(split_leading(x, dims), 0, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +181,16 @@ class HeldRows:
   processes hold the others (their stages run those layers): ``aval``
   the whole leaf; ``pieces`` ``(first row, host array of consecutive
   rows)``, the rows on axis ``axis`` (the leaf's layer axis) as in
-  ``aval``. A per-process checkpoint writes each piece
-  (``jpipe.train.process_arrays``); a pytree leaf, not a node."""
+  ``aval``; ``layers``, when the rows index several leading axes (a
+  nested scan's ``(a, b)``), their sizes: row ``k`` is ``[k // b, k %
+  b]``, and a piece's rows are ``[rows, ...]``. A per-process checkpoint
+  writes each piece (``jpipe.train.process_arrays``); a pytree leaf, not
+  a node."""
 
   aval: jax.ShapeDtypeStruct
   pieces: tuple[tuple[int, np.ndarray], ...]
   axis: int = 0
+  layers: tuple[int, ...] = ()
 
 
 def _join(parts: list) -> Any:
@@ -217,15 +238,16 @@ def _split_dict(d: dict, by_model) -> dict:
     if k not in by_model:
       out[k] = v
       continue
-    for row_name, r, ndim, axis in by_model[k]:
-      out[row_name] = _row(v, r, ndim, axis)
+    for row_name, r, ndim, axis, dims in by_model[k]:
+      out[row_name] = _row(v, r, ndim, axis, dims)
   return out
 
 
-def _row(x, r: int, ndim: int, axis: int):
-  per_row_scalar = len(np.shape(x)) < ndim  # Stacked from scalars.
+def _row(x, r: int, ndim: int, axis: int, dims: tuple):
+  # Stacked from scalars.
+  per_row_scalar = len(np.shape(x)) < _rows_ndim(ndim, dims)
   if len(np.shape(x)) == ndim:  # (In the param's layout: ``_moved``.)
-    x = move_axis(x, axis, 0)
+    x = merge_leading(move_axis(x, axis, 0), dims)
   if isinstance(x, jax.ShapeDtypeStruct):
     shape = () if per_row_scalar else (1, *x.shape[1:])
     return jax.ShapeDtypeStruct(shape, x.dtype)

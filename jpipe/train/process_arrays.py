@@ -20,7 +20,10 @@ stacked leaf whose rows (layers) are on stages of several processes is
 given as ``jpipe.runtime.HeldRows``: each process writes its rows, the
 index entry lists the pieces (``"pieces": [{"rows": [a, b], "file",
 "crc32"}]``, rows a..b-1 on the leaf's layer axis ``"axis"``, 0 when
-absent), and a read joins them, checking every row is there once.
+absent; a nested scan's leaf, whose rows index its leading axes
+``"layers"`` ``[a, b]``, has them as ``[rows, ...]``, row ``i * b + j``
+the layer ``[i, j]``), and a read joins them, checking every row is there
+once.
 """
 
 import dataclasses
@@ -61,12 +64,15 @@ def write_arrays(directory: str, process: int, tree: Any) -> None:
     if isinstance(leaf, HeldRows):  # Rows of a leaf several processes hold.
       entry |= {"shape": list(leaf.aval.shape), "dtype": str(leaf.aval.dtype)}
       entry["axis"] = leaf.axis
+      if leaf.layers:  # (Rows of the leading axes, merged.)
+        entry["layers"] = list(leaf.layers)
       entry["pieces"] = [
         {"rows": [a, a + len(rows)]}
         | _write(
           directory,
           f"p{process}_{n}_{a}.npy",
-          np.moveaxis(rows, 0, leaf.axis),  # (The leaf's layout.)
+          # (The leaf's layout; merged leading axes stay rows.)
+          rows if leaf.layers else np.moveaxis(rows, 0, leaf.axis),
         )
         for a, rows in leaf.pieces
       ]
@@ -149,6 +155,9 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
     return _read_file(directory, path, entry, entry["shape"])
   shape, dtype = entry["shape"], jax.numpy.dtype(entry["dtype"])
   axis = entry.get("axis", 0)
+  whole, layers = shape, entry.get("layers", [])
+  if layers:  # The rows of the leading axes: [rows, ...] until the end.
+    shape, axis = [int(np.prod(layers)), *shape[len(layers) :]], 0
   value, row = np.empty(shape, dtype), 0
   for piece in sorted(entry["pieces"], key=lambda p: p["rows"]):
     a, b = piece["rows"]
@@ -168,7 +177,7 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
       f"{path}'s rows {row}..{shape[axis] - 1} are in no process's files: an "
       "incomplete save"
     )
-  return value
+  return value.reshape(whole)
 
 
 def _read_file(directory: str, path: str, entry: dict, shape) -> np.ndarray:

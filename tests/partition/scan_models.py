@@ -31,20 +31,37 @@ class Block(nn.Module):
     return x, None
 
 
+class CarryBlock(nn.Module):
+  """``Block`` as ``x -> x``, the signature ``nn.remat_scan`` runs."""
+
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    return Block(self.use_bias)(x, None)[0]
+
+
 class ScannedLM(nn.Module):
   """Embedding, ``LAYERS`` blocks under ``nn.scan`` (stacked params),
   head. ``shared``: the blocks share one set of params (not stacked).
   ``scan_axis``: the params' axis the layers are stacked on (MaxText's
-  ``param_scan_axis``, 1 by default there)."""
+  ``param_scan_axis``, 1 by default there). ``remat_scan``: the blocks
+  under ``nn.remat_scan`` with these lengths (their product ``LAYERS``):
+  a scan in a scan, params stacked ``[a, b, ...]``."""
 
   remat: bool = False
   shared: bool = False
   scan_axis: int = 0
   attention_bias: bool = True
+  remat_scan: tuple[int, ...] = ()  # nn.remat_scan's lengths.
 
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(V, D)(tokens)
+    if self.remat_scan:  # (A scan in a scan: params [a, b, ...].)
+      stack = nn.remat_scan(CarryBlock, lengths=self.remat_scan)
+      x = stack(self.attention_bias, name="blocks")(x)
+      return nn.Dense(V)(nn.LayerNorm()(x))
     block = nn.remat(Block) if self.remat else Block
     if self.shared:
       scan = nn.scan(

@@ -17,6 +17,8 @@ CASES = {
   "nn.scan(nn.remat)": lambda: scan_models.linen_case(remat=True),
   # (MaxText's and flaxformer's layout: the layer axis second.)
   "nn.scan, layers on axis 1": lambda: scan_models.linen_case(scan_axis=1),
+  # (A scan in a scan, params [2, 4, ...]: one node per layer too.)
+  "nn.remat_scan": lambda: scan_models.linen_case(remat_scan=(2, 4)),
   "lax.scan": scan_models.plain_case,
   "nnx.scan": scan_models.nnx_case,
 }
@@ -24,9 +26,13 @@ BASE = {
   "nn.scan": "blocks",
   "nn.scan(nn.remat)": "blocks",
   "nn.scan, layers on axis 1": "blocks",
+  "nn.remat_scan": "blocks",
   "lax.scan": "scan",
   "nnx.scan": "blocks",  # The module the body runs, as nn.scan's.
 }
+
+
+SLOW_CASES = ("nn.scan, layers on axis 1", "nn.remat_scan")
 
 
 def _plan(traced, params, batch, num_stages):
@@ -45,6 +51,9 @@ def test_one_node_per_layer_with_its_rows(case):
   # count over its length, traced apart), plus glue joining the node.
   whole = jax.make_jaxpr(loss_fn)(params, batch)
   (scan,) = [e for e in whole.eqns if e.primitive.name == "scan"]
+  if case == "nn.remat_scan":  # The inner scan, under the checkpoint.
+    (remat,) = scan.params["jaxpr"].eqns
+    scan = remat.params["jaxpr"].eqns[-1]
   per_layer = eqn_flops(scan) / scan.params["length"]
   iterations = [
     (it[1], eqn_flops(e))
@@ -69,19 +78,23 @@ def test_one_node_per_layer_with_its_rows(case):
   assert len(rows) == len(leaves) + (scan_models.LAYERS - 1) * stacked
   for a, b in zip(traced.model_leaves(rows), leaves, strict=True):
     np.testing.assert_array_equal(a, b)
-  # A row: the leaf's slice at its layer axis, that axis first.
+  # A row: the leaf's slice at its layer axis, that axis first; nested,
+  # row i * b + j is layer [i, j].
   axis = 1 if "axis 1" in case else 0
   layer_paths = [p for p in paths if "'blocks'" in p or "'layers'" in p]
   leaf = leaves[paths.index(layer_paths[0])]
   row_names = traced.leaf_paths[: len(rows)]
-  k = row_names.index(f"[0]{layer_paths[0]}[2]")  # (Of (params, batch).)
-  np.testing.assert_array_equal(rows[k], np.moveaxis(leaf, axis, 0)[2:3])
+  k = row_names.index(f"[0]{layer_paths[0]}[5]")  # (Of (params, batch).)
+  if case == "nn.remat_scan":
+    np.testing.assert_array_equal(rows[k], leaf[1, 1][None])
+  else:
+    np.testing.assert_array_equal(rows[k], np.moveaxis(leaf, axis, 0)[5:6])
 
 
 @pytest.mark.parametrize("num_stages", [2, tiers.slow(4)])
 @pytest.mark.parametrize(
-  "case",  # (Axis 1 runs as axis 0 once traced: the test above.)
-  [tiers.slow(c) if "axis 1" in c else c for c in CASES],
+  "case",  # (Axis 1 and nested run as axis 0 once traced: the test above.)
+  [tiers.slow(c) if c in SLOW_CASES else c for c in CASES],
 )
 def test_stages_run_their_layers_as_one_scan(case, num_stages):
   loss_fn, params, batch = CASES[case]()

@@ -192,23 +192,41 @@ def test_eight_blocks_into_eight_stages(make):
   _one_step_equals_one_device(make(), 8, atol=1e-4)
 
 
-def test_layers_stacked_on_axis_1_train_save_and_load_in_their_layout():
+@pytest.mark.parametrize(
+  "options, num_stages, block, mu_shape",
+  [
+    # (Dense_0: [2D, D] per layer.)
+    (dict(scan_axis=1), 2, (), (2 * D, LAYERS, D)),
+    # More stages than the outer scan's 2 rows.
+    (dict(remat_scan=(2, 4)), 3, ("Block_0",), (2, 4, 2 * D, D)),
+  ],
+  ids=["axis 1", "nn.remat_scan"],
+)
+def test_stacked_layouts_train_save_and_load_in_their_layout(
+  options, num_stages, block, mu_shape
+):
   """``nn.scan(variable_axes={"params": 1})`` (MaxText's and flaxformer's
-  default) splits per layer too: an AdamW step on 2 stages equals one
-  device's, params and moments, each in the model's own layout (the
-  layer axis second), and the state dict loads back."""
-  case = scan_models.linen_case(scan_axis=1, attention_bias=False)
+  default) and ``nn.remat_scan`` (a scan in a scan, params ``[2, 4,
+  ...]``) split per layer too: an AdamW step equals one device's, params
+  and moments, each in the model's own layout, and the state dict loads
+  back."""
+  case = scan_models.linen_case(attention_bias=False, **options)
   loss_fn, params, batch = case
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  two, _, _ = _pipe(case, 2, schedule="1f1b", optimizer=tx)
-  assert {s for n, s in two.plan.stage_of.items() if "[" in n} == {0, 1}
-  state, _ = two.step(two.init(params), batch)
+  pipe, _, _ = _pipe(case, num_stages, schedule="1f1b", optimizer=tx)
+  layer_stages = {s for n, s in pipe.plan.stage_of.items() if "[" in n}
+  assert layer_stages == set(range(num_stages))
+  state, _ = pipe.step(pipe.init(params), batch)
   grads = jax.grad(loss_fn)(params, batch)
   updates, opt = tx.update(grads, tx.init(params), params)
-  _close(two.gather_params(state), optax.apply_updates(params, updates))
-  saved = two.state_dict(state)
-  mu = saved["opt_state"][0].mu["params/blocks/Dense_0/kernel"]
-  assert np.shape(mu) == (2 * D, LAYERS, D)  # (Dense_0: [2D, D] stacked.)
-  _close(mu, opt[0].mu["params"]["blocks"]["Dense_0"]["kernel"])
-  _close(two.local_state_dict(state), saved)
-  _close(two.state_dict(two.load_state_dict(saved)), saved)
+  _close(pipe.gather_params(state), optax.apply_updates(params, updates))
+  saved = pipe.state_dict(state)
+  path = "/".join(("params/blocks", *block, "Dense_0/kernel"))
+  mu = saved["opt_state"][0].mu[path]
+  assert np.shape(mu) == mu_shape
+  want = opt[0].mu["params"]["blocks"]
+  for key in block:
+    want = want[key]
+  _close(mu, want["Dense_0"]["kernel"])
+  _close(pipe.local_state_dict(state), saved)
+  _close(pipe.state_dict(pipe.load_state_dict(saved)), saved)

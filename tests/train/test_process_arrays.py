@@ -4,6 +4,7 @@ damage is a one-line error naming the file and the leaf; a pipeline's
 own part of its state dict is the gathered state dict's, leaf for leaf."""
 
 import functools
+import json
 import os
 from typing import NamedTuple
 
@@ -237,26 +238,55 @@ def test_a_stacked_leaf_written_in_rows_by_two_processes(tmp_path):
   _refused(tmp_path, {"w": w}, r"\['w'\]'s rows 2\.\.2 are in two")
 
 
+def test_a_nested_scans_leaf_written_in_rows_by_two_processes(tmp_path):
+  """A leaf ``[a, b, ...]`` of a scan in a scan, its rows (row i * b + j:
+  layer [i, j]) in two processes, not whole outer rows: written as rows
+  (the index names the leading axes), read back in the leaf's layout."""
+  w = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+  held = {0: (0, 1, 4), 1: (2, 3, 5)}  # Layers [1, 0] and [1, 2] apart.
+  for process, rows in held.items():
+    part = _stacked._moved(_rows_of(w.reshape(6, 4), rows), 0, (2, 3))
+    assert part.aval.shape == w.shape and part.layers == (2, 3)
+    process_arrays.write_arrays(str(tmp_path), process, {"w": part})
+  with open(tmp_path / "index_p1.json") as f:
+    entry = json.load(f)["['w']"]
+  assert (entry["shape"], entry["layers"]) == ([2, 3, 4], [2, 3])
+  assert [p["rows"] for p in entry["pieces"]] == [[2, 4], [5, 6]]
+  got = process_arrays.read_arrays(
+    str(tmp_path), _abstract({"w": w}), {"w": True}
+  )
+  _assert_equal(jax.tree.map(np.asarray, got), {"w": w})
+  _assert_equal(process_arrays.read_tree(str(tmp_path)), {"w": w})
+
+
 @pytest.mark.parametrize(
-  "make, stacked",
+  "make, stacked, first",
   [
-    pytest.param(scan_models.plain_case, ("layers", "w1"), id="axis 0"),
+    pytest.param(scan_models.plain_case, ("layers", "w1"), 2, id="axis 0"),
     slow(  # (HeldRows on axis 1 alone: the test above.)
       lambda: scan_models.linen_case(scan_axis=1),
       ("params", "blocks", "Dense_0", "kernel"),
+      2,
       id="axis 1",
+    ),
+    slow(  # Rows of [2, 4] leaves, process 1's from inside an outer row.
+      lambda: scan_models.linen_case(remat_scan=(2, 4)),
+      ("params", "blocks", "Block_0", "Dense_0", "kernel"),
+      1,
+      id="nn.remat_scan",
     ),
   ],
 )
 def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
-  tmp_path, monkeypatch, make, stacked
+  tmp_path, monkeypatch, make, stacked, first
 ):
-  """A scanned model's 4 stages as if stages 0-1 and 2-3 ran in two
-  processes (``transport.leads``: the process that writes a stage):
+  """A scanned model's 4 stages as if stages ``0..first - 1`` and the
+  rest ran in two processes (``transport.leads``: the process that writes a stage):
   each process's ``local_state_dict`` holds its layers' rows of every
-  stacked leaf, params and Adam's moments (layers stacked on axis 0, or
-  on axis 1 as MaxText stacks them); written per process and read back
-  whole, they are the gathered state dict, and it loads."""
+  stacked leaf, params and Adam's moments (layers stacked on axis 0, on
+  axis 1 as MaxText stacks them, or on axes 0 and 1 by a scan in a scan);
+  written per process and read back whole, they are the gathered state
+  dict, and it loads."""
   loss_fn, params, batch = make()
   pipe = jpipe.Pipeline(
     loss_fn,
@@ -270,7 +300,7 @@ def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
   state, _ = pipe.step(pipe.init(params), batch)
   whole = pipe.state_dict(state)
   for process in (0, 1):
-    mine = {2 * process, 2 * process + 1}
+    mine = set(range(first)) if process == 0 else set(range(first, 4))
     monkeypatch.setattr(pipe.transport, "leads", lambda s, mine=mine: s in mine)
     part = pipe.local_state_dict(state)
     leaf = functools.reduce(lambda t, k: t[k], stacked, part["params"])
