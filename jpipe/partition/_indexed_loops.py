@@ -15,11 +15,14 @@ the body only reads row ``i`` of becomes a scanned input (its row, the
 same value the slice read), which ``split_layer_scans`` then splits per
 layer. A param qualifies when the loop runs forwards with a counter (a
 carry that starts at 0 and adds 1 per iteration, or a scanned ``iota`` /
-constant ``arange``), the loop's length is the param's
-leading size, no other equation reads it, and every read of it in the
-body is a ``dynamic_slice`` of one row whose start is the counter (checked
-by evaluating the start, for every iteration, from the counter alone) and
-0 elsewhere. Anything else leaves the loop as it is.
+constant ``arange``), no other equation reads it, and every read of it in
+the body is a ``dynamic_slice`` of one row on the same axis, of the
+loop's length, whose start is the counter there (checked by evaluating
+the start, for every iteration, from the counter alone) and 0 elsewhere.
+A layer axis other than the first (``w[:, i]``, layers stacked as MaxText
+stacks them) is scanned through a transpose moving it first, which
+``split_layer_scans`` reads as it reads ``nn.scan``'s over params stacked
+on that axis. Anything else leaves the loop as it is.
 """
 
 import jax
@@ -44,8 +47,8 @@ def indexed_loops_as_scans(
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
     new = _as_scan_over_rows(eqn, params, readers, made, values)
-    changed |= new is not eqn
-    eqns.append(new)
+    changed |= new != [eqn]
+    eqns.extend(new)
   if not changed:
     return closed
   return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
@@ -91,8 +94,9 @@ def _counter(eqn, made, values):
   return None
 
 
-def _as_scan_over_rows(eqn, params, readers, made, values):
-  """``eqn`` rewritten (module doc), or ``eqn`` itself."""
+def _as_scan_over_rows(eqn, params, readers, made, values) -> list:
+  """``[eqn]`` rewritten (module doc): transposes moving a param's layer
+  axis first where it is not the first, then the scan; or ``[eqn]``."""
   p = eqn.params
   if (
     eqn.primitive.name != "scan"
@@ -100,39 +104,51 @@ def _as_scan_over_rows(eqn, params, readers, made, values):
     or p["length"] < 2
     or p["num_carry"] < 1
   ):
-    return eqn
+    return [eqn]
   counter = _counter(eqn, made, values)
   if counter is None:
-    return eqn
+    return [eqn]
   nc, length = p["num_consts"], p["length"]
   candidates = [
     c
     for c, v in enumerate(eqn.invars[:nc])
     if isinstance(v, jcore.Var)
     and v in params
-    and v.aval.shape[:1] == (length,)
+    and length in v.aval.shape
     and readers.get(v, 0) == 1
   ]
   if not candidates:
-    return eqn
+    return [eqn]
   body = p["jaxpr"]
   stacked = [body.jaxpr.invars[c] for c in candidates]
   inner, consts = inline_calls_reading(body.jaxpr, list(body.consts), stacked)
-  rows = {
-    v: c
-    for c, v in zip(candidates, stacked, strict=True)
-    if _reads_row_of_counter(inner, v, counter, length)
-  }
+  rows, axes = {}, {}
+  for c, v in zip(candidates, stacked, strict=True):
+    axis = _row_axis(inner, v, counter, length)
+    if axis is not None:
+      rows[v], axes[v] = c, axis
   if not rows:
-    return eqn
+    return [eqn]
+  return _over_rows(eqn, inner, consts, rows, axes)
+
+
+def _over_rows(eqn, inner, consts, rows: dict, axes: dict) -> list:
+  """``eqn`` scanning ``rows`` (body var -> its const position), each on
+  its axis in ``axes``, that ``inner`` (the body, its calls opened) read
+  by ``dynamic_slice``: transposes for axes > 0, then the scan."""
+  p = eqn.params
+  nc = p["num_consts"]
   row_vars = {
-    v: jcore.Var(jax.core.ShapedArray(v.aval.shape[1:], v.aval.dtype))
+    v: jcore.Var(
+      jax.core.ShapedArray(_without(v.aval.shape, axes[v]), v.aval.dtype)
+    )
     for v in rows
   }
   body_eqns = []
   for e in inner.eqns:
     if e.primitive.name == "dynamic_slice" and e.invars[0] in rows:
-      body_eqns.append(_expand(row_vars[e.invars[0]], e))
+      v = e.invars[0]
+      body_eqns.append(_expand(row_vars[v], e, axes[v]))
     else:
       body_eqns.append(e)
   kept = [c for c in range(nc) if c not in rows.values()]
@@ -156,39 +172,79 @@ def _as_scan_over_rows(eqn, params, readers, made, values):
       *lin[nc:],
       *(False for _ in rows),
     )
-  return eqn.replace(
-    invars=[
-      *(eqn.invars[c] for c in kept),
-      *eqn.invars[nc:],
-      *(eqn.invars[c] for c in rows.values()),
-    ],
-    params=new_params,
-  )
+  # A layer axis a > 0 (w[:, i]): the scan reads the param with that axis
+  # moved first (what nn.scan(variable_axes={"params": a}) reads too).
+  moved = []
+  scanned = []
+  for v, c in rows.items():
+    x = eqn.invars[c]
+    if axes[v]:
+      moved.append(_moved_first(x, axes[v], eqn))
+      x = moved[-1].outvars[0]
+    scanned.append(x)
+  return [
+    *moved,
+    eqn.replace(
+      invars=[
+        *(eqn.invars[c] for c in kept),
+        *eqn.invars[nc:],
+        *scanned,
+      ],
+      params=new_params,
+    ),
+  ]
 
 
-def _reads_row_of_counter(body, v, counter, length) -> bool:
-  """Whether every read of ``v`` in ``body`` is a one-row
-  ``dynamic_slice`` starting at the counter (0 on the other axes), for
-  every iteration."""
+def _without(shape, axis: int) -> tuple:
+  return (*shape[:axis], *shape[axis + 1 :])
+
+
+def _row_axis(body, v, counter, length) -> int | None:
+  """The axis whose row ``counter`` every read of ``v`` in ``body`` is (a
+  one-row ``dynamic_slice`` starting at the counter there and at 0 on the
+  other axes, for every iteration); None where there is no such axis."""
   uses = [e for e in body.eqns if v in e.invars]
   if not uses or v in body.outvars:
-    return False
+    return None
   made = {x: e for e in body.eqns for x in e.outvars}
+  shape = v.aval.shape
+  axis = None
   for e in uses:
     if e.primitive.name != "dynamic_slice" or e.invars.count(v) != 1:
-      return False
-    if e.invars[0] is not v or tuple(e.params["slice_sizes"]) != (
-      1,
-      *v.aval.shape[1:],
-    ):
-      return False
+      return None
+    sizes = tuple(e.params["slice_sizes"])
+    if e.invars[0] is not v:
+      return None
+    cut = [d for d in range(len(shape)) if sizes[d] != shape[d]]
+    if len(cut) != 1 or sizes[cut[0]] != 1 or shape[cut[0]] != length:
+      return None
+    if axis is not None and cut[0] != axis:
+      return None
+    axis = cut[0]
     for k in range(length):
       starts = _from_counter(e.invars[1:], made, counter, k)
-      if starts is None or [int(s) for s in starts] != [k] + [0] * (
-        len(starts) - 1
-      ):
-        return False
-  return True
+      want = [k if d == axis else 0 for d in range(len(shape))]
+      if starts is None or [int(s) for s in starts] != want:
+        return None
+  return axis
+
+
+def _moved_first(x, axis: int, like):
+  """A transpose moving ``x``'s axis ``axis`` to the front."""
+  rest = [d for d in range(x.aval.ndim) if d != axis]
+  out = jcore.Var(
+    jax.core.ShapedArray(
+      (x.aval.shape[axis], *_without(x.aval.shape, axis)), x.aval.dtype
+    )
+  )
+  return jcore.new_jaxpr_eqn(
+    [x],
+    [out],
+    jax.lax.transpose_p,
+    {"permutation": (axis, *rest)},
+    jcore.no_effects,
+    like.source_info,
+  )
 
 
 def _from_counter(atoms, made, counter, k):
@@ -212,8 +268,9 @@ def _from_counter(atoms, made, counter, k):
   return [np.asarray(read(env, x)) for x in atoms]
 
 
-def _expand(row, like):
-  """``like``'s output (a ``[1, ...]`` slice) as ``row[None]``."""
+def _expand(row, like, axis: int):
+  """``like``'s output (a slice of size 1 on ``axis``) from ``row`` (the
+  slice without that axis)."""
   (out,) = like.outvars
   return jcore.new_jaxpr_eqn(
     [row],
@@ -221,7 +278,7 @@ def _expand(row, like):
     jax.lax.broadcast_in_dim_p,
     {
       "shape": out.aval.shape,
-      "broadcast_dimensions": tuple(range(1, out.aval.ndim)),
+      "broadcast_dimensions": _without(tuple(range(out.aval.ndim)), axis),
       "sharding": None,
     },
     jcore.no_effects,

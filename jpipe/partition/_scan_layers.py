@@ -21,9 +21,10 @@ A model may stack its layers on another axis than the first (MaxText's
 ``variable_axes={"params": 1}``); the scan then reads a transpose moving
 that axis first. Such a leaf is split the same way, each row taken from
 the moved leaf (shape ``[1, ...]``, the layer axis first: what the stages
-and their optimizers hold), and the transpose dropped. A scan nested in a scan (``nn.remat_scan``)
-reads its leaves ``[a, b, ...]`` through a reshape to ``[a * b, ...]``
-(``_nested_scans``): rows of the reshaped leaf, the reshape dropped.
+and their optimizers hold), and the transpose dropped. A scan nested in
+a scan (``nn.remat_scan``) reads its leaves ``[a, b, ...]`` through a
+reshape to ``[a * b, ...]`` (``_nested_scans``): rows of the reshaped
+leaf, the reshape dropped.
 
 ``ParamLayout`` maps the model's param leaves (stacked) to the traced
 model's (rows) and back: what ``gather_params``, checkpoints and the state

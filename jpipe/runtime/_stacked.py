@@ -16,6 +16,8 @@ A leaf stacked on another axis than the first (``nn.scan`` with
 axis first); joined, it is moved back: the params, and the optimizer
 state of the param's rank (its moments), are in the model's layout. State
 of another rank (Adafactor's factored moments) stays stacked on axis 0.
+A scan in a scan's leaf ``[a, b, ...]`` has rows of it reshaped ``[a * b,
+...]``; joined, they are reshaped back (``ParamLayout.merged``).
 """
 
 import dataclasses

@@ -18,13 +18,18 @@ from tests.runtime.test_pipeline_sync import _assert_tree_close
 LAYERS = 6
 
 
-def _params():
+def _params(axis=0):
+  """Layer params stacked on ``axis`` (1: MaxText's layout, ``w[:, i]``
+  is layer i's)."""
   keys = jax.random.split(jax.random.key(0), 3)
-  return {
+  params = {
     "b": jax.random.normal(keys[0], (LAYERS, 8)) * 0.1,
     "head": jax.random.normal(keys[1], (8, 8)) * 0.3,
     "w": jax.random.normal(keys[2], (LAYERS, 8, 8)) * 0.3,
   }
+  for k in ("b", "w"):
+    params[k] = jnp.moveaxis(params[k], 0, axis)
+  return params
 
 
 def _layer(w, b, h):
@@ -44,6 +49,8 @@ ROWS = {
     jax.lax.dynamic_slice_in_dim(p["b"], i, 1)[0],
   ),
 }
+# Layer i's params stacked on axis 1 (``_params(axis=1)``).
+ROWS_ON_AXIS_1 = lambda p, i: (p["w"][:, i], p["b"][:, i])  # noqa: E731
 
 
 def _loop(loop, body, start, x):
@@ -106,6 +113,31 @@ def test_a_row_indexed_loop_becomes_a_scan_over_the_rows(rows, loop):
     np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
 
 
+def test_a_loop_reading_layers_on_axis_1_scans_them_moved_first():
+  """``w[:, i]`` (layers stacked on axis 1): the scan reads each such
+  param through a transpose moving axis 1 first (what nn.scan's params on
+  axis 1 are read through); the same values and gradients."""
+  params, batch = _params(axis=1), _batch()
+  flat = jax.tree.leaves((params, batch))
+  loss_fn = _loss(ROWS_ON_AXIS_1)
+  closed = jax.make_jaxpr(lambda *f: loss_fn(*jax.tree.unflatten(
+    jax.tree.structure((params, batch)), f)))(*flat)  # fmt: skip
+  rewritten = indexed_loops_as_scans(closed, num_param_leaves=3)
+  scan = _scan(rewritten)
+  p = scan.params
+  xs = scan.invars[p["num_consts"] + p["num_carry"] :]
+  made = {e.outvars[0]: e for e in rewritten.jaxpr.eqns}
+  b, w = closed.jaxpr.invars[0], closed.jaxpr.invars[2]
+  moved = {made[x].invars[0]: made[x] for x in xs if x in made}
+  assert set(moved) == {b, w}
+  assert moved[w].params["permutation"] == (1, 0, 2)
+  assert moved[b].params["permutation"] == (1, 0)
+  want = jax.value_and_grad(_as_function(closed), range(3))(*flat)
+  got = jax.value_and_grad(_as_function(rewritten), range(3))(*flat)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+
+
 NOT_ROW_I = {
   "next row": lambda p, i: (p["w"][(i + 1) % LAYERS], p["b"][i]),
   "a scrambled row": lambda p, i: (p["w"][(3 * i) % LAYERS], p["b"][i]),
@@ -141,10 +173,16 @@ def test_loops_reading_other_rows_are_left_as_they_are(case):
   )
 
 
-@pytest.mark.parametrize("loop", ["fori", "arange"])
-def test_a_pipeline_splits_the_loop_per_layer_and_trains_as_one_device(loop):
-  params, batch = _params(), _batch()
-  loss_fn = _loss(ROWS["index"], loop=loop)
+@pytest.mark.parametrize(
+  "loop, axis", [("fori", 0), ("arange", 0), ("fori", 1)]
+)
+def test_a_pipeline_splits_the_loop_per_layer_and_trains_as_one_device(
+  loop, axis
+):
+  """Layers stacked on axis 0, or on axis 1 (``w[:, i]``), each kept in
+  its layout by ``gather_params``."""
+  params, batch = _params(axis), _batch()
+  loss_fn = _loss(ROWS_ON_AXIS_1 if axis else ROWS["index"], loop=loop)
   tx = optax.adam(1e-2)
   pipe = jpipe.Pipeline(
     loss_fn,
@@ -162,5 +200,5 @@ def test_a_pipeline_splits_the_loop_per_layer_and_trains_as_one_device(loop):
     state, _ = pipe.step(state, batch)
   expected = _reference(loss_fn, params, [[batch]] * 2, tx)
   got = pipe.gather_params(state)
-  assert got["w"].shape == (LAYERS, 8, 8)  # (The model's own layout.)
+  assert got["w"].shape == params["w"].shape  # (The model's own layout.)
   _assert_tree_close(got, expected)
