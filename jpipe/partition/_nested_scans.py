@@ -54,16 +54,17 @@ def nested_scans_as_one(
   params = set(jaxpr.invars[:num_param_leaves])
   inputs = set(jaxpr.invars[num_param_leaves:])
   eqns, outvars, changed = list(jaxpr.eqns), list(jaxpr.outvars), False
-  for i in range(len(eqns)):  # (The list grows before i as pairs flatten.)
-    if i >= len(eqns):
-      break
+  i = 0
+  while i < len(eqns):
     found = _flattened(eqns[i], params, inputs)
     if found is None:
+      i += 1
       continue
     flat, same = found
     later = [_renamed(e, same) for e in eqns[i + 1 :]]
     outvars = [same.get(v, v) if _hashable(v) else v for v in outvars]
     eqns = [*eqns[:i], *flat, *later]
+    i += len(flat)  # (The flat scan's inputs are no params: done.)
     changed = True
   if not changed:
     return closed
@@ -216,7 +217,7 @@ class _Kinds:
     self.passthrough = {
       j
       for j in range(self.nk)
-      if _is(_through(origin, body.outvars[j]), body.invars[self.nc + j])
+      if _through(origin, body.outvars[j]) is body.invars[self.nc + j]
     }
     self.made: dict = {}  # The prologue's outputs.
 
@@ -353,10 +354,6 @@ def _through(origin: dict, v):
   return v
 
 
-def _is(v, w) -> bool:
-  return v is w
-
-
 def _hashable(v) -> bool:
   """(A Literal has no hash.)"""
   return not isinstance(v, jcore.Literal)
@@ -372,7 +369,9 @@ def _renamed(eqn, same: dict):
 
 def _under(remat, body: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
   """``body`` under ``remat``'s checkpoint (its policy), per iteration;
-  ``body`` when there is none or it is one checkpoint already."""
+  ``body`` when there is none or it is one checkpoint already. (A body
+  holding constants of its own keeps no checkpoint -- a checkpoint's
+  jaxpr holds none --: the same values, its residuals saved.)"""
   if remat is None or body.consts:
     return body
   inner = body.jaxpr

@@ -217,3 +217,21 @@ def test_a_carry_passed_on_and_each_layers_dropout_key():
   ]
   assert [k.aval.shape for k in keys] == [(A * B,)]
   _same_function(closed, new, params, x)
+
+
+def test_stacks_one_after_another_each_flatten():
+  """Four stacks one after the other (an encoder's, a decoder's...):
+  each pair is one scan (the rewrite goes on past the equations the
+  first ones became)."""
+  w, x = _stack()
+  params = {"t": w * 0.3, "u": w * 0.5, "v": w[::-1] * 0.5, "w": w}
+
+  def fn(params, x):
+    for k in ("t", "u", "v"):
+      x = x * _lax_nested(params[k], x, ys=False)
+    return _lax_nested(params["w"], x, ys=False)
+
+  closed, new = _rewritten(fn, params, x)
+  assert len(_scans(closed)) == 4
+  assert [s.params["length"] for s in _scans(new)] == [A * B] * 4
+  _same_function(closed, new, params, x)
