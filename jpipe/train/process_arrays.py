@@ -138,6 +138,11 @@ def read_index(directory: str) -> dict[str, dict]:
       raise ValueError(f"{name} is unreadable ({e})") from e
     for path, entry in index.items():
       if path in merged and "pieces" in entry and "pieces" in merged[path]:
+        if _without_pieces(entry) != _without_pieces(merged[path]):
+          raise ValueError(
+            f"{path}'s rows are described differently by {name} and "
+            "another index (shape, dtype or layer axes): a mixed save"
+          )
         pieces = merged[path]["pieces"] + entry["pieces"]
         merged[path] = dict(entry, pieces=pieces)  # Rows of several.
       elif path in merged:
@@ -145,6 +150,10 @@ def read_index(directory: str) -> dict[str, dict]:
       else:
         merged[path] = entry
   return merged
+
+
+def _without_pieces(entry: dict) -> dict:
+  return {k: v for k, v in entry.items() if k != "pieces"}
 
 
 def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
@@ -157,7 +166,12 @@ def read_leaf(directory: str, path: str, entry: dict) -> np.ndarray:
   axis = entry.get("axis", 0)
   whole, layers = shape, entry.get("layers", [])
   if layers:  # The rows of the leading axes: [rows, ...] until the end.
-    shape, axis = [int(np.prod(layers)), *shape[len(layers) :]], 0
+    if list(layers) != list(shape[: len(layers)]) or axis != 0:
+      raise ValueError(
+        f"{path}'s index entry is damaged: its rows' axes {layers} (at "
+        f"axis {axis}) do not lead its shape {shape}"
+      )
+    shape = [int(np.prod(layers)), *shape[len(layers) :]]
   value, row = np.empty(shape, dtype), 0
   for piece in sorted(entry["pieces"], key=lambda p: p["rows"]):
     a, b = piece["rows"]

@@ -257,6 +257,18 @@ def test_a_nested_scans_leaf_written_in_rows_by_two_processes(tmp_path):
   )
   _assert_equal(jax.tree.map(np.asarray, got), {"w": w})
   _assert_equal(process_arrays.read_tree(str(tmp_path)), {"w": w})
+  # Damaged indexes, each one line: two processes' disagree; both hold
+  # rows' axes that do not lead the shape.
+  entry["layers"] = [3, 2]
+  with open(tmp_path / "index_p1.json", "w") as f:
+    json.dump({"['w']": entry}, f)
+  _refused(tmp_path, {"w": w}, r"\['w'\]'s rows are described differently")
+  with open(tmp_path / "index_p0.json") as f:
+    first = json.load(f)
+  first["['w']"]["layers"] = [3, 2]
+  with open(tmp_path / "index_p0.json", "w") as f:
+    json.dump(first, f)
+  _refused(tmp_path, {"w": w}, r"\['w'\]'s index entry is damaged")
 
 
 @pytest.mark.parametrize(
