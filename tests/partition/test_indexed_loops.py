@@ -90,52 +90,52 @@ def _as_function(closed):
   return lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)[0]
 
 
+def _rewritten_loop(params, rows, loop="fori"):
+  """(the loss over ``params`` reading ``rows`` traced, its rewrite, the
+  rewrite's scan and scanned inputs), checking that the rewrite has the
+  same values and gradients."""
+  batch = _batch()
+  flat = jax.tree.leaves((params, batch))
+  loss_fn = _loss(rows, loop=loop)
+  closed = jax.make_jaxpr(lambda *f: loss_fn(*jax.tree.unflatten(
+    jax.tree.structure((params, batch)), f)))(*flat)  # fmt: skip
+  rewritten = indexed_loops_as_scans(closed, num_param_leaves=3)
+  want = jax.value_and_grad(_as_function(closed), range(3))(*flat)
+  got = jax.value_and_grad(_as_function(rewritten), range(3))(*flat)
+  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+  scan = _scan(rewritten)
+  p = scan.params
+  return (
+    closed,
+    rewritten,
+    scan,
+    scan.invars[p["num_consts"] + p["num_carry"] :],
+  )
+
+
 @pytest.mark.parametrize(
   "rows, loop",
   [(r, "fori") for r in ROWS] + [("index", "arange"), ("index", "np.arange")],
 )
 def test_a_row_indexed_loop_becomes_a_scan_over_the_rows(rows, loop):
-  params, batch = _params(), _batch()
-  flat = jax.tree.leaves((params, batch))
-  loss_fn = _loss(ROWS[rows], loop=loop)
-  closed = jax.make_jaxpr(lambda *f: loss_fn(*jax.tree.unflatten(
-    jax.tree.structure((params, batch)), f)))(*flat)  # fmt: skip
-  rewritten = indexed_loops_as_scans(closed, num_param_leaves=3)
-  scan = _scan(rewritten)
-  p = scan.params
-  xs = scan.invars[p["num_consts"] + p["num_carry"] :]
+  closed, _, scan, xs = _rewritten_loop(_params(), ROWS[rows], loop)
   b, w = closed.jaxpr.invars[0], closed.jaxpr.invars[2]
   assert {b, w} <= set(xs)  # The stacked params are scanned, row by row.
-  assert b not in scan.invars[: p["num_consts"]]
-  want = jax.value_and_grad(_as_function(closed), range(3))(*flat)
-  got = jax.value_and_grad(_as_function(rewritten), range(3))(*flat)
-  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+  assert b not in scan.invars[: scan.params["num_consts"]]
 
 
 def test_a_loop_reading_layers_on_axis_1_scans_them_moved_first():
   """``w[:, i]`` (layers stacked on axis 1): the scan reads each such
   param through a transpose moving axis 1 first (what nn.scan's params on
   axis 1 are read through); the same values and gradients."""
-  params, batch = _params(axis=1), _batch()
-  flat = jax.tree.leaves((params, batch))
-  loss_fn = _loss(ROWS_ON_AXIS_1)
-  closed = jax.make_jaxpr(lambda *f: loss_fn(*jax.tree.unflatten(
-    jax.tree.structure((params, batch)), f)))(*flat)  # fmt: skip
-  rewritten = indexed_loops_as_scans(closed, num_param_leaves=3)
-  scan = _scan(rewritten)
-  p = scan.params
-  xs = scan.invars[p["num_consts"] + p["num_carry"] :]
+  closed, rewritten, _, xs = _rewritten_loop(_params(axis=1), ROWS_ON_AXIS_1)
   made = {e.outvars[0]: e for e in rewritten.jaxpr.eqns}
   b, w = closed.jaxpr.invars[0], closed.jaxpr.invars[2]
   moved = {made[x].invars[0]: made[x] for x in xs if x in made}
   assert set(moved) == {b, w}
   assert moved[w].params["permutation"] == (1, 0, 2)
   assert moved[b].params["permutation"] == (1, 0)
-  want = jax.value_and_grad(_as_function(closed), range(3))(*flat)
-  got = jax.value_and_grad(_as_function(rewritten), range(3))(*flat)
-  for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
 
 
 NOT_ROW_I = {
