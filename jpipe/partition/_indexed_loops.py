@@ -47,7 +47,7 @@ def indexed_loops_as_scans(
   eqns, changed = [], False
   for eqn in jaxpr.eqns:
     new = _as_scan_over_rows(eqn, params, readers, made, values)
-    changed |= new != [eqn]
+    changed |= len(new) != 1 or new[0] is not eqn
     eqns.extend(new)
   if not changed:
     return closed
