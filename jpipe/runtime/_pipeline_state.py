@@ -33,6 +33,7 @@ from jpipe.runtime._state_dict import (
   restore_structure,
   select_optimizer_states,
 )
+from jpipe.runtime.build.key_arrays import host_key_data, keys_from_data
 from jpipe.runtime.build.user_mesh import own_type
 from jpipe.runtime.execute.in_flight import InFlight
 
@@ -104,6 +105,14 @@ def init_state(
     else:
       opt_states.append(jax.eval_shape(init, placed))
   return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
+
+
+def state_avals(pipe) -> list[jax.ShapeDtypeStruct]:
+  """The pipeline's model-state leaves' abstract values (a leaf held as
+  rows, ``build/state_rows.py``, as its rows)."""
+  return [
+    jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pipe.driver.state_avals
+  ]
 
 
 def model_state_treedef(pipe):
@@ -295,7 +304,8 @@ def state_dict(pipe, state) -> dict[str, Any]:
     "params": gather_params(pipe, state),
     "opt_state": merged,
     "gap_aware": gap,
-    "model_state": gather_model_state(pipe, state),
+    # (Typed PRNG keys as their key data: a state dict holds arrays.)
+    "model_state": jax.tree.map(host_key_data, gather_model_state(pipe, state)),
     "step": int(state.step),
   }
 
@@ -334,7 +344,11 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
     )
   if model_state is not None:
     model_state = restore_structure(model_state, model_state_treedef(pipe))
-    model_state = jax.tree.map(on_host, model_state)
+    model_state = jax.tree.map(
+      keys_from_data,
+      jax.tree.map(on_host, model_state),
+      model_state_of(pipe, state_avals(pipe)),
+    )
   # Only a Gap-Aware stage's fresh state is used (statistics not saved).
   base = init_state(
     pipe,

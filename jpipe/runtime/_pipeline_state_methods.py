@@ -117,7 +117,8 @@ class PipelineStateMethods:
     arrays): ``{"params", "opt_state" (laid out as ``optimizer.init``
     does for the whole model, params-shaped parts keyed by global leaf
     path), "gap_aware", "model_state", "step"}``
-    (``_pipeline_state.state_dict``). Needs a drained pipeline. Across
+    (``_pipeline_state.state_dict``); typed PRNG keys as their key data
+    (``load_state_dict`` makes them keys again). Needs a drained pipeline. Across
     processes as ``gather_params`` (None where it gives None). A
     round-robin group's model state is its replica 0's. With ``frozen``:
     the whole params, and the loss's own model state."""

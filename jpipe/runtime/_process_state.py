@@ -25,6 +25,7 @@ from jpipe.runtime._pipeline_state import (
   check_drained,
   stage_opt_avals,
   stage_param_avals,
+  state_avals,
 )
 from jpipe.runtime._stacked import (
   join_rows,
@@ -33,6 +34,7 @@ from jpipe.runtime._stacked import (
   stack_keyed,
 )
 from jpipe.runtime._state_dict import merge_unpacked
+from jpipe.runtime.build.key_arrays import host_key_data, key_data
 from jpipe.runtime.build.placement import local_copy
 
 
@@ -106,13 +108,14 @@ def _local_model_state(pipe, state):
     r: s for s, spec in enumerate(pipe.stages.specs) for r in spec.results
   }
   leaves = [
-    x if pipe.transport.leads(producer.get(i + 1, 0)) else _aval(aval)
+    x if pipe.transport.leads(producer.get(i + 1, 0)) else aval
     for i, (x, aval) in enumerate(
-      zip(state.model_state, pipe.driver.state_avals, strict=True)
+      zip(state.model_state, state_avals(pipe), strict=True)
     )
   ]
-  # (A leaf stacked per layer: rows here and elsewhere are HeldRows.)
-  return model_state_of(pipe, leaves)
+  # (A leaf stacked per layer: rows here and elsewhere are HeldRows;
+  # typed PRNG keys as their key data, as ``state_dict`` gives them.)
+  return jax.tree.map(host_key_data, model_state_of(pipe, leaves))
 
 
 def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -127,8 +130,8 @@ def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
   params = jax.tree.unflatten(pipe.params_treedef, model_param_avals(pipe))
   model_state = None
   if pipe.state_treedef is not None:
-    model_state = model_state_of(
-      pipe, [_aval(a) for a in pipe.driver.state_avals]
+    model_state = jax.tree.map(
+      key_data, model_state_of(pipe, state_avals(pipe))
     )
   layout = {
     "params": params,

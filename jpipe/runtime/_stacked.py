@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpipe.partition import merge_leading, move_axis, split_leading
+from jpipe.runtime.build.key_arrays import host_key_data, is_key, key_data
 
 
 def model_param_avals(pipe) -> list[jax.ShapeDtypeStruct]:
@@ -187,7 +188,8 @@ class HeldRows:
   nested scan's ``(a, b)``), their sizes: row ``k`` is ``[k // b, k %
   b]``, and a piece's rows are ``[rows, ...]``. A per-process checkpoint
   writes each piece (``jpipe.train.process_arrays``); a pytree leaf, not
-  a node."""
+  a node. Rows of typed PRNG keys are held as their key data (``aval``
+  too: uint32 ``[..., k]``), as a state dict holds keys."""
 
   aval: jax.ShapeDtypeStruct
   pieces: tuple[tuple[int, np.ndarray], ...]
@@ -223,11 +225,12 @@ def _join(parts: list) -> Any:
       run = []
     elif not gone:
       start = start if run else row
-      run.append(np.asarray(p))
+      run.append(host_key_data(p) if is_key(p) else np.asarray(p))
     row += size
   if run:
     pieces.append((start, _stacked(run, scalar)))
-  return HeldRows(aval, tuple(pieces))
+  # (Typed keys' rows are held as their key data: what a file holds.)
+  return HeldRows(key_data(aval), tuple(pieces))
 
 
 def _stacked(host: list, scalar: bool) -> np.ndarray:

@@ -377,9 +377,10 @@ def test_a_failing_pipeline_aborts_and_the_others_stop_waiting(sync):
 
 def test_state_dicts_keep_typed_prng_keys_in_model_state():
   """NNX RNG streams (typed keys) as model state: the state dict holds
-  each pipeline's keys; resumed from fewer pipelines, the mean of
-  floating leaves takes the first pipeline's keys and counts as they
-  are (a key has no mean)."""
+  each pipeline's keys as their key data (a state dict holds arrays);
+  resumed from fewer pipelines, the mean of floating leaves takes the
+  first pipeline's keys and counts as they are (a key has no mean), and
+  they are keys again."""
   loss_fn, params, model_state, batch = flax_models.nnx_dropout_case()
   dp = parallel.DataParallelPipelines(
     jpipe.PipelineBuilder.of(
@@ -398,11 +399,20 @@ def test_state_dicts_keep_typed_prng_keys_in_model_state():
   flipped = jax.tree.map(lambda x: x[::-1], batch)
   states, _ = dp.step(states, [batch, flipped])
   saved = dp.state_dict(states)
+  typed = [
+    jpipe.runtime.is_key(x)
+    for x in jax.tree.leaves(dp.pipelines[0].gather_model_state(states[0]))
+  ]
   keys = [
-    [x for x in jax.tree.leaves(d["model_state"]) if jpipe.runtime.is_key(x)]
+    [
+      x
+      for x, k in zip(jax.tree.leaves(d["model_state"]), typed, strict=True)
+      if k
+    ]
     for d in saved["pipelines"]
   ]
   assert len(keys[0]) == 4  # One stream per Dropout.
+  assert all(np.asarray(x).dtype == np.uint32 for x in keys[0])  # Key data.
   one = {"pipelines": saved["pipelines"][:1]}
   for pipe, s in zip(dp.pipelines, dp.load_state_dict(one), strict=True):
     got = [
@@ -411,9 +421,7 @@ def test_state_dicts_keep_typed_prng_keys_in_model_state():
       if jpipe.runtime.is_key(x)
     ]
     for a, b in zip(got, keys[0], strict=True):
-      np.testing.assert_array_equal(
-        jax.random.key_data(a), jax.random.key_data(b)
-      )
+      np.testing.assert_array_equal(jax.random.key_data(a), b)
   dp.close()
 
 

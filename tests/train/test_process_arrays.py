@@ -323,3 +323,64 @@ def test_a_pipelines_parts_of_a_stacked_leaf_across_processes(
   back = process_arrays.read_arrays(str(tmp_path), layout, needed)
   _assert_equal(jax.tree.map(np.asarray, back), whole)
   _assert_equal(pipe.state_dict(pipe.load_state_dict(back)), whole)
+
+
+def test_typed_keys_in_the_model_state_are_saved_as_their_key_data(
+  tmp_path, monkeypatch
+):
+  """A model state holding typed PRNG keys (a key per scanned layer, split
+  at every call): the state dict holds their key data (uint32 ``[...,
+  2]``: a checkpoint holds arrays), as does each process's part -- the
+  keys' rows from two processes' stages as ``HeldRows`` -- and the
+  layout; written (per process, and whole through orbax) and read back,
+  they load as keys, and the next step equals the run that never
+  stopped."""
+  rng = np.random.RandomState(0)
+  batch = {
+    "x": rng.randn(8, 6).astype(np.float32),
+    "y": rng.randint(0, 3, 8).astype(np.int32),
+  }
+  loss_fn, params, model_state = scan_models.batch_stats_case(batch)
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    model_state=model_state,
+    num_stages=4,
+    devices=jax.devices()[:4],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1),
+  )
+  state, _ = pipe.step(pipe.init(params, model_state), batch)
+  whole = pipe.state_dict(state)
+  keys = whole["model_state"]["batch_stats"]["layers"]["key"]
+  assert (keys.dtype, keys.shape) == (np.uint32, (4, 2))  # 4 layers' keys.
+  np.testing.assert_array_equal(
+    keys,
+    jax.random.key_data(
+      pipe.gather_model_state(state)["batch_stats"]["layers"]["key"]
+    ),
+  )
+  for process, mine in ((0, {0, 1}), (1, {2, 3})):
+    monkeypatch.setattr(pipe.transport, "leads", lambda s, mine=mine: s in mine)
+    part = pipe.local_state_dict(state)
+    rows = part["model_state"]["batch_stats"]["layers"]["key"]
+    assert isinstance(rows, jpipe.runtime.HeldRows)
+    assert rows.aval.dtype == np.uint32
+    process_arrays.write_arrays(str(tmp_path / "parts"), process, part)
+  monkeypatch.undo()
+  layout, needed = pipe.state_dict_layout()
+  back = process_arrays.read_arrays(str(tmp_path / "parts"), layout, needed)
+  _assert_equal(jax.tree.map(np.asarray, back), whole)
+  saves = checkpoint.Checkpoints(str(tmp_path / "whole"), keep=1)
+  saves.save(1, jax.tree.map(np.asarray, whole), {"fingerprint": {}})
+  orbax_back, _ = saves.restore(whole, {})
+  saves.close()
+  continued, _ = pipe.step(state, batch)
+  for saved in (back, orbax_back):
+    resumed, _ = pipe.step(pipe.load_state_dict(saved), batch)
+    _assert_equal(pipe.state_dict(resumed), pipe.state_dict(continued))
+  wrong = jax.tree.map(lambda x: x, whole)
+  wrong["model_state"]["batch_stats"]["layers"]["key"] = keys[:, :1]
+  with pytest.raises(ValueError, match="PRNG key's data has shape"):
+    pipe.load_state_dict(wrong)

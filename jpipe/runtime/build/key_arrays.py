@@ -62,3 +62,20 @@ def _impl(dtype):
     jax.ShapeDtypeStruct((), dtype),
   )
   return impl[0]
+
+
+def keys_from_data(saved, template):
+  """A saved leaf as ``template`` holds it: key data (uint32 ``[...,
+  k]``, as a state dict holds keys) made keys of ``template``'s PRNG
+  implementation where ``template`` (an array or abstract value) is a
+  typed key; any other leaf, and a key, as it is."""
+  if not is_key(template) or is_key(saved):
+    return saved
+  want = key_data(jax.ShapeDtypeStruct(template.shape, template.dtype)).shape
+  if tuple(np.shape(saved)) != tuple(want):
+    raise ValueError(
+      f"a saved PRNG key's data has shape {tuple(np.shape(saved))}, the "
+      f"model's key {tuple(template.shape)} needs {tuple(want)}: it was "
+      "saved for another model"
+    )
+  return wrap_key_data(np.asarray(saved), template)
