@@ -1,5 +1,6 @@
-"""HuggingFace checkpoints -- ``safetensors`` (PyTorch names and layout)
-or Flax ``msgpack`` -- read into jpipe's models by their name maps.
+"""HuggingFace checkpoints -- ``safetensors`` (PyTorch names and layout),
+Flax ``msgpack``, or PyTorch's own ``pytorch_model.bin``
+(``torch_checkpoint``) -- read into jpipe's models by their name maps.
 
 ``config.init_from=hf:PATH``: PATH is a ``*.safetensors`` file or a
 directory holding ``model.safetensors`` or a sharded
@@ -70,9 +71,9 @@ class Safetensors:
       else:
         raise UsageError(
           f"{PREFIX}{path}: no model.safetensors, "
-          "model.safetensors.index.json or flax_model.msgpack in the "
-          "directory (a HuggingFace model saved with save_pretrained, or "
-          "downloaded from the Hub)"
+          "model.safetensors.index.json, flax_model.msgpack or "
+          "pytorch_model.bin in the directory (a HuggingFace model saved "
+          "with save_pretrained, or downloaded from the Hub)"
         )
     elif os.path.isfile(path):
       files = None
@@ -214,22 +215,30 @@ def _as_pytorch(keys, value):
 
 
 def open_checkpoint(path: str):
-  """``Safetensors`` of ``path``, or ``FlaxMsgpack`` where it is a
+  """``Safetensors`` of ``path``; ``FlaxMsgpack`` where it is a
   ``.msgpack`` file or a directory with a Flax checkpoint but no
-  safetensors."""
+  safetensors; ``PytorchBin`` (``torch_checkpoint``) where it is a
+  ``.bin`` / ``.pt`` / ``.pth`` file or a directory with only
+  ``pytorch_model.bin`` (or its shards)."""
+  from jpipe.train.torch_checkpoint import PytorchBin  # (It imports this.)
+
   expanded = os.path.expanduser(path)
   if expanded.endswith(".msgpack"):
     return FlaxMsgpack(path)
-  if os.path.isdir(expanded) and not any(
-    os.path.isfile(os.path.join(expanded, n))
-    for n in ("model.safetensors", "model.safetensors.index.json")
+  if expanded.endswith((".bin", ".pt", ".pth")):
+    return PytorchBin(path)
+  if os.path.isdir(expanded) and not _holds(
+    expanded, "model.safetensors", "model.safetensors.index.json"
   ):
-    if any(
-      os.path.isfile(os.path.join(expanded, n))
-      for n in ("flax_model.msgpack", "flax_model.msgpack.index.json")
-    ):
+    if _holds(expanded, "flax_model.msgpack", "flax_model.msgpack.index.json"):
       return FlaxMsgpack(path)
+    if _holds(expanded, "pytorch_model.bin", "pytorch_model.bin.index.json"):
+      return PytorchBin(path)
   return Safetensors(path)
+
+
+def _holds(directory: str, *names: str) -> bool:
+  return any(os.path.isfile(os.path.join(directory, n)) for n in names)
 
 
 # The safetensors library's own bound on a header (its MAX_HEADER_SIZE).

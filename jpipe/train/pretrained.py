@@ -213,7 +213,8 @@ def check_source(source: str) -> None:
     if not os.path.exists(os.path.expanduser(source)):
       raise PretrainedError(
         f"hf:{source}: no such file or directory (a HuggingFace model "
-        "directory with model.safetensors, or a .safetensors file)"
+        "directory with model.safetensors, flax_model.msgpack or "
+        "pytorch_model.bin, or such a file)"
       )
     return
   if os.path.exists(os.path.expanduser(source)):

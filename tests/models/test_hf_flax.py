@@ -112,7 +112,9 @@ def test_t5_from_a_flax_msgpack_file(tmp_path, version):
 
 
 def test_a_directory_without_a_checkpoint_says_what_it_looks_for(tmp_path):
-  with pytest.raises(UsageError, match="flax_model.msgpack in the directory"):
+  with pytest.raises(
+    UsageError, match="flax_model.msgpack or pytorch_model.bin in the directory"
+  ):
     hf_checkpoint.open_checkpoint(str(tmp_path))
   bad = tmp_path / "bad.msgpack"
   bad.write_bytes(b"\xc1 not msgpack")
