@@ -49,8 +49,9 @@ def _model_fields(c: ml_collections.ConfigDict) -> None:
   c.model.kwargs = ml_collections.ConfigDict()
   # Fine-tuning: start from pretrained params instead of a random init.
   # A jpipe workdir or checkpoint (its params), another orbax checkpoint
-  # of params, a Flax msgpack file, "hf:PATH" (a HuggingFace safetensors
-  # checkpoint of t5_v1, gpt2 or bert), or "package.module:callable"
+  # of params, a Flax msgpack file, "hf:PATH" (a HuggingFace checkpoint of
+  # t5_v1, gpt2 or bert: safetensors, Flax msgpack or pytorch_model.bin,
+  # read without torch), or "package.module:callable"
   # returning params
   # (e.g. a HuggingFace Flax model's .params); "" = random init.
   c.init_from = ""

@@ -125,14 +125,7 @@ class FlaxMsgpack:
     from flax import serialization  # Only for a Flax checkpoint.
 
     path = os.path.expanduser(path)
-    files = [path]
-    if os.path.isdir(path):
-      index = os.path.join(path, "flax_model.msgpack.index.json")
-      if os.path.isfile(index):
-        shards = sorted(set(_weight_map(index).values()))
-        files = [os.path.join(path, name) for name in shards]
-      else:
-        files = [os.path.join(path, "flax_model.msgpack")]
+    files = shard_files(path, "flax_model.msgpack")
     self.path = path
     self._arrays = {}
     for file in files:
@@ -159,6 +152,19 @@ class FlaxMsgpack:
 
   def read(self, name: str) -> np.ndarray:
     return self._arrays[name]
+
+
+def shard_files(path: str, single: str) -> list[str]:
+  """The files of a checkpoint whose file is named ``single`` in a
+  directory: its shards where ``single + ".index.json"`` names them, else
+  the one file; ``path`` itself where it is no directory."""
+  if not os.path.isdir(path):
+    return [path]
+  index = os.path.join(path, single + ".index.json")
+  if os.path.isfile(index):
+    shards = sorted(set(_weight_map(index).values()))
+    return [os.path.join(path, name) for name in shards]
+  return [os.path.join(path, single)]
 
 
 def _weight_map(index: str) -> dict[str, str]:

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from jpipe.train.errors import UsageError
-from jpipe.train.hf_checkpoint import PREFIX, _weight_map
+from jpipe.train.hf_checkpoint import PREFIX, shard_files
 
 # torch.<Name>Storage -> the element's NumPy dtype.
 _STORAGES = {
@@ -124,14 +124,7 @@ class PytorchBin:
 
   def __init__(self, path: str):
     path = os.path.expanduser(path)
-    files = [path]
-    if os.path.isdir(path):
-      index = os.path.join(path, "pytorch_model.bin.index.json")
-      if os.path.isfile(index):
-        shards = sorted(set(_weight_map(index).values()))
-        files = [os.path.join(path, name) for name in shards]
-      else:
-        files = [os.path.join(path, "pytorch_model.bin")]
+    files = shard_files(path, "pytorch_model.bin")
     self.path = path
     self._entries: dict[str, tuple[str, _Tensor, int]] = {}
     for file in files:
@@ -206,17 +199,17 @@ def _read_index(file: str) -> list[tuple[str, _Tensor, int]]:
       order = root + "byteorder"
       if order in archive.namelist() and archive.read(order) != b"little":
         raise ValueError("its tensors are big-endian")
-      state = _StateDictUnpickler(archive.open(pkl)).load()
+      tensors = _tensors(_unpickled(archive, pkl))
       members = {i.filename: i for i in archive.infolist()}
       starts = {}
       with open(file, "rb") as raw:
-        for name, t in _tensors(state):
+        for name, t in tensors:
           info = members.get(f"{root}data/{t.storage.key}")
           if info is None:
             raise ValueError(f"tensor {name!r}'s storage is not in it")
           starts[t.storage.key] = _data_start(raw, info)
           _check_view(name, t, info)
-      return [(n, t, starts[t.storage.key]) for n, t in _tensors(state)]
+      return [(n, t, starts[t.storage.key]) for n, t in tensors]
   except (
     OSError,
     ValueError,
@@ -229,6 +222,16 @@ def _read_index(file: str) -> list[tuple[str, _Tensor, int]]:
       "torch.save's tensors without running its pickle); copy or save the "
       "checkpoint again"
     ) from None
+
+
+def _unpickled(archive: zipfile.ZipFile, member: str):
+  """``data.pkl``'s state dict of descriptions; whatever stops its
+  unpickling (a refused name, a damaged stream of any kind) as a
+  ValueError saying what."""
+  try:
+    return _StateDictUnpickler(archive.open(member)).load()
+  except Exception as e:  # (A damaged pickle fails in many ways.)
+    raise ValueError(f"its pickle: {type(e).__name__}: {e}") from None
 
 
 def _tensors(state) -> list[tuple[str, _Tensor]]:

@@ -10,6 +10,7 @@ in one line, before anything is loaded."""
 import json
 import os
 import pickle
+import zipfile
 
 import numpy as np
 import pytest
@@ -125,10 +126,21 @@ def test_damage_is_one_line_naming_the_file(tmp_path):
   past = {"w": torch_format.View(state["w"].storage, 4, (3, 4), (4, 1))}
   torch_format.torch_save(tmp_path / "past.bin", past)
   _refused(tmp_path / "past.bin", r"tensor 'w' .* lies outside its storage")
-  # Storage bytes that disagree with the pickle's element count.
+  # A storage of 8 elements under a tensor of 12.
   short = {"w": torch_format.View(torch_format.Storage("0", w[:2]), 0, (3, 4))}
   torch_format.torch_save(tmp_path / "short.bin", short)
-  _refused(tmp_path / "short.bin", r"lies outside its storage|has 32 bytes")
+  _refused(tmp_path / "short.bin", r"outside its storage of 8")
+  # A pickle cut short; one whose tensor has a number for its shape.
+  with zipfile.ZipFile(tmp_path / "good.bin") as archive:
+    pkl = archive.read("archive/data.pkl")
+  torch_format.torch_save(
+    tmp_path / "cut_pickle.bin", state, state_pickle=pkl[:-9]
+  )
+  _refused(tmp_path / "cut_pickle.bin", r"its pickle: \w+Error")
+  odd = torch_format.View(state["w"].storage, 0, (3, 4))
+  odd.shape = 12
+  torch_format.torch_save(tmp_path / "odd.bin", {"w": odd})
+  _refused(tmp_path / "odd.bin", r"its pickle: TypeError")
   # Not a state dict of tensors; a pre-1.6 (non-zip) file.
   torch_format.torch_save(
     tmp_path / "list.bin", state, state_pickle=pickle.dumps([1, 2], protocol=2)
