@@ -24,6 +24,7 @@ batch (see ``model_calls.with_dropout``).
 
 import functools
 import importlib
+import sys
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -33,7 +34,6 @@ from jpipe.train import evaluation as evaluation_lib
 from jpipe.train import (
   input_pipeline,
   model_calls,
-  nnx_models,
   pretraining,
   stand_in_data,
   text_tasks,
@@ -167,7 +167,9 @@ def flax_module(path: str):
   ``flax.linen.Module`` subclass, or an ``nnx.Module`` subclass wrapped
   to be called the same way (``nnx_models.NnxModel``)."""
   value = user_code.load(path, "model.name", want="a Flax module class")
-  if nnx_models.is_nnx_module_class(value):
+  if _is_nnx_class(value):
+    from jpipe.train import nnx_models  # (flax.nnx: ~0.3 s, only for NNX.)
+
     return functools.partial(nnx_models.NnxModel, value)
   if not (isinstance(value, type) and issubclass(value, nn.Module)):
     raise UsageError(
@@ -175,6 +177,17 @@ def flax_module(path: str):
       "NNX); for any other model write a task of your own (config.task)"
     )
   return value
+
+
+def _is_nnx_class(value) -> bool:
+  """Whether ``value`` is an ``nnx.Module`` subclass, without importing
+  flax.nnx: a module defining one has imported it already."""
+  nnx = sys.modules.get("flax.nnx")
+  return (
+    nnx is not None
+    and isinstance(value, type)
+    and (issubclass(value, nnx.Module))
+  )
 
 
 def task_of_data(data) -> str:
