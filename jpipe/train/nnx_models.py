@@ -206,10 +206,6 @@ class NnxModel:
     )
 
 
-def is_nnx_module_class(value) -> bool:
-  return isinstance(value, type) and issubclass(value, nnx.Module)
-
-
 def _placeholder(leaf):
   """A concrete value of an abstract RNG-state leaf's shape and dtype."""
   if is_key(leaf):

@@ -148,7 +148,7 @@ def test_own_mode_keyword_call_rngs_and_other_state():
 def test_model_name_takes_an_nnx_class_and_refuses_other_things():
   assert isinstance(tasks.flax_module("examples.nnx_model:CNN")(), NnxModel)
   with pytest.raises(UsageError, match="not a Flax module class"):
-    tasks.flax_module("jpipe.train.nnx_models:is_nnx_module_class")
+    tasks.flax_module("jpipe.train.tasks:flax_module")  # (A function.)
   config = _config(**{"model.name": "examples.nnx_model:CNN"})
   config.model.kwargs.unknown = 1
   with pytest.raises(UsageError, match="config.model.kwargs of CNN.*unknown"):
