@@ -2,7 +2,11 @@
 tiny random T5 v1.0 / v1.1 checkpoints (``save_pretrained``: safetensors,
 v1.1 in shards with an index), GPT-2's and BERT's (its three heads),
 their logits, T5's relative position buckets and BERT's parameter
-counts at full size, from HuggingFace's PyTorch implementation.
+counts at full size, from HuggingFace's PyTorch implementation; and
+``torch.save``'s own files: GPT-2's state dict in the legacy format (as
+the Hub's 2019 ``pytorch_model.bin`` files are), BERT's in zip-format
+shards with an index (as transformers 4 wrote ``pytorch_model.bin``), and
+tensors of every dtype and view in both formats with their bytes.
 
 The tests read these files, so they need neither torch nor transformers.
 Regenerate (after a change of the reference library) with
@@ -10,7 +14,7 @@ Regenerate (after a change of the reference library) with
   pip install -e ".[reference]"   # torch (its CPU build) and transformers
   python -m tests.models.make_hf_reference
 
-Written with torch 2.13.0+cpu and transformers 5.24.0.
+Written with torch 2.14.1 and transformers 5.25.0 (versions.json).
 """
 
 import json
@@ -27,6 +31,14 @@ from tests.models.test_gpt2 import GPT2_TINY
 from tests.models.test_t5_v1 import TINY
 
 OUT = os.path.join(os.path.dirname(__file__), "hf_reference")
+
+# torch.save's dtypes: with a typed storage class (both formats), and
+# without one (zip format only, ``_rebuild_tensor_v3``).
+TYPED = (
+  "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool "
+  "complex64 complex128"
+).split()
+UNTYPED = "float8_e4m3fn float8_e5m2 uint16 uint32 uint64".split()
 
 
 def t5(version: str, seed: int):
@@ -101,6 +113,70 @@ def bert_model(head: str, seed: int):
   return model
 
 
+def torch_dtypes(formats: dict[str, bool]):
+  """``torch.save`` of a tensor of each dtype and of views (strided,
+  offset, 0-d, empty) sharing storages, in each format (name -> whether
+  legacy); ``reference.npz``: each tensor's shape and contiguous bytes."""
+  directory = os.path.join(OUT, "torch-dtypes")
+  os.makedirs(directory)
+  base = torch.linspace(-3.0, 3.0, 12).reshape(3, 4)
+  state = {}
+  for name in TYPED + UNTYPED:
+    dtype = getattr(torch, name)
+    if name == "bool":
+      state[name] = base > 0
+    elif dtype.is_floating_point or dtype.is_complex:
+      state[name] = base.to(dtype)
+    elif name.startswith("uint"):
+      state[name] = (base + 3).round().to(dtype)
+    else:
+      state[name] = (base * 10).round().to(dtype)
+  x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+  state.update(
+    matrix=x,
+    transposed=x.T,  # Strides (1, 6).
+    column=x[:, 2],  # Offset 2, stride 6.
+    rows=x[1:3],  # Offset 6.
+    scalar=torch.tensor(7.5),
+    empty=torch.zeros(0, 4),
+  )
+  for file, legacy in formats.items():
+    saved = {k: v for k, v in state.items() if not legacy or k not in UNTYPED}
+    torch.save(
+      saved,
+      os.path.join(directory, file),
+      _use_new_zipfile_serialization=not legacy,
+    )
+  np.savez(
+    os.path.join(directory, "reference.npz"),
+    **{
+      f"{k}.bytes": v.contiguous().reshape(-1).view(torch.uint8).numpy()
+      for k, v in state.items()
+    },
+    **{f"{k}.shape": np.array(v.shape, np.int64) for k, v in state.items()},
+  )
+
+
+def pytorch_model_bin_shards(model, directory: str, shards: int):
+  """``model``'s state dict in ``shards`` zip-format files and
+  ``pytorch_model.bin.index.json``, as transformers 4's
+  ``save_pretrained(..., safe_serialization=False, max_shard_size=...)``
+  laid them out (transformers 5 writes safetensors only)."""
+  os.makedirs(directory)
+  state = model.state_dict()
+  names = list(state)
+  per_shard = -(-len(names) // shards)
+  weight_map = {}
+  for i in range(shards):
+    file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+    part = {n: state[n] for n in names[i * per_shard : (i + 1) * per_shard]}
+    torch.save(part, os.path.join(directory, file))
+    weight_map.update(dict.fromkeys(part, file))
+  total = sum(t.numel() * t.element_size() for t in state.values())
+  with open(os.path.join(directory, "pytorch_model.bin.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+
+
 def main():
   shutil.rmtree(OUT, ignore_errors=True)
   os.makedirs(OUT)
@@ -135,6 +211,13 @@ def main():
     tokens=tokens.astype(np.int32),
     logits=logits.numpy(),
   )
+  legacy = os.path.join(OUT, "gpt2-torch-legacy")
+  os.makedirs(legacy)  # (lm_head.weight shares wte's storage: stored once.)
+  torch.save(
+    gpt2.state_dict(),
+    os.path.join(legacy, "pytorch_model.bin"),
+    _use_new_zipfile_serialization=False,
+  )
   tokens = rng.integers(1, BERT_TINY["vocab_size"], size=(2, 24))
   tokens[1, 17:] = 0  # [PAD], masked out.
   types = np.zeros_like(tokens)
@@ -143,6 +226,8 @@ def main():
     model = bert_model(head, seed)
     directory = os.path.join(OUT, f"bert-{head}")
     model.save_pretrained(directory)
+    if head == "pretraining":
+      pytorch_model_bin_shards(model, directory + "-torch", shards=2)
     with torch.no_grad():
       out = model(
         input_ids=torch.tensor(tokens, dtype=torch.long),
@@ -205,6 +290,7 @@ def main():
       for b in (True, False)
     },
   )
+  torch_dtypes({"zip.pt": False, "legacy.pt": True})
   with open(os.path.join(OUT, "versions.json"), "w") as f:
     json.dump(
       {"torch": torch.__version__, "transformers": transformers.__version__},
