@@ -146,46 +146,54 @@ class _Emitter:
 
 def zero_bubble_v(stage_device, num_microbatches: int) -> Schedule:
   """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory",
-  2024; torch's ScheduleZBVZeroBubble): 2p stages in a V on p devices,
-  each backward split into I and W.
+  2024): 2p stages in a V on p devices, each backward split into I and
+  W; torch's ScheduleZBVZeroBubble's order, action for action.
 
   Device d holds stage d (going down) and stage 2p - 1 - d (coming back).
   It runs ``2(p - d) - 1`` forwards of its first stage; then ``d`` pairs
   of forwards, second stage then first; then ``p - d`` rounds of F, I, W
   of its second stage; then, while forwards remain, F, I, W of the first
-  stage and F, I, W of the second; the cool-down runs I's of both stages
-  and fills its gaps with the W's it deferred. With F = I = W the bubble
-  is near zero at 1F1B's activation memory (each device holds at most
-  2p microbatch-stages between F and W). Synchronous.
+  stage and F, I, W of the second. The cool-down: ``d`` rounds of I of
+  both stages, ``p - d`` rounds of I and the oldest deferred W of the
+  first stage, then the second stage's deferred W's, then the first's.
+  Fewer than ``2p - 1`` microbatches: the order for ``2p - 1`` with the
+  missing microbatches' actions left out (as torch does). With F = I = W
+  the bubble is near zero at 1F1B's activation memory (each device holds
+  at most 2p microbatch-stages between F and W). Synchronous.
   """
   p, down, up = _v_devices("zbv", stage_device, num_microbatches, lambda p: 1)
+  m = num_microbatches
+  n = max(2 * p - 1, m)  # Counted to n; only microbatches < m are run.
   lists = []
   for d in range(p):
     lo, hi = down[d], up[d]
-    e = _Emitter(num_microbatches)
-    for _ in range(2 * (p - d) - 1):
-      e.forward(lo)
-    for _ in range(d):
-      e.forward(hi)
-      e.forward(lo)
-    for _ in range(p - d):
-      e.forward(hi)
-      e.input_gradient(hi, weight_now=True)
-    while e.count(FORWARD, hi) < e.count(FORWARD, lo) or (
-      e.count(FORWARD, lo) < num_microbatches
-    ):
-      e.forward(lo)
-      e.input_gradient(lo, weight_now=True)
-      e.forward(hi)
-      e.input_gradient(hi, weight_now=True)
-    for _ in range(d):  # Cool-down: I's first, the W's they defer after.
-      e.input_gradient(lo)
-      e.input_gradient(hi)
-    for _ in range(p - d):
-      e.input_gradient(lo)
-      e.weight()
-    lists.append(e.finish((lo, hi)))
-  return make_schedule("zbv", lists, v_placement(p), num_microbatches)
+    ops = []
+    count = {}
+
+    def run(*actions, ops=ops, count=count):
+      """(kind, stage) pairs, each of that stage's next microbatch."""
+      for kind, stage in actions:
+        b = count.get((kind, stage), 0)
+        count[(kind, stage)] = b + 1
+        ops.append(Action(kind, stage, b))
+
+    def done(kind, stage, count=count):
+      return count.get((kind, stage), 0)
+
+    run(*[(FORWARD, lo)] * (2 * (p - d) - 1))
+    run(*[(FORWARD, hi), (FORWARD, lo)] * d)
+    run(*[(FORWARD, hi), (INPUT, hi), (WEIGHT, hi)] * (p - d))
+    while done(FORWARD, hi) < done(FORWARD, lo) or done(FORWARD, lo) < n:
+      if done(FORWARD, lo) < n:
+        run((FORWARD, lo))
+      run((INPUT, lo), (WEIGHT, lo), (FORWARD, hi), (INPUT, hi), (WEIGHT, hi))
+    run(*[(INPUT, lo), (INPUT, hi)] * d)  # Cool-down: their W's deferred.
+    run(*[(INPUT, lo), (WEIGHT, lo)] * (p - d))
+    run(*[(WEIGHT, hi)] * (n - done(WEIGHT, hi)))
+    run(*[(WEIGHT, lo)] * (n - done(WEIGHT, lo)))
+    ops = [a for a in ops if a.microbatch < m]
+    lists.append(ops + [Action(UPDATE, s, m - 1) for s in (lo, hi)])
+  return make_schedule("zbv", lists, v_placement(p), m)
 
 
 def dual_pipe_v(stage_device, num_microbatches: int) -> Schedule:

@@ -280,62 +280,6 @@ def test_zbh2_never_idles_after_its_first_forward(n, m, f, i, w):
     assert _between(zb, s, FORWARD, WEIGHT) <= 2 * n - 1
 
 
-def _torch_interleaved_zb(p, v, m):
-  """torch.distributed.pipelining's ScheduleInterleavedZeroBubble (m a
-  multiple of p), restated from ``_get_1f1b_rank_ops(...,
-  enable_zero_bubble=True)``: rank d warms up with ``(v - 1) p + p - 1 -
-  d`` forwards; each later op is a forward (while any remain) and a
-  backward input, then -- once ``d`` backwards have run -- the weight
-  of the oldest backward not yet weighted; the rest at the end. The
-  op's stage is ``forward_stage_index`` / ``backward_stage_index``; each
-  stage takes its microbatches in order."""
-  lists = []
-  for rank in range(p):
-    warmup = min((v - 1) * p + (p - 1 - rank), m * v)
-    total = m * v
-
-    def fwd_stage(step, rank=rank):
-      return (step // p) % v * p + rank
-
-    def bwd_stage(step, rank=rank, warmup=warmup):
-      return (v - 1 - ((step - warmup) // p) % v) * p + rank
-
-    count = {}
-
-    def take(kind, stage, count=count):
-      mb = count.get((kind, stage), 0)
-      count[(kind, stage)] = mb + 1
-      return Action(kind, stage, mb)
-
-    ops, backward_ops, weighted = [], [], 0
-    for op in range(warmup + total):
-      if op < warmup:
-        ops.append(take(FORWARD, fwd_stage(op)))
-        continue
-      if op < total:
-        ops.append(take(FORWARD, fwd_stage(op)))
-      ops.append(take(INPUT, bwd_stage(op)))
-      backward_ops.append(op)
-      if op - warmup >= rank:
-        ops.append(take(WEIGHT, bwd_stage(backward_ops[weighted])))
-        weighted += 1
-    while weighted < len(backward_ops):
-      ops.append(take(WEIGHT, bwd_stage(backward_ops[weighted])))
-      weighted += 1
-    ops += [Action(UPDATE, c * p + rank, m - 1) for c in range(v)]
-    lists.append(tuple(ops))
-  return tuple(lists)
-
-
-@pytest.mark.parametrize(
-  "p, v, m", [(2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 2, 4), (4, 3, 8)]
-)
-def test_interleaved_zb_is_torchs(p, v, m):
-  s = sc.interleaved_zero_bubble(sc.loop_placement(v * p, p), m)
-  assert s.device_actions == _torch_interleaved_zb(p, v, m)
-  sc.check_schedule(s)
-
-
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_interleaved_zb_beats_zbv_at_m_equal_p(p):
   """Issue 63: with several stages per device, zero bubble at m = p idles
