@@ -330,3 +330,22 @@ def test_timelines_of_the_new_zero_bubble_schedules_draw(tmp_path):
     sc.plot_timeline(timeline, str(png), title=name)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {a.kind for a in timeline.start} == set("FIWS")
+
+
+def test_zbv_takes_the_shorter_of_torchs_order_and_the_stopping_one():
+  """From 2p - 1 microbatches on torch's padded construction and the one
+  stopping each phase at the last microbatch are one order; below, ZB-V
+  is whichever ends sooner with F = I = W."""
+  z = sc._zero_bubble
+  for p in range(1, 7):
+    for m in range(1, 3 * p + 2):
+      built = sc.zero_bubble_v(sc.v_placement(p), m)
+      padded, stopping = z._zbv_padded(p, m), z._zbv_stopping(p, m)
+      if m >= 2 * p - 1:
+        assert padded == stopping
+      ends = [
+        sc.simulate(sc.make_schedule("x", lists, built.stage_device, m), 1, 2)
+        for lists in (padded, stopping)
+      ]
+      assert [list(a) for a in built.device_actions] in (padded, stopping)
+      assert sc.simulate(built, 1, 2).makespan == min(t.makespan for t in ends)
