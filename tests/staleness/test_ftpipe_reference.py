@@ -1,0 +1,114 @@
+"""jpipe's staleness transforms against FTPipe's own code (the seed
+paper's Gap-Aware optimizers and weight predictors, run with PyTorch by
+``make_ftpipe_reference.py``; the tests read the recorded
+``ftpipe_reference.npz``): the same gradients and stashed-weight gaps give
+the same params, step by step, and the same predicted weights."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jpipe import staleness
+
+REFERENCE = np.load(
+  os.path.join(os.path.dirname(__file__), "ftpipe_reference.npz")
+)
+
+
+def _gap_aware(case: str):
+  """jpipe's counterpart of FTPipe's optimizer and Gap-Aware class."""
+  if case.startswith("sgd"):
+    momentum = float(case.split("_m")[1].split("_")[0])
+    wd = float(case.split("_wd")[1])
+    sgd = optax.sgd(0.1, momentum=momentum or None)
+    base = optax.chain(optax.add_decayed_weights(wd), sgd) if wd else sgd
+    return staleness.gap_aware(
+      base, optimizer="sgd", learning_rate=0.1, weight_decay=wd
+    )
+  optimizer, wd = case.split("_wd")[0], float(case.split("_wd")[1])
+  if optimizer == "adamw":
+    base = optax.adamw(0.01, b1=0.9, b2=0.99, eps=1e-8, weight_decay=wd)
+  else:
+    adam = optax.adam(0.01, b1=0.9, b2=0.99, eps=1e-8)
+    base = optax.chain(optax.add_decayed_weights(wd), adam) if wd else adam
+  return staleness.gap_aware(
+    base, optimizer=optimizer, beta=0.99, learning_rate=0.01, weight_decay=wd
+  )
+
+
+GAP_AWARE_CASES = sorted(
+  {k.split("/")[1] for k in REFERENCE.files if k.startswith("gap_aware/")}
+)
+
+
+@pytest.mark.parametrize("case", GAP_AWARE_CASES)
+def test_gap_aware_steps_are_ftpipes(case):
+  grads = REFERENCE[f"gap_aware/{case}/grads"]
+  offsets = REFERENCE[f"gap_aware/{case}/offsets"]
+  want = REFERENCE[f"gap_aware/{case}/params"]
+  tx = _gap_aware(case)
+  params = jnp.asarray(REFERENCE["theta0"], jnp.float32)
+  state = tx.init(params)
+  for step, (g, offset) in enumerate(zip(grads, offsets, strict=True)):
+    stale = params + jnp.asarray(offset, jnp.float32)
+    updates, state = tx.update(
+      jnp.asarray(g, jnp.float32), state, params, stale_params=stale
+    )
+    params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(
+      params, want[step], rtol=2e-5, atol=2e-6, err_msg=f"step {step}"
+    )
+  # The gaps mattered: the same steps without them end elsewhere.
+  assert not np.allclose(_plain_steps(case, grads), want[-1], atol=1e-3)
+
+
+def _plain_steps(case, grads):
+  tx = _gap_aware(case)
+  params = jnp.asarray(REFERENCE["theta0"], jnp.float32)
+  state = tx.init(params)
+  for g in grads:
+    updates, state = tx.update(
+      jnp.asarray(g, jnp.float32), state, params, stale_params=params
+    )
+    params = optax.apply_updates(params, updates)
+  return np.asarray(params)
+
+
+PREDICTORS = {
+  "sgd": (optax.sgd(0.05, momentum=0.9), dict(momentum=0.9)),
+  "adam": (
+    optax.adam(0.05, b1=0.9, b2=0.99, eps=1e-6),
+    dict(b1=0.9, b2=0.99, eps=1e-6),
+  ),
+  "adamw": (
+    optax.adamw(0.05, b1=0.9, b2=0.99, eps=1e-6, weight_decay=0.05),
+    dict(b1=0.9, b2=0.99, eps=1e-6, weight_decay=0.05),
+  ),
+}
+
+
+@pytest.mark.parametrize("optimizer", PREDICTORS)
+def test_weight_predictions_are_ftpipes(optimizer):
+  """FTPipe's msnag predictors (cloned weights) after the same steps of
+  torch's optimizer, at delays 1, 2 and 5."""
+  tx, hyper = PREDICTORS[optimizer]
+  params = jnp.asarray(REFERENCE["theta0"], jnp.float32)
+  state = tx.init(params)
+  for g in REFERENCE[f"prediction/{optimizer}/grads"]:
+    updates, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(
+    params, REFERENCE[f"prediction/{optimizer}/params"], rtol=2e-5, atol=2e-6
+  )
+  predict = staleness.weight_predictor(optimizer, learning_rate=0.05, **hyper)
+  for d, want in zip(
+    REFERENCE["delays"],
+    REFERENCE[f"prediction/{optimizer}/predicted"],
+    strict=True,
+  ):
+    got = predict(params, state, int(d))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=d)
+    assert not np.allclose(want, params)  # A prediction moves the weights.
