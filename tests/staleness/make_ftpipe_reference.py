@@ -44,18 +44,34 @@ SIZE = 5
 DELAYS = (1, 2, 5)
 
 # Gap-Aware cases: (name, FTPipe optimizer, its keyword arguments).
-GAP_AWARE = [
-  (f"sgd_m{m}_wd{wd}", "sgd1", dict(lr=0.1, momentum=m, weight_decay=wd))
-  for m in (0.0, 0.9)
-  for wd in (0.0, 0.05)
-] + [
-  (
-    f"{opt}_wd{wd}",
-    f"{opt}_record_step",
-    dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd),
-  )
-  for opt in ("adam", "adamw")
-  for wd in (0.0, 0.05)
+GAP_AWARE = (
+  [
+    (f"sgd_m{m}_wd{wd}", "sgd1", dict(lr=0.1, momentum=m, weight_decay=wd))
+    for m in (0.0, 0.9)
+    for wd in (0.0, 0.05)
+  ]
+  + [
+    (
+      f"{opt}_wd{wd}",
+      f"{opt}_record_step",
+      dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd),
+    )
+    for opt in ("adam", "adamw")
+    for wd in (0.0, 0.05)
+  ]
+  + [
+    (
+      "sgd_m0.9_wd0.05_scheduled",
+      "sgd1",
+      dict(lr=0.1, momentum=0.9, weight_decay=0.05),
+    )
+  ]
+)
+
+# The learning rate of the scheduled case per step (torch's LambdaLR, its
+# running max tracked by FTPipe's patch_scheduler): a warm-up, a decay.
+SCHEDULE = [
+  0.1 * min((t + 1) / 3, 1.0) * 0.7 ** max(t - 2, 0) for t in range(STEPS)
 ]
 
 # Weight prediction cases: (name, FTPipe optimizer, keyword arguments).
@@ -108,18 +124,25 @@ def _stream(seed: int):
   return grads, offsets
 
 
-def gap_aware_trajectory(ftpipe, name, kwargs, theta0, grads, offsets):
+def gap_aware_trajectory(ftpipe, case, name, kwargs, theta0, grads, offsets):
   import torch
 
   optimizers, gap_aware, _, _ = ftpipe
   p = torch.nn.Parameter(torch.tensor(theta0))
   opt = optimizers.AVAILBALE_OPTIMIZERS[name]([p], **kwargs)
+  scheduler = None
+  if "scheduled" in case:  # Made before Gap-Aware, as prepare_pipeline does.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+      opt, lambda t: SCHEDULE[min(t, STEPS - 1)] / kwargs["lr"]
+    )
   if name == "sgd1":
     ga = gap_aware.get_sgd_gap_aware_cls("sgd1")(opt)
   elif name == "adam_record_step":
     ga = gap_aware.get_adam_gap_aware_cls()(opt)
   else:
     ga = gap_aware.get_adamw_gap_aware_cls()(opt)
+  if scheduler is not None:  # (The trainer's GapAwareTrainerMixin does.)
+    ga.patch_scheduler(scheduler)
   out = []
   for i, (g, offset) in enumerate(zip(grads, offsets, strict=True)):
     real = p.detach().clone()
@@ -130,6 +153,8 @@ def gap_aware_trajectory(ftpipe, name, kwargs, theta0, grads, offsets):
       ga.apply_on_theta([[real]])
     p.data = real  # true_weights_storage.restore_if_needed()
     opt.step()
+    if scheduler is not None:
+      scheduler.step()
     out.append(p.detach().numpy().copy())
   return np.stack(out)
 
@@ -165,13 +190,17 @@ def main():
   root = parser.parse_args().ftpipe
   ftpipe = _import_ftpipe(root)
   theta0 = np.linspace(-1.0, 1.0, SIZE)
-  arrays = {"theta0": theta0, "delays": np.array(DELAYS)}
+  arrays = {
+    "theta0": theta0,
+    "delays": np.array(DELAYS),
+    "schedule": np.array(SCHEDULE),
+  }
   for i, (case, name, kwargs) in enumerate(GAP_AWARE):
     grads, offsets = _stream(seed=i)
     arrays[f"gap_aware/{case}/grads"] = grads
     arrays[f"gap_aware/{case}/offsets"] = offsets
     arrays[f"gap_aware/{case}/params"] = gap_aware_trajectory(
-      ftpipe, name, kwargs, theta0, grads, offsets
+      ftpipe, case, name, kwargs, theta0, grads, offsets
     )
   for i, (case, name, kwargs) in enumerate(PREDICTION):
     grads, _ = _stream(seed=100 + i)

@@ -2,7 +2,9 @@
 paper's Gap-Aware optimizers and weight predictors, run with PyTorch by
 ``make_ftpipe_reference.py``; the tests read the recorded
 ``ftpipe_reference.npz``): the same gradients and stashed-weight gaps give
-the same params, step by step, and the same predicted weights."""
+the same params, step by step -- under a warm-up-then-decay learning rate
+too, whose running max Gap-Aware's SGD scale follows -- and the same
+predicted weights."""
 
 import os
 
@@ -22,11 +24,15 @@ def _gap_aware(case: str):
   """jpipe's counterpart of FTPipe's optimizer and Gap-Aware class."""
   if case.startswith("sgd"):
     momentum = float(case.split("_m")[1].split("_")[0])
-    wd = float(case.split("_wd")[1])
-    sgd = optax.sgd(0.1, momentum=momentum or None)
+    wd = float(case.split("_wd")[1].split("_")[0])
+    lr = 0.1
+    if case.endswith("_scheduled"):  # torch's LambdaLR, step by step.
+      lrs = jnp.asarray(REFERENCE["schedule"], jnp.float32)
+      lr = lambda count: lrs[jnp.minimum(count, lrs.size - 1)]  # noqa: E731
+    sgd = optax.sgd(lr, momentum=momentum or None)
     base = optax.chain(optax.add_decayed_weights(wd), sgd) if wd else sgd
     return staleness.gap_aware(
-      base, optimizer="sgd", learning_rate=0.1, weight_decay=wd
+      base, optimizer="sgd", learning_rate=lr, weight_decay=wd
     )
   optimizer, wd = case.split("_wd")[0], float(case.split("_wd")[1])
   if optimizer == "adamw":
