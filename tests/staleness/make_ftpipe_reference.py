@@ -21,8 +21,9 @@ themselves), and each is driven as FTPipe's partition manager drives it:
   optimizer steps (FTPipe's ``sgd1`` -- torch's SGD -- with ``GapAware``,
   ``adam_record_step`` with ``AdamGapAware``, ``adamw_record_step`` with
   ``AdamWGapAware``).
-- Weight prediction (``msnag``, cloned weights): after some optimizer
-  steps, ``setup(delay)``, ``forward()`` loads the predicted weights,
+- Weight prediction (cloned weights; ``msnag``, and ``aggmsnag`` with
+  the accumulated gradient in ``p.grad``): after some optimizer steps,
+  ``setup(delay)``, ``forward()`` loads the predicted weights,
   ``revert()`` restores the true ones.
 
 Stored per case: the initial params, the stream (gradients; offsets of the
@@ -76,16 +77,44 @@ SCHEDULE = [
 
 # Weight prediction cases: (name, FTPipe optimizer, keyword arguments).
 PREDICTION = [
-  ("sgd", "sgd1", dict(lr=0.05, momentum=0.9, weight_decay=0.0)),
+  ("sgd", "sgd1", dict(lr=0.05, momentum=0.9, weight_decay=0.0), "msnag"),
   (
     "adam",
     "adam",
     dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0),
+    "msnag",
+  ),
+  (
+    "adam_wd",
+    "adam",
+    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05),
+    "msnag",
   ),
   (
     "adamw",
     "adamw",
     dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05),
+    "msnag",
+  ),
+  # With the gradient accumulated so far (p.grad) as the first step's:
+  # FTPipe's aggmsnag (for SGD with weight decay its sympy-derived form).
+  (
+    "sgd_wd_agg",
+    "sgd1",
+    dict(lr=0.05, momentum=0.9, weight_decay=0.05),
+    "aggmsnag",
+  ),
+  (
+    "adam_agg",
+    "adam",
+    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0),
+    "aggmsnag",
+  ),
+  (
+    "adamw_agg",
+    "adamw",
+    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05),
+    "aggmsnag",
   ),
 ]
 
@@ -159,7 +188,7 @@ def gap_aware_trajectory(ftpipe, case, name, kwargs, theta0, grads, offsets):
   return np.stack(out)
 
 
-def predictions(ftpipe, name, kwargs, theta0, grads):
+def predictions(ftpipe, name, kwargs, pred_type, theta0, grads, phi):
   import torch
 
   optimizers, _, weight_prediction, true_weights_storage = ftpipe
@@ -168,11 +197,12 @@ def predictions(ftpipe, name, kwargs, theta0, grads):
   storage = true_weights_storage.TrueWeightsStorage(opt)
   kind = "sgd1" if name == "sgd1" else name
   predictor = weight_prediction.get_weight_predictor(
-    kind, "clone", "msnag", opt, None, False, storage, None
+    kind, "clone", pred_type, opt, None, False, storage, None
   )
   for g in grads:
     p.grad = torch.tensor(g)
     opt.step()
+  p.grad = torch.tensor(phi) if pred_type == "aggmsnag" else None
   true = p.detach().numpy().copy()
   out = []
   for d in DELAYS:
@@ -202,10 +232,15 @@ def main():
     arrays[f"gap_aware/{case}/params"] = gap_aware_trajectory(
       ftpipe, case, name, kwargs, theta0, grads, offsets
     )
-  for i, (case, name, kwargs) in enumerate(PREDICTION):
-    grads, _ = _stream(seed=100 + i)
-    true, predicted = predictions(ftpipe, name, kwargs, theta0, grads)
+  for i, (case, name, kwargs, pred_type) in enumerate(PREDICTION):
+    grads, phi = _stream(seed=100 + i)
+    phi = phi[-1] * 20  # (A gradient's size.)
+    true, predicted = predictions(
+      ftpipe, name, kwargs, pred_type, theta0, grads, phi
+    )
     arrays[f"prediction/{case}/grads"] = grads
+    if pred_type == "aggmsnag":
+      arrays[f"prediction/{case}/phi"] = phi
     arrays[f"prediction/{case}/params"] = true
     arrays[f"prediction/{case}/predicted"] = predicted
   np.savez(OUT, **arrays)

@@ -83,38 +83,60 @@ def _plain_steps(case, grads):
   return np.asarray(params)
 
 
+_ADAM = dict(b1=0.9, b2=0.99, eps=1e-6)
+
+# FTPipe's case -> jpipe's optimizer, weight_predictor's kind and args.
 PREDICTORS = {
-  "sgd": (optax.sgd(0.05, momentum=0.9), dict(momentum=0.9)),
-  "adam": (
-    optax.adam(0.05, b1=0.9, b2=0.99, eps=1e-6),
-    dict(b1=0.9, b2=0.99, eps=1e-6),
+  "sgd": (optax.sgd(0.05, momentum=0.9), "sgd", dict(momentum=0.9)),
+  "adam": (optax.adam(0.05, **_ADAM), "adam", _ADAM),
+  "adam_wd": (
+    optax.chain(optax.add_decayed_weights(0.05), optax.adam(0.05, **_ADAM)),
+    "adam",
+    dict(_ADAM, weight_decay=0.05),
   ),
   "adamw": (
-    optax.adamw(0.05, b1=0.9, b2=0.99, eps=1e-6, weight_decay=0.05),
-    dict(b1=0.9, b2=0.99, eps=1e-6, weight_decay=0.05),
+    optax.adamw(0.05, **_ADAM, weight_decay=0.05),
+    "adamw",
+    dict(_ADAM, weight_decay=0.05),
+  ),
+  "sgd_wd_agg": (
+    optax.chain(optax.add_decayed_weights(0.05), optax.sgd(0.05, momentum=0.9)),
+    "sgd",
+    dict(momentum=0.9, weight_decay=0.05),
+  ),
+  "adam_agg": (optax.adam(0.05, **_ADAM), "adam", _ADAM),
+  "adamw_agg": (
+    optax.adamw(0.05, **_ADAM, weight_decay=0.05),
+    "adamw",
+    dict(_ADAM, weight_decay=0.05),
   ),
 }
 
 
-@pytest.mark.parametrize("optimizer", PREDICTORS)
-def test_weight_predictions_are_ftpipes(optimizer):
-  """FTPipe's msnag predictors (cloned weights) after the same steps of
-  torch's optimizer, at delays 1, 2 and 5."""
-  tx, hyper = PREDICTORS[optimizer]
+@pytest.mark.parametrize("case", PREDICTORS)
+def test_weight_predictions_are_ftpipes(case):
+  """FTPipe's predictors (cloned weights) after the same steps of its
+  optimizer, at delays 1, 2 and 5: msnag, and aggmsnag (``_agg``: the
+  gradient accumulated so far taken as the first predicted step's; for
+  SGD with weight decay FTPipe's form is derived by sympy)."""
+  tx, optimizer, hyper = PREDICTORS[case]
   params = jnp.asarray(REFERENCE["theta0"], jnp.float32)
   state = tx.init(params)
-  for g in REFERENCE[f"prediction/{optimizer}/grads"]:
+  for g in REFERENCE[f"prediction/{case}/grads"]:
     updates, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
     params = optax.apply_updates(params, updates)
   np.testing.assert_allclose(
-    params, REFERENCE[f"prediction/{optimizer}/params"], rtol=2e-5, atol=2e-6
+    params, REFERENCE[f"prediction/{case}/params"], rtol=2e-5, atol=2e-6
   )
+  phi = None
+  if f"prediction/{case}/phi" in REFERENCE:
+    phi = jnp.asarray(REFERENCE[f"prediction/{case}/phi"], jnp.float32)
   predict = staleness.weight_predictor(optimizer, learning_rate=0.05, **hyper)
   for d, want in zip(
     REFERENCE["delays"],
-    REFERENCE[f"prediction/{optimizer}/predicted"],
+    REFERENCE[f"prediction/{case}/predicted"],
     strict=True,
   ):
-    got = predict(params, state, int(d))
+    got = predict(params, state, int(d), grad=phi)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=d)
     assert not np.allclose(want, params)  # A prediction moves the weights.
