@@ -1,18 +1,19 @@
-"""``solve_pipedream`` against PipeDream's own optimizer: for 11 of its
+"""``solve_pipedream`` against PipeDream's own optimizer: for 12 of its
 published profiles under up to 7 machine settings (one and two levels,
-straight, fewer machines with transfers counted, a memory limit),
+straight, fewer machines with transfers counted, a memory limit;
+Inception v3 on PipeDream's branch-compressed graph),
 ``pipedream_reference.json`` holds what msr-fiddle/pipedream's
 ``optimizer_graph_hierarchical.py`` answered (``make_pipedream_reference``
 ran it). jpipe reaches the same optimum -- time per minibatch and the
-data-parallel time it is compared with -- in all 70, with a plan whose
+data-parallel time it is compared with -- in all 73, with a plan whose
 every stage fits under it.
 
-The plans themselves may differ where several reach the optimum:
-PipeDream keeps the first strictly better choice in the order it meets
-them, and that order is the iteration order of a Python set of antichain
-nodes (its ``Graph.predecessors``), its sums' rounding that of another set.
-Where the two plans cut the same states (34 of the 70), every node is in
-the same stage."""
+The plans are compared by each node's stage, not by PipeDream's printed
+state ranges: it numbers the antichain states in the iteration order of
+Python sets, which changes from run to run (two runs of it printed
+different ranges for the same partition in 35 of 70 cases). Where several
+plans reach the optimum, PipeDream keeps the first strictly better one in
+that order too, so the plans may differ there."""
 
 import functools
 import json
@@ -36,18 +37,23 @@ def _ids(case):
   return f"{case['profile']} at {case['setting']}"
 
 
-def _cuts(level_stages):
-  return [[(tuple(span), r) for span, _, r in level] for level in level_stages]
+def _solve(case):
+  graph = load_pipedream_profile(case["profile"])
+  return partition.solve_pipedream(graph, **case["kwargs"])
+
+
+def _same_nodes(sol, case) -> bool:
+  theirs = case["stage_of"]
+  return bool(theirs) and {n: sol.stage_of[n] for n in theirs} == theirs
 
 
 @pytest.mark.parametrize("profile", sorted({c["profile"] for c in _cases()}))
 def test_optima_are_pipedreams(profile):
-  graph = load_pipedream_profile(profile)
   for case in _cases():
     if case["profile"] != profile:
       continue
     assert "error" not in case  # (None recorded: every setting solves.)
-    sol = partition.solve_pipedream(graph, **case["kwargs"])
+    sol = _solve(case)
     want = case["bottleneck_seconds"]
     assert sol.bottleneck_seconds == pytest.approx(want, rel=1e-9), _ids(case)
     assert sol.data_parallel_seconds == pytest.approx(
@@ -55,23 +61,34 @@ def test_optima_are_pipedreams(profile):
     ), _ids(case)
     if len(case["kwargs"]["num_machines"]) == 1:
       assert max(sol.stage_seconds) <= want * (1 + 1e-9), _ids(case)
-    if _cuts(sol.level_stages) == _cuts(case["level_stages"]):
-      theirs = case["stage_of"]
-      assert {n: sol.stage_of[n] for n in theirs} == theirs, _ids(case)
-      for ours, (_, seconds, _) in zip(
-        [s for level in sol.level_stages for s in level],
-        [s for level in case["level_stages"] for s in level],
-        strict=True,
-      ):
-        assert ours[1] == pytest.approx(seconds, rel=1e-9), _ids(case)
+    if _same_nodes(sol, case):  # The same plan: the same stage times.
+      ours = [t for _, t, _ in sol.level_stages[0]]
+      theirs = [t for _, t, _ in case["level_stages"][0]]
+      assert ours == pytest.approx(theirs, rel=1e-9), _ids(case)
 
 
-def test_most_plans_are_pipedreams_too():
-  """Ties aside, the same cuts: a guard that the tie-breaking order has
-  not drifted (34 of 70 at 11c40c01)."""
-  same = 0
+def test_most_plans_put_every_node_where_pipedream_does():
+  """Ties aside, the same plans: 35 of the 70 with node stages recorded
+  (a guard that jpipe's tie-breaking has not drifted)."""
+  assert sum(_same_nodes(_solve(c), c) for c in _cases()) >= 35
+
+
+def test_pipedreams_straight_plans_cost_jpipes_optimum():
+  """Where the plans differ they tie: PipeDream's own straight plans,
+  each stage's forward + backward summed from the profile as jpipe reads
+  it (the inputs and the unused ``__getitem__`` sinks PipeDream removes
+  free), peak at jpipe's optimum."""
   for case in _cases():
+    if case["setting"] != "4 straight" or not case["stage_of"]:
+      continue
     graph = load_pipedream_profile(case["profile"])
-    sol = partition.solve_pipedream(graph, **case["kwargs"])
-    same += _cuts(sol.level_stages) == _cuts(case["level_stages"])
-  assert same >= 34
+    seconds = {}
+    for i, name in enumerate(graph.names):
+      stage = case["stage_of"].get(name)
+      if stage is None or graph.descriptions[i].startswith("Input"):
+        continue  # (Removed sinks and the inputs cost PipeDream nothing.)
+      cost = graph.forward_seconds[i] + graph.backward_seconds[i]
+      seconds[stage] = seconds.get(stage, 0.0) + cost
+    assert max(seconds.values()) == pytest.approx(
+      _solve(case).bottleneck_seconds, rel=1e-9
+    ), _ids(case)
