@@ -170,19 +170,22 @@ def zero_bubble_v(stage_device, num_microbatches: int) -> Schedule:
   """
   p, _, _ = _v_devices("zbv", stage_device, num_microbatches, lambda p: 1)
   m = num_microbatches
-  padded = make_schedule("zbv", _zbv_padded(p, m), v_placement(p), m)
-  if m >= 2 * p - 1:
-    return padded  # (The two are one order.)
-  stopping = make_schedule("zbv", _zbv_stopping(p, m), v_placement(p), m)
-  unit = [simulate(s, 1.0, 2.0).makespan for s in (padded, stopping)]
-  return stopping if unit[1] < unit[0] else padded
+  padded = _zbv_lists(p, m, count_to=max(2 * p - 1, m))
+  if m >= 2 * p - 1:  # (Padded to m itself: the two are one order.)
+    return make_schedule("zbv", padded, v_placement(p), m)
+  built = [
+    make_schedule("zbv", lists, v_placement(p), m)
+    for lists in (padded, _zbv_lists(p, m, count_to=m))
+  ]
+  unit = [simulate(s, 1.0, 2.0).makespan for s in built]
+  return built[1] if unit[1] < unit[0] else built[0]
 
 
-def _zbv_padded(p: int, m: int) -> list[list[Action]]:
-  """ZB-V's lists as torch builds them: each phase's counts run to
-  ``max(2p - 1, m)`` microbatches, the actions of those past the last
-  dropped."""
-  n = max(2 * p - 1, m)
+def _zbv_lists(p: int, m: int, count_to: int) -> list[list[Action]]:
+  """ZB-V's lists with each stage's F, I and W counted up to
+  ``count_to`` microbatches, those of microbatch m on left out (torch
+  counts to ``max(2p - 1, m)``; counting to m stops each phase at the
+  last microbatch)."""
   lists = []
   for d in range(p):
     lo, hi = d, 2 * p - 1 - d
@@ -193,8 +196,10 @@ def _zbv_padded(p: int, m: int) -> list[list[Action]]:
       """(kind, stage) pairs, each of that stage's next microbatch."""
       for kind, stage in actions:
         b = count.get((kind, stage), 0)
-        count[(kind, stage)] = b + 1
-        ops.append(Action(kind, stage, b))
+        if b < count_to:
+          count[(kind, stage)] = b + 1
+          if b < m:
+            ops.append(Action(kind, stage, b))
 
     def done(kind, stage, count=count):
       return count.get((kind, stage), 0)
@@ -202,50 +207,15 @@ def _zbv_padded(p: int, m: int) -> list[list[Action]]:
     run(*[(FORWARD, lo)] * (2 * (p - d) - 1))
     run(*[(FORWARD, hi), (FORWARD, lo)] * d)
     run(*[(FORWARD, hi), (INPUT, hi), (WEIGHT, hi)] * (p - d))
-    while done(FORWARD, hi) < done(FORWARD, lo) or done(FORWARD, lo) < n:
-      if done(FORWARD, lo) < n:
-        run((FORWARD, lo))
-      run((INPUT, lo), (WEIGHT, lo), (FORWARD, hi), (INPUT, hi), (WEIGHT, hi))
+    while done(FORWARD, hi) < done(FORWARD, lo) or (
+      done(FORWARD, lo) < count_to
+    ):
+      run((FORWARD, lo), (INPUT, lo), (WEIGHT, lo))
+      run((FORWARD, hi), (INPUT, hi), (WEIGHT, hi))
     run(*[(INPUT, lo), (INPUT, hi)] * d)  # Cool-down: their W's deferred.
     run(*[(INPUT, lo), (WEIGHT, lo)] * (p - d))
-    run(*[(WEIGHT, hi)] * (n - done(WEIGHT, hi)))
-    run(*[(WEIGHT, lo)] * (n - done(WEIGHT, lo)))
-    ops = [a for a in ops if a.microbatch < m]
+    run(*[(WEIGHT, hi)] * count_to, *[(WEIGHT, lo)] * count_to)
     lists.append(ops + [Action(UPDATE, s, m - 1) for s in (lo, hi)])
-  return lists
-
-
-def _zbv_stopping(p: int, m: int) -> list[list[Action]]:
-  """ZB-V's lists with each phase stopping at the last microbatch."""
-  lists = []
-  for d in range(p):
-    lo, hi = d, 2 * p - 1 - d
-    e = _Emitter(m)
-    for _ in range(2 * (p - d) - 1):
-      e.forward(lo)
-    for _ in range(d):
-      e.forward(hi)
-      e.forward(lo)
-    for _ in range(p - d):
-      e.forward(hi)
-      e.input_gradient(hi, weight_now=True)
-    while e.count(FORWARD, hi) < e.count(FORWARD, lo) or (
-      e.count(FORWARD, lo) < m
-    ):
-      e.forward(lo)
-      e.input_gradient(lo, weight_now=True)
-      e.forward(hi)
-      e.input_gradient(hi, weight_now=True)
-    for _ in range(d):  # Cool-down: I's first, their W's deferred.
-      e.input_gradient(lo)
-      e.input_gradient(hi)
-    for _ in range(p - d):
-      e.input_gradient(lo)
-      e.weight(lo)
-    for stage in (hi, lo):
-      while any(s == stage for s, _ in e.deferred):
-        e.weight(stage)
-    lists.append(e.finish((lo, hi)))
   return lists
 
 

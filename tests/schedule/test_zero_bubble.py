@@ -340,7 +340,8 @@ def test_zbv_takes_the_shorter_of_torchs_order_and_the_stopping_one():
   for p in range(1, 7):
     for m in range(1, 3 * p + 2):
       built = sc.zero_bubble_v(sc.v_placement(p), m)
-      padded, stopping = z._zbv_padded(p, m), z._zbv_stopping(p, m)
+      padded = z._zbv_lists(p, m, count_to=max(2 * p - 1, m))
+      stopping = z._zbv_lists(p, m, count_to=m)
       if m >= 2 * p - 1:
         assert padded == stopping
       ends = [
