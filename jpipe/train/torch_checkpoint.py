@@ -174,21 +174,19 @@ def _legacy_index(file: str) -> list[tuple[str, Tensor, int]]:
     if not isinstance(keys, list):
       raise ValueError("its list of storages is damaged")
     storages = {t.storage.key: t.storage for _, t in tensors}
-    starts = {}
+    starts, stored = {}, {}
     for key in keys:
       if key not in storages:
         raise ValueError(f"it stores a storage {key!r} no tensor names")
       count = f.read(8)
       numel = int.from_bytes(count, "little", signed=True)
       starts[key] = f.tell()
-      stored = numel * np.dtype(storages[key].dtype).itemsize
-      if len(count) != 8 or numel < 0 or starts[key] + stored > size:
+      stored[key] = numel * np.dtype(storages[key].dtype).itemsize
+      if len(count) != 8 or numel < 0 or starts[key] + stored[key] > size:
         raise ValueError(f"storage {key!r} lies past the end: it is cut short")
-      for name, t in tensors:
-        if t.storage.key == key:
-          torch_pickle.check_view(name, t, stored)
-      f.seek(stored, os.SEEK_CUR)
+      f.seek(stored[key], os.SEEK_CUR)
   for name, t in tensors:
     if t.storage.key not in starts:
       raise ValueError(f"tensor {name!r}'s storage is not in it")
+    torch_pickle.check_view(name, t, stored[t.storage.key])
   return [(n, t, starts[t.storage.key]) for n, t in tensors]
