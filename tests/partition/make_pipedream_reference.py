@@ -5,7 +5,7 @@ the pipeline's time per minibatch, the data-parallel time, its printout
 of stages per level and each node's stage -- for the tests to hold
 ``jpipe.partition.solve_pipedream`` to.
 
-  pip install graphviz     # PipeDream's graph module imports it
+  pip install -e ".[reference]"   # graphviz: PipeDream's graph module imports it
   git clone https://github.com/msr-fiddle/pipedream /tmp/pipedream
   python -m tests.partition.make_pipedream_reference --pipedream /tmp/pipedream
 
@@ -22,6 +22,7 @@ out: even compressed, their DAGs take its DP minutes.
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -79,10 +80,13 @@ _STAGE_LINE = re.compile(r"^\((\d+), (\d+)\) (\S+) (\d+)$")
 
 
 def _import_pipedream(root: str):
+  """PipeDream's optimizer module, from the checkout's own folders."""
   sys.path.insert(0, os.path.join(root, "optimizer"))
   sys.path.insert(0, root)
-  import graph
-  import optimizer_graph_hierarchical
+  graph = importlib.import_module("graph")
+  optimizer_graph_hierarchical = importlib.import_module(
+    "optimizer_graph_hierarchical"
+  )
 
   # (Drawing needs the Graphviz binaries; the text of the graph is kept.
   # check_fidelity is Python 2's: xrange.)
