@@ -75,47 +75,20 @@ SCHEDULE = [
   0.1 * min((t + 1) / 3, 1.0) * 0.7 ** max(t - 2, 0) for t in range(STEPS)
 ]
 
-# Weight prediction cases: (name, FTPipe optimizer, keyword arguments).
+_SGD = dict(lr=0.05, momentum=0.9)
+_ADAM = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6)
+
+# Weight prediction cases: (name, FTPipe optimizer, keyword arguments,
+# predictor). aggmsnag takes the gradient accumulated so far (p.grad) as
+# the first step's (for SGD with weight decay, FTPipe's sympy-derived form).
 PREDICTION = [
-  ("sgd", "sgd1", dict(lr=0.05, momentum=0.9, weight_decay=0.0), "msnag"),
-  (
-    "adam",
-    "adam",
-    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0),
-    "msnag",
-  ),
-  (
-    "adam_wd",
-    "adam",
-    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05),
-    "msnag",
-  ),
-  (
-    "adamw",
-    "adamw",
-    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05),
-    "msnag",
-  ),
-  # With the gradient accumulated so far (p.grad) as the first step's:
-  # FTPipe's aggmsnag (for SGD with weight decay its sympy-derived form).
-  (
-    "sgd_wd_agg",
-    "sgd1",
-    dict(lr=0.05, momentum=0.9, weight_decay=0.05),
-    "aggmsnag",
-  ),
-  (
-    "adam_agg",
-    "adam",
-    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0),
-    "aggmsnag",
-  ),
-  (
-    "adamw_agg",
-    "adamw",
-    dict(lr=0.05, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05),
-    "aggmsnag",
-  ),
+  ("sgd", "sgd1", dict(_SGD, weight_decay=0.0), "msnag"),
+  ("adam", "adam", dict(_ADAM, weight_decay=0.0), "msnag"),
+  ("adam_wd", "adam", dict(_ADAM, weight_decay=0.05), "msnag"),
+  ("adamw", "adamw", dict(_ADAM, weight_decay=0.05), "msnag"),
+  ("sgd_wd_agg", "sgd1", dict(_SGD, weight_decay=0.05), "aggmsnag"),
+  ("adam_agg", "adam", dict(_ADAM, weight_decay=0.0), "aggmsnag"),
+  ("adamw_agg", "adamw", dict(_ADAM, weight_decay=0.05), "aggmsnag"),
 ]
 
 
