@@ -126,13 +126,11 @@ class _Emitter:
     if weight_now:
       self.weight()
 
-  def weight(self, stage=None):
-    """The oldest deferred W (of ``stage``, if given); none queued: no-op."""
-    for i, (s, b) in enumerate(self.deferred):
-      if stage is None or s == stage:
-        del self.deferred[i]
-        self.actions.append(Action(WEIGHT, s, b))
-        return
+  def weight(self):
+    """The oldest deferred W; none queued: no-op."""
+    if self.deferred:
+      s, b = self.deferred.pop(0)
+      self.actions.append(Action(WEIGHT, s, b))
 
   def finish(self, stages):
     """Every backward and W not yet written, and the stages' steps."""

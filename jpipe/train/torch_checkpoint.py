@@ -137,7 +137,8 @@ def _zip_index(file: str) -> list[tuple[str, Tensor, int]]:
         info = members.get(f"{root}data/{t.storage.key}")
         if info is None:
           raise ValueError(f"tensor {name!r}'s storage is not in it")
-        starts[t.storage.key] = _data_start(raw, info)
+        if t.storage.key not in starts:  # (Tied weights share a storage.)
+          starts[t.storage.key] = _data_start(raw, info)
         torch_pickle.check_view(name, t, info.file_size)
     return [(n, t, starts[t.storage.key]) for n, t in tensors]
 
