@@ -22,8 +22,9 @@ A model made with ``nnx.var_defaults(hijax=True)`` (its variables JAX
 types of their own, not pytrees of arrays) is split as the same model
 with ordinary variables (``array_variables``): the params are arrays.
 
-After training, ``nnx.update(model, pipe.gather_params(state),
-pipe.gather_model_state(state))`` writes the results back into the model.
+After training, ``NnxLoss.write_back(model, pipe, state)`` writes the
+results back into the model (``nnx.update`` with the gathered params and,
+if the model has any, model state).
 """
 
 from collections.abc import Callable
@@ -46,6 +47,19 @@ class NnxLoss(NamedTuple):
   loss_fn: Callable
   params: Any
   model_state: Any
+
+  def write_back(self, model, pipe, state) -> None:
+    """Writes ``pipe``'s trained params and model state (``state``, a
+    drained pipeline's) into ``model`` in place, as ``nnx.update`` does;
+    every process of a multi-process pipeline must call it."""
+    from flax import nnx
+
+    params = pipe.gather_params(state)
+    model_state = pipe.gather_model_state(state)
+    if model_state is None:  # (A model with params only.)
+      nnx.update(model, params)
+    else:
+      nnx.update(model, params, model_state)
 
 
 def nnx_loss(

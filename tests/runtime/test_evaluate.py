@@ -1,6 +1,7 @@
 """``Pipeline.evaluate``: the loss forward through the stages, nothing
 gathered, nothing changed."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +140,57 @@ def test_evaluate_rejects_a_batch_of_another_microbatch_size():
   odd = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), batch)
   with pytest.raises(ValueError, match="does not split into microbatches"):
     pipe.evaluate(pipe.init(params), odd)
+
+
+class _DropoutMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train):
+    for i in range(2):
+      x = nn.relu(nn.Dense(8, name=f"d{i}")(x))
+      x = nn.Dropout(0.5, deterministic=not train)(x)
+    return x.sum(-1)
+
+
+def test_a_batch_with_typed_keys_evaluates_and_predicts_as_it_steps():
+  """A batch carrying ``jax.random.key`` dropout keys (typed keys, not
+  uint32 data) goes through ``evaluate`` and ``predict`` as through
+  ``step``; a batch unlike the example gets ``step``'s clear error."""
+  model = _DropoutMLP()
+  x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4) / 32
+  batch = {
+    "x": x,
+    "y": jnp.ones(8),
+    "key": jax.random.split(jax.random.key(3), 8),
+  }
+  params = model.init(jax.random.key(0), x[:1], False)["params"]
+
+  def loss_fn(p, b):
+    out = model.apply(
+      {"params": p}, b["x"], True, rngs={"dropout": b["key"][0]}
+    )
+    return jnp.mean((out - b["y"]) ** 2)
+
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=4,
+    optimizer=optax.sgd(0.1),
+  )
+  state = pipe.init(params)
+  got = float(pipe.evaluate(state, batch)["loss"])
+  assert got == pytest.approx(_mean_loss(loss_fn, params, batch, 4), 1e-6)
+
+  def outputs(p, b):
+    return model.apply({"params": p}, b["x"], False)
+
+  np.testing.assert_allclose(
+    pipe.predict(state, batch, outputs), outputs(params, batch), rtol=1e-6
+  )
+  sums = pipe.evaluate(state, batch, lambda p, b: {"s": outputs(p, b).sum()})
+  assert float(sums["s"]) == pytest.approx(float(outputs(params, batch).sum()))
+  without_y = {"x": x, "key": batch["key"]}
+  with pytest.raises(ValueError, match="structured unlike the example batch"):
+    pipe.evaluate(state, without_y)

@@ -118,7 +118,7 @@ def test_a_step_equals_nnx_own_microbatch_loop(stages, schedule):
   # The model is untouched until written back; then it is NNX's after
   # the same step.
   _assert_tree_close(nnx.state(model, nnx.Param), nl.params)
-  nnx.update(model, pipe.gather_params(state), pipe.gather_model_state(state))
+  nl.write_back(model, pipe, state)
   _assert_tree_close(nnx.state(model, nnx.Param), params)
 
 
@@ -141,7 +141,7 @@ def test_hijax_and_ref_variables_train_as_ordinary_ones(kind):
   _assert_tree_close(pipe.gather_params(state), params)
   _assert_state_close(pipe.gather_model_state(state), other)
   assert float(metrics["loss"]) == pytest.approx(np.mean(losses), rel=1e-5)
-  nnx.update(model, pipe.gather_params(state), pipe.gather_model_state(state))
+  nl.write_back(model, pipe, state)
   assert getattr(model.stem.kernel, kind)  # Still the caller's kind.
   _assert_tree_close(nnx.state(model, nnx.Param), params)
 
@@ -164,7 +164,8 @@ def test_hijax_variables_split_by_hand_are_named_with_the_fix():
 
 def test_a_model_of_params_only_and_aux_outputs():
   """No other variables: ``loss_fn(params, batch)``, no model state;
-  ``has_aux`` passes the loss's aux through."""
+  ``has_aux`` passes the loss's aux through; the trained params write
+  back."""
   model = _Net(nnx.Rngs(0), norm=False, dropout=False)
   batch = _batch()
 
@@ -183,6 +184,8 @@ def test_a_model_of_params_only_and_aux_outputs():
   _assert_tree_close(pipe.gather_params(state), params)
   assert float(metrics["loss"]) == pytest.approx(np.mean(losses), rel=1e-5)
   assert 0.0 <= float(metrics["aux"]["accuracy"]) <= 1.0
+  nl.write_back(model, pipe, state)  # (No model state to write.)
+  _assert_tree_close(nnx.state(model, nnx.Param), params)
 
 
 def test_a_stream_shared_across_stages_is_refused_naming_the_fix():

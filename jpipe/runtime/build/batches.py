@@ -53,7 +53,7 @@ class BatchSpec:
       treedef,
       paths,
       tuple(tuple(np.shape(x)[1:]) for _, x in flat),
-      tuple(_stored_dtype(x) for _, x in flat),
+      tuple(stored_dtype(x) for _, x in flat),
     )
 
   def check(self, batch) -> None:
@@ -69,7 +69,7 @@ class BatchSpec:
     for path, shape, dtype, x in zip(
       self.paths, self.shapes, self.dtypes, leaves, strict=True
     ):
-      got = _stored_dtype(x) if hasattr(x, "dtype") else type(x).__name__
+      got = stored_dtype(x) if hasattr(x, "dtype") else type(x).__name__
       if not np.ndim(x) or np.shape(x)[1:] != shape or got != dtype:
         raise ValueError(
           f"batch leaf {path} is {got}{list(np.shape(x))}, the "
@@ -79,7 +79,7 @@ class BatchSpec:
         )
 
 
-def _stored_dtype(x):
+def stored_dtype(x):
   """The dtype ``x`` has on a device (x64 off: 64-bit NumPy leaves are
   stored in 32 bits)."""
   return jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True)

@@ -38,8 +38,9 @@ _FIX = (
   "global-norm clipping pass clip_global_norm=c to jpipe.Pipeline "
   "(config.optimizer.clip_norm) and leave optax.clip_by_global_norm out of "
   "the optimizer; otherwise use an optimizer whose step for a leaf reads "
-  "only that leaf's values (optax's adam, adamw, sgd, lamb, adafactor, "
-  "muon, masks and multi_transform all do)"
+  "only that leaf's values (optax's adam, adamw, sgd, lion, muon, masks "
+  "and multi_transform do; lamb and adafactor too, unless a cut splits a "
+  "leaf, as between a scanned stack's layers)"
 )
 
 

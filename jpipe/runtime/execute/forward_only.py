@@ -29,7 +29,11 @@ import numpy as np
 
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
-from jpipe.runtime.build.batches import batch_size, place_microbatches
+from jpipe.runtime.build.batches import (
+  batch_size,
+  place_microbatches,
+  stored_dtype,
+)
 from jpipe.runtime.execute.stage_work import local_inputs
 from jpipe.runtime.execute.transfer_ends import TransferEnds
 
@@ -532,8 +536,10 @@ def program_for(
   """``fn`` cut by the pipeline (None: the loss on its own stages),
   cached per function and per-example shapes of the batch (``microbatch``:
   ``batch`` is one microbatch, as ``cut_function`` takes it)."""
+  if fn is None:  # (The loss's stages were traced for the example batch.)
+    pipe.batch_spec.check(batch)
   examples = tuple(
-    (np.shape(x) if microbatch else np.shape(x)[1:], np.dtype(x.dtype))
+    (np.shape(x) if microbatch else np.shape(x)[1:], stored_dtype(x))
     for x in jax.tree.leaves(batch)
   )
   key = (fn, jax.tree.structure(batch), examples, microbatch)
