@@ -67,8 +67,9 @@ class Plan:
     stage_activation_bytes: activations kept per microbatch in flight.
     stage_stash_bytes: extra param versions of weight stashing
       (``steady_state_delay`` versions of the stage's params).
-    bottleneck_seconds: the slowest stage's time (time per microbatch in
-      steady state).
+    bottleneck_seconds: the busiest device's time per microbatch in steady
+      state: its stages' times summed (one stage a device: the slowest
+      stage's time).
     sequential_seconds: forward + backward of the whole model on one
       device.
   """
@@ -550,7 +551,15 @@ def _finish(
   def per_stage(x):
     return tuple(float(x[of == s].sum()) for s in range(n))
 
-  bottleneck = float(max(stage_seconds))
+  # Stages sharing a device (a V, interleaving) share its time: the
+  # busiest device, not the slowest stage, paces the pipeline. (The mixed
+  # pipe's stage times already count their device's whole compute.)
+  load = {}
+  for ds, t in zip(stage_devices, stage_seconds, strict=True):
+    for d in ds:
+      load.setdefault(d, []).append(float(t))
+  combine = max if method == "mixed" else sum
+  bottleneck = max(combine(times) for times in load.values())
   return Plan(
     method=method,
     node_names=traced.node_names,

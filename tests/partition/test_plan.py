@@ -47,6 +47,24 @@ def test_measured_costs_are_positive(mlp):
   assert np.all(costs.backward_seconds > 0)
 
 
+@pytest.mark.parametrize("devices", [(0, 1, 1, 0), (0, 1, 0, 1)])
+def test_stages_sharing_a_device_share_its_time(mlp, devices):
+  """Four stages on two devices (a V, an interleaving): the busiest
+  device's summed stage times pace the pipeline, and the predicted
+  speed-up is at most the two devices."""
+  traced, params, batch = mlp
+  costs = partition.profile_nodes(traced, params, batch, method="analytic")
+  n = len(traced.node_names)
+  plan = partition.plan_from_boundaries(
+    traced, costs, (0, 1, 2, 3, n), devices=devices
+  )
+  t = plan.stage_seconds
+  by_device = [sum(t[s] for s in range(4) if devices[s] == d) for d in (0, 1)]
+  assert plan.bottleneck_seconds == pytest.approx(max(by_device))
+  assert plan.bottleneck_seconds > max(t)
+  assert 1.0 < plan.predicted_speedup <= 2.0 * (1 + 1e-12)
+
+
 def test_plan_round_trips_json_and_builds(mlp):
   traced, params, batch = mlp
   costs = partition.profile_nodes(traced, params, batch)
