@@ -109,7 +109,9 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   """How the model is split into stages and placed."""
   # Pipeline: how the model is split and placed.
   c.pipeline = ml_collections.ConfigDict()
-  c.pipeline.num_stages = 4  # Stages (devices used: min(stages, devices)).
+  # Stages, each on a device of its own (zbv, dualpipev: two a device;
+  # stages_per_device below: that many); more than the devices is refused.
+  c.pipeline.num_stages = 4
   c.pipeline.num_microbatches = 4  # Microbatches per step; divides batch.
   # Stages per device in a loop (Megatron's virtual stages, stage s on
   # device s mod p) for schedule interleaved, interleaved_zb or
@@ -126,6 +128,7 @@ def _pipeline_fields(c: ml_collections.ConfigDict) -> None:
   # as replica_routing says; without split, the partitioner gives a
   # replicated stage more nodes). num_stages must be their stage count.
   c.pipeline.split = ""
+  # Devices per stage, e.g. "15,1" (see split above); "": one each.
   c.pipeline.replicas = ""
   # "mixed" only: the block counts L its solver tries, e.g. "32" (FTPipe's
   # --L; at most L stages); "": P, 2P, 3P, 4P (6P-16P with a memory limit).
@@ -248,12 +251,13 @@ def _data_parallel_fields(c: ml_collections.ConfigDict) -> None:
   # block of `pipelines` devices holds every pipeline's stage s: with
   # --devices-per-process = pipelines, SD-Pipe's process per stage).
   c.data_parallel.placement = "pipeline"
-  # Simulated heterogeneity (seeded by config.seed): SD-Pipe's hetero, the
-  # seconds a forward or backward is delayed with probability 0.1; a
-  # simulated compute time per forward/backward (ms); per-device slowdown
-  # factors of that time, "DEVICE:FACTOR,..." (e.g. "0:3.0").
+  # Simulated heterogeneity (seeded by config.seed), SD-Pipe's hetero: the
+  # seconds a forward or backward is delayed with probability 0.1.
   c.data_parallel.hetero = 0.0
+  # A simulated compute time per forward / backward (ms); 0: none.
   c.data_parallel.simulated_ms = 0.0
+  # Per-device slowdown factors of simulated_ms, "DEVICE:FACTOR,..." (e.g.
+  # "0:3.0"); "": none.
   c.data_parallel.slowdown = ""
 
 
@@ -268,12 +272,12 @@ def _dynamic_fields(c: ml_collections.ConfigDict) -> None:
   # candidate cuts scored by its 1F1B simulation) or "static" (measure
   # only). State moves by parameter path; nothing is reset.
   c.dynamic = ml_collections.ConfigDict()
-  c.dynamic.enabled = False
-  c.dynamic.policy = "jpipe"
+  c.dynamic.enabled = False  # Measure and re-partition (DynPipe).
+  c.dynamic.policy = "jpipe"  # "jpipe", "dynpipe" or "static" (above).
   c.dynamic.window = 20  # Steps per measurement window.
   c.dynamic.warmup_windows = 1  # Windows before the reference window.
-  c.dynamic.high = 2.0
-  c.dynamic.low = 0.5
+  c.dynamic.high = 2.0  # Trigger: a slot's slowdown moved by >= this factor.
+  c.dynamic.low = 0.5  # Trigger: ... or <= this one (a device sped up).
   c.dynamic.top_k = 2  # DynPipe's candidate cuts per stage.
   c.dynamic.horizon_steps = 0  # Steps a switch must pay off in; 0: 2 windows.
   # DynPipe's slowdown predictor: a file written by `python -m
@@ -284,10 +288,11 @@ def _dynamic_fields(c: ml_collections.ConfigDict) -> None:
   # applies to whatever layers it holds.
   c.dynamic.predictor = ""
   # Injected slowdowns (sleeps, for experiments): "DEVICE:FACTOR:FROM_STEP
-  # [:TO_STEP]", comma-separated; simulated_ms: every forward + backward of
-  # the whole model per microbatch sleeps this long, split by the stages'
-  # cost shares (0: only the injected extra sleeps).
+  # [:TO_STEP]", comma-separated.
   c.dynamic.inject = ""
+  # Every forward + backward of the whole model per microbatch sleeps this
+  # long (ms), split by the stages' cost shares (0: only the injected
+  # extra sleeps).
   c.dynamic.simulated_ms = 0.0
 
 
@@ -322,8 +327,8 @@ def image_data(name: str = "digits") -> ml_collections.ConfigDict:
   d.format = "images"  # What the examples are (see jpipe.train.tasks).
   d.name = name  # "digits" (embedded) or a TFDS image dataset name.
   d.data_dir = ""  # TFDS data dir; "" = the default for the dataset.
-  d.image_key = "image"  # Feature names of a TFDS dataset.
-  d.label_key = "label"
+  d.image_key = "image"  # The image's feature name in a TFDS dataset.
+  d.label_key = "label"  # The label's feature name.
   # [H, W, C] the model sees; () = the dataset's. Set and different from
   # a TFDS dataset's (ImageNet's vary): images are read per batch and
   # resized (training: random crop + flip; evaluation: centre crop).
@@ -383,9 +388,9 @@ def qa_data(name: str = "squad") -> ml_collections.ConfigDict:
   """Fields of a TFDS extractive QA dataset (SQuAD-style: an answers
   feature of ``text`` and ``answer_start`` characters in the context)."""
   d = _text_task_data("qa", name)
-  d.question_key = "question"
-  d.context_key = "context"
-  d.answers_key = "answers"
+  d.question_key = "question"  # The question's feature name.
+  d.context_key = "context"  # The passage's feature name.
+  d.answers_key = "answers"  # The answers' (text, answer_start) feature.
   d.sequence_length = 384  # Tokens of question + context.
   d.target_length = 32  # Encoder-decoders: tokens of the answer.
   return d
@@ -397,8 +402,8 @@ def translation_data(
   """Fields of a TFDS translation dataset (a Translation feature: one
   Text per language)."""
   d = _text_task_data("translation", name)
-  d.source_key = source_key
-  d.target_key = target_key
+  d.source_key = source_key  # The source language's key in the feature.
+  d.target_key = target_key  # The target language's.
   d.sequence_length = 128  # Source tokens (decoder-only: source + target).
   d.target_length = 128  # Encoder-decoders: target tokens.
   return d

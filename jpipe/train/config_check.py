@@ -1,5 +1,7 @@
 """Checks a training config before any work: each problem names its key."""
 
+import difflib
+
 import ml_collections
 
 from jpipe import partition
@@ -30,6 +32,7 @@ COST_MODELS = ("analytic", "xla", "measured")
 
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises UsageError (a ValueError) listing every invalid field and how to fix it."""
+  _check_sections(config)
   # Its own one-line error: the file's problem.
   config_options.written_schedule(config)
   problems = []
@@ -46,6 +49,53 @@ def check(config: ml_collections.ConfigDict) -> None:
     if len(problems) == 1:  # One line: the key and its fix.
       raise UsageError(f"invalid config: {problems[0]}")
     raise UsageError("invalid config:\n  " + "\n  ".join(problems))
+
+
+# Free-form: any keys (a model's own keyword arguments).
+_FREE_FIELDS = ("model.kwargs",)
+
+
+def _check_sections(config) -> None:
+  """The config has base_config's sections and a data section, and none
+  of those sections holds a field base_config does not (a misspelled name
+  set in a config file would otherwise be ignored)."""
+  from jpipe.train.base_config import base_config
+
+  base = base_config()
+  missing = [k for k in (*base.keys(), "data") if k not in config]
+  if missing:
+    raise UsageError(
+      f"the config has no {', '.join(missing)}: start it from "
+      "jpipe.train.base_config.base_config() and give it a data section "
+      "(c.data = image_data(), text_data(), ... of that module), as "
+      "configs/default.py does"
+    )
+  unknown = []
+  for key, value in base.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      unknown += _unknown_fields(config[key], value, f"{key}.")
+  if unknown:
+    raise UsageError(
+      "the config has fields jpipe does not know: " + "; ".join(unknown)
+    )
+
+
+def _unknown_fields(section, known, prefix) -> list[str]:
+  """``section``'s keys that ``known`` lacks, each with the nearest name."""
+  out = []
+  if not isinstance(section, ml_collections.ConfigDict):
+    return out  # (A wrong type: the field's own check names it.)
+  for key in section.keys():
+    if key not in known:
+      near = difflib.get_close_matches(key, list(known.keys()), n=1)
+      hint = f" (did you mean {prefix}{near[0]}?)" if near else ""
+      out.append(f"{prefix}{key}{hint}")
+    elif (
+      isinstance(known[key], ml_collections.ConfigDict)
+      and f"{prefix}{key}" not in _FREE_FIELDS
+    ):
+      out += _unknown_fields(section[key], known[key], f"{prefix}{key}.")
+  return out
 
 
 class _Needs:

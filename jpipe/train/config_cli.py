@@ -9,6 +9,7 @@ prints every config field with its value and meaning (from the comments
 of ``base_config.py``).
 """
 
+import dataclasses
 import difflib
 import inspect
 import re
@@ -39,11 +40,42 @@ command to resume), 1 any other error.
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "-?")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """A command taking ``--config``: its module, usage and own flags."""
+
+  module: str
+  usage: str
+  flag_lines: tuple[str, ...]
+  needs_workdir: bool = False
+
+
+TRAIN = Command(
+  "jpipe.train",
+  USAGE,
+  (
+    "  --config: the training config file (configs/*.py[:VARIANT]).",
+    "  --workdir: where checkpoints, logs and pictures go (resumes).",
+  ),
+  needs_workdir=True,
+)
+
+
+def command_of_flags(module: str, usage: str, names) -> Command:
+  """A ``Command`` listing the absl flags ``names`` with their help."""
+  lines = ["  --config: the training config file (configs/*.py[:VARIANT])."]
+  for name in names:
+    flag = flags.FLAGS[name]
+    lines.append(f"  --{name}: {flag.help} (default {flag.default!r})")
+  return Command(module, usage, tuple(lines))
+
+
+def parse_flags(argv: list[str], command: Command = TRAIN) -> list[str]:
   """``absl.app.run``'s flag parser: absl's, with errors and ``--help``
-  rewritten for people. Exits with status 2 on a bad flag."""
+  rewritten for people (``functools.partial`` it with another
+  ``Command``). Exits with status 2 on a bad flag."""
   if any(arg in _HELP_FLAGS for arg in argv[1:]):
-    print(help_text(argv))
+    print(help_text(argv, command))
     sys.exit(0)
   try:
     rest = flags.FLAGS(argv)
@@ -52,14 +84,17 @@ def parse_flags(argv: list[str]) -> list[str]:
       flags.FLAGS.config.to_dict()
     return rest
   except Exception as e:  # absl's flag errors and the overrides' raw ones.
+    why = explain(argv, e, needs_workdir=command.needs_workdir)
     sys.stderr.write(
-      f"error: {explain(argv, e)}\n(python -m jpipe.train --help lists "
-      f"every config field)\n"
+      f"error: {why}\n(python -m {command.module} --help lists every config "
+      "field)\n"
     )
     sys.exit(2)
 
 
-def explain(argv: list[str], error: Exception) -> str:
+def explain(
+  argv: list[str], error: Exception, needs_workdir: bool = True
+) -> str:
   """One or a few lines saying which flag is wrong and how to fix it."""
   spec = _flag_value(argv, "config")
   if spec is None:
@@ -83,9 +118,46 @@ def explain(argv: list[str], error: Exception) -> str:
       f"--config.{key}={value}: expected {type(now).__name__} like its "
       f"current value {now!r} ({why})"
     )
-  if _flag_value(argv, "workdir") is None:
+  if needs_workdir and _flag_value(argv, "workdir") is None:
     return "--workdir is required: where checkpoints and logs go"
   return message.removeprefix("flag ")
+
+
+def load_with_overrides(spec: str, argv: list[str]):
+  """``spec``'s config (``PATH[:VARIANT]``) with the ``--config.KEY=VALUE``
+  (or ``--config.KEY VALUE``) overrides in ``argv`` applied by absl's
+  parser, as ``python -m jpipe.train`` applies them. Raises ValueError
+  with ``explain``'s lines on a bad override or an unloadable file, and
+  on any other argument."""
+  from ml_collections import config_flags
+
+  others = [
+    a
+    for i, a in enumerate(argv)
+    if not a.startswith("--config.")
+    and not (
+      i and argv[i - 1].startswith("--config.") and "=" not in argv[i - 1]
+    )
+  ]
+  if others:
+    raise ValueError(f"unrecognized arguments: {' '.join(others)}")
+  full = ["jpipe", "--config", spec, *argv]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file(  # (Its overrides are read from sys_argv.)
+    "config",
+    None,
+    "the config",
+    flag_values=values,
+    lock_config=True,
+    sys_argv=full,
+  )
+  try:
+    values(full)
+    config = values.config
+    config.to_dict()  # (The file's own errors surface at the first read.)
+  except Exception as e:
+    raise ValueError(explain(full, e, needs_workdir=False)) from None
+  return config
 
 
 def flatten(config, prefix: str = "") -> dict:
@@ -116,14 +188,19 @@ def field_docs(text_data: bool = False) -> dict[str, str]:
     match = re.match(r"([cd])\.([\w.]+)\s*=\s*(.*)$", stripped)
     if match and function != skip:
       kind, key, rest = match.groups()
+      if rest.startswith("ml_collections.ConfigDict()"):
+        continue  # (A section: its comment opens its first field's.)
       key = f"data.{key}" if kind == "d" else key
       trailing = rest.split("  # ", 1)[1] if "  # " in rest else ""
-      docs[key] = " ".join([*block, trailing]).strip()
+      # The first commented assignment documents a field (variants set
+      # it again without one).
+      if not docs.get(key):
+        docs[key] = " ".join([*block, trailing]).strip()
     block = []
   return docs
 
 
-def help_text(argv: list[str]) -> str:
+def help_text(argv: list[str], command: Command = TRAIN) -> str:
   """The usage, the flags, and the fields of ``--config`` (when given and
   loadable; else the fields every config has)."""
   spec = _flag_value(argv, "config")
@@ -138,15 +215,7 @@ def help_text(argv: list[str]) -> str:
   else:
     title = f"Fields of {spec} (override any: --config.KEY=VALUE)"
   docs = field_docs(text_data="text_key" in config.get("data", {}))
-  lines = [
-    USAGE,
-    "flags:",
-    "  --config: the training config file (configs/*.py[:VARIANT]).",
-  ]
-  lines += [
-    "  --workdir: where checkpoints, logs and pictures go (resumes).",
-    "",
-  ]
+  lines = [command.usage, "flags:", *command.flag_lines, ""]
   lines.append(f"{title}:")
   for key, value in flatten(config).items():
     lines.append(f"  {key} = {value!r}")

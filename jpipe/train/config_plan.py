@@ -6,6 +6,7 @@ and costed exactly as ``python -m jpipe.train`` does before it splits them.
 """
 
 import importlib.util
+import inspect
 import os
 
 import ml_collections
@@ -20,11 +21,21 @@ from jpipe.train.tasks import build_task
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
   """``PATH[:VARIANT]`` -> the file's ``get_config(VARIANT)``, locked."""
   path, _, variant = spec.partition(":")
+  if os.path.isdir(path):
+    raise ValueError(f"{path!r} is a folder: name a config file in it")
   if not os.path.isfile(path):
     raise ValueError(f"config file {path!r} does not exist")
   module_spec = importlib.util.spec_from_file_location("jpipe_config", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"{path} defines no get_config() returning the config")
+  takes = inspect.signature(module.get_config).parameters
+  if variant and not takes:
+    raise ValueError(
+      f"{path} has no variants (its get_config takes no argument): drop "
+      f"':{variant}'"
+    )
   config = module.get_config(variant) if variant else module.get_config()
   config.lock()
   return config

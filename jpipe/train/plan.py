@@ -5,6 +5,7 @@
       [--method contiguous|mixed|pipedream|pipedream_hybrid]
       [--bandwidth B] [--memory SIZE] [--schedule NAME|auto]
       [--cost-model analytic|xla|measured] [--json] [--png FILE]
+      [--config.KEY=VALUE ...]
 
 Traces the config's model on one microbatch of its data and costs its nodes
 as training does (``--method``, ``--cost-model`` and ``--bandwidth``
@@ -26,6 +27,7 @@ two figures), and the config's ``pipeline.paper_plan`` beside them.
 also prints the table training's ``auto`` chooses its schedule from.
 ``--json`` adds ``plan`` (the full ``jpipe.partition.Plan``); ``--png``
 draws per-stage cost and memory.
+``--config.KEY=VALUE`` overrides a config field as it does for training.
 (For a PipeDream profile: ``python -m jpipe.partition``.)
 """
 
@@ -40,12 +42,14 @@ import numpy as np
 
 from jpipe import partition, runtime
 from jpipe import schedule as schedule_lib
-from jpipe.train import config_options, config_plan
+from jpipe.train import config_cli, config_options, config_plan
 
 
 def _parser():
   parser = argparse.ArgumentParser(
-    prog="python -m jpipe.train.plan", description=__doc__.splitlines()[0]
+    prog="python -m jpipe.train.plan",
+    description=__doc__.splitlines()[0],
+    epilog="--config.KEY=VALUE overrides a config field, as for training.",
   )
   parser.add_argument(
     "--config", required=True, help="a training config, configs/X.py[:VARIANT]"
@@ -91,7 +95,7 @@ def _parser():
 
 
 def main(argv=None) -> int:
-  args = _parser().parse_args(argv)
+  args, args.overrides = _parser().parse_known_args(argv)
   folder = os.path.dirname(os.path.abspath(args.png)) if args.png else ""
   if folder and not os.path.isdir(folder):  # Before the plan, not after.
     print(f"error: --png {args.png}: no folder {folder}", file=sys.stderr)
@@ -193,7 +197,7 @@ def _method(args, config) -> tuple[str, partition.Split | None]:
 def _planned_config(args):
   """``(config, method, split, devices, slots)``: the config with the
   command line's schedule and stage count, as training gets them."""
-  config = config_plan.load_config_file(args.config)
+  config = config_cli.load_with_overrides(args.config, args.overrides)
   if args.schedule is not None:
     with config.unlocked():
       config.schedule.name = args.schedule

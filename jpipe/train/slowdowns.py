@@ -13,6 +13,7 @@ beside it (``PATH.json``). The training steps it runs are thrown away.
 Across processes: under ``python -m jpipe.launch`` like training.
 """
 
+import functools
 import os
 import sys
 
@@ -144,5 +145,20 @@ def main(argv):
     sys.exit(2)
 
 
+_USAGE = f"""\
+usage: python -m jpipe.train.slowdowns --config CONFIG.py[:VARIANT] --out \
+PATH [--config.KEY=VALUE ...]
+
+{__doc__.split(chr(10) * 2, 1)[1].strip()}
+"""
+COMMAND = config_cli.command_of_flags(
+  "jpipe.train.slowdowns",
+  _USAGE,
+  ("out", "factors", "splits", "steps_per_window", "trees"),
+)
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_cli.parse_flags)
+  app.run(
+    main,
+    flags_parser=functools.partial(config_cli.parse_flags, command=COMMAND),
+  )

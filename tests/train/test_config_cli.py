@@ -3,7 +3,7 @@
 
 import pytest
 
-from jpipe.train import config_cli
+from jpipe.train import base_config, config_cli, config_plan
 
 DEFAULT = "--config=configs/default.py"
 
@@ -45,3 +45,50 @@ def test_a_bad_command_line_is_explained_in_one_line(argv, error, want):
   got = config_cli.explain(argv, ValueError(error))
   assert got.startswith(want), got
   assert "\n" not in got
+
+
+@pytest.mark.parametrize(
+  "data", ["image_data", "text_data", "qa_data", "translation_data"]
+)
+def test_every_config_field_has_its_meaning_in_the_help(data):
+  """``--help`` gives each field's meaning from base_config's comments:
+  a section's opening comment is its first field's, a field a variant
+  sets again keeps its own."""
+  config = base_config.base_config()
+  config.data = getattr(base_config, data)()
+  docs = config_cli.field_docs(text_data="text_key" in config.data)
+  missing = [k for k in config_cli.flatten(config) if not docs.get(k)]
+  assert not missing
+  assert docs["schedule.name"].startswith("Schedule: a name from")
+  assert docs["staleness.stashing"].endswith("Weight stashing.")
+
+
+def test_another_command_lists_its_own_flags_in_its_help():
+  from jpipe.train import slowdowns
+
+  text = config_cli.help_text(["slowdowns", "--help"], slowdowns.COMMAND)
+  assert text.startswith("usage: python -m jpipe.train.slowdowns --config")
+  assert "  --out: Where the fitted predictor goes" in text
+  assert "--workdir" not in text
+  assert "  train.steps = 300" in text
+
+
+def test_config_files_that_cannot_load_say_why(tmp_path):
+  with pytest.raises(ValueError, match="is a folder: name a config file"):
+    config_plan.load_config_file(str(tmp_path))
+  with pytest.raises(ValueError, match=r"has no variants .* drop ':ws'"):
+    config_plan.load_config_file("configs/default.py:ws")
+
+
+def test_overrides_reach_a_config_as_the_training_cli_applies_them():
+  config = config_cli.load_with_overrides(
+    "configs/default.py",
+    ["--config.pipeline.num_stages=3", "--config.train.steps", "7"],
+  )
+  assert config.pipeline.num_stages == 3 and config.train.steps == 7
+  with pytest.raises(ValueError, match="did you mean config.train.steps"):
+    config_cli.load_with_overrides(
+      "configs/default.py", ["--config.train.stepz=3"]
+    )
+  with pytest.raises(ValueError, match="unrecognized arguments: --stagez 3"):
+    config_cli.load_with_overrides("configs/default.py", ["--stagez", "3"])

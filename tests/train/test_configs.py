@@ -192,6 +192,26 @@ def test_unknown_variant_is_a_clear_error():
     base_config.apply_variant(base_config.base_config(), "wz")
 
 
+def test_a_config_without_data_or_with_a_misspelled_field_is_named():
+  """``base_config()`` alone has no data section; a field set in a file
+  under a name jpipe does not know would be ignored: each refused in one
+  line naming the fix (model.kwargs is the model's own: free)."""
+  with pytest.raises(
+    ValueError, match=r"has no data: .* \(c.data = image_data"
+  ):
+    config_check.check(base_config.base_config())
+  config = _get_config("default")
+  config.model.kwargs.anything = 1
+  config_check.check(config)
+  config.train.stepz = 5
+  config.pipeline.shedule = "1f1b"
+  with pytest.raises(
+    ValueError,
+    match=r"know: pipeline.shedule; train.stepz \(did you mean train.steps\?\)",
+  ):
+    config_check.check(config)
+
+
 def test_too_small_t5_vocabulary_is_a_clear_error(tmp_path):
   config = _short(_get_config("t5"))
   config.model.kwargs.vocab_size = 260
