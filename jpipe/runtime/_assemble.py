@@ -12,7 +12,7 @@ is mapped to their values in one place, ``options_from_keywords``.
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,15 +56,17 @@ def options_from_keywords(
   staleness: Staleness | None,
   partitioning: Partitioning | None,
   keywords: Mapping[str, Any],
+  own: Sequence[str] = (),
 ) -> tuple[Staleness, Partitioning]:
   """The staleness and partitioning values of ``Pipeline(...)``: the
   values given, or ones made from their keyword spelling (``keywords``:
   the options given by name). A name of neither is refused, with the
-  nearest known one."""
+  nearest known one (of these and ``own``, the Pipeline's own
+  arguments)."""
   known = STALENESS_KEYWORDS + PARTITIONING_KEYWORDS
   for name in keywords:
     if name not in known:
-      near = difflib.get_close_matches(name, known, n=1)
+      near = difflib.get_close_matches(name, (*own, *known), n=1)
       hint = f" (did you mean {near[0]!r}?)" if near else ""
       raise TypeError(
         f"Pipeline() got an unexpected keyword argument {name!r}{hint}; "

@@ -26,6 +26,7 @@ forward and backward as one program wherever that gives the same result
 (``fuse_last_stage``): its backward needs nothing but its own forward.
 """
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -206,7 +207,9 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     partitioning: Partitioning | None = None,
     **options: Any,
   ):
-    options = options_from_keywords(staleness, partitioning, options)
+    options = options_from_keywords(
+      staleness, partitioning, options, own=_OWN_ARGUMENTS
+    )
     self.frozen_params = None
     if frozen:  # (Held as model state inside: _frozen_params.py.)
       self.frozen_params = FrozenParams(
@@ -369,3 +372,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       (state, metrics) as ``step``, without "loss" (no forward runs).
     """
     return _step.flush(self, state, profile)
+
+
+# Pipeline's own arguments: a misspelled option's nearest name may be one.
+_OWN_ARGUMENTS = tuple(inspect.signature(Pipeline.__init__).parameters)[1:-1]

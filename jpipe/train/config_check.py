@@ -515,11 +515,18 @@ def check_devices(config, devices) -> None:
       f"devices, this run has {n} (jax.devices(): {n} {kind}); use at most "
       f"{n} pipelines"
     )
+  have = f"this run has {n} (jax.devices(): {n} {kind})"
+  if config.pipeline.replicas:  # The replicas, not the stages, add up.
+    raise UsageError(
+      f"config.pipeline.replicas: {config.pipeline.num_stages} stages with "
+      f"replicas {config.pipeline.replicas!r} need {stages * p} devices, "
+      f"{have}; give replicas adding up to at most {n // p}"
+    )
   what = f"{p} pipelines x {stages} stages" if p > 1 else f"{stages} stages"
   most = max(n // p, 1)
   raise UsageError(
-    f"config.pipeline.num_stages: {what} need {stages * p} devices, this "
-    f"run has {n} (jax.devices(): {n} {kind}); use at most {most} stages"
+    f"config.pipeline.num_stages: {what} need {stages * p} devices, {have}; "
+    f"use at most {most} stages"
     + (" per pipeline" if p > 1 else "")
     + ", or --config.pipeline.partition=mixed (several stages per device)"
   )

@@ -34,3 +34,15 @@ class TrainingDiverged(FloatingPointError):
   """The loss went non-finite or far above its start (the message names
   the step, and the stage when its params went non-finite). The CLI exits
   with status 1."""
+
+
+def model_kwargs_error(where: str, error: TypeError, kwargs) -> UsageError:
+  """A model class refusing ``config.model.kwargs``: the error, and (when
+  the config gives any) that they may be the config's own model's."""
+  hint = ""
+  if kwargs:
+    hint = (
+      f" (the config gives {dict(kwargs)}, perhaps for the model it names "
+      "itself: --config.model.kwargs='{...}' sets yours, '{}' none)"
+    )
+  return UsageError(f"config.model.kwargs of {where}: {error}{hint}")

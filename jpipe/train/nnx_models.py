@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpipe.runtime import array_variables, is_key
-from jpipe.train.errors import UsageError
+from jpipe.train import errors
 
 _MODE_KEYWORDS = ("train", "training", "deterministic")
 # Variables that are not the model's state: RNG streams (reseeded per
@@ -111,8 +111,8 @@ class NnxModel:
       with nnx.use_eager_sharding(False):
         return array_variables(self.module_class(**kwargs))
     except TypeError as e:  # An unknown or missing keyword.
-      raise UsageError(
-        f"config.model.kwargs of {self.module_class.__qualname__}: {e}"
+      raise errors.model_kwargs_error(
+        self.module_class.__qualname__, e, self.kwargs
       ) from e
 
   @functools.cached_property

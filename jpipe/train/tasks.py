@@ -30,8 +30,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jpipe.data import sequences
-from jpipe.train import evaluation as evaluation_lib
 from jpipe.train import (
+  errors,
   input_pipeline,
   model_calls,
   pretraining,
@@ -39,6 +39,7 @@ from jpipe.train import (
   text_tasks,
   user_code,
 )
+from jpipe.train import evaluation as evaluation_lib
 from jpipe.train.errors import UsageError
 from jpipe.train.evaluation import Evaluation
 from jpipe.train.task import Task, check_task
@@ -96,10 +97,11 @@ def build_task(config, abstract: bool = False) -> Task:
       )
     model_class = _jpipe_model(name).Model
     where = f"jpipe.models.{name}.Model"
+  kwargs = model_kwargs(config)
   try:
-    model = model_class(**model_kwargs(config))
+    model = model_class(**kwargs)
   except TypeError as e:  # An unknown or missing keyword.
-    raise UsageError(f"config.model.kwargs of {where}: {e}") from e
+    raise errors.model_kwargs_error(where, e, config.model.kwargs) from e
   if config.data.get("format") in text_tasks.FORMATS:
     return text_tasks.build(config, model, abstract)
   if "mask_rate" in config.data:  # BERT's pre-training: masked LM + NSP.

@@ -58,6 +58,9 @@ def test_an_option_of_neither_value_is_refused_with_the_nearest_name():
     _pipe(num_stages=3, wieght_stash=True)
   with pytest.raises(TypeError, match="unexpected keyword argument 'zzz'"):
     _pipe(num_stages=3, zzz=1)
+  # The nearest may be one of the Pipeline's own arguments.
+  with pytest.raises(TypeError, match="'num_microbatch'.*'num_microbatches'"):
+    _pipe(num_stages=3, num_microbatch=2)
 
 
 def test_a_plan_as_partition_is_never_mistaken_for_the_default():

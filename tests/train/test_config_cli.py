@@ -3,7 +3,7 @@
 
 import pytest
 
-from jpipe.train import base_config, config_cli, config_plan
+from jpipe.train import base_config, config_check, config_cli, config_plan
 
 DEFAULT = "--config=configs/default.py"
 
@@ -92,3 +92,23 @@ def test_overrides_reach_a_config_as_the_training_cli_applies_them():
     )
   with pytest.raises(ValueError, match="unrecognized arguments: --stagez 3"):
     config_cli.load_with_overrides("configs/default.py", ["--stagez", "3"])
+
+
+def test_too_few_devices_names_the_replicas_when_they_add_up_past_them():
+  import jax
+
+  config = config_cli.load_with_overrides(
+    "configs/default.py",
+    ["--config.pipeline.num_stages=3", "--config.pipeline.replicas=5,5,5"],
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"replicas: 3 stages with replicas '5,5,5' need 15 devices, this "
+    r"run has 8 .* adding up to at most 8",
+  ):
+    config_check.check_devices(config, jax.devices())
+  config = config_cli.load_with_overrides(
+    "configs/default.py", ["--config.pipeline.num_stages=9"]
+  )
+  with pytest.raises(ValueError, match="num_stages: 9 stages need 9 devices"):
+    config_check.check_devices(config, jax.devices())

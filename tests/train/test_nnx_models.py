@@ -151,7 +151,12 @@ def test_model_name_takes_an_nnx_class_and_refuses_other_things():
     tasks.flax_module("jpipe.train.tasks:flax_module")  # (A function.)
   config = _config(**{"model.name": "examples.nnx_model:CNN"})
   config.model.kwargs.unknown = 1
-  with pytest.raises(UsageError, match="config.model.kwargs of CNN.*unknown"):
+  with pytest.raises(
+    UsageError,
+    match=r"config.model.kwargs of CNN.*unknown.* \(the config gives "
+    r"\{.*'unknown': 1\}, perhaps for the model it names itself: "
+    r"--config.model.kwargs='\{...\}' sets yours, '\{\}' none\)",
+  ):
     tasks.build_task(config)
 
 

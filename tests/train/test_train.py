@@ -338,7 +338,7 @@ def test_cli_help_lists_the_config_fields(tmp_path):
   assert result.returncode == 0
   assert "  train.steps = 300" in result.stdout
   assert "Pipeline steps (each covers batch_size examples); 0: evaluation" in (
-    result.stdout
+    " ".join(result.stdout.split())  # (Wrapped at 78 columns.)
   )
   assert "Exit status" in result.stdout
   assert "Kept short on purpose" not in result.stdout

@@ -44,6 +44,7 @@ def test_the_readmes_written_schedule_trains_as_zbh1(tmp_path):
 
 def test_a_file_for_other_microbatches_or_a_bad_one_is_refused(tmp_path):
   config = base_config.base_config()
+  config.data = base_config.image_data()
   config.schedule.file = os.path.join(ROOT, "configs/schedules/zbh1_4x4.txt")
   config.pipeline.num_microbatches = 8
   with pytest.raises(UsageError, match="written for 4 stages and 4 micro"):
