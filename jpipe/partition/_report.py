@@ -54,12 +54,12 @@ def plot_plan(costs, stage_time, path, memory=None):
   if memory:
     bottom = np.zeros(len(costs))
     for label, per_stage in memory.items():
-      values = np.asarray(per_stage, float) / 1e6
+      values = np.asarray(per_stage, float) / 2**20  # (As the text: MiB.)
       axes[1].bar(x, values, 0.6, bottom=bottom, label=label)
       bottom += values
     axes[1].set_xticks(x)
     axes[1].set_xlabel("stage")
-    axes[1].set_ylabel("MB")
+    axes[1].set_ylabel("MiB")
     axes[1].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)

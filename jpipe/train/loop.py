@@ -27,6 +27,7 @@ anyway.
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -386,8 +387,22 @@ class _Loop:
     more, lines = self.mode.finish(workdir)
     evaluation = format_evaluation(self.evaluation)
     head = f"Done: {self.run.steps} steps; {evaluation}; {speed}."
-    print("\n".join([head, *lines]))
+    print("\n".join([head, _workdir_files(workdir), *lines]))
     return {"examples_per_second": per_second, "eval": self.evaluation} | more
+
+
+def _workdir_files(workdir) -> str:
+  """The line naming what the run keeps in its workdir (the timeline's
+  files are named on their own line after it)."""
+  names = [
+    n + ("/" if os.path.isdir(os.path.join(workdir, n)) else "")
+    for n in sorted(os.listdir(workdir))
+    if not n.startswith((".", "timeline."))
+  ]
+  line = f"In {workdir}: {', '.join(names)}"
+  if "tensorboard/" in names:
+    line += f" (tensorboard --logdir {os.path.join(workdir, 'tensorboard')})"
+  return line + "."
 
 
 def format_evaluation(evaluation: dict | None) -> str:

@@ -128,7 +128,7 @@ def print_plan(pipe) -> None:
     f"{plan.num_stages} stages on devices "
     f"{_device_groups(plan.stage_devices)}, schedule "
     f"{pipe.schedule_name}, {pipe.num_microbatches} microbatches; "
-    f"predicted speed-up {plan.predicted_speedup:.2f}"
+    f"predicted speed-up {_predicted_speedup(pipe)}"
   )
   if pipe.schedule_choice is not None:
     print("\n".join(pipe.schedule_choice.table(pipe.device_names)))
@@ -164,7 +164,7 @@ def print_plan(pipe) -> None:
     )
   limit = pipe.memory_limit
   print(
-    "Predicted peak memory per stage: "
+    "Predicted peak memory per stage (its compiled programs' buffers): "
     + ", ".join(format_bytes(m.total) for m in pipe.memory)
     + (f" (limit {format_bytes(limit)})" if limit else "")
     + "."
@@ -173,11 +173,45 @@ def print_plan(pipe) -> None:
 
 def write_run_files(workdir, config, pipe) -> None:
   """The resolved config and the plan, beside the checkpoints (as Flax
-  examples and big_vision users expect to find them)."""
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+  examples and big_vision users expect to find them); a resumed run whose
+  fields changed says which first."""
+  path = os.path.join(workdir, "config.json")
+  text = config.to_json_best_effort(indent=2, sort_keys=True)
+  changed = _changed_fields(path, json.loads(text))
+  if changed:
+    print(
+      f"Resumed with changed fields (the earlier -> this run's): {changed}."
+    )
+  with open(path, "w") as f:
+    f.write(text + "\n")
   with open(os.path.join(workdir, "plan.json"), "w") as f:
     f.write(plan_json(pipe) + "\n")
+
+
+def _changed_fields(path, now: dict) -> str:
+  """``"a.b: 1 -> 2; ..."`` between the config.json at ``path`` (if any)
+  and ``now``; "" when there is none or nothing changed."""
+  try:
+    with open(path) as f:
+      before = json.load(f)
+  except (OSError, ValueError):
+    return ""
+
+  def flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+      if isinstance(value, dict) and value:
+        out.update(flat(value, f"{prefix}{key}."))
+      else:
+        out[f"{prefix}{key}"] = value
+    return out
+
+  old, new = flat(before), flat(now)
+  return "; ".join(
+    f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+    for k in sorted(old.keys() | new.keys())
+    if old.get(k) != new.get(k)
+  )
 
 
 def plan_json(pipe) -> str:
@@ -214,11 +248,33 @@ def draw_timeline(pipe, profiled, config, workdir) -> tuple[dict, list[str]]:
   schedule_lib.plot_timeline(timeline, png, title=title, device_names=names)
   schedule_lib.write_chrome_trace(timeline, trace, names)
   lines = [
-    f"Per-stage share of device time (step {step}): "
+    f"Per-stage share of device time (one profiled step, {step}): "
     + ", ".join(f"stage {s} {100 * f:.0f}%" for s, f in split.items()),
     f"Timeline: {png} (Perfetto trace: {trace})",
   ]
   return {"stage_time_split": split, "timeline_png": png}, lines
+
+
+def _predicted_speedup(pipe) -> str:
+  """The plan's steady-state speed-up over one device and, for a
+  synchronous schedule, the one its step reaches with this many
+  microbatches (the schedule simulated at the plan's stage costs)."""
+  plan = pipe.plan
+  text = f"{plan.predicted_speedup:.2f} in steady state"
+  schedule = getattr(pipe, "schedule", None)  # (Not a re-partitioner's.)
+  if pipe.stream is not None or schedule is None:
+    return text
+  timeline = schedule_lib.simulate(
+    schedule, plan.stage_forward_seconds, plan.stage_backward_seconds
+  )
+  if timeline.makespan <= 0:
+    return text
+  m = pipe.num_microbatches
+  step = m * plan.sequential_seconds / timeline.makespan
+  return (
+    f"{text}, {step:.2f} at {m} microbatches a step (simulated bubble "
+    f"{100 * timeline.bubble:.0f}%)"
+  )
 
 
 def _device_groups(stage_devices) -> list:

@@ -111,11 +111,10 @@ def main(argv=None) -> int:
   else:
     _print(args, solved, result)
   if args.png:
-    plan = solved.plan
+    # The bytes the text prints per stage, in its two parts.
     memory = {
-      "params": plan.stage_param_bytes,
-      "activations": plan.stage_activation_bytes,
-      "stash": plan.stage_stash_bytes,
+      "held (params, optimizer, in flight)": solved.stage_bytes.persistent,
+      "working (one microbatch)": solved.stage_bytes.working,
     }
     partition.plot_plan(
       result["stage_costs"], result["stage_seconds"], args.png, memory
@@ -375,7 +374,8 @@ def _print(args, solved: _Solved, result: dict) -> None:
     print("\n".join(solved.choice.table()))
   limit = solved.memory_limit
   print(
-    "predicted memory per device (partitioner's model)"
+    "predicted memory per device (the partitioner's model; training "
+    "prints the built programs' own)"
     + (f", limit {runtime.format_bytes(limit)}:" if limit else ":")
   )
   for d, held in result["device_memory_bytes"].items():

@@ -53,8 +53,24 @@ def _losses(workdir):
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def test_default_config_trains_logs_and_draws(tmp_path):
+def test_default_config_trains_logs_and_draws(tmp_path, capsys):
   summary = train_lib.train_and_evaluate(_config(), str(tmp_path))
+  out = capsys.readouterr().out
+  # The plan's speed-up in steady state and at this step's 4 microbatches
+  # (2 stages of 1F1B: at most 2 * 4 / 5 with a bubble of at least 1/5).
+  found = re.search(
+    r"predicted speed-up ([\d.]+) in steady state, ([\d.]+) at 4 "
+    r"microbatches a step \(simulated bubble (\d+)%\)",
+    out,
+  )
+  assert found, out
+  steady, at_four, bubble = map(float, found.groups())
+  assert at_four < steady <= 2.0 and at_four <= 1.6 + 1e-9 and bubble >= 20
+  # The closing lines say what the workdir holds.
+  assert (
+    f"In {tmp_path}: checkpoints/, config.json, metrics.jsonl, plan.json, "
+    f"tensorboard/ (tensorboard --logdir {tmp_path}/tensorboard)." in out
+  )
   assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
   assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
@@ -80,6 +96,9 @@ def test_resume_follows_the_same_trajectory(tmp_path, capsys, dynamic):
   train_lib.train_and_evaluate(config(**{"train.steps": 6}), str(resumed))
   out = capsys.readouterr().out
   assert "Resuming from step 3" in out
+  changed = "Resumed with changed fields (the earlier -> this run's): "
+  assert out.count(changed) == 1  # (Not where nothing changed.)
+  assert f"{changed}train.steps: 3 -> 6." in out
   if dynamic:
     assert "Resuming on the split in force: [0:" in out
   a, b = _losses(straight), _losses(resumed)
