@@ -141,9 +141,10 @@ def print_plan(pipe) -> None:
     # (The stream's staleness, not a bug: README, "The pipeline".)
     print(
       f"Note: {pipe.schedule_name} steps each stage after every "
-      f"microbatch ({m} steps per batch where 1f1b takes one): a learning "
-      "rate tuned for 1f1b may be too high for it; "
-      f"--config.schedule.step_every={m} steps on the mean of {m}."
+      f"microbatch ({m} steps per batch where 1f1b takes one): if this "
+      "learning rate was tuned for 1f1b, it may be too high here (about 1/"
+      f"{m} of it is a start); --config.schedule.step_every={m} steps on "
+      f"the mean of {m} instead."
     )
   if any(p.round_robin for p in pipe.placement):
     print(

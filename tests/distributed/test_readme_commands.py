@@ -24,9 +24,9 @@ pytestmark = pytest.mark.slow
 STEPS = 50
 
 
-def readme_command(*markers: str) -> list[str]:
+def readme_command(*markers: str, without: str | None = None) -> list[str]:
   """The README's shell command (continuation lines joined, comment
-  dropped) that contains every marker."""
+  dropped) that contains every marker (and not ``without``)."""
   with open(os.path.join(ROOT, "README.md")) as f:
     text = f.read()
   blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
@@ -34,7 +34,11 @@ def readme_command(*markers: str) -> list[str]:
   for block in blocks:
     joined = re.sub(r"\\\n\s*", " ", block)
     commands += [line.split("  #")[0].strip() for line in joined.splitlines()]
-  found = [c for c in commands if all(m in c for m in markers)]
+  found = [
+    c
+    for c in commands
+    if all(m in c for m in markers) and not (without and without in c)
+  ]
   assert len(found) == 1, (markers, found)
   # "python" is the interpreter running the tests (a venv's, say).
   return [sys.executable if w == "python" else w for w in shlex.split(found[0])]
