@@ -154,6 +154,24 @@ def _add_acyclic_options(parser) -> None:
   )
 
 
+# The solvers' Python spellings, as this command line spells them (a
+# profile's nodes are fixed: no depth to trace at).
+_FLAG_SPELLINGS = (
+  ("use_fewer_machines=True", "--use-fewer-machines"),
+  ("memory_bytes=", "--memory "),
+  ("drop use_memory_constraint", "drop --use-memory-constraint"),
+  ("or allow replication", "or drop --straight"),
+  (", or trace the model at a larger depth to get more nodes", ""),
+  (", or trace the model at a larger depth", ""),
+)
+
+
+def _as_flags(message: str) -> str:
+  for python, flag in _FLAG_SPELLINGS:
+    message = message.replace(python, flag)
+  return message
+
+
 def main(argv=None) -> int:
   """The command (module docstring); returns its exit status."""
   parser = _parser()
@@ -183,7 +201,7 @@ def main(argv=None) -> int:
     )
     solve_seconds = time.perf_counter() - start
   except ValueError as error:
-    print(f"error: {error}", file=sys.stderr)
+    print(f"error: {_as_flags(str(error))}", file=sys.stderr)
     return 2
   stage_of_pos = [stage_of[graph.names[node]] for node in order]
   num_stages = len(stage_time)

@@ -7,20 +7,20 @@ import numpy as np
 
 def print_plan_table(title, result, stage_of_pos):
   print(title)
-  print("stage  devices  nodes  compute ms  stage ms")
+  print("stage  devices  nodes  compute ms    stage ms")
   for s, devices in enumerate(result["stage_devices"]):
     shown = devices
     if isinstance(devices, list):
       shown = devices[0] if len(devices) == 1 else f"{devices[0]}-{devices[-1]}"
     print(
       f"{s:5d}  {shown!s:>7}  {stage_of_pos.count(s):5d}  "
-      f"{1e3 * result['stage_costs'][s]:10.3f}  "
-      f"{1e3 * result['stage_seconds'][s]:8.3f}"
+      f"{1e3 * result['stage_costs'][s]:10.4g}  "  # (Small models: µs.)
+      f"{1e3 * result['stage_seconds'][s]:10.4g}"
     )
   bottleneck = result["bottleneck"]
   print(
-    f"bottleneck {1e3 * bottleneck:.3f} ms, lower bound "
-    f"{1e3 * result['lower_bound']:.3f} ms, speed-up "
+    f"bottleneck {1e3 * bottleneck:.4g} ms, lower bound "
+    f"{1e3 * result['lower_bound']:.4g} ms, speed-up "
     f"{result['sequential'] / bottleneck:.2f}x"
   )
   if "replicas" in result:

@@ -73,8 +73,9 @@ def schedule_from_lists(
     for a in actions:
       if stage_device.setdefault(a.stage, d) != d:
         raise ScheduleError(
-          f"{a} is on device {d}, but stage {a.stage}'s other actions are "
-          f"on device {stage_device[a.stage]}: a stage runs on one device"
+          f"{written(a)} is on device {d}, but stage {a.stage}'s other "
+          f"actions are on device {stage_device[a.stage]}: a stage runs on "
+          "one device"
         )
   n = max(stage_device) + 1
   missing = sorted(set(range(n)) - set(stage_device))
@@ -92,6 +93,12 @@ def schedule_from_lists(
     raise ScheduleError(str(e)) from None
 
 
+def written(action: Action) -> str:
+  """An action as schedule files write it: stage, kind, microbatch
+  (``1I0``: stage 1's input gradient of microbatch 0)."""
+  return f"{action.stage}{action.kind}{action.microbatch}"
+
+
 def check_schedule(schedule: ActionLists, max_in_flight: int | None = None):
   """Refuses, with one line naming an action, lists that cannot run:
   a stage's actions on several devices, a microbatch missing an action
@@ -107,7 +114,7 @@ def check_schedule(schedule: ActionLists, max_in_flight: int | None = None):
     for a in actions:
       if schedule.stage_device[a.stage] != d:
         raise ScheduleError(
-          f"{a} is on device {d}; stage {a.stage} runs on device "
+          f"{written(a)} is on device {d}; stage {a.stage} runs on device "
           f"{schedule.stage_device[a.stage]}"
         )
   for s in range(n):
@@ -117,6 +124,8 @@ def check_schedule(schedule: ActionLists, max_in_flight: int | None = None):
     simulate(schedule, 1.0, 1.0)
   except ValueError as e:  # "schedule deadlocks; waiting: [...]"
     waiting = str(e).split("waiting: ", 1)[-1]
+    # (The simulator names actions as I1.0: kind, stage, microbatch.)
+    waiting = re.sub(r"\b([A-Z])(\d+)\.(\d+)\b", r"\2\1\3", waiting)
     raise ScheduleError(
       f"the lists deadlock: every device waits, at {waiting}"
     ) from None
@@ -129,7 +138,7 @@ def _check_stage(s, actions, m, max_in_flight):
   for a in actions:
     key = (a.kind, a.microbatch)
     if a.kind != UPDATE and key in seen:
-      raise ScheduleError(f"{a} runs twice")
+      raise ScheduleError(f"{written(a)} runs twice")
     needs = {
       BACKWARD: FORWARD,
       INPUT: FORWARD,
@@ -137,22 +146,24 @@ def _check_stage(s, actions, m, max_in_flight):
     }.get(a.kind)
     if needs is not None and (needs, a.microbatch) not in seen:
       raise ScheduleError(
-        f"{a} reads {Action(needs, s, a.microbatch)}'s values before it "
-        "runs (it comes later on the device, or never)"
+        f"{written(a)} reads {written(Action(needs, s, a.microbatch))}'s "
+        "values before it runs (it comes later on the device, or never)"
       )
     seen.add(key)
   for b in range(m):
     has = {k for k in (FORWARD, BACKWARD, INPUT, WEIGHT) if (k, b) in seen}
     if FORWARD not in has:
-      raise ScheduleError(f"stage {s} never runs {Action(FORWARD, s, b)}")
+      raise ScheduleError(
+        f"stage {s} never runs {written(Action(FORWARD, s, b))}"
+      )
     if BACKWARD in has and has & {INPUT, WEIGHT}:
       raise ScheduleError(
         f"stage {s}, microbatch {b}: both B and its halves I / W"
       )
     if INPUT in has and WEIGHT not in has:
       raise ScheduleError(
-        f"stage {s} never runs {Action(WEIGHT, s, b)}: microbatch {b}'s "
-        "weight gradient would be lost"
+        f"stage {s} never runs {written(Action(WEIGHT, s, b))}: microbatch "
+        f"{b}'s weight gradient would be lost"
       )
     if not has & {BACKWARD, INPUT}:
       raise ScheduleError(f"stage {s} never runs microbatch {b}'s backward")

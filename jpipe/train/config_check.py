@@ -358,7 +358,15 @@ def _check_staleness(config, need, problems) -> None:
   st, opt = config.staleness, config.optimizer
   before = len(problems)
   need(
-    config.schedule.step_every == 1 or config_options.streams(config),
+    config.schedule.step_every >= 1,
+    "schedule.step_every",
+    f"{config.schedule.step_every}: must be >= 1 (backwards per step of "
+    "async; microbatches per minibatch of 2bw)",
+  )
+  need(
+    config.schedule.step_every < 1
+    or config.schedule.step_every == 1
+    or config_options.streams(config),
     "schedule.step_every",
     f"{config.schedule.step_every} applies to schedule.name "
     f"{' or '.join(map(repr, schedule_lib.STREAMS))} only "
@@ -446,7 +454,8 @@ def _check_runtime(config, need, problems) -> None:
       "schedule.step_every 1: a replicated stage steps once per round of "
       "its replicas",
     )
-  if kind is not None and kind.two_versions:
+  # (A step_every of 1 the runtime's own check names: Staleness.check.)
+  if kind is not None and kind.two_versions and config.schedule.step_every > 1:
     need(
       config.schedule.step_every >= config.pipeline.num_stages,
       "schedule.step_every",

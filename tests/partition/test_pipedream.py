@@ -498,6 +498,15 @@ def test_cli_pipedream_flags_and_errors():
   path = profile_path("alexnet")
   run = _cli("--pipedream-profile", path, "--stages", "30", "--straight")
   assert run.returncode == 2 and "at most 22 stages" in run.stderr
+  # The fixes named as this command line's flags.
+  assert "pass --use-fewer-machines, fewer machines, or drop --straight" in (
+    run.stderr
+  )
+  run = _cli(
+    "--pipedream-profile", path, "--stages", "90", "--method", "contiguous"
+  )
+  assert run.returncode == 2
+  assert run.stderr.strip().endswith("stages: use between 1 and 23 stages")
   run = _cli(
     "--pipedream-profile",
     path,

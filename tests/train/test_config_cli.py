@@ -112,3 +112,21 @@ def test_too_few_devices_names_the_replicas_when_they_add_up_past_them():
   )
   with pytest.raises(ValueError, match="num_stages: 9 stages need 9 devices"):
     config_check.check_devices(config, jax.devices())
+
+
+@pytest.mark.parametrize(
+  "overrides, want",
+  [
+    (["--config.schedule.step_every=0"], "step_every: 0: must be >= 1"),
+    (  # Once, not twice in other words.
+      ["--config.schedule.name=2bw"],
+      "2bw needs step_every = microbatches per minibatch",
+    ),
+  ],
+)
+def test_a_bad_step_every_is_one_problem(overrides, want):
+  config = config_cli.load_with_overrides("configs/default.py", overrides)
+  with pytest.raises(ValueError) as error:
+    config_check.check(config)
+  assert str(error.value).startswith("invalid config: config.")
+  assert want in str(error.value) and "\n" not in str(error.value)

@@ -52,7 +52,7 @@ def test_a_file_for_other_microbatches_or_a_bad_one_is_refused(tmp_path):
   bad = tmp_path / "bad.txt"
   bad.write_text("0F0 0I0\n1F0 1I0 1W0\n")
   config.schedule.file = str(bad)
-  with pytest.raises(UsageError, match=r"never runs W0\.0"):
+  with pytest.raises(UsageError, match=r"never runs 0W0"):
     config_check.check(config)
   config.schedule.file = str(tmp_path / "missing.txt")
   with pytest.raises(UsageError, match="No such file"):
