@@ -113,11 +113,13 @@ def line(step, record) -> str:
   sigma = ", ".join(f"{x:.2f}" for x in record["sigma"])
   return (
     f"re-partition at step {step}: {dynamic.describe(record['old'])} -> "
-    f"{dynamic.describe(record['new'])} (slowdowns {sigma}; predicted "
-    f"{record['predicted_old_seconds']:.4f} -> "
-    f"{record['predicted_new_seconds']:.4f} s per step, measured "
-    f"{record['measured_seconds']:.4f}; switch {record['switch_seconds']:.3f} "
-    f"s{', new pipeline' if record['compiled'] else ''})"
+    f"{dynamic.describe(record['new'])} (slowdowns {sigma}; s per step "
+    f"on the old split: measured {record['measured_seconds']:.4f}, "
+    f"simulated {record['predicted_old_seconds']:.4f} -- the schedule's "
+    "compute alone --; on the new: simulated "
+    f"{record['predicted_new_seconds']:.4f}; switch "
+    f"{record['switch_seconds']:.3f} s"
+    f"{', new pipeline' if record['compiled'] else ''})"
   )
 
 

@@ -757,6 +757,13 @@ def test_dynamic_repartitions_logs_draws_and_resumes_on_its_split(
   out = capsys.readouterr().out
   assert "\nre-partition at step 8: [0:3 | 3:6 | 6:9 | 9:12] -> " in out
   moved, back = summary["repartitions"][:2]
+  # Which times the line compares: measured and simulated on the old split.
+  assert (
+    f"s per step on the old split: measured {moved['measured_seconds']:.4f}, "
+    f"simulated {moved['predicted_old_seconds']:.4f} -- the schedule's "
+    f"compute alone --; on the new: simulated "
+    f"{moved['predicted_new_seconds']:.4f}; switch" in out
+  )
   assert moved["new"][2] - moved["new"][1] < 3  # Slot 1 holds less.
   assert 10 < back["step"] <= 26  # Its slowdown ended: planned again.
   assert os.path.exists(summary["dynamic_png"])
