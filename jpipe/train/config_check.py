@@ -364,9 +364,7 @@ def _check_staleness(config, need, problems) -> None:
     "async; microbatches per minibatch of 2bw)",
   )
   need(
-    config.schedule.step_every < 1
-    or config.schedule.step_every == 1
-    or config_options.streams(config),
+    config.schedule.step_every <= 1 or config_options.streams(config),
     "schedule.step_every",
     f"{config.schedule.step_every} applies to schedule.name "
     f"{' or '.join(map(repr, schedule_lib.STREAMS))} only "

@@ -50,11 +50,12 @@ class Command:
   needs_workdir: bool = False
 
 
+_CONFIG_LINE = "  --config: the training config file (configs/*.py[:VARIANT])."
 TRAIN = Command(
   "jpipe.train",
   USAGE,
   (
-    "  --config: the training config file (configs/*.py[:VARIANT]).",
+    _CONFIG_LINE,
     "  --workdir: where checkpoints, logs and pictures go (resumes).",
   ),
   needs_workdir=True,
@@ -63,7 +64,7 @@ TRAIN = Command(
 
 def command_of_flags(module: str, usage: str, names) -> Command:
   """A ``Command`` listing the absl flags ``names`` with their help."""
-  lines = ["  --config: the training config file (configs/*.py[:VARIANT])."]
+  lines = [_CONFIG_LINE]
   for name in names:
     flag = flags.FLAGS[name]
     lines.append(f"  --{name}: {flag.help} (default {flag.default!r})")

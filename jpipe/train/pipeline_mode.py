@@ -13,9 +13,11 @@ import json
 import os
 
 import jax
+import ml_collections
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
+from jpipe.train import config_cli
 from jpipe.train import evaluation as evaluation_lib
 from jpipe.train.loop import Mode, Outcome, aux_floats
 
@@ -197,17 +199,9 @@ def _changed_fields(path, now: dict) -> str:
       before = json.load(f)
   except (OSError, ValueError):
     return ""
-
-  def flat(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-      if isinstance(value, dict) and value:
-        out.update(flat(value, f"{prefix}{key}."))
-      else:
-        out[f"{prefix}{key}"] = value
-    return out
-
-  old, new = flat(before), flat(now)
+  # (Both from JSON: a tuple and its list compare equal.)
+  old = config_cli.flatten(ml_collections.ConfigDict(before))
+  new = config_cli.flatten(ml_collections.ConfigDict(now))
   return "; ".join(
     f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
     for k in sorted(old.keys() | new.keys())
