@@ -22,6 +22,7 @@ out as PyTorch's by the rules HuggingFace's own converter
 
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -62,12 +63,12 @@ class Safetensors:
     if os.path.isdir(path):
       index = os.path.join(path, "model.safetensors.index.json")
       single = os.path.join(path, "model.safetensors")
-      if os.path.isfile(index):
-        weight_map = _weight_map(index)
-        files = {n: os.path.join(path, f) for n, f in weight_map.items()}
-      elif os.path.isfile(single):
+      if os.path.isfile(single):  # (First, as from_pretrained looks.)
         files = None
         path = single
+      elif os.path.isfile(index):
+        weight_map = _weight_map(index)
+        files = {n: os.path.join(path, f) for n, f in weight_map.items()}
       else:
         raise UsageError(
           f"{PREFIX}{path}: no model.safetensors, "
@@ -81,15 +82,16 @@ class Safetensors:
       raise UsageError(f"{PREFIX}{path}: no such file or directory")
     self.path = path
     self._entries = {}  # name -> (file, dtype, shape, start offset)
-    for file in sorted(set(files.values())) if files else [path]:
-      self._entries.update(_header(file))
-    if files:
-      missing = [n for n in files if n not in self._entries]
-      if missing:
-        raise UsageError(
-          f"{PREFIX}{path}: the index names {missing[0]!r}, which its shard "
-          "does not hold"
-        )
+    if not files:
+      self._entries = _header(path)
+      return
+    # Each tensor from the shard the index names (a stale copy in another
+    # shard is not read); a tensor the index does not name is not used.
+    headers = {f: _header(f) for f in sorted(set(files.values()))}
+    for file, header in headers.items():
+      named = {n for n, f in files.items() if f == file}
+      check_shard_holds(path, file, named, header)
+    self._entries = {name: headers[file][name] for name, file in files.items()}
 
   def names(self) -> list[str]:
     return sorted(self._entries)
@@ -125,10 +127,9 @@ class FlaxMsgpack:
     from flax import serialization  # Only for a Flax checkpoint.
 
     path = os.path.expanduser(path)
-    files = shard_files(path, "flax_model.msgpack")
     self.path = path
     self._arrays = {}
-    for file in files:
+    for file, named in shard_map(path, "flax_model.msgpack"):
       try:
         with open(file, "rb") as f:
           tree = serialization.msgpack_restore(f.read())
@@ -137,9 +138,18 @@ class FlaxMsgpack:
           f"{PREFIX}{file} is not a Flax msgpack checkpoint "
           f"({type(e).__name__}: {e})"
         ) from e
-      for keys, value in _flat(tree):
-        name, array = _as_pytorch(keys, np.asarray(value))
-        self._arrays[name] = array
+      if not isinstance(tree, dict):
+        raise UsageError(
+          f"{PREFIX}{file} is not a Flax msgpack checkpoint (it holds a "
+          f"{type(tree).__name__}, not a tree of named arrays)"
+        )
+      flat = list(_flat(tree))
+      check_shard_holds(path, file, named, ["/".join(k) for k, _ in flat])
+      for keys, value in flat:
+        # (The index names Flax paths, "a/b/kernel": its shard's only.)
+        if named is None or "/".join(keys) in named:
+          name, array = _as_pytorch(keys, np.asarray(value))
+          self._arrays[name] = array
 
   def names(self) -> list[str]:
     return sorted(self._arrays)
@@ -154,17 +164,36 @@ class FlaxMsgpack:
     return self._arrays[name]
 
 
-def shard_files(path: str, single: str) -> list[str]:
-  """The files of a checkpoint whose file is named ``single`` in a
-  directory: its shards where ``single + ".index.json"`` names them, else
-  the one file; ``path`` itself where it is no directory."""
+def shard_map(path: str, single: str) -> list[tuple[str, set | None]]:
+  """``(file, the tensor names the index puts in it)`` of each file of a
+  checkpoint whose file is named ``single`` in a directory (``None``: all
+  of the file's, where there is no index): the one file where it is
+  there (``from_pretrained`` looks for it first), else the shards its
+  ``single + ".index.json"`` names; ``path`` itself where it is no
+  directory."""
   if not os.path.isdir(path):
-    return [path]
+    return [(path, None)]
+  if os.path.isfile(os.path.join(path, single)):
+    return [(os.path.join(path, single), None)]
   index = os.path.join(path, single + ".index.json")
-  if os.path.isfile(index):
-    shards = sorted(set(_weight_map(index).values()))
-    return [os.path.join(path, name) for name in shards]
-  return [os.path.join(path, single)]
+  if not os.path.isfile(index):
+    return [(os.path.join(path, single), None)]
+  named: dict[str, set] = {}
+  for name, shard in _weight_map(index).items():
+    named.setdefault(shard, set()).add(name)
+  return [(os.path.join(path, shard), named[shard]) for shard in sorted(named)]
+
+
+def check_shard_holds(path, file, named, held) -> None:
+  """A UsageError where the index puts a tensor in shard ``file`` that
+  it does not hold (``named``: the index's names for it, None: no index;
+  ``held``: the shard's)."""
+  missing = sorted(set(named or ()) - set(held))
+  if missing:
+    raise UsageError(
+      f"{PREFIX}{path}: the index names {missing[0]!r} in "
+      f"{os.path.basename(file)}, which does not hold it"
+    )
 
 
 def _weight_map(index: str) -> dict[str, str]:
@@ -363,6 +392,13 @@ class LazyTensor:
     del copy  # A read is always a new array.
     self.reads += 1
     value = self._tensors.read(self.name)
+    if value.dtype.kind in "fc" and not np.isfinite(value).all():
+      bad = int(value.size - np.isfinite(value).sum())
+      raise UsageError(
+        f"{PREFIX}{self._tensors.path}: tensor {self.name!r} holds {bad} "
+        "NaN or infinite values: the file is damaged, or the training that "
+        "wrote it diverged; use another checkpoint"
+      )
     value = value.T if self.transposed else value
     return np.asarray(value, dtype=dtype or self.dtype)
 
@@ -409,6 +445,31 @@ class LazyStack:
 
   def __repr__(self):
     return f"LazyStack({self.name!r}.., {self.shape}, {self.dtype})"
+
+
+# Buffers a PyTorch model saves beside its weights (GPT-2's causal mask,
+# BERT's position ids, BatchNorm's counter): never params.
+_BUFFERS = re.compile(
+  r"(\.attn\.(masked_)?bias|position_ids|num_batches_tracked)$"
+)
+
+
+def unused_names(leaves) -> list[str]:
+  """The tensors of the checkpoint ``leaves`` (params' leaves, some of
+  them ``params``' lazy tensors) came from that none of them reads,
+  buffers aside: a checkpoint of a bigger model (more layers), or a head
+  this model lacks."""
+  used, checkpoint = set(), None
+  for leaf in leaves:
+    for row in getattr(leaf, "rows", [leaf]):
+      if isinstance(row, LazyTensor):
+        used.add(row.name)
+        checkpoint = row._tensors
+  if checkpoint is None:
+    return []
+  return [
+    n for n in checkpoint.names() if n not in used and not _BUFFERS.search(n)
+  ]
 
 
 def params(path: str, names: dict) -> dict:

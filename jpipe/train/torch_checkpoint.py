@@ -28,7 +28,7 @@ import numpy as np
 
 from jpipe.train import torch_pickle
 from jpipe.train.errors import UsageError
-from jpipe.train.hf_checkpoint import PREFIX, shard_files
+from jpipe.train.hf_checkpoint import PREFIX, check_shard_holds, shard_map
 from jpipe.train.torch_pickle import Tensor
 
 # The legacy format's first pickle and its protocol version.
@@ -48,12 +48,14 @@ class PytorchBin:
 
   def __init__(self, path: str):
     path = os.path.expanduser(path)
-    files = shard_files(path, "pytorch_model.bin")
     self.path = path
     self._entries: dict[str, tuple[str, Tensor, int]] = {}
-    for file in files:
-      for name, tensor, start in _read_index(file):
-        self._entries[name] = (file, tensor, start)
+    for file, named in shard_map(path, "pytorch_model.bin"):
+      index = _read_index(file)
+      check_shard_holds(path, file, named, [name for name, _, _ in index])
+      for name, tensor, start in index:
+        if named is None or name in named:  # (The index's shard only.)
+          self._entries[name] = (file, tensor, start)
 
   def names(self) -> list[str]:
     return sorted(self._entries)

@@ -272,6 +272,13 @@ def _from_pretrained(config, task: Task, say) -> Task:
   say(
     f"Initialised from {config.init_from}: {n - len(keep)} of {n} leaves{kept}."
   )
+  unused = hf_checkpoint.unused_names(jax.tree.leaves(params))
+  if unused:  # (HuggingFace warns so too: a bigger model, another head.)
+    say(
+      f"Warning: {len(unused)} tensors of {config.init_from} are not read "
+      f"by this model (e.g. {', '.join(unused[:3])}): is it a checkpoint "
+      "of a bigger model (more layers), or of another head?"
+    )
   return dataclasses.replace(task, params=params)
 
 

@@ -169,3 +169,22 @@ def test_scanned_pretrained_model_through_two_stages_keeps_its_loss():
   )
   stacked = pipe.gather_params(state)["blocks"]["c_attn"]["kernel"]
   np.testing.assert_array_equal(stacked, whole["blocks"]["c_attn"]["kernel"])
+
+
+def test_a_checkpoint_deeper_than_the_model_has_its_extra_tensors_named():
+  """A 1-layer model from the 2-layer reference: layer 1's tensors are
+  unread, and named (HuggingFace warns so too); the 2-layer model reads
+  every tensor (GPT-2's causal-mask buffers aside)."""
+  ref = np.load(os.path.join(REFERENCE, "reference.npz"))
+
+  def unused(num_layers):
+    model = gpt2.Model(**{**GPT2_TINY, "num_layers": num_layers})
+    template = hf_loading.abstract_params(model, ref["tokens"])
+    loaded = pretrained.load_params(
+      f"hf:{REFERENCE}", template, hf_names=gpt2.hf_names(model), lazy=True
+    )
+    return hf_checkpoint.unused_names(jax.tree.leaves(loaded))
+
+  assert unused(GPT2_TINY["num_layers"]) == []
+  extra = unused(1)
+  assert extra and all(".h.1." in n for n in extra), extra

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from flax import serialization
+from flax import serialization, traverse_util
 
 from jpipe.models import bert, gpt2, t5_v1
 from jpipe.train import hf_checkpoint
@@ -59,13 +59,20 @@ def _write(tree, directory, shards=1):
     with open(os.path.join(directory, "flax_model.msgpack"), "wb") as f:
       f.write(serialization.msgpack_serialize(tree))
     return
-  keys = sorted(tree)
+  # As transformers' flax_shard_checkpoint: the index names each leaf by
+  # its "/"-joined path, and a shard holds whole leaves of any modules.
+  flat = traverse_util.flatten_dict(tree, sep="/")
+  keys = sorted(flat)
   weight_map = {}
   for i in range(shards):
-    part = {k: tree[k] for k in keys[i::shards]}
+    part = {k: flat[k] for k in keys[i::shards]}
     name = f"flax_model-{i + 1:05d}-of-{shards:05d}.msgpack"
     with open(os.path.join(directory, name), "wb") as f:
-      f.write(serialization.msgpack_serialize(part))
+      f.write(
+        serialization.msgpack_serialize(
+          traverse_util.unflatten_dict(part, sep="/")
+        )
+      )
     weight_map.update({k: name for k in part})
   with open(os.path.join(directory, "flax_model.msgpack.index.json"), "w") as f:
     json.dump({"weight_map": weight_map}, f)

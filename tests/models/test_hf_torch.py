@@ -8,6 +8,7 @@ view), shards with an index -- and a hostile or damaged file is refused
 in one line, before anything is loaded."""
 
 import io
+import json
 import os
 import pickle
 import zipfile
@@ -211,3 +212,24 @@ def test_damaged_or_hostile_legacy_files_are_one_line(tmp_path):
   (tmp_path / "nothing").mkdir()
   with pytest.raises(UsageError, match="flax_model.msgpack or pytorch_model"):
     hf_checkpoint.open_checkpoint(str(tmp_path / "nothing"))
+
+
+def test_shards_are_read_as_their_index_says(tmp_path):
+  """A stale copy of a tensor in another shard is not read; a shard
+  missing a tensor its index puts there is refused in one line."""
+  a = np.arange(6, dtype=np.float32).reshape(2, 3)
+  one, two = (
+    "pytorch_model-00001-of-00002.bin",
+    "pytorch_model-00002-of-00002.bin",
+  )
+  torch_format.torch_save(tmp_path / one, torch_format.tensors({"a": a}))
+  torch_format.torch_save(
+    tmp_path / two, torch_format.tensors({"a": a + 7, "b": a[0]})
+  )
+  index = tmp_path / "pytorch_model.bin.index.json"
+  index.write_text(json.dumps({"weight_map": {"a": one, "b": two}}))
+  tensors = torch_checkpoint.PytorchBin(str(tmp_path))
+  np.testing.assert_array_equal(tensors.read("a"), a)
+  index.write_text(json.dumps({"weight_map": {"a": one, "b": one}}))
+  with pytest.raises(UsageError, match=f"names 'b' in {one}, which does not"):
+    torch_checkpoint.PytorchBin(str(tmp_path))

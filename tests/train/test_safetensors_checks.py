@@ -142,3 +142,60 @@ def test_a_damaged_index_is_one_line_naming_it(
     reader(str(tmp_path))
   assert "\n" not in str(err.value)
   assert str(tmp_path / index) in str(err.value)
+
+
+def _sharded(directory, shards: dict, weight_map: dict):
+  """Safetensors shards ({file: tensors}) and their index."""
+  for file, tensors in shards.items():
+    _write(directory / file, tensors)
+  index = directory / "model.safetensors.index.json"
+  index.write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_each_tensor_is_read_from_the_shard_its_index_names(tmp_path):
+  """A stale copy of a tensor in another shard is not read (the index is
+  the checkpoint's word); a tensor no index entry names is not used; a
+  shard missing a tensor its index puts there is refused."""
+  one, two = (
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+  )
+  _sharded(
+    tmp_path, {one: {"a": A}, two: {"a": A + 7, "b": B}}, {"a": one, "b": two}
+  )
+  tensors = hf_checkpoint.Safetensors(str(tmp_path))
+  np.testing.assert_array_equal(tensors.read("a"), A)  # Not shard 2's.
+  assert tensors.names() == ["a", "b"]
+  _sharded(tmp_path, {one: {"b": B}, two: {"a": A}}, {"a": one, "b": one})
+  _refused(tmp_path, f"the index names 'a' in {one}, which does not hold it")
+
+
+def test_a_single_file_beside_an_index_is_the_one_read(tmp_path):
+  """As ``from_pretrained`` looks: model.safetensors first."""
+  one = "model-00001-of-00001.safetensors"
+  _sharded(tmp_path, {one: {"a": A + 1}}, {"a": one})
+  _write(tmp_path / "model.safetensors", {"a": A})
+  np.testing.assert_array_equal(
+    hf_checkpoint.Safetensors(str(tmp_path)).read("a"), A
+  )
+
+
+def test_a_tensor_with_nan_or_inf_is_refused_when_read(tmp_path):
+  path = tmp_path / "model.safetensors"
+  bad = A.copy()
+  bad[1, 2], bad[0, 0] = np.nan, np.inf
+  _write(path, {"a": bad, "b": B})
+  tensors = hf_checkpoint.Safetensors(str(path))
+  assert int(np.asarray(hf_checkpoint.LazyTensor(tensors, "b", False))[0]) == -2
+  with pytest.raises(UsageError, match="tensor 'a' holds 2 NaN or infinite"):
+    np.asarray(hf_checkpoint.LazyTensor(tensors, "a", False))
+
+
+@pytest.mark.parametrize("tree", [[1, 2], 3])
+def test_a_msgpack_of_no_named_arrays_is_one_line(tmp_path, tree):
+  from flax import serialization
+
+  path = tmp_path / "model.msgpack"
+  path.write_bytes(serialization.msgpack_serialize(tree))
+  with pytest.raises(UsageError, match="not a Flax msgpack checkpoint"):
+    hf_checkpoint.FlaxMsgpack(str(path))
