@@ -24,9 +24,15 @@ import orbax.checkpoint as ocp
 
 from jpipe import distributed
 from jpipe.train import process_arrays
-from jpipe.train.errors import CheckpointError
+from jpipe.train.errors import CheckpointError, CheckpointLayoutError
 
-__all__ = ["CheckpointError", "Checkpoints", "checksums", "quiet_late_reads"]
+__all__ = [
+  "CheckpointError",
+  "CheckpointLayoutError",
+  "Checkpoints",
+  "checksums",
+  "quiet_late_reads",
+]
 
 
 class Checkpoints:
@@ -170,6 +176,15 @@ class Checkpoints:
         step, args=ocp.args.Composite(**{name: item})
       )[name]
     except Exception as e:
+      if "tree structures do not match" in str(e):  # (Orbax's words.)
+        raise CheckpointLayoutError(
+          f"checkpoint {where} holds a state laid out unlike this run's "
+          f"(first difference: {_first_difference(str(e))}): a setting "
+          "that shapes the optimizer's state changed since it was written "
+          "(SGD momentum on or off, a learning-rate schedule, weight decay, "
+          "the optimizer's arguments); resume with the settings it was "
+          "written with, or use another --workdir"
+        ) from e
       raise CheckpointError(
         f"checkpoint {where} is corrupt or incompatible "
         f"({type(e).__name__}: {e}); {fix}"
@@ -235,6 +250,19 @@ def _orbax_errors_unlogged():
     yield
   finally:
     logger.removeFilter(quiet)
+
+
+def _first_difference(orbax_message: str) -> str:
+  """``opt_state[0]: dict saved, EmptyState now`` from orbax's
+  multi-line report of two tree structures that differ."""
+  lines = [line.strip() for line in orbax_message.splitlines()]
+  for i, line in enumerate(lines[:-2]):
+    if line.endswith(":") and lines[i + 1].startswith("- Source:"):
+      # (Orbax's source is the restore item, its target the files.)
+      now = lines[i + 1].removeprefix("- Source:").strip()
+      saved = lines[i + 2].removeprefix("- Target:").strip()
+      return f"{line[:-1]}: {saved} saved, {now} now"
+  return lines[0][:200]
 
 
 def _abstract(template):

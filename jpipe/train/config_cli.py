@@ -12,6 +12,7 @@ of ``base_config.py``).
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 import sys
 import textwrap
@@ -171,6 +172,26 @@ def flatten(config, prefix: str = "") -> dict:
     else:
       out[name] = value
   return out
+
+
+def changed_fields(path: str, config) -> str:
+  """``"a.b: 1 -> 2; ..."`` between the config.json at ``path`` (a run's
+  resolved config) and ``config``; "" when there is none or nothing
+  changed."""
+  try:
+    with open(path) as f:
+      before = json.load(f)
+  except (OSError, ValueError):
+    return ""
+  now = json.loads(config.to_json_best_effort())
+  # (Both from JSON: a tuple and its list compare equal.)
+  old = flatten(ml_collections.ConfigDict(before))
+  new = flatten(ml_collections.ConfigDict(now))
+  return "; ".join(
+    f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+    for k in sorted(old.keys() | new.keys())
+    if old.get(k) != new.get(k)
+  )
 
 
 def field_docs(text_data: bool = False) -> dict[str, str]:

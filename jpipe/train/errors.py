@@ -20,6 +20,13 @@ class CheckpointError(UsageError):
   """A checkpoint exists but cannot be used."""
 
 
+class CheckpointLayoutError(CheckpointError):
+  """A sound checkpoint whose state is laid out unlike this run's (an
+  optimizer setting that shapes its state changed since it was written):
+  its earlier checkpoints are laid out the same, so deleting it fixes
+  nothing."""
+
+
 class PretrainedError(UsageError):
   """Pretrained params (``config.init_from``) that cannot be read or do
   not fit the model."""

@@ -414,7 +414,19 @@ def format_evaluation(evaluation: dict | None) -> str:
 def restore(mode, state, checkpoints, fingerprint, say):
   """(state, step) of the latest checkpoint."""
   template, needed = mode.checkpoint_layout(state)
-  saved, meta = checkpoints.restore(template, fingerprint, needed=needed)
+  try:
+    saved, meta = checkpoints.restore(template, fingerprint, needed=needed)
+  except checkpoint_lib.CheckpointLayoutError as e:
+    from jpipe.train import config_cli  # (Only on this error.)
+
+    workdir = os.path.dirname(checkpoints.directory)
+    path = os.path.join(workdir, "config.json")
+    changed = config_cli.changed_fields(path, mode.config)
+    if not changed:
+      raise
+    raise checkpoint_lib.CheckpointLayoutError(
+      f"{e}. Changed since (config.json -> now): {changed}"
+    ) from e
   try:
     state = mode.restore(state, saved, meta, say)
   except ValueError as e:

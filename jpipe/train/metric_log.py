@@ -3,8 +3,11 @@
 import glob
 import json
 import os
+import sys
 
 from tensorboardX import SummaryWriter
+
+from jpipe.train.errors import UsageError
 
 
 class MetricLog:
@@ -19,15 +22,28 @@ class MetricLog:
   def __init__(self, workdir: str, resume_step: int = 0):
     self.path = os.path.join(workdir, "metrics.jsonl")
     events = os.path.join(workdir, "tensorboard")
-    kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
-    with open(self.path, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
-    # TensorBoard shows every event file of a folder: rewrite them as one
-    # file holding the kept rows (its own purge_step is honoured by
-    # TensorBoard's reader only, not by other tools reading the files).
-    for old in glob.glob(os.path.join(events, "events.out.tfevents.*")):
-      os.remove(old)
-    self._tb = SummaryWriter(events)
+    rows, skipped = _read_rows(self.path)
+    if skipped:
+      print(
+        f"Note: {self.path}: {skipped} unreadable lines dropped (damaged, or "
+        f"cut short by a kill); {len(rows)} rows kept.",
+        file=sys.stderr,
+      )
+    kept = [r for r in rows if r["step"] <= resume_step]
+    try:
+      with open(self.path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+      # TensorBoard shows every event file of a folder: rewrite them as one
+      # file holding the kept rows (its own purge_step is honoured by
+      # TensorBoard's reader only, not by other tools reading the files).
+      for old in glob.glob(os.path.join(events, "events.out.tfevents.*")):
+        os.remove(old)
+      self._tb = SummaryWriter(events)
+    except OSError as e:
+      raise UsageError(
+        f"cannot write the run's logs in {workdir} ({e.strerror}: "
+        f"{e.filename}): make the workdir and its files writable"
+      ) from e
     for row in kept:
       self._add(
         row["step"],
@@ -60,16 +76,25 @@ class MetricLog:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """The rows of ``WORKDIR/metrics.jsonl`` ([] without one); a line cut
-  short by a kill mid-write is skipped."""
-  path = os.path.join(workdir, "metrics.jsonl")
+  """The rows of ``WORKDIR/metrics.jsonl`` ([] without one); a line that
+  is no row (cut short by a kill mid-write, or damaged) is skipped."""
+  return _read_rows(os.path.join(workdir, "metrics.jsonl"))[0]
+
+
+def _read_rows(path: str) -> tuple[list[dict], int]:
+  """(the rows -- objects with an integer "step" -- of a metrics file,
+  the lines skipped as no row)."""
   if not os.path.exists(path):
-    return []
-  rows = []
-  with open(path) as f:
-    for line in f:
+    return [], 0
+  rows, skipped = [], 0
+  with open(path, "rb") as f:
+    for raw in f:
       try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
+        row = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
+      except (UnicodeDecodeError, json.JSONDecodeError):
+        row = None
+      if isinstance(row, dict) and type(row.get("step")) is int:
+        rows.append(row)
+      elif raw.strip():
+        skipped += 1
+  return rows, skipped

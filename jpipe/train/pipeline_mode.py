@@ -13,7 +13,6 @@ import json
 import os
 
 import jax
-import ml_collections
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
@@ -180,7 +179,7 @@ def write_run_files(workdir, config, pipe) -> None:
   fields changed says which first."""
   path = os.path.join(workdir, "config.json")
   text = config.to_json_best_effort(indent=2, sort_keys=True)
-  changed = _changed_fields(path, json.loads(text))
+  changed = config_cli.changed_fields(path, config)
   if changed:
     print(
       f"Resumed with changed fields (the earlier -> this run's): {changed}."
@@ -189,24 +188,6 @@ def write_run_files(workdir, config, pipe) -> None:
     f.write(text + "\n")
   with open(os.path.join(workdir, "plan.json"), "w") as f:
     f.write(plan_json(pipe) + "\n")
-
-
-def _changed_fields(path, now: dict) -> str:
-  """``"a.b: 1 -> 2; ..."`` between the config.json at ``path`` (if any)
-  and ``now``; "" when there is none or nothing changed."""
-  try:
-    with open(path) as f:
-      before = json.load(f)
-  except (OSError, ValueError):
-    return ""
-  # (Both from JSON: a tuple and its list compare equal.)
-  old = config_cli.flatten(ml_collections.ConfigDict(before))
-  new = config_cli.flatten(ml_collections.ConfigDict(now))
-  return "; ".join(
-    f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
-    for k in sorted(old.keys() | new.keys())
-    if old.get(k) != new.get(k)
-  )
 
 
 def plan_json(pipe) -> str:

@@ -902,3 +902,23 @@ def test_slowdowns_cli_refuses_bad_flags_before_any_work(
   unwritable = str(tmp_path / "missing" / "rf.pkl")
   with pytest.raises(errors.UsageError, match="--out: cannot write in"):
     slowdowns.collect_and_fit(_config(), unwritable, ["2"], 3, 1, 20)
+
+
+def test_a_resume_whose_optimizer_state_changed_layout_names_the_change(
+  tmp_path,
+):
+  """SGD momentum off on resume: the checkpoint is sound, its optimizer
+  state laid out otherwise; the error says so and which fields changed
+  (not 'corrupt': deleting it would fix nothing)."""
+  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
+  with pytest.raises(checkpoint_lib.CheckpointLayoutError) as error:
+    train_lib.train_and_evaluate(
+      _config(**{"train.steps": 6, "optimizer.momentum": 0.0}), str(tmp_path)
+    )
+  message = str(error.value)
+  assert "holds a state laid out unlike this run's" in message
+  assert "delete" not in message and "\n" not in message
+  assert message.endswith(
+    "Changed since (config.json -> now): optimizer.momentum: 0.9 -> 0.0; "
+    "train.steps: 3 -> 6"
+  )
