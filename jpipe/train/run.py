@@ -9,6 +9,8 @@ fingerprint), and how many optimizer steps one pipeline step takes.
 """
 
 import dataclasses
+import hashlib
+import os
 
 from jpipe.train import config_check
 
@@ -65,7 +67,7 @@ def describe(config) -> Run:
 def fingerprint(config) -> dict:
   """What a checkpoint must match to be resumed (not the partition)."""
   task = {"task": config.task} if config.task else {}
-  tokenizer = config.data.get("tokenizer", "")
+  tokenizer = _tokenizer_identity(config.data.get("tokenizer", ""))
   size = config.model.get("size", "")
   return (
     task
@@ -85,3 +87,16 @@ def fingerprint(config) -> dict:
       else {}
     )
   )
+
+
+def _tokenizer_identity(tokenizer: str) -> str:
+  """A tokenizer file by its contents (another file with other ids at the
+  same path is another model's; the same file moved is not); a name
+  ("bytes") as it is."""
+  if not tokenizer or not os.path.isfile(tokenizer):
+    return tokenizer
+  digest = hashlib.sha256()
+  with open(tokenizer, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return f"sha256:{digest.hexdigest()[:32]}"

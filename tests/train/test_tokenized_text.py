@@ -55,7 +55,16 @@ def test_language_model_on_sentencepiece_ids(files, tmp_path):
   assert " ".join(piece.split()[1:-1]) in " ".join(corpus.split())
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(summary["eval"]["perplexity"])
-  assert run.fingerprint(config)["tokenizer"] == path
+  # A resume checks the tokenizer by its contents: the same file moved is
+  # the same model; other contents at the same path are not.
+  identity = run.fingerprint(config)["tokenizer"]
+  assert identity.startswith("sha256:") and path not in identity
+  moved = tmp_path / "moved.model"
+  moved.write_bytes(open(path, "rb").read())
+  config.data.tokenizer = str(moved)
+  assert run.fingerprint(config)["tokenizer"] == identity
+  moved.write_bytes(open(files["huggingface"], "rb").read())
+  assert run.fingerprint(config)["tokenizer"] != identity
 
 
 @pytest.mark.slow
