@@ -28,6 +28,7 @@ class CheckedSource:
 
   def __init__(self, source, where: str, fix: str):
     self._source, self._where, self._fix = source, where, fix
+    _check_record_counts(source, where, fix)
 
   def __len__(self) -> int:
     return len(self._source)
@@ -42,6 +43,42 @@ class CheckedSource:
         f"the dataset in {self._where} cannot be read (record {index}): "
         f"{_first_line(e)}; {self._fix}"
       ) from e
+
+
+def _check_record_counts(source, where: str, fix: str) -> None:
+  """A DatasetError where an array_record shard holds another number of
+  records than the dataset's metadata says (metadata edited or swapped,
+  a shard replaced): TFDS would read past it or leave records unread."""
+  info = getattr(source, "dataset_info", None)
+  split = getattr(source, "split", None)
+  if info is None or not isinstance(split, str):
+    return  # (Not an array_record source.)
+  from array_record.python import array_record_module
+
+  for name in split_names(split):
+    if name not in info.splits:
+      continue  # (TFDS names the unknown split itself.)
+    shards = info.splits[name]
+    for path, length in zip(
+      shards.filepaths, shards.shard_lengths, strict=True
+    ):
+      if not str(path).count(".array_record"):
+        return
+      try:
+        reader = array_record_module.ArrayRecordReader(os.fspath(path))
+        held = reader.num_records()
+        reader.close()
+      except Exception as e:  # Missing or unreadable: the reads would fail.
+        raise DatasetError(
+          f"the dataset in {where} cannot be read ({os.path.basename(str(path))}"
+          f": {_first_line(e)}); {fix}"
+        ) from e
+      if held != length:
+        raise DatasetError(
+          f"the dataset in {where} does not match its metadata: "
+          f"{os.path.basename(str(path))} holds {held} records, its "
+          f"dataset_info.json says {length}; {fix}"
+        )
 
 
 def open_checked(open_source, where: str, fix: str) -> CheckedSource:

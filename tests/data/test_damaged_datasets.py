@@ -4,6 +4,7 @@ and the fix, when opened or read -- not the record reader's traceback, and
 never wrong examples; the fix (delete it) rebuilds it."""
 
 import glob
+import json
 import os
 import shutil
 
@@ -37,13 +38,21 @@ def _damaged(built, tmp_path, how):
   elif how == "truncated":  # A copy cut short.
     with open(train, "wb") as f:
       f.write(raw[: len(raw) // 3])
+  elif how == "lengths":  # Metadata edited: the split 100 records long.
+    info_path = os.path.join(folder, "dataset_info.json")
+    with open(info_path) as f:
+      info = json.load(f)
+    (train_info,) = [s for s in info["splits"] if s["name"] == "train"]
+    train_info["shardLengths"] = ["100"]
+    with open(info_path, "w") as f:
+      json.dump(info, f)
   else:  # Metadata overwritten.
     with open(os.path.join(folder, "dataset_info.json"), "w") as f:
       f.write("garbage")
   return data_dir, folder
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated", "metadata"])
+@pytest.mark.parametrize("how", ["flipped", "truncated", "metadata", "lengths"])
 def test_damaged_files_name_the_folder_and_the_fix(built, tmp_path, how):
   data_dir, folder = _damaged(built, tmp_path, how)
   with pytest.raises(data.DatasetError) as caught:
