@@ -41,6 +41,7 @@ def parse_actions(text: str) -> list[list[Action]]:
   """Per device (one non-empty line each, ``#`` starts a comment), its
   actions: ``0F1 1I0 ...`` (module docstring)."""
   devices = []
+  text = text.removeprefix("\ufeff")  # (A BOM some editors write.)
   for number, line in enumerate(text.splitlines(), 1):
     line = line.split("#", 1)[0].strip()
     if not line:

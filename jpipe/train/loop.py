@@ -434,7 +434,13 @@ def restore(mode, state, checkpoints, fingerprint, say):
       f"checkpoint in {checkpoints.directory} does not fit this model: "
       f"{e}; delete it or use another --workdir"
     ) from e
-  step = int(meta["step"])
+  step = meta.get("step") if isinstance(meta, dict) else None
+  if type(step) is not int or step < 0:
+    raise checkpoint_lib.CheckpointError(
+      f"the latest checkpoint in {checkpoints.directory} has no step count "
+      f"in its metadata (step {step!r}): it was edited or damaged; delete "
+      "it or use another --workdir"
+    )
   say(f"Resuming from {mode.resumed_at(step)} ({checkpoints.directory}).")
   return state, step
 

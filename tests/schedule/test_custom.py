@@ -23,6 +23,8 @@ def test_text_is_read_as_torch_writes_action_lists():
     ],
     [Action(UPDATE, 0, 3)],
   ]
+  # A BOM (some Windows editors write one) and CRLF line ends read alike.
+  assert sc.parse_actions("\ufeff0F1 1I0, 0W1 2B3\r\n\r\n0S3\r\n") == lists
 
 
 def test_a_written_schedule_runs_as_written_with_a_step_at_the_end():

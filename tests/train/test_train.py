@@ -246,6 +246,15 @@ def test_corrupt_or_foreign_checkpoint_is_an_error(tmp_path):
     train_lib.train_and_evaluate(_config(), str(tmp_path))
 
 
+def test_a_checkpoint_whose_step_was_edited_is_one_error(tmp_path):
+  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
+  meta = tmp_path / "checkpoints" / "3" / "meta" / "metadata"
+  record = json.loads(meta.read_text())
+  meta.write_text(json.dumps({**record, "step": "abc"}))
+  with pytest.raises(checkpoint_lib.CheckpointError, match="no step count"):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+
+
 def _cli(workdir, *overrides):
   return [
     sys.executable,
