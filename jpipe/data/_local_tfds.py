@@ -62,7 +62,7 @@ def _check_record_counts(source, where: str, fix: str) -> None:
     for path, length in zip(
       shards.filepaths, shards.shard_lengths, strict=True
     ):
-      if not str(path).count(".array_record"):
+      if ".array_record" not in str(path):
         return
       try:
         reader = array_record_module.ArrayRecordReader(os.fspath(path))

@@ -60,38 +60,28 @@ class Safetensors:
 
   def __init__(self, path: str):
     path = os.path.expanduser(path)
-    if os.path.isdir(path):
-      index = os.path.join(path, "model.safetensors.index.json")
-      single = os.path.join(path, "model.safetensors")
-      if os.path.isfile(single):  # (First, as from_pretrained looks.)
-        files = None
-        path = single
-      elif os.path.isfile(index):
-        weight_map = _weight_map(index)
-        files = {n: os.path.join(path, f) for n, f in weight_map.items()}
-      else:
-        raise UsageError(
-          f"{PREFIX}{path}: no model.safetensors, "
-          "model.safetensors.index.json, flax_model.msgpack or "
-          "pytorch_model.bin in the directory (a HuggingFace model saved "
-          "with save_pretrained, or downloaded from the Hub)"
-        )
-    elif os.path.isfile(path):
-      files = None
-    else:
+    if os.path.isdir(path) and not _holds(
+      path, "model.safetensors", "model.safetensors.index.json"
+    ):
+      raise UsageError(
+        f"{PREFIX}{path}: no model.safetensors, "
+        "model.safetensors.index.json, flax_model.msgpack or "
+        "pytorch_model.bin in the directory (a HuggingFace model saved "
+        "with save_pretrained, or downloaded from the Hub)"
+      )
+    if not os.path.exists(path):
       raise UsageError(f"{PREFIX}{path}: no such file or directory")
-    self.path = path
+    shards = shard_map(path, "model.safetensors")
+    self.path = shards[0][0] if shards[0][1] is None else path
     self._entries = {}  # name -> (file, dtype, shape, start offset)
-    if not files:
-      self._entries = _header(path)
-      return
-    # Each tensor from the shard the index names (a stale copy in another
-    # shard is not read); a tensor the index does not name is not used.
-    headers = {f: _header(f) for f in sorted(set(files.values()))}
-    for file, header in headers.items():
-      named = {n for n, f in files.items() if f == file}
+    for file, named in shards:
+      header = _header(file)
       check_shard_holds(path, file, named, header)
-    self._entries = {name: headers[file][name] for name, file in files.items()}
+      # (A stale copy of a tensor in a shard the index does not name for
+      # it is not read.)
+      self._entries.update(
+        header if named is None else {n: header[n] for n in named}
+      )
 
   def names(self) -> list[str]:
     return sorted(self._entries)
@@ -392,8 +382,9 @@ class LazyTensor:
     del copy  # A read is always a new array.
     self.reads += 1
     value = self._tensors.read(self.name)
-    if value.dtype.kind in "fc" and not np.isfinite(value).all():
-      bad = int(value.size - np.isfinite(value).sum())
+    finite = np.isfinite(value) if value.dtype.kind in "fc" else None
+    if finite is not None and not finite.all():
+      bad = int(value.size - finite.sum())
       raise UsageError(
         f"{PREFIX}{self._tensors.path}: tensor {self.name!r} holds {bad} "
         "NaN or infinite values: the file is damaged, or the training that "
