@@ -2,9 +2,10 @@
 
 What is stored: ``Pipeline.state_dict`` (params, optimizer and Gap-Aware
 state, model state -- keyed by global parameter path, so another partition
-can resume), plus JSON metadata (step = data position, config fingerprint, a CRC-32 per array: a
-checkpoint whose files were damaged after the save is refused at restore,
-naming the array and the earlier checkpoint to use).
+can resume), plus JSON metadata (step = data position, config fingerprint,
+the run's id, a CRC-32 per array: a checkpoint whose files were damaged
+after the save is refused at restore, naming the array and the earlier
+checkpoint to use; so are checkpoints of two runs mixed in one workdir).
 orbax writes each step to a temporary directory and renames it when
 complete, so a run killed mid-save leaves the previous checkpoint intact.
 """
@@ -13,8 +14,10 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import sys
 import threading
+import uuid
 import zlib
 from typing import Any
 
@@ -31,6 +34,7 @@ __all__ = [
   "CheckpointLayoutError",
   "Checkpoints",
   "checksums",
+  "orbax_error",
   "quiet_late_reads",
 ]
 
@@ -40,6 +44,10 @@ class Checkpoints:
 
   def __init__(self, workdir: str, keep: int):
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    # Saved with every checkpoint; a resumed run keeps the one it resumes
+    # (check_fingerprint). Only process 0 writes the metadata, so the
+    # other processes' ids never land.
+    self.run_id = uuid.uuid4().hex[:12]
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -61,6 +69,7 @@ class Checkpoints:
     else:
       item = ocp.args.StandardSave(state)
       meta = dict(meta, checksums=checksums(state))
+    meta = dict(meta, run=self.run_id)
     # orbax synchronises the processes with device collectives.
     distributed.quiet("checkpoint")
     args = {process_arrays.ITEM if per_process else "state": item}
@@ -83,8 +92,10 @@ class Checkpoints:
 
   def check_fingerprint(self, fingerprint: dict) -> dict | None:
     """The latest checkpoint's metadata (None without one); a
-    CheckpointError when it is unreadable or was written for another model.
-    Cheap (a small JSON file): run it before loading data or tracing."""
+    CheckpointError when it is unreadable, was written for another model,
+    or other checkpoints beside it are another run's. Cheap (small JSON
+    files): run it before loading data or tracing. The run resumed keeps
+    its id."""
     step = self.latest_step()
     if step is None:
       return None
@@ -93,7 +104,7 @@ class Checkpoints:
       meta = self._meta(step)
     except Exception as e:
       raise CheckpointError(
-        f"checkpoint {where} is unreadable ({type(e).__name__}: {e}); {fix}"
+        f"checkpoint {where} is unreadable ({orbax_error(e)}); {fix}"
       ) from e
     saved = (meta or {}).get("fingerprint")
     if saved != fingerprint:
@@ -102,7 +113,7 @@ class Checkpoints:
       ours = [
         s
         for s in self._manager.all_steps()
-        if s < step and self._fingerprint_or_none(s) == fingerprint
+        if s < step and self._field_or_none(s, "fingerprint") == fingerprint
       ]
       if ours:
         fix = (
@@ -119,18 +130,44 @@ class Checkpoints:
         f"checkpoint {where} was written for another model or optimizer "
         f"(saved {saved}, now {fingerprint}); {fix}"
       )
+    self._check_one_run(step, meta.get("run"))
+    self.run_id = meta.get("run") or self.run_id
     return meta
+
+  def _check_one_run(self, step: int, run) -> None:
+    """A CheckpointError when checkpoints of another run (another id)
+    sit beside the latest, ``step`` of run ``run``: copied in from
+    another workdir, they would resume one run with the other's metrics
+    and checkpoints around it. Checkpoints without an id (written before
+    ids) match any."""
+    if not run:
+      return
+    runs = {s: self._field_or_none(s, "run") for s in self._manager.all_steps()}
+    ours = sorted(s for s, r in runs.items() if r == run)
+    theirs = sorted(s for s, r in runs.items() if r and r != run)
+    if theirs:
+      raise CheckpointError(
+        f"{self.directory} holds checkpoints of two runs: steps {ours} of "
+        f"run {run} (the latest, step {step}) and steps {theirs} of run "
+        f"{'/'.join(sorted({runs[s] for s in theirs}))} (copied in from "
+        "another workdir?); keep one run's: delete steps "
+        f"{theirs} to resume run {run} from step {step}, or move each "
+        "run's checkpoints to its own --workdir"
+      )
 
   def _meta(self, step: int) -> dict | None:
     return self._manager.restore(
       step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
     ).meta
 
-  def _fingerprint_or_none(self, step: int):
+  def _field_or_none(self, step: int, field: str):
+    """Checkpoint ``step``'s metadata ``field`` (None where it is
+    unreadable: not one to resume from)."""
     try:
-      return (self._meta(step) or {}).get("fingerprint")
-    except Exception:  # Unreadable: not one to resume from.
+      meta = self._meta(step)
+    except Exception:
       return None
+    return meta.get(field) if isinstance(meta, dict) else None
 
   def _where(self, step: int) -> tuple[str, str]:
     """A checkpoint's directory and what to do when it cannot be used."""
@@ -145,19 +182,27 @@ class Checkpoints:
     return where, fix + ", or use another --workdir"
 
   def restore(
-    self, template: dict, fingerprint: dict, needed=None
+    self, template: dict, fingerprint: dict, needed=None, say=print
   ) -> tuple[Any, dict]:
     """The latest (state, meta); ``template`` gives structure and dtypes
     (host arrays, or ``jax.ShapeDtypeStruct`` with ``needed``: booleans in
     its structure, the leaves this process reads; the others stay the
-    template's).
+    template's). ``say`` gets the warning of a checkpoint with no
+    checksums to check.
 
-    Raises CheckpointError when the files are unreadable or were written
-    for another model (``fingerprint`` differs).
+    Raises CheckpointError when the files are unreadable, were written
+    for another model (``fingerprint`` differs) or for another step than
+    their directory's.
     """
     step = self.latest_step()
     meta = self.check_fingerprint(fingerprint)
     where, fix = self._where(step)
+    if isinstance(meta.get("step"), int) and meta["step"] != step:
+      # Resumed, it would save its next checkpoint over a step that exists.
+      raise CheckpointError(
+        f"checkpoint {where} says step {meta['step']} in its metadata: "
+        f"its directory was renamed or its metadata edited; {fix}"
+      )
     # Before the reads start: a failed read's siblings may print while
     # the failure is still on its way to the except clause below.
     quiet_late_reads()
@@ -187,10 +232,16 @@ class Checkpoints:
         ) from e
       raise CheckpointError(
         f"checkpoint {where} is corrupt or incompatible "
-        f"({type(e).__name__}: {e}); {fix}"
+        f"({orbax_error(e)}); {fix}"
       ) from e
     saved = None if per_process else meta.get("checksums")
-    if saved is not None:  # Checkpoints before checksums have none.
+    if saved is None and not per_process:
+      say(
+        f"Warning: checkpoint {where} records no checksums (written before "
+        "jpipe recorded them, or its metadata was edited): its arrays are "
+        "not checked for damage."
+      )
+    if saved is not None:
       for path, crc in checksums(state).items():
         if saved.get(path) != crc:
           raise CheckpointError(
@@ -250,6 +301,25 @@ def _orbax_errors_unlogged():
     yield
   finally:
     logger.removeFilter(quiet)
+
+
+def orbax_error(error: Exception) -> str:
+  """An orbax / tensorstore read error in a line: ``array 'a/b':
+  NOT_FOUND: the cause`` where tensorstore names the array, else the
+  type and the first line (without the JSON specs tensorstore appends,
+  ~2 KB)."""
+  text = str(error).split(" [tensorstore_spec")[0].strip()
+  text = text.splitlines()[0] if text else ""
+  array = re.search(r'"([^"]+)/\.zarray"', text)
+  if not array:
+    return f"{type(error).__name__}: {text[:300]}"
+  # tensorstore's: 'CODE: Error ...: Error ...: the cause'.
+  code = re.match(r"[A-Z_]{4,}(?=: )", text)
+  cause = text.rsplit(": ", 1)[-1].split("; at ")[0]
+  return (
+    f"array {array.group(1)!r}: "
+    + (f"{code.group(0)}: {cause}" if code else cause)[:240]
+  )
 
 
 def _first_difference(orbax_message: str) -> str:

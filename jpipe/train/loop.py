@@ -415,7 +415,9 @@ def restore(mode, state, checkpoints, fingerprint, say):
   """(state, step) of the latest checkpoint."""
   template, needed = mode.checkpoint_layout(state)
   try:
-    saved, meta = checkpoints.restore(template, fingerprint, needed=needed)
+    saved, meta = checkpoints.restore(
+      template, fingerprint, needed=needed, say=say
+    )
   except checkpoint_lib.CheckpointLayoutError as e:
     from jpipe.train import config_cli  # (Only on this error.)
 

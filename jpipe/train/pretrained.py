@@ -48,7 +48,7 @@ import orbax.checkpoint as ocp
 from jpipe import parallel
 from jpipe.runtime.build import stage_optimizer
 from jpipe.train import hf_checkpoint, msgpack_params, process_arrays
-from jpipe.train.checkpoint import checksums, quiet_late_reads
+from jpipe.train.checkpoint import checksums, orbax_error, quiet_late_reads
 from jpipe.train.errors import (
   PretrainedCheckpointError,
   PretrainedError,
@@ -182,8 +182,8 @@ def load_params(
       # Read when placed.
       shape, cast = value.shape, value.astype
     else:
-      shape = np.shape(value)
-      cast = np.asarray(value).astype
+      value = np.asarray(value)
+      shape, cast = value.shape, value.astype
     if tuple(shape) != tuple(like.shape):
       raise PretrainedError(
         f"pretrained params {where}: {path!r} has shape "
@@ -191,9 +191,31 @@ def load_params(
         "model.kwargs against the pretrained model, or keep the fresh init "
         "of this leaf with keep_init (config.init_keep)"
       )
+    _check_kind(where, path, value.dtype, like.dtype)
     value = cast(like.dtype)
     leaves.append(value if lazy else np.asarray(value))
   return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def _check_kind(where: str, path: str, saved, model) -> None:
+  """A PretrainedError where casting ``saved`` to ``model`` (dtypes)
+  would change what the numbers mean: integers (a quantized checkpoint,
+  its scales elsewhere) into a float param, or floats into an integer
+  one. Float widths (bfloat16 -> float32) cast silently."""
+  floating = [
+    jax.numpy.issubdtype(d, jax.numpy.inexact) for d in (saved, model)
+  ]
+  if floating[0] != floating[1]:
+    hint = (
+      "a quantized checkpoint? Dequantize it first (or load its unquantized "
+      "weights)"
+      if floating[1]
+      else "check the model's dtypes against the pretrained one"
+    )
+    raise PretrainedError(
+      f"pretrained params {where}: {path!r} is {np.dtype(saved).name}, the "
+      f"model's {np.dtype(model).name}: {hint}"
+    )
 
 
 def _consensus(loaded):
@@ -288,14 +310,31 @@ def _read_orbax(path: str):
   steps = os.path.join(path, "checkpoints")
   if os.path.isdir(steps):  # A jpipe workdir.
     path = steps
-  numbered = [d for d in os.listdir(path) if d.isdigit()]
+  numbered = sorted((d for d in os.listdir(path) if d.isdigit()), key=int)
   if numbered:  # A CheckpointManager directory: its latest step.
-    path = os.path.join(path, max(numbered, key=int))
-  elif path == steps:
+    try:
+      return _read_step(os.path.join(path, numbered[-1]))
+    except PretrainedError as e:
+      if len(numbered) == 1:
+        raise
+      earlier = os.path.join(path, numbered[-2])
+      raise type(e)(f"{e}. The checkpoint before it: init_from={earlier}") from e
+  if path == steps:
     raise PretrainedError(
       f"{os.path.dirname(steps)} is a jpipe workdir without a checkpoint "
       f"({steps} holds no step); train it until it saves one "
       "(config.train.checkpoint_every) or initialise from another"
+    )
+  return _read_step(path)
+
+
+def _read_step(path: str):
+  """The params of one checkpoint directory (jpipe's, or orbax's)."""
+  held = {"state", process_arrays.ITEM, "_METADATA"}
+  if os.path.basename(path).isdigit() and not held & set(os.listdir(path)):
+    raise PretrainedError(
+      f"{path} is an incomplete checkpoint (no state in it: a save cut "
+      "short, or a partial copy)"
     )
   arrays = os.path.join(path, process_arrays.ITEM)
   if os.path.isdir(arrays):  # A jpipe checkpoint written per process.
@@ -334,8 +373,6 @@ def _restored(path: str):
   try:
     return ocp.StandardCheckpointer().restore(os.path.abspath(path))
   except Exception as e:
-    text = str(e).split(" [tensorstore_spec=")[0].strip()
-    text = text.splitlines()[0] if text else ""
     if not os.path.exists(os.path.join(path, "_METADATA")):
       raise PretrainedError(
         f"{path} is not an orbax checkpoint (it has no _METADATA)"
@@ -343,17 +380,9 @@ def _restored(path: str):
         "checkpoint directory, a Flax msgpack file, hf:PATH or "
         "module:callable"
       ) from e
-    array = re.search(r'"([^"]+)/\.zarray"', text)
-    if array:  # tensorstore's: 'CODE: Error ...: Error ...: the cause'.
-      code = re.match(r"[A-Z_]{4,}(?=: )", text)
-      cause = text.rsplit(": ", 1)[-1].split("; at ")[0]
-      why = f"array {array.group(1)!r}: " + (
-        f"{code.group(0)}: {cause}" if code else cause
-      )
-    else:
-      why = f"{type(e).__name__}: {text}"
+    why = orbax_error(e)
     raise PretrainedCheckpointError(
-      f"{path} is a damaged orbax checkpoint ({why[:240]}): its files "
+      f"{path} is a damaged orbax checkpoint ({why}): its files "
       "changed or went missing after it was written; initialise from "
       "another checkpoint (a numbered directory beside it) or a fresh copy"
     ) from e

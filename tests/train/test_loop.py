@@ -3,6 +3,9 @@ least squares, three steps a unit) run by ``jpipe.train.loop.train``."""
 
 import dataclasses
 import json
+import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -148,3 +151,91 @@ def test_a_stop_request_saves_and_exits_unless_the_run_is_done(
   assert "SIGTERM: saved step 3 to" in capsys.readouterr().out
   summary = _train(tmp_path / "b", _LeastSquares(_Task(), 9, 0.1), 9)
   assert summary["eval"] is not None
+
+
+def _meta_path(workdir, step):
+  return workdir / "checkpoints" / str(step) / "meta" / "metadata"
+
+
+def _edit_meta(workdir, step, edit):
+  path = _meta_path(workdir, step)
+  meta = json.loads(path.read_text())
+  edit(meta)
+  path.write_text(json.dumps(meta))
+
+
+def test_checkpoints_of_two_runs_in_one_workdir_are_refused(tmp_path):
+  """A resumed run keeps its run's id; a checkpoint copied in from
+  another run (same model) beside this run's was resumed silently, the
+  other run's state under this run's metrics: now one error naming both
+  runs' steps."""
+  for run in ("a", "b"):
+    _train(
+      tmp_path / run, _LeastSquares(_Task(), 2, 0.1), 4, checkpoint_every=2
+    )
+  _train(tmp_path / "a", _LeastSquares(_Task(), 2, 0.1), 6, checkpoint_every=2)
+  ids = {
+    s: json.loads(_meta_path(tmp_path / "a", s).read_text())["run"]
+    for s in (2, 4, 6)
+  }
+  assert len(set(ids.values())) == 1
+  other = json.loads(_meta_path(tmp_path / "b", 4).read_text())["run"]
+  assert other != ids[2]
+  shutil.copytree(
+    tmp_path / "b" / "checkpoints" / "4",
+    tmp_path / "mixed" / "checkpoints" / "4",
+  )
+  shutil.copytree(
+    tmp_path / "a" / "checkpoints" / "2",
+    tmp_path / "mixed" / "checkpoints" / "2",
+  )
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=rf"two runs: steps \[4\] of run {other} \(the latest, step 4\) "
+    rf"and steps \[2\] of run {ids[2]} .*delete steps \[2\] to resume run "
+    rf"{other} from step 4",
+  ):
+    _train(tmp_path / "mixed", _LeastSquares(_Task(), 2, 0.1), 8)
+
+
+def test_a_checkpoint_whose_metadata_names_another_step_is_refused(tmp_path):
+  """Metadata saying step 2 in directory 4 resumed at step 2 and then
+  failed to save over checkpoint 4, whose advice was to run it again."""
+  _train(tmp_path, _LeastSquares(_Task(), 2, 0.1), 4, checkpoint_every=2)
+  _edit_meta(tmp_path, 4, lambda meta: meta.update(step=2))
+  mode = _LeastSquares(_Task(), 2, 0.1)
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"checkpoints/4 says step 2 in its metadata: its directory was "
+    r"renamed or its metadata edited; delete \S+/4 to resume from step 2",
+  ):
+    _train(tmp_path, mode, 8)
+  assert mode.advanced == []
+
+
+def test_a_checkpoint_without_checksums_resumes_with_a_warning(
+  tmp_path, capsys
+):
+  """Without its checksums no damage can be found: said, not silent."""
+  _train(tmp_path, _LeastSquares(_Task(), 2, 0.1), 4, checkpoint_every=2)
+  _edit_meta(tmp_path, 4, lambda meta: meta.pop("checksums"))
+  capsys.readouterr()
+  mode = _LeastSquares(_Task(), 2, 0.1)
+  _train(tmp_path, mode, 6)
+  assert mode.advanced == [2]
+  assert "checkpoints/4 records no checksums" in capsys.readouterr().out
+
+
+def test_a_checkpoint_missing_its_manifest_is_one_short_line(tmp_path):
+  """tensorstore's error carried ~2 KB of JSON specs."""
+  _train(tmp_path, _LeastSquares(_Task(), 2, 0.1), 4, checkpoint_every=2)
+  os.remove(tmp_path / "checkpoints" / "4" / "state" / "manifest.ocdbt")
+  with pytest.raises(checkpoint_lib.CheckpointError) as error:
+    _train(tmp_path, _LeastSquares(_Task(), 2, 0.1), 6)
+  message = str(error.value)
+  assert len(message) < 500 and "tensorstore_spec" not in message
+  assert re.search(
+    r"checkpoints/4 is corrupt or incompatible \(array 'w': NOT_FOUND: .*\); "
+    r"delete \S+/4 to resume from step 2",
+    message,
+  )

@@ -7,12 +7,15 @@ import glob
 import os
 
 import flax.serialization
+import jax
+import jax.numpy as jnp
 import msgpack
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from jpipe.train import pretrained
+from jpipe.train.checkpoint import checksums
 from jpipe.train.errors import CheckpointError, PretrainedError
 
 PARAMS = {
@@ -174,3 +177,51 @@ def test_a_path_of_the_wrong_kind_says_what_to_give(tmp_path):
     r"no step\); train it until it saves one",
   )
   _refused(tmp_path / "work" / "checkpoints", r"no _METADATA")
+
+
+def test_integers_for_a_float_param_are_refused_as_quantized():
+  """An int8 tensor (a quantized checkpoint, its scales elsewhere) was
+  cast to float32 silently: weights 127x too large. Float widths cast."""
+  quantized = {"params": {"dense": dict(PARAMS["params"]["dense"])}}
+  quantized["params"]["dense"]["kernel"] = np.ones((2, 3), np.int8)
+  with pytest.raises(
+    PretrainedError,
+    match=r"'params/dense/kernel' is int8, the model's float32: a quantized",
+  ):
+    pretrained.load_params(quantized, PARAMS)
+  halves = jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS)
+  loaded = pretrained.load_params(halves, PARAMS)
+  assert loaded["params"]["dense"]["kernel"].dtype == np.float32
+  np.testing.assert_array_equal(
+    loaded["params"]["dense"]["kernel"], PARAMS["params"]["dense"]["kernel"]
+  )
+
+
+def test_a_workdir_whose_newest_checkpoint_is_empty_names_the_one_before(
+  tmp_path,
+):
+  """A save cut short left checkpoints/2 empty: the error names it and
+  the intact checkpoint before it (it said "not an orbax checkpoint; give
+  a jpipe workdir", which it was)."""
+  manager = ocp.CheckpointManager(str(tmp_path / "work" / "checkpoints"))
+  manager.save(
+    1,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(PARAMS),
+      meta=ocp.args.JsonSave({"step": 1, "checksums": checksums(PARAMS)}),
+    ),
+  )
+  manager.wait_until_finished()
+  manager.close()
+  (tmp_path / "work" / "checkpoints" / "2").mkdir()
+  _refused(
+    tmp_path / "work",
+    r"checkpoints/2 is an incomplete checkpoint \(no state in it.*\)\. The "
+    r"checkpoint before it: init_from=\S*work/checkpoints/1$",
+  )
+  before = pretrained.load_params(
+    str(tmp_path / "work" / "checkpoints" / "1"), PARAMS
+  )
+  np.testing.assert_array_equal(
+    before["params"]["dense"]["kernel"], PARAMS["params"]["dense"]["kernel"]
+  )
