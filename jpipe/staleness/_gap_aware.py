@@ -27,6 +27,8 @@ def gap_aware(
   max_learning_rate: _common.ScalarOrSchedule | None = None,
   learning_rate: _common.ScalarOrSchedule | None = None,
   weight_decay: float = 0.0,
+  gap_from_grad: bool = False,
+  adam_betas: tuple[float, float] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Gap-Aware (Barkai et al.) in front of ``base_tx``, as FTPipe keeps it.
 
@@ -48,6 +50,18 @@ def gap_aware(
     are first scaled by :math:`1 - \lambda\eta(1-P)/P` (returned inside the
     updates), so the decoupled decay is penalised too.
 
+  ``gap_from_grad`` (FTPipe's ``apply_from_grad``, for a stage one step
+  late without a stash): ``update(..., delay=d)`` instead of
+  ``stale_params`` (0: not late, the gradient unchanged; 1: one step late;
+  FTPipe refuses other delays, the estimate being one step's gap); the gap
+  is estimated as the step this gradient would take. SGD: :math:`\eta_t |g|` (the current
+  learning rate). Adam: :math:`|e_1 - e_2|` with :math:`e_1 = \eta\beta_1
+  m / ((1-\beta_1)\epsilon + \sqrt{v}\sqrt{1-\beta_1})` and :math:`e_2 =
+  \eta(\beta_1 m + (1-\beta_1) g) / ((1-\beta_1)\sqrt{(\beta_2 v +
+  (1-\beta_2) g^2) / (1-\beta_2)} + (1-\beta_1)\epsilon)`, m and v the
+  state before the step (FTPipe's ``adam_gap1``). Not for AdamW (FTPipe has
+  none).
+
   Which ``stale_params`` to pass: the params the gradient's forward ran
   with. For ``ga`` with weight stashing that is the stash (the forward and
   the backward both ran there); with weight prediction, the predicted
@@ -68,6 +82,10 @@ def gap_aware(
       AdamW with weight decay, and by SGD if ``max_learning_rate`` is None.
     weight_decay: :math:`\lambda` of ``base_tx`` (L2 for sgd/adam, decoupled
       for adamw); 0 if it has none.
+    gap_from_grad: estimate the gap from the gradient (above) instead of
+      taking ``stale_params``; needs ``learning_rate``.
+    adam_betas: ``(b1, b2)`` of ``base_tx``'s Adam: the estimate's
+      :math:`\beta_1, \beta_2` (needed with ``gap_from_grad``, Adam).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose
@@ -107,6 +125,21 @@ def gap_aware(
       "gap_aware with optimizer='adamw' and weight decay needs "
       "learning_rate to penalise the decoupled decay"
     )
+  if gap_from_grad and optimizer == "adamw":
+    raise ValueError(
+      "gap_aware(gap_from_grad=True) estimates SGD's and Adam's gap; "
+      "AdamW's has no estimate (nor in FTPipe): pass stale_params instead"
+    )
+  if gap_from_grad and optimizer == "adam" and adam_betas is None:
+    raise ValueError(
+      "gap_aware(gap_from_grad=True) with Adam needs adam_betas=(b1, b2), "
+      "its optimizer's: the gap is estimated as the step Adam takes"
+    )
+  if gap_from_grad and learning_rate is None:
+    raise ValueError(
+      "gap_aware(gap_from_grad=True) needs learning_rate: the gap is "
+      "estimated as the step the gradient takes"
+    )
   base_tx = optax.with_extra_args_support(base_tx)
 
   def init_fn(params):
@@ -123,14 +156,25 @@ def gap_aware(
     )
 
   def update_fn(
-    updates, state, params=None, *, stale_params=None, **extra_args
+    updates,
+    state,
+    params=None,
+    *,
+    stale_params=None,
+    delay=None,
+    **extra_args,
   ):
     """The gradient penalised by the gap |params - stale_params| / C per
     element, then ``base_tx``'s update; C from S (adam, adamw) or from
     SGD's running statistic."""
     if params is None:
       raise ValueError(_common.NO_PARAMS_MSG)
-    if stale_params is None:
+    if gap_from_grad and (delay is None or stale_params is not None):
+      raise ValueError(
+        "gap_aware(gap_from_grad=True) takes delay= (how many steps late "
+        "the gradient is: 0 or 1), not stale_params (it estimates the gap)"
+      )
+    if not gap_from_grad and stale_params is None:
       raise ValueError(
         "gap_aware needs stale_params=: the params the gradient's forward "
         "ran with (pass params itself when there is no delay)"
@@ -145,12 +189,20 @@ def gap_aware(
     else:
       sq_avg, max_lr = state.sq_avg, state.max_learning_rate
       scale = jax.tree.map(lambda a: jnp.sqrt(_f32(a)) + eps, sq_avg)
-    penalty = jax.tree.map(
-      lambda p, s, c: 1.0 + jnp.abs(_f32(p) - _f32(s)) / c,
-      params,
-      stale_params,
-      scale,
-    )
+    if gap_from_grad:
+      eta_t = _f32(_common.value_at(learning_rate, state.count))
+      late = jnp.asarray(delay) > 0
+      gap = jax.tree.map(
+        lambda a: jnp.where(late, a, 0.0),
+        _gap_from_grad(
+          optimizer, updates, state.inner_state, eta_t, eps, adam_betas
+        ),
+      )
+    else:
+      gap = jax.tree.map(
+        lambda p, s: jnp.abs(_f32(p) - _f32(s)), params, stale_params
+      )
+    penalty = jax.tree.map(lambda g, c: 1.0 + g / c, gap, scale)
     l2 = None if optimizer == "adamw" else lam
     new_grads = jax.tree.map(
       lambda g, p, pen: _penalised(g, p, pen, l2), updates, params, penalty
@@ -175,6 +227,28 @@ def gap_aware(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _gap_from_grad(optimizer, grads, inner_state, eta, eps, betas):
+  """FTPipe's estimate of a one-step-late gradient's gap, per element:
+  SGD's step ``eta |g|``; Adam's ``|e1 - e2|`` (``adam_gap1``: the
+  momentum's next step without and with ``g``, from the moments before
+  this step, without bias correction as FTPipe has it)."""
+  if optimizer == "sgd":
+    return jax.tree.map(lambda g: eta * jnp.abs(_f32(g)), grads)
+  adam = _common.require_adam_state(inner_state)
+  b1, b2 = betas
+
+  def one(g, m, v):
+    g, m, v = _f32(g), _f32(m), _f32(v)
+    e1 = eta * b1 * m / ((1 - b1) * eps + jnp.sqrt(v) * jnp.sqrt(1 - b1))
+    moved = jnp.sqrt(b2 * v + (1 - b2) * jnp.square(g))
+    e2 = (eta * b1 * m + eta * (1 - b1) * g) / (
+      moved * (1 - b1) / jnp.sqrt(1 - b2) + (1 - b1) * eps
+    )
+    return jnp.abs(e1 - e2)
+
+  return jax.tree.map(one, grads, adam.mu, adam.nu)
 
 
 def _decay_penalised_params(params, penalty, lam, eta):

@@ -21,6 +21,8 @@ themselves), and each is driven as FTPipe's partition manager drives it:
   optimizer steps (FTPipe's ``sgd1`` -- torch's SGD -- with ``GapAware``,
   ``adam_record_step`` with ``AdamGapAware``, ``adamw_record_step`` with
   ``AdamWGapAware``).
+- Gap-Aware without a stash (a stage one step late): the same, with
+  ``apply_from_grad()`` estimating the gap from the gradient.
 - Weight prediction (cloned weights; ``msnag``, and ``aggmsnag`` with
   the accumulated gradient in ``p.grad``): after some optimizer steps,
   ``setup(delay)``, ``forward()`` loads the predicted weights,
@@ -68,6 +70,21 @@ GAP_AWARE = (
     )
   ]
 )
+
+# Gap-Aware from the gradient (no stash: a stage one step late; FTPipe's
+# apply_from_grad), for what FTPipe estimates it for: SGD, and Adam
+# without weight decay.
+GAP_FROM_GRAD = [
+  (f"sgd_m{m}_wd{wd}", "sgd1", dict(lr=0.1, momentum=m, weight_decay=wd))
+  for m in (0.0, 0.9)
+  for wd in (0.0, 0.05)
+] + [
+  (
+    "adam_wd0.0",
+    "adam_record_step",
+    dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0),
+  )
+]
 
 # The learning rate of the scheduled case per step (torch's LambdaLR, its
 # running max tracked by FTPipe's patch_scheduler): a warm-up, a decay.
@@ -126,6 +143,35 @@ def _stream(seed: int):
   return grads, offsets
 
 
+def _gap_aware_of(gap_aware, name, opt):
+  if name == "sgd1":
+    return gap_aware.get_sgd_gap_aware_cls("sgd1")(opt)
+  if name == "adam_record_step":
+    return gap_aware.get_adam_gap_aware_cls()(opt)
+  return gap_aware.get_adamw_gap_aware_cls()(opt)
+
+
+def from_grad_trajectory(ftpipe, name, kwargs, theta0, grads):
+  """The params after each step of a stage one step late without a
+  stash: ``apply_gap_aware(delay=1)`` with neither theta runs
+  ``apply_from_grad`` (the first step has no delay yet)."""
+  import torch
+
+  optimizers, gap_aware, _, _ = ftpipe
+  p = torch.nn.Parameter(torch.tensor(theta0))
+  opt = optimizers.AVAILBALE_OPTIMIZERS[name]([p], **kwargs)
+  ga = _gap_aware_of(gap_aware, name, opt)
+  out = []
+  for i, g in enumerate(grads):
+    p.grad = torch.tensor(g)
+    ga.update_running_stats()
+    if i:
+      ga.apply_from_grad()
+    opt.step()
+    out.append(p.detach().numpy().copy())
+  return np.stack(out)
+
+
 def gap_aware_trajectory(ftpipe, case, name, kwargs, theta0, grads, offsets):
   import torch
 
@@ -137,12 +183,7 @@ def gap_aware_trajectory(ftpipe, case, name, kwargs, theta0, grads, offsets):
     scheduler = torch.optim.lr_scheduler.LambdaLR(
       opt, lambda t: SCHEDULE[min(t, STEPS - 1)] / kwargs["lr"]
     )
-  if name == "sgd1":
-    ga = gap_aware.get_sgd_gap_aware_cls("sgd1")(opt)
-  elif name == "adam_record_step":
-    ga = gap_aware.get_adam_gap_aware_cls()(opt)
-  else:
-    ga = gap_aware.get_adamw_gap_aware_cls()(opt)
+  ga = _gap_aware_of(gap_aware, name, opt)
   if scheduler is not None:  # (The trainer's GapAwareTrainerMixin does.)
     ga.patch_scheduler(scheduler)
   out = []
@@ -204,6 +245,12 @@ def main():
     arrays[f"gap_aware/{case}/offsets"] = offsets
     arrays[f"gap_aware/{case}/params"] = gap_aware_trajectory(
       ftpipe, case, name, kwargs, theta0, grads, offsets
+    )
+  for i, (case, name, kwargs) in enumerate(GAP_FROM_GRAD):
+    grads, _ = _stream(seed=200 + i)
+    arrays[f"gap_from_grad/{case}/grads"] = grads
+    arrays[f"gap_from_grad/{case}/params"] = from_grad_trajectory(
+      ftpipe, name, kwargs, theta0, grads
     )
   for i, (case, name, kwargs, pred_type) in enumerate(PREDICTION):
     grads, phi = _stream(seed=100 + i)

@@ -20,7 +20,7 @@ REFERENCE = np.load(
 )
 
 
-def _gap_aware(case: str):
+def _gap_aware(case: str, **kwargs):
   """jpipe's counterpart of FTPipe's optimizer and Gap-Aware class."""
   if case.startswith("sgd"):
     momentum = float(case.split("_m")[1].split("_")[0])
@@ -32,7 +32,7 @@ def _gap_aware(case: str):
     sgd = optax.sgd(lr, momentum=momentum or None)
     base = optax.chain(optax.add_decayed_weights(wd), sgd) if wd else sgd
     return staleness.gap_aware(
-      base, optimizer="sgd", learning_rate=lr, weight_decay=wd
+      base, optimizer="sgd", learning_rate=lr, weight_decay=wd, **kwargs
     )
   optimizer, wd = case.split("_wd")[0], float(case.split("_wd")[1])
   if optimizer == "adamw":
@@ -41,7 +41,12 @@ def _gap_aware(case: str):
     adam = optax.adam(0.01, b1=0.9, b2=0.99, eps=1e-8)
     base = optax.chain(optax.add_decayed_weights(wd), adam) if wd else adam
   return staleness.gap_aware(
-    base, optimizer=optimizer, beta=0.99, learning_rate=0.01, weight_decay=wd
+    base,
+    optimizer=optimizer,
+    beta=0.99,
+    learning_rate=0.01,
+    weight_decay=wd,
+    **kwargs,
   )
 
 
@@ -75,6 +80,41 @@ def _gap_aware_steps(case, grads, offsets) -> list[np.ndarray]:
     stale = params + jnp.asarray(offset, jnp.float32)
     updates, state = tx.update(
       jnp.asarray(g, jnp.float32), state, params, stale_params=stale
+    )
+    params = optax.apply_updates(params, updates)
+    out.append(np.asarray(params))
+  return out
+
+
+FROM_GRAD_CASES = sorted(
+  {k.split("/")[1] for k in REFERENCE.files if k.startswith("gap_from_grad/")}
+)
+
+
+@pytest.mark.parametrize("case", FROM_GRAD_CASES)
+def test_gap_from_grad_steps_are_ftpipes(case):
+  """A stage one step late without a stash: FTPipe's apply_from_grad
+  estimates the gap from the gradient (delay 0 at the first step)."""
+  grads = REFERENCE[f"gap_from_grad/{case}/grads"]
+  want = REFERENCE[f"gap_from_grad/{case}/params"]
+  got = _from_grad_steps(case, grads, delays=[0] + [1] * (len(grads) - 1))
+  for step, params in enumerate(got):
+    np.testing.assert_allclose(
+      params, want[step], rtol=2e-5, atol=2e-6, err_msg=f"step {step}"
+    )
+  # The estimate mattered: at delay 0 throughout the steps end elsewhere.
+  plain = _from_grad_steps(case, grads, delays=[0] * len(grads))[-1]
+  assert not np.allclose(plain, want[-1], atol=1e-3)
+
+
+def _from_grad_steps(case, grads, delays) -> list[np.ndarray]:
+  tx = _gap_aware(case, gap_from_grad=True, adam_betas=(0.9, 0.99))
+  params = jnp.asarray(REFERENCE["theta0"], jnp.float32)
+  state = tx.init(params)
+  out = []
+  for g, delay in zip(grads, delays, strict=True):
+    updates, state = tx.update(
+      jnp.asarray(g, jnp.float32), state, params, delay=delay
     )
     params = optax.apply_updates(params, updates)
     out.append(np.asarray(params))
