@@ -114,6 +114,8 @@ def test_the_staleness_snippet_runs_with_params_and_gradients():
   # updates are the stepped gradient (no gap yet).
   jax.tree.map(np.testing.assert_array_equal, space["forward_params"], params)
   np.testing.assert_allclose(space["updates"]["w"], -0.05 * np.ones((3, 2)))
+  # The gap from the gradient at delay 0: none either.
+  np.testing.assert_allclose(space["grad_updates"]["w"], space["updates"]["w"])
 
 
 def test_the_partitioner_and_pipeline_snippets_run_in_order(

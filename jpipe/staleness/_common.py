@@ -77,13 +77,25 @@ def check_non_negative(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def check_delay(delay: Any) -> None:
-  """Raises ValueError if a concrete delay is negative or not an integer."""
-  if isinstance(delay, bool):
-    raise ValueError(f"delay must be an integer >= 0, got {delay!r}")
-  if is_concrete(delay):
-    if float(delay) != int(delay) or int(delay) < 0:
-      raise ValueError(f"delay must be an integer >= 0, got {delay!r}")
+  """Raises ValueError if a delay is not an integer (a traced one: not of
+  an integer dtype), or a concrete one is negative or past int32."""
+  bad = f"delay must be an integer >= 0, got {delay!r}"
+  if isinstance(delay, bool | str) or delay is None:
+    raise ValueError(bad)
+  dtype = getattr(delay, "dtype", None)
+  if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{bad} (of dtype {dtype}: pass an integer one)")
+  if isinstance(delay, jax.core.Tracer):
+    return  # (Traced: its value is checked nowhere; negative = 0.)
+  value = np.asarray(delay)
+  if value.ndim or float(value) != int(value) or int(value) < 0:
+    raise ValueError(bad)
+  if int(value) > _INT32_MAX:
+    raise ValueError(f"delay {int(value)} is past int32 ({_INT32_MAX})")
 
 
 def find_states(opt_state: optax.OptState, state_type: type) -> list[Any]:
@@ -142,17 +154,54 @@ def momentum_buffer(
   return state.trace
 
 
+# inject_hyperparams' states (optax's two, neither a subclass of the other).
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
 def step_count(opt_state: optax.OptState) -> jax.Array:
   """Number of optimizer steps taken, read from the state (int32 scalar)."""
-  for state_type in (optax.ScaleByAdamState, optax.ScaleByScheduleState):
+  for state_type in (
+    optax.ScaleByAdamState,
+    optax.ScaleByScheduleState,
+    *_INJECTED,
+  ):
     state = find_one_state(opt_state, state_type, "step count")
     if state is not None:
       return state.count
   raise ValueError(
     "cannot read the step count from the optimizer state (no "
-    "ScaleByAdamState or ScaleByScheduleState): pass learning_rates= "
-    "explicitly or use a constant learning rate"
+    "ScaleByAdamState, ScaleByScheduleState or InjectHyperparamsState): "
+    "pass learning_rates= explicitly or use a constant learning rate"
   )
+
+
+def injected_learning_rate(opt_state: optax.OptState) -> jax.Array | None:
+  """The learning rate ``optax.inject_hyperparams`` holds in the state
+  (the one the optimizer steps with, however it was changed), or None."""
+  state = None
+  for state_type in _INJECTED:
+    state = state or find_one_state(
+      opt_state, state_type, "injected hyperparameters"
+    )
+  if state is None or "learning_rate" not in state.hyperparams:
+    return None
+  return jnp.asarray(state.hyperparams["learning_rate"])
+
+
+def decay_mask_tree(mask: Any, params: Any) -> Any:
+  """``mask`` (None: every leaf; a pytree of bools like ``params``; or a
+  callable of ``params`` giving one, as ``optax.adamw(mask=...)`` takes)
+  as a pytree of Python bools / bool arrays like ``params``."""
+  if mask is None:
+    return jax.tree.map(lambda _: True, params)
+  tree = mask(params) if callable(mask) else mask
+  try:
+    return jax.tree.map(lambda _, m: m, params, tree)
+  except ValueError as e:
+    raise ValueError(
+      "weight_decay_mask is not shaped like the params (a bool per leaf, "
+      f"or a callable of the params giving one): {e}"
+    ) from None
 
 
 def value_at(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:

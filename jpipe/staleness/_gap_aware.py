@@ -1,6 +1,6 @@
 """Gap-Aware: penalise stale gradients by how far the params have moved."""
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ def gap_aware(
   max_learning_rate: _common.ScalarOrSchedule | None = None,
   learning_rate: _common.ScalarOrSchedule | None = None,
   weight_decay: float = 0.0,
+  weight_decay_mask: Any = None,
   gap_from_grad: bool = False,
   adam_betas: tuple[float, float] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -82,6 +83,9 @@ def gap_aware(
       AdamW with weight decay, and by SGD if ``max_learning_rate`` is None.
     weight_decay: :math:`\lambda` of ``base_tx`` (L2 for sgd/adam, decoupled
       for adamw); 0 if it has none.
+    weight_decay_mask: ``base_tx``'s decay mask (``optax.adamw(mask=)``,
+      ``add_decayed_weights(mask=)``): a pytree of bools like the params or
+      a callable of them; None: every leaf decays.
     gap_from_grad: estimate the gap from the gradient (above) instead of
       taking ``stale_params``; needs ``learning_rate``.
     adam_betas: ``(b1, b2)`` of ``base_tx``'s Adam: the estimate's
@@ -151,7 +155,9 @@ def gap_aware(
     return GapAwareState(
       count=jnp.zeros([], jnp.int32),
       max_learning_rate=jnp.asarray(eta0, jnp.float32),
-      sq_avg=optax.tree.zeros_like(params),
+      # float32 whatever the params' dtype: in bfloat16 beta = 0.999
+      # rounds to 1, in float16 the squared steps underflow.
+      sq_avg=optax.tree.zeros_like(params, dtype=jnp.float32),
       inner_state=inner_state,
     )
 
@@ -180,7 +186,11 @@ def gap_aware(
         "ran with (pass params itself when there is no delay)"
       )
     count = optax.safe_increment(state.count)
-    lam = jnp.asarray(weight_decay, jnp.float32)
+    decays = _common.decay_mask_tree(weight_decay_mask, params)
+    lam = jax.tree.map(
+      lambda m: jnp.where(m, jnp.asarray(weight_decay, jnp.float32), 0.0),
+      decays,
+    )
     if optimizer == "sgd":
       eta_max = _common.value_at(max_learning_rate, state.count)
       sq_avg, scale, max_lr = _sgd_scale(
@@ -199,14 +209,14 @@ def gap_aware(
         ),
       )
     else:
-      gap = jax.tree.map(
-        lambda p, s: jnp.abs(_f32(p) - _f32(s)), params, stale_params
-      )
+      gap = jax.tree.map(_gap, params, stale_params)
     penalty = jax.tree.map(lambda g, c: 1.0 + g / c, gap, scale)
-    l2 = None if optimizer == "adamw" else lam
-    new_grads = jax.tree.map(
-      lambda g, p, pen: _penalised(g, p, pen, l2), updates, params, penalty
-    )
+    if optimizer == "adamw":
+      new_grads = jax.tree.map(
+        lambda g, pen: _penalised(g, None, pen, None), updates, penalty
+      )
+    else:
+      new_grads = jax.tree.map(_penalised, updates, params, penalty, lam)
     decoupled = optimizer == "adamw" and learning_rate is not None
     step_params, eta = params, None
     if decoupled:  # The decoupled decay penalised through the params.
@@ -219,6 +229,17 @@ def gap_aware(
       sq_avg, new_updates = _adam_statistic(
         sq_avg, new_updates, step_params, params, beta, lam, eta
       )
+    # A step with a non-finite gradient (one that optax.apply_if_finite
+    # around this rejects) leaves the statistics as they were: else they
+    # would hold NaN, and every later step would be rejected too.
+    finite = jnp.all(
+      jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)])
+    )
+    sq_avg, max_lr = jax.tree.map(
+      lambda new, old: jnp.where(finite, new, old),
+      (sq_avg, max_lr),
+      (state.sq_avg, state.max_learning_rate),
+    )
     return new_updates, GapAwareState(
       count=count,
       max_learning_rate=max_lr,
@@ -227,6 +248,18 @@ def gap_aware(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _gap(p, stale):
+  """|p - stale| per element; stale params shaped otherwise (which would
+  broadcast) are refused."""
+  if jnp.shape(p) != jnp.shape(stale):
+    raise ValueError(
+      f"gap_aware: stale_params has a leaf of shape {jnp.shape(stale)} "
+      f"where the params' is {jnp.shape(p)}: pass the params the "
+      "gradient's forward ran with, shaped as params"
+    )
+  return jnp.abs(_f32(p) - _f32(stale))
 
 
 def _gap_from_grad(optimizer, grads, inner_state, eta, eps, betas):
@@ -256,11 +289,12 @@ def _decay_penalised_params(params, penalty, lam, eta):
   from, p (1 - lam eta (1 - G) / G) with G the penalty, so that its
   decay term lam eta p becomes lam eta p / G."""
   return jax.tree.map(
-    lambda p, pen: (_f32(p) * (1.0 - lam * eta * (1.0 - pen) / pen)).astype(
+    lambda p, pen, lm: (_f32(p) * (1.0 - lm * eta * (1.0 - pen) / pen)).astype(
       p.dtype
     ),
     params,
     penalty,
+    lam,
   )
 
 
@@ -273,7 +307,7 @@ def _adam_statistic(sq_avg, updates, step_params, params, beta, lam, eta):
   applied = updates
   if decoupled:  # S records the update without its decay part.
     applied = jax.tree.map(
-      lambda u, p: _f32(u) + eta * lam * _f32(p), updates, step_params
+      lambda u, p, lm: _f32(u) + eta * lm * _f32(p), updates, step_params, lam
     )
   sq_avg = jax.tree.map(
     lambda a, u: (beta * a + (1 - beta) * jnp.square(_f32(u))).astype(a.dtype),
@@ -304,7 +338,14 @@ def _sgd_scale(grads, state: GapAwareState, count, eta_max, beta, eps):
   trace = _common.find_one_state(
     state.inner_state, optax.TraceState, "momentum buffer"
   )
-  before = grads if trace is None else trace.trace
+  before = grads
+  if trace is not None:  # (A leaf optax.masked leaves out has no buffer.)
+    before = jax.tree.map(
+      lambda g, v: g if isinstance(v, optax.MaskedNode) else v,
+      grads,
+      trace.trace,
+      is_leaf=lambda v: isinstance(v, optax.MaskedNode),
+    )
   sq_avg = jax.tree.map(
     lambda a, v: (beta * a + (1 - beta) * jnp.square(v)).astype(a.dtype),
     state.sq_avg,

@@ -141,8 +141,9 @@ def adaptive_momentum(
   ceiling: float = NESTEROV_MOMENTUM,
 ) -> float:
   """The authors' ``--adaptive_momentum``: a stage of delay d of n stages
-  runs beta1 = momentum + d (ceiling - momentum) / n, so deeper-delayed
-  stages look further ahead (d = 0 keeps ``momentum``)."""
+  runs beta1 = momentum + d (ceiling - momentum) / n, moved toward the
+  ceiling with the delay, so deeper-delayed stages look further ahead (d
+  = 0 keeps ``momentum``; a momentum above the ceiling is lowered)."""
   _common.check_delay(delay)
   if num_stages < 1 or delay >= num_stages:
     raise ValueError(
@@ -176,6 +177,12 @@ def delay_aware_nesterov(
   with weight stashing, as the authors do.
   """
   _common.check_optimizer(optimizer)
+  _common.check_delay(delay)
+  if num_stages < 1 or delay >= num_stages:
+    raise ValueError(
+      f"need 0 <= delay < num_stages, got delay={delay}, "
+      f"num_stages={num_stages}"
+    )
   b1 = (
     adaptive_momentum(momentum, delay, num_stages)
     if adaptive

@@ -37,8 +37,22 @@ def pipemare_factor(
   delay: int, count: jax.typing.ArrayLike, anneal_steps: int
 ) -> jax.Array:
   """The learning-rate factor d ** -(1 - min((count + 1) / K, 1)) of the
-  step taken after ``count`` earlier steps (1 for d <= 1)."""
+  step taken after ``count`` earlier steps (1 for d <= 1): the first step
+  at d ** -(1 - 1/K), as AsyncPP counts (PipeMare's paper starts at
+  1/d). ``delay`` and ``anneal_steps`` are Python ints (one factor per
+  stage)."""
+  if not _common.is_concrete(delay):
+    raise ValueError(
+      f"pipemare delay must be a Python int (a stage's static delay), got "
+      f"{type(delay).__name__}"
+    )
   _common.check_delay(delay)
+  if anneal_steps < 2 and delay > 1:
+    raise ValueError(
+      f"anneal_steps={anneal_steps} reschedules nothing: the first step "
+      "is counted as step 1 of K, already the end of the annealing; use "
+      "K >= 2"
+    )
   if anneal_steps < 1:
     raise ValueError(f"anneal_steps must be >= 1, got {anneal_steps}")
   if delay <= 1:

@@ -65,6 +65,7 @@ def weight_predictor(
   b2: float = 0.999,
   eps: float = 1e-8,
   weight_decay: float = 0.0,
+  weight_decay_mask: Any = None,
 ) -> Predictor:
   r"""Closed-form weight prediction for SGD, Adam and AdamW (FTPipe §3).
 
@@ -92,6 +93,17 @@ def weight_predictor(
 
   FTPipe's quirk of adding :math:`\lambda\hat\theta` into the real gradient
   (Adam aggmsnag with L2) is not reproduced. Nesterov is ignored, as there.
+  With ``grad``, FTPipe's frozen :math:`\nu` also leaves out the
+  :math:`(1-\beta_2)\phi^2` a real step adds (so the first step is larger
+  than Adam's where :math:`\phi^2` is large against :math:`\nu`); where
+  :math:`\nu = 0` (before the first step, or an element no gradient has
+  reached yet) that step would be :math:`\eta\phi/\epsilon`, so there
+  :math:`\nu = (1-\beta_2)\phi^2` is taken, as Adam's step would.
+  ``replay_predictor`` is exact for any optimizer.
+
+  The learning rate is the one ``optax.inject_hyperparams`` holds in the
+  state where there is one (it may have been changed since), else
+  ``learning_rate``.
 
   Args:
     optimizer: "sgd", "adam" or "adamw": how ``opt_state`` was built.
@@ -103,6 +115,9 @@ def weight_predictor(
     eps: Adam's epsilon.
     weight_decay: :math:`\lambda`; L2 for "sgd"/"adam", decoupled for "adamw"
       (note ``optax.adamw``'s own default is 1e-4: pass the same value).
+    weight_decay_mask: the optimizer's decay mask (``optax.adamw(mask=)``,
+      ``add_decayed_weights(mask=)``): a pytree of bools like the params or
+      a callable of them; None decays every leaf.
 
   Returns:
     ``predict(params, opt_state, delay, *, grad=None, learning_rates=None)``
@@ -146,7 +161,10 @@ def weight_predictor(
           f"learning_rates must be 1-D [delay], got shape {lrs.shape}"
         )
       return lambda k: lrs[k]
-    if callable(learning_rate):
+    current = _common.injected_learning_rate(opt_state)
+    if current is not None:
+      pass
+    elif callable(learning_rate):
       current = _common.value_at(learning_rate, _common.step_count(opt_state))
     else:
       current = jnp.asarray(learning_rate)
@@ -164,22 +182,21 @@ def weight_predictor(
     _common.check_state_matches(opt_state, optimizer, "weight prediction")
     lr_at = lr_fn(opt_state, learning_rates)
     delay = jnp.maximum(jnp.asarray(delay, jnp.int32), 0)
-    if optimizer == "sgd":
-      new = _predict_sgd(
-        params, opt_state, delay, grad, lr_at, momentum, weight_decay
+
+    def predicted(decay):
+      if optimizer == "sgd":
+        return _predict_sgd(
+          params, opt_state, delay, grad, lr_at, momentum, decay
+        )
+      return _predict_adam(
+        params, opt_state, delay, grad, lr_at, optimizer, b1, b2, eps, decay
       )
-    else:
-      new = _predict_adam(
-        params,
-        opt_state,
-        delay,
-        grad,
-        lr_at,
-        optimizer,
-        b1,
-        b2,
-        eps,
-        weight_decay,
+
+    new = predicted(weight_decay)
+    if weight_decay_mask is not None:  # Undecayed leaves predicted apart.
+      mask = _common.decay_mask_tree(weight_decay_mask, params)
+      new = jax.tree.map(
+        lambda m, a, b: jnp.where(m, a, b), mask, new, predicted(0.0)
       )
     return optax.tree.cast_like(new, params)
 
@@ -246,6 +263,10 @@ def _predict_adam(
   m0 = jax.tree.map(up, adam.mu, params)
   nu = jax.tree.map(up, adam.nu, params)
   phi = None if grad is None else jax.tree.map(up, grad, params)
+  if phi is not None:  # Where no step has reached nu, the one phi takes.
+    nu = _map_optional(
+      lambda u, g: jnp.where(u == 0, (1.0 - b2) * jnp.square(g), u), nu, phi
+    )
 
   def body(k, carry):
     theta, m = carry

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jpipe.staleness import _common
+
 
 class WeightStash(NamedTuple):
   """Stashed forward-time params, one slot per in-flight microbatch."""
@@ -22,9 +24,8 @@ class WeightStash(NamedTuple):
 
 def stash_slots_for_delay(delay: int) -> int:
   """Slots a stage with delay ``delay`` needs: d + 1 (PipeDream)."""
-  if delay < 0:
-    raise ValueError(f"delay must be >= 0, got {delay}")
-  return delay + 1
+  _common.check_delay(delay)
+  return int(delay) + 1
 
 
 def stash_init(params: optax.Params, num_slots: int) -> WeightStash:
@@ -73,7 +74,8 @@ def stash_holds(
 ) -> jax.Array:
   """Whether the slot of ``microbatch`` holds that microbatch (bool [])."""
   slot = _slot(stash, microbatch)
-  return stash.microbatch[slot] == jnp.asarray(microbatch, jnp.int32)
+  mb = jnp.asarray(microbatch, jnp.int32)
+  return (stash.microbatch[slot] == mb) & (mb >= 0)  # (-1 marks empty.)
 
 
 def stash_nbytes(stash: WeightStash) -> int:

@@ -27,6 +27,10 @@ def staleness(config, learning_rate=None) -> Staleness:
       "learning_rate": learning_rate,
       "weight_decay": config.optimizer.weight_decay,
     }
+    if config.optimizer.no_decay:  # The optimizer's own mask.
+      options["weight_decay_mask"] = optimizers.decay_mask(
+        config.optimizer.no_decay
+      )
   return Staleness(
     recompute=config.pipeline.recompute,
     step_every=config.schedule.step_every if streams(config) else 1,
@@ -96,7 +100,7 @@ def pipemare_anneal_steps(config) -> int | None:
   0 -> None (off), -1 -> a quarter of the run's optimizer steps."""
   k = config.staleness.pipemare_anneal_steps
   if k == -1:
-    return max(1, config.train.steps * steps_per_call(config) // 4)
+    return max(2, config.train.steps * steps_per_call(config) // 4)
   return k or None
 
 

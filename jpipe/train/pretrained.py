@@ -318,7 +318,9 @@ def _read_orbax(path: str):
       if len(numbered) == 1:
         raise
       earlier = os.path.join(path, numbered[-2])
-      raise type(e)(f"{e}. The checkpoint before it: init_from={earlier}") from e
+      raise type(e)(
+        f"{e}. The checkpoint before it: init_from={earlier}"
+      ) from e
   if path == steps:
     raise PretrainedError(
       f"{os.path.dirname(steps)} is a jpipe workdir without a checkpoint "

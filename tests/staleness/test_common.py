@@ -92,8 +92,10 @@ def test_preserves_bf16(name):
     )
     if isinstance(s, staleness.GapAwareState)
   ]
+  # Gap-Aware's statistic is float32 whatever the params: in bfloat16
+  # beta = 0.999 is 1 (test_optax_idioms.py).
   assert ga and all(
-    a.dtype == jnp.bfloat16 for a in jax.tree.leaves(ga[0].sq_avg)
+    a.dtype == jnp.float32 for a in jax.tree.leaves(ga[0].sq_avg)
   )
 
 

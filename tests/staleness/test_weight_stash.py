@@ -56,5 +56,6 @@ def test_traced_ids_and_empty_slots():
 def test_bad_sizes_raise():
   with pytest.raises(ValueError, match="num_slots must be >= 1"):
     staleness.stash_init(_params(0.0), 0)
-  with pytest.raises(ValueError, match="delay must be >= 0"):
-    staleness.stash_slots_for_delay(-1)
+  for delay in (-1, 2.5, "3"):  # (2.5 gave 3.5 slots.)
+    with pytest.raises(ValueError, match="delay must be an integer >= 0"):
+      staleness.stash_slots_for_delay(delay)

@@ -8,7 +8,14 @@ import numpy as np
 import optax
 import pytest
 
-from jpipe.train import base_config, config_check, optimizers, train_lib
+from jpipe import staleness
+from jpipe.train import (
+  base_config,
+  config_check,
+  config_options,
+  optimizers,
+  train_lib,
+)
 from jpipe.train.errors import UsageError
 
 
@@ -117,6 +124,29 @@ def test_no_decay_skips_the_leaves_its_patterns_find(name, expected):
   unmasked = _updates(expected(None))
   assert not np.allclose(built["b"], unmasked["b"])
   np.testing.assert_allclose(built["w"], unmasked["w"], rtol=1e-6)
+
+
+def test_gap_aware_takes_the_optimizers_decay_mask():
+  """Gap-Aware's decay terms follow no_decay as the optimizer's do (it
+  penalised AdamW's decay on every leaf: an anti-decay on the biases)."""
+  config = _config(
+    "adamw",
+    weight_decay=0.5,
+    **{
+      "optimizer.no_decay": "^b$",
+      "schedule.name": "async",
+      "staleness.gap_aware": "ga",
+    },
+  )
+  options = config_options.staleness(config, 0.01).gap_aware_options
+  params = {"w": jnp.ones((3, 4)), "b": jnp.ones((4,))}
+  assert options["weight_decay_mask"](params) == {"w": True, "b": False}
+  tx = staleness.gap_aware(train_lib.build_optimizer(config, 0.01), **options)
+  stale = jax.tree.map(lambda p: p + 0.3, params)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero, tx.init(params), params, stale_params=stale)
+  np.testing.assert_allclose(updates["b"], 0.0, atol=1e-7)  # Nothing moves.
+  assert float(updates["w"][0, 0]) < 0  # The decay, penalised.
 
 
 @pytest.mark.parametrize(

@@ -78,12 +78,12 @@ def _check_delay_corrections(
   source of the last stage's optimizer, no prediction (it replays
   ``optimizer``, not the stage's own)."""
   if pipemare_anneal_steps is not None and not (
-    isinstance(pipemare_anneal_steps, int) and pipemare_anneal_steps >= 1
+    isinstance(pipemare_anneal_steps, int) and pipemare_anneal_steps >= 2
   ):
     raise ValueError(
-      f"pipemare_anneal_steps must be an int >= 1 (optimizer steps over "
-      f"which a stage's rate returns from 1/delay to 1), got "
-      f"{pipemare_anneal_steps!r}"
+      f"pipemare_anneal_steps must be an int >= 2 (optimizer steps over "
+      f"which a stage's rate returns from 1/delay to 1; 1 would reschedule "
+      f"nothing), got {pipemare_anneal_steps!r}"
     )
   if stage_optimizer is not None and not callable(stage_optimizer):
     raise ValueError(
