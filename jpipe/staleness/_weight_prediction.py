@@ -180,6 +180,7 @@ def weight_predictor(
           f"delay={int(delay)}"
         )
     _common.check_state_matches(opt_state, optimizer, "weight prediction")
+    _check_one_optimizer(opt_state)
     lr_at = lr_fn(opt_state, learning_rates)
     delay = jnp.maximum(jnp.asarray(delay, jnp.int32), 0)
 
@@ -201,6 +202,21 @@ def weight_predictor(
     return optax.tree.cast_like(new, params)
 
   return predict
+
+
+def _check_one_optimizer(opt_state) -> None:
+  """A ValueError where ``optax.masked`` / ``multi_transform`` left leaves
+  out of the optimizer (MaskedNode in its state): the closed forms read
+  one optimizer over every leaf."""
+  masked = jax.tree.leaves(
+    opt_state, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+  )
+  if any(isinstance(x, optax.MaskedNode) for x in masked):
+    raise ValueError(
+      "weight_predictor's closed forms read one optimizer over every leaf, "
+      "but optax.masked / multi_transform leaves some out of it: use "
+      "staleness.replay_predictor(tx) (any optax optimizer, exact)"
+    )
 
 
 def _predict_sgd(params, opt_state, delay, grad, lr_at, momentum, weight_decay):

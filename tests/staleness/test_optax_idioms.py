@@ -241,3 +241,15 @@ def test_pipemare_refuses_what_it_would_ignore():
 def test_delay_aware_nesterov_checks_the_delay_without_adaptive():
   with pytest.raises(ValueError, match="0 <= delay < num_stages"):
     staleness.delay_aware_nesterov(1e-3, delay=7, num_stages=4)
+
+
+def test_closed_form_prediction_with_masked_leaves_names_the_replay():
+  """optax.masked: "'MaskedNode' object has no attribute 'astype'"."""
+  params = {"a": jnp.ones(2), "frozen": jnp.ones(2)}
+  tx = optax.masked(optax.sgd(0.1, momentum=0.9), {"a": True, "frozen": False})
+  state = tx.init(params)
+  predict = staleness.weight_predictor("sgd", learning_rate=0.1, momentum=0.9)
+  with pytest.raises(ValueError, match=r"use staleness.replay_predictor\(tx\)"):
+    predict(params, state, 2)
+  replayed = staleness.replay_predictor(tx)(params, state, 2)
+  assert set(replayed) == {"a", "frozen"}
