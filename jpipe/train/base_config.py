@@ -207,7 +207,9 @@ def _staleness_fields(c: ml_collections.ConfigDict) -> None:
   c.staleness = ml_collections.ConfigDict()
   c.staleness.stashing = False  # Weight stashing.
   c.staleness.prediction = ""  # "", "msnag" or "aggmsnag".
-  c.staleness.gap_aware = ""  # "", "ga" or "ga_jfl".
+  # "", "ga", "ga_jfl" or "ga_from_grad" (FTPipe's estimate, no stash:
+  # with gap_aware_policy=almost_last_partition).
+  c.staleness.gap_aware = ""
   c.staleness.gap_aware_policy = "all_except_last"  # FTPipe's stage policy.
   # FTPipe's: a delay-0 forward predicted one step ahead (needs prediction).
   c.staleness.nag_with_predictor = False

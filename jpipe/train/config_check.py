@@ -379,6 +379,18 @@ def _check_staleness(config, need, problems) -> None:
     f"{opt.name!r}: use one of them, or weight prediction (any optimizer) "
     f"or stashing",
   )
+  # (Stage s of n is n - 1 - s steps late; the estimate is one step's.)
+  late = {
+    "all_except_last": config.pipeline.num_stages > 2,
+    "all_except_last_two": True,
+  }.get(st.gap_aware_policy, False)
+  need(
+    st.gap_aware != "ga_from_grad" or not late,
+    "staleness.gap_aware_policy",
+    f"{st.gap_aware_policy!r} puts gap_aware='ga_from_grad' on stages 2 or "
+    "more steps late, but it estimates one step's gap (FTPipe's "
+    "apply_from_grad): use almost_last_partition, or gap_aware='ga'",
+  )
   need(
     not st.nesterov_last_stage or (opt.name == "sgd" and opt.momentum > 0),
     "staleness.nesterov_last_stage",

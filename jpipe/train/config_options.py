@@ -3,7 +3,10 @@ the value ``jpipe.Pipeline`` (or the loop) takes, with the conversions'
 own errors (a size, a schedule file, a cap); ``config_check`` checks the
 rest before any work."""
 
+import inspect
 import os
+
+import optax
 
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
@@ -27,6 +30,8 @@ def staleness(config, learning_rate=None) -> Staleness:
       "learning_rate": learning_rate,
       "weight_decay": config.optimizer.weight_decay,
     }
+    if st.gap_aware == "ga_from_grad" and config.optimizer.name == "adam":
+      options["adam_betas"] = adam_betas(config)
     if config.optimizer.no_decay:  # The optimizer's own mask.
       options["weight_decay_mask"] = optimizers.decay_mask(
         config.optimizer.no_decay
@@ -93,6 +98,16 @@ def steps_per_call(config) -> int:
   if kind.two_versions:  # A whole minibatch a step.
     return m // config.schedule.step_every
   return -(-m // config.schedule.step_every)
+
+
+def adam_betas(config) -> tuple[float, float]:
+  """``(b1, b2)`` of the config's Adam: its ``optimizer.args``, else
+  optax's defaults."""
+  args = optimizers.parse_args(config.optimizer.args)
+  defaults = inspect.signature(optax.adam).parameters
+  return tuple(
+    float(args.get(name, defaults[name].default)) for name in ("b1", "b2")
+  )
 
 
 def pipemare_anneal_steps(config) -> int | None:

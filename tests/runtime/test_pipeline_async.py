@@ -96,8 +96,12 @@ def _reference(pipe, params, streams, tx, opts):
     "almost_last_partition": lambda depth: depth == 1,
     "all_except_last_two": lambda depth: depth >= 2,
   }[opts.get("gap_aware_policy", "all_except_last")]
+  # ga_from_grad: no stale params, the step's delay (FTPipe's from_grad).
+  from_grad = ga == "ga_from_grad"
   txs = [
-    staleness.gap_aware(tx, **opts["gap_aware_options"])
+    staleness.gap_aware(tx, **opts["gap_aware_options"], gap_from_grad=True)
+    if from_grad and applies_ga(n - 1 - s)
+    else staleness.gap_aware(tx, **opts["gap_aware_options"])
     if ga and applies_ga(n - 1 - s)
     else tx
     for s in range(n)
@@ -143,7 +147,7 @@ def _reference(pipe, params, streams, tx, opts):
     versions = [[p] for p in current]
     states = [[st] for st in state]
     window = {b: min(se, num - b // se * se) for b in range(num)}
-    pending, grads, acc, used = {}, {}, [None] * n, {}
+    pending, grads, acc, used, delays = {}, {}, [None] * n, {}, {}
     for b, mb in enumerate(stream):
       local = stages.split_batch(mb)
       values, fwd, inputs = {}, {}, {}
@@ -152,6 +156,7 @@ def _reference(pipe, params, streams, tx, opts):
         v = max(b // se - 1, 0) if two_bw else max(b - w, 0) // se
         theta = versions[s][v]
         delay = b // se - v  # steps until the one applying b
+        delays[(s, b)] = delay
         if nag and delay == 0:
           delay = 1
         if last_tx is not None and s == n - 1:
@@ -205,7 +210,9 @@ def _reference(pipe, params, streams, tx, opts):
             if (s, pos) in pending:
               g[pos] = g[pos] + pending.pop((s, pos))
           p, st = versions[s][-1], states[s][-1]
-          if ga and applies_ga(n - 1 - s):
+          if from_grad and applies_ga(n - 1 - s):
+            updates, st = txs[s].update(tuple(g), st, p, delay=delays[(s, b)])
+          elif ga and applies_ga(n - 1 - s):
             updates, st = txs[s].update(tuple(g), st, p, stale_params=fwd[s])
           else:
             updates, st = txs[s].update(tuple(g), st, p)
@@ -374,6 +381,49 @@ def test_async_streams_like_the_reference(opts):
     assert ("loss" in m) == (call != "flush")
     if call != "flush":
       assert np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.parametrize("prediction", [None, "msnag"])
+def test_gap_aware_from_grad_streams_like_the_reference(prediction):
+  """FTPipe's Gap-Aware without a stash on its almost-last stage (delay
+  1): the gap estimated from the gradient at the step's delay (0 in a
+  stream's first steps, after each flush), no forward params kept."""
+  opts = dict(
+    gap_aware="ga_from_grad",
+    gap_aware_options=GA_SGD,
+    gap_aware_policy="almost_last_partition",
+    prediction=prediction,
+  )
+  unrecorded, _, _ = mlp_pipeline(
+    "async", SGD, NUM_STAGES, num_stages=NUM_STAGES, **opts
+  )
+  assert not unrecorded.driver.policy.keeps_forward_params
+  pipe, params, _ = _build(opts, SGD)
+  _check_against_reference(pipe, params, SGD, opts, CALLS)
+  # The estimate acted: the exact gap ('ga') ends elsewhere.
+  exact, _, _ = _build(dict(opts, gap_aware="ga"), SGD)
+  data = _mlp_data(sum(c for c in CALLS if c != "flush"))
+  ends = [
+    _run_calls(p, p.init(params), data, CALLS)[0].stage_params[NUM_STAGES - 2]
+    for p in (pipe, exact)
+  ]
+  assert not all(
+    np.allclose(a, b, atol=1e-6)
+    for a, b in zip(*map(jax.tree.leaves, ends), strict=True)
+  )
+
+
+def test_gap_aware_from_grad_is_refused_where_it_cannot_estimate():
+  """On a stage 2+ steps late, beside a stash (the exact gap is free)
+  and for AdamW: one line each, naming the fix."""
+  base = dict(gap_aware="ga_from_grad", gap_aware_options=GA_SGD)
+  with pytest.raises(ValueError, match="on a stage 2 steps late: use "):
+    _build(base, SGD)
+  with pytest.raises(ValueError, match="the stash gives the exact gap"):
+    _build(dict(base, weight_stashing=True), SGD)
+  adamw = {"optimizer": "adamw", "learning_rate": 0.3}
+  with pytest.raises(ValueError, match="FTPipe has none for AdamW"):
+    _build(dict(base, gap_aware_options=adamw), optax.adamw(0.3))
 
 
 FTPIPE_OPTIONS = {

@@ -149,6 +149,33 @@ def test_gap_aware_takes_the_optimizers_decay_mask():
   assert float(updates["w"][0, 0]) < 0  # The decay, penalised.
 
 
+def test_gap_aware_from_grad_trains_from_the_config(tmp_path):
+  """FTPipe's Gap-Aware without a stash, from the CLI's config: Adam's
+  betas from optimizer.args reach the estimate; it trains."""
+  config = _config(
+    "adam",
+    args="b1=0.8",
+    **{
+      "schedule.name": "async",
+      "staleness.gap_aware": "ga_from_grad",
+      "staleness.gap_aware_policy": "almost_last_partition",
+      "pipeline.num_stages": 3,
+      "optimizer.learning_rate": 0.01,
+      "train.steps": 4,
+      "train.eval_every": 4,
+      "model.kwargs.hidden": (16, 16),
+    },
+  )
+  config_check.check(config)
+  options = config_options.staleness(config, 0.01).gap_aware_options
+  assert options["adam_betas"] == (0.8, 0.999)
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert np.isfinite(summary["eval"]["accuracy"])
+  config.staleness.gap_aware_policy = "all_except_last"
+  with pytest.raises(UsageError, match="on stages 2 or more steps late"):
+    config_check.check(config)
+
+
 @pytest.mark.parametrize(
   "fields, message",
   [

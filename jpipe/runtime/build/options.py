@@ -18,7 +18,7 @@ from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
 
 PREDICTIONS = (None, "msnag", "aggmsnag")
-GAP_AWARE = (None, "ga", "ga_jfl")
+GAP_AWARE = (None, "ga", "ga_jfl", "ga_from_grad")
 PARTIAL_WINDOWS = ("mean", "ftpipe")
 # FTPipe's stage policies for Gap-Aware, by stage depth (n - 1 - s).
 GAP_AWARE_POLICIES = {
@@ -139,6 +139,24 @@ def _check_combinations(kind, st: "Staleness") -> None:
     _check_gap_aware(
       st.gap_aware, st.gap_aware_options, st.step_every, st.recompute
     )
+  if st.gap_aware == "ga_from_grad":
+    _check_gap_from_grad(st.gap_aware_options, st.weight_stashing)
+
+
+def _check_gap_from_grad(options, weight_stashing) -> None:
+  """FTPipe's estimate from the gradient: SGD's or Adam's, without a
+  stash (a stash gives the exact gap at no cost)."""
+  if weight_stashing:
+    raise ValueError(
+      "gap_aware='ga_from_grad' estimates the gap where no stash is kept; "
+      "with weight stashing the stash gives the exact gap: use "
+      "gap_aware='ga'"
+    )
+  if options["optimizer"] == "adamw":
+    raise ValueError(
+      "gap_aware='ga_from_grad' has estimates for 'sgd' and 'adam' (FTPipe "
+      "has none for AdamW): use gap_aware='ga' (the exact gap)"
+    )
 
 
 def _check_ftpipe_stale(kind, st: "Staleness") -> None:
@@ -242,7 +260,10 @@ class Staleness:
     gap_aware: ``async``: None, "ga" (FTPipe's Gap-Aware; the gap is
       between the params the forward used and those the step updates) or
       "ga_jfl" (the same gap, but the backward recomputes at the current
-      params: only the loss signal is stale; needs recompute).
+      params: only the loss signal is stale; needs recompute) or
+      "ga_from_grad" (FTPipe's estimate of a one-step-late stage's gap from
+      its gradient, no forward params kept: SGD, Adam -- give Adam's
+      ``adam_betas`` in ``gap_aware_options`` -- on stages of delay 1).
     gap_aware_options: keyword arguments of ``staleness.gap_aware``
       (``optimizer`` "sgd" | "adam" | "adamw", ``learning_rate``,
       ``weight_decay``, ``beta``...); required with ``gap_aware``.
@@ -394,7 +415,17 @@ class Staleness:
       return None
     if not GAP_AWARE_POLICIES[self.gap_aware_policy](delay):
       return None
-    return dict(self.gap_aware_options)
+    if self.gap_aware != "ga_from_grad":
+      return dict(self.gap_aware_options)
+    if delay > 1:
+      raise ValueError(
+        f"gap_aware='ga_from_grad' estimates one step's gap (FTPipe's "
+        f"apply_from_grad), but gap_aware_policy={self.gap_aware_policy!r} "
+        f"puts it on a stage {delay} steps late: use "
+        "gap_aware_policy='almost_last_partition' (the stage 1 step late), "
+        "or gap_aware='ga' (the exact gap)"
+      )
+    return dict(self.gap_aware_options, gap_from_grad=True)
 
 
 def staleness_from_keywords(

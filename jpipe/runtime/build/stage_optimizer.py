@@ -117,6 +117,8 @@ class StageOptimizer:
     self.positions = tuple(positions)
     self.base_tx = tx
     self.gap_aware = gap_aware is not None
+    # Its step takes the delay where a GA step takes the stale params.
+    self.gap_from_grad = bool(gap_aware and gap_aware.get("gap_from_grad"))
     self.tx = staleness.gap_aware(tx, **gap_aware) if self.gap_aware else tx
     # Keys in the state draw a stream of the stage's own (``stage_keys``).
     self._tx_update = stage_keyed(self.tx.update, stage)
@@ -287,7 +289,8 @@ class StageOptimizer:
     """The step as a traceable function (``update`` is it jitted; a stage
     program may end with it, ``StagePrograms.with_step``): new
     (params, opt_state) from ``scale * grads``, the update times
-    ``update_scale``; ``stale_params`` only on a GA stage. ``scale``
+    ``update_scale``; ``stale_params`` only on a GA stage (its delay, an
+    int32 scalar, with ``gap_from_grad``). ``scale``
     (traced) turns a window's gradient sum into its mean where the window
     ended short (a flush); ``update_scale`` is FTPipe's learning rate
     times r / step_every there instead. ``params`` (and ``stale_params``)
@@ -298,7 +301,9 @@ class StageOptimizer:
     g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
     stored = opt_state
     state = self._structured(self.state_tree(opt_state), p)
-    if self.gap_aware:
+    if self.gap_from_grad:
+      updates, state = self._tx_update(g, state, p, delay=stale_params)
+    elif self.gap_aware:
       stale = self.as_dict(leaves_of(stale_params))
       updates, state = self._tx_update(g, state, p, stale_params=stale)
     else:

@@ -9,6 +9,7 @@ weight stashing (ws)   current params               the forward's params
 prediction (wp)        predict(current, state, d)   current params
 ws + wp                predict(current, state, d)   the forward's (predicted)
 ga_jfl                 as above                     current params
+ga_from_grad           as above (none kept)         as above
 2bw                    W(t-1) (minibatch t)         the forward's params
 =====================  ===========================  =========================
 
@@ -60,7 +61,7 @@ class VersionPolicy:
     )
     # A backward, a Gap-Aware step or a report may need F's params later.
     self.keeps_forward_params = (
-      self.backward_at_forward or gap_aware is not None or record
+      self.backward_at_forward or gap_aware in ("ga", "ga_jfl") or record
     )
 
   def forward_version(self, s: int, b: int) -> int | None:

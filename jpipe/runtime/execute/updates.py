@@ -157,7 +157,11 @@ class UpdateRunner:
     applying the microbatches of ``group``."""
     d, s = self.d, work.s
     opt = d.optimizers[s]
-    stale = work.forward_params[group[-1]] if opt.gap_aware else None
+    stale = None
+    if opt.gap_from_grad:  # How late: the estimate applies at delay 1.
+      stale = d.device_scalar(s, int(d.stream.delay(s, group[-1])))
+    elif opt.gap_aware:
+      stale = work.forward_params[group[-1]]
     # Each loss cotangent was 1 / step_every: a short window (at a flush)
     # is rescaled to its own mean, or (FTPipe's) kept as the sum over
     # the stage's window and its update scaled by r / window.
