@@ -280,8 +280,8 @@ def _save_failed(directory: str, step: int, intact, error) -> str:
       "or use another --workdir"
     )
   return (
-    f"saving step {step} to {directory} failed ({type(error).__name__}: "
-    f"{error}); {kept}: fix the cause and run the same command to resume"
+    f"saving step {step} to {directory} failed ({orbax_error(error)}); "
+    f"{kept}: fix the cause and run the same command to resume"
   )
 
 
