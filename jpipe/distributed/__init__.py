@@ -8,6 +8,7 @@ each stage in the process that owns its devices.
 
 from jpipe.distributed._initialize import initialize, is_main_process
 from jpipe.distributed._sync import (
+  PeerTimeout,
   agree,
   allgather,
   arrays_everywhere,
@@ -23,6 +24,7 @@ from jpipe.distributed._sync import (
 )
 
 __all__ = [
+  "PeerTimeout",
   "agree",
   "allgather",
   "arrays_everywhere",

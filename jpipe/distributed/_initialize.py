@@ -19,8 +19,11 @@ ends the process at once (``os._exit``), so its peers' next transfer
 fails instead of waiting in the shutdown barrier for minutes.
 """
 
+import errno
 import os
+import socket
 import sys
+import threading
 import traceback
 
 import jax
@@ -95,18 +98,68 @@ def initialize(
     raise ValueError(
       f"JAX_PROCESS_ID={process_id} is not in 0 .. {num_processes - 1}"
     )
+  if process_id == 0 and coordinator_address:
+    _check_port_free(coordinator_address)
   # gloo runs CPU collectives (the transfers between stages).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=coordinator_address,
-    num_processes=num_processes,
-    process_id=process_id,
-    heartbeat_timeout_seconds=heartbeat_timeout_s,
-    shutdown_timeout_seconds=shutdown_timeout_s,
-    initialization_timeout=initialization_timeout_s,
+  # JAX aborts (C++, no Python error) when not every process joins in
+  # time, saying only "another task died": say first who waited for what.
+  late = threading.Timer(
+    max(initialization_timeout_s - 3, 1),
+    _say_not_joined,
+    (coordinator_address, num_processes, process_id, initialization_timeout_s),
   )
+  late.daemon = True
+  late.start()
+  try:
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      heartbeat_timeout_seconds=heartbeat_timeout_s,
+      shutdown_timeout_seconds=shutdown_timeout_s,
+      initialization_timeout=initialization_timeout_s,
+    )
+  finally:
+    late.cancel()
   sys.excepthook = _exit_at_once
   return True
+
+
+def _check_port_free(address: str) -> None:
+  """Process 0 serves the coordinator at ``address``'s port: a port in
+  use (another run's coordinator) crashed it with a segmentation fault."""
+  port = address.rsplit(":", 1)[-1]
+  if not port.isdigit():
+    raise ValueError(
+      f"JAX_COORDINATOR_ADDRESS={address!r} has no port: give host:port"
+    )
+  with socket.socket() as s:
+    # (A closed run's connections in TIME_WAIT do not count; a listener
+    # does, on Linux, even with this.)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind(("", int(port)))
+    except OSError as e:
+      if e.errno != errno.EADDRINUSE:
+        return  # (Not ours to judge: JAX reports it.)
+      raise ValueError(
+        f"JAX_COORDINATOR_ADDRESS={address}: port {port} is in use on "
+        "this host (another run's coordinator?); choose a free port "
+        "(python -m jpipe.launch picks one)"
+      ) from None
+
+
+def _say_not_joined(address, num_processes, process_id, timeout_s) -> None:
+  sys.stderr.write(
+    f"jpipe: process {process_id} has waited {timeout_s - 3} s for all "
+    f"{num_processes} processes to join at {address} (JAX gives up at "
+    f"{timeout_s} s): start every process (python -m jpipe.launch --nprocs "
+    f"{num_processes} starts them all), each with its own JAX_PROCESS_ID, "
+    "and check the address is process 0's host and port, reachable from "
+    "here\n"
+  )
+  sys.stderr.flush()
 
 
 def is_main_process() -> bool:

@@ -37,6 +37,7 @@ In one process every function here is a plain local operation.
 """
 
 import os
+import time
 import weakref
 from typing import Any
 
@@ -80,10 +81,25 @@ def barrier(name: str, timeout_s: float = 900.0) -> None:
   c.wait_at_barrier(f"jpipe/{name}/{n}", int(timeout_s * 1e3))
 
 
-def exchange(name: str, data: bytes) -> list[bytes]:
+class PeerTimeout(RuntimeError):
+  """A process did not send its part of an exchange in time."""
+
+  def __init__(self, name: str, process: int, timeout_s: float):
+    super().__init__(
+      f"process {process} sent nothing to exchange {name!r} within "
+      f"{timeout_s:.0f} s"
+    )
+    self.process = process
+
+
+def exchange(
+  name: str, data: bytes, timeout_s: float | None = None
+) -> list[bytes]:
   """Every process's ``data``, by process index (a host all-gather
   through the key-value store; every process calls it with the same
-  ``name``, in the same order)."""
+  ``name``, in the same order). ``timeout_s``: a PeerTimeout naming the
+  first process that sent nothing by then (default: wait as long as any
+  watchdog does)."""
   c = client()
   if c is None:
     return [data]
@@ -92,12 +108,22 @@ def exchange(name: str, data: bytes) -> list[bytes]:
   if _skipped_for_test(name):  # (It counts the use, as the others do.)
     return [data] * jax.process_count()
   c.key_value_set_bytes(f"jpipe/x/{name}/{n}/{me}", data)
-  out = [
-    data
-    if q == me
-    else c.blocking_key_value_get_bytes(f"jpipe/x/{name}/{n}/{q}", _WAIT_MS)
-    for q in range(jax.process_count())
-  ]
+  deadline = None if timeout_s is None else time.monotonic() + timeout_s
+  out = []
+  for q in range(jax.process_count()):
+    if q == me:
+      out.append(data)
+      continue
+    wait_ms = _WAIT_MS
+    if deadline is not None:
+      wait_ms = max(int((deadline - time.monotonic()) * 1e3), 1)
+    key = f"jpipe/x/{name}/{n}/{q}"
+    try:
+      out.append(c.blocking_key_value_get_bytes(key, wait_ms))
+    except jax.errors.JaxRuntimeError as e:
+      if deadline is None or "DEADLINE_EXCEEDED" not in str(e):
+        raise
+      raise PeerTimeout(name, q, timeout_s) from None
   # Every process set its key of use n after reading all of use n - 1:
   # nobody reads this process's key of n - 1 any more.
   if n > 1:

@@ -546,6 +546,11 @@ def check_devices(config, devices) -> None:
   raise UsageError(
     f"config.pipeline.num_stages: {what} need {stages * p} devices, {have}; "
     f"use at most {most} stages"
-    + (" per pipeline" if p > 1 else "")
+    + (
+      f" per pipeline, or at most {max(n // stages, 1)} pipelines "
+      "(--config.data_parallel.pipelines)"
+      if p > 1
+      else ""
+    )
     + ", or --config.pipeline.partition=mixed (several stages per device)"
   )

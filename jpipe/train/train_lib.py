@@ -29,6 +29,7 @@ from jpipe.train import (
   loop,
   optimizers,
   pretrained,
+  process_agreement,
   tasks,
   workdir_lock,
 )
@@ -174,10 +175,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   it).
   """
   run = run_lib.describe(config)
+  process_agreement.check_same_run(config)
   config_check.check_devices(config, jax.devices())
   say = print if jax.process_index() == 0 else _quiet
   _check_workdir(workdir)
   with workdir_lock.held(workdir, say):
+    process_agreement.check_shared_workdir(workdir)
     return _train(run, config, workdir, say)
 
 

@@ -1,9 +1,18 @@
 """``jpipe.distributed.initialize`` reads its environment, and
 ``jpipe.launch`` writes it (no processes started here)."""
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from jpipe import distributed, launch
+from jpipe.launch._processes import _free_port
+from tests.distributed.processes import environment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def _clear(monkeypatch):
@@ -141,3 +150,37 @@ def test_sigterm_to_the_launcher_goes_to_every_process(tmp_path, ignore):
   else:
     assert code == 3
     assert "[launch] process 0 exited with status 3" in text
+
+
+def test_a_coordinator_port_in_use_is_named_before_jax_starts(monkeypatch):
+  """Process 0 on a port another run's coordinator holds: a segmentation
+  fault before; now one line (nothing of JAX's is started)."""
+  _clear(monkeypatch)
+  with socket.socket() as held:
+    held.bind(("", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    with pytest.raises(ValueError, match=f"port {port} is in use on this"):
+      distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+
+
+def test_a_process_that_never_joins_is_explained_before_jax_aborts():
+  """JAX's abort says only "another task died": jpipe says first that
+  it waited for the others to join, where, and what to check."""
+  script = (
+    "from jpipe import distributed\n"
+    f"distributed.initialize('127.0.0.1:{_free_port()}', 2, 1, "
+    "initialization_timeout_s=4)\n"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", script],
+    env=environment(PYTHONPATH=ROOT),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode != 0
+  assert (
+    "jpipe: process 1 has waited 1 s for all 2 processes to join at "
+    "127.0.0.1:" in done.stderr
+  ), done.stderr[-2000:]

@@ -112,6 +112,17 @@ def test_too_few_devices_names_the_replicas_when_they_add_up_past_them():
   )
   with pytest.raises(ValueError, match="num_stages: 9 stages need 9 devices"):
     config_check.check_devices(config, jax.devices())
+  # Several pipelines: fewer of them is a fix too.
+  config = config_cli.load_with_overrides(
+    "configs/sdpipe.py",
+    ["--config.data_parallel.pipelines=4", "--config.pipeline.num_stages=3"],
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"4 pipelines x 3 stages need 12 devices.*use at most 2 stages "
+    r"per pipeline, or at most 2 pipelines",
+  ):
+    config_check.check_devices(config, jax.devices())
 
 
 @pytest.mark.parametrize(
