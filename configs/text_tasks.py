@@ -2,8 +2,10 @@ r"""Fine-tuning on TFDS text tasks: GLUE / SuperGLUE classification, SQuAD,
 translation; text-to-text for T5, with a head for GPT.
 
 The argument is DATASET[,MODEL]: DATASET one of the rows below, MODEL
-``t5`` (default: text-to-text, as FTPipe fine-tunes T5 on RTE, BoolQ, WiC
-and SQuAD) or ``gpt`` (a classification head on the last token, a span
+``t5`` (default: text-to-text with T5 as published, ``jpipe.models.t5_v1``,
+as FTPipe fine-tunes T5 on RTE, BoolQ, WiC and SQuAD; its greedy decoding
+scores the generated text as the papers do: label accuracy, SQuAD's exact
+match and F1, BLEU) or ``gpt`` (a classification head on the last token, a span
 head for SQuAD, a prefix language model for translation). Fields:
 jpipe/train/base_config.py (``text_classification_data``, ``qa_data``,
 ``translation_data``); how each task is posed: jpipe/train/text_tasks.py.
@@ -74,16 +76,19 @@ def get_config(arg: str = "rte"):
   c.data = data()
   if dataset == "mnli":
     c.data.eval_split = "validation_matched"
-  c.model.name = model
+  c.model.name = "gpt" if model == "gpt" else "t5_v1"
   c.model.kwargs.vocab_size = 257  # Bytes shifted past padding id 0.
-  c.model.kwargs.width = 128
   c.model.kwargs.num_heads = 4
   if model == "gpt":
+    c.model.kwargs.width = 128
     c.model.kwargs.num_layers = 4
     # The whole input: source + target for translation.
     c.model.kwargs.max_length = c.data.sequence_length
     c.model.kwargs.num_classes = classes
-  else:
+  else:  # A small T5 (--config.model.size=... for a published one).
+    c.model.kwargs.d_model = 128
+    c.model.kwargs.d_kv = 32
+    c.model.kwargs.d_ff = 512
     c.model.kwargs.num_layers = 2  # Per stack (encoder, decoder).
 
   c.optimizer.name = "adamw"

@@ -365,14 +365,20 @@ def _register_text_builders() -> bool:
   return True
 
 
-def _tfds_source(data, split: str, embedded: str):
-  """``tfds.data_source`` or a UsageError saying how to prepare the data."""
+def _tfds_source(data, split: str, embedded: str | None):
+  """``tfds.data_source`` or a UsageError saying how to prepare the data
+  (``embedded``: the embedded dataset of the same kind, if any)."""
   fix = (
     f"Prepare it where there is internet (`tfds build {data.name} "
     f"--data_dir DIR --file_format array_record`) and set "
-    f"config.data.data_dir=DIR, or use config.data.name='{embedded}' "
-    f"(embedded)"
+    f"config.data.data_dir=DIR"
   )
+  if embedded:
+    fix += f", or use config.data.name='{embedded}' (embedded)"
+  if data.data_dir and not os.path.isdir(data.data_dir):
+    raise UsageError(
+      f"config.data.data_dir={data.data_dir!r} does not exist. {fix}."
+    )
   _tfds_builder(data)  # A name TFDS registers late is registered now.
   try:
     # download=False: a missing dataset would otherwise make TFDS try (and,
@@ -427,7 +433,11 @@ def records(config, split: str):
   builder = stdlib_tasks.BUILDERS.get(config.data.name)
   if builder is not None:
     return prepared_source(builder, split, config.data.data_dir or None)
-  return _tfds_source(config.data, split, embedded="stdlib_text")
+  # The embedded task of the same format (none for classification).
+  embedded = {"qa": "stdlib_qa", "translation": "stdlib_translation"}
+  return _tfds_source(
+    config.data, split, embedded=embedded.get(config.data.format)
+  )
 
 
 def class_names(config, key: str) -> list[str]:

@@ -16,6 +16,7 @@ at the tokenizer's end.
 
 import functools
 
+import jax
 import numpy as np
 
 from jpipe.data import text_examples
@@ -36,8 +37,15 @@ def generation(
   """
   module = {t5_v1.Model: t5_v1, gnmt.Model: gnmt}.get(type(model))
   if module is None:
+    _note(
+      f"note: no generated metrics ({_GENERATED[config.data.format]}): "
+      f"{type(model).__module__}.{type(model).__name__} has no decoding "
+      "step (jpipe.models.t5_v1 and gnmt have one); the teacher-forced "
+      "metrics only"
+    )
     return None
   data = config.data
+  _note_cut_golds(config, encoder, records)
   prefill_fn, decode_fn = module.decode_fns(model)
   source_length = held_out["inputs"].shape[1]
   return evaluation_lib.Generation(
@@ -55,6 +63,50 @@ def generation(
   )
 
 
+_GENERATED = {
+  "classification": "generated label accuracy",
+  "qa": "SQuAD's exact match and F1",
+  "translation": "BLEU",
+}
+
+
+def _note(line: str) -> None:
+  if jax.process_index() == 0:
+    print(line)
+
+
+def _note_cut_golds(config, encoder, records) -> None:
+  """A note when answers or references are longer than the decoder may
+  write (``data.target_length`` tokens, its end included): their scores
+  are capped, as a cut target would be."""
+  data = config.data
+  if data.format == "qa":  # A question is capped if all its answers are.
+    golds = [_golds(data, r) for r in records]
+    lengths = [min(len(x) for x in encoder.ids(g)) for g in golds]
+    what = "answers"
+  elif data.format == "translation":
+    texts = [input_pipeline.as_text(r[data.target_key]) for r in records]
+    lengths = [len(x) for x in encoder.ids(texts)]
+    what = "references"
+  else:
+    return  # (Labels are cut alike on both sides.)
+  over = sum(n + 1 > data.target_length for n in lengths)
+  if over:
+    _note(
+      f"note: {over} of {len(lengths)} held-out {what} need more than "
+      f"data.target_length={data.target_length} tokens (longest "
+      f"{max(lengths) + 1}): the decoder stops there, so their generated "
+      "scores are capped; raise --config.data.target_length"
+    )
+
+
+def _golds(data, record) -> list[str]:
+  return [
+    input_pipeline.as_text(t)
+    for t in np.atleast_1d(record[data.answers_key]["text"])
+  ] or [""]
+
+
 def _scorer(config, encoder, records, targets):
   """``generated ids [N, n] -> metrics`` of the data's format."""
   data = config.data
@@ -70,14 +122,7 @@ def _scorer(config, encoder, records, targets):
       ]
     }
   if data.format == "qa":
-    golds = [
-      [
-        input_pipeline.as_text(t)
-        for t in np.atleast_1d(r[data.answers_key]["text"])
-      ]
-      or [""]
-      for r in records
-    ]
+    golds = [_golds(data, r) for r in records]
 
     def squad(rows):
       got = text_metrics.squad(texts(rows), golds)

@@ -60,6 +60,8 @@ def _token_f1(prediction: str, gold: str) -> float:
   """F1 of the two answers' normalised token multisets."""
   ours = normalize_answer(prediction).split()
   theirs = normalize_answer(gold).split()
+  if not ours or not theirs:  # SQuAD v2's no-answer: right only if both.
+    return float(ours == theirs)
   common = collections.Counter(ours) & collections.Counter(theirs)
   same = sum(common.values())
   if same == 0:
@@ -116,19 +118,27 @@ def bleu(
         "hypothesis the same number"
       )
     streams = [list(r) for r in zip(*references, strict=True)]
-  score = sacrebleu.corpus_bleu(list(hypotheses), streams, tokenize=tokenize)
+  try:
+    score = sacrebleu.corpus_bleu(list(hypotheses), streams, tokenize=tokenize)
+  except KeyError as e:  # (sacrebleu's own: a bare KeyError of the name.)
+    if str(e).strip("'") != tokenize:
+      raise
+    raise ValueError(
+      f"bleu: tokenize={tokenize!r} is not a sacrebleu tokeniser (e.g. "
+      "'13a', 'none', 'intl', 'char', 'zh')"
+    ) from None
   return {"bleu": float(score.score)}
 
 
 def _check_golds(golds) -> None:
-  if isinstance(golds, str) or not golds:
+  if isinstance(golds, str | bytes) or len(golds) == 0:
     raise ValueError(
       f"gold answers must be a non-empty list of strings, got {golds!r}"
     )
 
 
 def _check_lengths(predictions, truths) -> None:
-  if not predictions or len(predictions) != len(truths):
+  if len(predictions) == 0 or len(predictions) != len(truths):
     raise ValueError(
       f"{len(predictions)} predictions for {len(truths)} references: give "
       "one prediction per example (at least one)"

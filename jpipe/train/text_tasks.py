@@ -227,7 +227,13 @@ def _answers(config, record, limit):
 def _text_to_text(config, encoder) -> Posing:
   data = config.data
   task_name = data.name.split("/")[-1].split(":")[0]
-  metric = "accuracy" if data.format == "classification" else "exact_match"
+  # Teacher-forced: every target token the argmax (not SQuAD's exact
+  # match: the generated metrics are, text_generation).
+  metric = (
+    "accuracy"
+    if data.format == "classification"
+    else "teacher_forced_exact_match"
+  )
   if data.format == "classification":  # Read once, not per batch.
     keys = _text_keys(config)
     names = input_pipeline.class_names(config, data.label_key)
@@ -432,8 +438,9 @@ def _span(config, encoder) -> Posing:
 
   def metrics(totals):
     return {
-      "exact_match": totals["exact"] / totals["count"],
-      "f1": totals["f1"] / totals["count"],
+      # Of answer positions in the context, not SQuAD's normalised text.
+      "span_exact_match": totals["exact"] / totals["count"],
+      "span_f1": totals["f1"] / totals["count"],
     }
 
   def check(shape):

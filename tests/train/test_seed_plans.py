@@ -308,7 +308,7 @@ def test_bert_large_small_variant_trains_on_squad_records(tmp_path):
     config.train.steps = 60
     config.train.eval_every = 60
     end = train_lib.train_and_evaluate(config, str(tmp_path / "b"))
-  assert end["eval"]["exact_match"] > start["eval"]["exact_match"]
+  assert end["eval"]["span_exact_match"] > start["eval"]["span_exact_match"]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ BLEU, a plain restatement of BLEU-4."""
 import collections
 import math
 
+import numpy as np
 import pytest
 
 from jpipe.train import text_metrics
@@ -132,3 +133,21 @@ def test_bleu_properties():
   )["bleu"] == pytest.approx(100)
   with pytest.raises(ValueError, match="references per hypothesis differ"):
     text_metrics.bleu(["a", "b"], [["a"], ["b", "c"]])
+
+
+def test_no_answer_questions_score_as_squad_v2_does():
+  """SQuAD v2.0's compute_f1: an empty answer against an empty gold is
+  1 (it was 0: an all-correct batch scored F1 50)."""
+  got = text_metrics.squad(["", "Paris"], [[""], ["Paris"]])
+  assert got == {"exact_match": 100.0, "f1": 100.0}
+  assert text_metrics.f1("", ["Paris"]) == 0.0
+  assert text_metrics.f1("Paris", [""]) == 0.0
+
+
+def test_array_inputs_and_a_bad_tokeniser_are_clear():
+  got = text_metrics.squad(
+    np.array(["a cat", "dog"]), np.array([["cat"], ["dog"]])
+  )
+  assert got["exact_match"] == 100.0
+  with pytest.raises(ValueError, match="'14z' is not a sacrebleu tokeniser"):
+    text_metrics.bleu(["a b"], ["a b"], tokenize="14z")

@@ -18,6 +18,7 @@ from jpipe.train import (
   base_config,
   config_check,
   config_plan,
+  input_pipeline,
   tasks,
   text_tasks,
   train_lib,
@@ -148,10 +149,10 @@ def _config(fmt, model, **kwargs):
 METRICS = {
   ("classification", "gpt"): {"accuracy"},
   ("classification", "t5"): {"accuracy", "loss", "perplexity"},
-  ("qa", "gpt"): {"exact_match", "f1"},
-  ("qa", "t5"): {"exact_match", "loss", "perplexity"},
+  ("qa", "gpt"): {"span_exact_match", "span_f1"},
+  ("qa", "t5"): {"teacher_forced_exact_match", "loss", "perplexity"},
   ("translation", "gpt"): {"loss", "perplexity"},
-  ("translation", "t5"): {"exact_match", "loss", "perplexity"},
+  ("translation", "t5"): {"teacher_forced_exact_match", "loss", "perplexity"},
 }
 
 
@@ -287,7 +288,7 @@ def test_span_task_learns_through_the_pipeline(tmp_path):
   config.train.log_every = 40
   with _mock("qa", train=256, test=32):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
-  assert summary["eval"]["exact_match"] > 0.8, summary["eval"]
+  assert summary["eval"]["span_exact_match"] > 0.8, summary["eval"]
 
 
 @pytest.mark.parametrize(
@@ -339,25 +340,33 @@ def _wmt_records(n, seed):
 
 
 @pytest.mark.parametrize(
-  "variant, records",
+  "variant, records, generated",
   [
-    ("rte", _rte_records),
-    ("squad,gpt", _squad_records),
-    ("wmt16_en_de,gpt", _wmt_records),
+    ("rte", _rte_records, {"generated_accuracy"}),
+    ("squad", _squad_records, {"generated_exact_match", "generated_f1"}),
+    ("wmt16_en_de", _wmt_records, {"bleu"}),
+    ("squad,gpt", _squad_records, set()),
+    ("wmt16_en_de,gpt", _wmt_records, set()),
   ],
 )
 @pytest.mark.slow
-def test_text_tasks_config_trains_on_mock_data(variant, records, tmp_path):
+def test_text_tasks_config_trains_on_mock_data(
+  variant, records, generated, tmp_path, capsys
+):
+  """Each variant trains; T5's (an outside check found the config's T5
+  decoded nothing: no BLEU, no SQuAD scores) score generated text."""
   path = os.path.join(ROOT, "configs", "text_tasks.py")
   config = config_plan.load_config_file(f"{path}:{variant}")
   config.unlock()
   config.data.batch_size = 8
   config.data.sequence_length = 48
   config.data.target_length = 8
-  config.model.kwargs.width = 32
   config.model.kwargs.num_layers = 1  # (The data and config under test.)
   if config.model.name == "gpt":
+    config.model.kwargs.width = 32
     config.model.kwargs.max_length = 48
+  else:
+    config.model.kwargs.update(d_model=32, d_kv=8, d_ff=64)
   config.optimizer.warmup_steps = 1
   config.pipeline.num_stages = 2  # (Quick to compile; 4 in the config.)
   config.train.steps = 2
@@ -368,6 +377,9 @@ def test_text_tasks_config_trains_on_mock_data(variant, records, tmp_path):
   with tfds.testing.mock_data(as_data_source_fn=_by_name(records)):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert all(math.isfinite(v) for v in summary["eval"].values())
+  assert generated <= set(summary["eval"]), summary["eval"]
+  if variant == "wmt16_en_de":  # 8 tokens hold no reference sentence.
+    assert "their generated scores are capped" in capsys.readouterr().out
 
 
 def test_every_text_tasks_variant_is_a_valid_config():
@@ -473,3 +485,22 @@ def test_bert_heads_on_text_tasks(fmt, head):
   config.data = base_config.text_data()
   with pytest.raises(UsageError, match="trains on a text task's data"):
     tasks.build_task(config)
+
+
+def test_an_unprepared_text_dataset_suggests_only_what_fits(tmp_path):
+  """It suggested the embedded stdlib_text for any text task (a byte
+  stream: no 'validation' split, no 'label'); a data_dir that does not
+  exist got TFDS's 'already prepared ... TFRECORD' text."""
+  config = _config("classification", "t5")
+  config.data.data_dir = str(tmp_path)
+  with pytest.raises(UsageError) as error:
+    input_pipeline.records(config, "train")
+  assert "tfds build glue/rte" in str(error.value)
+  assert "embedded" not in str(error.value)
+  config = _config("qa", "t5")
+  config.data.data_dir = str(tmp_path)
+  with pytest.raises(UsageError, match="config.data.name='stdlib_qa'"):
+    input_pipeline.records(config, "train")
+  config.data.data_dir = str(tmp_path / "nowhere")
+  with pytest.raises(UsageError, match=r"nowhere' does not exist\. Prepare"):
+    input_pipeline.records(config, "train")
