@@ -172,6 +172,11 @@ class DataParallelPipelines(ConsensusStateMethods):
       p: tuple(group[ds[0]] for ds in self.plan.stage_devices)
       for p, group in enumerate(groups)
     }
+    # (Device ids per pipeline: what a run prints; "stage" placement
+    # interleaves them.)
+    self.stage_device_ids = {
+      p: tuple(d.id for d in ds) for p, ds in stage_devices.items()
+    }
     me = jax.process_index()
     self.stages_here = {
       p: tuple(s for s, d in enumerate(ds) if d.process_index == me)

@@ -99,12 +99,14 @@ class DataParallelMode(Mode):
   def announce(self, states, workdir, main, say):
     dp = self.dp
     epochs = math.ceil(self.config.train.steps / self.unit_steps)
+    ids = dp.stage_device_ids
+    shown = "; ".join(f"{p}: {list(ids[p])}" for p in sorted(ids)[:3])
+    more = f"; ... {dp.num_pipelines - 1}: {list(ids[max(ids)])}"
     say(
       f"{dp.num_pipelines} pipelines x {dp.num_stages} stages, sync "
-      f"{dp.sync}; stage devices per pipeline "
-      f"{[ds for ds in dp.plan.stage_devices]} (+{dp.devices_per_pipeline} "
-      f"per pipeline); {epochs} epochs of {self.unit_steps} batches per "
-      "pipeline"
+      f"{dp.sync}; stage devices by pipeline {shown}"
+      f"{more if dp.num_pipelines > 3 else ''}; {epochs} epochs of "
+      f"{self.unit_steps} batches per pipeline"
     )
     # A collective: every process compiles its groups' programs.
     say("Compiled averaging programs for", dp.compile_groups(states), "groups.")

@@ -328,9 +328,10 @@ class _Loop:
         other_seconds=time.perf_counter() - since,
       )
     if row:
-      # Training time so far in this run (evaluations, checkpoints and the
-      # first, compiling unit left out): time to a target, on a clock.
-      row["time/train_seconds"] = self.seconds
+      # Training time so far, on from where a resumed run's logs left it
+      # (evaluations, checkpoints and each start's first, compiling unit
+      # left out): time to a target, on a clock.
+      row["time/train_seconds"] = self.log.train_seconds + self.seconds
       self.log.write(done, **row)
     if checkpoint or requested:
       written, per_process = mode.checkpoint_state(state)
@@ -526,6 +527,8 @@ class _DivergenceCheck:
 
 class _NoLog:
   """The metric log of processes other than 0."""
+
+  train_seconds = 0.0
 
   def write(self, step, **scalars):
     pass

@@ -30,6 +30,16 @@ class MetricLog:
         file=sys.stderr,
       )
     kept = [r for r in rows if r["step"] <= resume_step]
+    # The training time the kept rows reached: a resumed run's clock
+    # goes on from it.
+    self.train_seconds = max(
+      (
+        r["time/train_seconds"]
+        for r in kept
+        if isinstance(r.get("time/train_seconds"), (int, float))
+      ),
+      default=0.0,
+    )
     try:
       with open(self.path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)

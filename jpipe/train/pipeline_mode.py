@@ -122,6 +122,16 @@ class PipelineMode(Mode):
     return draw_timeline(self.pipe, self.timeline, self.config, workdir)
 
 
+def _idle_processes(pipe) -> list[int]:
+  """The processes whose devices hold no stage."""
+  used = {
+    pipe.devices[i].process_index
+    for group in pipe.plan.stage_devices
+    for i in group
+  }
+  return sorted(set(range(jax.process_count())) - used)
+
+
 def print_plan(pipe) -> None:
   """The stages, their devices, the schedule, the predicted memory."""
   plan = pipe.plan
@@ -131,6 +141,12 @@ def print_plan(pipe) -> None:
     f"{pipe.schedule_name}, {pipe.num_microbatches} microbatches; "
     f"predicted speed-up {_predicted_speedup(pipe)}"
   )
+  idle = _idle_processes(pipe)
+  if idle:
+    print(
+      f"Note: process(es) {idle} hold none of the stages' devices and only "
+      "wait for the run to end: start fewer processes, or more stages"
+    )
   if pipe.schedule_choice is not None:
     print("\n".join(pipe.schedule_choice.table(pipe.device_names)))
   if pipe.granularity is not None:

@@ -239,3 +239,14 @@ def test_a_checkpoint_missing_its_manifest_is_one_short_line(tmp_path):
     r"delete \S+/4 to resume from step 2",
     message,
   )
+
+
+def test_a_resumed_runs_training_clock_goes_on(tmp_path):
+  """time/train_seconds went back to 0 at a resume: the time-to-target
+  curves of resumed runs started over."""
+  _train(tmp_path, _LeastSquares(_Task(), 2, 0.1), 6, log_every=2)
+  before = [r["time/train_seconds"] for r in _rows(tmp_path)]
+  _train(tmp_path, _LeastSquares(_Task(), 2, 0.1), 10, log_every=2)
+  clock = [r["time/train_seconds"] for r in _rows(tmp_path)]
+  assert clock[: len(before)] == before and before[-1] > 0
+  assert all(b >= a for a, b in zip(clock, clock[1:], strict=False))

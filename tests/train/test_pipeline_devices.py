@@ -67,3 +67,17 @@ def test_a_v_schedule_needs_half_the_devices():
 def test_fewer_stages_than_processes_is_one_line():
   with pytest.raises(UsageError, match="each of the 4 processes a stage"):
     config_options.pipeline_devices(_config(2), _devices(4, 1))
+
+
+def test_a_process_holding_no_stage_is_named(monkeypatch):
+  """3 processes of 2 devices for 4 stages: process 2 idled, unsaid."""
+  from jpipe.train import pipeline_mode
+
+  monkeypatch.setattr(pipeline_mode.jax, "process_count", lambda: 3)
+  pipe = types.SimpleNamespace(
+    devices=_devices(3, 2),
+    plan=types.SimpleNamespace(stage_devices=((0,), (1,), (2,), (3,))),
+  )
+  assert pipeline_mode._idle_processes(pipe) == [2]
+  pipe.plan.stage_devices = ((0,), (2,), (4,))
+  assert pipeline_mode._idle_processes(pipe) == []
