@@ -30,8 +30,12 @@ def staleness(config, learning_rate=None) -> Staleness:
       "learning_rate": learning_rate,
       "weight_decay": config.optimizer.weight_decay,
     }
-    if st.gap_aware == "ga_from_grad" and config.optimizer.name == "adam":
-      options["adam_betas"] = adam_betas(config)
+    if config.optimizer.name in ("adam", "adamw"):
+      # FTPipe's Adam Gap-Aware: S decays with beta2, C adds Adam's eps.
+      b1, b2, eps = adam_args(config)
+      options |= {"beta": b2, "eps": eps}
+      if st.gap_aware == "ga_from_grad":
+        options["adam_betas"] = (b1, b2)
     if config.optimizer.no_decay:  # The optimizer's own mask.
       options["weight_decay_mask"] = optimizers.decay_mask(
         config.optimizer.no_decay
@@ -100,13 +104,15 @@ def steps_per_call(config) -> int:
   return -(-m // config.schedule.step_every)
 
 
-def adam_betas(config) -> tuple[float, float]:
-  """``(b1, b2)`` of the config's Adam: its ``optimizer.args``, else
-  optax's defaults."""
+def adam_args(config) -> tuple[float, float, float]:
+  """``(b1, b2, eps)`` of the config's Adam / AdamW: its
+  ``optimizer.args``, else optax's defaults."""
   args = optimizers.parse_args(config.optimizer.args)
-  defaults = inspect.signature(optax.adam).parameters
+  fn = getattr(optax, config.optimizer.name)
+  defaults = inspect.signature(fn).parameters
   return tuple(
-    float(args.get(name, defaults[name].default)) for name in ("b1", "b2")
+    float(args.get(name, defaults[name].default))
+    for name in ("b1", "b2", "eps")
   )
 
 

@@ -154,7 +154,7 @@ def test_gap_aware_from_grad_trains_from_the_config(tmp_path):
   betas from optimizer.args reach the estimate; it trains."""
   config = _config(
     "adam",
-    args="b1=0.8",
+    args="b1=0.8, b2=0.98, eps=1e-6",
     **{
       "schedule.name": "async",
       "staleness.gap_aware": "ga_from_grad",
@@ -168,7 +168,9 @@ def test_gap_aware_from_grad_trains_from_the_config(tmp_path):
   )
   config_check.check(config)
   options = config_options.staleness(config, 0.01).gap_aware_options
-  assert options["adam_betas"] == (0.8, 0.999)
+  assert options["adam_betas"] == (0.8, 0.98)
+  # FTPipe's Adam Gap-Aware: S decays with Adam's beta2, C adds its eps.
+  assert (options["beta"], options["eps"]) == (0.98, 1e-6)
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(summary["eval"]["accuracy"])
   config.staleness.gap_aware_policy = "all_except_last"
