@@ -48,6 +48,7 @@ class Checkpoints:
     # (check_fingerprint). Only process 0 writes the metadata, so the
     # other processes' ids never land.
     self.run_id = uuid.uuid4().hex[:12]
+    self._one_run_checked = None  # The latest step found of one run.
     self._manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -140,9 +141,12 @@ class Checkpoints:
     another workdir, they would resume one run with the other's metrics
     and checkpoints around it. Checkpoints without an id (written before
     ids) match any."""
-    if not run:
-      return
-    runs = {s: self._field_or_none(s, "run") for s in self._manager.all_steps()}
+    if not run or self._one_run_checked == step:
+      return  # (restore checks again what the start-up checked.)
+    runs = {
+      s: run if s == step else self._field_or_none(s, "run")
+      for s in self._manager.all_steps()
+    }
     ours = sorted(s for s, r in runs.items() if r == run)
     theirs = sorted(s for s, r in runs.items() if r and r != run)
     if theirs:
@@ -154,6 +158,7 @@ class Checkpoints:
         f"{theirs} to resume run {run} from step {step}, or move each "
         "run's checkpoints to its own --workdir"
       )
+    self._one_run_checked = step
 
   def _meta(self, step: int) -> dict | None:
     return self._manager.restore(
