@@ -26,6 +26,7 @@ import numpy as np
 from jpipe import parallel
 from jpipe.runtime import PipelineBuilder
 from jpipe.train import evaluation as evaluation_lib
+from jpipe.train import pipeline_mode
 from jpipe.train.errors import UsageError
 from jpipe.train.loop import Cadence, Mode, Outcome
 
@@ -108,6 +109,8 @@ class DataParallelMode(Mode):
       f"{more if dp.num_pipelines > 3 else ''}; {epochs} epochs of "
       f"{self.unit_steps} batches per pipeline"
     )
+    if main:  # config.json and pipeline 0's plan.json, as a pipeline's run.
+      pipeline_mode.write_run_files(workdir, self.config, dp.all_pipelines[0])
     # A collective: every process compiles its groups' programs.
     say("Compiled averaging programs for", dp.compile_groups(states), "groups.")
 

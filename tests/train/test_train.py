@@ -728,6 +728,11 @@ def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert stop.value.code == 143
   assert "SIGTERM: saved step 1 (epoch 1)" in capsys.readouterr().out
+  # Its run files, as a pipeline run's (a data-parallel run wrote none:
+  # the config to rebuild its model was nowhere but a repr in metadata).
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert written["data_parallel"]["pipelines"] == 2
+  assert json.loads((tmp_path / "plan.json").read_text())["stage_devices"]
   monkeypatch.setattr(stopping.StopRequest, "__enter__", enter)
   train_lib.train_and_evaluate(config, str(tmp_path))
   assert "Resuming from epoch 1" in capsys.readouterr().out
