@@ -132,8 +132,10 @@ def delay_nesterov(config, learning_rate=None):
   if not mode:
     return None
   opt = config.optimizer
-  args = optimizers.parse_args(opt.args)
-  base = opt.momentum if opt.name == "sgd" else args.get("b1", 0.9)
+  if opt.name == "sgd":  # (Its Nesterov form reads neither b2 nor eps.)
+    base, b2, eps = opt.momentum, 0.999, 1e-8
+  else:
+    base, b2, eps = adam_args(config)
   lr = 0.0 if learning_rate is None else learning_rate
 
   def stage_optimizer(delay, num_stages):
@@ -144,8 +146,8 @@ def delay_nesterov(config, learning_rate=None):
       optimizer=opt.name,
       momentum=staleness_lib.NESTEROV_MOMENTUM if mode == "fixed" else base,
       adaptive=mode == "adaptive",
-      b2=args.get("b2", 0.999),
-      eps=args.get("eps", 1e-8),
+      b2=b2,
+      eps=eps,
       weight_decay=opt.weight_decay,
     )
 

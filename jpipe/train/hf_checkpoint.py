@@ -31,7 +31,7 @@ from jpipe.train.errors import UsageError
 
 PREFIX = "hf:"
 
-_DTYPES = {
+DTYPES = {
   "F64": np.float64,
   "F32": np.float32,
   "F16": np.float16,
@@ -316,10 +316,10 @@ def _entry(file, name, entry, data_bytes):
       f"{where} has no dtype / shape / data_offsets [begin, end] in the "
       "header: the file is not safetensors or is damaged"
     ) from None
-  if dtype_name not in _DTYPES:
+  if dtype_name not in DTYPES:
     raise UsageError(
       f"{where} has dtype {dtype_name}, which jpipe does not read "
-      f"({sorted(_DTYPES)})"
+      f"({sorted(DTYPES)})"
     )
   if not (
     isinstance(shape, list)
@@ -329,7 +329,7 @@ def _entry(file, name, entry, data_bytes):
     raise UsageError(
       f"{where}: shape {shape} or offsets {[begin, end]} are not whole numbers >= 0"
     )
-  dtype = _DTYPES[dtype_name]
+  dtype = DTYPES[dtype_name]
   want = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
   if not 0 <= begin <= end or end - begin != want:
     raise UsageError(

@@ -20,22 +20,15 @@ import struct
 import sys
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jpipe.models import bert, gpt2, t5_v1
-from jpipe.train import pretrained
+from jpipe.train import hf_checkpoint, pretrained
 
 __all__ = ["hf_config", "save", "write_safetensors"]
 
-_NAMES = {
-  np.dtype(np.float64): "F64",
-  np.dtype(np.float32): "F32",
-  np.dtype(np.float16): "F16",
-  np.dtype(ml_dtypes.bfloat16): "BF16",
-  np.dtype(np.int64): "I64",
-  np.dtype(np.int32): "I32",
-}
+# safetensors' dtype names, as the reader reads them.
+_NAMES = {np.dtype(t): name for name, t in hf_checkpoint.DTYPES.items()}
 _BERT_CLASSES = {
   "pretraining": "BertForPreTraining",
   "classification": "BertForSequenceClassification",
