@@ -123,9 +123,11 @@ class PipelineMode(Mode):
 
 
 def _idle_processes(pipe) -> list[int]:
-  """The processes whose devices hold no stage."""
+  """The processes whose devices hold no stage (``pipe``: a Pipeline, or
+  a DynamicPipeline, whose pipeline in force has the devices)."""
+  devices = getattr(pipe, "pipeline", pipe).devices
   used = {
-    pipe.devices[i].process_index
+    devices[i].process_index
     for group in pipe.plan.stage_devices
     for i in group
   }
