@@ -127,9 +127,7 @@ def _idle_processes(pipe) -> list[int]:
   a DynamicPipeline, whose pipeline in force has the devices)."""
   devices = getattr(pipe, "pipeline", pipe).devices
   used = {
-    devices[i].process_index
-    for group in pipe.plan.stage_devices
-    for i in group
+    devices[i].process_index for group in pipe.plan.stage_devices for i in group
   }
   return sorted(set(range(jax.process_count())) - used)
 
