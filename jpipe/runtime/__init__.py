@@ -14,6 +14,7 @@ from jpipe.runtime._slowdown import (
 )
 from jpipe.runtime._stacked import HeldRows
 from jpipe.runtime.build.auto_schedule import auto_plan, rank_for_plan
+from jpipe.runtime.build.grad_dtype import check_grad_accum_dtype
 from jpipe.runtime.build.key_arrays import is_key
 from jpipe.runtime.build.memory import (
   MemoryLimitError,
@@ -60,6 +61,7 @@ __all__ = [
   "Staleness",
   "auto_plan",
   "rank_for_plan",
+  "check_grad_accum_dtype",
   "check_staleness_options",
   "even_rows",
   "format_bytes",

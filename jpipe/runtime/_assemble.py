@@ -21,6 +21,7 @@ from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.auto_schedule import choose_schedule
 from jpipe.runtime.build.flat import FlatLayout
+from jpipe.runtime.build.grad_dtype import gradient_avals
 from jpipe.runtime.build.optimizer_locality import check_pipeline_optimizer
 from jpipe.runtime.build.options import Staleness, staleness_from_keywords
 from jpipe.runtime.build.params_view import ParamsView
@@ -141,13 +142,18 @@ def build_runtime(
   own_sizes = tuple(
     own_bytes(request, place.devices[0].platform) for place in placed.placement
   )
+  # (In grad_accum_dtype where given: pack casts each gradient into it.)
   grad_layouts = tuple(
     FlatLayout(
-      [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves], own
+      gradient_avals(
+        [traced.closed_jaxpr.in_avals[i] for i in spec.param_leaves],
+        request.grad_accum_dtype,
+      ),
+      own,
     )
     for spec, own in zip(stages.specs, own_sizes, strict=True)
   )
-  tied = TiedParams(stages, placed.transport)
+  tied = TiedParams(stages, placed.transport, request.grad_accum_dtype)
   _check_replica_routing(placed, tied, cut, stages, request)
   programs = StagePrograms(
     stages,
@@ -365,6 +371,9 @@ def _stage_optimizers(
         compiler_options=stages.compiler_options,
         state_own_bytes=own_sizes[s],
         stage=s,
+        param_dtypes=[
+          stages.traced.closed_jaxpr.in_avals[i].dtype for i in leaves
+        ],
       )
     )
   return tuple(optimizers)

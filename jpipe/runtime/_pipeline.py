@@ -121,6 +121,15 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       step all stages share: a stage's step clips with the norm of its
       own gradient and the latest step's gradient of every other stage
       (one process only). None: no clipping.
+    grad_accum_dtype: the floating dtype a step's microbatch gradients
+      are summed in, and the optimizer receives them in (DeepSpeed's
+      ``grad_accum_dtype``): e.g. ``"float32"`` for bfloat16 params, whose
+      own 8-bit mantissa drops a small microbatch gradient beside a large
+      sum. Each backward still computes in the params' dtype; tied
+      leaves' and replicas' gradients travel in this dtype; optimizer
+      state that follows the gradient's dtype (SGD's momentum, Adam's
+      moments unless ``mu_dtype`` fixes it) is kept in the dtype it has
+      after a step, as on one device. None: the params' own dtypes.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params
@@ -160,6 +169,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   devices = _part("request", "devices")
   memory_limit = _part("request", "memory_limit")
   clip_global_norm = _part("request", "clip_global_norm")
+  grad_accum_dtype = _part("request", "grad_accum_dtype")
   traced = _part("cut", "traced")
   granularity = _part("cut", "granularity")
   num_batch_leaves = _part("cut", "num_batch_leaves")
@@ -202,6 +212,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     has_aux: bool = False,
     record_params: bool = False,
     clip_global_norm: float | None = None,
+    grad_accum_dtype: Any = None,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
     partitioning: Partitioning | None = None,
@@ -227,6 +238,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       num_microbatches,
       options,
       clip_global_norm,
+      grad_accum_dtype,
     )
     parts = build_pipeline(
       loss_fn,

@@ -87,6 +87,11 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   # stage's step uses its own gradient's norm with the other stages'
   # latest (one process only).
   c.optimizer.clip_norm = 0.0
+  # The dtype a step's microbatch gradients are summed in and the optimizer
+  # receives (DeepSpeed's grad_accum_dtype): "float32" for a model with
+  # bfloat16 / float16 params, whose own mantissa drops small microbatch
+  # gradients beside a large sum; "" = the params' own dtypes.
+  c.optimizer.grad_accum_dtype = ""
   # Learning-rate schedule: "constant"; "warmup_constant" (FTPipe's T5:
   # linear warm-up, then the peak); "warmup_cosine" (linear warm-up,
   # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear

@@ -6,7 +6,7 @@ import ml_collections
 
 from jpipe import partition
 from jpipe import schedule as schedule_lib
-from jpipe.runtime import REPLICA_ROUTINGS
+from jpipe.runtime import REPLICA_ROUTINGS, check_grad_accum_dtype
 from jpipe.train import (
   config_options,
   data_parallel_mode,
@@ -134,6 +134,10 @@ def _check_names(config, need) -> None:
     "optimizer.clip_norm",
     "must be >= 0 (0: no clipping)",
   )
+  try:
+    check_grad_accum_dtype(config.optimizer.grad_accum_dtype)
+  except ValueError as e:
+    need(False, "optimizer.grad_accum_dtype", str(e))
   need.one_of("optimizer.schedule", LR_SCHEDULES)
   need(
     config.optimizer.learning_rate > 0,

@@ -122,6 +122,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     mixed_blocks=config_options.mixed_blocks(config),
     memory_limit=config_options.memory_limit(config.pipeline.memory_limit),
     clip_global_norm=config.optimizer.clip_norm or None,
+    grad_accum_dtype=config.optimizer.grad_accum_dtype or None,
     **kwargs,
   )
 

@@ -6,6 +6,7 @@ This file defines its own model and task (nothing of it lives in
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from jpipe.train import config_check, train_lib
@@ -35,14 +37,16 @@ class Blocks(nn.Module):
   blocks: int = 4
   classes: int = 10
   rate: float = 0.0
+  param_dtype: str = "float32"
 
   @nn.compact
   def __call__(self, x, deterministic: bool = True):
-    h = nn.Dense(self.width, name="stem")(x.reshape(x.shape[0], -1))
+    dense = functools.partial(nn.Dense, param_dtype=self.param_dtype)
+    h = dense(self.width, name="stem")(x.reshape(x.shape[0], -1))
     for i in range(self.blocks):
-      h = h + jnp.tanh(nn.Dense(self.width, name=f"block{i}")(h))
+      h = h + jnp.tanh(dense(self.width, name=f"block{i}")(h))
       h = nn.Dropout(self.rate, deterministic=deterministic)(h)
-    return nn.Dense(self.classes, name="out")(h)
+    return dense(self.classes, name="out")(h)
 
 
 def build_task(config) -> Task:
@@ -227,6 +231,33 @@ def test_the_users_flax_module_on_a_built_in_task(tmp_path):
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_bfloat16_params_accumulate_in_float32_through_the_cli(tmp_path):
+  """``optimizer.grad_accum_dtype=float32`` on the user's module with
+  bfloat16 params: trains, and the checkpoint keeps bfloat16 params and
+  the float32 momentum one step makes of float32 gradients."""
+  config = _config(
+    **{
+      "task": "",
+      "model.name": f"{HERE}:Blocks",
+      "model.kwargs": {"width": 16, "param_dtype": "bfloat16"},
+      "train.steps": 3,
+      "optimizer.grad_accum_dtype": "float32",
+    }
+  )
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
+  saved = ocp.StandardCheckpointer().restore(
+    tmp_path / "checkpoints" / "3" / "state"
+  )
+  dtypes = {str(x.dtype) for x in jax.tree.leaves(saved["params"])}
+  assert dtypes == {"bfloat16"}
+  moments = {str(x.dtype) for x in jax.tree.leaves(saved["opt_state"])}
+  assert "float32" in moments and "bfloat16" not in moments
+  config.optimizer.grad_accum_dtype = "int8"
+  with pytest.raises(UsageError, match="grad_accum_dtype.*floating dtype"):
+    config_check.check(config)
 
 
 def test_sdpipe_runs_the_users_task(tmp_path):

@@ -107,6 +107,7 @@ class FlatLayout:
       size * d.itemsize >= own_buffer_bytes or i in apart
       for i, (size, d) in enumerate(zip(sizes_of, dtypes, strict=True))
     ]
+    self.storage = storage
     if storage:
       self.packed = True
       big = [
@@ -153,6 +154,7 @@ class FlatLayout:
   def _key(self) -> tuple:
     return (
       self.packed,
+      self.storage,
       self.shapes,
       self.leaf_dtypes,
       self.dtypes,
@@ -167,7 +169,13 @@ class FlatLayout:
 
   def pack(self, leaves) -> tuple:
     """Leaves -> the big leaves as they are, then one 1-D buffer per dtype
-    of the small ones (in ``self.dtypes`` order)."""
+    of the small ones (in ``self.dtypes`` order). A gradient layout built
+    from wider dtypes than its leaves' (``grad_accum_dtype``) casts each
+    floating leaf to its own first."""
+    if not self.storage:
+      leaves = [
+        _widened(x, d) for x, d in zip(leaves, self.leaf_dtypes, strict=True)
+      ]
     if not self.packed:
       return tuple(leaves)
     own = [x for e, x in zip(self.entries, leaves, strict=True) if _own(e)]
@@ -210,6 +218,16 @@ class FlatLayout:
     """Every leaf, in order, from the big ones and the small ones."""
     own, small = iter(own), iter(small)
     return tuple(next(own) if _own(e) else next(small) for e in self.entries)
+
+
+def _widened(x, dtype):
+  """A gradient leaf ``x`` in its layout's ``dtype`` where both are
+  floating (a float0 gradient of an integer leaf stays as it is)."""
+  if x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  if not jnp.issubdtype(dtype, jnp.floating):
+    return x
+  return x.astype(dtype)
 
 
 def _own(entry) -> bool:

@@ -5,7 +5,8 @@ A stage's device holds, at its peak (bytes):
   params x versions    the live params, and the older (or predicted)
                        versions weight stashing, 2BW and prediction keep
                        for microbatches in flight
-  + grads              the gradient accumulator (the params' bytes, packed)
+  + grads              the gradient accumulator (the params' bytes, packed;
+                       wider with grad_accum_dtype)
   + opt_state          the optimizer's state of the stage's leaves
                        (Gap-Aware's statistics included)
   + in_flight x kept   what each microbatch between its forward and its
@@ -219,6 +220,7 @@ def predict_stage_memory(
   weight_kept=(),
   awaiting_weight: int = 0,
   round_robin: bool = False,
+  grads=None,
 ) -> StageMemory:
   """One stage's ``StageMemory`` from abstract values.
 
@@ -242,13 +244,17 @@ def predict_stage_memory(
     round_robin: the replicas take whole microbatches in turn (1F1B-RR):
       each holds every byte of its microbatches, and 1 / replicas of the
       stage's in flight (rounded up: they are consecutive).
+    grads: the gradient accumulator (avals) where it is not ``params``'
+      bytes (summed in a wider dtype: ``grad_accum_dtype``).
   """
   per_replica = max(replicas, 1)
   if round_robin:
     in_flight = -(-in_flight // per_replica)
     awaiting_weight = -(-awaiting_weight // per_replica)
     per_replica = 1
-  grads = nbytes(params)  # The accumulator packs the same leaves.
+  # The accumulator packs the same leaves (in their own dtypes unless
+  # grads says otherwise).
+  grads = nbytes(params if grads is None else grads)
   forward = nbytes(residuals) + nbytes(outputs)
   backward = nbytes(intermediates)
   return StageMemory(

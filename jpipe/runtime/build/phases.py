@@ -23,6 +23,7 @@ from jpipe.runtime.build.auto_schedule import auto_plan, provisional_kind
 from jpipe.runtime.build.batches import BatchSpec, batch_size
 from jpipe.runtime.build.calls import CallActions
 from jpipe.runtime.build.flat import own_buffer_bytes
+from jpipe.runtime.build.grad_dtype import check_grad_accum_dtype
 from jpipe.runtime.build.loss_outputs import (
   LossOutputs,
   check_argument_leaves,
@@ -61,6 +62,8 @@ class Request:
       resolved), or None.
     clip_global_norm: the largest global gradient norm a step applies
       (over every stage's gradient together), or None.
+    grad_accum_dtype: the floating dtype gradients are summed in (None:
+      the params' own; ``build/grad_dtype.py``).
     auto_schedule: ``schedule="auto"`` was asked for: the schedule is
       chosen once the plan is solved (``build/auto_schedule.py``); until
       then ``schedule_kind`` is the one auto plans as (1f1b).
@@ -80,6 +83,7 @@ class Request:
   devices: tuple[Any, ...]
   memory_limit: float | None
   clip_global_norm: float | None = None
+  grad_accum_dtype: Any = None
   auto_schedule: bool = False
   schedule_choice: Any = None
   batch_spec: Any = None
@@ -94,6 +98,7 @@ def check_request(
   num_microbatches: int,
   options: tuple[Staleness, Partitioning],
   clip_global_norm: float | None = None,
+  grad_accum_dtype: Any = None,
 ) -> Request:
   """The options checked against each other and the devices, before any
   work (``devices`` None: all of them; ``options``: the staleness and
@@ -139,6 +144,7 @@ def check_request(
     devices,
     limit,
     clip_global_norm,
+    check_grad_accum_dtype(grad_accum_dtype),
     auto_schedule=auto,
     batch_spec=batch_spec,
   )

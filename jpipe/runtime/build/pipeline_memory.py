@@ -74,6 +74,7 @@ def predict_pipeline_memory(pipe) -> tuple[StageMemory, ...]:
         weight_kept=weight_kept,
         awaiting_weight=awaiting,
         round_robin=pipe.placement[s].round_robin,
+        grads=pipe.gradient_avals(s, params),
       )
     )
   return tuple(out)

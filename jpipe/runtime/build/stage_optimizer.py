@@ -90,6 +90,10 @@ class StageOptimizer:
       sees them; None: the ``{path: leaf}`` dict.
     stage: the stage it steps: random keys in its state draw that
       stage's own stream (``stage_keys``).
+    param_dtypes: the dtypes of the stage's param leaves, where they
+      may differ from ``grad_layout``'s (gradients summed wider,
+      ``grad_accum_dtype``): its gradient buffers are then not donated
+      (they could not hold the new params). None: the same.
   """
 
   def __init__(
@@ -107,6 +111,7 @@ class StageOptimizer:
     state_own_bytes: float | None = None,
     view: ParamsView | None = None,
     stage: int = 0,
+    param_dtypes: Sequence[Any] | None = None,
   ):
     self.names = tuple(names)
     self.view = view if view is not None else KeyedLeaves(self.names)
@@ -126,9 +131,7 @@ class StageOptimizer:
     self._schedule = learning_rate_schedule
     self._horizon = horizon
     self.init = jax.jit(
-      lambda leaves: self.stored(
-        self.view.keyed(self.tx.init(self.as_dict(leaves)))
-      ),
+      lambda leaves: self.stored(self.view.keyed(self._init(leaves))),
       compiler_options=options,
     )
     self.update = jax.jit(self.apply, compiler_options=options)
@@ -137,6 +140,12 @@ class StageOptimizer:
     self._grad_layout = grad_layout
     self._options = options
     self._packed_updates = {}  # (added, replicas, donate_state) -> program
+    # The gradient's own buffers become the new params' where both have
+    # one dtype (not where gradients are summed wider: grad_accum_dtype).
+    self._donate_grads = param_dtypes is None or (
+      grad_layout is not None
+      and tuple(grad_layout.leaf_dtypes) == tuple(map(jnp.dtype, param_dtypes))
+    )
     if grad_layout is not None:
       unpack = grad_layout.unpack
       self.predict_packed = jax.jit(
@@ -214,9 +223,10 @@ class StageOptimizer:
       # 16 MiB took 9.7 ms with fresh buffers -- page faults -- and 1.4 ms
       # in donated ones), and with ``donate_state`` the optimizer state
       # too. The small leaves' flat buffer matches no output: kept.
+      donate = (0,) if self._donate_grads else ()
       self._packed_updates[key] = jax.jit(
         update,
-        donate_argnums=(0, 3) if donate_state else (0,),
+        donate_argnums=(*donate, 3) if donate_state else donate,
         compiler_options=self._options,
       )
     n = self._grad_layout.num_own if self._grad_layout.packed else 0
@@ -231,6 +241,44 @@ class StageOptimizer:
       scale,
       update_scale,
     )
+
+  def _init(self, leaves):
+    """``tx.init``'s state, in the dtypes one step leaves it in: with
+    gradients summed wider than the params (``grad_accum_dtype``), optax
+    state that follows the gradient (SGD's momentum, Adam's moments)
+    becomes that dtype at the first step on one device, and a stored
+    state keeps one layout."""
+    params = self.as_dict(leaves)
+    state = self.tx.init(params)
+    layout = self._grad_layout
+    if layout is None or all(
+      d == x.dtype for d, x in zip(layout.leaf_dtypes, leaves, strict=True)
+    ):
+      return state
+    grads = self.as_dict(
+      [
+        jax.ShapeDtypeStruct(x.shape, d)
+        for x, d in zip(leaves, layout.leaf_dtypes, strict=True)
+      ]
+    )
+    extra = {}
+    if self.gap_from_grad:
+      extra = {"delay": jax.ShapeDtypeStruct((), jnp.int32)}
+    elif self.gap_aware:
+      extra = {"stale_params": params}
+    for _ in range(3):  # (A fixed point: the dtypes a step keeps.)
+      after = jax.eval_shape(
+        lambda g, st, p, kw: self._tx_update(g, st, p, **kw)[1],
+        grads,
+        state,
+        params,
+        extra,
+      )
+      promoted = jax.tree.map(_promoted, state, after)
+      if _dtypes(promoted) == _dtypes(state):
+        break
+      state = promoted
+    return state
 
   def as_dict(self, leaves: Sequence[Any]):
     """The managed leaves of a stage tuple as the optimizer sees them:
@@ -366,3 +414,22 @@ class StageOptimizer:
       learning_rates=learning_rates,
     )
     return stored_params_like(stored_params, self.as_tuple(predicted, params))
+
+
+def _promoted(x, after):
+  """A state leaf ``x`` in ``after``'s floating dtype (counts and keys
+  as they are)."""
+  dtype = getattr(after, "dtype", None)
+  if (
+    dtype is None
+    or x.dtype == dtype
+    or not jnp.issubdtype(x.dtype, jnp.floating)
+    or not jnp.issubdtype(dtype, jnp.floating)
+  ):
+    return x
+  return x.astype(dtype)
+
+
+def _dtypes(tree) -> list:
+  """The dtypes of a tree's leaves."""
+  return [getattr(x, "dtype", None) for x in jax.tree.leaves(tree)]

@@ -18,6 +18,7 @@ processes make the same moves in the same order.
 """
 
 from jpipe.partition import Stages
+from jpipe.runtime.build.grad_dtype import gradient_avals
 from jpipe.runtime.build.stored_params import param_leaf, with_param_leaves
 
 
@@ -27,9 +28,11 @@ class TiedParams:
   Args:
     stages: the built stages.
     transport: the pipeline's ``Transport``.
+    grad_accum_dtype: the dtype gradients are summed in (None: the
+      params' own), in which the tied leaves' gradients travel.
   """
 
-  def __init__(self, stages: Stages, transport):
+  def __init__(self, stages: Stages, transport, grad_accum_dtype=None):
     self.transport = transport
     self.avals = stages.traced.closed_jaxpr.in_avals
     holders: dict[int, list[tuple[int, int]]] = {}
@@ -38,6 +41,14 @@ class TiedParams:
         holders.setdefault(leaf, []).append((s, pos))
     # leaf -> [(stage, position)] for leaves several stages hold.
     self.shared = {k: v for k, v in holders.items() if len(v) > 1}
+    # leaf -> its gradient's shape and dtype, for the shared leaves.
+    self.grad_avals = dict(
+      zip(
+        self.shared,
+        gradient_avals([self.avals[k] for k in self.shared], grad_accum_dtype),
+        strict=True,
+      )
+    )
     self.stages = frozenset(s for hs in self.shared.values() for s, _ in hs)
     self.replicas = {}  # stage -> [(position, leaf, owner, owner position)]
     self.owned = {}  # owner -> [(position, leaf)]
@@ -141,14 +152,14 @@ class TiedParams:
           grads[s][pos] if s in grads else None,
           s,
           first,
-          self.avals[leaf],
+          self.grad_avals[leaf],
           replicated=True,
         )
         if g is not None:
           total = g if total is None else total + g
       for s, pos in holders:
         y = self.transport.move(
-          total, first, s, self.avals[leaf], replicated=True
+          total, first, s, self.grad_avals[leaf], replicated=True
         )
         if s in grads:
           grads[s][pos] = y

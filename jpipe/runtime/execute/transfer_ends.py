@@ -62,6 +62,8 @@ class TransferEnds:
       return {"aval": t.value.aval, "microbatch": op.action.microbatch}
     if t.what == "state":
       return {"aval": self.d.state_avals[t.value], "replicated": True}
+    if t.what == "tied_grad":  # (In the accumulated gradient's dtype.)
+      return {"aval": self.d.tied.grad_avals[t.value], "replicated": True}
     return {"aval": self.d.tied.avals[t.value], "replicated": True}
 
   def take_activation(self, b, v):

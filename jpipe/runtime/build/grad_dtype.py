@@ -1,0 +1,58 @@
+"""The dtype a stage sums its microbatch gradients in (``grad_accum_dtype``).
+
+By default a step's microbatch gradients are summed in the params' dtype,
+as one device accumulating in a loop would: with bfloat16 params that sum
+keeps 8 bits of mantissa, so a microbatch's small gradient beside a large
+running sum is lost (in bfloat16, 1.0 + 0.003 is 1.0; the error grows
+with the number of microbatches). ``grad_accum_dtype="float32"``
+(DeepSpeed's ``grad_accum_dtype``) widens every floating gradient leaf as
+it enters the accumulator: each backward's gradient is computed in the
+params' dtype, then cast and added in float32, the tied leaves' sums and
+the replicas' reductions travel in it, and the optimizer receives it (its
+update is cast back to the params' dtype by ``optax.apply_updates``).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def check_grad_accum_dtype(value: Any) -> jnp.dtype | None:
+  """``value`` ("float32", ``jnp.float32``, ...) as a floating dtype, or
+  None (None or "": the params' own dtypes); a ValueError names a bad one."""
+  if value is None or (isinstance(value, str) and not value.strip()):
+    return None
+  try:
+    dtype = jnp.dtype(value.strip() if isinstance(value, str) else value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"grad_accum_dtype={value!r} is not a floating dtype: use 'float32' "
+      "(sums bfloat16 / float16 gradients in float32), 'bfloat16', "
+      "'float16', or None (the params' own dtypes)"
+    )
+  if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+    raise ValueError(
+      "grad_accum_dtype='float64' needs 64-bit JAX (jax.config.update("
+      "'jax_enable_x64', True)); else use 'float32'"
+    )
+  return dtype
+
+
+def gradient_dtype(param_dtype, accum_dtype) -> jnp.dtype:
+  """The dtype a leaf of ``param_dtype`` is accumulated in: ``accum_dtype``
+  for a floating leaf (None: its own), any other as it is."""
+  if accum_dtype is None or not jnp.issubdtype(param_dtype, jnp.floating):
+    return param_dtype
+  return jnp.dtype(accum_dtype)
+
+
+def gradient_avals(param_avals, accum_dtype) -> list:
+  """The accumulated gradient's shapes and dtypes for params'
+  ``param_avals`` (``gradient_dtype`` per leaf)."""
+  return [
+    jax.ShapeDtypeStruct(a.shape, gradient_dtype(a.dtype, accum_dtype))
+    for a in param_avals
+  ]
