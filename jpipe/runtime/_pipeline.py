@@ -127,9 +127,9 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       own 8-bit mantissa drops a small microbatch gradient beside a large
       sum. Each backward still computes in the params' dtype; tied
       leaves' and replicas' gradients travel in this dtype; optimizer
-      state that follows the gradient's dtype (SGD's momentum, Adam's
-      moments unless ``mu_dtype`` fixes it) is kept in the dtype it has
-      after a step, as on one device. None: the params' own dtypes.
+      state that follows the gradient's dtype (SGD's momentum, optax
+      Adam's first moment unless ``mu_dtype`` fixes it) is kept in the
+      dtype a step gives it on one device. None: the params' own dtypes.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params

@@ -168,6 +168,7 @@ def memory_budget(
     recompute=config.pipeline.recompute,
     stashes=config.staleness.stashing,
     fused_last=config.pipeline.fuse_last_stage,
+    grad_accum_dtype=config.optimizer.grad_accum_dtype or None,
   )
 
 

@@ -297,6 +297,7 @@ def _rank(config, plan, traced, params, bandwidth, memory):
     bandwidth=bandwidth or None,
     limit=memory,
     fused_last=config.pipeline.fuse_last_stage,
+    grad_accum_dtype=config.optimizer.grad_accum_dtype or None,
   )
 
 

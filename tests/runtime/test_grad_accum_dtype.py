@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jpipe
-from jpipe import parallel
+from jpipe import parallel, runtime
 from jpipe.runtime import check_grad_accum_dtype
 from tests.tiers import slow
 
@@ -196,9 +196,10 @@ def test_stream_sums_in_float32(step_every):
 
 
 def test_adam_moments_and_memory_follow_the_gradient():
-  """Adam's moments are float32 from the start (what one step makes
-  them on one device), and the memory prediction counts the float32
-  accumulator: twice the bfloat16 params' bytes."""
+  """Adam's first moment is float32 from the start, its second
+  bfloat16 (what one step makes them on one device), and the memory
+  prediction counts the float32 accumulator: twice the bfloat16 params'
+  bytes."""
   loss_fn, params, batch = _case()
   tx = optax.adam(1e-2)
   plain = _pipeline(loss_fn, params, batch, tx)
@@ -207,8 +208,9 @@ def test_adam_moments_and_memory_follow_the_gradient():
     assert wide.memory[s].grads == 2 * plain.memory[s].grads
     assert wide.memory[s].opt_state > plain.memory[s].opt_state
   state = wide.init(params)
-  mu = wide.state_dict(state)["opt_state"][0].mu
-  assert {x.dtype for x in jax.tree.leaves(mu)} == {np.dtype(np.float32)}
+  adam = wide.state_dict(state)["opt_state"][0]
+  assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {np.dtype(np.float32)}
+  assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype("bfloat16")}
   # Two steps: the one-device float32-accumulated Adam to the last bit.
   reference_params, opt_state = params, tx.init(params)
   grad = jax.jit(jax.grad(loss_fn))
@@ -305,3 +307,31 @@ def test_data_parallel_allreduce_averages_float32_gradients():
     for path, x in _by_path(_traces(pipe, state)).items():
       assert x.dtype == np.float32, path
       np.testing.assert_array_equal(np.asarray(x), np.full(4, F32_SUM))
+
+
+def test_the_partitioners_memory_model_counts_the_wider_gradient():
+  """Per bfloat16 param byte: Adam's moments 2 (bfloat16), or 3 after a
+  float32 step (optax's first moment follows the gradient to float32, its
+  second keeps the params' dtype), and the float32 gradient 1 more than
+  the model's own gradient byte."""
+  params = {"w": jax.ShapeDtypeStruct((1024,), jnp.bfloat16)}
+  kind = jpipe.schedule.REGISTRY["1f1b"]
+
+  def factor(dtype):
+    budget = runtime.partitioner_memory_model(
+      None,
+      optax.adam(1e-3),
+      params,
+      kind,
+      4,
+      2,
+      recompute=True,
+      stashes=False,
+      fused_last=False,
+      grad_accum_dtype=dtype,
+    )
+    return budget.optimizer_state_factor
+
+  count = 4 / 2048  # Adam's int32 count per param byte.
+  assert factor(None) == pytest.approx(2 + count)
+  assert factor(jnp.float32) == pytest.approx(3 + 1 + count)

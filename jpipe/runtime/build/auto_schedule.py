@@ -83,6 +83,7 @@ def choose_schedule(partitioned, cut, params, request):
     limit=request.memory_limit,
     fused_last=partitioning.fuse_last_stage,
     allowed=lambda kind: _allowed(kind, staleness),
+    grad_accum_dtype=request.grad_accum_dtype,
   )
   kind = schedule_lib.REGISTRY[choice.chosen]
   return dataclasses.replace(
@@ -105,6 +106,7 @@ def rank_for_plan(
   limit: float | None,
   fused_last: bool,
   allowed=lambda kind: True,
+  grad_accum_dtype=None,
 ) -> schedule_lib.ScheduleChoice:
   """Every synchronous built-in schedule (``allowed(kind)``) ranked on a
   solved plan of ``traced`` (the module docstring says at which costs).
@@ -120,6 +122,8 @@ def rank_for_plan(
     limit: bytes per device (None: no limit).
     fused_last: the last stage fuses its backward into its forward.
     allowed: which candidates the run's options allow.
+    grad_accum_dtype: the dtype gradients are summed in (None: the
+      params'; ``Pipeline``'s).
   """
   firsts = sorted({ds[0] for ds in plan.stage_devices})
   stage_device = [firsts.index(ds[0]) for ds in plan.stage_devices]
@@ -129,7 +133,15 @@ def rank_for_plan(
     stage_device,
     num_microbatches,
     plan_costs(plan, traced, bandwidth, recompute),
-    memory_terms(plan, traced, params, optimizer, num_microbatches, recompute),
+    memory_terms(
+      plan,
+      traced,
+      params,
+      optimizer,
+      num_microbatches,
+      recompute,
+      grad_accum_dtype,
+    ),
     limit,
     fused_last=fused_last,
     device_names=[device_name(groups[f]) for f in firsts],
@@ -160,7 +172,13 @@ def plan_costs(
 
 
 def memory_terms(
-  plan, traced, params, optimizer, num_microbatches, recompute
+  plan,
+  traced,
+  params,
+  optimizer,
+  num_microbatches,
+  recompute,
+  grad_accum_dtype=None,
 ) -> schedule_lib.StageMemoryTerms:
   """Each stage's fixed, kept-per-microbatch, working and (split
   backwards) weight-kept bytes under the partitioner's memory model
@@ -179,6 +197,7 @@ def memory_terms(
     recompute=recompute,
     stashes=False,
     fused_last=False,
+    grad_accum_dtype=grad_accum_dtype,
   ).per_stage_counts_for(n)
 
   def per_microbatch(budget):

@@ -56,3 +56,49 @@ def gradient_avals(param_avals, accum_dtype) -> list:
     jax.ShapeDtypeStruct(a.shape, gradient_dtype(a.dtype, accum_dtype))
     for a in param_avals
   ]
+
+
+def promoted_state(update, state, params, grads, extra=None):
+  """An optax ``state`` (``tx.init(params)``'s) in the dtypes one step on
+  gradients of ``grads``' dtypes leaves it in (traceable; ``grads``: avals
+  or arrays; ``extra``: more keyword arguments of ``update``).
+
+  Gradients wider than the params promote the state that follows them
+  (SGD's momentum, optax Adam's first moment: bfloat16 zeros become
+  float32 after one step on one device); counts, keys, Adam's second
+  moment (optax keeps it in the params' dtype) and ``mu_dtype``-fixed
+  moments stay. Kept from the start, a stored state has one layout (and the
+  initial zeros are the same numbers in either dtype)."""
+  extra = extra or {}
+  for _ in range(3):  # (A fixed point: the dtypes a step keeps.)
+    after = jax.eval_shape(
+      lambda g, st, p, kw: update(g, st, p, **kw)[1],
+      grads,
+      state,
+      params,
+      extra,
+    )
+    promoted = jax.tree.map(_promoted_leaf, state, after)
+    if _dtypes(promoted) == _dtypes(state):
+      break
+    state = promoted
+  return state
+
+
+def _promoted_leaf(x, after):
+  """A state leaf ``x`` in ``after``'s floating dtype (counts and keys
+  as they are)."""
+  dtype = getattr(after, "dtype", None)
+  if (
+    dtype is None
+    or x.dtype == dtype
+    or not jnp.issubdtype(x.dtype, jnp.floating)
+    or not jnp.issubdtype(dtype, jnp.floating)
+  ):
+    return x
+  return x.astype(dtype)
+
+
+def _dtypes(tree) -> list:
+  """The dtypes of a tree's leaves."""
+  return [getattr(x, "dtype", None) for x in jax.tree.leaves(tree)]

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import jax
 
 from jpipe.partition import MemoryBudget
+from jpipe.runtime.build.grad_dtype import gradient_dtype, promoted_state
 from jpipe.schedule import (
   FORWARD,
   INPUT,
@@ -326,6 +327,7 @@ def partitioner_memory_model(
   recompute,
   stashes,
   fused_last,
+  grad_accum_dtype=None,
 ):
   """The partitioner's ``MemoryBudget`` for a schedule (a
   ``jpipe.schedule.ScheduleKind``) under ``limit`` bytes per device
@@ -334,11 +336,17 @@ def partitioner_memory_model(
   A per-node model, coarser than ``Pipeline.memory`` (which the built
   pipeline is checked against): optimizer state as the optimizer's own
   ratio to the params, the schedule's in-flight counts (PipeDream's for
-  a stream) and stash counts.
+  a stream) and stash counts. Gradients summed wider than the params
+  (``grad_accum_dtype``) add their extra bytes, and those of the state
+  they promote, to that ratio (the model counts one gradient byte per
+  param byte beside it).
   """
   n, m = num_stages, num_microbatches
   param_bytes = max(nbytes(params), 1)
-  factor = nbytes(jax.eval_shape(optimizer.init, params)) / param_bytes
+  factor = (
+    _state_and_extra_gradient_bytes(optimizer, params, grad_accum_dtype)
+    / param_bytes
+  )
   stream = schedule.asynchronous
   if stream:
     flight = [n - s for s in range(n)]
@@ -357,6 +365,29 @@ def partitioner_memory_model(
     param_versions=tuple(versions),
     recompute=recompute,
   )
+
+
+def _state_and_extra_gradient_bytes(optimizer, params, grad_accum_dtype):
+  """Bytes of ``optimizer``'s state for ``params`` (as gradients in
+  ``grad_accum_dtype`` promote it), plus the gradients' bytes beyond the
+  params'."""
+
+  def grads_of(p):
+    return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+        x.shape, gradient_dtype(x.dtype, grad_accum_dtype)
+      ),
+      p,
+    )
+
+  def state_of(p):
+    state = optimizer.init(p)
+    if grad_accum_dtype is None:
+      return state
+    return promoted_state(optimizer.update, state, p, grads_of(p))
+
+  extra = nbytes(grads_of(params)) - nbytes(params)
+  return nbytes(jax.eval_shape(state_of, params)) + extra
 
 
 def _held_until_weight_gradient(kind, n, m, fused_last) -> list[int]:

@@ -369,6 +369,7 @@ def _memory_budget(request: Request, params, kind=None):
     recompute=staleness.recompute,
     stashes=staleness.stashes,
     fused_last=partitioning.fuse_last_stage,
+    grad_accum_dtype=request.grad_accum_dtype,
   )
 
 

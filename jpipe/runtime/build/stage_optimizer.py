@@ -22,6 +22,7 @@ import optax
 
 from jpipe import staleness
 from jpipe.runtime.build.flat import FlatLayout, PackedTree
+from jpipe.runtime.build.grad_dtype import promoted_state
 from jpipe.runtime.build.params_view import KeyedLeaves, ParamsView
 from jpipe.runtime.build.stage_keys import stage_keyed
 from jpipe.runtime.build.stored_params import leaves_of, stored_params_like
@@ -245,9 +246,9 @@ class StageOptimizer:
   def _init(self, leaves):
     """``tx.init``'s state, in the dtypes one step leaves it in: with
     gradients summed wider than the params (``grad_accum_dtype``), optax
-    state that follows the gradient (SGD's momentum, Adam's moments)
-    becomes that dtype at the first step on one device, and a stored
-    state keeps one layout."""
+    state that follows the gradient (``promoted_state``) becomes that
+    dtype at the first step on one device, and a stored state keeps one
+    layout."""
     params = self.as_dict(leaves)
     state = self.tx.init(params)
     layout = self._grad_layout
@@ -266,19 +267,7 @@ class StageOptimizer:
       extra = {"delay": jax.ShapeDtypeStruct((), jnp.int32)}
     elif self.gap_aware:
       extra = {"stale_params": params}
-    for _ in range(3):  # (A fixed point: the dtypes a step keeps.)
-      after = jax.eval_shape(
-        lambda g, st, p, kw: self._tx_update(g, st, p, **kw)[1],
-        grads,
-        state,
-        params,
-        extra,
-      )
-      promoted = jax.tree.map(_promoted, state, after)
-      if _dtypes(promoted) == _dtypes(state):
-        break
-      state = promoted
-    return state
+    return promoted_state(self._tx_update, state, params, grads, extra)
 
   def as_dict(self, leaves: Sequence[Any]):
     """The managed leaves of a stage tuple as the optimizer sees them:
@@ -414,22 +403,3 @@ class StageOptimizer:
       learning_rates=learning_rates,
     )
     return stored_params_like(stored_params, self.as_tuple(predicted, params))
-
-
-def _promoted(x, after):
-  """A state leaf ``x`` in ``after``'s floating dtype (counts and keys
-  as they are)."""
-  dtype = getattr(after, "dtype", None)
-  if (
-    dtype is None
-    or x.dtype == dtype
-    or not jnp.issubdtype(x.dtype, jnp.floating)
-    or not jnp.issubdtype(dtype, jnp.floating)
-  ):
-    return x
-  return x.astype(dtype)
-
-
-def _dtypes(tree) -> list:
-  """The dtypes of a tree's leaves."""
-  return [getattr(x, "dtype", None) for x in jax.tree.leaves(tree)]
