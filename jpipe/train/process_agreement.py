@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import time
+from importlib import metadata
 
 import jax
 
@@ -66,13 +67,35 @@ def code_fingerprint() -> str:
   return _code_hash
 
 
+# Libraries whose versions must agree: another JAX or XLA may compile a
+# stage's program differently (other numerics, other collectives); another
+# flax may name params differently; optax or orbax, other optimizer states
+# or checkpoint layouts.
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
+
+
+def library_versions() -> dict[str, str]:
+  """``{"jax": "0.10.2", ...}``: the installed versions of ``LIBRARIES``
+  ("absent" where not installed)."""
+
+  def version(name):
+    try:
+      return metadata.version(name)
+    except metadata.PackageNotFoundError:
+      return "absent"
+
+  return {name: version(name) for name in LIBRARIES}
+
+
 def check_same_run(config) -> None:
   """A UsageError in every process when the processes run other jpipe
-  code, were given other configs or expose other device counts."""
+  code or libraries, were given other configs or expose other device
+  counts."""
   if jax.process_count() == 1:
     return
   mine = {
     "code": code_fingerprint(),
+    "libraries": library_versions(),
     "devices": jax.local_device_count(),
     "config": {
       k: json.dumps(v, sort_keys=True, default=repr)
@@ -94,16 +117,24 @@ def check_same_run(config) -> None:
   if problem:
     raise UsageError(
       f"the {len(runs)} processes of this run differ: {problem}; start "
-      "every process with the same command and the same jpipe "
-      "(python -m jpipe.launch does both)"
+      "every process with the same command, the same jpipe and the same "
+      "libraries (python -m jpipe.launch does all three on one host)"
     )
 
 
 def _difference(runs: list[dict]) -> str:
   """The first way the processes' reports differ, as a phrase ("" when
   they agree)."""
-  for key, what in (("code", "jpipe code"), ("devices", "devices")):
-    values = [r[key] for r in runs]
+  libraries = [
+    (f"libraries.{name}", name)
+    for name in sorted({n for r in runs for n in r.get("libraries", {})})
+  ]
+  for key, what in (
+    ("code", "jpipe code"),
+    *libraries,
+    ("devices", "devices"),
+  ):
+    values = [_field(r, key) for r in runs]
     if len(set(map(str, values))) > 1:
       return f"{what} per process " + ", ".join(
         f"{q}: {v}" for q, v in enumerate(values)
@@ -122,6 +153,13 @@ def _difference(runs: list[dict]) -> str:
   )
   more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
   return shown + more
+
+
+def _field(run: dict, key: str):
+  """A report's value at a dotted ``key`` (None where absent)."""
+  for part in key.split("."):
+    run = run.get(part) if isinstance(run, dict) else None
+  return run
 
 
 def check_shared_workdir(workdir: str) -> None:

@@ -44,8 +44,8 @@ def generation(
       "metrics only"
     )
     return None
-  data = config.data
-  _note_cut_golds(config, encoder, records)
+  golds = _gold_texts(config.data, records)
+  _note_cut_golds(config, encoder, golds)
   prefill_fn, decode_fn = module.decode_fns(model)
   source_length = held_out["inputs"].shape[1]
   return evaluation_lib.Generation(
@@ -57,9 +57,9 @@ def generation(
     ),
     eos_id=encoder.end,
     start_id=0,
-    max_new_tokens=data.target_length,
-    batch_size=data.batch_size,
-    score=_scorer(config, encoder, records, held_out["targets"]),
+    max_new_tokens=config.data.target_length,
+    batch_size=config.data.batch_size,
+    score=_scorer(config, encoder, golds, held_out["targets"]),
   )
 
 
@@ -75,18 +75,27 @@ def _note(line: str) -> None:
     print(line)
 
 
-def _note_cut_golds(config, encoder, records) -> None:
-  """A note when answers or references are longer than the decoder may
-  write (``data.target_length`` tokens, its end included): their scores
-  are capped, as a cut target would be."""
+def _gold_texts(data, records) -> list | None:
+  """What generated texts are scored against, per held-out record: its
+  answers (qa: a list each), its reference (translation), or None
+  (classification: the labels are the targets' texts)."""
+  if data.format == "qa":
+    return [_golds(data, r) for r in records]
+  if data.format == "translation":
+    return [input_pipeline.as_text(r[data.target_key]) for r in records]
+  return None
+
+
+def _note_cut_golds(config, encoder, golds) -> None:
+  """A note when answers or references (``_gold_texts``) are longer than
+  the decoder may write (``data.target_length`` tokens, its end
+  included): their scores are capped, as a cut target would be."""
   data = config.data
   if data.format == "qa":  # A question is capped if all its answers are.
-    golds = [_golds(data, r) for r in records]
     lengths = [min(len(x) for x in encoder.ids(g)) for g in golds]
     what = "answers"
   elif data.format == "translation":
-    texts = [input_pipeline.as_text(r[data.target_key]) for r in records]
-    lengths = [len(x) for x in encoder.ids(texts)]
+    lengths = [len(x) for x in encoder.ids(golds)]
     what = "references"
   else:
     return  # (Labels are cut alike on both sides.)
@@ -107,8 +116,9 @@ def _golds(data, record) -> list[str]:
   ] or [""]
 
 
-def _scorer(config, encoder, records, targets):
-  """``generated ids [N, n] -> metrics`` of the data's format."""
+def _scorer(config, encoder, golds, targets):
+  """``generated ids [N, n] -> metrics`` of the data's format, against
+  ``golds`` (``_gold_texts``) or the ``targets``' texts."""
   data = config.data
 
   def texts(rows):
@@ -122,15 +132,13 @@ def _scorer(config, encoder, records, targets):
       ]
     }
   if data.format == "qa":
-    golds = [_golds(data, r) for r in records]
 
     def squad(rows):
       got = text_metrics.squad(texts(rows), golds)
       return {f"generated_{k}": v for k, v in got.items()}
 
     return squad
-  references = [input_pipeline.as_text(r[data.target_key]) for r in records]
-  return lambda rows: text_metrics.bleu(texts(rows), references)
+  return lambda rows: text_metrics.bleu(texts(rows), golds)
 
 
 def text_of(encoder: text_examples.Encoder, row) -> str:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from jpipe.launch import _processes
+from jpipe.train import process_agreement
 from tests.distributed.processes import environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -86,3 +87,32 @@ def test_host_local_workdirs_and_device_counts_are_refused(tmp_path):
   for code, text in results:
     assert code == 2, text[-3000:]
     assert "devices per process 0: 2, 1: 4" in text, text[-3000:]
+
+
+def _report(**changes):
+  report = {
+    "code": "0.1+abc",
+    "libraries": process_agreement.library_versions(),
+    "devices": 2,
+    "config": {"optimizer.learning_rate": "0.05"},
+  }
+  for key, value in changes.items():
+    if key in report["libraries"]:
+      report["libraries"] = {**report["libraries"], key: value}
+    else:
+      report[key] = value
+  return report
+
+
+def test_another_library_version_is_named_with_each_processs():
+  """Another JAX (or flax, optax, orbax) on one host: its programs may
+  compile and name params differently, so the run stops naming it."""
+  mine = _report()
+  assert process_agreement._difference([mine, _report()]) == ""
+  other = _report(jax="0.9.0")
+  got = process_agreement._difference([mine, other])
+  assert got == f"jax per process 0: {mine['libraries']['jax']}, 1: 0.9.0"
+  assert set(mine["libraries"]) == set(process_agreement.LIBRARIES)
+  assert "absent" not in mine["libraries"].values()  # All installed here.
+  got = process_agreement._difference([mine, _report(devices=4)])
+  assert got == "devices per process 0: 2, 1: 4"

@@ -145,7 +145,9 @@ def _configs(n):
       "recompute": False,
       "profile_calls": [1],
     },
-    # Gradient clipping: the global norm summed over the processes.
+    # Gradient clipping: the global norm summed over the processes; the
+    # gradients summed in bfloat16 (grad_accum_dtype narrower than the
+    # float32 params: the tied sums cross processes in it).
     {
       "case": "gpt_tied",
       "stages": n,
@@ -153,6 +155,7 @@ def _configs(n):
       "schedule": "1f1b",
       "clip_global_norm": 0.05,
       "forward_only": True,
+      "grad_accum_dtype": "bfloat16",
     },
     # Typed PRNG keys: one made on stage 0 crosses to the others (the
     # transfer server moves key data); NNX's per-Dropout RNG streams as
@@ -169,6 +172,17 @@ def _configs(n):
     # stage updates, each read on its layer's stage (the tied embedding
     # on the first and last), in the state dict as they started.
     {"case": "nnx_lora", "stages": n, "calls": [2, 3], "schedule": "1f1b"},
+    # A holder's tied gradient crossing to its owner's step in the
+    # accumulated dtype (async "tied_grad" transfers, pull transport).
+    {
+      "case": "gpt_tied",
+      "stages": n,
+      "calls": [3, 2],
+      "schedule": "async",
+      "weight_stashing": True,
+      "step_every": 2,
+      "grad_accum_dtype": "bfloat16",
+    },
   ]
 
 
@@ -190,8 +204,13 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   # (CI time) 2 processes: the synchronous ones, 2bw and async ws+wp;
   # 3: the other streaming ones (GA, tied over collectives, BatchNorm)
   # and clipping; zbh1 on both (tied over 3, collective over 2); zbv and
-  # dualpipev on 2; the dropout key crossing on 2, NNX's streams on 3.
-  keep = (3, 6, 7, 8, 12, 14) if nprocs == 3 else (0, 1, 2, 4, 5, 9, 10, 11, 13)
+  # dualpipev on 2; the dropout key crossing on 2, NNX's streams on 3,
+  # NNX LoRA on 2; gradients summed in bfloat16: sync on 3, async on 2.
+  keep = (
+    (3, 6, 7, 8, 12, 14)
+    if nprocs == 3
+    else (0, 1, 2, 4, 5, 9, 10, 11, 13, 15, 16)
+  )
   configs = [_configs(nprocs)[i] for i in keep]
   configs = json.dumps(configs)
   ref, got = str(tmp_path / "ref.npz"), str(tmp_path / "got.npz")
