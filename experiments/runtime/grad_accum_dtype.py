@@ -6,11 +6,12 @@ through a 2-stage 1f1b pipeline on 2 devices, for each microbatch count m
 (2 sequences per microbatch): the gradient the optimizer received (SGD
 momentum's trace after one step: the step's mean gradient, in the
 accumulator's dtype) with the default bfloat16 sum and with
-``grad_accum_dtype="float32"``, each against the exact mean of the same
-microbatch gradients -- each computed on one device in bfloat16 by
-``jax.grad``, summed in float64 by NumPy. The float32 row's error is the
-floor the stage split's own bfloat16 rounding leaves; what the bfloat16
-row adds is the sum's. Also: the accumulator's predicted bytes
+``grad_accum_dtype="float32"``, each against the exact (float64) mean of
+the pipeline's own microbatch gradients -- each microbatch run alone
+through a one-microbatch pipeline, the same stage programs: the sum's
+rounding alone -- and against the float64 mean of one device's
+``jax.grad`` in bfloat16 (which adds bfloat16 compute's own spread
+between two programs). Also: the accumulator's predicted bytes
 (``pipe.memory``) and the step time of float32 over bfloat16 accumulation
 (paired steps, alternating). With ``--train_steps``: the loss after that
 many AdamW steps each way (one batch repeated: memorisation, where the
@@ -74,18 +75,35 @@ def _received(pipe, params, batch) -> dict:
   return _by_name(trace)
 
 
-def _exact_mean(loss_fn, params, batch, m) -> dict:
-  """The mean of the m microbatch gradients (bfloat16, one device),
-  summed in float64."""
+def _exact_means(loss_fn, params, batch, m) -> tuple[dict, dict]:
+  """The float64 means of the m microbatch gradients: the pipeline's own
+  (each microbatch alone through a one-microbatch pipeline: the same
+  stage programs, nothing summed) and one device's (``jax.grad``, both in
+  bfloat16)."""
+  one = _pipelines(
+    loss_fn,
+    params,
+    _microbatch(batch, 0),
+    1,
+    optax.sgd(1.0, momentum=0.9),
+  )["bfloat16"]
   grad = jax.jit(jax.grad(loss_fn))
-  total = None
+  own, device = None, None
   for k in range(m):
-    mb = jax.tree.map(
-      lambda x, k=k: x[k * PER_MICROBATCH : (k + 1) * PER_MICROBATCH], batch
-    )
-    g = _by_name(grad(params, mb))
-    total = g if total is None else {k: total[k] + g[k] for k in total}
-  return {k: v / m for k, v in total.items()}
+    mb = _microbatch(batch, k)
+    g, d = _received(one, params, mb), _by_name(grad(params, mb))
+    own = g if own is None else {n: own[n] + g[n] for n in own}
+    device = d if device is None else {n: device[n] + d[n] for n in device}
+  return (
+    {n: v / m for n, v in own.items()},
+    {n: v / m for n, v in device.items()},
+  )
+
+
+def _microbatch(batch, k):
+  return jax.tree.map(
+    lambda x: x[k * PER_MICROBATCH : (k + 1) * PER_MICROBATCH], batch
+  )
 
 
 def _by_name(tree) -> dict:
@@ -151,12 +169,12 @@ def main(argv):
     )
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     pipes = _pipelines(loss_fn, params, batch, m, optax.sgd(1.0, momentum=0.9))
-    exact = _exact_mean(loss_fn, params, batch, m)
+    own, device = _exact_means(loss_fn, params, batch, m)
     row = {"microbatches": m}
     for name, pipe in pipes.items():
-      row[f"{name}_error"] = _relative_error(
-        _received(pipe, params, batch), exact
-      )
+      received = _received(pipe, params, batch)
+      row[f"{name}_error"] = _relative_error(received, own)
+      row[f"{name}_vs_one_device"] = _relative_error(received, device)
       row[f"{name}_grad_bytes"] = sum(s.grads for s in pipe.memory)
     row.update(_timed(pipes, params, batch))
     if FLAGS.train_steps:
@@ -192,14 +210,20 @@ def _table(record) -> str:
     "",
     f"GPT {model['layers']} x {model['width']}, {model['heads']} heads, "
     f"sequence {model['length']}, bfloat16 params; 2 stages, 1f1b, "
-    f"{PER_MICROBATCH} sequences per microbatch. Error: relative L2 "
+    f"{PER_MICROBATCH} sequences per microbatch. Sum error: relative L2 "
     "distance of the optimizer's gradient from the float64 mean of the "
-    "same microbatch gradients. Time: float32 over bfloat16 accumulation, "
-    "median of paired steps.",
+    "pipeline's own microbatch gradients (each run alone: the same "
+    "programs, nothing summed) -- the sum's rounding alone. Against one "
+    "device: from the float64 mean of jax.grad's bfloat16 microbatch "
+    "gradients (bfloat16 compute's own spread included). Time: float32 "
+    "over bfloat16 accumulation, median of paired steps.",
     "",
   ]
   trained = record["train_steps"] > 0
-  head = "| m | error, bf16 sum | error, f32 sum | accumulator bytes (bf16 -> f32) | time f32/bf16 |"
+  head = (
+    "| m | sum error, bf16 / f32 | against one device, bf16 / f32 "
+    "| accumulator bytes (bf16 -> f32) | time f32/bf16 |"
+  )
   rule = "|---|---|---|---|---|"
   if trained:
     head += f" loss after {record['train_steps']} steps (bf16 / f32) |"
@@ -207,8 +231,9 @@ def _table(record) -> str:
   lines += [head, rule]
   for r in record["rows"]:
     line = (
-      f"| {r['microbatches']} | {r['bfloat16_error']:.2e} | "
-      f"{r['float32_error']:.2e} | "
+      f"| {r['microbatches']} | {r['bfloat16_error']:.2e} / "
+      f"{r['float32_error']:.2e} | {r['bfloat16_vs_one_device']:.2e} / "
+      f"{r['float32_vs_one_device']:.2e} | "
       f"{format_bytes(r['bfloat16_grad_bytes'])} -> "
       f"{format_bytes(r['float32_grad_bytes'])} | {r['time_ratio']:.3f} |"
     )

@@ -24,7 +24,9 @@ def evaluate(mode, task, run, checkpoints, *, workdir: str, source: str, say):
     )
   state, step = mode.init(task), 0
   if checkpoints.latest_step() is not None:
-    state, step = loop.restore(mode, state, checkpoints, run.fingerprint, say)
+    state, step, _ = loop.restore(
+      mode, state, checkpoints, run.fingerprint, say
+    )
     source = f"the checkpoint of step {step}"
   evaluation = mode.evaluate(state, task)
   mode.close()

@@ -25,6 +25,7 @@ all gathered, prints and logs. The watchdog stops a run that hangs
 anyway.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -121,6 +122,11 @@ class Mode:
     """The state with nothing in flight (before evaluation or a save)."""
     return state
 
+  def in_flight(self, state) -> bool:
+    """Whether microbatches are in flight (an asynchronous stream
+    between its drains)."""
+    return False
+
   def evaluation_inputs(self, state) -> tuple[Any, Any]:
     """(params, model state) to evaluate, on process 0 (every process
     calls it: it may gather)."""
@@ -202,10 +208,16 @@ def train(
   initial params first). Returns the closing summary (process 0's; the
   others' holds their throughput only)."""
   state = mode.init(task)
-  start = 0
+  start, meta = 0, None
   if checkpoints.latest_step() is not None:
-    state, start = restore(mode, state, checkpoints, run.fingerprint, say)
-  loop = _Loop(mode, task, config, run, checkpoints, lr, say, start)
+    state, start, meta = restore(mode, state, checkpoints, run.fingerprint, say)
+  loop = _Loop(mode, task, config, run, checkpoints, lr, say, start, meta)
+  if not start and loop.main:
+    # A run starting over: an earlier config.json is of a run that left
+    # no checkpoint, not an earlier state of this one (no "Resumed with
+    # changed fields" against it).
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(workdir, "config.json"))
   mode.announce(state, workdir, loop.main, say)
   loop.log = MetricLog(workdir, resume_step=start) if loop.main else _NoLog()
   if fine_tune and start == 0:  # Where fine-tuning starts: pretrained.
@@ -227,7 +239,9 @@ class _Loop:
   the throughput so far, the log window, the divergence reference, the
   last evaluation."""
 
-  def __init__(self, mode, task, config, run, checkpoints, lr, say, start):
+  def __init__(
+    self, mode, task, config, run, checkpoints, lr, say, start, resumed=None
+  ):
     self.mode, self.task, self.config, self.run = mode, task, config, run
     self.checkpoints, self.lr, self.say = checkpoints, lr, say
     self.main = jax.process_index() == 0
@@ -237,8 +251,15 @@ class _Loop:
     # Throughput leaves out the run's first unit (it compiles every
     # program).
     self.seconds, self.examples = 0.0, 0
-    self.window = _Window(first_step=start + 1)
-    self.divergence = _DivergenceCheck(config.train.divergence_factor)
+    # A resumed run goes on with the checkpoint's log window (a stop
+    # between two log lines: the next line's mean covers the steps before
+    # it too) and its divergence reference (the run's first loss, not the
+    # resumed one's: late in training that is far lower).
+    resumed = resumed if isinstance(resumed, dict) else {}
+    self.window = _Window.resumed(resumed.get("log_window"), start + 1)
+    self.divergence = _DivergenceCheck(
+      config.train.divergence_factor, resumed.get("divergence_start")
+    )
     self.agree = stopping.StopAgreement()
     self.log = self.stop = self.watchdog = None  # Set by ``train``.
 
@@ -313,9 +334,20 @@ class _Loop:
     checkpoint = self._due(done, self.cadence.checkpoint) or last
     requested = self.agree(done, self.stop.signal, timed)
     since = time.perf_counter()  # (Evaluation and checkpoint times.)
+    if requested and not (evaluate or checkpoint) and mode.in_flight(state):
+      self.write(
+        f"note: {requested} between checkpoints drains the asynchronous "
+        f"stream at step {done} (its in-flight microbatches applied), where "
+        "an uninterrupted run drains at its evaluations and checkpoints "
+        "only: the resumed run follows another trajectory from here. For "
+        "the same one, stop at a checkpoint step, or kill the run and "
+        "resume from the checkpoint before."
+      )
     if evaluate or checkpoint or requested:
       # An asynchronous stream drains first (every in-flight microbatch
-      # applied), so a resumed run continues as an uninterrupted one.
+      # applied): what a checkpoint holds and an evaluation reads. Where
+      # it drains is part of a stream's trajectory (the evaluation and
+      # checkpoint steps), which a resumed run repeats.
       state = mode.flush(state)
     if evaluate:
       evaluation = mode.evaluate(state, self.task)
@@ -339,6 +371,7 @@ class _Loop:
         done,
         written,
         {"step": done, "fingerprint": self.run.fingerprint}
+        | self._loop_meta()
         | mode.checkpoint_meta(done),
         per_process=per_process,
       )
@@ -349,6 +382,14 @@ class _Loop:
     if requested and not last:
       self._exit(requested, done)
     return state
+
+  def _loop_meta(self) -> dict:
+    """What a resumed loop takes over: its log window so far and its
+    divergence reference."""
+    meta = {"log_window": self.window.to_meta()}
+    if self.divergence.start is not None:
+      meta["divergence_start"] = list(self.divergence.start)
+    return meta
 
   def _due(self, done: int, every: int) -> bool:
     """Whether the unit that ended at ``done`` steps reached a multiple
@@ -413,7 +454,7 @@ def format_evaluation(evaluation: dict | None) -> str:
 
 
 def restore(mode, state, checkpoints, fingerprint, say):
-  """(state, step) of the latest checkpoint."""
+  """(state, step, metadata) of the latest checkpoint."""
   template, needed = mode.checkpoint_layout(state)
   try:
     saved, meta = checkpoints.restore(
@@ -445,7 +486,7 @@ def restore(mode, state, checkpoints, fingerprint, say):
       "it or use another --workdir"
     )
   say(f"Resuming from {mode.resumed_at(step)} ({checkpoints.directory}).")
-  return state, step
+  return state, step, meta
 
 
 def _log_line(head: str, scalars: dict, note: str, metrics=()) -> str:
@@ -465,6 +506,33 @@ class _Window:
     self.first_step = first_step
     self.losses, self.examples, self.seconds = [], 0, 0.0
     self.metrics = {}  # name -> per-unit values (Task.has_aux)
+
+  @classmethod
+  def resumed(cls, saved, first_step: int) -> "_Window":
+    """The window a checkpoint saved (``to_meta``), or a new one from
+    ``first_step`` (none saved, or an unreadable one)."""
+    window = cls(first_step)
+    try:
+      window.first_step = int(saved["first_step"])
+      window.losses = [float(x) for x in saved["losses"]]
+      window.examples = int(saved["examples"])
+      window.seconds = float(saved["seconds"])
+      window.metrics = {
+        str(k): [float(x) for x in v] for k, v in saved["metrics"].items()
+      }
+    except (TypeError, KeyError, ValueError, AttributeError):
+      return cls(first_step)
+    return window
+
+  def to_meta(self) -> dict:
+    """The window as JSON, for a checkpoint's metadata."""
+    return {
+      "first_step": self.first_step,
+      "losses": [float(x) for x in self.losses],
+      "examples": int(self.examples),
+      "seconds": float(self.seconds),
+      "metrics": {k: [float(x) for x in v] for k, v in self.metrics.items()},
+    }
 
   def add(self, loss, examples, seconds, metrics=None):
     self.losses.append(loss)
@@ -486,32 +554,39 @@ class _Window:
 
 class _DivergenceCheck:
   """Stops a run whose mean loss rose far above its start: ``factor``
-  times the loss of the run's first unit (0 turns the check off). Names
-  the stage whose params grew most since then, where the mode knows."""
+  times the loss of the run's first unit (0 turns the check off; a
+  resumed run keeps its first run's, ``start``: ``(loss, step)``). Names
+  the stage whose params grew most since this process's first unit,
+  where the mode knows."""
 
-  def __init__(self, factor: float):
+  def __init__(self, factor: float, start=None):
     self.factor = factor
     self.start = None
+    if factor and start is not None:
+      loss, step = start
+      self.start = (float(loss), int(step))
+    self.norms = None  # (step, each stage's param norm) at this start
 
   def begin(self, loss, step, mode, state):
     if self.factor:
-      self.start = (loss, step, mode.param_norms(state))
+      if self.start is None:
+        self.start = (loss, step)
+      self.norms = (step, mode.param_norms(state))
 
   def check(self, loss, step, first_step, config, mode, state):
     if self.start is None:
       return
-    start, at, norms = self.start
+    start, at = self.start
     if start <= 0 or loss <= self.factor * start:
       return
     grew = ""
-    if norms is not None:
-      growth = [
-        now / max(before, 1e-30)
-        for now, before in zip(mode.param_norms(state), norms, strict=True)
-      ]
+    norms_at, norms = self.norms or (None, None)
+    now = mode.param_norms(state) if norms is not None else None
+    if now is not None and len(now) == len(norms):
+      growth = [n / max(b, 1e-30) for n, b in zip(now, norms, strict=True)]
       stage = int(np.argmax(growth))
       grew = (
-        f"; stage {stage}'s params grew most since then "
+        f"; stage {stage}'s params grew most since step {norms_at} "
         f"({growth[stage]:.3g}x in norm)"
       )
     raise TrainingDiverged(

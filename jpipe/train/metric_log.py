@@ -16,7 +16,9 @@ class MetricLog:
 
   A run that resumes from the checkpoint of step ``resume_step`` keeps
   the metrics up to it and drops the later ones (the steps it trains
-  again), in both files, so a resumed run's logs read as one run.
+  again), in both files, so a resumed run's logs read as one run. A run
+  that starts over (``resume_step`` 0: the earlier run left no
+  checkpoint) keeps none, and says how many it dropped.
   """
 
   def __init__(self, workdir: str, resume_step: int = 0):
@@ -29,7 +31,13 @@ class MetricLog:
         f"cut short by a kill); {len(rows)} rows kept.",
         file=sys.stderr,
       )
-    kept = [r for r in rows if r["step"] <= resume_step]
+    kept = [r for r in rows if 0 < resume_step and r["step"] <= resume_step]
+    if rows and not resume_step:
+      print(
+        f"Note: {self.path}: {len(rows)} rows of an earlier run that left "
+        "no checkpoint dropped (this run starts over).",
+        file=sys.stderr,
+      )
     # The training time the kept rows reached: a resumed run's clock
     # goes on from it.
     self.train_seconds = max(
@@ -41,8 +49,11 @@ class MetricLog:
       default=0.0,
     )
     try:
-      with open(self.path, "w") as f:
+      # Rewritten whole, then renamed over the old: a kill meanwhile
+      # leaves the old file, not half of it.
+      with open(self.path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
+      os.replace(self.path + ".tmp", self.path)
       # TensorBoard shows every event file of a folder: rewrite them as one
       # file holding the kept rows (its own purge_step is honoured by
       # TensorBoard's reader only, not by other tools reading the files).

@@ -75,6 +75,10 @@ class PipelineMode(Mode):
     state, _ = self.pipe.flush(state)
     return state
 
+  def in_flight(self, state):
+    flight = getattr(state, "in_flight", None)
+    return flight is not None and not flight.drained
+
   def evaluation_inputs(self, state):
     # Every process gathers (a collective); process 0 evaluates.
     return self.pipe.gather_params(state), self.pipe.gather_model_state(state)

@@ -28,6 +28,13 @@ class StopRequest:
   def _handle(self, signum, frame):
     del frame
     if self.signal is not None:
+      name = signal.Signals(signum).name
+      # (os.write: a signal handler must not take print's locks.)
+      os.write(
+        2,
+        f"\n{name} again: exiting at once, without a checkpoint (status "
+        f"{128 + signum}); the run resumes from its latest checkpoint.\n".encode(),
+      )
       os._exit(128 + signum)
     self.signal = signal.Signals(signum).name
 

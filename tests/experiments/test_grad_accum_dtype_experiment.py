@@ -35,9 +35,10 @@ def test_writes_both_errors_bytes_times_and_losses(tmp_path):
   assert [r["microbatches"] for r in rows] == [2, 8]
   for r in rows:
     # The float32 sum is nearer the exact mean; its accumulator twice.
-    assert 0 < r["float32_error"] < r["bfloat16_error"]
+    assert 0 <= r["float32_error"] < r["bfloat16_error"]
+    assert 0 < r["float32_vs_one_device"]
     assert r["float32_grad_bytes"] == 2 * r["bfloat16_grad_bytes"]
     assert r["time_ratio"] > 0
     assert {"bfloat16_loss", "float32_loss"} <= set(r)
   table = (tmp_path / f"{name}.md").read_text()
-  assert "| m | error, bf16 sum | error, f32 sum |" in table
+  assert "| m | sum error, bf16 / f32 | against one device" in table

@@ -250,3 +250,83 @@ def test_a_resumed_runs_training_clock_goes_on(tmp_path):
   clock = [r["time/train_seconds"] for r in _rows(tmp_path)]
   assert clock[: len(before)] == before and before[-1] > 0
   assert all(b >= a for a, b in zip(clock, clock[1:], strict=False))
+
+
+def _stopped_after_first_unit(monkeypatch, workdir, mode, steps, **train):
+  """``_train`` with a SIGTERM from the start: it saves after its first
+  unit and exits 143."""
+  enter = stopping.StopRequest.__enter__
+
+  def signalled(self):
+    out = enter(self)
+    self.signal = "SIGTERM"
+    return out
+
+  with monkeypatch.context() as m:
+    m.setattr(stopping.StopRequest, "__enter__", signalled)
+    with pytest.raises(SystemExit) as stop:
+      _train(workdir, mode, steps, **train)
+  assert stop.value.code == 143
+
+
+def test_a_stop_between_log_lines_resumes_its_log_window(tmp_path, monkeypatch):
+  """An outside check stopped a run at step 16 of a 5-step log window:
+  the resumed run's line at 20 averaged steps 17-20 (step 16 never
+  logged). The checkpoint now keeps the window: the same rows as an
+  uninterrupted run, and the divergence reference of its first step."""
+  every = {"log_every": 4, "checkpoint_every": 4}
+  _train(tmp_path / "a", _LeastSquares(_Task(), 1, 0.1), 8, **every)
+  _stopped_after_first_unit(
+    monkeypatch, tmp_path / "b", _LeastSquares(_Task(), 1, 0.1), 8, **every
+  )
+  meta = json.loads(_meta_path(tmp_path / "b", 1).read_text())
+  assert meta["log_window"]["first_step"] == 1
+  assert len(meta["log_window"]["losses"]) == 1
+  assert meta["divergence_start"][1] == 1
+  _train(tmp_path / "b", _LeastSquares(_Task(), 1, 0.1), 8, **every)
+  straight, resumed = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+  assert [r["step"] for r in resumed] == [r["step"] for r in straight]
+  for a, b in zip(straight, resumed, strict=True):
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-12)
+  final = json.loads(_meta_path(tmp_path / "b", 8).read_text())
+  assert final["divergence_start"] == meta["divergence_start"]
+
+
+def test_the_divergence_reference_is_the_runs_first_loss_after_a_resume():
+  """An outside check resumed at step 250 of a healthy run: the
+  resumed run's first loss (0.0089) became the reference and a later
+  window of 0.092 stopped it as diverged, on every rerun. The first
+  run's reference (its checkpoint's) is kept."""
+
+  class _Norms:
+    def param_norms(self, state):
+      return [1.0, 2.0] if state == "start" else [1.0, 50.0]
+
+  config = base_config.base_config()
+  check = loop._DivergenceCheck(10, start=[2.3, 1])
+  check.begin(0.0089, 251, _Norms(), "start")
+  assert check.start == (2.3, 1)
+  check.check(0.092, 275, 251, config, _Norms(), "now")  # Healthy.
+  with pytest.raises(TrainingDiverged, match=r"\(2\.3 at step 1\); stage 1"):
+    check.check(24.0, 300, 276, config, _Norms(), "now")
+  fresh = loop._DivergenceCheck(10)
+  fresh.begin(2.0, 1, _Norms(), "start")
+  assert fresh.start == (2.0, 1)
+  assert loop._DivergenceCheck(0, start=[2.3, 1]).start is None  # (Off.)
+
+
+def test_a_run_starting_over_drops_the_rows_of_one_without_checkpoint(
+  tmp_path, capsys
+):
+  """No checkpoint but logs of an earlier run: dropped, said; its
+  config.json is not compared as a resumed run's."""
+  _train(tmp_path, _LeastSquares(_Task(), 1, 0.1), 2, log_every=1)
+  shutil.rmtree(tmp_path / "checkpoints")
+  (tmp_path / "config.json").write_text("{}")
+  capsys.readouterr()
+  _train(tmp_path, _LeastSquares(_Task(), 1, 0.1), 1, log_every=1)
+  err = capsys.readouterr().err
+  assert "2 rows of an earlier run that left no checkpoint dropped" in err
+  assert [r["step"] for r in _rows(tmp_path)] == [1]
+  assert not (tmp_path / "config.json").exists()  # (This mode writes none.)
+  assert not (tmp_path / "metrics.jsonl.tmp").exists()

@@ -21,7 +21,13 @@ from tensorboardX.proto import event_pb2
 
 import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import config_options, metric_log, pretrained, train_lib
+from jpipe.train import (
+  config_options,
+  metric_log,
+  pretrained,
+  stopping,
+  train_lib,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -391,6 +397,35 @@ def test_sigterm_saves_and_exits_143(tmp_path):
   assert process.returncode == 143, err
   assert "SIGTERM: saved step" in out
   assert checkpoint_lib.Checkpoints(str(tmp_path), 2).latest_step() >= 1
+
+
+def test_sigterm_off_cadence_says_it_drains_a_stream(
+  tmp_path, monkeypatch, capsys
+):
+  """An outside check found a stream stopped between checkpoints resumed
+  on another trajectory (the drain at the stop): the run says so."""
+  enter = stopping.StopRequest.__enter__
+
+  def signalled(self):
+    out = enter(self)
+    self.signal = "SIGTERM"
+    return out
+
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  config = _config(
+    **{
+      "train.steps": 4,
+      "train.checkpoint_every": 4,
+      "schedule.name": "async",
+      "staleness.stashing": True,
+    }
+  )
+  with pytest.raises(SystemExit) as stop:
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert stop.value.code == 143
+  out = capsys.readouterr().out
+  assert "note: SIGTERM between checkpoints drains the asynchronous " in out
+  assert "stream at step 1" in out
 
 
 @pytest.mark.slow
