@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jpipe.runtime._gather import trees_everywhere
@@ -88,16 +89,24 @@ def init_state(
       else pipe.state_rows.to_rows(model_state)  # (Stacked per layer: rows.)
     )
   stage_params, opt_states = [], []
+  avals = pipe.traced.closed_jaxpr.in_avals
   for s, leaves in enumerate(pipe.stages.split_params(params)):
     if not pipe.transport.owns(s):  # Another process runs it.
       stage_params.append(None)
       opt_states.append(None)
       continue
     place = pipe.placement[s]
+    built = [avals[i] for i in pipe.stages.specs[s].param_leaves]
+    names = [pipe.leaf_names[i] for i in pipe.stages.specs[s].param_leaves]
     # Leaf by leaf: a lazily read checkpoint (leaves that read themselves
     # when converted, e.g. jpipe.train.hf_checkpoint's) is never whole on
     # the host, one leaf at a time on its way to its stage.
-    placed = type(leaves)(place_leaf(place.put_replicated, x) for x in leaves)
+    placed = type(leaves)(
+      place_leaf(
+        lambda y, a=a, n=n, p=place: p.put_replicated(as_built(y, a, n)), x
+      )
+      for x, a, n in zip(leaves, built, names, strict=True)
+    )
     stage_params.append(placed)
     init = pipe.stage_optimizers[s].init
     if fresh_optimizer is None or fresh_optimizer[s]:
@@ -105,6 +114,28 @@ def init_state(
     else:
       opt_states.append(jax.eval_shape(init, placed))
   return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
+
+
+def as_built(x, aval, name: str):
+  """Param leaf ``x`` in the dtype the pipeline was built with (``aval``'s):
+  a floating leaf of another width is cast (a float32 checkpoint into a
+  bfloat16 pipeline, as HuggingFace's ``torch_dtype`` loads); any other
+  mismatch is refused naming the leaf. (Left as they came, the stages'
+  programs met other dtypes than they were built for: a reshape error
+  where leaves are packed, else a silent 2x of the predicted memory.)"""
+  if not hasattr(x, "dtype"):  # (A Python number.)
+    x = np.asarray(x)
+  if x.dtype == aval.dtype:
+    return x
+  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(
+    aval.dtype, jnp.floating
+  ):
+    return x.astype(aval.dtype)
+  raise ValueError(
+    f"param {name} is {x.dtype}, the pipeline was built with "
+    f"{aval.dtype}: pass params of the dtypes it was built with (those "
+    "of the params given to jpipe.Pipeline)"
+  )
 
 
 def state_avals(pipe) -> list[jax.ShapeDtypeStruct]:

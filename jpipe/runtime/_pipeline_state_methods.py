@@ -23,7 +23,10 @@ class PipelineStateMethods:
     """Splits ``params`` per stage, places them, builds optimizer states.
 
     ``model_state``: the initial model state (required when the pipeline
-    was built with one). With ``frozen``: the whole params.
+    was built with one). With ``frozen``: the whole params. Floating
+    leaves of another dtype than the params the pipeline was built with
+    are cast to theirs (a float32 checkpoint into a bfloat16 pipeline;
+    ``load_state_dict`` alike); another kind of dtype is refused.
     """
     if self.frozen_params is not None:
       if (model_state is None) == self.frozen_params.has_state:
