@@ -9,8 +9,10 @@ consecutive equations with the same path prefix, so a module called twice
 (a tied embedding used as the output head) gives two nodes, and the nodes'
 program order is a topological order. Equations outside any module (input
 reshapes, the loss itself) join the run before them; those reading only
-the function's inputs (a slice of the batch, a mask made from it) join the
-run after them, whose work they are.
+the function's inputs (params cast to the compute dtype at the loss's top,
+a slice of the batch, a mask made from it) first move to just before
+their first reader and join its run, whose work they are
+(``_input_glue``).
 
 A scan over layers (stacked params scanned by a ``scan`` whose carry
 flows layer to layer: linen's ``nn.scan``, ``jax.lax.scan`` over stacked
@@ -42,6 +44,7 @@ from jpipe.partition._caller_axes import caller_axes
 from jpipe.partition._checkpoint_split import deep_paths, split_checkpoints
 from jpipe.partition._indexed_loops import indexed_loops_as_scans
 from jpipe.partition._inline_calls import inline_module_calls
+from jpipe.partition._input_glue import sink_input_glue
 from jpipe.partition._nested_scans import nested_scans_as_one
 from jpipe.partition._nnx_scopes import nnx_module_scopes
 from jpipe.partition._plain_types import plain_types
@@ -331,6 +334,15 @@ def trace(
     own if own is not None else eqn_scope(e)
     for e, own in zip(closed.jaxpr.eqns, split.scopes, strict=True)
   )
+  # (Params cast at the loss's top: each cast with its layer.)
+  fixed = [
+    it is not None or sl is not None
+    for it, sl in zip(split.iteration, split.slices, strict=True)
+  ]
+  closed, order = sink_input_glue(closed, scopes, fixed)
+  scopes = tuple(scopes[i] for i in order)
+  iteration = tuple(split.iteration[i] for i in order)
+  slices = tuple(split.slices[i] for i in order)
   deep = deep_paths(closed.jaxpr, scopes)
   strip = _root_strip(deep)
   paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
@@ -340,8 +352,8 @@ def trace(
   whole = _Whole(
     closed_jaxpr=closed,
     scopes=scopes,
-    iteration=split.iteration if layout is not None else (),
-    slices=split.slices if layout is not None else (),
+    iteration=iteration if layout is not None else (),
+    slices=slices if layout is not None else (),
     strip=strip,
     deepest=max((len(s) - strip for s in deep), default=1) or 1,
   )

@@ -192,8 +192,10 @@ def test_a_function_that_stops_early_runs_nothing_on_the_later_stages():
 
 
 def test_a_param_read_where_its_stage_does_not_hold_it_is_refused():
-  """Arithmetic on params outside any module joins the first node: it
-  cannot read the head's kernel, which the last stage holds."""
+  """Arithmetic on params outside any module joins the node that reads
+  it: a norm of the head's kernel read at the end runs on the last stage,
+  which holds it; the same norm scaling the input joins the first node,
+  which cannot read the kernel."""
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
   model = flax_models.Mlp()
 
@@ -201,9 +203,17 @@ def test_a_param_read_where_its_stage_does_not_hold_it_is_refused():
     norm = jnp.sum(params["params"]["head"]["kernel"] ** 2)
     return {"norm_x_count": norm * model.apply(params, batch["x"]).shape[0]}
 
+  def scaled_fn(params, batch):
+    norm = jnp.sum(params["params"]["head"]["kernel"] ** 2)
+    return {"sum": model.apply(params, batch["x"] * norm).sum()}
+
   pipe = _pipeline(loss_fn, params, batch, 2)
+  state = pipe.init(params)
+  got = pipe.evaluate(state, batch, metrics_fn)["norm_x_count"]
+  want = metrics_fn(params, batch)["norm_x_count"]
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
   with pytest.raises(ValueError, match=r"reads param .*head.*kernel.* stage 0"):
-    pipe.evaluate(pipe.init(params), batch, metrics_fn)
+    pipe.evaluate(state, batch, scaled_fn)
 
 
 def test_predict_fn_must_return_per_example_values():
