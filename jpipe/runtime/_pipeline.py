@@ -117,7 +117,9 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       over every stage's gradient together, before the optimizer: each
       step equals ``optax.chain(optax.clip_by_global_norm(c), optimizer)``
       on one device (synchronous schedules; the replicas of a tied leaf
-      count once). Streaming schedules (``async``, ``2bw``) have no
+      count once; the norm in float32, where optax takes it in the
+      leaves' dtype: half-precision steps differ in its last bits, and a
+      float16 sum of squares that overflows is clipped, not zeroed). Streaming schedules (``async``, ``2bw``) have no
       step all stages share: a stage's step clips with the norm of its
       own gradient and the latest step's gradient of every other stage
       (one process only). None: no clipping.

@@ -129,7 +129,7 @@ class Checkpoints:
         )
       raise CheckpointError(
         f"checkpoint {where} was written for another model or optimizer "
-        f"(saved {saved}, now {fingerprint}); {fix}"
+        f"({fingerprint_difference(saved, fingerprint)}); {fix}"
       )
     self._check_one_run(step, meta.get("run"))
     self.run_id = meta.get("run") or self.run_id
@@ -288,6 +288,43 @@ def _save_failed(directory: str, step: int, intact, error) -> str:
     f"saving step {step} to {directory} failed ({orbax_error(error)}); "
     f"{kept}: fix the cause and run the same command to resume"
   )
+
+
+def fingerprint_difference(saved, now) -> str:
+  """What differs between a checkpoint's fingerprint and this run's: the
+  keys that differ, each ``key: saved A, now B`` (a data-parallel run's
+  pipeline count; absent: "none"), or both whole where either is no
+  dict."""
+  if not isinstance(saved, dict) or not isinstance(now, dict):
+    return f"saved {saved}, now {now}"
+  keys = [k for k in {**saved, **now} if saved.get(k) != now.get(k)]
+
+  def value(fp, k):
+    return repr(fp[k]) if k in fp else _UNSET.get(k, "none")
+
+  return "; ".join(
+    f"{_FINGERPRINT_FIELDS.get(k, k)}: saved {value(saved, k)}, now "
+    f"{value(now, k)}"
+    for k in keys
+  )
+
+
+# Fingerprint keys by the config field that sets them, and what a key
+# left out of a fingerprint stands for.
+_FINGERPRINT_FIELDS = {
+  "task": "config.task",
+  "tokenizer": "config.data.tokenizer",
+  "model_size": "config.model.size",
+  "model": "config.model.name",
+  "model_kwargs": "config.model.kwargs",
+  "optimizer": "config.optimizer.name",
+  "freeze": "config.optimizer.freeze",
+  "pipelines": "config.data_parallel.pipelines",
+}
+_UNSET = {
+  "pipelines": "1",
+  **dict.fromkeys(("task", "model_size", "freeze"), "''"),
+}
 
 
 class _OrbaxErrorsUnlogged(logging.Filter):

@@ -326,8 +326,15 @@ def _say_frozen(config, params, say) -> None:
     say(f"Frozen: {k} of {n} param leaves ({patterns}), no gradients.")
 
 
+# What the run writes in its workdir: folders, and files.
+_WORKDIR_FOLDERS = ("checkpoints", "tensorboard")
+_WORKDIR_FILES = ("metrics.jsonl", "config.json", "plan.json")
+
+
 def _check_workdir(workdir: str) -> None:
-  """The workdir exists (or is made) and this process may write in it."""
+  """The workdir exists (or is made), this process may write in it, and
+  what the run writes there is of the right kind (a file named
+  ``checkpoints`` trained until the first save, then failed)."""
   try:
     os.makedirs(workdir, exist_ok=True)
     with tempfile.TemporaryFile(dir=workdir):
@@ -337,6 +344,18 @@ def _check_workdir(workdir: str) -> None:
       f"--workdir {workdir}: cannot write there ({e.strerror}); choose a "
       f"directory you may write to"
     ) from e
+  for name, folder in [
+    *((n, True) for n in _WORKDIR_FOLDERS),
+    *((n, False) for n in _WORKDIR_FILES),
+  ]:
+    path = os.path.join(workdir, name)
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+      kind = "a file" if folder else "a folder"
+      raise UsageError(
+        f"--workdir {workdir}: {name} is {kind}, where the run keeps its "
+        f"{name} {'folder' if folder else 'file'}: move it away, or use "
+        "another --workdir"
+      )
 
 
 def _already_done(config, workdir, saved_step, say) -> dict:

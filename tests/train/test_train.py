@@ -238,7 +238,11 @@ def test_memory_limit_sizes(text, expected):
 
 def test_corrupt_or_foreign_checkpoint_is_an_error(tmp_path):
   train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
-  with pytest.raises(checkpoint_lib.CheckpointError, match="another model"):
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"another model or optimizer \(config\.model\.kwargs: saved .*32, 32.*"
+    r", now .*16, 16",
+  ):
     train_lib.train_and_evaluate(
       _config(**{"model.kwargs.hidden": (16, 16)}), str(tmp_path)
     )
@@ -552,7 +556,11 @@ def test_workdir_and_checkpoint_problems_stop_before_data(
 ):
   train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
   monkeypatch.setattr(train_lib, "build_task", _no_work)
-  with pytest.raises(checkpoint_lib.CheckpointError, match="another model"):
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match=r"another model or optimizer \(config\.model\.kwargs: saved .*32, 32.*"
+    r", now .*16, 16",
+  ):
     train_lib.train_and_evaluate(
       _config(**{"model.kwargs.hidden": (16, 16)}), str(tmp_path)
     )
@@ -560,6 +568,18 @@ def test_workdir_and_checkpoint_problems_stop_before_data(
   blocker.write_text("")
   with pytest.raises(ValueError, match="--workdir .*cannot write there"):
     train_lib.train_and_evaluate(_config(), str(blocker / "work"))
+  # (An outside check: a file named checkpoints trained until the first
+  # save, then failed; a folder named metrics.jsonl was a traceback.)
+  for name, make in (("checkpoints", "file"), ("metrics.jsonl", "folder")):
+    odd = tmp_path / f"odd_{name}"
+    odd.mkdir()
+    if make == "file":
+      (odd / name).write_text("")
+    else:
+      (odd / name).mkdir()
+    kind = "a file" if make == "file" else "a folder"
+    with pytest.raises(ValueError, match=f"{name} is {kind}, where the run"):
+      train_lib.train_and_evaluate(_config(), str(odd))
   if os.geteuid() != 0:  # root writes anywhere
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
