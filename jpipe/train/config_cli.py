@@ -110,6 +110,8 @@ def explain(
   keys = sorted(flatten(config))
   for key, value in _overrides(argv):
     if key not in keys and not any(k.startswith(key + ".") for k in keys):
+      if key.startswith("model.kwargs."):
+        return _new_model_kwarg(key, value, config.model.kwargs.to_dict())
       return _unknown_key(key, value, keys)
   message = str(error).strip().splitlines()[0] if str(error) else repr(error)
   match = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", message)
@@ -246,6 +248,18 @@ def help_text(argv: list[str], command: Command = TRAIN) -> str:
         docs[key], 78, initial_indent=" " * 6, subsequent_indent=" " * 6
       )
   return "\n".join(lines)
+
+
+def _new_model_kwarg(key, value, kwargs: dict) -> str:
+  """A model keyword the config does not set yet (``model.kwargs.dtype``):
+  absl overrides only existing fields, so the whole dict, with it."""
+  name = key.removeprefix("model.kwargs.")
+  whole = {**kwargs, name: value}
+  return (
+    f"--config.{key}={value}: config.model.kwargs sets no {name} yet, and "
+    f"a flag can only change a field it has; pass the whole dict with it: "
+    f'--config.model.kwargs="{whole!r}"'
+  )
 
 
 def _unknown_key(key, value, keys) -> str:

@@ -23,6 +23,15 @@ DEFAULT = "--config=configs/default.py"
       "--config.train.stepz=3: config has no field train.stepz; did you "
       "mean config.train.steps",
     ),
+    (  # A model keyword the config sets no value of: the whole dict.
+      ["--config=configs/gpt_lm.py", "--config.model.kwargs.dtype=bfloat16"],
+      "x",
+      "--config.model.kwargs.dtype=bfloat16: config.model.kwargs sets no "
+      "dtype yet, and a flag can only change a field it has; pass the whole "
+      "dict with it: --config.model.kwargs=\"{'max_length': 128, "
+      "'num_heads': 4, 'num_layers': 4, 'vocab_size': 256, 'width': 128, "
+      "'dtype': 'bfloat16'}\"",
+    ),
     (
       [DEFAULT, "--config.train.steps=three"],
       "flag --config.train.steps=three: could not convert",
