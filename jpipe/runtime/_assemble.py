@@ -204,6 +204,7 @@ def build_runtime(
     record_params=record_params,
     hooks=hooks,
     clip_global_norm=request.clip_global_norm,
+    skip_nonfinite=request.skip_nonfinite_steps,
     partial_window=staleness.partial_window,
     param_storage=param_storage,
   )
@@ -371,6 +372,7 @@ def _stage_optimizers(
         compiler_options=stages.compiler_options,
         state_own_bytes=own_sizes[s],
         stage=s,
+        skip_nonfinite=request.skip_nonfinite_steps,
         param_dtypes=[
           stages.traced.closed_jaxpr.in_avals[i].dtype for i in leaves
         ],

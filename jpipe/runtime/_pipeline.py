@@ -132,6 +132,13 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       state that follows the gradient's dtype (SGD's momentum, optax
       Adam's first moment unless ``mu_dtype`` fixes it) is kept in the
       dtype a step gives it on one device. None: the params' own dtypes.
+    skip_nonfinite_steps: a step whose gradient (over every stage, as
+      global-norm clipping sees it) holds a NaN or an infinity changes
+      nothing: every stage keeps its params and optimizer state, as
+      ``optax.apply_if_finite`` would on one device (which a pipeline
+      refuses: its check spans stages), and ``metrics["step_skipped"]``
+      says so (a device bool), e.g. for float16 dynamic loss scaling.
+      Synchronous schedules only.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params
@@ -172,6 +179,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
   memory_limit = _part("request", "memory_limit")
   clip_global_norm = _part("request", "clip_global_norm")
   grad_accum_dtype = _part("request", "grad_accum_dtype")
+  skip_nonfinite_steps = _part("request", "skip_nonfinite_steps")
   traced = _part("cut", "traced")
   granularity = _part("cut", "granularity")
   num_batch_leaves = _part("cut", "num_batch_leaves")
@@ -215,6 +223,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
     record_params: bool = False,
     clip_global_norm: float | None = None,
     grad_accum_dtype: Any = None,
+    skip_nonfinite_steps: bool = False,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
     partitioning: Partitioning | None = None,
@@ -241,6 +250,7 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       options,
       clip_global_norm,
       grad_accum_dtype,
+      skip_nonfinite_steps,
     )
     parts = build_pipeline(
       loss_fn,
@@ -365,7 +375,8 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       microbatches whose forward (and so loss) ran in this call -- each
       microbatch's loss is counted once, in the call that feeds it;
       "param_versions", per stage the most param versions held at once,
-      and "param_bytes", the most bytes of distinct param arrays;
+      and "param_bytes", the most bytes of distinct param arrays; with
+      ``skip_nonfinite_steps``, "step_skipped" (a device bool);
       with ``profile=True`` "timeline", when every action of the call ran
       on its device (a ``jpipe.schedule.Timeline``; export with
       ``write_chrome_trace`` / ``plot_timeline``; the call runs the same

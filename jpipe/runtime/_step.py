@@ -81,6 +81,8 @@ def _run(pipe, state, fed, m, batches, profile):
     metrics["timeline"] = profiler.timeline()
   if out.used_params is not None:
     metrics["used_params"] = out.used_params
+  if out.step_skipped is not None:
+    metrics["step_skipped"] = out.step_skipped
   new = PipelineState(
     tuple(out.stage_params),
     tuple(out.opt_states),

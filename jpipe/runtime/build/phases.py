@@ -64,6 +64,9 @@ class Request:
       (over every stage's gradient together), or None.
     grad_accum_dtype: the floating dtype gradients are summed in (None:
       the params' own; ``build/grad_dtype.py``).
+    skip_nonfinite_steps: a step whose global gradient holds a NaN or
+      an infinity leaves every stage's params and optimizer state as
+      they were (synchronous schedules).
     auto_schedule: ``schedule="auto"`` was asked for: the schedule is
       chosen once the plan is solved (``build/auto_schedule.py``); until
       then ``schedule_kind`` is the one auto plans as (1f1b).
@@ -84,6 +87,7 @@ class Request:
   memory_limit: float | None
   clip_global_norm: float | None = None
   grad_accum_dtype: Any = None
+  skip_nonfinite_steps: bool = False
   auto_schedule: bool = False
   schedule_choice: Any = None
   batch_spec: Any = None
@@ -99,6 +103,7 @@ def check_request(
   options: tuple[Staleness, Partitioning],
   clip_global_norm: float | None = None,
   grad_accum_dtype: Any = None,
+  skip_nonfinite_steps: bool = False,
 ) -> Request:
   """The options checked against each other and the devices, before any
   work (``devices`` None: all of them; ``options``: the staleness and
@@ -127,6 +132,13 @@ def check_request(
       f"schedule='auto' chooses among the synchronous schedules, which do "
       f"not take these options ({e}); name a schedule to use them"
     ) from None
+  if skip_nonfinite_steps and kind.asynchronous:
+    raise ValueError(
+      f"skip_nonfinite_steps needs a synchronous schedule, not "
+      f"{kind.name!r}: a stream's stages step apart, so one skipping while "
+      "the others apply their gradients would train a mix (use gpipe, "
+      "1f1b, ...)"
+    )
   batch_spec = BatchSpec.of(example_batch)
   micro = _microbatch_size(example_batch, num_microbatches)
   check_stage_count(
@@ -145,6 +157,7 @@ def check_request(
     limit,
     clip_global_norm,
     check_grad_accum_dtype(grad_accum_dtype),
+    bool(skip_nonfinite_steps),
     auto_schedule=auto,
     batch_spec=batch_spec,
   )

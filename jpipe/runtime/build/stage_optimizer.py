@@ -91,6 +91,9 @@ class StageOptimizer:
       sees them; None: the ``{path: leaf}`` dict.
     stage: the stage it steps: random keys in its state draw that
       stage's own stream (``stage_keys``).
+    skip_nonfinite: a step whose ``scale`` is not finite (the driver's
+      signal: the global gradient was not) leaves the params and the
+      state as they were (``skip_nonfinite_steps``).
     param_dtypes: the dtypes of the stage's param leaves, where they
       may differ from ``grad_layout``'s (gradients summed wider,
       ``grad_accum_dtype``): its gradient buffers are then not donated
@@ -113,8 +116,10 @@ class StageOptimizer:
     view: ParamsView | None = None,
     stage: int = 0,
     param_dtypes: Sequence[Any] | None = None,
+    skip_nonfinite: bool = False,
   ):
     self.names = tuple(names)
+    self.skip_nonfinite = skip_nonfinite
     self.view = view if view is not None else KeyedLeaves(self.names)
     self.state_own_bytes = state_own_bytes
     options = compiler_options or None
@@ -338,6 +343,10 @@ class StageOptimizer:
     g = jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g)
     stored = opt_state
     state = self._structured(self.state_tree(opt_state), p)
+    if self.skip_nonfinite:  # (The update's math on zeros, then dropped.)
+      ok = jnp.isfinite(scale)
+      g = jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), g)
+      before = (p, state)
     if self.gap_from_grad:
       updates, state = self._tx_update(g, state, p, delay=stale_params)
     elif self.gap_aware:
@@ -349,6 +358,10 @@ class StageOptimizer:
       lambda u: u * jnp.asarray(update_scale, u.dtype), updates
     )
     new = optax.apply_updates(p, updates)
+    if self.skip_nonfinite:  # Params and state as they were.
+      new, state = jax.tree.map(
+        lambda b, a: jnp.where(ok, a, b), before, (new, state)
+      )
     # The same per-leaf math; where leaves share a buffer XLA fuses the
     # update differently (its floating-point contraction), so a packed
     # moment can differ from a tree-stored one in the last bits (not with

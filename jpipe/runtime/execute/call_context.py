@@ -35,6 +35,8 @@ class CallContext(TransferEnds):
     aux: ``result -> [values]``: the loss's aux outputs of the call's
       forwards, in order (``Pipeline(has_aux=True)``).
     used: ``(kind, s, b) -> params`` F and B used (None: not recorded).
+    step_skipped: with ``skip_nonfinite_steps``, whether the call's
+      synchronous step skipped (a device bool; None: not known here).
     replica_state: ``(leaf, j) ->`` replica j's (>= 1) copy of a
       round-robin stage's model-state leaf (``replica_state`` module).
   """
@@ -57,6 +59,7 @@ class CallContext(TransferEnds):
   losses: list = dataclasses.field(default_factory=list)
   aux: dict = dataclasses.field(default_factory=dict)
   replica_state: dict = dataclasses.field(default_factory=dict)
+  step_skipped: Any = None
 
   def state_leaf(self, i: int, j: int):
     """Model-state leaf i as replica j of its stage holds it."""

@@ -1,6 +1,8 @@
 """Global-norm gradient clipping over a pipeline's stages (optax's
 ``clip_by_global_norm`` across stages, devices and processes)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -44,9 +46,17 @@ def grad_sq_norm(d, s, grads):
 
 
 def clip_factor(d, s, total_sq):
-  """``min(1, clip / sqrt(total_sq))`` on stage s's devices."""
-  factor = _clip_factor(total_sq, d.clip_global_norm)
+  """``min(1, clip / sqrt(total_sq))`` on stage s's devices (no clip:
+  1); NaN where ``total_sq`` is not finite (a step that skips)."""
+  clip = jnp.inf if d.clip_global_norm is None else d.clip_global_norm
+  factor = _clip_factor(total_sq, clip, d.skip_nonfinite)
   return d.placement[s].put_replicated(factor)
+
+
+@jax.jit
+def skipped(factor):
+  """Whether a step with clip ``factor`` skips (its norm not finite)."""
+  return jnp.logical_not(jnp.isfinite(factor))
 
 
 @jax.jit
@@ -55,9 +65,11 @@ def _sq_norm(leaves):
   return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
 
 
-@jax.jit
-def _clip_factor(total_sq, clip):
+@functools.partial(jax.jit, static_argnums=2)
+def _clip_factor(total_sq, clip, skip: bool):
   """``optax.clip_by_global_norm``'s factor: 1 below ``clip``, else
-  clip / norm."""
+  clip / norm; with ``skip``, NaN where the norm is not finite (the
+  signal a skipping step reads)."""
   norm = jnp.sqrt(total_sq)
-  return jnp.where(norm < clip, 1.0, clip / norm)
+  factor = jnp.where(norm < clip, 1.0, clip / norm)
+  return jnp.where(jnp.isfinite(norm), factor, jnp.nan) if skip else factor

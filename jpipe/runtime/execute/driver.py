@@ -75,6 +75,8 @@ class Driver:
     hooks: called around the actions (None: none).
     clip_global_norm: the global gradient norm steps clip to (None:
       no clipping; ``Pipeline``'s argument).
+    skip_nonfinite: synchronous steps whose global gradient is not
+      finite are skipped (``Pipeline``'s ``skip_nonfinite_steps``).
     partial_window: how a stream steps a window a flush cut short
       ("mean" or "ftpipe", ``Staleness.partial_window``).
     param_storage: per stage, how its params are stored while a call
@@ -96,11 +98,13 @@ class Driver:
     record_params: bool = False,
     hooks: DriverHooks | None = None,
     clip_global_norm: float | None = None,
+    skip_nonfinite: bool = False,
     partial_window: str = "mean",
     param_storage: Sequence[StoredParams],
   ):
     """Holds the parts (Args above) and derives the routes."""
     self.clip_global_norm = clip_global_norm
+    self.skip_nonfinite = skip_nonfinite
     self.param_storage = tuple(param_storage)
     self.partial_window = partial_window
     self.stages = stages

@@ -105,6 +105,8 @@ class CallResult:
       recording; kind "F" or "B").
     aux: the means of the loss's aux outputs over the call's forwards
       (flat, ``call_results.aux_means``), on every process, or None.
+    step_skipped: whether the synchronous step skipped (a device bool;
+      None: no skipping asked for, or no stage here).
   """
 
   stage_params: list
@@ -117,3 +119,4 @@ class CallResult:
   used_params: dict | None
   replica_model_state: tuple = ()
   aux: list | None = None
+  step_skipped: Any = None

@@ -336,6 +336,7 @@ def call_result(driver, ctx, stages, fed, loss, aux=None) -> CallResult:
       ctx.replica_state, len(ctx.model_state), driver.state_replicas
     ),
     aux,
+    ctx.step_skipped,
   )
 
 

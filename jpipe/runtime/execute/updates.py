@@ -132,10 +132,12 @@ class UpdateRunner:
       for a in actions
     }
     scales = dict.fromkeys(grads, 1.0)
-    clip = d.clip_global_norm is not None
+    clip = d.clip_global_norm is not None or d.skip_nonfinite
     if clip:  # The gradients as applied, then their global norm.
       grads = {s: d.hooks.reduce_gradient(s, g) for s, g in grads.items()}
       scales = clipping.global_clip_factors(d, grads)
+      if d.skip_nonfinite and scales:
+        ctx.step_skipped = clipping.skipped(next(iter(scales.values())))
     for action in actions:
       s = action.stage
       work = stages[s]
