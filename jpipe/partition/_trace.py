@@ -335,14 +335,7 @@ def trace(
     for e, own in zip(closed.jaxpr.eqns, split.scopes, strict=True)
   )
   # (Params cast at the loss's top: each cast with its layer.)
-  fixed = [
-    it is not None or sl is not None
-    for it, sl in zip(split.iteration, split.slices, strict=True)
-  ]
-  closed, order = sink_input_glue(closed, scopes, fixed)
-  scopes = tuple(scopes[i] for i in order)
-  iteration = tuple(split.iteration[i] for i in order)
-  slices = tuple(split.slices[i] for i in order)
+  closed, scopes, iteration, slices = _sunk(closed, scopes, split)
   deep = deep_paths(closed.jaxpr, scopes)
   strip = _root_strip(deep)
   paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
@@ -441,6 +434,22 @@ def _scan_name(eqn) -> tuple[tuple[str, ...], str]:
   ]
   common = os.path.commonprefix(inner) if inner else ()
   return outer, common[0] if common else "scan"
+
+
+def _sunk(closed, scopes, split):
+  """``sink_input_glue`` on the split trace: (closed, scopes, iteration,
+  slices) in the new order (a split scan's own equations stay)."""
+  fixed = [
+    it is not None or sl is not None
+    for it, sl in zip(split.iteration, split.slices, strict=True)
+  ]
+  closed, order = sink_input_glue(closed, scopes, fixed)
+  return (
+    closed,
+    tuple(scopes[i] for i in order),
+    tuple(split.iteration[i] for i in order),
+    tuple(split.slices[i] for i in order),
+  )
 
 
 def _root_strip(scopes) -> int:

@@ -38,19 +38,17 @@ from jpipe.runtime import _step
 from jpipe.runtime._assemble import (
   build_pipeline,
   options_from_keywords,
-  with_schedule,
 )
 from jpipe.runtime._frozen_params import FrozenParams
 from jpipe.runtime._pipeline_inference import PipelineInferenceMethods
+from jpipe.runtime._pipeline_memory import PipelineMemoryMethods
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._pipeline_state_methods import PipelineStateMethods
-from jpipe.runtime.build.memory import StageMemory, device_totals
 from jpipe.runtime.build.options import Staleness
 from jpipe.runtime.build.partitioning import Partitioning
 from jpipe.runtime.build.phases import check_request
 from jpipe.runtime.build.pipeline_memory import (
   check_memory_limit,
-  predict_pipeline_memory,
 )
 from jpipe.runtime.build.user_mesh import every_process, outside_user_mesh
 from jpipe.runtime.execute.hooks import DriverHooks
@@ -66,7 +64,9 @@ def _part(phase: str, name: str) -> property:
 
 
 @outside_user_mesh  # (A caller's jax.set_mesh: build/user_mesh.py.)
-class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
+class Pipeline(
+  PipelineStateMethods, PipelineInferenceMethods, PipelineMemoryMethods
+):
   """A model split into pipeline stages, trained by a schedule.
 
   Args:
@@ -270,42 +270,6 @@ class Pipeline(PipelineStateMethods, PipelineInferenceMethods):
       if self.auto_schedule:
         self._fit_auto_schedule()
       check_memory_limit(self, self.memory_limit)
-
-  def _fit_auto_schedule(self) -> None:
-    """``schedule="auto"``: where this pipeline's own prediction (finer
-    than the partitioner's model auto ranked with) puts the chosen
-    schedule over the limit, the next row of auto's table that fits by
-    both; none: as chosen (the memory check then names the fixes)."""
-    first, over = self.parts, []
-    for row in first.request.schedule_choice.rows:
-      if not row.fits:
-        break
-      choice = first.request.schedule_choice.moved_to(row.name, over)
-      self.parts, self._memory = with_schedule(first, choice), None
-      if max(self.device_memory.values()) <= self.memory_limit:
-        return
-      over.append(row.name)
-    self.parts, self._memory = first, None
-
-  # -- Memory ----------------------------------------------------------------
-
-  @property
-  def memory(self) -> tuple[StageMemory, ...]:
-    """Per stage, the bytes it is predicted to hold on each of its devices
-    at its peak (``StageMemory``: params x versions, gradients, optimizer
-    state, microbatches in flight x what each keeps, one program's
-    working buffers), for this schedule and microbatch count. From
-    abstract shapes: nothing compiles."""
-    if self._memory is None:
-      self._memory = predict_pipeline_memory(self)
-    return self._memory
-
-  @property
-  def device_memory(self) -> dict[int, int]:
-    """``{device index: predicted peak bytes}``: the stages each device
-    runs (``memory``) added up, one program's working buffers counted
-    once per device."""
-    return device_totals(self.memory, self.plan.stage_devices)
 
   @property
   def reads_batch(self) -> bool:

@@ -109,11 +109,6 @@ def check_request(
   work (``devices`` None: all of them; ``options``: the staleness and
   partitioning values)."""
   staleness, partitioning = options
-  if clip_global_norm is not None and not clip_global_norm > 0:
-    raise ValueError(
-      f"clip_global_norm must be > 0 (or None: no clipping), got "
-      f"{clip_global_norm}"
-    )
   auto = isinstance(schedule, str) and schedule == schedule_lib.AUTO
   devices = tuple(jax.devices() if devices is None else devices)
   kind = (
@@ -132,13 +127,7 @@ def check_request(
       f"schedule='auto' chooses among the synchronous schedules, which do "
       f"not take these options ({e}); name a schedule to use them"
     ) from None
-  if skip_nonfinite_steps and kind.asynchronous:
-    raise ValueError(
-      f"skip_nonfinite_steps needs a synchronous schedule, not "
-      f"{kind.name!r}: a stream's stages step apart, so one skipping while "
-      "the others apply their gradients would train a mix (use gpipe, "
-      "1f1b, ...)"
-    )
+  _check_step_options(kind, clip_global_norm, skip_nonfinite_steps)
   batch_spec = BatchSpec.of(example_batch)
   micro = _microbatch_size(example_batch, num_microbatches)
   check_stage_count(
@@ -161,6 +150,22 @@ def check_request(
     auto_schedule=auto,
     batch_spec=batch_spec,
   )
+
+
+def _check_step_options(kind, clip_global_norm, skip_nonfinite_steps):
+  """What a step does to its gradient, checked against the schedule."""
+  if clip_global_norm is not None and not clip_global_norm > 0:
+    raise ValueError(
+      f"clip_global_norm must be > 0 (or None: no clipping), got "
+      f"{clip_global_norm}"
+    )
+  if skip_nonfinite_steps and kind.asynchronous:
+    raise ValueError(
+      f"skip_nonfinite_steps needs a synchronous schedule, not "
+      f"{kind.name!r}: a stream's stages step apart, so one skipping while "
+      "the others apply their gradients would train a mix (use gpipe, "
+      "1f1b, ...)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
