@@ -92,6 +92,10 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   # bfloat16 / float16 params, whose own mantissa drops small microbatch
   # gradients beside a large sum; "" = the params' own dtypes.
   c.optimizer.grad_accum_dtype = ""
+  # A step whose gradient holds a NaN or an infinity changes nothing (what
+  # optax.apply_if_finite does on one device); the run logs
+  # train/skipped_steps instead of stopping. Synchronous schedules.
+  c.optimizer.skip_nonfinite = False
   # Learning-rate schedule: "constant"; "warmup_constant" (FTPipe's T5:
   # linear warm-up, then the peak); "warmup_cosine" (linear warm-up,
   # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear

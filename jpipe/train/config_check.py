@@ -138,6 +138,15 @@ def _check_names(config, need) -> None:
     check_grad_accum_dtype(config.optimizer.grad_accum_dtype)
   except ValueError as e:
     need(False, "optimizer.grad_accum_dtype", str(e))
+  need(
+    not (
+      config.optimizer.skip_nonfinite
+      and config.schedule.name in schedule_lib.STREAMS
+    ),
+    "optimizer.skip_nonfinite",
+    f"needs a synchronous schedule, not {config.schedule.name!r} (a "
+    "stream's stages step apart)",
+  )
   need.one_of("optimizer.schedule", LR_SCHEDULES)
   need(
     config.optimizer.learning_rate > 0,

@@ -93,6 +93,7 @@ class DynamicMode(PipelineMode):
       events,
       lines,
       metrics=aux_floats(metrics),
+      skipped=bool(metrics.get("step_skipped", False)),
     )
 
   def checkpoint_meta(self, done):

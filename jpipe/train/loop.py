@@ -71,6 +71,8 @@ class Outcome:
     events: ``{key: record}`` logged as events at the unit's step.
     lines: printed after the unit (e.g. a re-partition).
     note: what the mode adds to the unit's log line.
+    skipped: its step changed nothing (a non-finite gradient, with
+      ``config.optimizer.skip_nonfinite``): its loss is no divergence.
   """
 
   loss: float
@@ -80,6 +82,7 @@ class Outcome:
   lines: tuple = ()
   note: str = ""
   metrics: dict = dataclasses.field(default_factory=dict)
+  skipped: bool = False
 
 
 def aux_floats(metrics) -> dict:
@@ -302,14 +305,16 @@ class _Loop:
     if timed is not None:
       self.seconds += took
       self.examples += outcome.examples
-    self.window.add(outcome.loss, outcome.examples, timed, outcome.metrics)
+    self.window.add(
+      outcome.loss, outcome.examples, timed, outcome.metrics, outcome.skipped
+    )
     self.bar.set_postfix(loss=f"{outcome.loss:.4f}", refresh=False)
     self.bar.update(mode.unit_steps)
     for key, record in outcome.events.items():
       self.log.write_event(done, key, record)
     for line in outcome.lines:
       self.write(line)
-    if not np.isfinite(outcome.loss):
+    if not np.isfinite(outcome.loss) and not outcome.skipped:
       raise TrainingDiverged(
         f"loss is non-finite at {mode.where(done)}: "
         f"{mode.nonfinite_cause(state, outcome)}. Lower "
@@ -317,7 +322,9 @@ class _Loop:
         f"{self.config.optimizer.learning_rate:g}), or resume from an "
         "earlier checkpoint"
       )
-    if unit == first:  # The reference a diverged loss is measured by.
+    if self.divergence.norms is None and not outcome.skipped:
+      # The reference a diverged loss is measured by: the first unit's
+      # (the first that stepped).
       self.divergence.begin(outcome.loss, done, mode, state)
     row = dict(outcome.scalars)  # The unit's metrics row.
     if self._due(done, self.cadence.log) or done >= self.run.steps:
@@ -327,9 +334,15 @@ class _Loop:
       row |= {f"train/{k}": v for k, v in scalars.items()}
       head = mode.progress(done, self.run.steps)
       self.write(_log_line(head, scalars, outcome.note, self.window.metrics))
-      self.divergence.check(
-        scalars["loss"], done, self.window.first_step, self.config, mode, state
-      )
+      if "loss" in scalars:  # (Not where every unit skipped.)
+        self.divergence.check(
+          scalars["loss"],
+          done,
+          self.window.first_step,
+          self.config,
+          mode,
+          state,
+        )
       self.window = _Window(first_step=done + 1)
     return state, timed, row
 
@@ -497,9 +510,11 @@ def restore(mode, state, checkpoints, fingerprint, say):
 
 
 def _log_line(head: str, scalars: dict, note: str, metrics=()) -> str:
-  line = f"{head}: train loss {scalars['loss']:.4f}"
+  line = f"{head}: train loss {scalars.get('loss', float('nan')):.4f}"
   for name in metrics:  # The loss's own (Task.has_aux).
     line += f", train {name} {scalars[name]:.4f}"
+  if scalars.get("skipped_steps"):
+    line += f", {scalars['skipped_steps']:.0f} skipped (non-finite)"
   if "examples_per_second" in scalars:
     line += f", {scalars['examples_per_second']:.0f} examples/s"
   return line + (f", {note}" if note else "")
@@ -513,6 +528,7 @@ class _Window:
     self.first_step = first_step
     self.losses, self.examples, self.seconds = [], 0, 0.0
     self.metrics = {}  # name -> per-unit values (Task.has_aux)
+    self.skipped = 0  # units whose step changed nothing
 
   @classmethod
   def resumed(cls, saved, first_step: int) -> "_Window":
@@ -527,6 +543,7 @@ class _Window:
       window.metrics = {
         str(k): [float(x) for x in v] for k, v in saved["metrics"].items()
       }
+      window.skipped = int(saved.get("skipped", 0))
     except (TypeError, KeyError, ValueError, AttributeError):
       return cls(first_step)
     return window
@@ -539,21 +556,28 @@ class _Window:
       "examples": int(self.examples),
       "seconds": float(self.seconds),
       "metrics": {k: [float(x) for x in v] for k, v in self.metrics.items()},
+      "skipped": self.skipped,
     }
 
-  def add(self, loss, examples, seconds, metrics=None):
-    self.losses.append(loss)
-    for name, value in (metrics or {}).items():
-      self.metrics.setdefault(name, []).append(value)
+  def add(self, loss, examples, seconds, metrics=None, skipped=False):
+    if skipped:  # (Its loss is not finite: no mean of the window's.)
+      self.skipped += 1
+    else:
+      self.losses.append(loss)
+      for name, value in (metrics or {}).items():
+        self.metrics.setdefault(name, []).append(value)
     if seconds is not None:
       self.examples += examples
       self.seconds += seconds
 
   def means(self) -> dict:
-    """``loss``: the window's mean; ``examples_per_second``: the window's
-    (left out when its only unit compiled)."""
-    out = {"loss": float(np.mean(self.losses))}
+    """``loss``: the window's mean (left out where every unit skipped);
+    ``examples_per_second``: the window's (left out when its only unit
+    compiled); ``skipped_steps``: units that skipped, where any did."""
+    out = {"loss": float(np.mean(self.losses))} if self.losses else {}
     out |= {name: float(np.mean(v)) for name, v in self.metrics.items()}
+    if self.skipped:
+      out["skipped_steps"] = float(self.skipped)
     if self.seconds:
       out["examples_per_second"] = self.examples / self.seconds
     return out

@@ -68,7 +68,10 @@ class PipelineMode(Mode):
     """The step's ``Outcome`` (``metrics``: the step's)."""
     del done
     return Outcome(
-      loss, self.config.data.batch_size, metrics=aux_floats(metrics)
+      loss,
+      self.config.data.batch_size,
+      metrics=aux_floats(metrics),
+      skipped=bool(metrics.get("step_skipped", False)),
     )
 
   def flush(self, state):

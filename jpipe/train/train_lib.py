@@ -123,6 +123,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     memory_limit=config_options.memory_limit(config.pipeline.memory_limit),
     clip_global_norm=config.optimizer.clip_norm or None,
     grad_accum_dtype=config.optimizer.grad_accum_dtype or None,
+    skip_nonfinite_steps=config.optimizer.skip_nonfinite,
     **kwargs,
   )
 

@@ -330,3 +330,31 @@ def test_a_run_starting_over_drops_the_rows_of_one_without_checkpoint(
   assert [r["step"] for r in _rows(tmp_path)] == [1]
   assert not (tmp_path / "config.json").exists()  # (This mode writes none.)
   assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+class _Skipping(_LeastSquares):
+  """``_LeastSquares`` whose unit ``skip_at`` skipped its step (a NaN
+  loss, the params unchanged), as ``skip_nonfinite`` reports it."""
+
+  def __init__(self, skip_at, *args):
+    super().__init__(*args)
+    self.skip_at = skip_at
+
+  def advance(self, state, unit):
+    if unit == self.skip_at:
+      self.advanced.append(unit)
+      return state, loop.Outcome(np.nan, 16, skipped=True)
+    return super().advance(state, unit)
+
+
+@pytest.mark.parametrize("skip_at", [0, 2])
+def test_a_skipped_step_is_counted_not_a_divergence(tmp_path, capsys, skip_at):
+  """config.optimizer.skip_nonfinite: the run goes on past a step whose
+  gradient was not finite, logging it; the window's loss leaves its NaN
+  out, and a skipped first unit is no divergence reference."""
+  mode = _Skipping(skip_at, _Task(), 1, 0.1)
+  _train(tmp_path, mode, 4, log_every=4, divergence_factor=10)
+  (row,) = _rows(tmp_path)
+  assert row["train/skipped_steps"] == 1
+  assert np.isfinite(row["train/loss"])
+  assert "1 skipped (non-finite)" in capsys.readouterr().out

@@ -991,3 +991,22 @@ def test_a_resume_whose_optimizer_state_changed_layout_names_the_change(
     "Changed since (config.json -> now): optimizer.momentum: 0.9 -> 0.0; "
     "train.steps: 3 -> 6"
   )
+
+
+def test_skip_nonfinite_trains_past_nonfinite_steps(tmp_path):
+  """A learning rate that blows the params up: without the option the run
+  stops at the first non-finite loss; with it every later step skips,
+  and the log counts them. Streams are refused before any work."""
+  blow_up = {"optimizer.learning_rate": 1e30, "train.steps": 4}
+  with pytest.raises(jpipe.train.errors.TrainingDiverged, match="non-finite"):
+    train_lib.train_and_evaluate(_config(**blow_up), str(tmp_path / "a"))
+  config = _config(**blow_up, **{"optimizer.skip_nonfinite": True})
+  train_lib.train_and_evaluate(config, str(tmp_path / "b"))
+  rows = metric_log.read_metrics(tmp_path / "b")
+  skipped = [r.get("train/skipped_steps", 0) for r in rows if "step" in r]
+  assert sum(skipped) >= 1
+  config = _config(
+    **{"optimizer.skip_nonfinite": True, "schedule.name": "async"}
+  )
+  with pytest.raises(ValueError, match="skip_nonfinite: needs a synchronous"):
+    train_lib.train_and_evaluate(config, str(tmp_path / "c"))
