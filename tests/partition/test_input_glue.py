@@ -13,6 +13,7 @@ import optax
 
 import jpipe
 from jpipe import partition
+from tests.runtime.test_pipeline_sync import _reference_steps
 
 LAYERS = 6
 
@@ -74,18 +75,9 @@ def test_a_master_weights_pipeline_spreads_its_params_and_trains_as_one_device()
   held = [m.params for m in pipe.memory]
   assert min(held) > 0.3 * sum(held)  # (Was: everything on stage 0.)
   state = pipe.init(params)
-  reference, opt_state = params, tx.init(params)
-  grad = jax.jit(jax.grad(loss_fn))
   for _ in range(3):
     state, _ = pipe.step(state, batch)
-    total = None
-    for k in range(4):
-      mb = jax.tree.map(lambda x, k=k: x[4 * k : 4 * k + 4], batch)
-      g = grad(reference, mb)
-      total = g if total is None else jax.tree.map(jnp.add, total, g)
-    total = jax.tree.map(lambda g: g / 4, total)
-    updates, opt_state = tx.update(total, opt_state, reference)
-    reference = optax.apply_updates(reference, updates)
+  reference, _ = _reference_steps(loss_fn, params, batch, 4, tx, steps=3)
   for a, b in zip(
     jax.tree.leaves(pipe.gather_params(state)),
     jax.tree.leaves(reference),
