@@ -9,10 +9,10 @@ consecutive equations with the same path prefix, so a module called twice
 (a tied embedding used as the output head) gives two nodes, and the nodes'
 program order is a topological order. Equations outside any module (input
 reshapes, the loss itself) join the run before them; those reading only
-the function's inputs (params cast to the compute dtype at the loss's top,
-a slice of the batch, a mask made from it) first move to just before
-their first reader and join its run, whose work they are
-(``_input_glue``).
+the function's inputs (a slice of the batch, a mask made from it) join the
+run after them, whose work they are -- and those reading params among
+them (params cast to the compute dtype at the loss's top) first move to
+just before their first reader (``_input_glue``).
 
 A scan over layers (stacked params scanned by a ``scan`` whose carry
 flows layer to layer: linen's ``nn.scan``, ``jax.lax.scan`` over stacked
@@ -443,7 +443,9 @@ def _sunk(closed, scopes, split):
     it is not None or sl is not None
     for it, sl in zip(split.iteration, split.slices, strict=True)
   ]
-  closed, order = sink_input_glue(closed, scopes, fixed)
+  closed, order = sink_input_glue(
+    closed, scopes, fixed, len(split.layout.source)
+  )
   return (
     closed,
     tuple(scopes[i] for i in order),

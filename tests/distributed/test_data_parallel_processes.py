@@ -203,7 +203,10 @@ def test_cli_across_processes_resumes_in_one(tmp_path, process_env):
     if "sync/mean_group_size" in r
   )
   config.data_parallel.pipelines = 2  # Another count: refused, by name.
-  with pytest.raises(checkpoint_lib.CheckpointError, match="'pipelines': 4"):
+  with pytest.raises(
+    checkpoint_lib.CheckpointError,
+    match="config.data_parallel.pipelines: saved 4, now 2",
+  ):
     train_lib.train_and_evaluate(config, str(tmp_path))
 
 

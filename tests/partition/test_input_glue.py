@@ -7,12 +7,15 @@ cast joins its layer, and the pipeline trains as one device."""
 
 import flax.linen as nn
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jpipe
 from jpipe import partition
+from jpipe.partition._input_glue import sink_input_glue
+from jpipe.partition._scopes import eqn_scope
 from tests.runtime.test_pipeline_sync import _reference_steps
 
 LAYERS = 6
@@ -50,8 +53,8 @@ def test_each_cast_joins_its_layers_node():
   paths = traced.leaf_paths
   for name, leaves in zip(names, traced.node_param_leaves(), strict=True):
     assert {paths[i].split("'")[1] for i in leaves} == {name}, name
-  # The one-hot labels: made where the loss reads them (the last node),
-  # not on the first and sent along.
+  # The one-hot labels (of the batch alone, after the model in program
+  # order): with the loss on the last node, as before.
   eqns = traced.jaxpr.eqns
   one_hot = [
     i for i, e in enumerate(eqns) if e.params.get("name") == "_one_hot"
@@ -84,3 +87,34 @@ def test_a_master_weights_pipeline_spreads_its_params_and_trains_as_one_device()
     strict=True,
   ):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_a_value_read_early_and_by_glue_that_moves_later_comes_first():
+  """``s`` (of a param) is read first by glue (``max``) that moves down to
+  the end, and by the layer before that: ``s`` goes before the layer (CI
+  found it following its first reader past its second). Glue of the
+  batch alone (``v * 2``) stays where it was."""
+
+  def f(w, v):
+    s = jnp.squeeze(w, 1)
+    m = jnp.max(s)
+    u = v * 2.0
+    with jax.named_scope("layer"):
+      h = u * jnp.sum(s)
+    return jnp.sum(h) + m
+
+  w, v = jnp.arange(4.0).reshape(4, 1), jnp.ones(3)
+  closed = jax.make_jaxpr(f)(w, v)
+  scopes = [eqn_scope(e) for e in closed.jaxpr.eqns]
+  moved, order = sink_input_glue(closed, scopes, [False] * len(scopes), 1)
+  assert sorted(order) == list(range(len(scopes))) and order != sorted(order)
+  names = [e.primitive.name for e in moved.jaxpr.eqns]
+  assert names.index("mul") < names.index("squeeze")  # (v * 2 stayed.)
+  defined = set(moved.jaxpr.invars)
+  for eqn in moved.jaxpr.eqns:
+    assert all(
+      not isinstance(v, jcore.Var) or v in defined for v in eqn.invars
+    ), eqn
+    defined.update(eqn.outvars)
+  (got,) = jax.core.eval_jaxpr(moved.jaxpr, moved.consts, w, v)
+  np.testing.assert_allclose(got, f(w, v))
