@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jpipe.runtime._gather import trees_everywhere
@@ -34,6 +33,7 @@ from jpipe.runtime._state_dict import (
   restore_structure,
   select_optimizer_states,
 )
+from jpipe.runtime.build.grad_dtype import cast_floating
 from jpipe.runtime.build.key_arrays import host_key_data, keys_from_data
 from jpipe.runtime.build.user_mesh import own_type
 from jpipe.runtime.execute.in_flight import InFlight
@@ -125,12 +125,9 @@ def as_built(x, aval, name: str):
   where leaves are packed, else a silent 2x of the predicted memory.)"""
   if not hasattr(x, "dtype"):  # (A Python number.)
     x = np.asarray(x)
-  if x.dtype == aval.dtype:
-    return x
-  if jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(
-    aval.dtype, jnp.floating
-  ):
-    return x.astype(aval.dtype)
+  cast = cast_floating(x, aval.dtype)
+  if cast.dtype == aval.dtype:
+    return cast
   raise ValueError(
     f"param {name} is {x.dtype}, the pipeline was built with "
     f"{aval.dtype}: pass params of the dtypes it was built with (those "

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpipe.partition import default_residual_own_bytes
+from jpipe.runtime.build.grad_dtype import cast_floating
 
 # Leaves of at least this many bytes keep their own buffer (FlatLayout),
 # and so do a saving forward's residuals (``own_buffer_bytes``). Packing
@@ -174,7 +175,8 @@ class FlatLayout:
     floating leaf to its own first."""
     if not self.storage:
       leaves = [
-        _widened(x, d) for x, d in zip(leaves, self.leaf_dtypes, strict=True)
+        cast_floating(x, d)
+        for x, d in zip(leaves, self.leaf_dtypes, strict=True)
       ]
     if not self.packed:
       return tuple(leaves)
@@ -218,16 +220,6 @@ class FlatLayout:
     """Every leaf, in order, from the big ones and the small ones."""
     own, small = iter(own), iter(small)
     return tuple(next(own) if _own(e) else next(small) for e in self.entries)
-
-
-def _widened(x, dtype):
-  """A gradient leaf ``x`` in its layout's ``dtype`` where both are
-  floating (a float0 gradient of an integer leaf stays as it is)."""
-  if x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating):
-    return x
-  if not jnp.issubdtype(dtype, jnp.floating):
-    return x
-  return x.astype(dtype)
 
 
 def _own(entry) -> bool:

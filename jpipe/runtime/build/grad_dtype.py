@@ -41,6 +41,21 @@ def check_grad_accum_dtype(value: Any) -> jnp.dtype | None:
   return dtype
 
 
+def cast_floating(x, dtype):
+  """``x`` in ``dtype`` where both are floating, else as it is (a float0
+  gradient, a count, a key; ``dtype`` None)."""
+  have = getattr(x, "dtype", None)
+  if (
+    dtype is None
+    or have is None
+    or have == dtype
+    or not jnp.issubdtype(have, jnp.floating)
+    or not jnp.issubdtype(dtype, jnp.floating)
+  ):
+    return x
+  return x.astype(dtype)
+
+
 def gradient_dtype(param_dtype, accum_dtype) -> jnp.dtype:
   """The dtype a leaf of ``param_dtype`` is accumulated in: ``accum_dtype``
   for a floating leaf (None: its own), any other as it is."""
@@ -78,25 +93,13 @@ def promoted_state(update, state, params, grads, extra=None):
       params,
       extra,
     )
-    promoted = jax.tree.map(_promoted_leaf, state, after)
+    promoted = jax.tree.map(
+      lambda x, a: cast_floating(x, getattr(a, "dtype", None)), state, after
+    )
     if _dtypes(promoted) == _dtypes(state):
       break
     state = promoted
   return state
-
-
-def _promoted_leaf(x, after):
-  """A state leaf ``x`` in ``after``'s floating dtype (counts and keys
-  as they are)."""
-  dtype = getattr(after, "dtype", None)
-  if (
-    dtype is None
-    or x.dtype == dtype
-    or not jnp.issubdtype(x.dtype, jnp.floating)
-    or not jnp.issubdtype(dtype, jnp.floating)
-  ):
-    return x
-  return x.astype(dtype)
 
 
 def _dtypes(tree) -> list:
