@@ -212,8 +212,9 @@ def _table(record) -> str:
     f"sequence {model['length']}, bfloat16 params; 2 stages, 1f1b, "
     f"{PER_MICROBATCH} sequences per microbatch. Sum error: relative L2 "
     "distance of the optimizer's gradient from the float64 mean of the "
-    "pipeline's own microbatch gradients (each run alone: the same "
-    "programs, nothing summed) -- the sum's rounding alone. Against one "
+    "pipeline's own microbatch gradients (each run alone through a "
+    "one-microbatch pipeline: nothing summed; XLA may keep a gradient's "
+    "excess precision into a float32 sum, so that row is not 0). Against one "
     "device: from the float64 mean of jax.grad's bfloat16 microbatch "
     "gradients (bfloat16 compute's own spread included). Time: float32 "
     "over bfloat16 accumulation, median of paired steps.",
