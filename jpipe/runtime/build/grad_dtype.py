@@ -64,13 +64,16 @@ def gradient_dtype(param_dtype, accum_dtype) -> jnp.dtype:
   return jnp.dtype(accum_dtype)
 
 
-def gradient_avals(param_avals, accum_dtype) -> list:
+def gradient_avals(param_avals, accum_dtype):
   """The accumulated gradient's shapes and dtypes for params'
-  ``param_avals`` (``gradient_dtype`` per leaf)."""
-  return [
-    jax.ShapeDtypeStruct(a.shape, gradient_dtype(a.dtype, accum_dtype))
-    for a in param_avals
-  ]
+  ``param_avals`` (any pytree of avals or arrays; ``gradient_dtype`` per
+  leaf), in its structure."""
+  return jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(
+      a.shape, gradient_dtype(a.dtype, accum_dtype)
+    ),
+    param_avals,
+  )
 
 
 def promoted_state(update, state, params, grads, extra=None):

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import jax
 
 from jpipe.partition import MemoryBudget
-from jpipe.runtime.build.grad_dtype import gradient_dtype, promoted_state
+from jpipe.runtime.build.grad_dtype import gradient_avals, promoted_state
 from jpipe.schedule import (
   FORWARD,
   INPUT,
@@ -372,21 +372,15 @@ def _state_and_extra_gradient_bytes(optimizer, params, grad_accum_dtype):
   ``grad_accum_dtype`` promote it), plus the gradients' bytes beyond the
   params'."""
 
-  def grads_of(p):
-    return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-        x.shape, gradient_dtype(x.dtype, grad_accum_dtype)
-      ),
-      p,
-    )
-
   def state_of(p):
     state = optimizer.init(p)
     if grad_accum_dtype is None:
       return state
-    return promoted_state(optimizer.update, state, p, grads_of(p))
+    return promoted_state(
+      optimizer.update, state, p, gradient_avals(p, grad_accum_dtype)
+    )
 
-  extra = nbytes(grads_of(params)) - nbytes(params)
+  extra = nbytes(gradient_avals(params, grad_accum_dtype)) - nbytes(params)
   return nbytes(jax.eval_shape(state_of, params)) + extra
 
 
