@@ -17,6 +17,7 @@ pulls and a mean on each member's device (``PeerMean``).
 
 from jpipe.parallel._averaging import GroupMean, PeerMean, Rendezvous, Roster
 from jpipe.parallel._epoch import EpochEnd, StopCalls
+from jpipe.parallel._free_running import EpochReport
 from jpipe.parallel._gossip import GossipPairs
 from jpipe.parallel._hetero import (
   HETERO_PROBABILITY,
@@ -28,11 +29,7 @@ from jpipe.parallel._param_server import (
   hetpipe_syncs,
   push_pull,
 )
-from jpipe.parallel._pipelines import (
-  PLACEMENTS,
-  DataParallelPipelines,
-  EpochReport,
-)
+from jpipe.parallel._pipelines import PLACEMENTS, DataParallelPipelines
 from jpipe.parallel._pipelines_state import mean_trees
 from jpipe.parallel._preduce import (
   AdaptiveWait,

@@ -48,9 +48,18 @@ class EpochEnd:
     """Every worker recorded its stop."""
     return len(self.stops) == self.n
 
-  def new_epoch(self) -> None:
+  def new_epoch(self, batches: int | None = None) -> None:
+    """A new epoch; ``batches``: one of that many batches per worker (on
+    average) instead of ``sync_every`` (the rest of an epoch a stop
+    request cut short: ``StopCalls.cut``)."""
     self.pending = False
     self.stops = {}
+    if batches is not None:
+      every = self.n * self.sync_every
+      # The count crosses the next multiple after N * batches more steps.
+      self.acc = (self.acc // every + 1) * every - self.n * min(
+        batches, self.sync_every
+      )
 
 
 class SharedEpochEnd:
@@ -72,9 +81,9 @@ class SharedEpochEnd:
     with self._lock:
       return self._epoch.stops.get(rank)
 
-  def new_epoch(self) -> None:
+  def new_epoch(self, batches: int | None = None) -> None:
     with self._lock:
-      self._epoch.new_epoch()
+      self._epoch.new_epoch(batches)
 
 
 class StopCalls:
@@ -91,7 +100,8 @@ class StopCalls:
   there). In one process this is the stop at once, as before. With
   ``together`` (all-reduce: every step is a collective of all
   pipelines), one stop for every pipeline: the most calls granted to
-  any.
+  any. ``cut`` (a stop request, from any process) ends the epoch so for
+  every pipeline at once, wherever it is.
 
   Args:
     num_pipelines: P.
@@ -108,6 +118,8 @@ class StopCalls:
     """Whether pipeline ``rank`` runs its call ``call`` (0-based, this
     epoch) in the asking process."""
     with self._lock:
+      if self._cut:
+        self._stop(rank)
       stop = self._stops.get(rank)
       if stop is not None and call >= stop:
         return False
@@ -118,14 +130,27 @@ class StopCalls:
     """Fixes (once) and returns the calls pipeline ``rank`` makes this
     epoch."""
     with self._lock:
-      if rank not in self._stops:
-        ranks = range(self.p) if self.together else [rank]
-        stop = max(self._granted[r] for r in ranks)
-        for r in ranks:
-          self._stops.setdefault(r, stop)
-      return self._stops[rank]
+      return self._stop(rank)
+
+  def _stop(self, rank: int) -> int:
+    if rank not in self._stops:
+      ranks = range(self.p) if self.together else [rank]
+      # At least one call an epoch: one cut before any still trains a
+      # step (an epoch of none would count no step to save at).
+      stop = max(1, *(self._granted[r] for r in ranks))
+      for r in ranks:
+        self._stops.setdefault(r, stop)
+    return self._stops[rank]
+
+  def cut(self) -> None:
+    """Ends the epoch early: each pipeline stops at the calls granted to
+    it so far, at least one (its calls under way finish; an all-reduce's
+    pipelines at the most granted to any)."""
+    with self._lock:
+      self._cut = True
 
   def new_epoch(self) -> None:
     with self._lock:
       self._granted = [0] * self.p
       self._stops: dict[int, int] = {}
+      self._cut = False

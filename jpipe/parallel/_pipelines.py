@@ -20,22 +20,21 @@ multi-process ``jpipe.Pipeline``, and runs (feeds, in a thread each) the
 pipelines of which it holds a stage (``ranks``). A pipeline may lie in
 one process or span several, down to SD-Pipe's one process per stage:
 each of its processes runs its own stages, and they make the same
-``step`` calls (an epoch's end is fixed in calls, ``StopCalls``).
+``step`` calls (an epoch's end is fixed in calls, ``StopCalls``). The
+free-running epochs themselves: ``_free_running.py``.
 Process 0 serves the shared objects (``_hub.py``); the averaging
 collectives run over the group's devices in whichever processes hold
 them. Every process calls every method, in the same order; lists of
 states are this process's pipelines' (``ranks``).
 """
 
-import dataclasses
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from jpipe.parallel._free_running import FreeRunningEpochs
 from jpipe.parallel._hetero import Heterogeneity
 from jpipe.parallel._hooks import ReplicaHooks
 from jpipe.parallel._hub import make_hub
@@ -50,37 +49,8 @@ from jpipe.runtime import (
 )
 
 
-@dataclasses.dataclass
-class EpochReport:
-  """What an epoch of free-running pipelines did (every pipeline's, also
-  across processes).
-
-  Attributes:
-    batches: per pipeline, the batches (``step`` calls) it ran.
-    steps: per pipeline, its last stage's optimizer steps so far.
-    losses: per pipeline, each call's mean loss.
-    aux: per pipeline, the mean over its calls of each aux output of the
-      loss (``has_aux``), flat in ``jax.tree.leaves`` order (lists for
-      arrays); empty lists without aux outputs.
-    seconds: wall-clock seconds of the epoch (all pipelines drained).
-    pipeline_seconds: per pipeline, seconds until it had drained.
-    delayed_seconds: per pipeline, injected delay so far (all its stages).
-    mean_group_size: per stage, the mean size of the averaging groups so
-      far (P for allreduce, 2 for adpsgd, 1 for hetpipe's pushes).
-  """
-
-  batches: list[int]
-  steps: list[int]
-  losses: list[list[float]]
-  seconds: float
-  pipeline_seconds: list[float]
-  delayed_seconds: list[float]
-  mean_group_size: list[float]
-  aux: list[list] = dataclasses.field(default_factory=list)
-
-
 @outside_user_mesh  # (A caller's jax.set_mesh.)
-class DataParallelPipelines(ConsensusStateMethods):
+class DataParallelPipelines(FreeRunningEpochs, ConsensusStateMethods):
   """P pipelines of S stages, their stages' replicas synchronised.
 
   Args:
@@ -266,143 +236,6 @@ class DataParallelPipelines(ConsensusStateMethods):
   def _each(self, fn):
     """``fn(i)`` for each local pipeline i, one thread each."""
     return _in_threads(fn, self.ranks, self.policy.abort)
-
-  # -- free-running epochs ---------------------------------------------------
-
-  def run_epoch(
-    self,
-    states,
-    batch_at: Callable[[int, int], Any],
-    *,
-    max_batches: int | None = None,
-  ) -> tuple[list[PipelineState], EpochReport]:
-    """Every pipeline trains at its own pace until the epoch ends.
-
-    Args:
-      states: the pipelines' states.
-      batch_at: ``batch_at(pipeline, i)``: that pipeline's i-th batch of
-        the epoch (a pipeline's own shard of the data).
-      max_batches: a bound on any pipeline's batches (default 4x
-        ``batches_per_epoch``; the epoch normally ends first).
-
-    Returns:
-      The drained states and an ``EpochReport``.
-    """
-    limit = max_batches or 4 * self.batches_per_epoch
-    # Every process has finished the last epoch before the owner of the
-    # shared objects resets them, and before anyone starts.
-    self.hub.barrier("epoch done")
-    self.policy.new_epoch()
-    self.hub.barrier("epoch reset")
-    for hooks in self.hooks:
-      hooks.draining = False
-    n = len(self.pipelines)
-    losses = [[] for _ in range(n)]
-    auxes = [[] for _ in range(n)]  # Per pipeline, each call's flat aux.
-    batches = [0] * n
-    ended = [0.0] * n
-    start = time.perf_counter()
-
-    def train(i):
-      p, pipe, state, pending = self.ranks[i], self.pipelines[i], states[i], []
-      reports = self.reporter[p] == jax.process_index()
-      while batches[i] < limit:
-        if reports and self.policy.stop_of(p) is not None:
-          self.policy.stop_feeding(p)
-        if not self.policy.may_run(p, batches[i]):
-          break
-        state, metrics = pipe.step(state, batch_at(p, batches[i]))
-        batches[i] += 1
-        if "loss" in metrics:
-          pending.append((metrics["loss"], metrics.get("aux")))
-        if len(pending) > 2:  # Stay at most two calls ahead of the devices.
-          _take(pending.pop(0), losses[i], auxes[i])
-      self.hooks[i].draining = True
-      self.policy.start_draining(p, self.stages_here[p])
-      state, _ = pipe.flush(state)
-      state = self._finish(pipe, p, state)
-      jax.block_until_ready([x for x in state.stage_params if x is not None])
-      for taken in pending:
-        _take(taken, losses[i], auxes[i])
-      ended[i] = time.perf_counter() - start
-      return state, None
-
-    states, _ = self._each(train)
-    seconds = time.perf_counter() - start
-    aux = [_mean_leaves(a) for a in auxes]
-    return states, self._epoch_report(batches, losses, aux, ended, seconds)
-
-  def _epoch_report(self, batches, losses, aux, ended, seconds) -> EpochReport:
-    """The epoch's ``EpochReport``, on every process: each pipeline's
-    figures from the process of its last stage (where it steps last),
-    its injected delays summed over its processes."""
-    me = jax.process_index()
-    mine = {
-      "reports": [
-        [p, batches[i], self.hooks[i].steps[-1], losses[i], ended[i], aux[i]]
-        for i, p in enumerate(self.ranks)
-        if self.reporter[p] == me
-      ],
-      "delayed": [
-        [p, h.delayed_seconds]
-        for p, h in zip(self.ranks, self.hooks, strict=True)
-      ],
-      "sizes": self.policy.group_size_sums(),
-      "seconds": seconds,
-    }
-    everyone = self.hub.all_gather("epoch report", mine)
-    reports = {r[0]: r[1:] for e in everyone for r in e["reports"]}
-    delayed = [0.0] * self.num_pipelines
-    for e in everyone:
-      for p, d in e["delayed"]:
-        delayed[p] += d
-    sizes = [
-      (
-        sum(e["sizes"][s][0] for e in everyone),
-        sum(e["sizes"][s][1] for e in everyone),
-      )
-      for s in range(self.num_stages)
-    ]
-    ranks = range(self.num_pipelines)
-    return EpochReport(
-      batches=[reports[p][0] for p in ranks],
-      steps=[reports[p][1] for p in ranks],
-      losses=[reports[p][2] for p in ranks],
-      seconds=max(e["seconds"] for e in everyone),
-      pipeline_seconds=[reports[p][3] for p in ranks],
-      delayed_seconds=delayed,
-      mean_group_size=[t / c if c else float("nan") for t, c in sizes],
-      aux=[reports[p][4] for p in ranks],
-    )
-
-  def _finish(self, pipe, p, state):
-    """The policy's end-of-epoch sync of pipeline p (HetPipe's last push),
-    into its drained state (unchanged where the policy keeps the params)."""
-    params = tuple(
-      self.policy.finish(p, s, leaves) if s in self.stages_here[p] else leaves
-      for s, leaves in enumerate(state.stage_params)
-    )
-    if all(a is b for a, b in zip(params, state.stage_params, strict=True)):
-      return state
-    return pipe.with_stage_params(state, params)
-
-
-def _take(taken, losses: list, auxes: list) -> None:
-  """A call's (loss, aux) as floats (waits for them) onto the lists."""
-  loss, aux = taken
-  losses.append(float(loss))
-  if aux is not None:
-    auxes.append([np.asarray(x, np.float64) for x in jax.tree.leaves(aux)])
-
-
-def _mean_leaves(calls: list) -> list:
-  """Each flat aux leaf's mean over the calls (JSON-ready lists)."""
-  if not calls:
-    return []
-  return [
-    np.mean(np.stack(leaf), axis=0).tolist()
-    for leaf in zip(*calls, strict=True)
-  ]
 
 
 def _in_threads(fn, ranks, abort):

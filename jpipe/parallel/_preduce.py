@@ -167,11 +167,12 @@ class PartialReduceRounds:
     self.active.discard(rank)
     self._try_close(now)
 
-  def rejoin_all(self) -> None:
-    """A new epoch: every worker takes part again."""
+  def rejoin_all(self, batches: int | None = None) -> None:
+    """A new epoch (of ``batches`` per worker, where not ``sync_every``):
+    every worker takes part again."""
     self.active = set(range(self.n))
     if self.epoch is not None:
-      self.epoch.new_epoch()
+      self.epoch.new_epoch(batches)
 
   def collect(self, rank: int) -> Group | None:
     """The group handed to ``rank`` (once), or None while its round is
@@ -273,6 +274,6 @@ class PartialReduceScheduler:
       self.rounds.leave(rank, self.clock())
       self.lock.notify_all()
 
-  def rejoin_all(self) -> None:
+  def rejoin_all(self, batches: int | None = None) -> None:
     with self.lock:
-      self.rounds.rejoin_all()
+      self.rounds.rejoin_all(batches)

@@ -22,7 +22,9 @@ collective over the group's devices wherever they are.
 Every policy ends an epoch as SD-Pipe does (``EpochEnd``): when the last
 stage's replicas have taken ``P * batches_per_epoch`` steps together, each
 pipeline stops at its next last-stage step and drains; draining steps do
-not synchronise (except ``allreduce``, whose pipelines stop together).
+not synchronise (except ``allreduce``, whose pipelines stop together). A
+stop request (``cut_epoch``) ends it early: every pipeline stops after
+its calls under way.
 """
 
 import itertools
@@ -152,6 +154,12 @@ class SyncPolicy:
     each of its processes makes (``StopCalls``)."""
     self._stops.stop(rank)
 
+  def cut_epoch(self) -> None:
+    """Ends the epoch under way early, for every pipeline (a stop
+    request; any process may ask): each stops after its calls under way
+    and drains (``StopCalls.cut``)."""
+    self._stops.cut()
+
   def start_draining(self, rank: int, stages) -> None:
     """``rank`` drains ``stages`` (this process's): nobody waits for
     them any more."""
@@ -165,13 +173,15 @@ class SyncPolicy:
     """``rank`` failed: release everyone waiting for it."""
     self.rendezvous.leave(rank, range(self.s))
 
-  def new_epoch(self) -> None:
+  def new_epoch(self, batches: int | None = None) -> None:
     """Resets the shared objects (by their owner: across processes,
-    process 0, while the others wait at a barrier)."""
+    process 0, while the others wait at a barrier); ``batches``: the
+    epoch's batches per pipeline on average, where not
+    ``batches_per_epoch`` (the rest of an epoch cut short)."""
     self._epochs += 1
     if self.hub.owner:
       self.rendezvous.rejoin_all()
-      self._epoch.new_epoch()
+      self._epoch.new_epoch(batches)
       self._stops.new_epoch()
 
   def _average(self, key, stage, members, rank, tree):
@@ -294,11 +304,11 @@ class PartialReduce(SyncPolicy):
   def abort(self, rank):
     self.start_draining(rank, range(self.s))
 
-  def new_epoch(self):
-    super().new_epoch()
+  def new_epoch(self, batches=None):
+    super().new_epoch(batches)
     if self.hub.owner:
       for scheduler in self.schedulers:
-        scheduler.rejoin_all()
+        scheduler.rejoin_all(batches)
 
 
 class Gossip(SyncPolicy):
@@ -341,8 +351,8 @@ class Gossip(SyncPolicy):
     key = ("adpsgd", self.epoch, stage, step - first, pair)
     return self._average(key, stage, pair, rank, params)
 
-  def new_epoch(self):
-    super().new_epoch()
+  def new_epoch(self, batches=None):
+    super().new_epoch(batches)
     with self._pairs_lock:
       self.epoch += 1
       self._new_pairs()

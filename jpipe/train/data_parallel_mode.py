@@ -14,8 +14,11 @@ per pipeline on average: ``train.steps`` of them in all.
 Across processes (``python -m jpipe.launch``) each process runs its share
 of the pipelines and reads only their batches; process 0 prints and
 logs; each evaluates through its first pipeline; checkpoints hold every replica (gathered) and resume with
-another process count. A SIGTERM or SIGINT ends the epoch under way,
-checkpoints and exits with 128 + the signal's number.
+another process count. A SIGTERM or SIGINT ends the epoch under way
+early (each pipeline stops after its step in progress and drains: a
+preemption notice need not outlast an epoch), checkpoints at the steps
+it trained and exits with 128 + the signal's number; the resumed run
+trains the rest of that epoch first, so epochs end at the same steps.
 """
 
 import math
@@ -76,6 +79,10 @@ class DataParallelMode(Mode):
     self.dp, self.task, self.config = dp, task, config
     self.unit_steps = epoch_batches(config)
     self.drawn = 0  # Batches of the stream handed out so far.
+    # Steps left of an epoch a stop request cut short (a resumed run's
+    # first), else None.
+    self.left = None
+    self.stop_requested = None  # (``watch_stop``.)
 
   def cadence(self, config):
     return Cadence(self.unit_steps, self.unit_steps, self.unit_steps)
@@ -85,13 +92,24 @@ class DataParallelMode(Mode):
 
   def restore(self, states, saved, meta, say):
     self.drawn = int(meta["data_position"])
+    done = int(meta["step"]) % self.unit_steps
+    self.left = self.unit_steps - done if done else None
     return self.dp.load_state_dict(saved)
 
+  def watch_stop(self, stop):
+    self.stop_requested = lambda: stop.signal
+
   def resumed_at(self, step):
-    return f"epoch {step // self.unit_steps}"
+    return self._epochs(step)
 
   def where(self, done):
-    return f"step {done} (epoch {done // self.unit_steps})"
+    return f"step {done} ({self._epochs(done)})"
+
+  def _epochs(self, done) -> str:
+    """Epochs trained after ``done`` steps (and the steps of one cut
+    short)."""
+    epochs, steps = divmod(done, self.unit_steps)
+    return f"epoch {epochs}" + (f" + {steps} steps" if steps else "")
 
   def progress(self, done, steps):
     epochs = math.ceil(steps / self.unit_steps)
@@ -121,7 +139,14 @@ class DataParallelMode(Mode):
       # Disjoint shards of the stream: pipeline p takes every P-th batch.
       return self.task.batch_at(position + i * p + rank)
 
-    states, report = self.dp.run_epoch(states, batch_at)
+    left, self.left = self.left or self.unit_steps, None
+    per_step = self.dp.batches_per_epoch // self.unit_steps  # (Async: m.)
+    states, report = self.dp.run_epoch(
+      states,
+      batch_at,
+      batches=left * per_step if left < self.unit_steps else None,
+      stop_requested=self.stop_requested,
+    )
     self.drawn += p * max(report.batches)
     self.losses = [float(np.mean(ls)) for ls in report.losses if ls]
     group = float(np.nanmean(report.mean_group_size))
@@ -137,8 +162,25 @@ class DataParallelMode(Mode):
     )
     examples = self.config.data.batch_size * sum(report.batches)
     loss = float(np.mean(self.losses))
+    steps, lines = None, ()  # A whole epoch (or its rest).
+    if report.cut_short:
+      # The steps it trained: batches per pipeline on average.
+      steps = min(left, max(1, round(sum(report.batches) / p)))
+      if steps < left:
+        lines = (
+          f"epoch {unit + 1} cut short by a stop request after {steps} of "
+          f"{left} steps (batches per pipeline {report.batches}); a "
+          "resumed run trains the rest of it first.",
+        )
     return states, Outcome(
-      loss, examples, scalars, note=note, metrics=self._aux_means(report)
+      loss,
+      examples,
+      scalars,
+      note=note,
+      metrics=self._aux_means(report),
+      lines=lines,
+      steps=None if steps == left else steps,
+      stop_requested=report.cut_short,
     )
 
   def _aux_means(self, report) -> dict:

@@ -73,6 +73,10 @@ class Outcome:
     note: what the mode adds to the unit's log line.
     skipped: its step changed nothing (a non-finite gradient, with
       ``config.optimizer.skip_nonfinite``): its loss is no divergence.
+    steps: the steps it trained, where fewer than the unit's (an epoch a
+      stop request cut short; the resumed run trains the rest first).
+    stop_requested: a stop request ended it (the same in every process:
+      the processes agree on the stop after it).
   """
 
   loss: float
@@ -83,6 +87,8 @@ class Outcome:
   note: str = ""
   metrics: dict = dataclasses.field(default_factory=dict)
   skipped: bool = False
+  steps: int | None = None
+  stop_requested: bool = False
 
 
 def aux_floats(metrics) -> dict:
@@ -117,6 +123,10 @@ class Mode:
 
   def announce(self, state, workdir: str, main: bool, say) -> None:
     """What the run is about to do (after any restore; every process)."""
+
+  def watch_stop(self, stop) -> None:
+    """``stop`` (a ``stopping.StopRequest``: ``stop.signal``) for a mode
+    whose unit can end early on a stop request (``Outcome.steps``)."""
 
   def advance(self, state, unit: int) -> tuple[Any, Outcome]:
     """Trains unit ``unit`` (0-based)."""
@@ -234,6 +244,7 @@ def train(
     Watchdog(config.train.hang_timeout) as loop.watchdog,
     CompileClock() as loop.compiling,
   ):
+    mode.watch_stop(loop.stop)
     loop.train_units(state)
   loop.close()
   return loop.summary(workdir)
@@ -284,18 +295,27 @@ class _Loop:
     )
     self.write = self.bar.write if interactive else self.say
     first, units = self.start // per_unit, math.ceil(steps / per_unit)
+    # Steps trained before and after the unit under way (a resumed run's
+    # first unit may be the rest of one cut short: ``Outcome.steps``).
+    self.begin = self.done = self.start
     for unit in range(first, units):
-      state, timed, row = self._train(state, unit, first)
-      state = self._evaluate_and_save(state, unit, units, timed, row)
+      self.begin = self.done
+      state, timed, row, outcome = self._train(state, unit, first)
+      state = self._evaluate_and_save(state, unit, units, timed, row, outcome)
     self.bar.close()
 
   def _train(self, state, unit, first):
     """Trains ``unit``; checks its loss; logs where due. Returns (state,
-    its seconds or None where it compiled, its metrics row)."""
-    mode, done = self.mode, (unit + 1) * self.mode.unit_steps
+    its seconds or None where it compiled, its metrics row, its
+    ``Outcome``)."""
+    mode = self.mode
     t0 = time.perf_counter()
     state, outcome = mode.advance(state, unit)
     t1 = time.perf_counter()
+    whole = outcome.steps is None
+    done = self.done = (
+      (unit + 1) * mode.unit_steps if whole else self.begin + outcome.steps
+    )
     # Compilation left out: all of the first unit (it compiles every
     # program), a later one's where a program is first used there (a
     # stream's fused steps, a flush's).
@@ -309,7 +329,7 @@ class _Loop:
       outcome.loss, outcome.examples, timed, outcome.metrics, outcome.skipped
     )
     self.bar.set_postfix(loss=f"{outcome.loss:.4f}", refresh=False)
-    self.bar.update(mode.unit_steps)
+    self.bar.update(done - self.begin)
     for key, record in outcome.events.items():
       self.log.write_event(done, key, record)
     for line in outcome.lines:
@@ -344,15 +364,17 @@ class _Loop:
           state,
         )
       self.window = _Window(first_step=done + 1)
-    return state, timed, row
+    return state, timed, row, outcome
 
-  def _evaluate_and_save(self, state, unit, units, timed, row):
+  def _evaluate_and_save(self, state, unit, units, timed, row, outcome):
     """Evaluates, checkpoints and stops where due after ``unit``."""
-    mode, done = self.mode, (unit + 1) * self.mode.unit_steps
-    last = unit == units - 1
+    mode, done = self.mode, self.done
+    last = unit == units - 1 and outcome.steps is None
     evaluate = self._due(done, self.cadence.evaluate) or last
     checkpoint = self._due(done, self.cadence.checkpoint) or last
-    requested = self.agree(done, self.stop.signal, timed)
+    requested = self.agree(
+      done, self.stop.signal, timed, now=outcome.stop_requested
+    )
     since = time.perf_counter()  # (Evaluation and checkpoint times.)
     if requested and not (evaluate or checkpoint) and mode.in_flight(state):
       self.write(
@@ -414,7 +436,7 @@ class _Loop:
   def _due(self, done: int, every: int) -> bool:
     """Whether the unit that ended at ``done`` steps reached a multiple
     of ``every``."""
-    return done // every > (done - self.mode.unit_steps) // every
+    return done // every > self.begin // every
 
   def _exit(self, requested, done):
     """Ends a run stopped by ``requested`` after its checkpoint."""

@@ -70,12 +70,14 @@ class StopAgreement:
     self.due = 1  # The step count at which the next agreement is made.
     self.fastest = None  # The quickest exchange seen (seconds).
 
-  def __call__(self, done: int, signal_name, step_seconds=None):
+  def __call__(self, done: int, signal_name, step_seconds=None, now=False):
     """The agreed request after ``done`` steps (None: go on); the last
-    step took ``step_seconds`` (None: unknown, e.g. it compiled)."""
+    step took ``step_seconds`` (None: unknown, e.g. it compiled); ``now``:
+    agree at this step though not due (every process must pass it alike:
+    e.g. an epoch a stop request ended, as every process saw)."""
     if distributed.client() is None:
       return signal_name
-    if done < self.due:
+    if done < self.due and not now:
       return None
     start = time.perf_counter()
     request = _NAMES.index(signal_name or "")

@@ -9,8 +9,11 @@ process per stage (the runtime's other multi-process users).
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -253,3 +256,68 @@ def test_dynamic_repartition_across_processes(tmp_path, process_env):
   # neighbour, built anew.
   assert back["new"][1] < moved["new"][1] and abs(back["new"][1] - 6) <= 1
   assert back["compiled"] == (back["new"] != [0, 6, 12])
+
+
+def _worker_pid(launcher_pid, process) -> int:
+  """The pid of the launcher's child with ``JAX_PROCESS_ID=process``."""
+  with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+    children = [int(c) for c in f.read().split()]
+  for pid in children:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+      if f"JAX_PROCESS_ID={process}".encode() in f.read().split(b"\0"):
+        return pid
+  raise AssertionError(f"no process {process} among {children}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_cuts_the_epoch_for_all_and_resumes(
+  tmp_path, process_env
+):
+  """SD-Pipe with a process per stage (each pipeline spans both
+  processes), epochs of 30 steps of simulated 30 ms actions: SIGTERM to
+  process 1 alone (not the hub's owner) early in the epoch. Every
+  pipeline stops after its step under way, in both processes alike;
+  both save the steps trained and exit 143 (far sooner than the epoch's
+  end); the same command resumes there and trains the rest of the
+  epoch: its evaluation at step 30, as an uninterrupted run's."""
+  from tests.distributed.processes import read_until, started
+
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs", "2"]
+  command += ["--devices-per-process", "4", "--", sys.executable]
+  command += [
+    "-m",
+    "jpipe.train",
+    "--config",
+    "configs/sdpipe.py",
+    "--workdir",
+    str(tmp_path),
+    "--config.data_parallel.placement=stage",
+    "--config.model.kwargs.hidden=(16,)",
+    "--config.data_parallel.epoch_batches=30",
+    "--config.data_parallel.hetero=0",
+    "--config.data_parallel.simulated_ms=30",
+    "--config.train.steps=30",
+  ]
+  lines = []
+  with started(command, process_env()) as run:
+    read_until(
+      run, "[p0] Compiled averaging programs", lines, time.monotonic() + 240
+    )
+    time.sleep(2.0)  # (Into the epoch: its first steps compile.)
+    os.kill(_worker_pid(run.pid, 1), signal.SIGTERM)
+    t0 = time.monotonic()
+    rest, _ = run.communicate(timeout=120)
+    took = time.monotonic() - t0
+  out = "".join(lines) + rest
+  assert run.returncode == 143, out[-4000:]
+  # (The first to exit ends the launch: the other may be closing.)
+  assert re.search(r"\[launch\] process [01] exited with status 143", out)
+  assert "[p0] epoch 1 cut short by a stop request after " in out, out[-4000:]
+  saved = int(out.split("[p0] SIGTERM: saved step ")[1].split()[0])
+  assert 1 <= saved < 30, saved
+  assert took < 30, took
+  again = _run(command, process_env(), timeout=400)
+  assert f"[p0] Resuming from epoch 0 + {saved} steps" in again.stdout
+  assert "[p0] Done: 30 steps" in again.stdout, again.stdout[-4000:]
+  rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [30]

@@ -301,6 +301,80 @@ def test_stop_calls_every_process_of_a_pipeline_makes_the_same_calls():
   assert stops.grant(0, 0)
 
 
+def test_stop_calls_cut_stops_every_pipeline_where_it_is():
+  """``StopCalls.cut`` (a stop request from any process): every process of
+  a pipeline ends with the same calls, none past the calls granted to the
+  pipeline when the cut came (at least one), or its own earlier stop;
+  ``together``: one stop for all."""
+  from jpipe.parallel._epoch import StopCalls
+
+  rng = np.random.default_rng(1)
+  for trial in range(200):
+    together = trial % 2 == 1
+    pipelines, processes = 3, [1, 2, 3]  # pipeline p runs in p + 1
+    stops = StopCalls(pipelines, together)
+    calls = {(p, q): 0 for p in range(pipelines) for q in range(processes[p])}
+    done, granted_at_cut, stopped_before = set(), None, {}
+    while len(done) < len(calls):
+      p, q = list(calls)[rng.integers(len(calls))]
+      if (p, q) in done:
+        continue
+      if granted_at_cut is None and rng.random() < 0.05:
+        granted_at_cut = list(stops._granted)
+        stopped_before = dict(stops._stops)
+        stops.cut()
+      elif q == 0 and p not in stops._stops and rng.random() < 0.02:
+        stops.stop(p)  # (A natural end, before or after the cut.)
+      if stops.grant(p, calls[(p, q)]):
+        calls[(p, q)] += 1
+      else:
+        done.add((p, q))
+    for p in range(pipelines):
+      made = {calls[(p, q)] for q in range(processes[p])}
+      assert made == {stops.stop(p)} and stops.stop(p) >= 1
+      if granted_at_cut is not None and p in stopped_before:
+        assert stops.stop(p) == stopped_before[p]
+      elif granted_at_cut is not None and not together:
+        assert stops.stop(p) == max(1, granted_at_cut[p])
+    if together:
+      assert len({stops.stop(p) for p in range(pipelines)}) == 1
+      if granted_at_cut is not None and not stopped_before:
+        assert stops.stop(0) == max(1, *granted_at_cut)
+  stops = StopCalls(2)  # A cut before any call: one call each.
+  stops.cut()
+  assert stops.grant(0, 0) and not stops.grant(0, 1)
+  assert stops.grant(1, 0) and not stops.grant(1, 1)
+  stops.new_epoch()  # Cuts one epoch only.
+  assert all(stops.grant(0, c) for c in range(5))
+
+
+@pytest.mark.parametrize("sync", ["preduce", "allreduce"])
+def test_a_stop_request_cuts_the_epoch_short_and_the_rest_follows(sync):
+  """``run_epoch(stop_requested=...)``: once it is true, every pipeline
+  stops after its calls under way (an epoch of 4 x 50 steps ends after a
+  few), the report says so and the states are drained; the next epoch,
+  of the rest's length (``batches=3``), ends after 4 x 3 calls' steps."""
+  dp, params, batch = _free_running(sync)
+  dp.batches_per_epoch = 100  # (Steps: 2 per call, 50 calls a pipeline.)
+  calls = []
+
+  def batch_at(p, i):
+    calls.append(p)
+    return batch
+
+  states, report = dp.run_epoch(
+    dp.init(params), batch_at, stop_requested=lambda: len(calls) >= 4
+  )
+  assert report.cut_short
+  assert all(b >= 1 for b in report.batches)
+  assert sum(report.batches) <= 4 + 4 * 2  # (Each: its calls under way.)
+  assert all(not s.in_flight or s.in_flight.drained for s in states)
+  before = sum(report.steps)
+  states, rest = dp.run_epoch(states, batch_at, batches=3 * 2)
+  assert not rest.cut_short
+  assert 4 * 3 * 2 <= sum(rest.steps) - before <= 4 * 3 * 2 + 4 * 2 * 2
+
+
 def test_peer_mean_is_the_mean_and_the_same_bits_on_every_member():
   """``PeerMean`` (averaging where pipelines span processes): every
   member's copy is the NumPy mean of the group's trees, on the member's

@@ -201,6 +201,30 @@ def test_epoch_end_records_each_workers_next_batch():
   assert epoch.over
 
 
+def test_epoch_end_of_a_given_length_then_whole_ones():
+  """``new_epoch(batches)`` (the rest of an epoch a stop request cut
+  short): that epoch ends after N * batches steps; the next ones after
+  N * sync_every again, counted on from there."""
+  epoch = parallel.EpochEnd(3, sync_every=4)
+  epoch.new_epoch(batches=1)
+  for k in range(3):
+    assert epoch.stops == {}
+    epoch.arrive(k, 0)
+    epoch.add(1)
+  for k in range(3):  # Each worker's next arrival: its stop.
+    epoch.arrive(k, 1)
+    epoch.add(1)
+  assert epoch.over and epoch.stops == {0: 1, 1: 1, 2: 1}
+  # The count is at 12 + 3 (the stops' steps): the next epoch ends at 24,
+  # its overshoot carried as between whole epochs.
+  epoch.new_epoch()
+  for k in range(9):
+    assert not epoch.pending
+    epoch.arrive(k % 3, 2 + k // 3)
+    epoch.add(1)
+  assert epoch.pending and epoch.stops == {}
+
+
 def test_epoch_end_in_the_last_stage_scheduler():
   core = parallel.PartialReduceRounds(2, sync_every=2)
   for k in range(2):  # Two full rounds: 4 steps = 2 * 2.

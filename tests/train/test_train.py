@@ -793,6 +793,47 @@ def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   assert "Resuming from epoch 1" in capsys.readouterr().out
 
 
+def test_data_parallel_sigterm_cuts_a_long_epoch_and_the_resume_ends_it(
+  tmp_path, monkeypatch, capsys
+):
+  """A SIGTERM early in a long data-parallel epoch (a preemption notice
+  shorter than the epoch): each pipeline stops after its step under way,
+  the checkpoint is at the steps trained (not the epoch's end), and the
+  resumed run trains the rest of that epoch first: epochs end, evaluate
+  and checkpoint at the same steps as an uninterrupted run's."""
+  from jpipe.train import stopping
+
+  config = _small_sdpipe_config(steps=8)
+  config.data_parallel.epoch_batches = 4
+  enter = stopping.StopRequest.__enter__
+
+  def signalled(self):  # As if SIGTERM arrived as the first epoch began.
+    out = enter(self)
+    self.signal = "SIGTERM"
+    return out
+
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  with pytest.raises(SystemExit) as stop:
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert stop.value.code == 143
+  out = capsys.readouterr().out
+  # One step each (the least an epoch trains), not the epoch's four.
+  assert "epoch 1 cut short by a stop request after 1 of 4 steps" in out
+  assert "SIGTERM: saved step 1 (epoch 0 + 1 steps)" in out
+  meta = json.loads(
+    (tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text()
+  )
+  assert meta["data_position"] == 2  # Each pipeline's one batch.
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", enter)
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  out = capsys.readouterr().out
+  assert "Resuming from epoch 0 + 1 steps" in out
+  rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  evaluated = {r["step"] for r in rows if any(k.startswith("eval/") for k in r)}
+  assert sorted(evaluated) == [4, 8]
+  assert sorted(os.listdir(tmp_path / "checkpoints"))[-2:] == ["4", "8"]
+
+
 @pytest.mark.slow
 def test_dynamic_repartitions_logs_draws_and_resumes_on_its_split(
   tmp_path, capsys
