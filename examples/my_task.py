@@ -37,7 +37,6 @@ numbers.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jpipe.train import evaluation, input_pipeline
@@ -67,9 +66,12 @@ def build_task(config) -> Task:
   model = ConvNet(num_classes=int(train.labels.max()) + 1)
 
   def batch_at(step):  # A pure function of the step: resumes exactly.
-    rng = np.random.default_rng([config.seed, step])
-    take = rng.choice(len(train.labels), config.data.batch_size, False)
-    return {"x": train.images[take], "y": train.labels[take]}
+    # Epochs: each a shuffle seeded by (seed, epoch), every example once
+    # (the last partial batch dropped). Your own arrays work the same:
+    # input_pipeline.ArrayData(images, labels).
+    return input_pipeline.image_batch_at(
+      train, step, config.data.batch_size, config.seed
+    )
 
   def loss_fn(params, batch):  # The batch's mean loss, a scalar.
     logits = model.apply({"params": params}, batch["x"])

@@ -122,6 +122,16 @@ def prepared_source(builder_class, split: str, data_dir: str | None):
         _build_quietly(
           builder_class(data_dir=data_dir, file_format="array_record")
         )
+  try:
+    builder = builder_class(data_dir=data_dir, file_format="array_record")
+    empty = not builder.info.splits[split].num_examples
+  except Exception:  # (Damaged metadata: opening it below says so.)
+    empty = False
+  if empty:  # (TFDS would fail to open it, as if damaged.)
+    raise DatasetError(
+      f"split {split!r} of {builder_class.name} selects no examples: "
+      "widen its slice (config.data.train_split / eval_split)"
+    )
   return open_checked(
     # Another process may have built it: read what is on disk now.
     lambda: builder_class(

@@ -39,15 +39,31 @@ def lm_batch_at(
   return {"x": windows[:, :-1], "y": windows[:, 1:]}
 
 
-def lm_eval_windows(stream: np.ndarray, length: int, count: int) -> dict:
-  """``count`` evenly spaced evaluation windows, as ``lm_batch_at``."""
-  span = len(stream) - (length + 1)
-  if span < 0:
+def eval_window_starts(
+  stream_length: int, window: int, stride: int, count: int
+) -> np.ndarray:
+  """int64 [k]: starts of held-out windows of ``window`` tokens, ``stride``
+  apart (``stride`` = the tokens each scores: no token scored twice),
+  all that fit (``count`` 0, or more than fit) or ``count`` of them
+  evenly spread over the text (a long one's sample)."""
+  if stream_length < window:
     raise ValueError(
-      f"the eval text has {len(stream)} tokens, fewer than one sequence "
-      f"of {length + 1}: lower data.sequence_length"
+      f"the eval text has {stream_length} tokens, fewer than one sequence "
+      f"of {window}: lower data.sequence_length"
     )
-  starts = np.linspace(0, span, count).astype(np.int64)
+  fit = (stream_length - window) // stride + 1
+  if count <= 0 or count >= fit:
+    chosen = np.arange(fit)
+  else:  # (Spacing >= 1: distinct after rounding.)
+    chosen = np.round(np.linspace(0, fit - 1, count)).astype(np.int64)
+  return chosen.astype(np.int64) * stride
+
+
+def lm_eval_windows(stream: np.ndarray, length: int, count: int) -> dict:
+  """Held-out windows as ``lm_batch_at``'s: consecutive ones scoring
+  every target token once (``eval_window_starts``; ``count``: at most
+  that many, 0 = all; a tail shorter than a window is not scored)."""
+  starts = eval_window_starts(len(stream), length + 1, length, count)
   windows = stream[starts[:, None] + np.arange(length + 1)].astype(np.int32)
   return {"x": windows[:, :-1], "y": windows[:, 1:]}
 
@@ -169,15 +185,10 @@ def seq2seq_eval_batch(
   mean_span_length: float,
   **ids,
 ) -> dict:
-  """``count`` evenly spaced windows with fixed (seed 0) spans (``ids``:
-  as ``seq2seq_batch_at``)."""
-  span = len(stream) - length
-  if span < 0:
-    raise ValueError(
-      f"the eval text has {len(stream)} tokens, fewer than one sequence "
-      f"of {length}: lower data.sequence_length"
-    )
-  starts = np.linspace(0, span, count).astype(np.int64)
+  """Held-out windows with fixed (seed 0) spans, none overlapping
+  (``eval_window_starts``: ``count`` at most, 0 = all; ``ids``: as
+  ``seq2seq_batch_at``)."""
+  starts = eval_window_starts(len(stream), length, length, count)
   return seq2seq_batch(
     stream,
     starts,

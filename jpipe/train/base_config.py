@@ -373,7 +373,10 @@ def text_data(
   d.sequence_length = 128  # Tokens per sequence (the model's input).
   d.train_split = "train"  # Training split (TFDS slicing: "train[:50%]").
   d.eval_split = "test"  # Split for the periodic evaluation.
-  d.eval_sequences = 128  # Fixed, evenly spaced held-out sequences.
+  # Held-out sequences: consecutive windows of the eval split's text, each
+  # token scored once; at most this many (spread evenly over a longer
+  # text), 0 = every window (a masked LM draws this many pairs).
+  d.eval_sequences = 128
   if span_corruption:
     d.noise_density = 0.15  # T5: fraction of bytes masked out.
     d.mean_span_length = 3.0  # T5: mean length of a masked span.

@@ -252,6 +252,15 @@ def _check_pipeline(config, need) -> None:
     "pipeline.depth",
     "must be >= 0 (0 chooses it; 1 cuts at the root's children)",
   )
+  if "eval_sequences" in config.data:
+    masked = "mask_rate" in config.data  # (It draws its pairs.)
+    need(
+      config.data.eval_sequences >= (1 if masked else 0),
+      "data.eval_sequences",
+      "must be >= 1 (the held-out pairs drawn)"
+      if masked
+      else "must be >= 0 (0: every held-out window)",
+    )
   m = config.pipeline.num_microbatches
   need(m >= 1, "pipeline.num_microbatches", "must be >= 1")
   need(config.data.batch_size >= 1, "data.batch_size", "must be >= 1")

@@ -232,7 +232,11 @@ def accuracy(totals: dict) -> dict:
 
 
 def token_loss(totals: dict) -> dict:
-  """``{"loss", "perplexity"}`` of totals "loss" (nats summed over
-  tokens) and "tokens"."""
+  """``{"loss", "perplexity", "tokens"}`` of totals "loss" (nats summed
+  over tokens) and "tokens" (the tokens scored)."""
   loss = totals["loss"] / totals["tokens"]
-  return {"loss": loss, "perplexity": math.exp(loss)}
+  return {
+    "loss": loss,
+    "perplexity": math.exp(loss),
+    "tokens": int(totals["tokens"]),
+  }

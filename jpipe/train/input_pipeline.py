@@ -54,6 +54,9 @@ def load_images(config) -> tuple[ArrayData, ArrayData]:
       _tfds_arrays(data, data.train_split),
       _tfds_arrays(data, data.eval_split),
     )
+  for key, arrays in zip(("train_split", "eval_split"), splits, strict=True):
+    check_examples(len(arrays.labels), data, key)
+    check_labels(arrays.labels, f"config.data ({data.name}, {data[key]})")
   want = tuple(data.get("image_shape") or ())
   have = splits[0].images.shape[1:]
   if want and tuple(want) != have:
@@ -63,6 +66,20 @@ def load_images(config) -> tuple[ArrayData, ArrayData]:
       f"{have} or () (a TFDS dataset's images are resized to it)"
     )
   return splits
+
+
+def check_labels(labels: np.ndarray, where: str) -> None:
+  """A UsageError where an image label is negative: TFDS's "no label"
+  (-1, e.g. an unlabelled test split) would train as the last class and
+  score as a miss."""
+  bad = labels[labels < 0]
+  if bad.size:
+    raise UsageError(
+      f"{where}: {bad.size} of {labels.size} labels are {int(bad[0])}, not "
+      "a class (TFDS marks unlabelled examples -1, e.g. a test split that "
+      "hides its labels): train and evaluate on labelled splits "
+      "(config.data.train_split / eval_split)"
+    )
 
 
 def _streams_images(config) -> bool:
@@ -85,6 +102,7 @@ class StreamedImages:
   def __init__(self, data, split: str):
     self._source = _tfds_source(data, split, embedded="digits")
     self._image_key, self._label_key = data.image_key, data.label_key
+    self._name = f"{data.name}, {split}"
     self.shape = tuple(int(d) for d in data.image_shape)
 
   def __len__(self) -> int:
@@ -99,7 +117,9 @@ class StreamedImages:
       record = self._source[int(i)]
       images.append(self._prepare(np.asarray(record[self._image_key]), rng))
       labels.append(int(record[self._label_key]))
-    return np.stack(images), np.asarray(labels, np.int32)
+    labels = np.asarray(labels, np.int32)
+    check_labels(labels, f"config.data ({self._name})")
+    return np.stack(images), labels
 
   def _prepare(self, image, rng) -> np.ndarray:
     from PIL import Image  # Only for streamed datasets.
@@ -217,7 +237,9 @@ def load_text(config) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _text_files(data, key: str) -> np.ndarray:
-  """The bytes of the files ``data[key]`` names (a path or glob pattern)."""
+  """The bytes of the files ``data[key]`` names (a path or glob pattern),
+  in sorted order, a newline between two files where the first has none
+  at its end (their last and first words stay apart)."""
   files = sorted(glob.glob(data[key]))
   if not files:
     raise UsageError(
@@ -226,6 +248,10 @@ def _text_files(data, key: str) -> np.ndarray:
       "or glob patterns, e.g. /data/wikitext-2-raw/wiki.train.raw)"
     )
   chunks = [_text_file(f"config.data.{key}", path) for path in files]
+  chunks = [
+    c if c.endswith(b"\n") or i == len(chunks) - 1 else c + b"\n"
+    for i, c in enumerate(chunks)
+  ]
   return np.frombuffer(b"".join(chunks), np.uint8)
 
 
@@ -314,8 +340,10 @@ def check_splits(data) -> None:
       ) from None
   if data.name in EMBEDDED:
     splits = ("train", "test")  # Both embedded datasets split this way.
+    info = None
   else:
-    splits = tuple(_tfds_builder(data).info.splits.keys())
+    info = _tfds_builder(data).info
+    splits = tuple(info.splits.keys())
   if not splits:  # Not prepared yet: reading it says how to.
     return
   for key in ("eval_split", "train_split"):
@@ -326,19 +354,41 @@ def check_splits(data) -> None:
           f"split {name!r}; it has {list(splits)} (TFDS slicing such as "
           f"'{splits[-1]}[:50%]' works too)"
         )
+    if info is not None and not info.splits[data[key]].num_examples:
+      check_examples(0, data, key)
+
+
+def check_examples(count: int, data, key: str) -> None:
+  """A UsageError where ``config.data[key]`` (a split) selects no
+  examples (``count``)."""
+  if not count:
+    raise UsageError(
+      f"config.data.{key}={data[key]!r} selects no examples of "
+      f"{data.name!r}: widen its slice"
+    )
 
 
 def _tfds_builder(data):
   """``tfds.builder`` of ``config.data``, or a short UsageError for a name
-  TFDS does not know (its own lists every dataset it has)."""
+  TFDS does not know (its own lists every dataset it has) or a data_dir
+  that does not exist."""
+  if data.data_dir and not os.path.isdir(data.data_dir):
+    raise UsageError(
+      f"config.data.data_dir={data.data_dir!r} does not exist. "
+      f"{_preparing(data)}."
+    )
   try:
     return tfds.builder(data.name, data_dir=data.data_dir or None)
   except tfds.core.registered.DatasetNotFoundError as e:
     if _register_text_builders():  # GLUE, WMT, ... now known: retry.
       return _tfds_builder(data)
-    known = list(EMBEDDED) + tfds.list_builders(with_community_datasets=False)
+    there = sorted(os.listdir(data.data_dir)) if data.data_dir else []
+    known = there + list(EMBEDDED)
+    known += tfds.list_builders(with_community_datasets=False)
     close = difflib.get_close_matches(data.name, known, n=3)
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    if there:
+      hint += f" (data_dir holds {there})"
     raise UsageError(
       f"config.data.name={data.name!r}: no such dataset, neither embedded "
       f"({', '.join(EMBEDDED)}) nor in TFDS{hint} (the TFDS catalogue: "
@@ -365,21 +415,23 @@ def _register_text_builders() -> bool:
   return True
 
 
-def _tfds_source(data, split: str, embedded: str | None):
-  """``tfds.data_source`` or a UsageError saying how to prepare the data
-  (``embedded``: the embedded dataset of the same kind, if any)."""
-  fix = (
+def _preparing(data) -> str:
+  """How to prepare ``config.data``'s TFDS dataset, offline use."""
+  return (
     f"Prepare it where there is internet (`tfds build {data.name} "
     f"--data_dir DIR --file_format array_record`) and set "
     f"config.data.data_dir=DIR"
   )
+
+
+def _tfds_source(data, split: str, embedded: str | None):
+  """``tfds.data_source`` or a UsageError saying how to prepare the data
+  (``embedded``: the embedded dataset of the same kind, if any)."""
+  fix = _preparing(data)
   if embedded:
     fix += f", or use config.data.name='{embedded}' (embedded)"
-  if data.data_dir and not os.path.isdir(data.data_dir):
-    raise UsageError(
-      f"config.data.data_dir={data.data_dir!r} does not exist. {fix}."
-    )
-  _tfds_builder(data)  # A name TFDS registers late is registered now.
+  _tfds_builder(data)  # (Its data_dir exists; a name TFDS registers late
+  # is registered now.)
   try:
     # download=False: a missing dataset would otherwise make TFDS try (and,
     # offline, slowly fail) to download it.
@@ -398,6 +450,12 @@ def _tfds_source(data, split: str, embedded: str | None):
 def _tfds_arrays(data, split: str) -> ArrayData:
   source = _tfds_source(data, split, embedded="digits")
   records = [source[i] for i in range(len(source))]
+  for key in ("image_key", "label_key"):
+    if records and data[key] not in records[0]:
+      raise UsageError(
+        f"config.data.{key}={data[key]!r}: {data.name}'s examples have "
+        f"no such feature; they have {sorted(records[0])}"
+      )
   images = np.stack([r[data.image_key] for r in records])
   scale = 255.0 if images.dtype == np.uint8 else 1.0
   labels = np.asarray([r[data.label_key] for r in records], np.int32)

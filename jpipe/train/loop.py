@@ -191,6 +191,12 @@ class Mode:
     """Where a non-finite loss comes from (every process calls it)."""
     return "the loss is not a number"
 
+  def nonfinite_batch(self, unit: int) -> str | None:
+    """Where unit ``unit``'s data holds non-finite inputs, which (e.g.
+    "step 5's batch: non-finite values in ['x']"); None: it does not, or
+    the mode cannot tell."""
+    return None
+
   def param_norms(self, state) -> list[float] | None:
     """Each stage's parameter norm, to name the stage that grew most in
     a divergence (None: not known; every process calls it)."""
@@ -310,7 +316,7 @@ class _Loop:
     ``Outcome``)."""
     mode = self.mode
     t0 = time.perf_counter()
-    state, outcome = mode.advance(state, unit)
+    state, outcome = self._advance(state, unit)
     t1 = time.perf_counter()
     whole = outcome.steps is None
     done = self.done = (
@@ -335,13 +341,7 @@ class _Loop:
     for line in outcome.lines:
       self.write(line)
     if not np.isfinite(outcome.loss) and not outcome.skipped:
-      raise TrainingDiverged(
-        f"loss is non-finite at {mode.where(done)}: "
-        f"{mode.nonfinite_cause(state, outcome)}. Lower "
-        f"config.optimizer.learning_rate (now "
-        f"{self.config.optimizer.learning_rate:g}), or resume from an "
-        "earlier checkpoint"
-      )
+      raise TrainingDiverged(self._nonfinite(state, unit, outcome, done))
     if self.divergence.norms is None and not outcome.skipped:
       # The reference a diverged loss is measured by: the first unit's
       # (the first that stepped).
@@ -365,6 +365,47 @@ class _Loop:
         )
       self.window = _Window(first_step=done + 1)
     return state, timed, row, outcome
+
+  def _advance(self, state, unit):
+    """``mode.advance``; where it fails (e.g. a bad batch, found only at
+    its step), in one process the state before it is saved first: the
+    steps since the last checkpoint are not lost with the traceback.
+    (Across processes the others may be inside a collective: no save.)"""
+    try:
+      return self.mode.advance(state, unit)
+    except Exception:
+      begin = self.begin
+      if jax.process_count() == 1 and begin > (
+        self.checkpoints.latest_step() or 0
+      ):
+        try:
+          self._save(self.mode.flush(state), begin)
+          saved = f"saved step {begin} (the last good state)"
+        except Exception as e:  # (Its buffers may be gone with it.)
+          saved = f"could not save step {begin} ({type(e).__name__})"
+        self.write(
+          f"Training after step {begin} failed: {saved}; fix the error "
+          "below and run the same command to resume."
+        )
+      raise
+
+  def _nonfinite(self, state, unit, outcome, done) -> str:
+    """What stops a run whose loss went non-finite: bad data where the
+    unit's batch holds non-finite inputs, else the cause in the state."""
+    where = self.mode.where(done)
+    data = self.mode.nonfinite_batch(unit)
+    if data:
+      return (
+        f"loss is non-finite at {where}: {data}; fix the data (or the "
+        "task's batch_at): training did not diverge"
+      )
+    return (
+      f"loss is non-finite at {where}: "
+      f"{self.mode.nonfinite_cause(state, outcome)}. Lower "
+      f"config.optimizer.learning_rate (now "
+      f"{self.config.optimizer.learning_rate:g}), or resume from an "
+      "earlier checkpoint"
+    )
 
   def _evaluate_and_save(self, state, unit, units, timed, row, outcome):
     """Evaluates, checkpoints and stops where due after ``unit``."""
@@ -392,7 +433,7 @@ class _Loop:
       # checkpoint steps), which a resumed run repeats.
       state = mode.flush(state)
     if evaluate:
-      evaluation = mode.evaluate(state, self.task)
+      evaluation = self._evaluate_or_save(state, done, row)
       if self.main:
         self.evaluation = evaluation
         row |= {f"eval/{k}": v for k, v in self.evaluation.items()}
@@ -401,22 +442,9 @@ class _Loop:
         f"after the evaluation at step {done}",
         other_seconds=time.perf_counter() - since,
       )
-    if row:
-      # Training time so far, on from where a resumed run's logs left it
-      # (evaluations, checkpoints and each start's first, compiling unit
-      # left out): time to a target, on a clock.
-      row["time/train_seconds"] = self.log.train_seconds + self.seconds
-      self.log.write(done, **row)
+    self._write_row(done, row)
     if checkpoint or requested:
-      written, per_process = mode.checkpoint_state(state)
-      self.checkpoints.save(
-        done,
-        written,
-        {"step": done, "fingerprint": self.run.fingerprint}
-        | self._loop_meta()
-        | mode.checkpoint_meta(done),
-        per_process=per_process,
-      )
+      self._save(state, done)
       self.watchdog.beat(
         f"after the checkpoint of step {done}",
         other_seconds=time.perf_counter() - since,
@@ -424,6 +452,48 @@ class _Loop:
     if requested and not last:
       self._exit(requested, done)
     return state
+
+  def _evaluate_or_save(self, state, done, row):
+    """The mode's evaluation of ``state``; where it fails (a task's or a
+    config's error, found only now), the work since the last checkpoint
+    is saved first, the step's row logged, then the error raised."""
+    try:
+      return self.mode.evaluate(state, self.task)
+    except Exception:
+      self._write_row(done, row)
+      self._save(state, done)
+      self.write(
+        f"The evaluation at step {done} failed: saved step {done} to "
+        f"{self.checkpoints.directory} first (fix the error below and run "
+        "the same command to resume)."
+      )
+      raise
+
+  def _write_row(self, done, row) -> None:
+    """The step's metrics row, where it has one."""
+    if row:
+      # Training time so far, on from where a resumed run's logs left it
+      # (evaluations, checkpoints and each start's first, compiling unit
+      # left out): time to a target, on a clock.
+      row["time/train_seconds"] = self.log.train_seconds + self.seconds
+      self.log.write(done, **row)
+
+  def _save(self, state, done) -> None:
+    """Checkpoints ``state`` (flushed) at step ``done`` with the loop's
+    and the mode's metadata."""
+    written, per_process = self.mode.checkpoint_state(state)
+    self.checkpoints.save(
+      done,
+      written,
+      {
+        "step": done,
+        "fingerprint": self.run.fingerprint,
+        "data_order": self.run.data_order,
+      }
+      | self._loop_meta()
+      | self.mode.checkpoint_meta(done),
+      per_process=per_process,
+    )
 
   def _loop_meta(self) -> dict:
     """What a resumed loop takes over: its log window so far and its
@@ -492,7 +562,10 @@ def _workdir_files(workdir) -> str:
 def format_evaluation(evaluation: dict | None) -> str:
   if evaluation is None:
     return "no evaluation"
-  return ", ".join(f"eval {k} {v:.4f}" for k, v in evaluation.items())
+  return ", ".join(
+    f"eval {k} {v}" if isinstance(v, int) else f"eval {k} {v:.4f}"
+    for k, v in evaluation.items()
+  )
 
 
 def restore(mode, state, checkpoints, fingerprint, say):

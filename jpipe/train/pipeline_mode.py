@@ -13,6 +13,7 @@ import json
 import os
 
 import jax
+import numpy as np
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
@@ -120,6 +121,17 @@ class PipelineMode(Mode):
       f"stage {s}'s params (first: {path})" for s, path in bad.items()
     )
 
+  def nonfinite_batch(self, unit):
+    if not self.pipe.reads_batch:
+      return None
+    leaves = jax.tree_util.tree_leaves_with_path(self.task.batch_at(unit))
+    paths = [jax.tree_util.keystr(p) for p, x in leaves if _nonfinite(x)]
+    if not paths:
+      return None
+    return (
+      f"step {unit + 1}'s batch holds non-finite values in {', '.join(paths)}"
+    )
+
   def param_norms(self, state):
     return self.pipe.param_norms(state)
 
@@ -127,6 +139,14 @@ class PipelineMode(Mode):
     if self.timeline is None:
       return {}, []
     return draw_timeline(self.pipe, self.timeline, self.config, workdir)
+
+
+def _nonfinite(x) -> bool:
+  """Whether a batch leaf is floating and holds a NaN or an infinity."""
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  return jax.dtypes.issubdtype(dtype, np.inexact) and not bool(
+    np.isfinite(np.asarray(x)).all()
+  )
 
 
 def _idle_processes(pipe) -> list[int]:

@@ -20,6 +20,11 @@ on:
 - ``check_shared_workdir(workdir)`` (once the lock is held): process 0
   writes a token into the workdir, every process reads it back, and all
   list its checkpoints: the workdir must be one folder every host sees.
+- ``check_same_batches(batch)`` (once the task is built): every process
+  reads its batches itself (``batch_at(step)``), so all must read the
+  same first batch; one whose batch differs (an unseeded or per-host
+  ``batch_at``) would train one process's inputs against another's
+  labels, silently.
 
 In one process both do nothing.
 """
@@ -36,8 +41,14 @@ import jax
 from jpipe import distributed
 from jpipe.train import config_cli
 from jpipe.train.errors import UsageError
+from jpipe.train.task import batch_digest
 
-__all__ = ["check_same_run", "check_shared_workdir", "code_fingerprint"]
+__all__ = [
+  "check_same_batches",
+  "check_same_run",
+  "check_shared_workdir",
+  "code_fingerprint",
+]
 
 # How long the start-up exchange waits for every process (seconds): the
 # processes left jax.distributed.initialize together moments before.
@@ -198,6 +209,26 @@ def check_shared_workdir(workdir: str) -> None:
       + ", ".join(f"process {q}: {s or 'none'}" for q, s in enumerate(steps))
       + "): checkpoints copied onto some hosts only? The workdir must be "
       "one folder every host shares, holding every process's files"
+    )
+
+
+def check_same_batches(batch) -> None:
+  """A UsageError in every process when the processes' first batches
+  (``batch``: this process's ``batch_at(0)``) differ."""
+  if jax.process_count() == 1:
+    return
+  got = [
+    g.decode()
+    for g in distributed.exchange("first batch", batch_digest(batch).encode())
+  ]
+  if len(set(got)) > 1:
+    apart = [q for q, g in enumerate(got) if g != got[0]]
+    raise UsageError(
+      f"the processes' batch_at(0) differ (process(es) {apart} from process "
+      "0's): each process reads its batches itself, so batch_at must be a "
+      "pure function of the step, the same on every host (seed any "
+      "randomness from the step, e.g. np.random.default_rng([seed, step]); "
+      "read the same files)"
     )
 
 

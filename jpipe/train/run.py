@@ -17,6 +17,7 @@ from jpipe.train import config_check
 # Where the config decides it; kept here for its callers.
 from jpipe.train.config_options import steps_per_call as steps_per_call
 from jpipe.train.data_parallel_mode import uses_data_parallel
+from jpipe.train.errors import UsageError
 
 MODES = ("pipeline", "data_parallel", "dynamic")
 
@@ -34,12 +35,16 @@ class Run:
     fingerprint: what a checkpoint must match to be resumed (model,
       its arguments, the optimizer; the pipeline count where several):
       not the partition, which may change.
+    data_order: the fields that decide which examples step k reads
+      (``DATA_ORDER_FIELDS``: ``{"data.batch_size": 32, ...}``); a
+      resumed run must keep them (``check_data_order``).
   """
 
   mode: str
   steps: int
   steps_per_call: int
   fingerprint: dict
+  data_order: dict = dataclasses.field(default_factory=dict)
 
   @property
   def dynamic(self) -> bool:
@@ -60,7 +65,55 @@ def describe(config) -> Run:
   else:
     mode = "pipeline"
   return Run(
-    mode, config.train.steps, steps_per_call(config), fingerprint(config)
+    mode,
+    config.train.steps,
+    steps_per_call(config),
+    fingerprint(config),
+    data_order(config),
+  )
+
+
+# The fields that decide which examples a step reads: a run's data
+# position is its step (a task's batches are a pure function of it).
+DATA_ORDER_FIELDS = ("data.batch_size", "seed", "data.sequence_length")
+
+
+def data_order(config) -> dict:
+  """``DATA_ORDER_FIELDS``' values in ``config`` (those it has)."""
+  out = {}
+  for field in DATA_ORDER_FIELDS:
+    node, *path = field.split(".")
+    value = config.get(node)
+    for key in path:
+      value = value.get(key) if hasattr(value, "get") else None
+    if value is not None:
+      out[field] = value
+  return out
+
+
+def check_data_order(meta: dict | None, run: Run, workdir: str) -> None:
+  """A UsageError where the checkpoint to resume (``meta``) read its
+  data in another order than this run would: its step would then stand
+  for other examples (another batch size skips or repeats them)."""
+  saved = (meta or {}).get("data_order")
+  if not isinstance(saved, dict):
+    return  # (A checkpoint from before it was recorded.)
+  changed = [
+    f for f in run.data_order if f in saved and saved[f] != run.data_order[f]
+  ]
+  if not changed:
+    return
+  fields = "; ".join(
+    f"config.{f}: saved {saved[f]!r}, now {run.data_order[f]!r}"
+    for f in changed
+  )
+  keep = " ".join(f"--config.{f}={saved[f]}" for f in changed)
+  raise UsageError(
+    f"{fields}: a resumed run reads the examples of its step, which "
+    "another value moves (examples skipped or read twice). Resume with "
+    f"{keep}; or train on from these weights in a new run: "
+    f"--config.init_from={workdir} --workdir NEW_DIR (the optimizer state "
+    "starts anew)"
   )
 
 

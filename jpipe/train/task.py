@@ -6,6 +6,7 @@ any work (``jpipe.train.tasks`` builds the built-in ones).
 """
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 
 import jax
@@ -109,12 +110,7 @@ def check_task(task, where: str) -> Task:
       "model.init(key, x)['params'])"
     )
   batch = task.batch_at(0)
-  sizes = _leading_sizes(batch)
-  if not sizes or None in sizes or len(sizes) > 1:
-    fail(
-      f"Task.batch_at(0) must give arrays sharing a leading batch axis; "
-      f"got leading sizes {sorted(sizes, key=str)}"
-    )
+  sizes = _check_first_batch(task, batch, fail)
   out = _shapes_of(task, "loss_fn", task.loss_fn, batch, fail)
   loss = _loss_and_aux(task, out, fail)
   if getattr(loss, "shape", None) != ():
@@ -125,6 +121,25 @@ def check_task(task, where: str) -> Task:
   if task.evaluation is not None:
     _check_evaluation(task, sizes.pop(), fail)
   return task
+
+
+def _check_first_batch(task, batch, fail) -> set:
+  """``batch`` (``batch_at(0)``) the same when asked again, its leaves
+  sharing a leading batch axis; that axis' size, in a set."""
+  if batch_digest(task.batch_at(0)) != batch_digest(batch):
+    fail(
+      "Task.batch_at(0) gave another batch when called again: batch_at "
+      "must be a pure function of the step (seed any randomness from it, "
+      "e.g. np.random.default_rng([seed, step])), as a resumed run and "
+      "every process of a multi-process run read batch_at(step) anew"
+    )
+  sizes = _leading_sizes(batch)
+  if not sizes or None in sizes or len(sizes) > 1:
+    fail(
+      f"Task.batch_at(0) must give arrays sharing a leading batch axis; "
+      f"got leading sizes {sorted(sizes, key=str)}"
+    )
+  return sizes
 
 
 # Names the loop logs as train/<name> itself.
@@ -222,3 +237,16 @@ def _signature(task) -> str:
   if task.model_state is None:
     return "(params, batch)"
   return "(params, model_state, batch)"
+
+
+def batch_digest(batch) -> str:
+  """A hash of a batch's structure, shapes, dtypes and values (typed
+  PRNG keys by their key data), 16 hex digits."""
+  digest = hashlib.sha256(str(jax.tree.structure(batch)).encode())
+  for leaf in jax.tree.leaves(batch):
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    array = np.ascontiguousarray(np.asarray(leaf))
+    digest.update(f"{array.dtype}{array.shape}".encode())
+    digest.update(array.tobytes())
+  return digest.hexdigest()[:16]

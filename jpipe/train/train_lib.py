@@ -192,7 +192,9 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
     workdir, config.train.keep_checkpoints
   )
   saved_step = checkpoints.latest_step()
-  checkpoints.check_fingerprint(run.fingerprint)
+  meta = checkpoints.check_fingerprint(run.fingerprint)
+  if saved_step is not None and saved_step < run.steps:
+    run_lib.check_data_order(meta, run, workdir)
   if saved_step is not None and saved_step >= run.steps and run.steps:
     checkpoints.close()
     return _already_done(config, workdir, saved_step, say)
@@ -200,6 +202,7 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
   if fine_tune:
     pretrained.check_source(config.init_from)
   task = build_task(config)
+  process_agreement.check_same_batches(task.batch_at(0))
   if fine_tune:
     task = _from_pretrained(config, task, say)
   lr = learning_rate(config)

@@ -84,19 +84,47 @@ def test_a_stream_shorter_than_a_sequence_is_a_clear_error():
     sequences.lm_batch_at(np.zeros(10, np.uint8), 0, 2, 16, seed=0)
 
 
-def test_lm_eval_windows_are_evenly_spaced_shifted_windows():
-  """``count`` windows from 0 to the last start, evenly spaced (the plain
-  restatement: start k = floor(k * span / (count - 1)))."""
+def test_lm_eval_windows_score_each_target_token_once():
+  """Held-out windows of ``length`` targets, ``length`` apart: all that fit
+  (count 0 or more than fit: every target token from 1 to fit * length
+  scored exactly once, the short tail not at all) or ``count`` spread
+  evenly (the plain restatement: window round(k * (fit - 1) / (count -
+  1)))."""
   stream = (np.arange(300) * 7 % 256).astype(np.uint8)
+  fit = (300 - 17) // 16 + 1  # 18 windows of 17 tokens, 16 apart.
+  for count in (0, fit, 1000):
+    got = sequences.lm_eval_windows(stream, 16, count)
+    assert got["x"].shape == (fit, 16) and got["x"].dtype == np.int32
+    scored = np.zeros(300, int)
+    for row in range(fit):
+      np.testing.assert_array_equal(
+        got["x"][row], stream[row * 16 : row * 16 + 16]
+      )
+      np.testing.assert_array_equal(
+        got["y"][row], stream[row * 16 + 1 : row * 16 + 17]
+      )
+      scored[row * 16 + 1 : row * 16 + 17] += 1
+    assert set(scored[1 : fit * 16 + 1]) == {1} and scored.sum() == fit * 16
   got = sequences.lm_eval_windows(stream, 16, 5)
-  span = len(stream) - 17
-  starts = [k * span // 4 for k in range(5)]
-  assert got["x"].shape == (5, 16) and got["x"].dtype == np.int32
+  starts = [16 * round(k * (fit - 1) / 4) for k in range(5)]
   for row, start in enumerate(starts):
     np.testing.assert_array_equal(got["x"][row], stream[start : start + 16])
-    np.testing.assert_array_equal(got["y"][row], stream[start + 1 : start + 17])
   with pytest.raises(ValueError, match="lower data.sequence_length"):
     sequences.lm_eval_windows(np.zeros(16, np.uint8), 16, 2)
+
+
+def test_seq2seq_eval_windows_do_not_overlap():
+  stream = np.frombuffer(b"def f(x):\n  return x * 2\n" * 20, np.uint8)
+  fit = len(stream) // 32
+  every = sequences.seq2seq_eval_batch(stream, 32, 0, 0.15, 3.0)
+  assert len(every["inputs"]) == fit
+  for row in range(fit):
+    original = _uncorrupt(
+      every["inputs"][row], every["targets"][row], sequences.BYTE_VOCAB
+    )
+    np.testing.assert_array_equal(
+      original - sequences.BYTE_OFFSET, stream[row * 32 : row * 32 + 32]
+    )
 
 
 def test_seq2seq_batch_of_a_step_is_its_seeded_windows_corrupted():

@@ -118,6 +118,35 @@ def test_the_users_task_across_processes_evaluates_through_the_stages(
       assert b[step] == pytest.approx(a[step], rel=1e-5), (key, step)
 
 
+@pytest.mark.slow
+def test_processes_reading_other_batches_are_refused(tmp_path, process_env):
+  """A task whose batch_at differs by process (each process reads its
+  batches itself: one process's inputs would train against another's
+  labels) stops at start-up, before any compile, with one line in every
+  process."""
+  command = [sys.executable, "-m", "jpipe.launch", "--nprocs=2", "--"]
+  command += [sys.executable, "-m", "jpipe.train", "--config"]
+  command += [
+    os.path.join(ROOT, "configs", "default.py"),
+    f"--workdir={tmp_path}",
+  ]
+  command += ["--config.task=tests.distributed.per_host_task:build_task"]
+  done = subprocess.run(
+    command,
+    env=process_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=ROOT,
+  )
+  assert done.returncode == 2, done.stdout[-4000:]
+  for p in (0, 1):
+    assert (
+      f"[p{p}] error: the processes' batch_at(0) differ (process(es) [1] "
+      "from process 0's)" in done.stdout
+    ), done.stdout[-4000:]
+
+
 def _launched_training(workdir, *overrides):
   """The launcher's command of a long 2-process run of the default config
   (small, 2 stages, no evaluation or checkpoint of its own)."""

@@ -10,8 +10,11 @@ from jpipe.train.errors import UsageError
 
 
 def test_text_files_are_read_in_sorted_order(tmp_path):
-  (tmp_path / "b.raw").write_bytes(b"second ")
-  (tmp_path / "a.raw").write_bytes("first é ".encode())
+  """Sorted by name; a file not ending in a newline gets one before the
+  next file (its last word and the next file's first stayed joined)."""
+  (tmp_path / "c.raw").write_bytes(b"third")
+  (tmp_path / "b.raw").write_bytes(b"second\n")
+  (tmp_path / "a.raw").write_bytes("first é".encode())
   (tmp_path / "valid.txt").write_bytes(b"held out")
   config = base_config.base_config()
   config.data = base_config.text_data("text_files")
@@ -19,7 +22,7 @@ def test_text_files_are_read_in_sorted_order(tmp_path):
   config.data.eval_split = str(tmp_path / "valid.txt")
   train, test = input_pipeline.load_text(config)
   assert train.dtype == np.uint8
-  assert train.tobytes() == "first é second ".encode()
+  assert train.tobytes() == "first é\nsecond\nthird".encode()
   assert test.tobytes() == b"held out"
   config.data.eval_split = str(tmp_path / "missing*.txt")
   with pytest.raises(UsageError, match=r"eval_split=.*no file matches"):

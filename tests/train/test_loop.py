@@ -358,3 +358,53 @@ def test_a_skipped_step_is_counted_not_a_divergence(tmp_path, capsys, skip_at):
   assert row["train/skipped_steps"] == 1
   assert np.isfinite(row["train/loss"])
   assert "1 skipped (non-finite)" in capsys.readouterr().out
+
+
+def test_an_evaluation_that_fails_saves_the_work_first(tmp_path, capsys):
+  """An evaluation error found only at its first evaluation (a task's or
+  a config's): the step's checkpoint and metrics row are written before
+  the error propagates, so fixing it and resuming loses nothing."""
+  task = _Task()
+  real = task.evaluate
+
+  def broken(params, model_state):
+    raise ValueError("the evaluation has no batches")
+
+  task.evaluate = broken
+  mode = _LeastSquares(task, 1, 0.1)
+  every = {"log_every": 1, "eval_every": 4, "checkpoint_every": 100}
+  with pytest.raises(ValueError, match="the evaluation has no batches"):
+    _train(tmp_path, mode, 8, **every)
+  out = capsys.readouterr().out
+  assert "The evaluation at step 4 failed: saved step 4 to " in out
+  assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4]
+  task.evaluate = real  # Fixed: resumes at step 4.
+  mode = _LeastSquares(task, 1, 0.1)
+  _train(tmp_path, mode, 8, **every)
+  assert mode.advanced == [4, 5, 6, 7]
+  assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 9))
+
+
+def test_a_unit_that_fails_saves_the_state_before_it(tmp_path, capsys):
+  """A step that raises (a bad batch found only at its step): the state
+  after the steps before it is saved, then the error propagates; the run
+  resumed once it is fixed ends as an uninterrupted one."""
+
+  class BadBatchAt(_LeastSquares):
+    def advance(self, state, unit):
+      if unit == 5:
+        raise ValueError("batch 5 has the wrong shape")
+      return super().advance(state, unit)
+
+  every = {"log_every": 1, "eval_every": 100, "checkpoint_every": 100}
+  straight = _train(tmp_path / "a", _LeastSquares(_Task(), 1, 0.1), 8, **every)
+  with pytest.raises(ValueError, match="batch 5 has the wrong shape"):
+    _train(tmp_path / "b", BadBatchAt(_Task(), 1, 0.1), 8, **every)
+  assert (
+    "Training after step 5 failed: saved step 5 (the last good state); fix "
+    "the error below" in capsys.readouterr().out
+  )
+  mode = _LeastSquares(_Task(), 1, 0.1)
+  resumed = _train(tmp_path / "b", mode, 8, **every)
+  assert mode.advanced == [5, 6, 7]
+  assert resumed["eval"]["mse"] == pytest.approx(straight["eval"]["mse"])

@@ -146,13 +146,14 @@ def _config(fmt, model, **kwargs):
   return c
 
 
+TOKEN_LOSS = {"loss", "perplexity", "tokens"}  # (Tokens: those scored.)
 METRICS = {
   ("classification", "gpt"): {"accuracy"},
-  ("classification", "t5"): {"accuracy", "loss", "perplexity"},
+  ("classification", "t5"): {"accuracy", *TOKEN_LOSS},
   ("qa", "gpt"): {"span_exact_match", "span_f1"},
-  ("qa", "t5"): {"teacher_forced_exact_match", "loss", "perplexity"},
-  ("translation", "gpt"): {"loss", "perplexity"},
-  ("translation", "t5"): {"teacher_forced_exact_match", "loss", "perplexity"},
+  ("qa", "t5"): {"teacher_forced_exact_match", *TOKEN_LOSS},
+  ("translation", "gpt"): TOKEN_LOSS,
+  ("translation", "t5"): {"teacher_forced_exact_match", *TOKEN_LOSS},
 }
 
 

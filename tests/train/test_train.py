@@ -1,5 +1,6 @@
 """The training CLI: runs, logs, resumes exactly, refuses bad input."""
 
+import dataclasses
 import functools
 import glob
 import json
@@ -23,6 +24,7 @@ import jpipe
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import (
   config_options,
+  errors,
   metric_log,
   pretrained,
   stopping,
@@ -87,6 +89,24 @@ def test_default_config_trains_logs_and_draws(tmp_path, capsys):
   ) == ["3", "6"]
 
 
+def test_the_readmes_plain_orbax_restore_reads_the_params(
+  tmp_path, monkeypatch
+):
+  """The README's line reading a checkpoint without jpipe, as written
+  (from a relative WORKDIR): the params as the Flax model shapes them."""
+  train_lib.train_and_evaluate(_config(), str(tmp_path / "run"))
+  with open(os.path.join(ROOT, "README.md")) as f:
+    line = re.search(r"`(ocp\.CheckpointManager\(.*?)`", f.read()).group(1)
+  monkeypatch.chdir(tmp_path)
+  scope = {"ocp": ocp, "os": os, "WORKDIR": "run", "step": 6}
+  state = eval(line, scope)  # noqa: S307 (The README's own code.)
+  task = train_lib.build_task(_config())
+  assert jax.tree.structure(state["params"]) == jax.tree.structure(task.params)
+  assert jax.tree.map(np.shape, state["params"]) == jax.tree.map(
+    np.shape, task.params
+  )
+
+
 @pytest.mark.parametrize(
   "dynamic", [{}, {"dynamic.enabled": True, "dynamic.policy": "static"}]
 )
@@ -110,6 +130,28 @@ def test_resume_follows_the_same_trajectory(tmp_path, capsys, dynamic):
   a, b = _losses(straight), _losses(resumed)
   for step in (4, 5, 6):
     assert a[step] == pytest.approx(b[step], rel=1e-6)
+
+
+def test_a_resume_that_would_read_other_examples_is_refused(tmp_path):
+  """A step stands for its examples (step x batch size into the seeded
+  epoch order): resuming with another data.batch_size or seed would skip
+  or repeat examples, so it stops at once naming the saved values; the
+  saved ones resume."""
+  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
+  for change, saved in (
+    ({"data.batch_size": 64}, "config.data.batch_size: saved 32, now 64"),
+    ({"seed": 7}, "config.seed: saved 0, now 7"),
+  ):
+    with pytest.raises(errors.UsageError) as refused:
+      train_lib.train_and_evaluate(
+        _config(**{"train.steps": 6}, **change), str(tmp_path)
+      )
+    message = str(refused.value)
+    assert message.startswith(saved), message
+    assert "examples skipped or read twice" in message
+    assert f"--config.init_from={tmp_path} --workdir NEW_DIR" in message
+  train_lib.train_and_evaluate(_config(**{"train.steps": 4}), str(tmp_path))
+  assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -150,6 +192,108 @@ def test_user_tfds_dataset_through_mock_data(tmp_path):
   with tfds.testing.mock_data(num_examples=16):
     summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert summary["eval"]["accuracy"] is not None
+
+
+def test_unlabelled_images_are_refused_before_training(tmp_path):
+  """TFDS marks an unlabelled example -1 (a test split hiding its labels):
+  it would train as the last class and score as a miss, so a split with
+  one stops the run in one line naming the split."""
+  config = _config(**{"data.name": "cifar10", "data.batch_size": 8})
+  config.pipeline.num_microbatches = 2
+
+  def records(n, unlabelled):
+    rng = np.random.default_rng(n)
+    return [
+      {
+        "image": rng.integers(0, 256, (32, 32, 3), np.uint8),
+        "label": -1 if i < unlabelled else i % 10,
+      }
+      for i in range(n)
+    ]
+
+  by_split = {"train": records(16, 0), "test": records(12, 3)}
+
+  def as_data_source(builder, split, **kwargs):
+    del builder, kwargs
+    return by_split[str(split)]
+
+  with tfds.testing.mock_data(as_data_source_fn=as_data_source):
+    with pytest.raises(errors.UsageError) as refused:
+      train_lib.train_and_evaluate(config, str(tmp_path))
+  assert str(refused.value).startswith(
+    "config.data (cifar10, test): 3 of 12 labels are -1, not a class"
+  )
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (
+      {"data.train_split": "train[:0]"},
+      "split 'train[:0]' of sklearn_digits selects no examples: widen its "
+      "slice",
+    ),
+    (
+      {"data.name": "cifar10", "data.data_dir": "/no/such/folder"},
+      "config.data.data_dir='/no/such/folder' does not exist. Prepare it",
+    ),
+  ],
+)
+def test_data_that_selects_nothing_or_is_nowhere_says_so(
+  tmp_path, overrides, message
+):
+  """An empty slice of the embedded digits (it said: delete the healthy
+  cache and rebuild it) and a data_dir that does not exist (it said: no
+  such dataset)."""
+  with pytest.raises(Exception, match=re.escape(message)):
+    train_lib.train_and_evaluate(_config(**overrides), str(tmp_path))
+
+
+def test_tfds_data_with_a_wrong_key_says_so(tmp_path):
+  """A feature key the TFDS dataset lacks: one line naming the config
+  field and the features it has (a bare KeyError before)."""
+  config = _config(
+    **{"data.name": "cifar10", "data.batch_size": 8, "data.label_key": "lable"}
+  )
+  with tfds.testing.mock_data(num_examples=16):
+    with pytest.raises(
+      errors.UsageError,
+      match=re.escape(
+        "config.data.label_key='lable': cifar10's examples have no such "
+        "feature; they have ['id', 'image', 'label']"
+      ),
+    ):
+      train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_a_tfds_split_slice_selecting_nothing_is_refused(monkeypatch):
+  """``check_splits`` asks TFDS's split sizes (slices included) and
+  refuses a split that selects no example, before reading any."""
+  from types import SimpleNamespace
+
+  from jpipe.train import input_pipeline
+
+  sizes = {"train": 16, "train[:0]": 0, "test": 8, "test[:4]": 4}
+
+  class Splits(dict):
+    def __getitem__(self, spec):
+      return SimpleNamespace(num_examples=sizes[spec])
+
+  builder = SimpleNamespace(
+    info=SimpleNamespace(splits=Splits(train=1, test=1))
+  )
+  monkeypatch.setattr(input_pipeline, "_tfds_builder", lambda data: builder)
+  data = _config(**{"data.name": "mine"}).data
+  data.eval_split = "test[:4]"
+  input_pipeline.check_splits(data)  # Both select examples.
+  data.train_split = "train[:0]"
+  with pytest.raises(
+    errors.UsageError,
+    match=re.escape(
+      "config.data.train_split='train[:0]' selects no examples of 'mine'"
+    ),
+  ):
+    input_pipeline.check_splits(data)
 
 
 def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
@@ -695,6 +839,72 @@ def test_divergence_names_the_step(tmp_path):
     match=r"diverged at step \d+: .* stage \d's params grew most",
   ):
     train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_nonfinite_inputs_are_named_as_the_data_not_a_divergence(
+  tmp_path, monkeypatch
+):
+  """A NaN in step 3's batch: the message names the batch's leaf and the
+  data as the cause (not the learning rate)."""
+  from jpipe.train import tasks
+
+  real_build = tasks.build_task
+
+  def with_a_nan(config, abstract=False):
+    task = real_build(config, abstract)
+    real_batch_at = task.batch_at
+
+    def batch_at(step):
+      batch = dict(real_batch_at(step))
+      if step == 2:
+        batch["x"] = np.array(batch["x"], copy=True)
+        batch["x"][1] = np.nan
+      return batch
+
+    return dataclasses.replace(task, batch_at=batch_at)
+
+  monkeypatch.setattr(train_lib, "build_task", with_a_nan)
+  with pytest.raises(
+    train_lib.TrainingDiverged,
+    match=r"non-finite at step 3: step 3's batch holds non-finite values "
+    r"in \['x'\]; fix the data \(or the task's batch_at\): training did "
+    "not diverge",
+  ):
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+
+
+def test_a_bad_batch_mid_run_saves_the_steps_before_it(
+  tmp_path, monkeypatch, capsys
+):
+  """Step 5's batch of another shape (found only there): the pipeline's
+  own one-line check stops the run, after saving step 4, from which the
+  run resumes (with the batch fixed)."""
+  from jpipe.train import tasks
+
+  real_build = tasks.build_task
+
+  def with_a_bad_batch(config, abstract=False):
+    task = real_build(config, abstract)
+    real_batch_at = task.batch_at
+
+    def batch_at(step):
+      batch = dict(real_batch_at(step))
+      if step == 4:
+        batch["x"] = batch["x"][:, :-1]
+      return batch
+
+    return dataclasses.replace(task, batch_at=batch_at)
+
+  monkeypatch.setattr(train_lib, "build_task", with_a_bad_batch)
+  config = _config(**{"train.steps": 6, "train.checkpoint_every": 100})
+  with pytest.raises(Exception, match="batch"):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "Training after step 4 failed: saved step 4 (the last good state)" in (
+    capsys.readouterr().out
+  )
+  monkeypatch.setattr(train_lib, "build_task", real_build)
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  assert "Resuming from step 4" in capsys.readouterr().out
 
 
 def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):

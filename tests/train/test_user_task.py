@@ -349,6 +349,15 @@ def test_a_task_that_breaks_the_protocol_is_one_line_before_any_work():
       Task("x", task.loss_fn, task.params, None, lambda s: {}, task.evaluate),
       "here",
     )
+  unseeded = np.random.default_rng()  # Another batch on every call.
+
+  def drawn(step):
+    return task.batch_at(int(unseeded.integers(1000)))
+
+  with pytest.raises(UsageError, match="must be a pure function of the step"):
+    check_task(
+      Task("x", task.loss_fn, task.params, None, drawn, task.evaluate), "here"
+    )
 
 
 @pytest.mark.parametrize(
