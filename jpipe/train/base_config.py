@@ -47,6 +47,13 @@ def _model_fields(c: ml_collections.ConfigDict) -> None:
   # "large"); model.kwargs override its fields.
   c.model.size = ""
   c.model.kwargs = ml_collections.ConfigDict()
+  # The params' dtype ("bfloat16", "float16", "float32"): floating params
+  # cast to it once initialised (or loaded by init_from), for any model;
+  # their gradients and optimizer state follow (optimizer.grad_accum_dtype
+  # ="float32" sums a step's microbatch gradients wider). The compute
+  # dtype is the model's own (jpipe's models: model.kwargs.dtype).
+  # "" = as the model initialises them.
+  c.model.param_dtype = ""
   # Fine-tuning: start from pretrained params instead of a random init.
   # A jpipe workdir or checkpoint (its params), another orbax checkpoint
   # of params, a Flax msgpack file, "hf:PATH" (a HuggingFace checkpoint of

@@ -315,6 +315,7 @@ _FINGERPRINT_FIELDS = {
   "task": "config.task",
   "tokenizer": "config.data.tokenizer",
   "model_size": "config.model.size",
+  "param_dtype": "config.model.param_dtype",
   "model": "config.model.name",
   "model_kwargs": "config.model.kwargs",
   "optimizer": "config.optimizer.name",
@@ -323,7 +324,7 @@ _FINGERPRINT_FIELDS = {
 }
 _UNSET = {
   "pipelines": "1",
-  **dict.fromkeys(("task", "model_size", "freeze"), "''"),
+  **dict.fromkeys(("task", "model_size", "param_dtype", "freeze"), "''"),
 }
 
 

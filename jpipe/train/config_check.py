@@ -138,6 +138,15 @@ def _check_names(config, need) -> None:
     check_grad_accum_dtype(config.optimizer.grad_accum_dtype)
   except ValueError as e:
     need(False, "optimizer.grad_accum_dtype", str(e))
+  try:
+    check_grad_accum_dtype(config.model.get("param_dtype", ""))
+  except ValueError as e:
+    need(
+      False,
+      "model.param_dtype",
+      str(e).replace("grad_accum_dtype=", "").split(": use")[0]
+      + ": use 'bfloat16', 'float16', 'float32' or '' (the model's own)",
+    )
   need(
     not (
       config.optimizer.skip_nonfinite

@@ -126,6 +126,11 @@ def fingerprint(config) -> dict:
     task
     | ({"tokenizer": tokenizer} if tokenizer else {})
     | ({"model_size": size} if size else {})
+    | (  # Params saved in another dtype: another model's layout.
+      {"param_dtype": config.model.param_dtype}
+      if config.model.get("param_dtype")
+      else {}
+    )
     | {
       "model": config.model.name,
       "model_kwargs": repr(sorted(config.model.kwargs.to_dict().items())),

@@ -22,14 +22,17 @@ uninterrupted one would; so is dropout's randomness, which travels in the
 batch (see ``model_calls.with_dropout``).
 """
 
+import dataclasses
 import functools
 import importlib
 import sys
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jpipe.data import sequences
+from jpipe.runtime import check_grad_accum_dtype
 from jpipe.train import (
   errors,
   input_pipeline,
@@ -66,7 +69,8 @@ TASK_OF_MODEL = {
 def build_task(config, abstract: bool = False) -> Task:
   """Loads the data and initialises the model the config names: the
   user's task (``config.task``), or a model (jpipe's, or the user's by
-  import path) on the task of the config's data.
+  import path) on the task of the config's data; its floating params in
+  ``config.model.param_dtype`` where given.
 
   ``abstract``: for planning a model too big to hold (``python -m
   jpipe.train.plan``): the params and model state are
@@ -74,6 +78,28 @@ def build_task(config, abstract: bool = False) -> Task:
   the model's size is allocated) and the batches stand-ins of the
   config's shapes (``stand_in_data``: the dataset is not read). The loss
   is the training one; such a Task is traced, never run."""
+  task = _build_task(config, abstract)
+  dtype = check_grad_accum_dtype(config.model.get("param_dtype", ""))
+  if dtype is None:
+    return task
+  return dataclasses.replace(task, params=_cast_params(task.params, dtype))
+
+
+def _cast_params(params, dtype):
+  """``params`` with their floating leaves in ``dtype`` (arrays, or avals
+  of an abstract task)."""
+
+  def cast(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype)
+    return x.astype(dtype)
+
+  return jax.tree.map(cast, params)
+
+
+def _build_task(config, abstract: bool) -> Task:
   if config.get("task"):
     if abstract:
       raise UsageError(

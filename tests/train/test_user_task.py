@@ -260,6 +260,37 @@ def test_bfloat16_params_accumulate_in_float32_through_the_cli(tmp_path):
     config_check.check(config)
 
 
+def test_a_built_in_models_params_in_bfloat16_through_the_cli(tmp_path):
+  """``model.param_dtype=bfloat16`` on a jpipe model (its init is
+  float32): the params train and are saved in bfloat16, the gradients
+  summed in float32; a resume in another dtype is refused by name; a
+  bad dtype is one line."""
+  config = _config(
+    **{
+      "task": "",
+      "model.param_dtype": "bfloat16",
+      "train.steps": 3,
+      "optimizer.grad_accum_dtype": "float32",
+    }
+  )
+  summary = train_lib.train_and_evaluate(config, str(tmp_path))
+  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
+  saved = ocp.StandardCheckpointer().restore(
+    tmp_path / "checkpoints" / "3" / "state"
+  )
+  dtypes = {str(x.dtype) for x in jax.tree.leaves(saved["params"])}
+  assert dtypes == {"bfloat16"}
+  config.model.param_dtype = ""
+  config.train.steps = 4
+  with pytest.raises(
+    Exception, match=r"config.model.param_dtype: saved 'bfloat16', now ''"
+  ):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  config.model.param_dtype = "int8"
+  with pytest.raises(UsageError, match="model.param_dtype: 'int8'.*bfloat16"):
+    config_check.check(config)
+
+
 def test_sdpipe_runs_the_users_task(tmp_path):
   """Two pipelines in data parallel (SD-Pipe's partial reduce) on the
   test's task."""
