@@ -88,7 +88,7 @@ class DynamicMode(PipelineMode):
       lines = (*lines, *(rebalance_line(done, r) for r in balanced))
     return Outcome(
       loss,
-      self.config.data.batch_size,
+      self.examples,
       scalars,
       events,
       lines,

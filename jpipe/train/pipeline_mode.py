@@ -60,6 +60,9 @@ class PipelineMode(Mode):
     # The last step is profiled: its programs are compiled by then.
     profile = self.profile_last and unit == self.config.train.steps - 1
     state, metrics = pipe.step(state, batch, profile=profile)
+    # The examples it trained (a task's batches may have another size
+    # than config.data.batch_size, or a short one).
+    self.examples = int(jax.tree.leaves(batch)[0].shape[0])
     loss = float(metrics["loss"])  # Blocks: the step's losses are in.
     if profile:
       self.timeline = (unit + 1, metrics["timeline"])
@@ -70,7 +73,7 @@ class PipelineMode(Mode):
     del done
     return Outcome(
       loss,
-      self.config.data.batch_size,
+      self.examples,
       metrics=aux_floats(metrics),
       skipped=bool(metrics.get("step_skipped", False)),
     )

@@ -907,6 +907,37 @@ def test_a_bad_batch_mid_run_saves_the_steps_before_it(
   assert "Resuming from step 4" in capsys.readouterr().out
 
 
+def test_a_steps_examples_are_its_batchs_own(monkeypatch):
+  """Throughput counts the examples a step's batch held: a task's batch
+  of another size than data.batch_size (or a short one) counts as it is."""
+  from jpipe.train import run as run_lib
+
+  config = _config()
+  task = train_lib.build_task(config)
+  real_batch_at = task.batch_at
+
+  def batch_at(step):  # Step 2's batch: 16 of the 32 examples.
+    batch = real_batch_at(step)
+    return {k: v[:16] for k, v in batch.items()} if step == 1 else batch
+
+  task = dataclasses.replace(task, batch_at=batch_at)
+  lr = train_lib.learning_rate(config)
+  mode = train_lib.build_mode(
+    run_lib.describe(config),
+    config,
+    task,
+    train_lib.build_optimizer(config, lr),
+    lr,
+    print,
+  )
+  state = mode.init(task)
+  counts = []
+  for unit in range(3):
+    state, outcome = mode.advance(state, unit)
+    counts.append(outcome.examples)
+  assert counts == [32, 16, 32]
+
+
 def test_nonfinite_loss_names_the_stage(tmp_path, monkeypatch):
   real_step = jpipe.Pipeline.step
 
