@@ -131,6 +131,7 @@ def test_processes_reading_other_batches_are_refused(tmp_path, process_env):
     f"--workdir={tmp_path}",
   ]
   command += ["--config.task=tests.distributed.per_host_task:build_task"]
+  command += ["--config.pipeline.num_stages=2"]  # (A device per process.)
   done = subprocess.run(
     command,
     env=process_env(),
