@@ -35,6 +35,7 @@ from jpipe.runtime._state_dict import (
 )
 from jpipe.runtime.build.grad_dtype import cast_floating
 from jpipe.runtime.build.key_arrays import host_key_data, keys_from_data
+from jpipe.runtime.build.stage_optimizer import leaf_names
 from jpipe.runtime.build.user_mesh import own_type
 from jpipe.runtime.execute.in_flight import InFlight
 
@@ -79,6 +80,7 @@ def init_state(
       "pass model_state to init exactly when the Pipeline was built with "
       "model_state="
     )
+  check_model_params(pipe, params)
   state_leaves = ()
   if model_state is not None:
     if jax.tree.structure(model_state) != model_state_treedef(pipe):
@@ -114,6 +116,41 @@ def init_state(
     else:
       opt_states.append(jax.eval_shape(init, placed))
   return pipe.drained_state(stage_params, opt_states, 0, state_leaves)
+
+
+def check_model_params(pipe, params, whose: str = "the params given") -> None:
+  """A ValueError where ``params`` do not have the structure and shapes
+  of the params the pipeline was built with, naming the leaves that
+  differ. (Unchecked, a transposed kernel of a packed leaf trained as a
+  reshape of itself, silently; a leaf sorting last was dropped.)"""
+  if jax.tree.structure(params) != pipe.params_treedef:
+    given = set(leaf_names(params))
+    built = set(model_names(pipe))
+    extra, missing = sorted(given - built), sorted(built - given)
+    raise ValueError(
+      f"{whose} have another structure than the params the pipeline was "
+      f"built with: "
+      + "; ".join(
+        f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
+        for what, names in (("not in the model:", extra), ("missing:", missing))
+        if names
+      )
+      + ("" if extra or missing else "the same paths in other containers")
+    )
+  for name, given, built in zip(
+    model_names(pipe),
+    jax.tree.leaves(params),
+    model_param_avals(pipe),
+    strict=True,
+  ):
+    shape = tuple(np.shape(given))
+    if shape != tuple(built.shape):
+      transposed = len(shape) == 2 and shape[::-1] == tuple(built.shape)
+      raise ValueError(
+        f"{whose}: param {name} has shape {shape}, the pipeline was built "
+        f"with {tuple(built.shape)}"
+        + (" (transposed: a PyTorch Linear's [out, in]?)" if transposed else "")
+      )
 
 
 def as_built(x, aval, name: str):
@@ -348,22 +385,7 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
   if missing:
     raise ValueError(f"state dict lacks {sorted(missing)}")
   params = tree["params"]
-  if jax.tree.structure(params) != pipe.params_treedef:
-    raise ValueError(
-      "the saved params have a different structure than this pipeline's "
-      "model: it was saved from another model or configuration"
-    )
-  for name, saved, expected in zip(
-    model_names(pipe),
-    jax.tree.leaves(params),
-    model_param_avals(pipe),
-    strict=True,
-  ):
-    if tuple(np.shape(saved)) != tuple(expected.shape):
-      raise ValueError(
-        f"saved param {name} has shape {np.shape(saved)}, the model needs "
-        f"{tuple(expected.shape)}: the checkpoint is for another model"
-      )
+  check_model_params(pipe, params, "the saved params (another model's?)")
   model_state = tree.get("model_state")
   if (model_state is None) != (pipe.state_treedef is None):
     raise ValueError(

@@ -67,6 +67,54 @@ class PipelineStateMethods:
       tuple(stage_params), tuple(opt_states), step, tuple(model_state), flight
     )
 
+  def _own_state_signature(self) -> tuple:
+    """``state_signature`` of this pipeline's states (computed once, on
+    shapes: the stages' built param avals and their optimizers' init)."""
+    signature = getattr(self, "_state_signature", None)
+    if signature is None:
+      avals = self.traced.closed_jaxpr.in_avals
+      signature = []
+      for s, spec in enumerate(self.stages.specs):
+        if not self.transport.owns(s):
+          signature.append(None)
+          continue
+        built = tuple(
+          jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype)
+          for i in spec.param_leaves
+        )
+        opt = jax.eval_shape(self.stage_optimizers[s].init, built)
+        shapes = tuple(tuple(a.shape) for a in built)
+        signature.append((shapes, jax.tree.structure(opt)))
+      signature = self._state_signature = tuple(signature)
+    return signature
+
+  def check_own_state(self, state) -> None:
+    """A ValueError where ``state`` is not one of this pipeline's (another
+    pipeline's stages or optimizer): it met a cryptic IndexError or an
+    optax AttributeError inside the step."""
+    if not isinstance(state, PipelineState):
+      raise ValueError(
+        f"the state is a {type(state).__name__}, not a PipelineState: pass "
+        "what this pipeline's init, load_state_dict or step returned"
+      )
+    want, got = self._own_state_signature(), state_signature(state)
+    if got == want:
+      return
+    what = (
+      f"{len(got)} stages, this pipeline has {len(want)}"
+      if len(got) != len(want)
+      else "stage "
+      + ", ".join(
+        str(s) for s, (a, b) in enumerate(zip(got, want, strict=True)) if a != b
+      )
+      + "'s params or optimizer state are laid out otherwise"
+    )
+    raise ValueError(
+      f"the state is another pipeline's ({what}): step a state this "
+      "pipeline's init or load_state_dict made (state_dict / "
+      "load_state_dict move a state between pipelines)"
+    )
+
   @every_process
   def gather_model_state(self, state: PipelineState) -> Any:
     """The model state pytree (host arrays), or None without one. Needs a
@@ -158,3 +206,17 @@ class PipelineStateMethods:
     if self.frozen_params is None:
       return tree
     return self.frozen_params.state_dict_out(tree)
+
+
+def state_signature(state) -> tuple:
+  """Per stage, its param leaves' shapes and its optimizer state's
+  structure (None: another process's stage)."""
+  return tuple(
+    None
+    if params is None
+    else (
+      tuple(tuple(x.shape) for x in jax.tree.leaves(params)),
+      jax.tree.structure(opt),
+    )
+    for params, opt in zip(state.stage_params, state.opt_states, strict=True)
+  )

@@ -51,7 +51,7 @@ def select_keyed(saved, template):
   if isinstance(template, tuple) and hasattr(template, "_fields"):
     return type(template)(
       *(
-        select_keyed(_field(saved, f, i), getattr(template, f))
+        select_keyed(_field(saved, f, i, template), getattr(template, f))
         for i, f in enumerate(template._fields)
       )
     )
@@ -104,14 +104,26 @@ def place_leaf(place, leaf):
   return jax.block_until_ready(place(on_host(leaf)))
 
 
-def _field(saved, name, index):
+def _field(saved, name, index, template):
   """A NamedTuple field of ``saved`` (restored as a NamedTuple, a dict or
-  a list, depending on the checkpoint library)."""
+  a list, depending on the checkpoint library); a ValueError naming both
+  states where ``saved`` has no such field (another optimizer's state)."""
   if isinstance(saved, Mapping):
-    return saved[name] if name in saved else saved[str(index)]
-  if hasattr(saved, name):
-    return getattr(saved, name)
-  return saved[index]
+    if name in saved or str(index) in saved:
+      return saved[name] if name in saved else saved[str(index)]
+  elif hasattr(saved, "_fields"):  # (Not tuple.count, tuple.index.)
+    if name in saved._fields:
+      return getattr(saved, name)
+  elif isinstance(saved, (tuple, list)) and index < len(saved):
+    return saved[index]
+  found = type(saved).__name__
+  if isinstance(saved, Mapping):
+    found = f"a dict of {sorted(saved)[:4]}"
+  raise ValueError(
+    f"the saved optimizer state has {found} where this optimizer's has "
+    f"{type(template).__name__} (its field {name!r}): it was saved for "
+    "another optimizer"
+  )
 
 
 def restore_structure(tree, treedef):

@@ -18,6 +18,7 @@ from jpipe.runtime.execute.profiler import ActionProfiler
 def step(pipe, state: PipelineState, batch, profile: bool):
   """``Pipeline.step``: ``batch`` cut into microbatches of the pipeline's
   size and run; returns (state, metrics)."""
+  pipe.check_own_state(state)
   pipe.batch_spec.check(batch)
   size = batch_size(batch)
   if size % pipe.microbatch_size:
@@ -37,6 +38,7 @@ def step(pipe, state: PipelineState, batch, profile: bool):
 def flush(pipe, state: PipelineState, profile: bool):
   """``Pipeline.flush``: an asynchronous stream drained (a no-op when
   nothing is in flight or the schedule is synchronous)."""
+  pipe.check_own_state(state)
   if pipe.stream is None or not state.in_flight.fed:
     return state, {}
   return _run(pipe, state, state.in_flight.fed, None, {}, profile)

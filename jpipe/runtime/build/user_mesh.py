@@ -86,7 +86,17 @@ def without_mesh(fn):
 def _without_mesh(fn):
   @functools.wraps(fn)
   def run(*args, **kwargs):
-    if not _mesh_set():  # (The common case: nothing to swap.)
+    try:
+      mesh_set = _mesh_set()
+    except ValueError as e:  # (jax.sharding.get_mesh inside a trace.)
+      if "jax.jit" not in str(e):
+        raise
+      raise TypeError(
+        f"jpipe's {fn.__name__}() was called inside jax.jit (or another JAX "
+        "transformation): a jpipe pipeline compiles and dispatches its own "
+        "programs on its devices; call it outside any jit, grad or vmap"
+      ) from None
+    if not mesh_set:  # (The common case: nothing to swap.)
       if jax.process_count() > 1:  # (Global arrays made with no mesh set.)
         args, kwargs = _plain((args, kwargs), None)
       return fn(*args, **kwargs)
