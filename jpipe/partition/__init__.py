@@ -11,6 +11,7 @@ from jpipe.partition._contiguous import ContiguousSolution, solve_contiguous
 from jpipe.partition._cost_model import (
   GraphCosts,
   MemoryBudget,
+  MemoryLimitError,
   MemoryModel,
   StageBytes,
   TooFewNodes,
@@ -77,6 +78,7 @@ __all__ = [
   "LossOutputError",
   "GraphCosts",
   "MemoryBudget",
+  "MemoryLimitError",
   "MemoryModel",
   "MixedSolution",
   "NodeCosts",

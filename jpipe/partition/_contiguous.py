@@ -16,6 +16,7 @@ import numpy as np
 from jpipe.partition._cost_model import (
   COMM_MODELS,
   GraphCosts,
+  MemoryLimitError,
   MemoryModel,
   TooFewNodes,
   stage_seconds,
@@ -84,7 +85,7 @@ def solve_contiguous(
   runs = _Runs(costs, memory or MemoryModel(), num_stages, stage_slowdown)
   best, arg = _min_max(runs.objective, num_stages, n_nodes)
   if not np.isfinite(best[num_stages, n_nodes]):
-    raise ValueError(_nothing_fits(runs, num_stages, n_nodes))
+    raise MemoryLimitError(_nothing_fits(runs, num_stages, n_nodes))
   bounds = _backtrack(arg, num_stages, n_nodes)
   pairs = list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))
   return ContiguousSolution(

@@ -284,6 +284,11 @@ class MemoryModel:
     )
 
 
+class MemoryLimitError(ValueError):
+  """A plan or pipeline predicted not to fit its memory limit (the message
+  names the fixes): no split under the limit, or a given split over it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryBudget:
   """What a device may hold, and how a pipeline holds a traced model's

@@ -43,6 +43,7 @@ from jpipe.partition import _contiguous
 from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._cost_model import (
   GraphCosts,
+  MemoryLimitError,
   MemoryModel,
   StageBytes,
   stage_seconds,
@@ -149,7 +150,7 @@ def _best(candidates, evaluate, fits, min_gain) -> MixedSolution:
     if best is None or value < best[0] * (1.0 - min_gain):
       best = (value, bounds, devices)
   if best is None:
-    raise ValueError(fits.why_not(candidates))
+    raise MemoryLimitError(fits.why_not(candidates))
   value, bounds, devices = best
   stage_times, device_compute = evaluate.stage_times(bounds, devices)
   return MixedSolution(

@@ -32,6 +32,7 @@ import numpy as np
 
 from jpipe.partition import _antichain, _branches
 from jpipe.partition import _pipedream_dp as _dp
+from jpipe.partition._cost_model import MemoryLimitError
 from jpipe.partition._graph_txt import ProfileGraph
 
 # Refuse DPs that would run for minutes (element operations, Model.work).
@@ -172,7 +173,7 @@ def solve_pipedream(
   levels = model.solve()
   objective = float(levels[-1][1][0, -1, machines[-1] - 1])
   if not np.isfinite(objective):
-    raise ValueError(_why_infeasible(model, memory_bytes))
+    raise MemoryLimitError(_why_infeasible(model, memory_bytes))
   stages = _dp.backtrack(model, levels)
   of = _assign(graph, dag, stages)
   names_stage = dict(zip(graph.names, of.tolist(), strict=True))

@@ -15,6 +15,7 @@ from jpipe.partition._contiguous import solve_contiguous
 from jpipe.partition._cost_model import (
   GraphCosts,
   MemoryBudget,
+  MemoryLimitError,
   StageBytes,
   TooFewNodes,
 )
@@ -443,7 +444,9 @@ def _solve_named(traced, *args, solver=solve_contiguous, **kwargs):
       a, b = int(match.group(1)), int(match.group(2))
       return f"nodes {names[a]} .. {names[b]}"
 
-    kind = TooFewNodes if isinstance(e, TooFewNodes) else ValueError
+    kind = (
+      type(e) if isinstance(e, TooFewNodes | MemoryLimitError) else ValueError
+    )
     raise kind(re.sub(r"nodes (\d+)-(\d+)", name, str(e))) from None
 
 

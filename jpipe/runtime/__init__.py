@@ -1,5 +1,6 @@
 """The pipeline runtime: stages on devices, driven by a schedule."""
 
+from jpipe.partition import MemoryLimitError
 from jpipe.runtime._builder import PipelineBuilder
 from jpipe.runtime._frozen_loss import FrozenLoss, frozen_loss
 from jpipe.runtime._gather import trees_everywhere
@@ -17,7 +18,6 @@ from jpipe.runtime.build.auto_schedule import auto_plan, rank_for_plan
 from jpipe.runtime.build.grad_dtype import check_grad_accum_dtype
 from jpipe.runtime.build.key_arrays import is_key
 from jpipe.runtime.build.memory import (
-  MemoryLimitError,
   StageMemory,
   format_bytes,
   partitioner_memory_model,

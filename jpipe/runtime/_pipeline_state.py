@@ -27,6 +27,7 @@ from jpipe.runtime._stacked import (
   stack_keyed,
 )
 from jpipe.runtime._state_dict import (
+  keys_in,
   merge_optimizer_states,
   on_host,
   place_leaf,
@@ -48,8 +49,10 @@ class PipelineState(NamedTuple):
   ``Pipeline.state_dict``); on a Gap-Aware stage it is Gap-Aware's state
   around the optimizer's. ``in_flight``: an asynchronous pipeline's
   stream (microbatches between their forward and their step); None for
-  synchronous ones. A state is consumed by ``step`` / ``flush`` (its
-  gradient buffers are donated): continue from the one they return.
+  synchronous ones. ``step`` / ``flush`` leave the state they are given
+  as it was (they donate only buffers a call made itself: gradient sums,
+  the optimizer states it stepped): stepping it again repeats the step;
+  continue from the one they return.
 
   A round-robin replica group (1F1B-RR) keeps a model-state leaf per
   replica, as PipeDream's replicas (each its own model copy) do:
@@ -399,26 +402,37 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
       jax.tree.map(on_host, model_state),
       model_state_of(pipe, state_avals(pipe)),
     )
-  # Only a Gap-Aware stage's fresh state is used (statistics not saved).
-  base = init_state(
-    pipe,
-    params,
-    model_state,
-    fresh_optimizer=[opt.gap_aware for opt in pipe.stage_optimizers],
-  )
-  stage_params = base.stage_params
-  opt_states = list(base.opt_states)  # None where another process runs it
-  owned = [s for s in range(len(opt_states)) if pipe.transport.owns(s)]
+  # Only a Gap-Aware stage's fresh state is used (statistics not saved),
+  # and that of a stage training leaves frozen when saved (no keyed part
+  # of the saved optimizer state holds them: theirs starts fresh, as at
+  # init).
   tree = {
     **tree,
     "opt_state": split_keyed(pipe, tree["opt_state"]),
     "gap_aware": split_keyed(pipe, tree.get("gap_aware") or {}),
   }
+  was_frozen = frozenset(pipe.leaf_names) - keys_in(tree["opt_state"])
+  base = init_state(
+    pipe,
+    params,
+    model_state,
+    fresh_optimizer=[
+      opt.gap_aware
+      or any(pipe.leaf_names[i] in was_frozen for i in spec.param_leaves)
+      for opt, spec in zip(
+        pipe.stage_optimizers, pipe.stages.specs, strict=True
+      )
+    ],
+  )
+  stage_params = base.stage_params
+  opt_states = list(base.opt_states)  # None where another process runs it
+  owned = [s for s in range(len(opt_states)) if pipe.transport.owns(s)]
   loaded = select_optimizer_states(
     tree,
     [pipe.stage_optimizers[s] for s in owned],
     [opt_states[s] for s in owned],
     [pipe.placement[s].put_replicated for s in owned],
+    was_frozen,
   )
   for s, opt_state in zip(owned, loaded, strict=True):
     opt_states[s] = opt_state

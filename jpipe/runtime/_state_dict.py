@@ -36,22 +36,49 @@ def merge_keyed(states):
   return first
 
 
-def select_keyed(saved, template):
-  """``template``'s structure filled from ``saved`` (by dict key)."""
+def keys_in(tree) -> frozenset:
+  """Every dict key in ``tree`` (a saved optimizer state: its keyed
+  parts' leaf paths among them)."""
+  found = set()
+
+  def walk(node):
+    if isinstance(node, Mapping):
+      found.update(k for k in node if isinstance(k, str))
+      for v in node.values():
+        walk(v)
+    elif isinstance(node, (tuple, list)):
+      for v in node:
+        walk(v)
+
+  walk(tree)
+  return frozenset(found)
+
+
+def select_keyed(saved, template, fresh=frozenset()):
+  """``template``'s structure filled from ``saved`` (by dict key). A
+  part of ``template`` holding no array (the placeholders of frozen
+  leaves) needs nothing saved; keys in ``fresh`` (leaves frozen when
+  saved, trained now) missing from ``saved`` keep ``template``'s values
+  (a real fresh state's)."""
   if isinstance(template, dict):
+    if not jax.tree.leaves(template):
+      return template
     if not isinstance(saved, Mapping):
       raise ValueError("the saved optimizer state has another structure")
-    missing = [k for k in template if k not in saved]
+    missing = [k for k in template if k not in saved and k not in fresh]
     if missing:
       raise ValueError(
         f"the saved optimizer state lacks {missing[:3]}: it was saved for "
         f"another model or optimizer"
       )
-    return {k: select_keyed(saved[k], v) for k, v in template.items()}
+    return {
+      k: select_keyed(saved[k], v, fresh) if k in saved else v
+      for k, v in template.items()
+    }
   if isinstance(template, tuple) and hasattr(template, "_fields"):
     return type(template)(
       *(
-        select_keyed(_field(saved, f, i, template), getattr(template, f))
+        select_keyed(_field(saved, f, i, template), getattr(template, f), fresh)
         for i, f in enumerate(template._fields)
       )
     )
@@ -62,7 +89,7 @@ def select_keyed(saved, template):
         "another optimizer"
       )
     return type(template)(
-      select_keyed(saved[i], t) for i, t in enumerate(template)
+      select_keyed(saved[i], t, fresh) for i, t in enumerate(template)
     )
   if template is None:
     return None
@@ -171,7 +198,11 @@ def merge_unpacked(optimizers, trees) -> tuple[dict, dict]:
 
 
 def select_optimizer_states(
-  tree: Mapping, optimizers, fresh_states: Sequence, places: Sequence
+  tree: Mapping,
+  optimizers,
+  fresh_states: Sequence,
+  places: Sequence,
+  fresh_keys=frozenset(),
 ) -> list:
   """Each stage's optimizer state from a state dict's "opt_state" and
   "gap_aware", placed by ``places`` (per stage: a pytree -> the pytree on
@@ -179,7 +210,9 @@ def select_optimizer_states(
   converted is on the host alone) and stored like ``fresh_states`` (a
   stage's ``StageOptimizer.init``'s, or its abstract value,
   ``jax.eval_shape``'s). Gap-Aware statistics of leaves saved off a
-  Gap-Aware stage start fresh (from a real fresh state)."""
+  Gap-Aware stage start fresh (from a real fresh state), and so do the
+  leaves of ``fresh_keys`` (frozen when saved) that the saved state
+  lacks."""
   out = []
   for opt, stored, place in zip(optimizers, fresh_states, places, strict=True):
     if any(
@@ -188,7 +221,7 @@ def select_optimizer_states(
       fresh = jax.eval_shape(opt.state_tree, stored)  # (Structure only.)
     else:
       fresh = opt.state_tree(jax.device_get(stored))
-    loaded = select_keyed(tree["opt_state"], opt.base_state(fresh))
+    loaded = select_keyed(tree["opt_state"], opt.base_state(fresh), fresh_keys)
     if opt.gap_aware:
       gap = tree.get("gap_aware") or {}
       sq = {k: gap.get("sq_avg", {}).get(k, v) for k, v in fresh.sq_avg.items()}

@@ -61,8 +61,22 @@ def stash_put(
 def stash_get(
   stash: WeightStash, microbatch: jax.typing.ArrayLike
 ) -> optax.Params:
-  """The params stored for ``microbatch`` (see :func:`stash_holds`)."""
+  """The params stored for ``microbatch``: its slot's, the initial params
+  while nothing was stored there. A slot another microbatch has taken
+  since is a ValueError where the ids are concrete; under jit (traced
+  ids) check :func:`stash_holds` (a ring of too few slots for the delay
+  returns another microbatch's params)."""
   slot = _slot(stash, microbatch)
+  if not isinstance(microbatch, jax.core.Tracer) and not isinstance(
+    stash.microbatch, jax.core.Tracer
+  ):
+    held = int(stash.microbatch[int(slot)])
+    if held >= 0 and held != int(microbatch):
+      raise ValueError(
+        f"microbatch {int(microbatch)}'s slot holds microbatch {held}'s "
+        f"params now: the stash's {len(stash.microbatch)} slots are too few "
+        "for its delay (stash_slots_for_delay(d) = d + 1)"
+      )
   return jax.tree.map(
     lambda buf: jax.lax.dynamic_index_in_dim(buf, slot, axis=0, keepdims=False),
     stash.versions,

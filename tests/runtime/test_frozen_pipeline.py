@@ -123,3 +123,48 @@ def test_generate_sees_the_whole_params():
   got = test_generate._generate(pipe, state, model, prompts, 4)
   want = test_generate._greedy_recomputing(model, params, prompts, 4)
   np.testing.assert_array_equal(got, want)
+
+
+def test_state_dicts_move_between_frozen_sets():
+  """Train the head frozen-body, then unfreeze (ULMFiT's gradual
+  unfreezing), or freeze more: a state dict loads into a pipeline of
+  another frozen set. Leaves trained in both keep their saved optimizer
+  state; newly trained ones start theirs fresh, as at init (zeros for
+  Adam's moments); the newly frozen ones' is dropped. (Each direction
+  was "the saved optimizer state lacks [...]".)"""
+  loss_fn, params, batch, _ = flax_models.mlp_case()
+
+  def pipeline(frozen):
+    return jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      frozen=frozen,
+      num_stages=2,
+      num_microbatches=M,
+      optimizer=optax.adam(0.01),
+    )
+
+  body = "dense_[0-3]/"
+  frozen, free, other = pipeline(body), pipeline(None), pipeline("dense_[4-6]/")
+  state, _ = frozen.step(frozen.init(params), batch)
+  saved = frozen.state_dict(state)
+  mu = saved["opt_state"][0].mu
+  for target in (free, other, frozen):
+    loaded = target.load_state_dict(saved)
+    target.step(loaded, batch)  # (It trains.)
+    got = target.state_dict(loaded)["opt_state"][0].mu
+    kept = fresh = 0
+    for key in target.leaf_names:
+      if key in mu:  # Trained before: its moments kept.
+        np.testing.assert_array_equal(got[key], mu[key])
+        kept += 1
+      else:  # Frozen before: fresh.
+        assert not np.any(got[key]), key
+        fresh += 1
+    # (Leaves: 8 layers x 2; saved with moments: dense_4-6 and head.)
+    want = {id(free): (8, 8), id(other): (2, 8), id(frozen): (8, 0)}
+    assert (kept, fresh) == want[id(target)]
+    _assert_tree_close(target.gather_params(loaded), saved["params"])
+  back = frozen.load_state_dict(free.state_dict(free.init(params)))
+  _assert_tree_close(frozen.gather_params(back), params)

@@ -179,7 +179,10 @@ def test_the_partitioner_keeps_to_the_limit():
   # (4 stages: at 3 the fastest split, its last stage priced without
   # recomputation, is already the one that needs least.)
   free, _, _ = _gpt_pipe("1f1b", num_stages=4)
-  with pytest.raises(ValueError, match="smallest limit that fits") as err:
+  # (jpipe.MemoryLimitError, as a given split over the limit raises.)
+  with pytest.raises(
+    jpipe.MemoryLimitError, match="smallest limit that fits"
+  ) as err:
     _gpt_pipe("1f1b", num_stages=4, memory_limit=1000.0)
   need = float(str(err.value).split("fits is ")[1].split(" bytes")[0])
   # At the smallest limit the partitioner's model allows, it moves nodes

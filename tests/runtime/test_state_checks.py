@@ -192,3 +192,12 @@ def test_another_pipelines_state_is_refused_at_step():
   state, _ = adam.step(adam.init(params), batch)  # Its own: fine.
   with pytest.raises(ValueError, match="not a PipelineState"):
     adam.step({"params": params}, batch)
+
+
+def test_an_optimizer_factory_instead_of_an_optimizer_says_so():
+  """optimizer=optax.sgd (not called): one line naming the call (it was
+  "'function' object has no attribute 'init'" deep in the build)."""
+  with pytest.raises(
+    TypeError, match=r"optax.sgd\(...\), called: sgd is its factory"
+  ):
+    _pipeline("float32", optax.sgd)

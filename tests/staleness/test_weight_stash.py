@@ -59,3 +59,17 @@ def test_bad_sizes_raise():
   for delay in (-1, 2.5, "3"):  # (2.5 gave 3.5 slots.)
     with pytest.raises(ValueError, match="delay must be an integer >= 0"):
       staleness.stash_slots_for_delay(delay)
+
+
+def test_a_slot_another_microbatch_took_is_an_error_where_ids_are_concrete():
+  """Too few slots for the delay: reading microbatch 1 after microbatch 4
+  took its slot (of 3) raises instead of returning 4's params; before
+  any put, a slot reads as the initial params."""
+  stash = staleness.stash_init(_params(0.0), 3)
+  np.testing.assert_array_equal(staleness.stash_get(stash, 1)["w"], 0.0)
+  stash = staleness.stash_put(stash, 1, _params(1.0))
+  stash = staleness.stash_put(stash, 4, _params(4.0))
+  with pytest.raises(
+    ValueError, match="microbatch 1's slot holds microbatch 4"
+  ):
+    staleness.stash_get(stash, 1)

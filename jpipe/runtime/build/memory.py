@@ -44,10 +44,6 @@ from jpipe.schedule import (
 )
 
 
-class MemoryLimitError(ValueError):
-  """A pipeline predicted not to fit its memory limit (names the fixes)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
   """Predicted bytes one stage holds on each of its devices at its peak.

@@ -109,6 +109,17 @@ def check_request(
   work (``devices`` None: all of them; ``options``: the staleness and
   partitioning values)."""
   staleness, partitioning = options
+  if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    called = getattr(optimizer, "__name__", "")
+    raise TypeError(
+      "optimizer must be an optax GradientTransformation"
+      + (
+        f" (optax.{called}(...), called: {called} is its factory)"
+        if called
+        else ""
+      )
+      + f"; got {type(optimizer).__name__}"
+    )
   auto = isinstance(schedule, str) and schedule == schedule_lib.AUTO
   devices = tuple(jax.devices() if devices is None else devices)
   kind = (

@@ -7,8 +7,8 @@ version policy, tied leaves, stage programs, optimizers) and adds them up.
 
 import jax
 
+from jpipe.partition import MemoryLimitError
 from jpipe.runtime.build.memory import (
-  MemoryLimitError,
   StageMemory,
   format_bytes,
   nbytes,
