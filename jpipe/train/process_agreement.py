@@ -20,7 +20,7 @@ on:
 - ``check_shared_workdir(workdir)`` (once the lock is held): process 0
   writes a token into the workdir, every process reads it back, and all
   list its checkpoints: the workdir must be one folder every host sees.
-- ``check_same_batches(batch)`` (once the task is built): every process
+- ``check_same_batches(task)`` (once the task is built): every process
   reads its batches itself (``batch_at(step)``), so all must read the
   same first batch; one whose batch differs (an unseeded or per-host
   ``batch_at``) would train one process's inputs against another's
@@ -212,15 +212,14 @@ def check_shared_workdir(workdir: str) -> None:
     )
 
 
-def check_same_batches(batch) -> None:
+def check_same_batches(task) -> None:
   """A UsageError in every process when the processes' first batches
-  (``batch``: this process's ``batch_at(0)``) differ."""
+  (their ``task.batch_at(0)``, read only where there are several)
+  differ."""
   if jax.process_count() == 1:
     return
-  got = [
-    g.decode()
-    for g in distributed.exchange("first batch", batch_digest(batch).encode())
-  ]
+  mine = batch_digest(task.batch_at(0)).encode()
+  got = [g.decode() for g in distributed.exchange("first batch", mine)]
   if len(set(got)) > 1:
     apart = [q for q, g in enumerate(got) if g != got[0]]
     raise UsageError(

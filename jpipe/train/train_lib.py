@@ -202,7 +202,7 @@ def _train(run: run_lib.Run, config, workdir: str, say) -> dict:
   if fine_tune:
     pretrained.check_source(config.init_from)
   task = build_task(config)
-  process_agreement.check_same_batches(task.batch_at(0))
+  process_agreement.check_same_batches(task)
   if fine_tune:
     task = _from_pretrained(config, task, say)
   lr = learning_rate(config)

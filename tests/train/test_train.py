@@ -841,29 +841,39 @@ def test_divergence_names_the_step(tmp_path):
     train_lib.train_and_evaluate(config, str(tmp_path))
 
 
+def _batch_changed_at(monkeypatch, step, change):
+  """The CLI's tasks with ``change(batch)`` applied to step ``step``'s
+  batch (``batch_at(step)``, 0-based): bad data found only there."""
+  from jpipe.train import tasks
+
+  real_build = tasks.build_task
+
+  def changed_task(config, abstract=False):
+    task = real_build(config, abstract)
+    real_batch_at = task.batch_at
+
+    def batch_at(k):
+      batch = real_batch_at(k)
+      return change(dict(batch)) if k == step else batch
+
+    return dataclasses.replace(task, batch_at=batch_at)
+
+  monkeypatch.setattr(train_lib, "build_task", changed_task)
+  return real_build
+
+
 def test_nonfinite_inputs_are_named_as_the_data_not_a_divergence(
   tmp_path, monkeypatch
 ):
   """A NaN in step 3's batch: the message names the batch's leaf and the
   data as the cause (not the learning rate)."""
-  from jpipe.train import tasks
 
-  real_build = tasks.build_task
+  def with_a_nan(batch):
+    batch["x"] = np.array(batch["x"], copy=True)
+    batch["x"][1] = np.nan
+    return batch
 
-  def with_a_nan(config, abstract=False):
-    task = real_build(config, abstract)
-    real_batch_at = task.batch_at
-
-    def batch_at(step):
-      batch = dict(real_batch_at(step))
-      if step == 2:
-        batch["x"] = np.array(batch["x"], copy=True)
-        batch["x"][1] = np.nan
-      return batch
-
-    return dataclasses.replace(task, batch_at=batch_at)
-
-  monkeypatch.setattr(train_lib, "build_task", with_a_nan)
+  _batch_changed_at(monkeypatch, 2, with_a_nan)
   with pytest.raises(
     train_lib.TrainingDiverged,
     match=r"non-finite at step 3: step 3's batch holds non-finite values "
@@ -879,23 +889,11 @@ def test_a_bad_batch_mid_run_saves_the_steps_before_it(
   """Step 5's batch of another shape (found only there): the pipeline's
   own one-line check stops the run, after saving step 4, from which the
   run resumes (with the batch fixed)."""
-  from jpipe.train import tasks
 
-  real_build = tasks.build_task
+  def narrower(batch):
+    return {**batch, "x": batch["x"][:, :-1]}
 
-  def with_a_bad_batch(config, abstract=False):
-    task = real_build(config, abstract)
-    real_batch_at = task.batch_at
-
-    def batch_at(step):
-      batch = dict(real_batch_at(step))
-      if step == 4:
-        batch["x"] = batch["x"][:, :-1]
-      return batch
-
-    return dataclasses.replace(task, batch_at=batch_at)
-
-  monkeypatch.setattr(train_lib, "build_task", with_a_bad_batch)
+  real_build = _batch_changed_at(monkeypatch, 4, narrower)
   config = _config(**{"train.steps": 6, "train.checkpoint_every": 100})
   with pytest.raises(Exception, match="batch"):
     train_lib.train_and_evaluate(config, str(tmp_path))

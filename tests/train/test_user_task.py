@@ -233,6 +233,13 @@ def test_the_users_flax_module_on_a_built_in_task(tmp_path):
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
+def _saved_state(workdir, step):
+  """A one-process run's checkpoint of ``step``, read as plain orbax."""
+  return ocp.StandardCheckpointer().restore(
+    workdir / "checkpoints" / str(step) / "state"
+  )
+
+
 def test_bfloat16_params_accumulate_in_float32_through_the_cli(tmp_path):
   """``optimizer.grad_accum_dtype=float32`` on the user's module with
   bfloat16 params: trains, and the checkpoint keeps bfloat16 params and
@@ -248,11 +255,10 @@ def test_bfloat16_params_accumulate_in_float32_through_the_cli(tmp_path):
   )
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
-  saved = ocp.StandardCheckpointer().restore(
-    tmp_path / "checkpoints" / "3" / "state"
-  )
-  dtypes = {str(x.dtype) for x in jax.tree.leaves(saved["params"])}
-  assert dtypes == {"bfloat16"}
+  saved = _saved_state(tmp_path, 3)
+  assert {str(x.dtype) for x in jax.tree.leaves(saved["params"])} == {
+    "bfloat16"
+  }
   moments = {str(x.dtype) for x in jax.tree.leaves(saved["opt_state"])}
   assert "float32" in moments and "bfloat16" not in moments
   config.optimizer.grad_accum_dtype = "int8"
@@ -275,11 +281,10 @@ def test_a_built_in_models_params_in_bfloat16_through_the_cli(tmp_path):
   )
   summary = train_lib.train_and_evaluate(config, str(tmp_path))
   assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
-  saved = ocp.StandardCheckpointer().restore(
-    tmp_path / "checkpoints" / "3" / "state"
-  )
-  dtypes = {str(x.dtype) for x in jax.tree.leaves(saved["params"])}
-  assert dtypes == {"bfloat16"}
+  saved = _saved_state(tmp_path, 3)
+  assert {str(x.dtype) for x in jax.tree.leaves(saved["params"])} == {
+    "bfloat16"
+  }
   config.model.param_dtype = ""
   config.train.steps = 4
   with pytest.raises(
