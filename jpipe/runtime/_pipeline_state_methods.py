@@ -10,6 +10,7 @@ import jax
 
 from jpipe.runtime import _pipeline_state, _process_state
 from jpipe.runtime._pipeline_state import PipelineState
+from jpipe.runtime.build.flat import PackedTree
 from jpipe.runtime.build.user_mesh import every_process
 from jpipe.runtime.execute.in_flight import InFlight
 
@@ -84,7 +85,7 @@ class PipelineStateMethods:
         )
         opt = jax.eval_shape(self.stage_optimizers[s].init, built)
         shapes = tuple(tuple(a.shape) for a in built)
-        signature.append((shapes, jax.tree.structure(opt)))
+        signature.append((shapes, _opt_structure(opt)))
       signature = self._state_signature = tuple(signature)
     return signature
 
@@ -216,7 +217,15 @@ def state_signature(state) -> tuple:
     if params is None
     else (
       tuple(tuple(x.shape) for x in jax.tree.leaves(params)),
-      jax.tree.structure(opt),
+      _opt_structure(opt),
     )
     for params, opt in zip(state.stage_params, state.opt_states, strict=True)
   )
+
+
+def _opt_structure(opt):
+  """An optimizer state's structure: a packed one's unpacked tree's (its
+  packing varies with what it was made from, e.g. weakly typed params)."""
+  if isinstance(opt, PackedTree):
+    return opt.treedef
+  return jax.tree.structure(opt)

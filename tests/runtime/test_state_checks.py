@@ -201,3 +201,34 @@ def test_an_optimizer_factory_instead_of_an_optimizer_says_so():
     TypeError, match=r"optax.sgd\(...\), called: sgd is its factory"
   ):
     _pipeline("float32", optax.sgd)
+
+
+def test_a_weakly_typed_param_passes_the_own_state_check():
+  """A scalar param made from a Python float is weakly typed, and its
+  optimizer state packs otherwise than one made on shapes: the state check
+  compares the unpacked structure (GNMT's attention scale failed a step of
+  its own state)."""
+  params = {
+    "a": jnp.ones((16, 16)),
+    "b": jnp.ones((16, 16)),
+    "g": jnp.asarray(0.5),  # (weak_type=True)
+  }
+
+  def loss_fn(p, batch):
+    with jax.named_scope("first"):
+      h = jnp.tanh(batch["x"] @ p["a"])
+    with jax.named_scope("second"):
+      return ((p["g"] * h @ p["b"]) ** 2).mean()
+
+  x = {"x": jnp.ones((8, 16))}
+  pipe = jpipe.Pipeline(
+    loss_fn,
+    params,
+    x,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=2,
+    optimizer=optax.adam(0.01),
+  )
+  state, _ = pipe.step(pipe.init(params), x)
+  pipe.step(state, x)
