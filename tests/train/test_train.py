@@ -552,14 +552,7 @@ def test_sigterm_off_cadence_says_it_drains_a_stream(
 ):
   """An outside check found a stream stopped between checkpoints resumed
   on another trajectory (the drain at the stop): the run says so."""
-  enter = stopping.StopRequest.__enter__
-
-  def signalled(self):
-    out = enter(self)
-    self.signal = "SIGTERM"
-    return out
-
-  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  _sigterm_as_training_begins(monkeypatch)
   config = _config(
     **{
       "train.steps": 4,
@@ -974,6 +967,20 @@ def _small_sdpipe_config(steps):
   return config
 
 
+def _sigterm_as_training_begins(monkeypatch):
+  """Runs see a SIGTERM as their first unit begins (the stop request set
+  on entering it); returns the real ``StopRequest.__enter__``."""
+  enter = stopping.StopRequest.__enter__
+
+  def signalled(self):
+    out = enter(self)
+    self.signal = "SIGTERM"
+    return out
+
+  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  return enter
+
+
 def test_data_parallel_nonfinite_loss_names_each_pipelines_loss(
   tmp_path, monkeypatch
 ):
@@ -1007,17 +1014,8 @@ def test_data_parallel_sigterm_ends_the_epoch_and_checkpoints(
   """A SIGTERM during a data-parallel run: the epoch under way ends, its
   checkpoint is written, the run exits with 143 and the same command
   resumes from the next epoch."""
-  from jpipe.train import stopping
-
   config = _small_sdpipe_config(steps=3)
-  enter = stopping.StopRequest.__enter__
-
-  def signalled(self):  # As if SIGTERM arrived during the first epoch.
-    out = enter(self)
-    self.signal = "SIGTERM"
-    return out
-
-  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  enter = _sigterm_as_training_begins(monkeypatch)
   with pytest.raises(SystemExit) as stop:
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert stop.value.code == 143
@@ -1040,18 +1038,9 @@ def test_data_parallel_sigterm_cuts_a_long_epoch_and_the_resume_ends_it(
   the checkpoint is at the steps trained (not the epoch's end), and the
   resumed run trains the rest of that epoch first: epochs end, evaluate
   and checkpoint at the same steps as an uninterrupted run's."""
-  from jpipe.train import stopping
-
   config = _small_sdpipe_config(steps=8)
   config.data_parallel.epoch_batches = 4
-  enter = stopping.StopRequest.__enter__
-
-  def signalled(self):  # As if SIGTERM arrived as the first epoch began.
-    out = enter(self)
-    self.signal = "SIGTERM"
-    return out
-
-  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  enter = _sigterm_as_training_begins(monkeypatch)
   with pytest.raises(SystemExit) as stop:
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert stop.value.code == 143

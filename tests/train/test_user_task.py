@@ -233,11 +233,18 @@ def test_the_users_flax_module_on_a_built_in_task(tmp_path):
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4]
 
 
-def _saved_state(workdir, step):
-  """A one-process run's checkpoint of ``step``, read as plain orbax."""
-  return ocp.StandardCheckpointer().restore(
-    workdir / "checkpoints" / str(step) / "state"
+def _trained_to_bfloat16_params(config, workdir):
+  """Trains ``config`` (3 steps) in ``workdir``: it evaluates, and its
+  checkpoint (read as plain orbax) holds bfloat16 params; returns it."""
+  summary = train_lib.train_and_evaluate(config, str(workdir))
+  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
+  saved = ocp.StandardCheckpointer().restore(
+    workdir / "checkpoints" / "3" / "state"
   )
+  assert {str(x.dtype) for x in jax.tree.leaves(saved["params"])} == {
+    "bfloat16"
+  }
+  return saved
 
 
 def test_bfloat16_params_accumulate_in_float32_through_the_cli(tmp_path):
@@ -253,12 +260,7 @@ def test_bfloat16_params_accumulate_in_float32_through_the_cli(tmp_path):
       "optimizer.grad_accum_dtype": "float32",
     }
   )
-  summary = train_lib.train_and_evaluate(config, str(tmp_path))
-  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
-  saved = _saved_state(tmp_path, 3)
-  assert {str(x.dtype) for x in jax.tree.leaves(saved["params"])} == {
-    "bfloat16"
-  }
+  saved = _trained_to_bfloat16_params(config, tmp_path)
   moments = {str(x.dtype) for x in jax.tree.leaves(saved["opt_state"])}
   assert "float32" in moments and "bfloat16" not in moments
   config.optimizer.grad_accum_dtype = "int8"
@@ -279,12 +281,7 @@ def test_a_built_in_models_params_in_bfloat16_through_the_cli(tmp_path):
       "optimizer.grad_accum_dtype": "float32",
     }
   )
-  summary = train_lib.train_and_evaluate(config, str(tmp_path))
-  assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
-  saved = _saved_state(tmp_path, 3)
-  assert {str(x.dtype) for x in jax.tree.leaves(saved["params"])} == {
-    "bfloat16"
-  }
+  _trained_to_bfloat16_params(config, tmp_path)
   config.model.param_dtype = ""
   config.train.steps = 4
   with pytest.raises(
