@@ -45,7 +45,10 @@ class PipelineInferenceMethods:
     Mid-stream (asynchronous schedules between flushes) each stage's
     params are its newest: the stages are then at different steps; flush
     first to evaluate the params of one step. Across processes every
-    process calls it with the same batch size (as ``step``).
+    process calls it with the same batch size (as ``step``), a multiple
+    of the microbatch size: sums and means would count padding (pad a
+    last batch yourself with a weight leaf, 0 on padding, that
+    ``metrics_fn`` multiplies in).
 
     Returns:
       Without ``metrics_fn``: ``{"loss": the mean of the microbatches'
@@ -67,7 +70,12 @@ class PipelineInferenceMethods:
     through the stages as ``evaluate`` runs ``metrics_fn``: e.g. logits
     or class indices. Its outputs have the microbatch's examples on
     their leading axis; returns them concatenated over the microbatches
-    (the batch's order), on every process."""
+    (the batch's order), on every process. Any batch size: past a
+    multiple of the microbatch size, copies of the last example fill the
+    last microbatch and their outputs are dropped (exact where each
+    example's output is its own, as in inference mode; a function mixing
+    a microbatch's examples -- BatchNorm's batch statistics -- sees the
+    copies too)."""
     return _forward_only.predict(self, state, batch, self._on_whole(predict_fn))
 
   @every_process
@@ -85,8 +93,9 @@ class PipelineInferenceMethods:
     one_position: bool = False,
   ) -> jax.Array:
     """Greedy continuations of ``prompts`` (int [B, P], or B 1-D int
-    arrays of different lengths; B a multiple of the microbatch size)
-    through the stages, each layer's key/value cache on the stage that
+    arrays of different lengths; any B: past a multiple of the
+    microbatch size, copies of the last prompt fill the last microbatch
+    and are dropped) through the stages, each layer's key/value cache on the stage that
     runs it (``execute/generation.py``).
 
     ``decode_fn(params, batch) -> (next-token logits [b, vocab], new

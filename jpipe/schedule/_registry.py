@@ -36,10 +36,12 @@ class ScheduleKind:
       devices, where the schedule fixes it (``zbv``, ``dualpipev``: 2p
       stages in a V); the pipeline then cuts that many stages and places
       them so. None: any placement.
-    loops: given more stages than devices, stage s goes on device
-      ``s mod p`` (Megatron's virtual stages: ``interleaved``,
-      ``interleaved_zb``, ``looped_bfs``); the stage count must then be a
-      multiple of the devices.
+    unlooped: for a loop schedule -- given more stages than devices,
+      stage s goes on device ``s mod p`` (Megatron's virtual stages:
+      ``interleaved``, ``interleaved_zb``, ``looped_bfs``), the stage
+      count a multiple of the devices -- the schedule whose order it
+      runs with one stage a device (``1f1b``, ``zbh1``, ``gpipe``). None:
+      not a loop.
     stale: a backward may differentiate at newer params than its
       forward's (PipeDream's ``async``): the staleness mitigations
       (stashing, prediction, Gap-Aware, delay corrections) apply.
@@ -59,9 +61,14 @@ class ScheduleKind:
   places_itself: bool = False
   written: Schedule | None = None
   placement: Callable[[int], tuple[int, ...]] | None = None
-  loops: bool = False
+  unlooped: str | None = None
   stale: bool = False
   two_versions: bool = False
+
+  @property
+  def loops(self) -> bool:
+    """A loop schedule (``unlooped``)."""
+    return self.unlooped is not None
 
   def stage_devices(
     self, num_stages: int, num_devices: int | None = None
@@ -154,7 +161,7 @@ REGISTRY: dict[str, ScheduleKind] = {
       "mod p); other placements (mixed pipe): 1F1B by list scheduling",
       _builders.interleaved,
       places_itself=True,
-      loops=True,
+      unlooped="1f1b",
     ),
     ScheduleKind(
       "looped_bfs",
@@ -162,7 +169,7 @@ REGISTRY: dict[str, ScheduleKind] = {
       "breadth-first: a device's stages one after another, all microbatches",
       _builders.looped_bfs,
       places_itself=True,
-      loops=True,
+      unlooped="gpipe",
     ),
     ScheduleKind(
       "zbh1",
@@ -200,7 +207,7 @@ REGISTRY: dict[str, ScheduleKind] = {
       "device s mod p), I and W split, W deferred",
       _zero_bubble.interleaved_zero_bubble,
       places_itself=True,
-      loops=True,
+      unlooped="zbh1",
     ),
   )
 }

@@ -287,9 +287,17 @@ def _check_loop_placement(config, need) -> None:
   divisor of the stage count."""
   k, p = config.pipeline.stages_per_device, config.pipeline
   need(k >= 1, "pipeline.stages_per_device", "must be >= 1")
-  if k <= 1:
-    return
   kind = config_options.schedule_kind(config)
+  if k <= 1:
+    loop = kind is not None and kind.loops and p.partition != "mixed"
+    need(
+      not loop,
+      "pipeline.stages_per_device",
+      f"schedule {config.schedule.name!r} loops stages over devices: set "
+      f"it >= 2 (one stage a device runs "
+      f"{kind.unlooped if loop else ''!r}'s order; or use that schedule)",
+    )
+    return
   need(
     (kind is not None and kind.loops) or config.schedule.name == "auto",
     "pipeline.stages_per_device",

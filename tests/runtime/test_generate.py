@@ -160,11 +160,15 @@ def test_eos_ends_a_sequence_and_all_ends_stop_decoding():
   np.testing.assert_array_equal(got, np.full((4, 1), first))
 
 
-def test_prompts_that_do_not_split_are_refused():
+def test_prompts_that_do_not_split_decode_as_their_own():
+  """3 and 1 prompts with microbatches of 2: copies of the last prompt
+  fill the last microbatch and are dropped; each row as a full batch's."""
   model, params, prompts = _tiny()
-  pipe, state = _pipeline(model, params, prompts, 1)
-  with pytest.raises(ValueError, match="multiple of 2"):
-    _generate(pipe, state, model, prompts[:3], 2)
+  pipe, state = _pipeline(model, params, prompts, 2)
+  want = _greedy_recomputing(model, params, prompts, 4)
+  for n in (3, 1):
+    got = _generate(pipe, state, model, prompts[:n], 4)
+    np.testing.assert_array_equal(got, want[:n])
   with pytest.raises(ValueError, match="n_positions"):
     _generate(pipe, state, model, prompts, 40)
 

@@ -66,7 +66,12 @@ def _pipeline(placement, schedule, opts):
     record_params=schedule in ("async", "2bw"),
     **opts,
   )
-  plain = jpipe.Pipeline(loss_fn, params, batch, **kwargs)
+  # The plan to place (a loop schedule refuses one stage a device
+  # unless a Plan places them; its unlooped schedule plans alike).
+  unlooped = jpipe.schedule.lookup(schedule).unlooped
+  plain = jpipe.Pipeline(
+    loss_fn, params, batch, **(kwargs | {"schedule": unlooped or schedule})
+  )
   plan = dataclasses.replace(plain.plan, stage_devices=PLACEMENTS[placement])
   pipe = jpipe.Pipeline(loss_fn, params, batch, partition=plan, **kwargs)
   return pipe, loss_fn, params, batch

@@ -216,6 +216,28 @@ def test_a_param_read_where_its_stage_does_not_hold_it_is_refused():
     pipe.evaluate(state, batch, scaled_fn)
 
 
+def test_a_batch_that_does_not_split_predicts_as_its_own_examples():
+  """Microbatches of 6 (12 examples, 2 microbatches): 7, 5 and 1 examples
+  predict each example as the one-device function does (copies of the
+  last example fill the last microbatch, their outputs dropped);
+  evaluate, which sums, refuses them with the way on."""
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  metrics_fn, predict_fn = _fns("mlp")
+  pipe = _pipeline(loss_fn, params, batch, 2)
+  state = pipe.init(params)
+  for n in (7, 5, 1):
+    part = jax.tree.map(lambda x, n=n: x[:n], batch)
+    got = pipe.predict(state, part, predict_fn)
+    want = predict_fn(params, part)
+    assert got["logits"].shape == want["logits"].shape
+    np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+    np.testing.assert_array_equal(got["labels"], want["labels"])
+  with pytest.raises(ValueError, match="weight leaf"):
+    pipe.evaluate(state, part, metrics_fn)
+  with pytest.raises(ValueError, match="empty batch"):
+    pipe.predict(state, jax.tree.map(lambda x: x[:0], batch), predict_fn)
+
+
 def test_predict_fn_must_return_per_example_values():
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
   pipe = _pipeline(loss_fn, params, batch, 2)

@@ -131,3 +131,18 @@ def test_pipeline_loops_an_interleaved_schedule_over_its_devices():
     build("1f1b", 4)
   with pytest.raises(ValueError, match="3 stages on 2 devices is uneven"):
     build("interleaved", 3)
+  # One stage a device: 1f1b's order, not the interleaving asked for.
+  with pytest.raises(ValueError, match="runs '1f1b''s order"):
+    build("interleaved", 2)
+
+
+@pytest.mark.parametrize(
+  "name", ["interleaved", "interleaved_zb", "looped_bfs"]
+)
+def test_a_loop_with_one_stage_a_device_is_its_unlooped_schedule(name):
+  """What the refusal of a loop on one stage a device names: the same
+  device lists, action for action."""
+  kind = sc.lookup(name)
+  for p, m in [(1, 3), (2, 4), (3, 5), (4, 8)]:
+    looped = sc.build(name, p, m)
+    assert looped.device_actions == sc.build(kind.unlooped, p, m).device_actions

@@ -101,7 +101,14 @@ def test_split_flush_reaches_the_pipeline_and_only_for_streams():
 
 @pytest.mark.parametrize("name", ["interleaved", "zbh2", "interleaved_zb"])
 def test_issue_63s_schedule_names_pass_the_config_checks(name):
+  """A loop schedule with one stage a device is refused (it would run
+  1f1b's or zbh1's order); with two it passes."""
   config = default_config.get_config()
   config.schedule.name = name
+  if config_options.schedule_kind(config).loops:
+    with pytest.raises(ValueError, match="loops stages over devices"):
+      config_check.check(config)
+    config.pipeline.num_stages = 4
+    config.pipeline.stages_per_device = 2
   config_check.check(config)
   assert config_options.schedule_kind(config).name == name

@@ -95,6 +95,32 @@ def batch_size(batch) -> int:
   return sizes.pop()
 
 
+def padded_to_multiple(batch, multiple: int) -> tuple[Any, int]:
+  """``(batch padded, its own size)``: every leaf's leading (batch) axis
+  grown to the next multiple of ``multiple`` with copies of its last
+  example (a ``jax.ShapeDtypeStruct`` leaf, a process's stand-in for data
+  it does not read, grows its shape). Copies, not zeros: an inference
+  function sees only examples like its own (no division by a zero
+  length, no empty prompt), and per-example outputs of the copies are
+  dropped by the caller (``[:size]``)."""
+  size = batch_size(batch)
+  extra = -size % multiple
+  if not extra:
+    return batch, size
+
+  def pad(x):
+    if not np.ndim(x):  # (Not a batch leaf: no batch axis to grow.)
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct((size + extra, *x.shape[1:]), x.dtype)
+    if isinstance(x, jax.Array):
+      return jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
+    x = np.asarray(x)
+    return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])
+
+  return jax.tree.map(pad, batch), size
+
+
 def place_microbatches(leaves, wanted_by_placement, m: int, first: int):
   """``{placement: {b: {leaf index: array}}}`` for microbatches
   ``first .. first + m - 1`` of the batch ``leaves``.

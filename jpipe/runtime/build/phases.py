@@ -571,6 +571,14 @@ def _granularity(traced, partition, num_stages, num_devices, kind):
   return partition_lib.choose_depth(traced, stages)
 
 
+# What a loop schedule is with one stage a device.
+_UNLOOPED = {
+  "interleaved": "1f1b",
+  "interleaved_zb": "zbh1",
+  "looped_bfs": "gpipe",
+}
+
+
 def check_stage_count(num_stages, num_devices, partition, kind) -> None:
   """One device per stage unless FTPipe's mixed pipe, a schedule that
   places its stages (``zbv``: two per device in a V; ``interleaved``:
@@ -608,6 +616,22 @@ def check_stage_count(num_stages, num_devices, partition, kind) -> None:
   if kind.loops and partition == "contiguous" and num_stages > num_devices:
     kind.stage_devices(num_stages, num_devices)  # Uneven: one line.
     return
+  if (
+    kind.loops
+    and isinstance(partition, str)
+    and partition != "mixed"
+    and num_stages <= num_devices
+  ):
+    # One stage a device, a loop runs another schedule's order than the
+    # one asked for: interleaved 1F1B's is 1F1B's, looped BFS's GPipe's.
+    used = min(num_stages, num_devices)
+    raise ValueError(
+      f"schedule {kind.name!r} loops stages over devices (stage s on "
+      f"device s mod p), but {num_stages} stages on {num_devices} devices "
+      f"hold one a device, which runs {kind.unlooped!r}'s order: use more "
+      f"stages than devices, a multiple of them (e.g. num_stages="
+      f"{2 * used} on {used} devices), or schedule={kind.unlooped!r}"
+    )
   if isinstance(partition, str) and partition != "mixed":
     if num_stages > num_devices:
       raise ValueError(

@@ -31,6 +31,7 @@ from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe.runtime.build.batches import (
   batch_size,
+  padded_to_multiple,
   place_microbatches,
   stored_dtype,
 )
@@ -313,11 +314,15 @@ def run(program: ForwardProgram, state, batch) -> tuple[dict, int]:
   state's params; ``({result: [its value per microbatch]}`` for the
   results this process's stages make, the microbatch count)."""
   size = batch_size(batch)
+  if not size:
+    raise ValueError("an empty batch: pass at least one example")
   micro = program.microbatch_size
-  if size % micro:
+  if size % micro:  # (predict pads; a sum or mean would count padding.)
     raise ValueError(
       f"a batch of {size} examples does not split into microbatches of "
-      f"{micro}: pass a multiple of {micro}"
+      f"{micro}: pass a multiple of {micro} (evaluate sums or averages "
+      "every example it is given; pad a last batch with a weight leaf, 0 "
+      "on padding, that metrics_fn multiplies in)"
     )
   m = size // micro
   batches = place_microbatches(
@@ -524,10 +529,16 @@ def evaluate(pipe, state, batch, metrics_fn=None):
 
 def predict(pipe, state, batch, predict_fn):
   """``Pipeline.predict``: ``predict_fn``'s outputs of every microbatch,
-  concatenated in batch order."""
+  concatenated in batch order; a batch that does not split into
+  microbatches is padded with copies of its last example, their outputs
+  dropped."""
+  batch, size = padded_to_multiple(batch, pipe.microbatch_size)
   program = program_for(pipe, predict_fn, batch, "predict_fn")
   results, m = run(program, state, batch)
-  return combined(program, results, m, concatenated)
+  out = combined(program, results, m, concatenated)
+  if m * program.microbatch_size == size:
+    return out
+  return jax.tree.map(lambda x: x[:size], out)
 
 
 def program_for(

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpipe import partition as partition_lib
+from jpipe.runtime.build.batches import padded_to_multiple
 from jpipe.runtime.build.state_rows import StateRows
 from jpipe.runtime.execute import cache_rows, forward_only
 
@@ -142,7 +143,12 @@ def generate(
       "pass one or the other"
     )
   prompts, pad = padded_prompts(prompts, encoder_decoder)
-  _check(pipe, prompts, max_new_tokens, encoder_decoder)
+  _check(prompts, max_new_tokens, encoder_decoder)
+  # Rows past a multiple of the microbatch size: copies of the last
+  # prompt, decoded alongside and dropped.
+  (prompts, pad), size = padded_to_multiple(
+    (prompts, pad), pipe.microbatch_size
+  )
   feeds = _Feeds(pipe.microbatch_size, prompts, pad, start_id)
   m, length = feeds.m, feeds.first.shape[1]
   cache = jax.eval_shape(
@@ -170,11 +176,11 @@ def generate(
     steps.append(tokens)
   rows = [jnp.stack([s[b] for s in steps], axis=1) for b in range(m)]
   if pipe.transport.multiprocess:  # Shared: on a device of this process.
-    return jnp.concatenate(rows)
+    return jnp.concatenate(rows)[:size]
   # Each microbatch's [mb, n] tokens (on the last stage's group or
   # replica) together on that stage's first device.
   last = pipe.placement[-1].device
-  return jnp.concatenate([jax.device_put(r, last) for r in rows])
+  return jnp.concatenate([jax.device_put(r, last) for r in rows])[:size]
 
 
 def _after_prompts(feeds, dec, state) -> list:
@@ -332,7 +338,7 @@ def _put(place, b: int, x):
   return place.put_values(x)
 
 
-def _check(pipe, prompts, max_new_tokens, encoder_decoder: bool) -> None:
+def _check(prompts, max_new_tokens, encoder_decoder: bool) -> None:
   """One-line ValueErrors for what ``generate`` cannot run."""
   if encoder_decoder:
     sizes = {
@@ -343,19 +349,13 @@ def _check(pipe, prompts, max_new_tokens, encoder_decoder: bool) -> None:
         "an encoder-decoder's sources must be arrays sharing a leading "
         f"batch axis; got leading sizes {sorted(sizes, key=str)}"
       )
-    size = sizes.pop()
   elif prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
     raise ValueError(
       f"prompts must be int tokens [batch, length], got {prompts.dtype} "
       f"{prompts.shape}"
     )
-  else:
-    size = len(prompts)
-  if size % pipe.microbatch_size:
-    raise ValueError(
-      f"{size} prompts do not split into microbatches of "
-      f"{pipe.microbatch_size}: pass a multiple of {pipe.microbatch_size}"
-    )
+  if not len(jax.tree.leaves(prompts)[0]):
+    raise ValueError("no prompts: pass at least one")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
