@@ -38,6 +38,7 @@ from jpipe.runtime.build.placement import even_rows, rows_for_speeds
 from jpipe.runtime.build.transport import PullLinks, TransferTimes
 from jpipe.runtime.build.user_mesh import outside_user_mesh
 from jpipe.runtime.execute.hooks import DriverHooks
+from jpipe.runtime.optax_layout import opt_state_from_optax, opt_state_to_optax
 
 __all__ = [
   "RANDOM_DELAY_PROBABILITY",
@@ -46,6 +47,8 @@ __all__ = [
   "DriverHooks",
   "GAP_AWARE_POLICIES",
   "HeldRows",
+  "opt_state_from_optax",
+  "opt_state_to_optax",
   "MemoryLimitError",
   "FrozenLoss",
   "NnxLoss",

@@ -399,9 +399,18 @@ class _Loop:
         f"loss is non-finite at {where}: {data}; fix the data (or the "
         "task's batch_at): training did not diverge"
       )
+    cause = self.mode.nonfinite_cause(state, outcome)
+    if unit == 0 and self.start == 0:
+      # The first unit's loss is the initial params' (a synchronous
+      # schedule's wholly): no learning rate made it.
+      return (
+        f"loss is non-finite at {where}, the run's first: {cause}. The "
+        "model at its initialisation gives it: look at what the loss "
+        "reads (labels within the model's classes, no log or division of "
+        "zero) and at the initialisation"
+      )
     return (
-      f"loss is non-finite at {where}: "
-      f"{self.mode.nonfinite_cause(state, outcome)}. Lower "
+      f"loss is non-finite at {where}: {cause}. Lower "
       f"config.optimizer.learning_rate (now "
       f"{self.config.optimizer.learning_rate:g}), or resume from an "
       "earlier checkpoint"

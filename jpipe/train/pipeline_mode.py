@@ -118,7 +118,8 @@ class PipelineMode(Mode):
     if not bad:
       return (
         "every stage's params are finite: the forward made it (an input or "
-        "an activation overflowed)"
+        "an activation overflowed, or the loss read an integer label "
+        "outside the model's classes: optax's cross entropy is NaN there)"
       )
     return "non-finite values in " + "; ".join(
       f"stage {s}'s params (first: {path})" for s, path in bad.items()

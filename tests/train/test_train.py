@@ -876,6 +876,29 @@ def test_nonfinite_inputs_are_named_as_the_data_not_a_divergence(
     train_lib.train_and_evaluate(_config(), str(tmp_path))
 
 
+def test_a_label_outside_the_classes_at_the_first_step_is_no_divergence(
+  tmp_path, monkeypatch
+):
+  """Label 99 of 10 classes in step 1's batch (optax's cross entropy is
+  NaN there): the message points at what the loss reads and the
+  initialisation, not the learning rate (no step had run)."""
+
+  def out_of_range(batch):
+    batch["y"] = np.array(batch["y"], copy=True)
+    batch["y"][0] = 99
+    return batch
+
+  _batch_changed_at(monkeypatch, 0, out_of_range)
+  with pytest.raises(train_lib.TrainingDiverged) as raised:
+    train_lib.train_and_evaluate(_config(), str(tmp_path))
+  message = str(raised.value)
+  assert "non-finite at step 1, the run's first: every stage's params" in (
+    message
+  )
+  assert "label outside the model's classes" in message
+  assert "learning_rate" not in message
+
+
 def test_a_bad_batch_mid_run_saves_the_steps_before_it(
   tmp_path, monkeypatch, capsys
 ):
