@@ -68,9 +68,13 @@ class DataParallelPipelines(FreeRunningEpochs, ConsensusStateMethods):
       block of ``pipelines`` devices holds every pipeline's s-th device,
       so each process of ``pipelines`` devices runs one stage of every
       pipeline (SD-Pipe's placement: a process per stage).
-    batches_per_epoch: batches per pipeline in an epoch, on average: the
-      epoch ends when the last stages' replicas have taken P times this
-      many steps (``run_epoch``).
+    batches_per_epoch: the last stage's optimizer steps per pipeline in
+      an epoch, on average: the epoch ends when the last stages' replicas
+      have taken P times this many steps (``run_epoch``). A synchronous
+      schedule steps once per batch, a stream ``ceil(num_microbatches /
+      step_every)`` times (``2bw``: ``num_microbatches // step_every``):
+      an epoch of B batches per pipeline is B times that (the training
+      CLI scales it so).
     hetero: simulated delays (``Heterogeneity``; None: none).
     ssp_bound: preduce: rounds between graph-sync rounds.
     pairwise: preduce: hand out pairs (default: beyond 8 pipelines).

@@ -523,6 +523,11 @@ def plan_from_boundaries(
       f"{len(traced.node_names)} with every stage non-empty"
     )
   devices = tuple(range(n)) if devices is None else tuple(devices)
+  if len(devices) != n:
+    raise ValueError(
+      f"boundaries {tuple(boundaries)} cut {n} stages, for {len(devices)} "
+      f"devices (stage slots): give {len(devices) + 1} boundaries"
+    )
   slowdown = (
     np.ones(n) if stage_slowdown is None else np.asarray(stage_slowdown)
   )

@@ -104,3 +104,20 @@ def test_async_switch_keeps_momentum_and_reuses_seen_plans():
     np.all(np.isfinite(x))
     for x in jax.tree.leaves(switch.pipeline.gather_params(back))
   )
+
+
+def test_boundaries_of_another_stage_count_are_refused_by_name():
+  """A split cutting 3 stages for a pipeline of 2 slots: one line naming
+  both counts (it was NumPy's broadcast error), before any move."""
+  _, first, _, params, batch = _setup("1f1b")
+  micro = jax.tree.map(lambda x: x[:4], batch)
+  costs = partition.profile_nodes(
+    first.traced, params, micro, method="analytic"
+  )
+  n = dynamic.boundaries_of(first.plan.stage_of_node)[-1]
+  with np.testing.assert_raises_regex(
+    ValueError, r"cut 3 stages, for 2 devices \(stage slots\): give 3"
+  ):
+    partition.plan_from_boundaries(
+      first.traced, costs, (0, 1, 2, n), devices=[0, 1]
+    )
