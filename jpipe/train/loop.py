@@ -191,6 +191,10 @@ class Mode:
     """Where a non-finite loss comes from (every process calls it)."""
     return "the loss is not a number"
 
+  # Whether a fresh run's first unit's loss is wholly the initial
+  # params' (one synchronous step), so no update can have made it.
+  first_loss_at_init = False
+
   def nonfinite_batch(self, unit: int) -> str | None:
     """Where unit ``unit``'s data holds non-finite inputs, which (e.g.
     "step 5's batch: non-finite values in ['x']"); None: it does not, or
@@ -400,9 +404,8 @@ class _Loop:
         "task's batch_at): training did not diverge"
       )
     cause = self.mode.nonfinite_cause(state, outcome)
-    if unit == 0 and self.start == 0:
-      # The first unit's loss is the initial params' (a synchronous
-      # schedule's wholly): no learning rate made it.
+    if unit == 0 and self.start == 0 and self.mode.first_loss_at_init:
+      # No learning rate made it.
       return (
         f"loss is non-finite at {where}, the run's first: {cause}. The "
         "model at its initialisation gives it: look at what the loss "

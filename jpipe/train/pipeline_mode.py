@@ -17,7 +17,7 @@ import numpy as np
 
 from jpipe import schedule as schedule_lib
 from jpipe.runtime import format_bytes
-from jpipe.train import config_cli
+from jpipe.train import config_cli, config_options
 from jpipe.train import evaluation as evaluation_lib
 from jpipe.train.loop import Mode, Outcome, aux_floats
 
@@ -30,6 +30,8 @@ class PipelineMode(Mode):
 
   def __init__(self, pipe, task, config, say, example):
     self.pipe, self.task, self.config = pipe, task, config
+    kind = config_options.schedule_kind(config)  # (None: auto, synchronous.)
+    self.first_loss_at_init = kind is None or not kind.asynchronous
     self.profile_last = config.train.profile_last_step
     if self.profile_last and pipe.transport.multiprocess:
       say(

@@ -44,8 +44,10 @@ def _same_function(closed, new, params, x):
   argnums = tuple(range(len(args)))
   want = jax.value_and_grad(run(closed), argnums)(*args)
   got = jax.value_and_grad(run(new), argnums)(*args)
+  # (Another program for XLA: its CPU kernels' rounding differs across
+  # machines, 2.4e-6 on an AMD EPYC.)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 class _Layer(nn.Module):
