@@ -115,6 +115,9 @@ _PRIMITIVES = {
   "while": "jax.lax.while_loop / fori_loop",
   "cond": "jax.lax.cond / switch",
   "scan": "jax.lax.scan",
+  # The layer scan split (``_scan_layers``) runs forward only.
+  "reverse_scan": "jax.lax.scan with reverse=True (layers are split "
+  "from a forward scan only)",
 }
 
 

@@ -135,7 +135,10 @@ def enclosing_equations(closed: jcore.ClosedJaxpr) -> list[tuple[str, int]]:
         s for j in jcore.jaxprs_in_params(e.params) for s in nested_paths(j)
       }
       if len(paths) > 1:
-        out.append((e.primitive.name, len(paths)))
+        name = e.primitive.name
+        if name == "scan" and e.params.get("reverse"):
+          name = "reverse_scan"  # (Not split by layer: named apart.)
+        out.append((name, len(paths)))
 
   visit(closed.jaxpr.eqns)
   return sorted(out, key=lambda item: -item[1])

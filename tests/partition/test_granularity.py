@@ -2,8 +2,11 @@
 2, 4 and 8 stages with no depth argument, and train as one device does."""
 
 import itertools
+import warnings
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -101,3 +104,40 @@ def test_splits_with_no_depth_and_trains_as_one_device(name, num_stages):
     strict=True,
   ):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_stages_without_params_are_warned_about():
+  """Two residual blocks of one Dense each cut into 4 stages: two stages
+  hold only a residual add (they train nothing); the warning names them
+  and points at the user's line. Two stages: one block each, no warning."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(4)(x)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Block()(Block()(x))
+
+  model, x = Model(), jnp.ones((4, 4))
+  params = model.init(jax.random.key(0), x)
+
+  def build(stages):
+    return jpipe.Pipeline(
+      lambda p, b: model.apply(p, b["x"]).sum(),
+      params,
+      {"x": x},
+      num_stages=stages,
+      devices=jax.devices()[:stages],
+      optimizer=optax.sgd(0.1),
+    )
+
+  with pytest.warns(UserWarning, match=r"stage\(s\) \[1, 3\] of 4 hold no"):
+    pipe = build(4)
+  assert [len(s.param_leaves) for s in pipe.stages.specs] == [2, 0, 2, 0]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    build(2)
+  assert not [w for w in caught if "hold no params" in str(w.message)]

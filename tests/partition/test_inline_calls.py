@@ -5,6 +5,7 @@ both); whatever no cut can enter is named when too few nodes remain."""
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +159,37 @@ def test_an_nnx_jit_forward_splits_like_the_plain_one():
   plain = names(lambda model, x: model(x))
   assert plain == ("layers[0]", "layers[1]", "layers[2]", "head")
   assert names(nnx.jit(lambda model, x: model(x))) == plain
+
+
+def test_a_reversed_layer_scan_is_named_as_reversed():
+  """nn.scan(reverse=True) over two Dense layers, cut into 3 stages: the
+  layer split runs forward scans only, and the message says so (it named
+  a plain scan)."""
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return jnp.tanh(nn.Dense(4, name="inp")(h) + nn.Dense(4)(h)), None
+
+  model = nn.scan(
+    Layer,
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    length=2,
+    reverse=True,
+  )()
+  x = jnp.ones((4, 4))
+  params = model.init(jax.random.key(0), x, None)
+
+  def loss_fn(params, batch):
+    return model.apply(params, batch["x"], None)[0].sum()
+
+  with pytest.raises(partition.TooFewNodes, match="reverse=True"):
+    jpipe.Pipeline(
+      loss_fn,
+      params,
+      {"x": x},
+      num_stages=3,
+      devices=jax.devices()[:3],
+      optimizer=optax.sgd(0.1),
+    )

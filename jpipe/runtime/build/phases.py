@@ -12,6 +12,9 @@ programs, the optimizers and the driver from their results.
 """
 
 import dataclasses
+import os
+import sys
+import warnings
 from typing import Any
 
 import jax
@@ -379,7 +382,41 @@ def partition_model(cut: ModelCut, params, request: Request) -> Partitioned:
     _check_same_structure(cut.traced, traced, request.microbatch_size, n)
     return stages_of(traced)
 
-  return Partitioned(plan, stages_of(cut.traced), stages_at)
+  stages = stages_of(cut.traced)
+  _warn_stages_without_params(stages, first)
+  return Partitioned(plan, stages, stages_at)
+
+
+def _warn_stages_without_params(stages, num_batch_leaves: int) -> None:
+  """Warns where a stage holds no params and no model state: it trains
+  nothing, its device runs parameter-free work (a residual add, the
+  loss) -- a model with fewer module calls holding params than stages."""
+  idle = [
+    s
+    for s, spec in enumerate(stages.specs)
+    if not spec.param_leaves
+    and not any(i >= num_batch_leaves for i in spec.batch_leaves)
+  ]
+  if idle and len(stages.specs) > 1:
+    warnings.warn(
+      f"stage(s) {idle} of {len(stages.specs)} hold no params: they take "
+      "a device for parameter-free work (the model has fewer module calls "
+      "holding params than stages, at the depth it was cut); use fewer "
+      "stages (Pipeline.granularity and .plan show the cut)",
+      stacklevel=_outside_jpipe(),
+    )
+
+
+def _outside_jpipe() -> int:
+  """The ``stacklevel`` of the first caller outside the jpipe package,
+  where a warning is the user's to read (the builder's depth varies)."""
+  package = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(
+    package + os.sep
+  ):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _memory_budget(request: Request, params, kind=None):
