@@ -95,8 +95,8 @@ class PipelineInferenceMethods:
     """Greedy continuations of ``prompts`` (int [B, P], or B 1-D int
     arrays of different lengths; any B: past a multiple of the
     microbatch size, copies of the last prompt fill the last microbatch
-    and are dropped) through the stages, each layer's key/value cache on the stage that
-    runs it (``execute/generation.py``).
+    and are dropped) through the stages, each layer's key/value cache
+    on the stage that runs it (``execute/generation.py``).
 
     ``decode_fn(params, batch) -> (next-token logits [b, vocab], new
     cache)``, batch ``{"tokens": int [b, L], "index": int [b] (the cache

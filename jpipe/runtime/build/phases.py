@@ -608,14 +608,6 @@ def _granularity(traced, partition, num_stages, num_devices, kind):
   return partition_lib.choose_depth(traced, stages)
 
 
-# What a loop schedule is with one stage a device.
-_UNLOOPED = {
-  "interleaved": "1f1b",
-  "interleaved_zb": "zbh1",
-  "looped_bfs": "gpipe",
-}
-
-
 def check_stage_count(num_stages, num_devices, partition, kind) -> None:
   """One device per stage unless FTPipe's mixed pipe, a schedule that
   places its stages (``zbv``: two per device in a V; ``interleaved``:
