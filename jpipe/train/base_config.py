@@ -114,6 +114,10 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   c.optimizer.warmup_steps = 0  # Optimizer steps of warm-up.
   c.optimizer.decay_steps = ""  # multistep: optimizer steps, "3000,6000".
   c.optimizer.decay_factor = 0.2  # multistep: the factor at each.
+  # Training steps warmup_cosine and warmup_linear decay over; 0: train.steps.
+  # A resume with more train.steps stretches their decay (the rate at the
+  # resumed step jumps); the earlier train.steps here keeps their schedule.
+  c.optimizer.schedule_steps = 0
   # Comma-separated regular expressions of param paths that are not
   # trained (e.g. "^embed/,^block_0/"): held as model state, so no
   # gradient or optimizer state for them (jpipe.Pipeline's frozen=);

@@ -1,6 +1,7 @@
 """Checks a training config before any work: each problem names its key."""
 
 import difflib
+import re
 
 import ml_collections
 
@@ -282,6 +283,27 @@ def _check_pipeline(config, need) -> None:
     )
 
 
+# The Pipeline's staleness options as the config names them.
+_CONFIG_KEYS = {
+  "weight_stashing": "staleness.stashing",
+  "prediction": "staleness.prediction",
+  "gap_aware": "staleness.gap_aware",
+  "last_stage_optimizer": "staleness.nesterov_last_stage",
+  "pipemare_anneal_steps": "staleness.pipemare_anneal_steps",
+  "stage_optimizer": "staleness.delay_nesterov",
+  "step_every": "schedule.step_every",
+}
+
+
+def _as_keys(error: ValueError) -> str:
+  """The Pipeline's message on its staleness options with their config
+  keys in place of its own names."""
+  text = str(error)
+  for name, key in _CONFIG_KEYS.items():
+    text = re.sub(rf"(?<![\w.]){name}(?![\w])", key, text)
+  return text
+
+
 def _check_loop_placement(config, need) -> None:
   """pipeline.stages_per_device: a loop schedule, contiguous stages, a
   divisor of the stage count."""
@@ -329,7 +351,11 @@ def _check_loop(config, need) -> None:
   """The learning-rate warm-up, the loop's counts and the init."""
   # Counts and their least values.
   # train.steps 0: evaluation only (jpipe.train.evaluate_only).
-  counts = {"optimizer.warmup_steps": 0, "train.steps": 0}
+  counts = {
+    "optimizer.warmup_steps": 0,
+    "optimizer.schedule_steps": 0,
+    "train.steps": 0,
+  }
   for key in (
     "keep_checkpoints",
     "log_every",
@@ -348,6 +374,11 @@ def _check_loop(config, need) -> None:
     f"{opt.schedule!r}: set --config.optimizer.schedule=warmup_constant "
     f"(or warmup_cosine, warmup_linear, rsqrt, multistep), or "
     f"warmup_steps=0",
+  )
+  need(
+    not opt.schedule_steps or opt.schedule in config_options.DECAYING_SCHEDULES,
+    "optimizer.schedule_steps",
+    f"applies to warmup_cosine and warmup_linear, not {opt.schedule!r}",
   )
   decay = [s.strip() for s in opt.decay_steps.split(",") if s.strip()]
   if opt.schedule != "multistep":
@@ -448,7 +479,7 @@ def _check_staleness(config, need, problems) -> None:
     try:  # What the Pipeline itself would refuse, before work.
       config_options.staleness(config).check(config.schedule.name)
     except ValueError as e:
-      problems.append(f"config.staleness / config.schedule: {e}")
+      problems.append(f"config.staleness / config.schedule: {_as_keys(e)}")
   elif len(problems) == before and config.schedule.name == schedule_lib.AUTO:
     try:  # Auto chooses among synchronous schedules: 1f1b's rules.
       config_options.staleness(config).check("1f1b")

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 import re
 import sys
 import textwrap
@@ -174,6 +175,25 @@ def flatten(config, prefix: str = "") -> dict:
     else:
       out[name] = value
   return out
+
+
+def write_config_json(workdir: str, config) -> None:
+  """The resolved config as ``workdir/config.json`` (beside the
+  checkpoints, as Flax examples and big_vision users expect it)."""
+  text = config.to_json_best_effort(indent=2, sort_keys=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(text + "\n")
+
+
+def saved_field(path: str, key: str):
+  """Field ``key`` ("a.b") of the config.json at ``path``; None where
+  there is none."""
+  try:
+    with open(path) as f:
+      before = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return flatten(ml_collections.ConfigDict(before)).get(key)
 
 
 def changed_fields(path: str, config) -> str:

@@ -104,6 +104,16 @@ def steps_per_call(config) -> int:
   return -(-m // config.schedule.step_every)
 
 
+# Learning-rate schedules whose shape depends on the steps they span.
+DECAYING_SCHEDULES = ("warmup_cosine", "warmup_linear")
+
+
+def schedule_steps(config) -> int:
+  """Training steps a decaying schedule spans: ``optimizer.
+  schedule_steps``, else ``train.steps``."""
+  return config.optimizer.schedule_steps or config.train.steps
+
+
 def adam_args(config) -> tuple[float, float, float]:
   """``(b1, b2, eps)`` of the config's Adam / AdamW: its
   ``optimizer.args``, else optax's defaults."""

@@ -27,6 +27,7 @@ anyway.
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -39,7 +40,7 @@ import numpy as np
 import tqdm
 
 from jpipe.train import checkpoint as checkpoint_lib
-from jpipe.train import stopping
+from jpipe.train import config_cli, stopping
 from jpipe.train.compile_clock import CompileClock
 from jpipe.train.errors import TrainingDiverged
 from jpipe.train.metric_log import MetricLog
@@ -271,6 +272,7 @@ class _Loop:
     self.mode, self.task, self.config, self.run = mode, task, config, run
     self.checkpoints, self.lr, self.say = checkpoints, lr, say
     self.main = jax.process_index() == 0
+    self.config_written = False  # (This attempt's config.json: ``_save``.)
     self.cadence = mode.cadence(config)
     self.start = start
     self.evaluation = None
@@ -492,7 +494,8 @@ class _Loop:
 
   def _save(self, state, done) -> None:
     """Checkpoints ``state`` (flushed) at step ``done`` with the loop's
-    and the mode's metadata."""
+    and the mode's metadata; the attempt's first also writes its config
+    (``config.json``: the config of the latest checkpointed state)."""
     written, per_process = self.mode.checkpoint_state(state)
     self.checkpoints.save(
       done,
@@ -506,6 +509,10 @@ class _Loop:
       | self.mode.checkpoint_meta(done),
       per_process=per_process,
     )
+    if self.main and not self.config_written:
+      workdir = os.path.dirname(self.checkpoints.directory)
+      config_cli.write_config_json(workdir, self.config)
+      self.config_written = True
 
   def _loop_meta(self) -> dict:
     """What a resumed loop takes over: its log window so far and its
@@ -567,7 +574,11 @@ def _workdir_files(workdir) -> str:
   ]
   line = f"In {workdir}: {', '.join(names)}"
   if "tensorboard/" in names:
-    line += f" (tensorboard --logdir {os.path.join(workdir, 'tensorboard')})"
+    # (The event files need no TensorBoard; viewing them does.)
+    view = f"tensorboard --logdir {os.path.join(workdir, 'tensorboard')}"
+    if importlib.util.find_spec("tensorboard") is None:
+      view = f"pip install tensorboard; {view}"
+    line += f" ({view})"
   return line + "."
 
 

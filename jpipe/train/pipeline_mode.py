@@ -53,7 +53,7 @@ class PipelineMode(Mode):
 
   def announce(self, state, workdir, main, say):
     if main:
-      print_plan(self.pipe)
+      print_plan(self.pipe, self.config.optimizer.learning_rate)
       write_run_files(workdir, self.config, self.pipe)
 
   def advance(self, state, unit):
@@ -165,8 +165,9 @@ def _idle_processes(pipe) -> list[int]:
   return sorted(set(range(jax.process_count())) - used)
 
 
-def print_plan(pipe) -> None:
-  """The stages, their devices, the schedule, the predicted memory."""
+def print_plan(pipe, learning_rate: float | None = None) -> None:
+  """The stages, their devices, the schedule, the predicted memory
+  (``learning_rate``: named in the note on a stream's rate)."""
   plan = pipe.plan
   print(
     f"{plan.num_stages} stages on devices "
@@ -192,7 +193,8 @@ def print_plan(pipe) -> None:
     print(
       f"Note: {pipe.schedule_name} steps each stage after every "
       f"microbatch ({m} steps per batch where 1f1b takes one): if this "
-      "learning rate was tuned for 1f1b, it may be too high here (about 1/"
+      f"learning rate{'' if learning_rate is None else f' ({learning_rate:g})'}"
+      " was tuned for 1f1b, it may be too high here (about 1/"
       f"{m} of it is a start); --config.schedule.step_every={m} steps on "
       f"the mean of {m} instead."
     )
@@ -227,16 +229,38 @@ def write_run_files(workdir, config, pipe) -> None:
   examples and big_vision users expect to find them); a resumed run whose
   fields changed says which first."""
   path = os.path.join(workdir, "config.json")
-  text = config.to_json_best_effort(indent=2, sort_keys=True)
   changed = config_cli.changed_fields(path, config)
   if changed:
     print(
       f"Resumed with changed fields (the earlier -> this run's): {changed}."
     )
-  with open(path, "w") as f:
-    f.write(text + "\n")
+    stretched = _stretched_schedule(path, config)
+    if stretched:
+      print(stretched)
+  # (config.json itself is written with the attempt's first checkpoint:
+  # the config of the latest checkpointed state, which a failed attempt
+  # leaves as it was: config_cli.write_config_json.)
   with open(os.path.join(workdir, "plan.json"), "w") as f:
     f.write(plan_json(pipe) + "\n")
+
+
+def _stretched_schedule(path, config) -> str:
+  """A note where a resume changed the steps a decaying learning-rate
+  schedule spans (its rate at the resumed step jumps); "" otherwise."""
+  opt = config.optimizer
+  if opt.schedule not in config_options.DECAYING_SCHEDULES:
+    return ""
+  before = config_cli.saved_field(path, "train.steps")
+  was = config_cli.saved_field(path, "optimizer.schedule_steps") or before
+  if not isinstance(was, int) or was == config_options.schedule_steps(config):
+    return ""
+  return (
+    f"Note: optimizer.schedule={opt.schedule!r} decays over "
+    f"{config_options.schedule_steps(config)} steps now, {was} before: "
+    "its learning rate from the resumed step on is another schedule's "
+    f"(to keep the earlier one, pass --config.optimizer.schedule_steps="
+    f"{was})."
+  )
 
 
 def plan_json(pipe) -> str:

@@ -49,7 +49,7 @@ def learning_rate(config):
   opt = config.optimizer
   if opt.schedule == "constant":
     return opt.learning_rate
-  steps = config.train.steps * run_lib.steps_per_call(config)
+  steps = config_options.schedule_steps(config) * run_lib.steps_per_call(config)
   peak, warmup = opt.learning_rate, max(opt.warmup_steps, 1)
   # A run shorter than its warm-up (a quick try of a config) decays over
   # one step after it rather than failing.

@@ -146,3 +146,32 @@ def test_a_loop_with_one_stage_a_device_is_its_unlooped_schedule(name):
   for p, m in [(1, 3), (2, 4), (3, 5), (4, 8)]:
     looped = sc.build(name, p, m)
     assert looped.device_actions == sc.build(kind.unlooped, p, m).device_actions
+
+
+def test_one_cpu_device_names_the_fake_devices_flag():
+  """4 stages on one CPU device: the refusal names XLA's flag for fake
+  host devices (a CPU user's usual fix); on 2 devices it does not."""
+  params = {f"w{i}": jax.numpy.eye(4) for i in range(4)}
+
+  def loss_fn(params, batch):
+    x = batch["x"]
+    for i in range(4):
+      with jax.named_scope(f"layer{i}"):
+        x = jax.numpy.tanh(x @ params[f"w{i}"])
+    return x.sum()
+
+  def build(devices):
+    return jpipe.Pipeline(
+      loss_fn,
+      params,
+      {"x": jax.numpy.ones((4, 4))},
+      devices=jax.devices()[:devices],
+      num_stages=4,
+      optimizer=optax.sgd(0.1),
+    )
+
+  with pytest.raises(ValueError, match="force_host_platform_device_count=N"):
+    build(1)
+  with pytest.raises(ValueError, match="got 2") as refused:
+    build(2)
+  assert "XLA_FLAGS" not in str(refused.value)

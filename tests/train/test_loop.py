@@ -328,7 +328,9 @@ def test_a_run_starting_over_drops_the_rows_of_one_without_checkpoint(
   err = capsys.readouterr().err
   assert "2 rows of an earlier run that left no checkpoint dropped" in err
   assert [r["step"] for r in _rows(tmp_path)] == [1]
-  assert not (tmp_path / "config.json").exists()  # (This mode writes none.)
+  # The earlier run's config.json is gone; this run's checkpoint wrote
+  # its own.
+  assert json.loads((tmp_path / "config.json").read_text()) != {}
   assert not (tmp_path / "metrics.jsonl.tmp").exists()
 
 

@@ -77,7 +77,9 @@ def test_default_config_trains_logs_and_draws(tmp_path, capsys):
   # The closing lines say what the workdir holds.
   assert (
     f"In {tmp_path}: checkpoints/, config.json, metrics.jsonl, plan.json, "
-    f"tensorboard/ (tensorboard --logdir {tmp_path}/tensorboard)." in out
+    f"tensorboard/ ("
+    in out
+    and f"tensorboard --logdir {tmp_path}/tensorboard)." in out
   )
   assert 0.0 <= summary["eval"]["accuracy"] <= 1.0
   assert sorted(_losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
@@ -310,7 +312,9 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("schedule.name", "zb", "config.schedule.name: 'zb' is not one of"),
     ("pipeline.num_microbatches", 5, "5 does not divide data.batch_size"),
     ("data.batch_size", 0, "config.data.batch_size: must be >= 1"),
-    ("staleness.stashing", True, "apply to the asynchronous schedule 'async'"),
+    # (Named by its config key, not the Pipeline's weight_stashing.)
+    ("staleness.stashing", True, r"\['staleness.stashing'\] apply to the asy"),
+    ("optimizer.schedule_steps", 9, "schedule_steps: applies to warmup_cos"),
     ("optimizer.name", "lionn", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
     ("staleness.partial_window", "sum", "unknown partial_window 'sum'"),
@@ -897,6 +901,82 @@ def test_a_label_outside_the_classes_at_the_first_step_is_no_divergence(
   )
   assert "label outside the model's classes" in message
   assert "learning_rate" not in message
+
+
+def test_a_failed_resume_leaves_config_json_the_checkpoints(
+  tmp_path, monkeypatch, capsys
+):
+  """A resume at another learning rate that fails before its first
+  checkpoint: config.json still holds the config the checkpoint was
+  trained with, and the next resume compares against that one."""
+  train_lib.train_and_evaluate(_config(**{"train.steps": 3}), str(tmp_path))
+
+  def with_a_nan(batch):
+    batch["x"] = np.array(batch["x"], copy=True)
+    batch["x"][0] = np.nan
+    return batch
+
+  _batch_changed_at(monkeypatch, 4, with_a_nan)  # (Step 5, before 6's save.)
+  with pytest.raises(train_lib.TrainingDiverged):
+    train_lib.train_and_evaluate(
+      _config(**{"optimizer.learning_rate": 0.5}), str(tmp_path)
+    )
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert written["optimizer"]["learning_rate"] == 0.05
+  assert written["train"]["steps"] == 3
+  monkeypatch.undo()
+  capsys.readouterr()
+  train_lib.train_and_evaluate(_config(), str(tmp_path))
+  out = capsys.readouterr().out
+  assert "changed fields (the earlier -> this run's): train.steps: 3 -> 6." in (
+    out
+  )
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert written["train"]["steps"] == 6  # (Its checkpoints' config now.)
+
+
+def test_more_steps_on_resume_names_the_stretched_schedule(tmp_path, capsys):
+  """warmup_cosine over 4 steps, resumed for 8: the note says the decay
+  now spans 8 and how to keep 4; with schedule_steps=4 the rate stays at
+  the schedule's end (0), as the 4-step run left it."""
+  cosine = {
+    "optimizer.schedule": "warmup_cosine",
+    "optimizer.warmup_steps": 1,
+    "train.checkpoint_every": 4,
+  }
+  train_lib.train_and_evaluate(
+    _config(**cosine, **{"train.steps": 4}), str(tmp_path / "a")
+  )
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  capsys.readouterr()
+  train_lib.train_and_evaluate(
+    _config(**cosine, **{"train.steps": 8}), str(tmp_path / "a")
+  )
+  out = capsys.readouterr().out
+  assert (
+    "Note: optimizer.schedule='warmup_cosine' decays over 8 steps now, 4 "
+    "before" in out
+  )
+  assert "--config.optimizer.schedule_steps=4" in out
+  rates = _learning_rates(tmp_path / "a")
+  assert rates[4] == pytest.approx(0.0, abs=1e-9) and rates[5] > 0.01
+  train_lib.train_and_evaluate(
+    _config(**cosine, **{"train.steps": 8, "optimizer.schedule_steps": 4}),
+    str(tmp_path / "b"),
+  )
+  assert "Note: optimizer.schedule" not in capsys.readouterr().out
+  rates = _learning_rates(tmp_path / "b")
+  assert all(rates[k] == pytest.approx(0.0, abs=1e-9) for k in range(4, 9))
+
+
+def _learning_rates(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {
+    r["step"]: r["train/learning_rate"]
+    for r in rows
+    if "train/learning_rate" in r
+  }
 
 
 def test_a_bad_batch_mid_run_saves_the_steps_before_it(

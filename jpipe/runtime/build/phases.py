@@ -144,9 +144,17 @@ def check_request(
   _check_step_options(kind, clip_global_norm, skip_nonfinite_steps)
   batch_spec = BatchSpec.of(example_batch)
   micro = _microbatch_size(example_batch, num_microbatches)
-  check_stage_count(
-    partitioning.num_stages, len(devices), partitioning.partition, kind
-  )
+  try:
+    check_stage_count(
+      partitioning.num_stages, len(devices), partitioning.partition, kind
+    )
+  except ValueError as e:
+    if len(devices) > 1 or devices[0].platform != "cpu":
+      raise
+    raise ValueError(  # A CPU user's usual fix: JAX's fake host devices.
+      f"{e} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+      "set before jax is imported gives N devices)"
+    ) from None
   limit = resolve_memory_limit(partitioning.memory_limit, devices)
   return Request(
     optimizer,
