@@ -140,7 +140,7 @@ def test_too_few_devices_names_the_replicas_when_they_add_up_past_them():
     (["--config.schedule.step_every=0"], "step_every: 0: must be >= 1"),
     (  # Once, not twice in other words.
       ["--config.schedule.name=2bw"],
-      "2bw needs step_every = microbatches per minibatch",
+      "2bw needs schedule.step_every = microbatches per minibatch",
     ),
   ],
 )

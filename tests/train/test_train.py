@@ -461,7 +461,7 @@ def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
         "--config.staleness.gap_aware=ga",
         "--config.schedule.step_every=2",
       ],
-      "gap_aware needs step_every=1 (FTPipe), got 2",
+      "staleness.gap_aware needs schedule.step_every=1 (FTPipe), got 2",
     ),
     (
       ["--config.pipeline.num_stages=16"],
