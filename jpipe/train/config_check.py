@@ -292,6 +292,11 @@ _CONFIG_KEYS = {
   "pipemare_anneal_steps": "staleness.pipemare_anneal_steps",
   "stage_optimizer": "staleness.delay_nesterov",
   "step_every": "schedule.step_every",
+  "recompute": "pipeline.recompute",
+  "partial_window": "staleness.partial_window",
+  "nag_with_predictor": "staleness.nag_with_predictor",
+  "supremum_staleness": "schedule.supremum_staleness",
+  "split_flush": "schedule.split_flush",
 }
 
 

@@ -317,7 +317,11 @@ def test_missing_tfds_dataset_is_a_clear_error(tmp_path):
     ("optimizer.schedule_steps", 9, "schedule_steps: applies to warmup_cos"),
     ("optimizer.name", "lionn", "config.optimizer.name"),
     ("pipeline.bandwidth", -1.0, "config.pipeline.bandwidth: must be >= 0"),
-    ("staleness.partial_window", "sum", "unknown partial_window 'sum'"),
+    (
+      "staleness.partial_window",
+      "sum",
+      "unknown staleness.partial_window 'sum'",
+    ),
     ("staleness.gap_aware_policy", "bogus", "gap_aware_policy 'bogus'"),
     ("optimizer.warmup_steps", 10, "warmup_steps: 10 has no effect"),
     ("schedule.step_every", 2, "step_every: 2 applies to"),
