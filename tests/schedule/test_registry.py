@@ -99,12 +99,10 @@ def test_a_loop_kind_places_more_stages_than_devices_in_a_loop(name):
     assert not sc.lookup(other).loops
 
 
-def test_pipeline_loops_an_interleaved_schedule_over_its_devices():
-  """``interleaved`` with 4 stages on 2 devices: stages 0, 2 on device 0
-  and 1, 3 on device 1 (no Plan needed); 1f1b refuses the same, naming
-  the loop schedules; 3 stages on 2 devices is uneven."""
+def _four_layers(devices: int, **options):
+  """A Pipeline of a plain-JAX loss of four named layers (4 x 4) on the
+  first ``devices`` devices."""
   params = {f"w{i}": jax.numpy.eye(4) for i in range(4)}
-  batch = {"x": jax.numpy.ones((4, 4))}
 
   def loss_fn(params, batch):
     x = batch["x"]
@@ -113,16 +111,24 @@ def test_pipeline_loops_an_interleaved_schedule_over_its_devices():
         x = jax.numpy.tanh(x @ params[f"w{i}"])
     return x.sum()
 
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    {"x": jax.numpy.ones((4, 4))},
+    devices=jax.devices()[:devices],
+    optimizer=optax.sgd(0.1),
+    **options,
+  )
+
+
+def test_pipeline_loops_an_interleaved_schedule_over_its_devices():
+  """``interleaved`` with 4 stages on 2 devices: stages 0, 2 on device 0
+  and 1, 3 on device 1 (no Plan needed); 1f1b refuses the same, naming
+  the loop schedules; 3 stages on 2 devices is uneven."""
+
   def build(schedule, stages):
-    return jpipe.Pipeline(
-      loss_fn,
-      params,
-      batch,
-      devices=jax.devices()[:2],
-      num_stages=stages,
-      schedule=schedule,
-      num_microbatches=2,
-      optimizer=optax.sgd(0.1),
+    return _four_layers(
+      devices=2, num_stages=stages, schedule=schedule, num_microbatches=2
     )
 
   pipe = build("interleaved", 4)
@@ -151,27 +157,8 @@ def test_a_loop_with_one_stage_a_device_is_its_unlooped_schedule(name):
 def test_one_cpu_device_names_the_fake_devices_flag():
   """4 stages on one CPU device: the refusal names XLA's flag for fake
   host devices (a CPU user's usual fix); on 2 devices it does not."""
-  params = {f"w{i}": jax.numpy.eye(4) for i in range(4)}
-
-  def loss_fn(params, batch):
-    x = batch["x"]
-    for i in range(4):
-      with jax.named_scope(f"layer{i}"):
-        x = jax.numpy.tanh(x @ params[f"w{i}"])
-    return x.sum()
-
-  def build(devices):
-    return jpipe.Pipeline(
-      loss_fn,
-      params,
-      {"x": jax.numpy.ones((4, 4))},
-      devices=jax.devices()[:devices],
-      num_stages=4,
-      optimizer=optax.sgd(0.1),
-    )
-
   with pytest.raises(ValueError, match="force_host_platform_device_count=N"):
-    build(1)
+    _four_layers(devices=1, num_stages=4)
   with pytest.raises(ValueError, match="got 2") as refused:
-    build(2)
+    _four_layers(devices=2, num_stages=4)
   assert "XLA_FLAGS" not in str(refused.value)
