@@ -185,29 +185,26 @@ def write_config_json(workdir: str, config) -> None:
     f.write(text + "\n")
 
 
-def saved_field(path: str, key: str):
-  """Field ``key`` ("a.b") of the config.json at ``path``; None where
-  there is none."""
+def saved_fields(path: str) -> dict:
+  """``{"a.b": value}`` of the config.json at ``path`` (a run's resolved
+  config); {} where there is none (or it does not parse)."""
   try:
     with open(path) as f:
       before = json.load(f)
   except (OSError, ValueError):
-    return None
-  return flatten(ml_collections.ConfigDict(before)).get(key)
+    return {}
+  return flatten(ml_collections.ConfigDict(before))
 
 
 def changed_fields(path: str, config) -> str:
   """``"a.b: 1 -> 2; ..."`` between the config.json at ``path`` (a run's
   resolved config) and ``config``; "" when there is none or nothing
   changed."""
-  try:
-    with open(path) as f:
-      before = json.load(f)
-  except (OSError, ValueError):
+  old = saved_fields(path)
+  if not old:
     return ""
-  now = json.loads(config.to_json_best_effort())
   # (Both from JSON: a tuple and its list compare equal.)
-  old = flatten(ml_collections.ConfigDict(before))
+  now = json.loads(config.to_json_best_effort())
   new = flatten(ml_collections.ConfigDict(now))
   return "; ".join(
     f"{k}: {old.get(k)!r} -> {new.get(k)!r}"

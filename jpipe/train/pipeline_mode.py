@@ -225,9 +225,9 @@ def print_plan(pipe, learning_rate: float | None = None) -> None:
 
 
 def write_run_files(workdir, config, pipe) -> None:
-  """The resolved config and the plan, beside the checkpoints (as Flax
-  examples and big_vision users expect to find them); a resumed run whose
-  fields changed says which first."""
+  """The plan beside the checkpoints; a resumed run whose fields changed
+  since its checkpoint's config.json says which (and where that
+  stretches its learning-rate schedule)."""
   path = os.path.join(workdir, "config.json")
   changed = config_cli.changed_fields(path, config)
   if changed:
@@ -250,8 +250,8 @@ def _stretched_schedule(path, config) -> str:
   opt = config.optimizer
   if opt.schedule not in config_options.DECAYING_SCHEDULES:
     return ""
-  before = config_cli.saved_field(path, "train.steps")
-  was = config_cli.saved_field(path, "optimizer.schedule_steps") or before
+  saved = config_cli.saved_fields(path)
+  was = saved.get("optimizer.schedule_steps") or saved.get("train.steps")
   if not isinstance(was, int) or was == config_options.schedule_steps(config):
     return ""
   return (
