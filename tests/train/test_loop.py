@@ -10,10 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
-from jpipe.train import base_config, loop, stopping
+from jpipe.train import base_config, loop
 from jpipe.train import checkpoint as checkpoint_lib
 from jpipe.train import run as run_lib
 from jpipe.train.errors import TrainingDiverged
+from tests.train.test_train import _sigterm_as_training_begins
 
 TRUE_W = np.array([1.0, -2.0, 0.5])
 
@@ -137,14 +138,7 @@ def test_a_stop_request_saves_and_exits_unless_the_run_is_done(
 ):
   """SIGTERM before the last unit: checkpoint and 143. At the last unit
   the run is finished anyway: it ends normally."""
-  enter = stopping.StopRequest.__enter__
-
-  def signalled(self):
-    out = enter(self)
-    self.signal = "SIGTERM"
-    return out
-
-  monkeypatch.setattr(stopping.StopRequest, "__enter__", signalled)
+  _sigterm_as_training_begins(monkeypatch)
   with pytest.raises(SystemExit) as stop:
     _train(tmp_path / "a", _LeastSquares(_Task(), 3, 0.1), 9)
   assert stop.value.code == 143
@@ -255,15 +249,8 @@ def test_a_resumed_runs_training_clock_goes_on(tmp_path):
 def _stopped_after_first_unit(monkeypatch, workdir, mode, steps, **train):
   """``_train`` with a SIGTERM from the start: it saves after its first
   unit and exits 143."""
-  enter = stopping.StopRequest.__enter__
-
-  def signalled(self):
-    out = enter(self)
-    self.signal = "SIGTERM"
-    return out
-
   with monkeypatch.context() as m:
-    m.setattr(stopping.StopRequest, "__enter__", signalled)
+    _sigterm_as_training_begins(m)
     with pytest.raises(SystemExit) as stop:
       _train(workdir, mode, steps, **train)
   assert stop.value.code == 143
