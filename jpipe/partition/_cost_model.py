@@ -35,7 +35,12 @@ COMM_MODELS = ("overlapped", "ftpipe")
 class TooFewNodes(ValueError):
   """More stages asked for than the model has nodes to split: the
   message names the most stages possible (the training CLI prints it as
-  one line)."""
+  one line). ``cause``: the message's part before its fixes, and ``most``
+  the most stages, where the whole model was traced (None otherwise)."""
+
+  def __init__(self, message: str, cause: str = "", most: int | None = None):
+    super().__init__(message)
+    self.cause, self.most = cause, most
 
 
 def stage_seconds(compute, t_in, t_out, comm_model: str):

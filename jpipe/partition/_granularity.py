@@ -91,10 +91,14 @@ def choose_depth(
   best = min(balance.values())
   if not np.isfinite(best):
     most = max(c.num_nodes for c in cuts.values())
-    raise TooFewNodes(
+    cause = (
       f"cannot split the model into {num_stages} stages: it has at most "
-      f"{most} module-call nodes (at depth {traced.max_depth}); use at most "
-      f"{most} stages, or {_more_nodes_hint(traced)}"
+      f"{most} module-call nodes (at depth {traced.max_depth})"
+    )
+    raise TooFewNodes(
+      f"{cause}; use at most {most} stages, or {_more_nodes_hint(traced)}",
+      cause,
+      most,
     )
   depth = min(d for d, b in balance.items() if b <= best * (1 + tolerance))
   tried = ", ".join(

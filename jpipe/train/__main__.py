@@ -11,9 +11,11 @@ jpipe.train ...``.
 import os
 import sys
 
-# Without an accelerator, expose 8 CPU devices so a pipeline has devices to
-# run on (must happen before jax starts; harmless on GPU machines).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Without an accelerator, 8 CPU devices so a pipeline has devices to run
+# on (before jax starts its backend; harmless on GPU machines).
+from jpipe.train import host_devices  # noqa: E402
+
+host_devices.default_cpu_device_count()
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -31,8 +33,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv  # (parse_flags refuses positional arguments.)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Under `python -m jpipe.launch` (or SLURM): join the other processes.
   distributed.initialize()

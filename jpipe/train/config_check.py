@@ -12,6 +12,7 @@ from jpipe.train import (
   config_options,
   data_parallel_mode,
   dynamic_mode,
+  host_devices,
   input_pipeline,
   optimizers,
   tasks,
@@ -603,18 +604,19 @@ def check_devices(config, devices) -> None:
   )
   if stages * p <= n:
     return
+  more = host_devices.cpu_count_hint(kind, n)
   if p > n:
     raise UsageError(
       f"config.data_parallel.pipelines: {p} pipelines need at least {p} "
       f"devices, this run has {n} (jax.devices(): {n} {kind}); use at most "
-      f"{n} pipelines"
+      f"{n} pipelines{more}"
     )
   have = f"this run has {n} (jax.devices(): {n} {kind})"
   if config.pipeline.replicas:  # The replicas, not the stages, add up.
     raise UsageError(
       f"config.pipeline.replicas: {config.pipeline.num_stages} stages with "
       f"replicas {config.pipeline.replicas!r} need {stages * p} devices, "
-      f"{have}; give replicas adding up to at most {n // p}"
+      f"{have}; give replicas adding up to at most {n // p}{more}"
     )
   what = f"{p} pipelines x {stages} stages" if p > 1 else f"{stages} stages"
   most = max(n // p, 1)
@@ -628,4 +630,5 @@ def check_devices(config, devices) -> None:
       else ""
     )
     + ", or --config.pipeline.partition=mixed (several stages per device)"
+    + more
   )

@@ -85,14 +85,37 @@ def parse_flags(argv: list[str], command: Command = TRAIN) -> list[str]:
     # ml_collections defers a config file's load errors to the first read.
     if flags.FLAGS["config"].present:
       flags.FLAGS.config.to_dict()
-    return rest
+    if len(rest) > 1:
+      why = stray_arguments(argv, rest[1:])
   except Exception as e:  # absl's flag errors and the overrides' raw ones.
     why = explain(argv, e, needs_workdir=command.needs_workdir)
-    sys.stderr.write(
-      f"error: {why}\n(python -m {command.module} --help lists every config "
-      "field)\n"
+  else:
+    if len(rest) == 1:
+      return rest
+  sys.stderr.write(
+    f"error: {why}\n(python -m {command.module} --help lists every config "
+    "field)\n"
+  )
+  sys.exit(2)
+
+
+def stray_arguments(argv: list[str], stray: list[str]) -> str:
+  """The line for arguments no flag took (``stray``, in order): each
+  option is a flag. The usual cause is a boolean field given its value
+  after a space (absl's booleans take none: ``--config.KEY=false``)."""
+  first = stray[0]
+  before = argv[argv.index(first) - 1] if first in argv[1:] else ""
+  if before.startswith("--config.") and "=" not in before:
+    key = before[len("--config.") :]
+    return (
+      f"{before} {first}: a boolean field takes its value after '=' "
+      f"(--config.{key}={first.lower()})"
     )
-    sys.exit(2)
+  return (
+    f"unexpected argument{'s' if len(stray) > 1 else ''} "
+    f"{' '.join(stray)}: every option is a flag (--workdir DIR, "
+    "--config.KEY=VALUE)"
+  )
 
 
 def explain(

@@ -42,7 +42,7 @@ import numpy as np
 
 from jpipe import partition, runtime
 from jpipe import schedule as schedule_lib
-from jpipe.train import config_cli, config_options, config_plan
+from jpipe.train import config_cli, config_options, config_plan, tasks
 
 
 def _parser():
@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     return 2
   try:
     solved = _solve(args)
+  except partition.TooFewNodes as error:  # The line training prints.
+    config = config_cli.load_with_overrides(args.config, args.overrides)
+    print(f"error: {tasks.too_few_nodes(config, error)}", file=sys.stderr)
+    return 2
   except ValueError as error:
     print(f"error: {error}", file=sys.stderr)
     return 2

@@ -17,7 +17,9 @@ import functools
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jpipe.train import host_devices  # noqa: E402
+
+host_devices.default_cpu_device_count()
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
@@ -127,8 +129,7 @@ def _check_arguments(out, factors, splits, steps_per_window, trees):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv  # (parse_flags refuses positional arguments.)
   logging.set_verbosity(logging.WARNING)
   distributed.initialize()
   try:

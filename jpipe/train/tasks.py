@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jpipe import partition as partition_lib
 from jpipe.data import sequences
 from jpipe.runtime import check_grad_accum_dtype
 from jpipe.train import (
@@ -166,6 +167,37 @@ def model_kwargs(config) -> dict:
       + (f"sizes {sorted(sizes)}" if sizes else "no named sizes")
     )
   return {**sizes[size], **kwargs}
+
+
+def too_few_nodes(config, error: partition_lib.TooFewNodes) -> str:
+  """The line for ``error`` (more stages than the config's model has
+  nodes): a jpipe model's fix is more layers, not the partitioner's
+  generic ones (named scopes, opened control flow)."""
+  deeper = _depth_hint(config)
+  if not deeper or error.most is None:
+    return str(error)
+  return f"{error.cause}; use at most {error.most} stages{deeper}"
+
+
+def _depth_hint(config) -> str:
+  """How to give a jpipe model more layers (``, or a deeper model
+  (config.model.kwargs.num_layers=4 now)``); empty for a model of the
+  user's or one without such a field."""
+  name = config.model.name
+  if user_code.is_import_path(name) or name not in TASK_OF_MODEL:
+    return ""
+  fields = dataclasses.fields(_jpipe_model(name).Model)
+  now = {f.name: f.default for f in fields} | model_kwargs(config)
+  for field in ("num_layers", "depth", "hidden"):
+    value = now.get(field)
+    if isinstance(value, int) and field != "hidden":
+      return f", or a deeper model (config.model.kwargs.{field}={value} now)"
+    if isinstance(value, (tuple, list)):  # The MLP: a width per layer.
+      return (
+        f", or more layers (config.model.kwargs.{field}={tuple(value)} now: "
+        "a width per hidden layer)"
+      )
+  return ""
 
 
 def hf_names(config) -> dict:

@@ -237,7 +237,7 @@ def build_mode(run, config, task: Task, tx, lr, say) -> loop.Mode:
   try:
     return _modes(run, config, task, tx, lr, say)
   except partition_lib.TooFewNodes as e:
-    raise UsageError(str(e)) from e
+    raise UsageError(tasks.too_few_nodes(config, e)) from e
   except partition_lib.SplitMismatch as e:
     raise UsageError(f"config.pipeline.split: {e}") from e
 

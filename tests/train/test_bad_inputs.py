@@ -34,9 +34,40 @@ def test_more_stages_than_nodes_is_the_plan_clis_line(tmp_path, capsys):
   with pytest.raises(UsageError) as err:
     train_lib.train_and_evaluate(config, str(tmp_path / "a"))
   assert f"error: {_one_line(err)}" == plan_line
+  # jpipe's MLP: more layers, not the partitioner's fixes for a model of
+  # one's own (named scopes, opened control flow).
+  assert plan_line.endswith(
+    "use at most 5 stages, or more layers (config.model.kwargs.hidden="
+    "(128, 128, 128, 128) now: a width per hidden layer)"
+  ), plan_line
   config.pipeline.depth = 1
   with pytest.raises(UsageError, match="cannot split 5 nodes into 6 stages"):
     train_lib.train_and_evaluate(config, str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize(
+  "name, kwargs, want",
+  [
+    ("gpt", {}, ", or a deeper model (config.model.kwargs.num_layers=4 now)"),
+    ("resnet", {"depth": 10}, "(config.model.kwargs.depth=10 now)"),
+    ("mlp", {"hidden": (8,)}, "(config.model.kwargs.hidden=(8,) now: a width"),
+    ("flax.linen:Dense", {"features": 3}, None),  # A model of the user's.
+  ],
+)
+def test_too_few_nodes_in_a_jpipe_model_says_which_field_adds_layers(
+  name, kwargs, want
+):
+  from jpipe import partition
+
+  config = default_config.get_config()
+  config.model.name = name
+  config.model.kwargs = kwargs
+  error = partition.TooFewNodes("cause; fixes", "cause", 3)
+  line = tasks.too_few_nodes(config, error)
+  if want is None:
+    assert line == "cause; fixes"
+  else:
+    assert line.startswith("cause; use at most 3 stages, or ") and want in line
 
 
 def _text_files_config(tmp_path, train, test):

@@ -1,6 +1,8 @@
 """The CLI's one-line explanation of a bad command line
 (``config_cli.explain``): which flag is wrong and how to fix it."""
 
+import os
+
 import pytest
 
 from jpipe.train import base_config, config_check, config_cli, config_plan
@@ -54,6 +56,33 @@ def test_a_bad_command_line_is_explained_in_one_line(argv, error, want):
   got = config_cli.explain(argv, ValueError(error))
   assert got.startswith(want), got
   assert "\n" not in got
+
+
+@pytest.mark.parametrize(
+  "argv, stray, want",
+  [
+    (
+      [DEFAULT, "--workdir=/tmp/w", "steps=3"],
+      ["steps=3"],
+      "unexpected argument steps=3: every option is a flag (--workdir DIR, "
+      "--config.KEY=VALUE)",
+    ),
+    (
+      [DEFAULT, "--config.pipeline.recompute", "False", "x"],
+      ["False", "x"],
+      "--config.pipeline.recompute False: a boolean field takes its value "
+      "after '=' (--config.pipeline.recompute=false)",
+    ),
+    (  # A key given its value after a space took it: not the boolean case.
+      [DEFAULT, "--config.train.steps", "3", "more"],
+      ["more"],
+      "unexpected argument more: every option is a flag",
+    ),
+  ],
+)
+def test_arguments_no_flag_took_are_named(argv, stray, want):
+  """(absl leaves them to ``main``, which once exited 1 with its usage.)"""
+  assert config_cli.stray_arguments(["jpipe", *argv], stray).startswith(want)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +148,12 @@ def test_too_few_devices_names_the_replicas_when_they_add_up_past_them():
   config = config_cli.load_with_overrides(
     "configs/default.py", ["--config.pipeline.num_stages=9"]
   )
-  with pytest.raises(ValueError, match="num_stages: 9 stages need 9 devices"):
+  with pytest.raises(
+    ValueError,
+    match="num_stages: 9 stages need 9 devices.*; on CPU, XLA_FLAGS="
+    "--xla_force_host_platform_device_count=N sets the device count "
+    r"\(this run's: 8\)",
+  ):
     config_check.check_devices(config, jax.devices())
   # Several pipelines: fewer of them is a fix too.
   config = config_cli.load_with_overrides(
@@ -150,3 +184,29 @@ def test_a_bad_step_every_is_one_problem(overrides, want):
     config_check.check(config)
   assert str(error.value).startswith("invalid config: config.")
   assert want in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+  "before, after",
+  [
+    (None, "--xla_force_host_platform_device_count=8"),
+    ("", "--xla_force_host_platform_device_count=8"),
+    (  # Another flag of the user's once left one CPU device.
+      "--xla_dump_to=/tmp/d",
+      "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8",
+    ),
+    (  # The user's own count is kept.
+      "--xla_force_host_platform_device_count=2",
+      "--xla_force_host_platform_device_count=2",
+    ),
+  ],
+)
+def test_the_commands_default_to_eight_cpu_devices(monkeypatch, before, after):
+  from jpipe.train import host_devices
+
+  if before is None:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+  else:
+    monkeypatch.setenv("XLA_FLAGS", before)
+  host_devices.default_cpu_device_count()
+  assert os.environ["XLA_FLAGS"] == after

@@ -444,9 +444,13 @@ def test_cli_errors_are_a_few_lines_naming_the_fix(tmp_path):
       "--config.staleness.gap_aware_policy=bogus",
       "gap_aware_policy 'bogus': one of",
     ),
+    (  # A boolean's value after a space is a positional argument to absl.
+      "--config.pipeline.recompute True",
+      "a boolean field takes its value after '='",
+    ),
   ]:
     result = subprocess.run(
-      _cli(tmp_path, flag), capture_output=True, text=True, env=env
+      _cli(tmp_path, *flag.split()), capture_output=True, text=True, env=env
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
