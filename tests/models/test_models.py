@@ -8,6 +8,7 @@ import pytest
 
 from jpipe import partition
 from jpipe.models import gpt, mlp, resnet, t5, vgg
+from tests import jitted
 from tests.tiers import slow
 
 
@@ -82,7 +83,7 @@ def test_three_stage_split_equals_value_and_grad(name):
   plan = partition.plan_traced(traced, costs, 3)
   stages = partition.Stages(traced, plan.stage_of_node)
   out, grads = stages.run_forward_backward(params, batch)
-  ref_out, ref_grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(
+  ref_out, ref_grads = jitted.value_and_grad(loss_fn, has_aux=has_aux)(
     params, batch
   )
   for a, b in zip(

@@ -13,6 +13,7 @@ import pytest
 
 import jpipe
 from jpipe import partition
+from tests import jitted
 from tests.partition import flax_models
 from tests.tiers import slow
 
@@ -94,7 +95,7 @@ def test_splits_with_no_depth_and_trains_as_one_device(name, num_stages):
     jax.tree.map(lambda x, i=i: x[i * 4 : (i + 1) * 4], batch) for i in (0, 1)
   ]
   losses, grads = zip(
-    *(jax.value_and_grad(loss_fn)(params, h) for h in halves), strict=True
+    *(jitted.value_and_grad(loss_fn)(params, h) for h in halves), strict=True
   )
   expected = jax.tree.map(lambda p, a, b: p - lr * (a + b) / 2, params, *grads)
   assert float(metrics["loss"]) == pytest.approx(np.mean(losses), rel=1e-5)

@@ -12,6 +12,7 @@ import pytest
 
 import jpipe
 from jpipe.partition._indexed_loops import indexed_loops_as_scans
+from tests import jitted
 from tests.runtime.test_explicit_mesh import _reference
 from tests.runtime.test_pipeline_sync import _assert_tree_close
 
@@ -100,8 +101,8 @@ def _rewritten_loop(params, rows, loop="fori"):
   closed = jax.make_jaxpr(lambda *f: loss_fn(*jax.tree.unflatten(
     jax.tree.structure((params, batch)), f)))(*flat)  # fmt: skip
   rewritten = indexed_loops_as_scans(closed, num_param_leaves=3)
-  want = jax.value_and_grad(_as_function(closed), range(3))(*flat)
-  got = jax.value_and_grad(_as_function(rewritten), range(3))(*flat)
+  want = jitted.value_and_grad(_as_function(closed), range(3))(*flat)
+  got = jitted.value_and_grad(_as_function(rewritten), range(3))(*flat)
   for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
   scan = _scan(rewritten)

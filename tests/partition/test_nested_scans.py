@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jpipe.partition._nested_scans import nested_scans_as_one
+from tests import jitted
 
 A, B, D = 2, 3, 4
 
@@ -42,8 +43,8 @@ def _same_function(closed, new, params, x):
 
   args = (*leaves, x)
   argnums = tuple(range(len(args)))
-  want = jax.value_and_grad(run(closed), argnums)(*args)
-  got = jax.value_and_grad(run(new), argnums)(*args)
+  want = jitted.value_and_grad(run(closed), argnums)(*args)
+  got = jitted.value_and_grad(run(new), argnums)(*args)
   # (Another program for XLA: its CPU kernels' rounding differs across
   # machines, 2.4e-6 on an AMD EPYC.)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

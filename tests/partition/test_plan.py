@@ -7,6 +7,7 @@ import pytest
 
 from jpipe import partition
 from jpipe import schedule as jpipe_schedule
+from tests import jitted
 from tests.partition import flax_models
 
 
@@ -128,7 +129,7 @@ def test_mixed_plan_puts_several_stages_on_a_device_and_builds():
   out, grads = stages.run_forward_backward(params, batch)
   import jax
 
-  ref_out, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+  ref_out, ref_grads = jitted.value_and_grad(loss_fn)(params, batch)
   np.testing.assert_allclose(out, ref_out, rtol=1e-5)
   for a, b in zip(
     jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True

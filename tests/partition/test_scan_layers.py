@@ -9,7 +9,7 @@ import pytest
 from jpipe import partition
 from jpipe.partition._flops import eqn_flops
 from jpipe.partition._plan import INDIVISIBLE_FACTOR
-from tests import tiers
+from tests import jitted, tiers
 from tests.partition import scan_models
 
 CASES = {
@@ -105,7 +105,7 @@ def test_stages_run_their_layers_as_one_scan(case, num_stages):
   assert seconds.max() / seconds.mean() <= INDIVISIBLE_FACTOR
   assert plan.indivisible_note is None
   stages = partition.Stages(traced, plan.stage_of_node)
-  want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+  want_loss, want_grads = jitted.value_and_grad(loss_fn)(params, batch)
   for recompute in (True, False):
     loss, grads = stages.run_forward_backward(
       params, batch, recompute=recompute
@@ -218,7 +218,7 @@ def test_scan_bodies_split_per_layer(body):
   seconds = np.asarray(plan.stage_seconds)
   assert seconds.max() / seconds.mean() <= INDIVISIBLE_FACTOR
   stages = partition.Stages(traced, plan.stage_of_node)
-  want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+  want_loss, want_grads = jitted.value_and_grad(loss_fn)(params, batch)
   loss, grads = stages.run_forward_backward(params, batch, recompute=False)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   for a, b in zip(

@@ -10,6 +10,7 @@ import pytest
 
 import jpipe
 from jpipe import partition
+from tests import jitted
 from tests.partition import flax_models
 
 SGD = optax.sgd(0.1)
@@ -105,7 +106,7 @@ def test_a_split_pipeline_steps_as_one_device():
   )
   assert pipe.plan.stage_devices == ((0,), (1, 2))
   state, _ = pipe.step(pipe.init(params), batch)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jitted.grad(loss_fn)(params, batch)
   expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   for a, b in zip(
     jax.tree.leaves(pipe.gather_params(state)),

@@ -1,4 +1,4 @@
-"""The core guarantee: stages run in order = jax.value_and_grad(loss_fn)."""
+"""The core guarantee: stages run in order = jitted.value_and_grad(loss_fn)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from jpipe.partition._plan import plan_traced
 from jpipe.partition._profile import profile_nodes
 from jpipe.partition._stages import Stages
 from jpipe.partition._trace import trace
-from tests import tiers
+from tests import jitted, tiers
 from tests.partition import flax_models
 
 
@@ -18,7 +18,7 @@ from tests.partition import flax_models
 def case(request):
   loss_fn, params, batch, has_aux = flax_models.CASES[request.param]()
   traced = trace(loss_fn, params, batch, has_aux=has_aux)
-  expected = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+  expected = jitted.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
   return request.param, traced, params, batch, expected
 
 
@@ -153,7 +153,7 @@ def test_nnx_modules_inside_nnx_transforms_keep_their_paths():
   assert traced.node_names == NNX_BLOCK_NODES
   stages = Stages(traced, [0, 0, 1, 1, 2, 2])
   out, grads = stages.run_forward_backward(params, batch)
-  want_out, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+  want_out, want_grads = jitted.value_and_grad(loss_fn)(params, batch)
   _assert_tree_close(out, want_out)
   _assert_tree_close(grads, want_grads)
 
@@ -166,7 +166,7 @@ def test_tied_embedding_is_replicated_with_summed_grads():
   shared = set(stages.specs[0].param_leaves) & set(stages.specs[1].param_leaves)
   assert len(shared) == 1  # the embedding table, on both stages
   _, grads = stages.run_forward_backward(params, batch)
-  _, expected = jax.value_and_grad(loss_fn)(params, batch)
+  _, expected = jitted.value_and_grad(loss_fn)(params, batch)
   _assert_tree_close(grads, expected)
 
 
@@ -225,7 +225,7 @@ def test_scan_is_one_node_per_layer_and_dropout_rng_flows():
       for i in traced.node_eqns(traced.node_names.index(layer))
     ]
     assert prims.count("scan") == 1
-  want = jax.value_and_grad(loss_fn)(params, batch)
+  want = jitted.value_and_grad(loss_fn)(params, batch)
   for stage_of_node in ([0, 0, 1, 1, 1, 2, 2], [0, 0, 0, 1, 1, 2, 2]):
     stages = Stages(traced, stage_of_node)
     _assert_tree_close(stages.run_forward_backward(params, batch), want)

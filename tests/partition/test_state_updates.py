@@ -9,6 +9,7 @@ import pytest
 
 import jpipe
 from jpipe import partition
+from tests import jitted
 from tests.partition import flax_models
 from tests.tiers import slow
 
@@ -19,7 +20,7 @@ def _sequential(loss_fn, params, stats, batch, m):
   grads, losses = None, []
   for k in range(m):
     mb = jax.tree.map(lambda x, k=k: x[k * size : (k + 1) * size], batch)
-    (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+    (loss, stats), g = jitted.value_and_grad(loss_fn, has_aux=True)(
       params, stats, mb
     )
     losses.append(float(loss))

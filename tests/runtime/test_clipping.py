@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jpipe
+from tests import jitted
 from tests.partition import flax_models
 from tests.runtime.test_pipeline_sync import _microbatch, _reference_steps
 from tests.runtime.test_replicated_stages import LAYOUTS, _replicated
@@ -17,7 +18,7 @@ def _mean_grad_norm(loss_fn, params, batch, m):
   """The global norm of the first step's gradient (the microbatches'
   mean), by plain JAX."""
   grads = [
-    jax.grad(loss_fn)(params, _microbatch(batch, k, m)) for k in range(m)
+    jitted.grad(loss_fn)(params, _microbatch(batch, k, m)) for k in range(m)
   ]
   mean = jax.tree.map(lambda *g: sum(g) / m, *grads)
   leaves = jax.tree.leaves(mean)

@@ -20,6 +20,7 @@ import jpipe
 from jpipe import dynamic, parallel, partition
 from jpipe.partition._plain_types import plain_types
 from jpipe.runtime.build import user_mesh
+from tests import jitted
 from tests.runtime.test_generate import (
   _generate,
   _greedy_recomputing,
@@ -319,7 +320,7 @@ def test_plain_types_is_the_same_function_on_plain_arrays():
     return jax.core.eval_jaxpr(plain.jaxpr, plain.consts, w, x)[0]
 
   with jax.set_mesh(one):
-    want, want_grads = jax.value_and_grad(f, argnums=(0, 1))(w, x)
+    want, want_grads = jitted.value_and_grad(f, argnums=(0, 1))(w, x)
   got, grads = jax.jit(jax.value_and_grad(run, argnums=(0, 1)))(w, x)
   _assert_tree_close((got, grads), (want, want_grads))
   untyped = jax.make_jaxpr(jnp.sin)(x)

@@ -11,6 +11,7 @@ import pytest
 
 import jpipe
 from jpipe.train.pretrained import freeze
+from tests import jitted
 from tests.partition import flax_models
 from tests.runtime import test_generate
 from tests.runtime.test_pipeline_sync import (
@@ -95,7 +96,7 @@ def test_with_the_models_own_state():
   state, _ = pipe.step(state, batch)
   grads, new_stats = [], stats
   for k in range(M):
-    (_, new_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+    (_, new_stats), g = jitted.value_and_grad(loss_fn, has_aux=True)(
       params, new_stats, _microbatch(batch, k, M)
     )
     grads.append(g)

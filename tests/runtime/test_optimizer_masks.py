@@ -11,6 +11,7 @@ import pytest
 from flax import traverse_util
 
 import jpipe
+from tests import jitted
 
 
 class _Blocks(nn.Module):
@@ -91,7 +92,7 @@ def _pipeline(loss_fn, params, batch, schedule, tx):
 def _one_device(loss_fn, params, batch, tx, steps):
   opt_state = tx.init(params)
   for _ in range(steps):
-    grads = jax.grad(loss_fn)(params, batch)
+    grads = jitted.grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
   return params

@@ -19,6 +19,7 @@ import pytest
 
 import jpipe
 from jpipe import staleness
+from tests import jitted
 from tests.partition import flax_models
 from tests.tiers import slow
 
@@ -138,7 +139,10 @@ def _reference(pipe, params, streams, tx, opts):
       theta[pos] = fwd[owner][opos]
     return tuple(theta)
 
-  predictor = staleness.replay_predictor(tx)
+  # (Jitted, as the stage functions below: the same arithmetic, and an
+  # op-by-op reference cost the suite more than the pipelines it checks.)
+  predictor = jax.jit(staleness.replay_predictor(tx))
+  updaters = [jax.jit(t.update) for t in txs]
   current = stages.split_params(params)
   state = [txs[s].init(current[s]) for s in range(n)]
   used_per_stream = []
@@ -179,7 +183,7 @@ def _reference(pipe, params, streams, tx, opts):
         spec = stages.specs[s]
         acts = tuple(values[v_] for v_ in spec.inputs)
         inputs[s] = acts
-        outputs, _ = stages.forward(s, theta, local[s], acts)
+        outputs, _ = stages.jitted("forward", s)(theta, local[s], acts)
         values.update(zip(spec.outputs, outputs, strict=True))
       cots = {}
       for s in reversed(range(n)):
@@ -193,8 +197,8 @@ def _reference(pipe, params, streams, tx, opts):
           (1.0 / se if ftpipe_window else 1.0 / window[b]) if r == 0 else None
           for r in spec.results
         )
-        g, act_cots = stages.backward(
-          s, theta, local[s], inputs[s], out_cots, result_cots
+        g, act_cots = stages.jitted("backward", s)(
+          theta, local[s], inputs[s], out_cots, result_cots
         )
         grads[(s, b)] = g
         for v_, c in zip(spec.inputs, act_cots, strict=True):
@@ -211,11 +215,11 @@ def _reference(pipe, params, streams, tx, opts):
               g[pos] = g[pos] + pending.pop((s, pos))
           p, st = versions[s][-1], states[s][-1]
           if from_grad and applies_ga(n - 1 - s):
-            updates, st = txs[s].update(tuple(g), st, p, delay=delays[(s, b)])
+            updates, st = updaters[s](tuple(g), st, p, delay=delays[(s, b)])
           elif ga and applies_ga(n - 1 - s):
-            updates, st = txs[s].update(tuple(g), st, p, stale_params=fwd[s])
+            updates, st = updaters[s](tuple(g), st, p, stale_params=fwd[s])
           else:
-            updates, st = txs[s].update(tuple(g), st, p)
+            updates, st = updaters[s](tuple(g), st, p)
           if ftpipe_window:
             r = window[b] / se
             updates = jax.tree.map(lambda u, r=r: u * r, updates)
@@ -768,7 +772,7 @@ def test_two_bw_is_w_minus_grad_at_previous_version_across_calls():
       lambda x, t=t: x[t * minibatch : (t + 1) * minibatch], data
     )
     # The minibatch's microbatch gradients, averaged (equal sizes).
-    g = jax.grad(loss_fn)(history[-2], mb)
+    g = jitted.grad(loss_fn)(history[-2], mb)
     history.append(jax.tree.map(lambda w, g: w - lr * g, history[-1], g))
   _close(pipe.gather_params(state), history[-1], rtol=1e-4)
   # 1F1B (a flush per call) on the same data differs: 2BW is not 1F1B.
@@ -820,7 +824,7 @@ def test_checkpoint_state_roundtrip_into_another_partition():
   # Continuing synchronously equals single-device SGD from the saved state.
   loss_fn, _, _ = _mlp()
   state2, _ = pipe2.step(state2, batch)
-  grads = jax.grad(loss_fn)(saved["params"], batch)
+  grads = jitted.grad(loss_fn)(saved["params"], batch)
   tx_state = jax.tree.map(jnp.asarray, saved["opt_state"])
   names = jpipe.runtime.build.stage_optimizer.leaf_names(params)
   flat = dict(zip(names, jax.tree.leaves(grads), strict=True))

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jpipe
+from tests import jitted
 from tests.partition import flax_models
 from tests.tiers import slow
 
@@ -231,7 +232,7 @@ def test_batchnorm_state_flows_like_one_device(schedule, stages, devices):
   grads, ref_stats, losses = None, stats, []
   for k in range(m):
     mb = jax.tree.map(lambda x, k=k: x[2 * k : 2 * k + 2], batch)
-    (loss, ref_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+    (loss, ref_stats), g = jitted.value_and_grad(loss_fn, has_aux=True)(
       params, ref_stats, mb
     )
     losses.append(loss)

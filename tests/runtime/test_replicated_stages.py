@@ -13,6 +13,7 @@ import jpipe
 from jpipe import partition
 from jpipe.runtime.build.batches import place_microbatches
 from jpipe.runtime.build.placement import device_name
+from tests import jitted
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import (
@@ -137,7 +138,7 @@ def test_batchnorm_statistics_are_the_whole_microbatch_s():
   grads, ref_stats = None, stats
   for k in range(m):
     mb = jax.tree.map(lambda x, k=k: x[4 * k : 4 * k + 4], batch)
-    (_, ref_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+    (_, ref_stats), g = jitted.value_and_grad(loss_fn, has_aux=True)(
       params, ref_stats, mb
     )
     grads = g if grads is None else jax.tree.map(jnp.add, grads, g)

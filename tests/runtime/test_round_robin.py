@@ -149,6 +149,7 @@ def _pipedream_reference(pipe, params, microbatches, tx, replicas):
   versions = [[p] for p in stages.split_params(params)]
   states = [[tx.init(v[0])] for v in versions]
   grads, used = {}, {}
+  update = jax.jit(tx.update)  # (Jitted: the same arithmetic, sooner.)
   for b, mb in enumerate(microbatches):
     local = stages.split_batch(mb)
     values, fwd, inputs = {}, {}, {}
@@ -157,15 +158,15 @@ def _pipedream_reference(pipe, params, microbatches, tx, replicas):
       fwd[s] = versions[s][before[(s, b)]]
       used[("F", s, b)] = fwd[s]
       inputs[s] = tuple(values[v] for v in spec.inputs)
-      outputs, _ = stages.forward(s, fwd[s], local[s], inputs[s])
+      outputs, _ = stages.jitted("forward", s)(fwd[s], local[s], inputs[s])
       values.update(zip(spec.outputs, outputs, strict=True))
     cots = {}
     for s in reversed(range(n)):
       spec = stages.specs[s]
       out_cots = tuple(cots.get(v) for v in spec.outputs)
       result_cots = tuple(1.0 if r == 0 else None for r in spec.results)
-      grads[(s, b)], act_cots = stages.backward(
-        s, fwd[s], local[s], inputs[s], out_cots, result_cots
+      grads[(s, b)], act_cots = stages.jitted("backward", s)(
+        fwd[s], local[s], inputs[s], out_cots, result_cots
       )
       for v, c in zip(spec.inputs, act_cots, strict=True):
         if c is not None:
@@ -174,7 +175,7 @@ def _pipedream_reference(pipe, params, microbatches, tx, replicas):
       if b % r == r - 1:  # Every replica of the round has its gradient.
         round_grads = [grads[(s, x)] for x in range(b - r + 1, b + 1)]
         mean = jax.tree.map(lambda *g, r=r: sum(g) / r, *round_grads)
-        updates, state = tx.update(mean, states[s][-1], versions[s][-1])
+        updates, state = update(mean, states[s][-1], versions[s][-1])
         rate = r / replicas[0]
         updates = jax.tree.map(lambda u, rate=rate: u * rate, updates)
         versions[s].append(optax.apply_updates(versions[s][-1], updates))

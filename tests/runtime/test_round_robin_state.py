@@ -18,6 +18,7 @@ import pytest
 
 import jpipe
 from jpipe.runtime.execute import replica_state
+from tests import jitted
 from tests.partition import flax_models
 from tests.runtime import test_pipeline_async as async_tests
 from tests.runtime.test_pipeline_sync import _assert_tree_close
@@ -54,7 +55,7 @@ def _reference(loss_fn, params, stats, batch, tx, steps, replicas_of_leaf, m=M):
     for b in range(m):
       mb = jax.tree.map(lambda x, b=b: x[size * b : size * (b + 1)], batch)
       mine = [c[b % len(c)] for c in copies]
-      (_, new), g = jax.value_and_grad(loss_fn, has_aux=True)(
+      (_, new), g = jitted.value_and_grad(loss_fn, has_aux=True)(
         params, jax.tree.unflatten(treedef, mine), mb
       )
       for c, x in zip(copies, jax.tree.leaves(new), strict=True):

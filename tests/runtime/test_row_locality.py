@@ -13,7 +13,7 @@ from optax import contrib
 
 import jpipe
 from jpipe.runtime.build.row_locality import mixed_rows
-from tests import tiers
+from tests import jitted, tiers
 from tests.partition import scan_models
 
 L = 6  # rows (layers) of the stacked leaves below
@@ -220,7 +220,7 @@ def test_a_pipeline_refuses_a_row_mixing_step_on_split_scanned_rows(make, leaf):
   pipe = pipeline(tx)
   assert pipe.plan.num_stages == 2
   state, _ = pipe.step(pipe.init(params), batch)
-  g = jax.grad(loss_fn)(params, batch)
+  g = jitted.grad(loss_fn)(params, batch)
   u, _ = tx.update(g, tx.init(params), params)
   want = optax.apply_updates(params, u)
   jax.tree.map(

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jpipe
-from tests import tiers
+from tests import jitted, tiers
 from tests.partition import scan_models
 from tests.partition.scan_models import LAYERS, D
 
@@ -54,7 +54,7 @@ def test_1f1b_step_equals_the_single_device_step(make):
   layer_stages = {s for n, s in pipe.plan.stage_of.items() if "[" in n}
   assert len(layer_stages) == 4  # The layers spread over every stage.
   state, _ = pipe.step(pipe.init(params), batch)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jitted.grad(loss_fn)(params, batch)
   want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   _close(pipe.gather_params(state), want)  # Stacked, as the model declares.
 
@@ -153,7 +153,7 @@ def _one_step_equals_one_device(case, num_stages, atol=1e-6):
   seconds = np.asarray(pipe.plan.stage_seconds)
   assert seconds.max() / seconds.mean() <= 1.3
   state, _ = pipe.step(pipe.init(params), batch)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jitted.grad(loss_fn)(params, batch)
   want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   _close(pipe.gather_params(state), want, atol=atol)
 
@@ -219,7 +219,7 @@ def test_stacked_layouts_train_save_and_load_in_their_layout(
   layer_stages = {s for n, s in pipe.plan.stage_of.items() if "[" in n}
   assert layer_stages == set(range(num_stages))
   state, _ = pipe.step(pipe.init(params), batch)
-  grads = jax.grad(loss_fn)(params, batch)
+  grads = jitted.grad(loss_fn)(params, batch)
   updates, opt = tx.update(grads, tx.init(params), params)
   _close(pipe.gather_params(state), optax.apply_updates(params, updates))
   saved = pipe.state_dict(state)

@@ -17,6 +17,7 @@ from examples.nnx_model import CNN
 from jpipe.train import model_calls, tasks
 from jpipe.train.errors import UsageError
 from jpipe.train.nnx_models import NnxModel
+from tests import jitted
 from tests.runtime.test_pipeline_sync import _assert_tree_close
 from tests.train.test_train import ROOT, _cli_env, _config
 
@@ -197,7 +198,7 @@ def test_a_pipeline_of_the_nnx_task_equals_a_microbatch_loop(schedule):
   grads, stats, losses, size = None, task.model_state, [], len(batch["y"]) // m
   for k in range(m):
     mb = jax.tree.map(lambda x, k=k: x[k * size : (k + 1) * size], batch)
-    (loss, stats), g = jax.value_and_grad(task.loss_fn, has_aux=True)(
+    (loss, stats), g = jitted.value_and_grad(task.loss_fn, has_aux=True)(
       task.params, stats, mb
     )
     losses.append(loss)
