@@ -63,9 +63,12 @@ def _nnx_loop(model, loss_fn, batch, has_aux=False):
   advancing), the mean gradient, SGD; (params, other state, losses)."""
   model = nnx.clone(model)
   grads, losses, size = None, [], B // M
+  # (nnx.jit: the same step, its state updates kept; op by op it cost
+  # more than the pipelines it checks.)
+  step = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=has_aux))
   for k in range(M):
     mb = jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], batch)
-    out, g = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, mb)
+    out, g = step(model, mb)
     losses.append(out[0] if has_aux else out)
     grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
   params = jax.tree.map(
@@ -252,7 +255,7 @@ def test_lora_wrt_trains_as_nnx_own_lora_loop(stages, schedule):
 
   ref = nnx.clone(model)
   opt = nnx.Optimizer(ref, tx, wrt=nnx.LoRAParam)
-  grad = nnx.grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))
+  grad = nnx.jit(nnx.grad(lm_loss, argnums=nnx.DiffState(0, nnx.LoRAParam)))
   size = B // M
   for _ in range(2):
     grads = [
