@@ -611,7 +611,8 @@ def test_loss_is_the_mean_over_the_calls_microbatches():
       local = pipe.stages.split_batch(mb)
       for s in range(NUM_STAGES):
         theta = jax.device_get(used[0][("F", s, b)])
-        outputs, results = pipe.stages.forward(s, theta, local[s], acts)
+        forward = pipe.stages.jitted("forward", s)
+        outputs, results = forward(theta, local[s], acts)
         acts = outputs
       losses.append(float(results[0]))
     np.testing.assert_allclose(float(call["loss"]), np.mean(losses), 1e-5)
