@@ -13,7 +13,7 @@ import sys
 
 # Without an accelerator, 8 CPU devices so a pipeline has devices to run
 # on (before jax starts its backend; harmless on GPU machines).
-from jpipe.train import host_devices  # noqa: E402
+from jpipe.train import host_devices
 
 host_devices.default_cpu_device_count()
 

@@ -85,13 +85,12 @@ def parse_flags(argv: list[str], command: Command = TRAIN) -> list[str]:
     # ml_collections defers a config file's load errors to the first read.
     if flags.FLAGS["config"].present:
       flags.FLAGS.config.to_dict()
-    if len(rest) > 1:
-      why = stray_arguments(argv, rest[1:])
   except Exception as e:  # absl's flag errors and the overrides' raw ones.
     why = explain(argv, e, needs_workdir=command.needs_workdir)
   else:
     if len(rest) == 1:
       return rest
+    why = stray_arguments(argv, rest[1:])  # (absl leaves them to main.)
   sys.stderr.write(
     f"error: {why}\n(python -m {command.module} --help lists every config "
     "field)\n"

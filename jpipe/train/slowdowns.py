@@ -17,7 +17,7 @@ import functools
 import os
 import sys
 
-from jpipe.train import host_devices  # noqa: E402
+from jpipe.train import host_devices
 
 host_devices.default_cpu_device_count()
 

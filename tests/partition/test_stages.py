@@ -1,4 +1,4 @@
-"""The core guarantee: stages run in order = jitted.value_and_grad(loss_fn)."""
+"""The core guarantee: stages run in order = jax.value_and_grad(loss_fn)."""
 
 import jax
 import jax.numpy as jnp
