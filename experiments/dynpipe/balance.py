@@ -186,6 +186,8 @@ def main(argv):
 if __name__ == "__main__":
   # Set here, not at import: a test importing this module must not change
   # the environment its later subprocesses inherit.
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  from jpipe.train.host_devices import default_cpu_device_count
+
+  default_cpu_device_count(8)
   define_flags()
   app.run(main)

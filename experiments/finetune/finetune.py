@@ -18,7 +18,9 @@ import os
 import tempfile
 
 # Before jax loads: a CPU run gets 8 devices, as python -m jpipe.train does.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jpipe.train.host_devices import default_cpu_device_count
+
+default_cpu_device_count(8)
 
 from absl import app, flags  # noqa: E402
 

@@ -23,10 +23,10 @@ Usage: python -m experiments.runtime.grad_accum_dtype [--size small]
   [--microbatches 4,16,64] [--pairs 5] [--train_steps 0]
 """
 
-import os
-
 # (Two stages on two devices: fake CPU ones without an accelerator.)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jpipe.train.host_devices import default_cpu_device_count
+
+default_cpu_device_count(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -22,7 +22,9 @@ import json
 import os
 
 # On a CPU, one fake device per stage (a GPU machine has its own).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jpipe.train.host_devices import default_cpu_device_count
+
+default_cpu_device_count(8)
 
 import jax  # noqa: E402
 import optax  # noqa: E402

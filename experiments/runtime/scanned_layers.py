@@ -12,9 +12,9 @@ compile), the first step (its programs compiled), the median of
 Usage: python -m experiments.runtime.scanned_layers
 """
 
-import os
+from jpipe.train.host_devices import default_cpu_device_count
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+default_cpu_device_count(4)
 
 import time  # noqa: E402
 

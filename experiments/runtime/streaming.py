@@ -22,7 +22,9 @@ Usage: python -m experiments.runtime.streaming [--calls 50]
 import json
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jpipe.train.host_devices import default_cpu_device_count
+
+default_cpu_device_count(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -23,7 +23,9 @@ import os
 import time
 
 # One fake CPU device per planned device (the plan only needs their count).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+from jpipe.train.host_devices import default_cpu_device_count
+
+default_cpu_device_count(16)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

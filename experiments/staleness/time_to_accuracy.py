@@ -27,7 +27,9 @@ import json
 import os
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from jpipe.train.host_devices import default_cpu_device_count
+
+default_cpu_device_count(8)
 
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
