@@ -205,6 +205,7 @@ def build_runtime(
     hooks=hooks,
     clip_global_norm=request.clip_global_norm,
     skip_nonfinite=request.skip_nonfinite_steps,
+    loss_scale=request.loss_scale,
     partial_window=staleness.partial_window,
     param_storage=param_storage,
   )

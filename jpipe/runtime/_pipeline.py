@@ -139,6 +139,16 @@ class Pipeline(
       refuses: its check spans stages), and ``metrics["step_skipped"]``
       says so (a device bool), e.g. for float16 dynamic loss scaling.
       Synchronous schedules only.
+    loss_scale: a static loss scale S for float16 activations, whose
+      small cotangents underflow to zero: each backward starts from the
+      loss cotangent times S (so every activation cotangent passed
+      between stages is S times larger) and each step divides its
+      gradient by S before clipping and the optimizer, as optax's or
+      Megatron's static loss scaling on one device (the norm clipped is
+      the unscaled gradient's). A power of two scales exactly: a float32
+      model's steps are bitwise those without it. Too large a scale
+      overflows to inf (``skip_nonfinite_steps`` skips such a step).
+      Any schedule. None: no scaling.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params
@@ -180,6 +190,7 @@ class Pipeline(
   clip_global_norm = _part("request", "clip_global_norm")
   grad_accum_dtype = _part("request", "grad_accum_dtype")
   skip_nonfinite_steps = _part("request", "skip_nonfinite_steps")
+  loss_scale = _part("request", "loss_scale")
   traced = _part("cut", "traced")
   granularity = _part("cut", "granularity")
   num_batch_leaves = _part("cut", "num_batch_leaves")
@@ -224,6 +235,7 @@ class Pipeline(
     clip_global_norm: float | None = None,
     grad_accum_dtype: Any = None,
     skip_nonfinite_steps: bool = False,
+    loss_scale: float | None = None,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
     partitioning: Partitioning | None = None,
@@ -251,6 +263,7 @@ class Pipeline(
       clip_global_norm,
       grad_accum_dtype,
       skip_nonfinite_steps,
+      loss_scale,
     )
     parts = build_pipeline(
       loss_fn,

@@ -53,6 +53,8 @@ def _run(pipe, state, fed, m, batches, profile):
     cotangent = 1.0 / m
   else:  # A window's mean (a short one is rescaled at its step).
     cotangent = 1.0 / pipe.stream.step_every
+  # (Times the loss scale; each step divides its gradient by it.)
+  cotangent *= pipe.driver.loss_scale
   out = pipe.driver.run(
     call,
     stage_params=state.stage_params,

@@ -70,6 +70,9 @@ class Request:
     skip_nonfinite_steps: a step whose global gradient holds a NaN or
       an infinity leaves every stage's params and optimizer state as
       they were (synchronous schedules).
+    loss_scale: the static loss scale S (each backward starts from the
+      loss cotangent times S, each step's gradient is divided by S), or
+      None.
     auto_schedule: ``schedule="auto"`` was asked for: the schedule is
       chosen once the plan is solved (``build/auto_schedule.py``); until
       then ``schedule_kind`` is the one auto plans as (1f1b).
@@ -91,6 +94,7 @@ class Request:
   clip_global_norm: float | None = None
   grad_accum_dtype: Any = None
   skip_nonfinite_steps: bool = False
+  loss_scale: float | None = None
   auto_schedule: bool = False
   schedule_choice: Any = None
   batch_spec: Any = None
@@ -107,6 +111,7 @@ def check_request(
   clip_global_norm: float | None = None,
   grad_accum_dtype: Any = None,
   skip_nonfinite_steps: bool = False,
+  loss_scale: float | None = None,
 ) -> Request:
   """The options checked against each other and the devices, before any
   work (``devices`` None: all of them; ``options``: the staleness and
@@ -142,6 +147,7 @@ def check_request(
       f"not take these options ({e}); name a schedule to use them"
     ) from None
   _check_step_options(kind, clip_global_norm, skip_nonfinite_steps)
+  loss_scale = check_loss_scale(loss_scale)
   batch_spec = BatchSpec.of(example_batch)
   micro = _microbatch_size(example_batch, num_microbatches)
   try:
@@ -169,6 +175,7 @@ def check_request(
     clip_global_norm,
     check_grad_accum_dtype(grad_accum_dtype),
     bool(skip_nonfinite_steps),
+    loss_scale,
     auto_schedule=auto,
     batch_spec=batch_spec,
   )
@@ -188,6 +195,20 @@ def _check_step_options(kind, clip_global_norm, skip_nonfinite_steps):
       "the others apply their gradients would train a mix (use gpipe, "
       "1f1b, ...)"
     )
+
+
+def check_loss_scale(loss_scale) -> float | None:
+  """``loss_scale`` as a float: finite and > 0 (None: no scaling)."""
+  if loss_scale is None:
+    return None
+  if isinstance(loss_scale, str) or not (
+    isinstance(loss_scale, (int, float)) and 0 < loss_scale < float("inf")
+  ):
+    raise ValueError(
+      f"loss_scale must be a finite number > 0 (e.g. 2.0**12; a power of "
+      f"two scales exactly) or None, got {loss_scale!r}"
+    )
+  return float(loss_scale)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,11 +18,13 @@ def plain_gradient(d) -> bool:
   )
 
 
-def global_clip_factors(d, grads: dict) -> dict:
+def global_clip_factors(d, grads: dict, unscale: float = 1.0) -> dict:
   """``{stage: its gradient's factor}`` for this process's synchronous
-  steps: ``min(1, clip / global norm)``, the norm over every stage's
-  gradient (``grads``: this process's, reduced), summed per process and
-  then over processes (every process calls it, in step order)."""
+  steps: ``unscale * min(1, clip / global norm)``, the norm over every
+  stage's gradient (``grads``: this process's, reduced, each ``1 /
+  unscale`` times the true one: a loss scale) times ``unscale``, summed
+  per process and then over processes (every process calls it, in step
+  order)."""
   # Every process of a group across processes computes its norm (a
   # program over the group); its lead alone adds it.
   norms = {s: grad_sq_norm(d, s, g) for s, g in sorted(grads.items())}
@@ -33,7 +35,7 @@ def global_clip_factors(d, grads: dict) -> dict:
     device = d.placement[led[0]].device
     partial = sum(put(local_copy(norms[s]), device) for s in led)
   total = d.transport.all_sum(partial)
-  return {s: clip_factor(d, s, total) for s in grads}
+  return {s: clip_factor(d, s, total, unscale) for s in grads}
 
 
 def grad_sq_norm(d, s, grads):
@@ -45,11 +47,12 @@ def grad_sq_norm(d, s, grads):
   return _sq_norm(tuple(grads))
 
 
-def clip_factor(d, s, total_sq):
-  """``min(1, clip / sqrt(total_sq))`` on stage s's devices (no clip:
-  1); NaN where ``total_sq`` is not finite (a step that skips)."""
+def clip_factor(d, s, total_sq, unscale: float = 1.0):
+  """``unscale * min(1, clip / (unscale * sqrt(total_sq)))`` on stage
+  s's devices (no clip: ``unscale``); NaN where ``total_sq`` is not
+  finite (a step that skips)."""
   clip = jnp.inf if d.clip_global_norm is None else d.clip_global_norm
-  factor = _clip_factor(total_sq, clip, d.skip_nonfinite)
+  factor = _clip_factor(total_sq, clip, unscale, d.skip_nonfinite)
   return d.placement[s].put_replicated(factor)
 
 
@@ -65,11 +68,13 @@ def _sq_norm(leaves):
   return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _clip_factor(total_sq, clip, skip: bool):
-  """``optax.clip_by_global_norm``'s factor: 1 below ``clip``, else
-  clip / norm; with ``skip``, NaN where the norm is not finite (the
-  signal a skipping step reads)."""
-  norm = jnp.sqrt(total_sq)
-  factor = jnp.where(norm < clip, 1.0, clip / norm)
+@functools.partial(jax.jit, static_argnums=3)
+def _clip_factor(total_sq, clip, unscale, skip: bool):
+  """``optax.clip_by_global_norm``'s factor of the gradient whose
+  squared norm is ``total_sq * unscale**2`` (a loss-scaled one's times
+  ``unscale``, its true norm) times ``unscale``: ``unscale`` below
+  ``clip``, else ``unscale * clip / norm``; with ``skip``, NaN where the
+  norm is not finite (the signal a skipping step reads)."""
+  norm = jnp.sqrt(total_sq) * unscale
+  factor = jnp.where(norm < clip, 1.0, clip / norm) * unscale
   return jnp.where(jnp.isfinite(norm), factor, jnp.nan) if skip else factor

@@ -1,0 +1,183 @@
+"""``loss_scale``: static loss scaling for float16 activations. Each
+backward starts from the loss cotangent times S and each step divides its
+gradient by S (clipping sees the unscaled norm), as on one device: a
+power of two changes no bit of a float32 model's steps, float16
+cotangents that underflow without it survive with it, and too large a
+scale overflows into a skipped step."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jpipe
+from tests.partition import flax_models
+
+
+def _pipeline(loss_fn, params, batch, schedule="1f1b", **options):
+  return jpipe.Pipeline(
+    loss_fn,
+    params,
+    batch,
+    num_stages=2,
+    devices=jax.devices()[:2],
+    num_microbatches=2,
+    optimizer=optax.sgd(0.1, momentum=0.9),
+    schedule=schedule,
+    **options,
+  )
+
+
+def _params_after(pipe, params, batches):
+  state = pipe.init(params)
+  for batch in batches:
+    state, _ = pipe.step(state, batch)
+  state, _ = pipe.flush(state)
+  return pipe.gather_params(state)
+
+
+@pytest.mark.parametrize(
+  "schedule, options",
+  [
+    ("1f1b", {}),
+    ("1f1b", {"clip_global_norm": 0.05}),
+    ("zbv", {}),
+    ("async", {"weight_stashing": True}),
+    # (Clipped at every step, as here, a gradient's scale cancels: the
+    # case checks the stream's norm path, the one above its division.)
+    ("async", {"weight_stashing": True, "clip_global_norm": 0.05}),
+  ],
+)
+def test_a_power_of_two_changes_no_bit_of_a_float32_model(schedule, options):
+  # Scaling by 2**k and back is exact in floating point (no overflow or
+  # underflow here): any step that missed the division, or divided
+  # twice, or clipped the scaled norm, would be off by a power of two.
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  stages = 4 if schedule == "zbv" else 2
+  batches = [batch, jax.tree.map(lambda x: x[::-1], batch)]
+  got = {}
+  for scale in (None, 2.0**10):
+    pipe = jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=stages,
+      devices=jax.devices()[: 2 if schedule == "zbv" else stages],
+      num_microbatches=2,
+      optimizer=optax.sgd(0.1, momentum=0.9),
+      schedule=schedule,
+      loss_scale=scale,
+      **options,
+    )
+    got[scale] = _params_after(pipe, params, batches)
+  for x, y in zip(
+    jax.tree.leaves(got[None]), jax.tree.leaves(got[2.0**10]), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class _HalfMLP(nn.Module):
+  """Float32 params, float16 activations (Flax's ``dtype``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = nn.tanh(nn.Dense(8, dtype=jnp.float16)(x))
+    return nn.Dense(1, dtype=jnp.float16)(x)
+
+
+def _half_case():
+  model = _HalfMLP()
+  x = jax.random.normal(jax.random.key(0), (8, 4))
+  y = jax.random.normal(jax.random.key(1), (8, 1))
+  batch = {"x": x, "y": y}
+  params = model.init(jax.random.key(2), x)["params"]
+
+  def loss_fn(p, b):
+    out = model.apply({"params": p}, b["x"]).astype(jnp.float32)
+    # A loss this small makes float16 cotangents underflow to zero.
+    return 1e-6 * jnp.mean(jnp.square(out - b["y"]))
+
+  return loss_fn, params, batch
+
+
+def _reference_grads(loss_fn, params, batch, scale, m=2):
+  """One device: the microbatches' gradients of ``loss * scale / m``
+  (float16 activations alike), summed in float32, then divided by
+  ``scale``."""
+  grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, b) * (scale / m)))
+  size = len(batch["x"]) // m
+  micro = [
+    jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch)
+    for i in range(m)
+  ]
+  total = grad(params, micro[0])
+  for b in micro[1:]:
+    total = jax.tree.map(jnp.add, total, grad(params, b))
+  return jax.tree.map(lambda g: g / scale, total)
+
+
+RATE = 2.0**20
+
+
+def test_float16_cotangents_survive_the_scale_as_on_one_device():
+  loss_fn, params, batch = _half_case()
+  scale = 2.0**14
+  want = _reference_grads(loss_fn, params, batch, scale)
+  lost = _reference_grads(loss_fn, params, batch, 1.0)
+  # Why it exists: unscaled, some float16 cotangents underflow to zero.
+  zero = sum(int(jnp.sum(g == 0)) for g in jax.tree.leaves(lost))
+  assert zero > sum(int(jnp.sum(g == 0)) for g in jax.tree.leaves(want))
+  # Plain SGD at rate 2**20 (a gradient ~1e-7 beside params ~0.5 would
+  # be lost in their float32 rounding): a step's change is minus its
+  # gradient times the rate.
+  for s, expect in ((scale, want), (None, lost)):
+    pipe = jpipe.Pipeline(
+      loss_fn,
+      params,
+      batch,
+      num_stages=2,
+      devices=jax.devices()[:2],
+      num_microbatches=2,
+      optimizer=optax.sgd(RATE),
+      schedule="1f1b",
+      loss_scale=s,
+    )
+    new = _params_after(pipe, params, [batch])
+    step = jax.tree.map(
+      lambda a, b: (np.asarray(a) - np.asarray(b)) / RATE, new, params
+    )
+    for got, g in zip(
+      jax.tree.leaves(step), jax.tree.leaves(expect), strict=True
+    ):
+      np.testing.assert_allclose(got, -np.asarray(g), rtol=1e-3, atol=1e-12)
+
+
+def test_an_overflowing_scale_skips_the_step():
+  loss_fn, params, batch = _half_case()
+
+  def big(p, b):  # Cotangents past float16's largest number, 65504.
+    return loss_fn(p, b) * 1e9
+
+  pipe = _pipeline(
+    big, params, batch, loss_scale=2.0**15, skip_nonfinite_steps=True
+  )
+  start = pipe.init(params)
+  state, metrics = pipe.step(start, batch)
+  assert bool(metrics["step_skipped"])
+  for x, y in zip(
+    jax.tree.leaves(pipe.gather_params(state)),
+    jax.tree.leaves(params),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert pipe.loss_scale == 2.0**15
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "2"])
+def test_a_scale_that_is_not_a_positive_number_is_refused(bad):
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  with pytest.raises(ValueError, match="loss_scale must be a finite number"):
+    _pipeline(loss_fn, params, batch, loss_scale=bad)
