@@ -17,6 +17,7 @@ from jpipe.runtime._stacked import HeldRows
 from jpipe.runtime.build.auto_schedule import auto_plan, rank_for_plan
 from jpipe.runtime.build.grad_dtype import check_grad_accum_dtype
 from jpipe.runtime.build.key_arrays import is_key
+from jpipe.runtime.build.loss_scale import DynamicLossScale, LossScaleState
 from jpipe.runtime.build.memory import (
   StageMemory,
   format_bytes,
@@ -45,6 +46,8 @@ __all__ = [
   "REPLICA_ROUTINGS",
   "DeviceSlowdowns",
   "DriverHooks",
+  "DynamicLossScale",
+  "LossScaleState",
   "GAP_AWARE_POLICIES",
   "HeldRows",
   "opt_state_from_optax",

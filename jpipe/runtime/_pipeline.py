@@ -44,6 +44,7 @@ from jpipe.runtime._pipeline_inference import PipelineInferenceMethods
 from jpipe.runtime._pipeline_memory import PipelineMemoryMethods
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime._pipeline_state_methods import PipelineStateMethods
+from jpipe.runtime.build.loss_scale import DynamicLossScale
 from jpipe.runtime.build.options import Staleness
 from jpipe.runtime.build.partitioning import Partitioning
 from jpipe.runtime.build.phases import check_request
@@ -139,16 +140,24 @@ class Pipeline(
       refuses: its check spans stages), and ``metrics["step_skipped"]``
       says so (a device bool), e.g. for float16 dynamic loss scaling.
       Synchronous schedules only.
-    loss_scale: a static loss scale S for float16 activations, whose
-      small cotangents underflow to zero: each backward starts from the
-      loss cotangent times S (so every activation cotangent passed
-      between stages is S times larger) and each step divides its
-      gradient by S before clipping and the optimizer, as optax's or
-      Megatron's static loss scaling on one device (the norm clipped is
-      the unscaled gradient's). A power of two scales exactly: a float32
-      model's steps are bitwise those without it. Too large a scale
-      overflows to inf (``skip_nonfinite_steps`` skips such a step).
-      Any schedule. None: no scaling.
+    loss_scale: loss scaling for float16 activations, whose small
+      cotangents underflow to zero. A number S (static, any schedule):
+      each backward starts from the loss cotangent times S (so every
+      activation cotangent passed between stages is S times larger) and
+      each step divides its gradient by S before clipping and the
+      optimizer, as static loss scaling on one device (the norm clipped
+      is the unscaled gradient's). A power of two scales exactly: a
+      float32 model's steps are bitwise those without it. Too large a
+      scale overflows to inf (``skip_nonfinite_steps`` skips such a
+      step). ``"dynamic"`` or a ``jpipe.runtime.DynamicLossScale``
+      (synchronous schedules): the scale is halved at each step whose
+      gradient overflows (the step skipped, as with
+      ``skip_nonfinite_steps``, which it implies) and doubled after a
+      run of finite steps; its state is the ``PipelineState``'s
+      ``loss_scale``, saved in the state dict, and each step's
+      ``metrics["loss_scale"]`` is the scale it used. Each step then
+      reads its skip flag on the host, waiting for the step to end, as
+      Megatron's scaler does. None: no scaling.
     hooks: a ``jpipe.runtime.DriverHooks`` called around this pipeline's
       actions, for the stages this process runs (before each forward or
       backward, on each gradient before its step, on each stage's params
@@ -235,7 +244,7 @@ class Pipeline(
     clip_global_norm: float | None = None,
     grad_accum_dtype: Any = None,
     skip_nonfinite_steps: bool = False,
-    loss_scale: float | None = None,
+    loss_scale: "float | str | DynamicLossScale | None" = None,
     hooks: DriverHooks | None = None,
     staleness: Staleness | None = None,
     partitioning: Partitioning | None = None,

@@ -36,6 +36,11 @@ from jpipe.runtime._state_dict import (
 )
 from jpipe.runtime.build.grad_dtype import cast_floating
 from jpipe.runtime.build.key_arrays import host_key_data, keys_from_data
+from jpipe.runtime.build.loss_scale import (
+  LossScaleState,
+  from_state_dict,
+  state_dict_entry,
+)
 from jpipe.runtime.build.stage_optimizer import leaf_names
 from jpipe.runtime.build.user_mesh import own_type
 from jpipe.runtime.execute.in_flight import InFlight
@@ -69,6 +74,9 @@ class PipelineState(NamedTuple):
   # Per model-state leaf of a round-robin stage, its replicas 1..k-1's
   # own copies (replica_state); empty: every replica at model_state's.
   replica_model_state: tuple = ()
+  # A dynamic loss scale's state (``build/loss_scale.py``: host numbers);
+  # None without one.
+  loss_scale: LossScaleState | None = None
 
 
 def init_state(
@@ -353,9 +361,10 @@ def state_dict(pipe, state) -> dict[str, Any]:
     keyed by global leaf path (``runtime/build/params_view.py``),
     "gap_aware": {"sq_avg": {path: array}, "count", "max_learning_rate"}
     for the leaves of Gap-Aware stages ({} without Gap-Aware),
-    "model_state": the model state pytree or None, "step": int}``. It
-    needs a drained pipeline (``flush``), so no stash or in-flight
-    microbatch needs saving.
+    "model_state": the model state pytree or None, "step": int}``, and
+    with a dynamic loss scale ``"loss_scale": {"scale": float,
+    "good_steps": int}``. It needs a drained pipeline (``flush``), so no
+    stash or in-flight microbatch needs saving.
   """
   check_drained(state, "state_dict")
   opt_states = trees_everywhere(
@@ -368,7 +377,7 @@ def state_dict(pipe, state) -> dict[str, Any]:
     return None
   merged, gap = merge_optimizer_states(pipe.stage_optimizers, opt_states)
   merged, gap = stack_keyed(pipe, merged), stack_keyed(pipe, gap)
-  return {
+  tree = {
     "params": gather_params(pipe, state),
     "opt_state": merged,
     "gap_aware": gap,
@@ -376,6 +385,9 @@ def state_dict(pipe, state) -> dict[str, Any]:
     "model_state": jax.tree.map(host_key_data, gather_model_state(pipe, state)),
     "step": int(state.step),
   }
+  if state.loss_scale is not None:
+    tree["loss_scale"] = state_dict_entry(state.loss_scale)
+  return tree
 
 
 def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
@@ -436,6 +448,11 @@ def load_state_dict(pipe, tree: Mapping[str, Any]) -> Any:
   )
   for s, opt_state in zip(owned, loaded, strict=True):
     opt_states[s] = opt_state
+  # A dynamic loss scale goes on from the saved one (from its start
+  # where the state was saved without one).
+  loss_scale = base.loss_scale
+  if loss_scale is not None and "loss_scale" in tree:
+    loss_scale = from_state_dict(tree["loss_scale"])
   return pipe.drained_state(
-    stage_params, opt_states, int(tree["step"]), base.model_state
+    stage_params, opt_states, int(tree["step"]), base.model_state, loss_scale
   )

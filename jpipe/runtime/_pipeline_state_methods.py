@@ -11,6 +11,7 @@ import jax
 from jpipe.runtime import _pipeline_state, _process_state
 from jpipe.runtime._pipeline_state import PipelineState
 from jpipe.runtime.build.flat import PackedTree
+from jpipe.runtime.build.loss_scale import DynamicLossScale
 from jpipe.runtime.build.user_mesh import every_process
 from jpipe.runtime.execute.in_flight import InFlight
 
@@ -61,11 +62,21 @@ class PipelineStateMethods:
     leaves ``params`` (arrays or ``jax.ShapeDtypeStruct``)."""
     return jax.eval_shape(self.programs.grad_layouts[stage].pack, params)
 
-  def drained_state(self, stage_params, opt_states, step, model_state):
-    """A drained state: a new stream for asynchronous schedules."""
+  def drained_state(
+    self, stage_params, opt_states, step, model_state, loss_scale=None
+  ):
+    """A drained state: a new stream for asynchronous schedules; a
+    dynamic loss scale's ``loss_scale`` (None: its start)."""
     flight = InFlight.start(stage_params) if self.stream else None
+    if loss_scale is None and isinstance(self.loss_scale, DynamicLossScale):
+      loss_scale = self.loss_scale.start()
     return PipelineState(
-      tuple(stage_params), tuple(opt_states), step, tuple(model_state), flight
+      tuple(stage_params),
+      tuple(opt_states),
+      step,
+      tuple(model_state),
+      flight,
+      loss_scale=loss_scale,
     )
 
   def _own_state_signature(self) -> tuple:

@@ -35,6 +35,7 @@ from jpipe.runtime._stacked import (
 )
 from jpipe.runtime._state_dict import merge_unpacked
 from jpipe.runtime.build.key_arrays import host_key_data, key_data
+from jpipe.runtime.build.loss_scale import DynamicLossScale
 from jpipe.runtime.build.placement import local_copy
 
 
@@ -66,6 +67,22 @@ def _step_aval():
   return jax.ShapeDtypeStruct((), np.int64)
 
 
+def _loss_scale_avals(pipe) -> dict | None:
+  """A dynamic loss scale's state-dict entry as avals (None without
+  one)."""
+  if not isinstance(pipe.loss_scale, DynamicLossScale):
+    return None
+  return {
+    "scale": jax.ShapeDtypeStruct((), np.float64),
+    "good_steps": _step_aval(),
+  }
+
+
+def _with_loss_scale(tree: dict, entry) -> dict:
+  """``tree`` with a dynamic loss scale's entry (none without one)."""
+  return tree if entry is None else {**tree, "loss_scale": entry}
+
+
 def local_state_dict(pipe, state) -> dict[str, Any]:
   """``state_dict``'s structure: the leaves this process writes as
   arrays, the others as ``jax.ShapeDtypeStruct``. Needs a drained
@@ -90,13 +107,21 @@ def local_state_dict(pipe, state) -> dict[str, Any]:
     for s, opt in enumerate(pipe.stage_optimizers)
   ]
   opt_state, gap = merge_unpacked(pipe.stage_optimizers, trees)
-  return {
+  tree = {
     "params": jax.tree.unflatten(pipe.params_treedef, join_rows(pipe, params)),
     "opt_state": stack_keyed(pipe, opt_state),
     "gap_aware": stack_keyed(pipe, gap),
     "model_state": _local_model_state(pipe, state),
     "step": np.int64(state.step) if owns(0) else _step_aval(),
   }
+  entry = _loss_scale_avals(pipe)
+  if entry is not None and owns(0):  # (Every process's is the same.)
+    scale = state.loss_scale
+    entry = {
+      "scale": np.float64(scale.scale),
+      "good_steps": np.int64(scale.good_steps),
+    }
+  return _with_loss_scale(tree, entry)
 
 
 def _local_model_state(pipe, state):
@@ -174,7 +199,10 @@ def state_dict_layout(pipe) -> tuple[dict[str, Any], dict[str, Any]]:
     "model_state": jax.tree.map(lambda _: True, model_state),
     "step": True,
   }
-  return layout, needed
+  entry = _loss_scale_avals(pipe)
+  return _with_loss_scale(layout, entry), _with_loss_scale(
+    needed, None if entry is None else {"scale": True, "good_steps": True}
+  )
 
 
 def _paths(trees) -> set[str]:

@@ -53,8 +53,11 @@ def _run(pipe, state, fed, m, batches, profile):
     cotangent = 1.0 / m
   else:  # A window's mean (a short one is rescaled at its step).
     cotangent = 1.0 / pipe.stream.step_every
-  # (Times the loss scale; each step divides its gradient by it.)
-  cotangent *= pipe.driver.loss_scale
+  # Times the loss scale (a dynamic one's now); each step divides its
+  # gradient by it.
+  dynamic = state.loss_scale
+  scale = pipe.driver.loss_scale if dynamic is None else dynamic.scale
+  cotangent *= scale
   out = pipe.driver.run(
     call,
     stage_params=state.stage_params,
@@ -64,6 +67,7 @@ def _run(pipe, state, fed, m, batches, profile):
     in_flight=flight,
     batches=batches,
     loss_cotangent=cotangent,
+    loss_scale=scale,
     profiler=profiler,
   )
   flight = out.in_flight
@@ -73,6 +77,28 @@ def _run(pipe, state, fed, m, batches, profile):
     flight = InFlight.start(out.stage_params) if pipe.stream else None
   else:
     flight = dataclasses.replace(flight, fed=fed + m)
+  metrics = _metrics(pipe, out, profiler)
+  if dynamic is not None and m is not None:
+    metrics["loss_scale"] = scale
+    # Reading the flag waits for the step, as Megatron's scaler does: the
+    # next scale depends on it. (Every process running a stage has it,
+    # from the global norm; a process running none keeps its scale.)
+    if out.step_skipped is not None:
+      dynamic = pipe.loss_scale.adjust(dynamic, not bool(out.step_skipped))
+  new = PipelineState(
+    tuple(out.stage_params),
+    tuple(out.opt_states),
+    state.step + (m is not None),
+    tuple(out.model_state),
+    flight,
+    out.replica_model_state,
+    dynamic,
+  )
+  return new, metrics
+
+
+def _metrics(pipe, out, profiler) -> dict:
+  """A call's metrics from the driver's ``CallResult``."""
   metrics = {
     "param_versions": tuple(out.param_versions),
     "param_bytes": tuple(out.param_bytes),
@@ -87,12 +113,4 @@ def _run(pipe, state, fed, m, batches, profile):
     metrics["used_params"] = out.used_params
   if out.step_skipped is not None:
     metrics["step_skipped"] = out.step_skipped
-  new = PipelineState(
-    tuple(out.stage_params),
-    tuple(out.opt_states),
-    state.step + (m is not None),
-    tuple(out.model_state),
-    flight,
-    out.replica_model_state,
-  )
-  return new, metrics
+  return metrics

@@ -103,6 +103,16 @@ def _optimizer_fields(c: ml_collections.ConfigDict) -> None:
   # optax.apply_if_finite does on one device); the run logs
   # train/skipped_steps instead of stopping. Synchronous schedules.
   c.optimizer.skip_nonfinite = False
+  # Loss scaling for float16 activations (a model computing in float16,
+  # whose small cotangents underflow): "" none; a number ("4096": static,
+  # any schedule); "dynamic" (synchronous schedules): from 2**15, halved at
+  # each step whose gradient overflows (the step skipped, as with
+  # skip_nonfinite) and doubled after loss_scale_window finite steps;
+  # logged as train/loss_scale and saved in checkpoints.
+  c.optimizer.loss_scale = ""
+  # A dynamic loss scale doubles after this many finite steps in a row
+  # (DeepSpeed's loss_scale_window; jmp's period).
+  c.optimizer.loss_scale_window = 2000
   # Learning-rate schedule: "constant"; "warmup_constant" (FTPipe's T5:
   # linear warm-up, then the peak); "warmup_cosine" (linear warm-up,
   # cosine decay to 0); "warmup_linear" (BERT: linear warm-up, linear

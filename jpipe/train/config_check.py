@@ -45,6 +45,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   _check_loop(config, need)
   _check_staleness(config, need, problems)
   _check_runtime(config, need, problems)
+  _check_loss_scale(config, need, problems)
   data_parallel_mode.check_config(config, need, problems)
   dynamic_mode.check_config(config, need, problems)
   if problems:
@@ -514,6 +515,30 @@ def _check_delay_nesterov(config, need) -> None:
     "staleness.delay_nesterov",
     "'fixed' (beta1 0.99 on every stage) is the authors' NAdamW for adam "
     "/ adamw; SGD's rate would act ten times larger: use 'adaptive'",
+  )
+
+
+def _check_loss_scale(config, need, problems) -> None:
+  """The loss scale: a number, 'dynamic' (synchronous schedules) or ''."""
+  try:
+    config_options.loss_scale(config)
+  except ValueError as e:
+    problems.append(f"config.optimizer.loss_scale: {e}")
+  dynamic = config.optimizer.loss_scale == "dynamic"
+  window = config.optimizer.loss_scale_window
+  need(
+    not dynamic or (isinstance(window, int) and window >= 1),
+    "optimizer.loss_scale_window",
+    f"must be an int >= 1 (finite steps before the scale doubles), got "
+    f"{window!r}",
+  )
+  kind = config_options.schedule_kind(config)
+  need(
+    not (dynamic and kind is not None and kind.asynchronous),
+    "optimizer.loss_scale",
+    f"'dynamic' needs a synchronous schedule, not "
+    f"{config.schedule.name!r} (its overflowing steps are skipped, which a "
+    "stream's stages cannot do together): give a number, a static scale",
   )
 
 

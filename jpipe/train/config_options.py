@@ -11,7 +11,7 @@ import optax
 from jpipe import partition as partition_lib
 from jpipe import schedule as schedule_lib
 from jpipe import staleness as staleness_lib
-from jpipe.runtime import Staleness
+from jpipe.runtime import DynamicLossScale, Staleness
 from jpipe.train import optimizers
 from jpipe.train.errors import UsageError
 
@@ -198,6 +198,27 @@ def memory_limit(text: str) -> float | str | None:
     ) from None
   if not value > 0:
     raise ValueError(f"{text!r}: a memory limit must be > 0")
+  return value
+
+
+def loss_scale(config):
+  """``config.optimizer.loss_scale`` as ``jpipe.Pipeline`` takes it: ""
+  -> None, "dynamic" -> a ``DynamicLossScale`` growing after
+  ``loss_scale_window`` finite steps, a number -> that static scale."""
+  text = str(config.optimizer.loss_scale).strip()
+  if not text:
+    return None
+  if text == "dynamic":
+    return DynamicLossScale(growth_interval=config.optimizer.loss_scale_window)
+  try:
+    value = float(text)
+  except ValueError:
+    value = None
+  if value is None or not 0 < value < float("inf"):
+    raise ValueError(
+      f"{text!r} is not a loss scale: use a number > 0 ('4096'), 'dynamic' "
+      "or '' (none)"
+    )
   return value
 
 

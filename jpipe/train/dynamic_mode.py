@@ -20,7 +20,7 @@ from jpipe.runtime import PipelineBuilder
 from jpipe.train import config_options, data_parallel_mode
 from jpipe.train.errors import UsageError
 from jpipe.train.loop import Outcome, aux_floats
-from jpipe.train.pipeline_mode import PipelineMode
+from jpipe.train.pipeline_mode import PipelineMode, loss_scale_scalars
 
 _POLICY_FIELDS = ("policy", "window", "high", "low", "warmup_windows", "top_k")
 
@@ -73,10 +73,10 @@ class DynamicMode(PipelineMode):
   def outcome(self, loss, done, metrics):
     """A measured window's slowdowns as scalars; a re-partition as an
     event and a line."""
-    scalars, events, lines = {}, {}, ()
+    scalars, events, lines = loss_scale_scalars(metrics), {}, ()
     window = metrics.get("window")
     if window is not None:
-      scalars = {"dynamic/step_seconds": window.step_seconds} | {
+      scalars |= {"dynamic/step_seconds": window.step_seconds} | {
         f"dynamic/slowdown/{s}": x for s, x in enumerate(window.sigma)
       }
     record = metrics.get("repartition")

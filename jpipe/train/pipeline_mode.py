@@ -76,6 +76,7 @@ class PipelineMode(Mode):
     return Outcome(
       loss,
       self.examples,
+      scalars=loss_scale_scalars(metrics),
       metrics=aux_floats(metrics),
       skipped=bool(metrics.get("step_skipped", False)),
     )
@@ -329,3 +330,11 @@ def _predicted_speedup(pipe) -> str:
 def _device_groups(stage_devices) -> list:
   """[0, 1, [2, 3]]: a stage's device, or its replica group."""
   return [ds[0] if len(ds) == 1 else list(ds) for ds in stage_devices]
+
+
+def loss_scale_scalars(metrics) -> dict:
+  """``{"train/loss_scale": the scale the step used}`` with a dynamic
+  loss scale (else empty)."""
+  if "loss_scale" not in metrics:
+    return {}
+  return {"train/loss_scale": float(metrics["loss_scale"])}

@@ -124,6 +124,7 @@ def pipeline_options(config, task: Task, lr) -> dict:
     clip_global_norm=config.optimizer.clip_norm or None,
     grad_accum_dtype=config.optimizer.grad_accum_dtype or None,
     skip_nonfinite_steps=config.optimizer.skip_nonfinite,
+    loss_scale=config_options.loss_scale(config),
     **kwargs,
   )
 

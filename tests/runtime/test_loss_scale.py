@@ -181,3 +181,127 @@ def test_a_scale_that_is_not_a_positive_number_is_refused(bad):
   loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
   with pytest.raises(ValueError, match="loss_scale must be a finite number"):
     _pipeline(loss_fn, params, batch, loss_scale=bad)
+
+
+def _restated_scales(initial, interval, factor, floor, finite):
+  """jmp's DynamicLossScale, restated: the scale each step used."""
+  used, scale, good = [], initial, 0
+  for ok in finite:
+    used.append(scale)
+    if ok:
+      good += 1
+      if good == interval:
+        scale, good = scale * factor, 0
+    else:
+      scale, good = max(scale / factor, floor), 0
+  return used
+
+
+def test_the_dynamic_rule_is_jmps():
+  rule = jpipe.runtime.DynamicLossScale(
+    initial=8.0, growth_interval=3, factor=2.0, min_scale=2.0
+  )
+  rng = np.random.default_rng(0)
+  finite = [bool(x) for x in rng.random(200) < 0.7]
+  state, used = rule.start(), []
+  for ok in finite:
+    used.append(state.scale)
+    state = rule.adjust(state, ok)
+  assert used == _restated_scales(8.0, 3, 2.0, 2.0, finite)
+  assert min(used) == 2.0  # (Runs of overflows reach the floor.)
+  assert all(np.log2(s) == int(np.log2(s)) for s in used)
+
+
+def test_a_dynamic_scale_halves_past_overflow_then_trains_as_the_static():
+  # The loss is ~1e-6 (float16 cotangents underflow unscaled): a scale
+  # of 2**44 overflows them, and halving finds one that does not.
+  loss_fn, params, batch = _half_case()
+  steps = 16
+  rule = jpipe.runtime.DynamicLossScale(initial=2.0**44, growth_interval=100)
+  pipe = _pipeline(loss_fn, params, batch, loss_scale=rule)
+  assert pipe.skip_nonfinite_steps  # (Implied: how an overflow is survived.)
+  state, used, skipped = pipe.init(params), [], []
+  for _ in range(steps):
+    state, metrics = pipe.step(state, batch)
+    used.append(metrics["loss_scale"])
+    skipped.append(bool(metrics["step_skipped"]))
+  first = skipped.index(False)
+  assert first > 0 and not any(skipped[first:]), skipped
+  assert used == [2.0**44 / 2**k for k in range(first)] + [used[first]] * (
+    steps - first
+  )
+  assert state.loss_scale == (used[first], steps - first)
+  # Skipped steps changed nothing: the finite ones at a static scale.
+  # (Skipping too: the same step programs, so the same bits.)
+  static = _pipeline(
+    loss_fn, params, batch, loss_scale=used[first], skip_nonfinite_steps=True
+  )
+  want = _params_after(static, params, [batch] * (steps - first))
+  for x, y in zip(
+    jax.tree.leaves(pipe.gather_params(state)),
+    jax.tree.leaves(want),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_dynamic_scale_grows_resumes_from_the_state_dict_and_changes_no_bit():
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  rule = jpipe.runtime.DynamicLossScale(initial=4.0, growth_interval=2)
+  batches = [
+    jax.tree.map(lambda x, k=k: jnp.roll(x, k, 0), batch) for k in range(5)
+  ]
+  pipe = _pipeline(loss_fn, params, batch, loss_scale=rule)
+  state, used = pipe.init(params), []
+  for b in batches[:3]:
+    state, metrics = pipe.step(state, b)
+    used.append(metrics["loss_scale"])
+  saved = pipe.state_dict(state)
+  assert saved["loss_scale"] == {"scale": 8.0, "good_steps": 1}
+  # A fresh pipeline (another split) goes on from the saved scale.
+  other = _pipeline(loss_fn, params, batch, loss_scale=rule, schedule="gpipe")
+  resumed = other.load_state_dict(saved)
+  assert resumed.loss_scale == (8.0, 1)
+  for b in batches[3:]:
+    state, metrics = pipe.step(state, b)
+    used.append(metrics["loss_scale"])
+    resumed, _ = other.step(resumed, b)
+  assert used == [4.0, 4.0, 8.0, 8.0, 16.0]
+  assert resumed.loss_scale == state.loss_scale == (16.0, 1)
+  # Powers of two on a float32 model: the unscaled steps, to the bit
+  # (skipping too: the same step programs); gpipe's sums in another order.
+  plain = _pipeline(loss_fn, params, batch, skip_nonfinite_steps=True)
+  want = jax.tree.leaves(_params_after(plain, params, batches))
+  got = jax.tree.leaves(pipe.gather_params(state))
+  for x, y in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  got = jax.tree.leaves(other.gather_params(resumed))
+  for x, y in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+
+
+def test_a_dynamic_scale_on_a_stream_is_refused_naming_the_static_one():
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  with pytest.raises(ValueError, match="synchronous schedule.*give a number"):
+    _pipeline(loss_fn, params, batch, loss_scale="dynamic", schedule="async")
+
+
+def test_a_dynamic_scale_is_in_every_form_of_the_state_dict():
+  # (What a checkpoint across processes writes and restores: each
+  # process's local state dict and the layout it restores into.)
+  loss_fn, params, batch, _ = flax_models.CASES["mlp"]()
+  pipe = _pipeline(loss_fn, params, batch, loss_scale="dynamic")
+  state, _ = pipe.step(pipe.init(params), batch)
+  whole, local = pipe.state_dict(state), pipe.local_state_dict(state)
+  layout, needed = pipe.state_dict_layout()
+  assert whole["loss_scale"] == {"scale": 2.0**15, "good_steps": 1}
+  assert {k: float(v) for k, v in local["loss_scale"].items()} == {
+    "scale": 2.0**15,
+    "good_steps": 1.0,
+  }
+  assert jax.tree.structure(local) == jax.tree.structure(layout)
+  assert needed["loss_scale"] == {"scale": True, "good_steps": True}
+  assert pipe.load_state_dict(local).loss_scale == (2.0**15, 1)
+  # Without a dynamic scale, no entry (a static one is the pipeline's).
+  plain = _pipeline(loss_fn, params, batch, loss_scale=8.0)
+  assert "loss_scale" not in plain.state_dict(plain.init(params))

@@ -200,8 +200,9 @@ def test_split_backward_schedules_equal_single_device(case):
 @pytest.mark.parametrize(
   "options, match",
   [
-    ({"num_stages": 3}, "even num_stages"),
-    ({"num_stages": 4, "partition": "mixed"}, "partition 'contiguous'"),
+    # (Only what is wrong: not the partition it already has.)
+    ({"num_stages": 3}, r"in a V: use an even num_stages \(got 3\)$"),
+    ({"num_stages": 4, "partition": "mixed"}, "use partition 'contiguous'"),
     ({"num_stages": 6}, r"6 stages need 3 devices \(2 per device\)"),
   ],
 )

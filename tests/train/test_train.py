@@ -1390,3 +1390,55 @@ def test_skip_nonfinite_trains_past_nonfinite_steps(tmp_path):
   )
   with pytest.raises(ValueError, match="skip_nonfinite: needs a synchronous"):
     train_lib.train_and_evaluate(config, str(tmp_path / "c"))
+
+
+def test_a_dynamic_loss_scale_grows_logs_and_resumes_from_its_checkpoint(
+  tmp_path,
+):
+  """config.optimizer.loss_scale=dynamic: the scale each step used is
+  logged, doubles after loss_scale_window finite steps, and a resumed run
+  goes on from the checkpoint's scale and count. Bad values are refused
+  before any work, naming the field."""
+  dynamic = {
+    "optimizer.loss_scale": "dynamic",
+    "optimizer.loss_scale_window": 2,
+  }
+  train_lib.train_and_evaluate(
+    _config(**dynamic, **{"train.steps": 3}), str(tmp_path / "a")
+  )
+  train_lib.train_and_evaluate(
+    _config(**dynamic, **{"train.steps": 5}), str(tmp_path / "a")
+  )
+  rows = metric_log.read_metrics(tmp_path / "a")
+  used = {
+    r["step"]: r["train/loss_scale"] for r in rows if "train/loss_scale" in r
+  }
+  start = 2.0**15  # (Step 3 leaves (2**16, 1 finite step) in its checkpoint.)
+  assert used == {1: start, 2: start, 3: 2 * start, 4: 2 * start, 5: 4 * start}
+  # DynPipe's mode (its split may move) logs it too.
+  moving = {"dynamic.enabled": True, "dynamic.policy": "static"}
+  train_lib.train_and_evaluate(
+    _config(**dynamic, **moving, **{"train.steps": 2}), str(tmp_path / "d")
+  )
+  rows = metric_log.read_metrics(tmp_path / "d")
+  assert [r["train/loss_scale"] for r in rows if "train/loss_scale" in r] == [
+    start,
+    start,
+  ]
+  static = _config(**{"optimizer.loss_scale": "4096"})
+  assert config_options.loss_scale(static) == 4096.0
+  assert config_options.loss_scale(_config()) is None
+  for overrides, match in [
+    ({"optimizer.loss_scale": "big"}, "loss_scale: 'big' is not a loss"),
+    ({"optimizer.loss_scale": "0"}, "loss_scale: '0' is not a loss"),
+    (
+      {**dynamic, "optimizer.loss_scale_window": 0},
+      "loss_scale_window: must be an int >= 1",
+    ),
+    (
+      {**dynamic, "schedule.name": "async"},
+      "loss_scale: 'dynamic' needs a synchronous schedule",
+    ),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      train_lib.train_and_evaluate(_config(**overrides), str(tmp_path / "b"))

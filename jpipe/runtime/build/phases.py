@@ -34,6 +34,7 @@ from jpipe.runtime.build.loss_outputs import (
   loss_output_message,
   loss_outputs,
 )
+from jpipe.runtime.build.loss_scale import DynamicLossScale, check_loss_scale
 from jpipe.runtime.build.memory import (
   partitioner_memory_model,
   resolve_memory_limit,
@@ -71,8 +72,8 @@ class Request:
       an infinity leaves every stage's params and optimizer state as
       they were (synchronous schedules).
     loss_scale: the static loss scale S (each backward starts from the
-      loss cotangent times S, each step's gradient is divided by S), or
-      None.
+      loss cotangent times S, each step's gradient is divided by S), a
+      ``DynamicLossScale``, or None (``build/loss_scale.py``).
     auto_schedule: ``schedule="auto"`` was asked for: the schedule is
       chosen once the plan is solved (``build/auto_schedule.py``); until
       then ``schedule_kind`` is the one auto plans as (1f1b).
@@ -94,7 +95,7 @@ class Request:
   clip_global_norm: float | None = None
   grad_accum_dtype: Any = None
   skip_nonfinite_steps: bool = False
-  loss_scale: float | None = None
+  loss_scale: Any = None
   auto_schedule: bool = False
   schedule_choice: Any = None
   batch_spec: Any = None
@@ -111,7 +112,7 @@ def check_request(
   clip_global_norm: float | None = None,
   grad_accum_dtype: Any = None,
   skip_nonfinite_steps: bool = False,
-  loss_scale: float | None = None,
+  loss_scale: Any = None,
 ) -> Request:
   """The options checked against each other and the devices, before any
   work (``devices`` None: all of them; ``options``: the staleness and
@@ -148,6 +149,14 @@ def check_request(
     ) from None
   _check_step_options(kind, clip_global_norm, skip_nonfinite_steps)
   loss_scale = check_loss_scale(loss_scale)
+  if isinstance(loss_scale, DynamicLossScale):
+    if kind.asynchronous:
+      raise ValueError(
+        f"a dynamic loss_scale needs a synchronous schedule, not "
+        f"{kind.name!r}: it skips a step whose gradient overflows, which a "
+        "stream's stages cannot do together (give a number: a static scale)"
+      )
+    skip_nonfinite_steps = True  # (How an overflow is survived.)
   batch_spec = BatchSpec.of(example_batch)
   micro = _microbatch_size(example_batch, num_microbatches)
   try:
@@ -195,20 +204,6 @@ def _check_step_options(kind, clip_global_norm, skip_nonfinite_steps):
       "the others apply their gradients would train a mix (use gpipe, "
       "1f1b, ...)"
     )
-
-
-def check_loss_scale(loss_scale) -> float | None:
-  """``loss_scale`` as a float: finite and > 0 (None: no scaling)."""
-  if loss_scale is None:
-    return None
-  if isinstance(loss_scale, str) or not (
-    isinstance(loss_scale, (int, float)) and 0 < loss_scale < float("inf")
-  ):
-    raise ValueError(
-      f"loss_scale must be a finite number > 0 (e.g. 2.0**12; a power of "
-      f"two scales exactly) or None, got {loss_scale!r}"
-    )
-  return float(loss_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -658,11 +653,15 @@ def check_stage_count(num_stages, num_devices, partition, kind) -> None:
       )
     return
   if kind.placement is not None and isinstance(partition, str):
-    if partition != "contiguous" or num_stages % 2:
+    wrong = []  # (Only what is wrong: naming a right value confuses.)
+    if num_stages % 2:
+      wrong.append(f"an even num_stages (got {num_stages})")
+    if partition != "contiguous":
+      wrong.append(f"partition 'contiguous' (got {partition!r})")
+    if wrong:
       raise ValueError(
         f"schedule {kind.name!r} places 2 stages per device in a V: use "
-        f"an even num_stages (got {num_stages}) and partition "
-        f"'contiguous' (got {partition!r})"
+        + " and ".join(wrong)
       )
     if num_stages // 2 > num_devices:
       raise ValueError(

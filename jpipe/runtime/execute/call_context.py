@@ -20,6 +20,8 @@ class CallContext(TransferEnds):
     fused_steps: ``(stage, b)`` whose backward's program may end with the
       stage's next step (``Driver.fused_steps``).
     loss_cotangent: each microbatch's loss cotangent.
+    loss_scale: the loss scale the cotangents hold, which each step
+      divides its gradient by (1: none).
     profiler: records when each action ran, or None.
     model_state: the model-state leaves (each forward's new ones; of a
       round-robin stage's leaf, replica 0's copy).
@@ -60,6 +62,7 @@ class CallContext(TransferEnds):
   aux: dict = dataclasses.field(default_factory=dict)
   replica_state: dict = dataclasses.field(default_factory=dict)
   step_skipped: Any = None
+  loss_scale: float = 1.0
 
   def state_leaf(self, i: int, j: int):
     """Model-state leaf i as replica j of its stage holds it."""

@@ -27,6 +27,7 @@ def run_call(
   in_flight: InFlight,
   batches: dict,
   loss_cotangent: float,
+  loss_scale: float = 1.0,
   profiler: ActionProfiler | None = None,
 ) -> CallResult:
   """``Driver.run``: this process's share of the actions of ``work``.
@@ -42,7 +43,9 @@ def run_call(
     batches: ``{placement: {b: {batch leaf index: array}}}``: the
       microbatches entering in this call, placed.
     loss_cotangent: each microbatch's loss cotangent: 1 / microbatches
-      its step averages over.
+      its step averages over, times ``loss_scale``.
+    loss_scale: the call's loss scale, which its steps divide their
+      gradients by (``Pipeline``'s ``loss_scale``; 1: none).
     profiler: records when each action ran, if given.
   """
   ctx = CallContext(
@@ -58,6 +61,7 @@ def run_call(
     dict(in_flight.tied_grads),
     {} if driver.record_params else None,
   )
+  ctx.loss_scale = loss_scale
   ctx.replica_state = replica_state.unpack(
     replica_model_state, model_state, driver.state_replicas
   )

@@ -77,7 +77,8 @@ class Driver:
       no clipping; ``Pipeline``'s argument).
     skip_nonfinite: synchronous steps whose global gradient is not
       finite are skipped (``Pipeline``'s ``skip_nonfinite_steps``).
-    loss_scale: the static loss scale (``Pipeline``'s), or None.
+    loss_scale: the static loss scale (``Pipeline``'s number), or None
+      (none, or a dynamic one: the state's, per call).
     partial_window: how a stream steps a window a flush cut short
       ("mean" or "ftpipe", ``Staleness.partial_window``).
     param_storage: per stage, how its params are stored while a call
@@ -109,7 +110,7 @@ class Driver:
     self.skip_nonfinite = skip_nonfinite
     # Each loss cotangent is times loss_scale; each step's gradient
     # times its inverse (exact for a power of two).
-    self.loss_scale = 1.0 if loss_scale is None else loss_scale
+    self.loss_scale = 1.0 if loss_scale is None else float(loss_scale)
     self.param_storage = tuple(param_storage)
     self.partial_window = partial_window
     self.stages = stages

@@ -131,11 +131,12 @@ class UpdateRunner:
       a.stage: tied[a.stage] if a.stage in tied else stages[a.stage].gradient()
       for a in actions
     }
-    scales = dict.fromkeys(grads, 1.0 / d.loss_scale)
+    unscale = 1.0 / ctx.loss_scale
+    scales = dict.fromkeys(grads, unscale)
     clip = d.clip_global_norm is not None or d.skip_nonfinite
     if clip:  # The gradients as applied, then their global norm.
       grads = {s: d.hooks.reduce_gradient(s, g) for s, g in grads.items()}
-      scales = clipping.global_clip_factors(d, grads, 1.0 / d.loss_scale)
+      scales = clipping.global_clip_factors(d, grads, unscale)
       if d.skip_nonfinite and scales:
         ctx.step_skipped = clipping.skipped(next(iter(scales.values())))
     for action in actions:
@@ -174,7 +175,7 @@ class UpdateRunner:
       update_scale = len(group) / window
     # PipeDream's rate per stage with round-robin replicas: r_s / r_0.
     update_scale *= d.replica_rate[s]
-    scale /= d.loss_scale  # (The loss cotangents were times it.)
+    scale /= self.ctx.loss_scale  # (The loss cotangents were times it.)
     return stale, scale, update_scale
 
   def _after_step(self, work: StageWork, group):
