@@ -218,6 +218,10 @@ def run(config, index, out, path_of_out):
       }
     )
   leaves[f"{index}/losses"] = np.asarray(losses)
+  if "loss_scale" in tree:  # A dynamic one: (scale, finite steps).
+    leaves[f"{index}/loss_scale"] = np.asarray(
+      [tree["loss_scale"]["scale"], tree["loss_scale"]["good_steps"]]
+    )
   for name in auxes[0] if auxes else ():
     leaves[f"{index}/aux/{name}"] = np.asarray([a[name] for a in auxes])
   if forward_only:

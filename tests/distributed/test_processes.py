@@ -147,7 +147,8 @@ def _configs(n):
     },
     # Gradient clipping: the global norm summed over the processes; the
     # gradients summed in bfloat16 (grad_accum_dtype narrower than the
-    # float32 params: the tied sums cross processes in it).
+    # float32 params: the tied sums cross processes in it); a dynamic loss
+    # scale, in each process's state and the gathered state dict.
     {
       "case": "gpt_tied",
       "stages": n,
@@ -156,6 +157,7 @@ def _configs(n):
       "clip_global_norm": 0.05,
       "forward_only": True,
       "grad_accum_dtype": "bfloat16",
+      "loss_scale": "dynamic",
     },
     # Typed PRNG keys: one made on stage 0 crosses to the others (the
     # transfer server moves key data); NNX's per-Dropout RNG streams as
@@ -233,6 +235,10 @@ def test_processes_equal_one_process(tmp_path, nprocs, process_env):
   assert {"0/aux/loss", "0/aux/input_mean"} <= set(want)
   assert f"[p0] config 0: aux made on stages [0, {nprocs - 1}]" in done.stdout
   np.testing.assert_array_equal(want["0/aux/loss"], want["0/losses"])
+  if nprocs == 3:  # The loss-scaled run (config 12): 2 finite steps.
+    np.testing.assert_array_equal(
+      want[f"{keep.index(12)}/loss_scale"], [2.0**15, 2]
+    )
   for key in want:
     np.testing.assert_allclose(have[key], want[key], rtol=0, atol=1e-6)
   if nprocs == 2:  # profiled calls (same results, checked above)
