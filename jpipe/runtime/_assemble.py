@@ -205,10 +205,6 @@ def build_runtime(
     hooks=hooks,
     clip_global_norm=request.clip_global_norm,
     skip_nonfinite=request.skip_nonfinite_steps,
-    # (A dynamic scale is the state's: _step.py passes it per call.)
-    loss_scale=request.loss_scale
-    if isinstance(request.loss_scale, float)
-    else None,
     partial_window=staleness.partial_window,
     param_storage=param_storage,
   )

@@ -53,10 +53,13 @@ def _run(pipe, state, fed, m, batches, profile):
     cotangent = 1.0 / m
   else:  # A window's mean (a short one is rescaled at its step).
     cotangent = 1.0 / pipe.stream.step_every
-  # Times the loss scale (a dynamic one's now); each step divides its
-  # gradient by it.
-  dynamic = state.loss_scale
-  scale = pipe.driver.loss_scale if dynamic is None else dynamic.scale
+  # Times the loss scale (a static one, or a dynamic one's now); each
+  # step divides its gradient by it.
+  dynamic, static = state.loss_scale, pipe.loss_scale
+  if dynamic is not None:
+    scale = dynamic.scale
+  else:  # (A static one is a float: check_loss_scale.)
+    scale = static if isinstance(static, float) else 1.0
   cotangent *= scale
   out = pipe.driver.run(
     call,

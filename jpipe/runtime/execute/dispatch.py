@@ -60,8 +60,8 @@ def run_call(
     dict(in_flight.tied),
     dict(in_flight.tied_grads),
     {} if driver.record_params else None,
+    loss_scale=loss_scale,
   )
-  ctx.loss_scale = loss_scale
   ctx.replica_state = replica_state.unpack(
     replica_model_state, model_state, driver.state_replicas
   )

@@ -77,8 +77,6 @@ class Driver:
       no clipping; ``Pipeline``'s argument).
     skip_nonfinite: synchronous steps whose global gradient is not
       finite are skipped (``Pipeline``'s ``skip_nonfinite_steps``).
-    loss_scale: the static loss scale (``Pipeline``'s number), or None
-      (none, or a dynamic one: the state's, per call).
     partial_window: how a stream steps a window a flush cut short
       ("mean" or "ftpipe", ``Staleness.partial_window``).
     param_storage: per stage, how its params are stored while a call
@@ -101,16 +99,12 @@ class Driver:
     hooks: DriverHooks | None = None,
     clip_global_norm: float | None = None,
     skip_nonfinite: bool = False,
-    loss_scale: float | None = None,
     partial_window: str = "mean",
     param_storage: Sequence[StoredParams],
   ):
     """Holds the parts (Args above) and derives the routes."""
     self.clip_global_norm = clip_global_norm
     self.skip_nonfinite = skip_nonfinite
-    # Each loss cotangent is times loss_scale; each step's gradient
-    # times its inverse (exact for a power of two).
-    self.loss_scale = 1.0 if loss_scale is None else float(loss_scale)
     self.param_storage = tuple(param_storage)
     self.partial_window = partial_window
     self.stages = stages
