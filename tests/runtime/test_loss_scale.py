@@ -16,15 +16,19 @@ import jpipe
 from tests.partition import flax_models
 
 
-def _pipeline(loss_fn, params, batch, schedule="1f1b", **options):
+def _pipeline(
+  loss_fn, params, batch, schedule="1f1b", stages=2, optimizer=None, **options
+):
+  """2 microbatches over ``stages`` stages (a V's two a device)."""
+  devices = stages // 2 if schedule in ("zbv", "dualpipev") else stages
   return jpipe.Pipeline(
     loss_fn,
     params,
     batch,
-    num_stages=2,
-    devices=jax.devices()[:2],
+    num_stages=stages,
+    devices=jax.devices()[:devices],
     num_microbatches=2,
-    optimizer=optax.sgd(0.1, momentum=0.9),
+    optimizer=optimizer or optax.sgd(0.1, momentum=0.9),
     schedule=schedule,
     **options,
   )
@@ -59,17 +63,8 @@ def test_a_power_of_two_changes_no_bit_of_a_float32_model(schedule, options):
   batches = [batch, jax.tree.map(lambda x: x[::-1], batch)]
   got = {}
   for scale in (None, 2.0**10):
-    pipe = jpipe.Pipeline(
-      loss_fn,
-      params,
-      batch,
-      num_stages=stages,
-      devices=jax.devices()[: 2 if schedule == "zbv" else stages],
-      num_microbatches=2,
-      optimizer=optax.sgd(0.1, momentum=0.9),
-      schedule=schedule,
-      loss_scale=scale,
-      **options,
+    pipe = _pipeline(
+      loss_fn, params, batch, schedule, stages, loss_scale=scale, **options
     )
     got[scale] = _params_after(pipe, params, batches)
   for x, y in zip(
@@ -134,16 +129,8 @@ def test_float16_cotangents_survive_the_scale_as_on_one_device():
   # be lost in their float32 rounding): a step's change is minus its
   # gradient times the rate.
   for s, expect in ((scale, want), (None, lost)):
-    pipe = jpipe.Pipeline(
-      loss_fn,
-      params,
-      batch,
-      num_stages=2,
-      devices=jax.devices()[:2],
-      num_microbatches=2,
-      optimizer=optax.sgd(RATE),
-      schedule="1f1b",
-      loss_scale=s,
+    pipe = _pipeline(
+      loss_fn, params, batch, optimizer=optax.sgd(RATE), loss_scale=s
     )
     new = _params_after(pipe, params, [batch])
     step = jax.tree.map(
