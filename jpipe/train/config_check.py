@@ -519,9 +519,10 @@ def _check_delay_nesterov(config, need) -> None:
 
 
 def _check_loss_scale(config, need, problems) -> None:
-  """The loss scale: a number, 'dynamic' (synchronous schedules) or ''."""
+  """The loss scale: a number, 'dynamic' (synchronous schedules) or ''.
+  (Its text alone: a bad window is the window's own problem below.)"""
   try:
-    config_options.loss_scale(config)
+    config_options.loss_scale_value(config.optimizer.loss_scale)
   except ValueError as e:
     problems.append(f"config.optimizer.loss_scale: {e}")
   dynamic = config.optimizer.loss_scale == "dynamic"

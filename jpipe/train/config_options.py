@@ -205,11 +205,17 @@ def loss_scale(config):
   """``config.optimizer.loss_scale`` as ``jpipe.Pipeline`` takes it: ""
   -> None, "dynamic" -> a ``DynamicLossScale`` growing after
   ``loss_scale_window`` finite steps, a number -> that static scale."""
-  text = str(config.optimizer.loss_scale).strip()
-  if not text:
-    return None
-  if text == "dynamic":
+  value = loss_scale_value(config.optimizer.loss_scale)
+  if value == "dynamic":
     return DynamicLossScale(growth_interval=config.optimizer.loss_scale_window)
+  return value
+
+
+def loss_scale_value(text) -> float | str | None:
+  """A loss scale's text read: "" -> None, "dynamic", or a number > 0."""
+  text = str(text).strip()
+  if not text or text == "dynamic":
+    return text or None
   try:
     value = float(text)
   except ValueError:
